@@ -1,0 +1,227 @@
+"""Every user-facing setting of sglang-ext, declared once.
+
+Each knob has one flag spelling (`--ext-<name-with-dashes>`, read by
+`python -m sglang_ext.launch_server`) and one environment spelling
+(`SGLANG_EXT_<NAME>`), so child processes (scheduler, spawned workers) inherit
+what the launcher was given. The launcher turns flags into environment
+variables; every process then reads the environment through `load_settings()`.
+
+Validation happens here, at start-up, before anything is patched: a bad value
+raises `ExtConfigError` naming the knob (flag and env spelling) and the allowed
+values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from sglang_ext.errors import ExtConfigError
+
+MASTER_ENV = "SGLANG_EXT"  # "1" switches sglang-ext on in this process and its children
+ENV_PREFIX = "SGLANG_EXT_"
+FLAG_PREFIX = "--ext-"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: str  # "bool" | "int" | "str" | "choice" | "int_list" | "name_list"
+    default: Any
+    help: str
+    choices: Sequence[str] = ()
+    minimum: Optional[int] = None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return FLAG_PREFIX + self.name.replace("_", "-")
+
+    def _where(self) -> str:
+        return f"{self.flag} / {self.env}"
+
+    def parse(self, raw: str) -> Any:
+        """Parse a raw string (flag or env value). Raises ExtConfigError."""
+        text = raw.strip()
+        if self.kind == "bool":
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ExtConfigError(
+                f"{self._where()}: {raw!r} is not a boolean; allowed: 1/0, true/false, yes/no, on/off"
+            )
+        if self.kind == "int":
+            try:
+                value = int(text, 10)
+            except ValueError:
+                raise ExtConfigError(
+                    f"{self._where()}: {raw!r} is not an integer; allowed: integers >= {self.minimum}"
+                ) from None
+            if self.minimum is not None and value < self.minimum:
+                raise ExtConfigError(
+                    f"{self._where()}: {value} is below the minimum; allowed: integers >= {self.minimum}"
+                )
+            return value
+        if self.kind == "choice":
+            if text not in self.choices:
+                raise ExtConfigError(
+                    f"{self._where()}: {raw!r} is not allowed; allowed: {', '.join(self.choices)}"
+                )
+            return text
+        if self.kind == "int_list":
+            if not text:
+                return ()
+            values = []
+            for part in text.split(","):
+                try:
+                    values.append(int(part.strip(), 10))
+                except ValueError:
+                    raise ExtConfigError(
+                        f"{self._where()}: {part.strip()!r} in {raw!r} is not an integer; "
+                        "allowed: comma-separated positive integers, strictly increasing"
+                    ) from None
+            if any(v <= 0 for v in values):
+                raise ExtConfigError(f"{self._where()}: {raw!r}: every value must be positive")
+            if any(b <= a for a, b in zip(values, values[1:])):
+                raise ExtConfigError(
+                    f"{self._where()}: {raw!r} must be strictly increasing and unique"
+                )
+            return tuple(values)
+        if self.kind == "name_list":
+            names = tuple(p.strip() for p in text.split(",") if p.strip())
+            if self.choices:
+                unknown = [n for n in names if n not in self.choices]
+                if unknown:
+                    raise ExtConfigError(
+                        f"{self._where()}: unknown name(s) {', '.join(unknown)}; "
+                        f"allowed: {', '.join(self.choices)}"
+                    )
+            return names
+        return text  # "str"
+
+
+def _patch_names() -> tuple[str, ...]:
+    from sglang_ext.registry import PATCHES
+
+    return tuple(p.name for p in PATCHES)
+
+
+# Order is the order of `--help`.
+KNOBS: tuple[Knob, ...] = (
+    Knob("strict", "bool", False,
+         "Abort start-up (an exception sglang's plugin loader cannot swallow) when a "
+         "requested patch cannot be applied. Default: warn once per patch and apply nothing of it."),
+    Knob("disable", "name_list", (), "Comma-separated patch names to leave unapplied."),
+    Knob("assume_sglang", "str", "",
+         "Treat the installed sglang as this version (source builds carry dev versions). "
+         "Fingerprints are still checked."),
+    Knob("activation_dir", "str", "",
+         "If set, every process writes <dir>/<role>-<pid>.json with its patch statuses."),
+    Knob("debug_addresses", "bool", False,
+         "Debug: assert that captured graph input addresses are unchanged at every replay."),
+    Knob("stats_log_interval_s", "int", 60,
+         "Log graph-cache counters at debug level at most this often (seconds; 0 = never).",
+         minimum=0),
+    # --- ViT graphs (patch vit_cuda_graph) ---
+    Knob("vit_graph_max_entries", "int", 32,
+         "Most ViT CUDA graphs resident at once (0 disables ViT graphs: every batch runs eager).",
+         minimum=0),
+    Knob("vit_graph_max_bytes", "int", 0,
+         "Graph-pool byte budget for ViT graphs, measured per capture (0 = no byte limit).",
+         minimum=0),
+    Knob("vit_graph_policy", "choice", "lru",
+         "When full: 'lru' evicts the least recently used graph (reset() before capture); "
+         "'exact' keeps the first graphs and runs new layouts eager.",
+         choices=("lru", "exact")),
+    Knob("vit_graph_min_hits", "int", 1,
+         "Anti-thrash admission: capture a layout only once it has been seen this many times.",
+         minimum=1),
+    Knob("vit_graph_mode", "choice", "layout",
+         "'layout': one graph per (tokens, attention layout), exact. 'class': graphs keyed by "
+         "(padded tokens, sequence-count class) with boundaries refreshed at replay.",
+         choices=("layout", "class")),
+    # --- Pi0.5 graphs (patches pi05_*) ---
+    Knob("pi05_prefix_graph_max_entries", "int", -1,
+         "Override prefix_cuda_graph_max_entries of the Pi0.5 pipeline config (-1 = keep config).",
+         minimum=-1),
+    Knob("pi05_action_graph_max_entries", "int", -1,
+         "Override action_cuda_graph_max_entries of the Pi0.5 pipeline config (-1 = keep config).",
+         minimum=-1),
+    Knob("pi05_prompt_token_buckets", "int_list", (),
+         "Override prompt_token_buckets of the Pi0.5 pipeline config (opt-in bucket mode).",),
+    Knob("pi05_graph_min_hits", "int", 1,
+         "Anti-thrash admission for Pi0.5 graphs: capture a signature after this many sightings.",
+         minimum=1),
+)
+
+_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+
+
+def knob(name: str) -> Knob:
+    return _BY_NAME[name]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated knob values of this process (plus the master switch)."""
+
+    enabled: bool
+    values: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
+    """Read and validate every knob from the environment. Raises ExtConfigError."""
+    env = os.environ if environ is None else environ
+    enabled = knob_enabled(env)
+    typos = unknown_env_names(env)
+    if typos:
+        raise ExtConfigError(
+            f"unknown sglang-ext environment variable(s) {', '.join(typos)}; allowed: "
+            + ", ".join(k.env for k in KNOBS)
+        )
+    values: dict[str, Any] = {}
+    for k in KNOBS:
+        raw = env.get(k.env)
+        values[k.name] = k.default if raw is None else k.parse(raw)
+    if values["disable"]:
+        names = _patch_names()
+        unknown = [n for n in values["disable"] if n not in names]
+        if unknown:
+            k = knob("disable")
+            raise ExtConfigError(
+                f"{k.flag} / {k.env}: unknown patch name(s) {', '.join(unknown)}; "
+                f"allowed: {', '.join(names)}"
+            )
+    return Settings(enabled=enabled, values=values)
+
+
+def knob_enabled(env: Mapping[str, str]) -> bool:
+    raw = env.get(MASTER_ENV, "")
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ExtConfigError(f"{MASTER_ENV}: {raw!r} is not allowed; allowed: 1 or 0")
+
+
+def unknown_env_names(env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """SGLANG_EXT_* variables that name no knob (typos would otherwise be ignored)."""
+    env = os.environ if env is None else env
+    known = {k.env for k in KNOBS}
+    return sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known)

@@ -1,0 +1,184 @@
+"""How a patch touches sglang: recorded attribute swaps, applied on import.
+
+`PatchContext.setattr` is the only way adapters change sglang objects. It
+records (owner, name, original, replacement) so that activation can verify the
+live attribute afterwards (sglang's own HookRegistry swallows failures, so
+nothing is trusted unverified) and can roll a patch back whole if one of its
+parts fails: a patch is applied completely or not at all.
+
+Parts of a patch run when their trigger module has been imported (immediately
+if it already is). Importing target modules eagerly would pull the Qwen-VL or
+multimodal_gen stacks into every server process; the post-import hook keeps an
+LLM-only server's start-up unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional
+
+_MISSING = object()
+
+
+@dataclass
+class AttrSwap:
+    owner: Any
+    name: str
+    original: Any  # _MISSING if the attribute did not exist
+    replacement: Any
+
+    def describe(self) -> str:
+        if isinstance(self.owner, _ItemOwner):
+            return f"{self.owner!r}[{self.name!r}]"
+        owner = getattr(self.owner, "__qualname__", None) or getattr(self.owner, "__name__", repr(self.owner))
+        return f"{owner}.{self.name}"
+
+
+@dataclass
+class PatchContext:
+    """Handed to every adapter part. Adapters never assign to sglang objects directly."""
+
+    patch_name: str
+    settings: Any
+    swaps: List[AttrSwap] = field(default_factory=list)
+
+    def setattr(self, owner: Any, name: str, value: Any) -> None:
+        original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+        setattr(owner, name, value)
+        self.swaps.append(AttrSwap(owner, name, original, value))
+
+    def setitem(self, mapping: Any, key: Any, value: Any) -> None:
+        """Replace a dict entry (e.g. qwen3_vl.graph_runners_dict['cuda'])."""
+        original = mapping[key] if key in mapping else _MISSING
+        mapping[key] = value
+        self.swaps.append(AttrSwap(_ItemOwner(mapping), key, original, value))
+
+    def problems(self) -> List[str]:
+        """Verify: every recorded swap is still what is live."""
+        out = []
+        for s in self.swaps:
+            live = s.owner.get(s.name, _MISSING) if isinstance(s.owner, _ItemOwner) else _live_attr(s.owner, s.name)
+            if live is not s.replacement:
+                out.append(f"{s.describe()} is not the patched object after applying")
+        return out
+
+    def rollback(self) -> None:
+        for s in reversed(self.swaps):
+            if isinstance(s.owner, _ItemOwner):
+                if s.original is _MISSING:
+                    s.owner.mapping.pop(s.name, None)
+                else:
+                    s.owner.mapping[s.name] = s.original
+            elif s.original is _MISSING:
+                try:
+                    delattr(s.owner, s.name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(s.owner, s.name, s.original)
+        self.swaps.clear()
+
+
+class _ItemOwner:
+    def __init__(self, mapping: Any):
+        self.mapping = mapping
+
+    def get(self, key: Any, default: Any) -> Any:
+        return self.mapping[key] if key in self.mapping else default
+
+    def __repr__(self) -> str:  # for describe()
+        return f"<dict {type(self.mapping).__name__}>"
+
+
+def _live_attr(owner: Any, name: str) -> Any:
+    d = getattr(owner, "__dict__", None)
+    if d is not None and name in d:
+        return d[name]
+    return getattr(owner, name, _MISSING)
+
+
+# --------------------------------------------------------------------------
+# Post-import triggers
+# --------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_pending: Dict[str, List[Callable[[ModuleType], None]]] = {}
+_finder_installed = False
+
+
+def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Run `callback(module)` once `module_name` has finished importing.
+
+    Runs immediately when it already has. Exceptions from the callback
+    propagate to the importer (BaseException in strict mode aborts start-up).
+    """
+    with _lock:
+        mod = sys.modules.get(module_name)
+        if mod is not None and not _is_initializing(mod):
+            callback(mod)
+            return
+        _pending.setdefault(module_name, []).append(callback)
+        _install_finder()
+
+
+def pending_triggers() -> Dict[str, int]:
+    with _lock:
+        return {k: len(v) for k, v in _pending.items()}
+
+
+def _is_initializing(mod: ModuleType) -> bool:
+    spec = getattr(mod, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+def _fire(module_name: str, module: ModuleType) -> None:
+    with _lock:
+        callbacks = _pending.pop(module_name, [])
+    for cb in callbacks:
+        cb(module)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of watched modules so callbacks run after exec_module."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _TriggeringLoader(spec.loader)
+                return spec
+        return None
+
+
+class _TriggeringLoader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _fire(module.__name__, module)
+
+    def __getattr__(self, name):  # get_source, get_code, is_package, ...
+        return getattr(self._inner, name)
+
+
+def _install_finder() -> None:
+    global _finder_installed
+    if not _finder_installed:
+        sys.meta_path.insert(0, _PostImportFinder())
+        _finder_installed = True

@@ -1,0 +1,120 @@
+"""The one declarative table of patches sglang-ext can apply.
+
+Nothing here imports sglang or applies anything: `sglang_ext.activation.activate`
+reads this table. Per patch:
+
+- `targets`: sglang definitions whose `ast.dump` fingerprint (see
+  `sglang_ext.fingerprints`) must equal the one of the release the adapter was
+  written for, before any part is applied.
+- `parts`: (trigger module, adapter function). The function runs as
+  `fn(ctx, module)` once the trigger module has been imported.
+- `rebinds`: bound names the adapter must also rebind (documentation + doctor).
+- `upstream_since` / `upstream_equivalent`: where upstream has the fix; with an
+  equivalent upstream, newer sglang reports `not needed (upstream has it since X)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str
+    qualname: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass(frozen=True)
+class Part:
+    trigger_module: str
+    function: str  # "sglang_ext.adapters.<module>:<function>"
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    name: str
+    summary: str
+    targets: Tuple[Target, ...]
+    parts: Tuple[Part, ...]
+    upstream_pr: str
+    retire_when: str
+    supported: Tuple[str, ...] = ("0.5.17",)
+    rebinds: Tuple[str, ...] = ()
+    upstream_since: Optional[str] = None
+    upstream_equivalent: bool = False
+    # Patches that only matter inside a subsystem (e.g. multimodal_gen) declare it,
+    # so `doctor` can say which processes need them.
+    process: str = "srt scheduler"
+
+
+def T(module: str, *qualnames: str) -> Tuple[Target, ...]:
+    return tuple(Target(module, q) for q in qualnames)
+
+
+_VIT_RUNNER = "sglang.srt.multimodal.vit_cuda_graph_runner"
+_QWEN25 = "sglang.srt.models.qwen2_5_vl"
+_QWEN3 = "sglang.srt.models.qwen3_vl"
+_BCG = "sglang.srt.layers.cp.bcg"
+_PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
+_MG = "sglang.multimodal_gen.runtime"
+
+PATCHES: Tuple[PatchSpec, ...] = (
+    PatchSpec(
+        name="vit_cuda_graph",
+        summary="ViT CUDA graphs keyed by attention layout, bounded (LRU + reset), "
+        "stable rotary workspaces, eager fallback, owned outputs",
+        targets=T(_VIT_RUNNER, "ViTCudaGraphRunner")
+        + T(_QWEN25, "Qwen2_5_VisionTransformer.forward_with_cuda_graph")
+        + T(_QWEN3, "Qwen3VLMoeVisionModel.forward_with_cuda_graph", "graph_runners_dict"),
+        parts=(
+            Part(_VIT_RUNNER, "sglang_ext.adapters.vit_cuda_graph:patch_runner"),
+            Part(_QWEN25, "sglang_ext.adapters.vit_cuda_graph:patch_qwen2_5_vl"),
+            Part(_QWEN3, "sglang_ext.adapters.vit_cuda_graph:patch_qwen3_vl"),
+        ),
+        rebinds=(f"{_QWEN3}.graph_runners_dict", f"{_QWEN25}.ViTCudaGraphRunner", f"{_QWEN3}.ViTCudaGraphRunner"),
+        upstream_pr="sgl-project/sglang#37043",
+        upstream_since="0.5.19",
+        upstream_equivalent=False,  # upstream is unbounded, keeps retired workspaces, syncs on fallback
+        retire_when="upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs",
+    ),
+    PatchSpec(
+        name="prefill_cp_bucket",
+        summary="Prefill CP (zigzag) graph bucket chosen by CP-local capacity, once per batch",
+        targets=T(_BCG, "PrefillCPBCGInput")
+        + T(_PREFILL, "PrefillCudaGraphRunner.can_run_graph", "PrefillCudaGraphRunner.load_batch"),
+        parts=(
+            Part(_BCG, "sglang_ext.adapters.prefill_cp_bucket:patch_bcg"),
+            Part(_PREFILL, "sglang_ext.adapters.prefill_cp_bucket:patch_prefill_runner"),
+        ),
+        upstream_pr="sgl-project/sglang#33906",
+        upstream_since="0.5.18",
+        upstream_equivalent=False,  # upstream decides twice (admission and replay)
+        retire_when="upstream stores the admitted bucket with the batch instead of recomputing it at replay",
+    ),
+    PatchSpec(
+        name="mg_worker_activation",
+        summary="Apply sglang-ext inside spawned multimodal_gen GPU workers (0.5.17 loads no plugins there)",
+        targets=T(f"{_MG}.launch_server", "launch_server"),
+        parts=(Part(f"{_MG}.launch_server", "sglang_ext.adapters.mg_worker_activation:patch_launch_server"),),
+        rebinds=(f"{_MG}.launch_server.run_scheduler_process",),
+        upstream_pr="(multimodal_gen plugin group, sglang 0.5.21)",
+        upstream_since="0.5.21",
+        upstream_equivalent=True,
+        retire_when="the minimum supported sglang loads sglang.multimodal_gen.plugins in workers (>= 0.5.21)",
+        process="multimodal_gen launcher",
+    ),
+)
+
+PATCH_NAMES: Tuple[str, ...] = tuple(p.name for p in PATCHES)
+
+
+def get_patch(name: str) -> PatchSpec:
+    for p in PATCHES:
+        if p.name == name:
+            return p
+    raise KeyError(f"unknown patch {name!r}; known: {', '.join(PATCH_NAMES)}")
