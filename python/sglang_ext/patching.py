@@ -182,3 +182,94 @@ def _install_finder() -> None:
     if not _finder_installed:
         sys.meta_path.insert(0, _PostImportFinder())
         _finder_installed = True
+
+
+# --------------------------------------------------------------------------
+# Transplanting: run adapter code as if it were written inside the target module
+# --------------------------------------------------------------------------
+#
+# A replacement method is written as a module-level function in its adapter and
+# installed with `ctx.transplant_method(cls, fn)`. The function is rebuilt with
+# the *target module's* globals, so it resolves names exactly as the same code
+# pasted into sglang's file would (tests that mock `<target module>.name` reach
+# it, and the generated fork patch in patches/ is that same code, pasted). Names
+# the function needs that the target module lacks (adapter helpers, imports of
+# sglang_ext.graphs) are added to the target module, recorded like any swap.
+
+import builtins as _builtins
+import types as _types
+
+
+def _code_names(code: _types.CodeType) -> set:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, _types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _transplanted(fn: _types.FunctionType, module: ModuleType) -> _types.FunctionType:
+    new = _types.FunctionType(fn.__code__, module.__dict__, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    new.__doc__ = fn.__doc__
+    new.__dict__.update(fn.__dict__)
+    new.__module__ = module.__name__
+    new.__sglang_ext_source__ = fn  # for the patch-series generator and doctor
+    return new
+
+
+def _provide_globals(ctx: "PatchContext", fn: _types.FunctionType, module: ModuleType, seen: set) -> None:
+    """Copy into `module` every adapter global `fn` uses that `module` lacks (recursively)."""
+    adapter_globals = fn.__globals__
+    for name in sorted(_code_names(fn.__code__)):
+        if name in seen or name in module.__dict__ or hasattr(_builtins, name):
+            continue
+        if name not in adapter_globals:
+            continue  # an attribute name (LOAD_ATTR shares co_names), not a global
+        seen.add(name)
+        value = adapter_globals[name]
+        if isinstance(value, _types.FunctionType) and value.__module__ == fn.__module__:
+            _provide_globals(ctx, value, module, seen)
+            value = _transplanted(value, module)
+        ctx.setattr(module, name, value)
+
+
+def _transplant_method(self: PatchContext, cls: type, fn: _types.FunctionType, *, name: Optional[str] = None,
+                       kind: str = "function") -> Any:
+    """Install adapter function `fn` as `cls.<name>` (default: fn.__name__), in cls's module namespace.
+
+    kind: "function" | "staticmethod" | "classmethod".
+    """
+    module = sys.modules[cls.__module__]
+    _provide_globals(self, fn, module, {fn.__name__})
+    new = _transplanted(fn, module)
+    new.__qualname__ = f"{cls.__qualname__}.{name or fn.__name__}"
+    wrapped = {"function": new, "staticmethod": staticmethod(new), "classmethod": classmethod(new)}[kind]
+    self.setattr(cls, name or fn.__name__, wrapped)
+    return new
+
+
+def _transplant_function(self: PatchContext, module: ModuleType, obj: Any, *, name: Optional[str] = None) -> Any:
+    """Install an adapter function or class as a global of `module` (new or replacing)."""
+    if isinstance(obj, _types.FunctionType):
+        _provide_globals(self, obj, module, {obj.__name__})
+        obj = _transplanted(obj, module)
+    self.setattr(module, name or obj.__name__, obj)
+    return obj
+
+
+PatchContext.transplant_method = _transplant_method
+PatchContext.transplant_function = _transplant_function
+
+
+def install_module(ctx: PatchContext, name: str, source_module: ModuleType) -> None:
+    """Make `source_module` importable as `name` (an upstream module that 0.5.17 lacks).
+
+    The parent package gets the attribute too, so `from parent import child` works.
+    """
+    parent_name, _, child = name.rpartition(".")
+    ctx.setitem(sys.modules, name, source_module)
+    parent = sys.modules.get(parent_name)
+    if parent is not None:
+        ctx.setattr(parent, child, source_module)
