@@ -225,3 +225,11 @@ def unknown_env_names(env: Optional[Mapping[str, str]] = None) -> list[str]:
     env = os.environ if env is None else env
     known = {k.env for k in KNOBS}
     return sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known)
+
+
+def current(name: str) -> Any:
+    """Value of one knob, read from the environment now (cheap; used by patched code at
+    construction time, so the plugin and the generated fork tree read settings the same way)."""
+    k = _BY_NAME[name]
+    raw = os.environ.get(k.env)
+    return k.default if raw is None else k.parse(raw)

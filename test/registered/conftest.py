@@ -1,0 +1,44 @@
+"""Shared fixtures: run the same tests against the plugin or against the patched fork tree.
+
+EXT_TEST_TREE=plugin (default): patches are applied through the real activation
+path (strict mode), and rolled back after each test.
+EXT_TEST_TREE=patched: sglang on sys.path is a 0.5.17 tree with patches/ applied
+and the plugin NOT active; `ext_patches` then only sets the knobs (environment),
+because the behaviour is already in sglang's source.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
+
+plugin_only = pytest.mark.skipif(
+    PATCHED_TREE, reason="tests the plugin's activation mechanics; the patched tree has no activation step"
+)
+
+
+@pytest.fixture
+def ext_patches(monkeypatch):
+    """Call `ext_patches(**knobs)` to switch sglang-ext on (strict) with the given knob values.
+
+    Knob names are KNOBS names (e.g. vit_graph_max_entries=2); values are strings or ints.
+    Returns the activation statuses (empty dict on the patched tree).
+    """
+    from sglang_ext import activation
+
+    def _activate(**knobs):
+        for name, value in knobs.items():
+            monkeypatch.setenv("SGLANG_EXT_" + name.upper(), str(value))
+        if PATCHED_TREE:
+            return {}
+        monkeypatch.setenv("SGLANG_EXT", "1")
+        monkeypatch.setenv("SGLANG_EXT_STRICT", "1")
+        activation.deactivate()
+        return activation.activate(eager=True)
+
+    yield _activate
+    if not PATCHED_TREE:
+        activation.deactivate()
