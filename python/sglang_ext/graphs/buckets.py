@@ -1,0 +1,88 @@
+"""Bucket selection: which captured size a live batch is padded to.
+
+The choice is made once and returned as a `BucketDecision`, so the code that
+admits a batch to graph mode and the code that replays it use the same bucket
+and cannot disagree (upstream computed it twice, with different constraints).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Tuple
+
+from sglang_ext.graphs.keys import _is_int
+
+
+@dataclass(frozen=True)
+class BucketDecision:
+    """Outcome of `select_bucket`; `bucket is None` means: run eager."""
+
+    live_size: int
+    bucket: Optional[int]
+    required: Optional[int] = None
+    capacity: Optional[int] = None
+
+    @property
+    def fits(self) -> bool:
+        return self.bucket is not None
+
+    @property
+    def padding(self) -> int:
+        return 0 if self.bucket is None else self.bucket - self.live_size
+
+
+def validate_buckets(buckets: Sequence[Any], *, field: str = "buckets") -> Tuple[int, ...]:
+    """Return `buckets` as a tuple after checking: positive ints, strictly increasing."""
+    allowed = "allowed: positive integers, strictly increasing, no duplicates"
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise ValueError(f"{field}: {buckets!r} is not allowed; {allowed}")
+    out = tuple(buckets)
+    for i, size in enumerate(out):
+        if not _is_int(size) or size <= 0:
+            raise ValueError(f"{field}: element {size!r} is not allowed; {allowed}")
+        if i and size <= out[i - 1]:
+            what = "duplicate" if size == out[i - 1] else "out of order"
+            raise ValueError(f"{field}: {size} is {what}; {allowed}")
+    return tuple(int(size) for size in out)
+
+
+def select_bucket(
+    live_size: int,
+    buckets: Sequence[int],
+    *,
+    max_padding_factor: float = 2.0,
+    capacity: Optional[Mapping[int, int]] = None,
+    required: Optional[int] = None,
+) -> BucketDecision:
+    """Smallest bucket that holds `live_size` without padding more than the factor allows.
+
+    A bucket qualifies when `live_size <= bucket <= live_size * max_padding_factor`
+    and, if `required` is given, `capacity[bucket] >= required` (a bucket whose
+    capacity is unknown does not qualify: assuming it fits could overrun a buffer).
+    """
+    if not _is_int(live_size) or live_size < 0:
+        raise ValueError(f"live_size: {live_size!r} is not allowed; allowed: integers >= 0")
+    if (
+        not isinstance(max_padding_factor, numbers.Real)
+        or isinstance(max_padding_factor, bool)
+        or math.isnan(max_padding_factor)
+        or max_padding_factor < 1
+    ):
+        raise ValueError(
+            f"max_padding_factor: {max_padding_factor!r} is not allowed; allowed: numbers >= 1 (inf = no limit)"
+        )
+    if required is not None and (not _is_int(required) or required < 0):
+        raise ValueError(f"required: {required!r} is not allowed; allowed: None or integers >= 0")
+    sizes = validate_buckets(buckets)
+    limit = live_size * max_padding_factor
+    for bucket in sizes[bisect.bisect_left(sizes, live_size):]:
+        if bucket > limit:
+            break
+        cap = None if capacity is None else capacity.get(bucket)
+        if required is not None and (cap is None or cap < required):
+            continue
+        return BucketDecision(live_size, bucket, required, cap)
+    return BucketDecision(live_size, None, required, None)

@@ -1,0 +1,122 @@
+"""Graph keys: everything that changes what a captured graph does, as CPU values.
+
+A CUDA graph bakes in the token count AND the attention layout (sequence
+boundaries, window/full split, masked prefix). Two batches with the same token
+count but different boundaries must therefore get different graphs. Keys are
+built from CPU metadata only: reading a CUDA tensor here would force a device
+sync on every forward, so the helpers refuse one unless the caller opts in.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterable, Tuple
+
+
+class DeviceSyncError(ValueError):
+    """Key material lives on an accelerator; reading it would sync the device."""
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Hashable identity of one captured graph.
+
+    `num_tokens` is the (padded) size the graph was captured for; `layout`
+    holds the attention boundaries (e.g. cumulative lengths); `variant` holds
+    anything else that changes the captured code path (backend, masked prefix).
+    """
+
+    num_tokens: int
+    layout: tuple = ()
+    variant: tuple = ()
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_tokens) or self.num_tokens < 0:
+            raise ValueError(f"num_tokens: {self.num_tokens!r} is not allowed; allowed: integers >= 0")
+        for field in ("layout", "variant"):
+            if not isinstance(getattr(self, field), tuple):
+                raise ValueError(f"{field}: {getattr(self, field)!r} is not allowed; allowed: a tuple of hashables")
+
+
+def _is_int(value: Any) -> bool:
+    """True for Python/numpy integers, False for bool (a flag is never a size)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _device_type(values: Any) -> str | None:
+    if getattr(values, "is_cuda", False):
+        return "cuda"
+    device = getattr(values, "device", None)
+    kind = getattr(device, "type", None)
+    return kind if isinstance(kind, str) else None
+
+
+def _host_values(values: Any, *, field: str, allow_device_sync: bool) -> Any:
+    """Lists/tuples pass through; numpy arrays and tensors become nested lists."""
+    if isinstance(values, (list, tuple)) or _is_int(values):
+        return values
+    if not hasattr(values, "tolist"):
+        raise ValueError(
+            f"{field}: {type(values).__name__} is not allowed; allowed: list, tuple, numpy array or CPU tensor of ints"
+        )
+    device = _device_type(values)
+    if device not in (None, "cpu") and not allow_device_sync:
+        raise DeviceSyncError(
+            f"{field}: a {device} tensor would force a device sync to build a graph key; "
+            "allowed: list, tuple, numpy array or CPU tensor (or pass allow_device_sync=True)"
+        )
+    return values.tolist()
+
+
+def cpu_ints(values: Any, *, field: str, allow_device_sync: bool = False) -> Tuple[int, ...]:
+    """Flat tuple of Python ints from a list, tuple, numpy array or CPU tensor.
+
+    A tensor on another device raises `DeviceSyncError` naming `field`, unless
+    `allow_device_sync=True` (the caller accepts the sync).
+    """
+    host = _host_values(values, field=field, allow_device_sync=allow_device_sync)
+    items = (host,) if _is_int(host) else host
+    out = []
+    for item in items:
+        if not _is_int(item):
+            raise ValueError(f"{field}: element {item!r} is not allowed; allowed: integers")
+        out.append(int(item))
+    return tuple(out)
+
+
+def cumulative_lengths(lengths: Iterable[int], *, leading_zeros: int = 1) -> Tuple[int, ...]:
+    """Prefix sums of non-negative lengths, e.g. [4, 4] -> (0, 4, 8) (cu_seqlens as ints)."""
+    if not _is_int(leading_zeros) or leading_zeros < 0:
+        raise ValueError(f"leading_zeros: {leading_zeros!r} is not allowed; allowed: integers >= 0")
+    out = [0] * leading_zeros
+    total = 0
+    for length in cpu_ints(lengths, field="lengths"):
+        if length < 0:
+            raise ValueError(f"lengths: {length} is not allowed; allowed: integers >= 0")
+        total += length
+        out.append(total)
+    return tuple(out)
+
+
+def grid_thw_lengths(grid_thw: Any, *, field: str = "grid_thw") -> Tuple[int, ...]:
+    """Tokens per image/video (t*h*w) from a list of [t, h, w] rows or a CPU (N, 3) tensor."""
+    rows = _host_values(grid_thw, field=field, allow_device_sync=False)
+    if _is_int(rows):
+        raise ValueError(f"{field}: {rows!r} is not allowed; allowed: rows of [t, h, w] non-negative integers")
+    out = []
+    for row in rows:
+        thw = cpu_ints(row, field=field)
+        if len(thw) != 3 or min(thw) < 0:
+            raise ValueError(f"{field}: row {row!r} is not allowed; allowed: rows of [t, h, w] non-negative integers")
+        out.append(thw[0] * thw[1] * thw[2])
+    return tuple(out)
+
+
+def dedup_consecutive(values: Iterable[Any]) -> tuple:
+    """Drop consecutive repeats, like torch.unique_consecutive, for Python values."""
+    out: list = []
+    for value in values:
+        if not out or out[-1] != value:
+            out.append(value)
+    return tuple(out)
