@@ -1,7 +1,7 @@
 """Fingerprints of sglang definitions: sha256 of `ast.dump` of one definition.
 
-Hashing the AST (not the text) ignores formatting and comments, so a re-wrapped
-line upstream does not count as a change, while any change of behaviour does.
+Hashing the AST (not the text) ignores formatting, comments and docstrings, so a
+re-wrapped line upstream does not count as a change, while any change of code does.
 Sources are parsed from files, never imported: checking a fingerprint must not
 pull the Qwen-VL or multimodal_gen stacks into a process.
 
@@ -55,8 +55,37 @@ def _find_definition(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
     return node
 
 
+def _canonical(node: object) -> str:
+    """`ast.dump`-like text that is the same on every Python version we run on.
+
+    `ast.dump` itself is not stable across versions (3.12 adds `type_params`,
+    3.13 stops printing empty fields), so empty fields are always dropped, and
+    docstrings are left out: they change nothing that runs.
+    """
+    if isinstance(node, ast.AST):
+        fields = []
+        for name, value in ast.iter_fields(node):
+            if name == "body" and isinstance(value, list):
+                value = _without_docstring(node, value)
+            if value is None or value == []:
+                continue
+            fields.append(f"{name}={_canonical(value)}")
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(_canonical(v) for v in node) + "]"
+    return repr(node)
+
+
+def _without_docstring(owner: ast.AST, body: list) -> list:
+    if (isinstance(owner, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)) and body
+            and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        return body[1:]
+    return body
+
+
 def digest(node: ast.AST) -> str:
-    return hashlib.sha256(ast.dump(node, annotate_fields=True, include_attributes=False).encode()).hexdigest()[:16]
+    return hashlib.sha256(_canonical(node).encode()).hexdigest()[:16]
 
 
 @lru_cache(maxsize=None)

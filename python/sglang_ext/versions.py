@@ -27,3 +27,30 @@ def installed_sglang_version() -> Optional[str]:
 
 def at_least(version: str, since: str) -> bool:
     return version_key(version) >= version_key(since)
+
+
+def installed_sglang_path() -> Optional[str]:
+    """Directory of the importable `sglang` package, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def source_tree_version(source_root: str) -> Optional[str]:
+    """sglang version of an unpacked tree (`<source_root>/sglang/_version.py`), without importing it."""
+    import ast
+    import os
+
+    path = os.path.join(source_root, "sglang", "_version.py")
+    if not os.path.exists(path):
+        return None
+    with open(path, "r", encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
+            if any(isinstance(t, ast.Name) and t.id == "__version__" for t in stmt.targets):
+                return stmt.value.value
+    return None
