@@ -239,13 +239,14 @@ def _transplant_method(self: PatchContext, cls: type, fn: _types.FunctionType, *
                        kind: str = "function") -> Any:
     """Install adapter function `fn` as `cls.<name>` (default: fn.__name__), in cls's module namespace.
 
-    kind: "function" | "staticmethod" | "classmethod".
+    kind: "function" | "staticmethod" | "classmethod" | "property" (a read-only property whose getter is fn).
     """
     module = sys.modules[cls.__module__]
     _provide_globals(self, fn, module, {fn.__name__})
     new = _transplanted(fn, module)
     new.__qualname__ = f"{cls.__qualname__}.{name or fn.__name__}"
-    wrapped = {"function": new, "staticmethod": staticmethod(new), "classmethod": classmethod(new)}[kind]
+    wrapped = {"function": new, "staticmethod": staticmethod(new), "classmethod": classmethod(new),
+               "property": property(new)}[kind]
     self.setattr(cls, name or fn.__name__, wrapped)
     return new
 
