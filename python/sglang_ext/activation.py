@@ -11,6 +11,8 @@ is imported, each through a `PatchContext`; a part that raises or does not
 verify rolls back every part of that patch. In strict mode every skip or
 failure of a requested patch raises `SglangExtActivationError` (a
 BaseException, so sglang's `except Exception` plugin loader cannot swallow it).
+Bad configuration (unknown knob, bad value, unknown patch name) raises it in
+every mode.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from sglang_ext import fingerprint as fp
 from sglang_ext.errors import ExtConfigError, SglangExtActivationError
-from sglang_ext.knobs import Settings, load_settings
-from sglang_ext.patching import PatchContext, when_imported
+from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
+from sglang_ext.patching import PatchContext, cancel_trigger, when_imported
 from sglang_ext.registry import PATCHES, PatchSpec
-from sglang_ext.versions import SUPPORTED_SGLANG, at_least, installed_sglang_version
+from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, at_least, installed_sglang_path,
+                                 installed_sglang_version, source_tree_version)
 
 logger = logging.getLogger("sglang_ext")
 
@@ -69,6 +72,8 @@ class _ProcessState:
         self.strict = False
         self.statuses: Dict[str, PatchStatus] = {}
         self.contexts: Dict[str, PatchContext] = {}
+        self.triggers: List[Tuple[str, Callable[[Any], None]]] = []  # (module, callback) not yet fired
+        self.generation = 0  # bumped by deactivate(): callbacks of an older activation do nothing
 
 
 _state = _ProcessState()
@@ -87,6 +92,14 @@ def current_settings() -> Optional[Settings]:
     return _state.settings
 
 
+def is_strict() -> bool:
+    return _state.strict
+
+
+def activated_version() -> Optional[str]:
+    return _state.version
+
+
 def activate(
     *,
     environ: Optional[Mapping[str, str]] = None,
@@ -96,31 +109,37 @@ def activate(
     source_root: Optional[str] = None,
     version: Optional[str] = None,
 ) -> Dict[str, PatchStatus]:
-    """Apply every enabled patch in this process (idempotent).
+    """Apply every enabled patch in this process (idempotent; later calls return the statuses).
 
     force: apply even if the master switch (SGLANG_EXT=1) is off (explicit API use).
+    strict: override the strict knob.
     eager: import every trigger module now instead of waiting for sglang to import it.
     source_root / version: check fingerprints against another sglang tree (tests, doctor).
+        Parts are armed only when fingerprints match, so a mismatching tree leaves the live
+        sglang untouched.
     """
     with _state.lock:
         if _state.activated:
             if eager:
                 _import_triggers()
             return statuses()
+        env = os.environ if environ is None else environ
         try:
-            settings = load_settings(environ)
+            if not (force or knob_enabled(env)):
+                return {}  # installed but not enabled: touch nothing, validate nothing else
+            settings = load_settings(env)
         except ExtConfigError as exc:
             # Bad input stops start-up whatever the mode: sglang would swallow a ValueError.
             raise SglangExtActivationError(f"sglang-ext configuration error: {exc}") from exc
-        if not (settings.enabled or force):
-            return {}
         _state.settings = settings
         _state.strict = settings.strict if strict is None else strict
         _state.activated = True
-        _state.version = version or settings.assume_sglang or installed_sglang_version()
-        for spec in PATCHES:
-            _state.statuses[spec.name] = _decide(spec, settings, source_root)
-        _report_skips()
+        _state.version = resolve_version(settings, source_root, version)
+        _state.statuses = plan(settings, version=_state.version, source_root=source_root)
+        try:
+            _report_refusals(source_root)
+        finally:
+            _write_record()
         for spec in PATCHES:
             if _state.statuses[spec.name].state == ARMED:
                 _arm(spec, settings)
@@ -133,70 +152,155 @@ def activate(
 def deactivate() -> None:
     """Roll every applied patch back and forget the activation (tests, A/B benchmarks)."""
     with _state.lock:
-        for ctx in _state.contexts.values():
+        _state.generation += 1
+        for module_name, callback in _state.triggers:
+            cancel_trigger(module_name, callback)
+        _state.triggers.clear()
+        for ctx in reversed(list(_state.contexts.values())):
             ctx.rollback()
         _state.contexts.clear()
         _state.statuses.clear()
         _state.activated = False
         _state.settings = None
+        _state.version = None
+        _state.strict = False
 
 
-def _decide(spec: PatchSpec, settings: Settings, source_root: Optional[str]) -> PatchStatus:
+def resolve_version(settings: Optional[Settings], source_root: Optional[str] = None,
+                    version: Optional[str] = None) -> Optional[str]:
+    """The sglang version to check against: explicit > SGLANG_EXT_ASSUME_SGLANG > tree > installed."""
+    if version:
+        return version
+    if settings is not None and settings.assume_sglang:
+        return settings.assume_sglang
+    if source_root is not None:
+        return source_tree_version(source_root)
+    return installed_sglang_version()
+
+
+def is_supported(version: Optional[str]) -> bool:
+    return version is not None and _release(version) in SUPPORTED_SGLANG
+
+
+def plan(settings: Settings, *, version: Optional[str], source_root: Optional[str] = None
+         ) -> Dict[str, PatchStatus]:
+    """Decide every patch's status without touching anything (doctor uses this too)."""
+    return {spec.name: _decide(spec, settings, version, source_root) for spec in PATCHES}
+
+
+def _release(version: str) -> str:
+    return version.split("+")[0]  # a local version label (+cu130, +gitsha) is the same release
+
+
+def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_root: Optional[str]) -> PatchStatus:
     st = PatchStatus(spec.name, ARMED)
     if spec.name in settings.disable:
-        st.state = DISABLED
+        st.state, st.detail = DISABLED, f"listed in {knob('disable').env}"
         return st
-    version = _state.version
     if version is None:
-        st.state, st.detail = SKIPPED, "sglang is not installed"
+        st.state, st.detail = SKIPPED, "sglang is not installed (no version found)"
         return st
     if spec.upstream_equivalent and spec.upstream_since and at_least(version, spec.upstream_since):
         st.state, st.detail = NOT_NEEDED, f"upstream has it since {spec.upstream_since}"
         return st
-    if version not in spec.supported and version not in SUPPORTED_SGLANG:
+    if _release(version) not in spec.supported:
         st.state = SKIPPED
         st.detail = f"sglang {version} is not supported; supported: {', '.join(spec.supported)}"
         return st
-    mismatched = []
+    changed, absent, unrecorded = [], [], []
     for target in spec.targets:
         live = fp.fingerprint(target.module, target.qualname, source_root)
-        expected = {fp.reference_table(v).get(target.key) for v in spec.supported}
+        expected = {fp.reference_table(v).get(target.key) for v in spec.supported} - {None}
         ok = live is not None and live in expected
         st.fingerprints[target.key] = ok
-        if not ok:
-            mismatched.append(target.key + (" (absent)" if live is None else ""))
-    if mismatched:
+        if ok:
+            continue
+        if live is None:
+            absent.append(target.key)
+        elif not expected:
+            unrecorded.append(target.key)
+        else:
+            changed.append(target.key)
+    if changed or absent or unrecorded:
+        reasons = []
+        if changed:
+            reasons.append("fingerprint changed: " + ", ".join(changed))
+        if absent:
+            reasons.append("target absent: " + ", ".join(absent))
+        if unrecorded:
+            reasons.append("no reference fingerprint recorded for " + ", ".join(unrecorded))
         st.state = SKIPPED
-        st.detail = (f"fingerprint mismatch on sglang {version}: {', '.join(mismatched)}; "
-                     f"written for {', '.join(spec.supported)}")
+        st.detail = ("; ".join(reasons) + f" -- checked sglang {version}"
+                     + (f" at {source_root}" if source_root else "")
+                     + f" against the reference of sglang {', '.join(spec.supported)}")
+        if unrecorded:
+            st.detail += "; regenerate the tables: python scripts/gen_fingerprints.py"
         return st
     st.parts_pending = [p.trigger_module for p in spec.parts]
-    st.detail = "applies when " + ", ".join(st.parts_pending) + " is imported"
+    st.detail = _pending_detail(st)
     return st
 
 
-def _report_skips() -> None:
-    problems = []
-    for st in _state.statuses.values():
-        if st.state == SKIPPED:
-            logger.warning("sglang-ext: patch %s skipped: %s", st.name, st.detail)
-            problems.append(f"{st.name}: {st.detail}")
-    if problems and _state.strict:
-        raise SglangExtActivationError("sglang-ext strict mode: " + "; ".join(problems))
+def _pending_detail(st: PatchStatus) -> str:
+    return "applies when " + ", ".join(st.parts_pending) + " is imported"
+
+
+def _report_refusals(source_root: Optional[str]) -> None:
+    """One warning per skipped patch (one in total for an unsupported sglang); raise in strict mode."""
+    skipped = [st for st in _state.statuses.values() if st.state == SKIPPED]
+    if not skipped:
+        return
+    version = _state.version
+    if version is not None and not is_supported(version):
+        where = source_root or installed_sglang_path() or "?"
+        message = (
+            f"sglang {version} ({where}) is not supported by sglang-ext; supported: "
+            f"{', '.join(SUPPORTED_SGLANG)} ({SUPPORTED_RANGE}). Nothing was applied "
+            f"(skipped: {', '.join(st.name for st in skipped)}). Install a supported sglang, "
+            f"set {knob('assume_sglang').env}=<version> for a source build of a supported release "
+            f"(fingerprints are still checked), or unset {MASTER_ENV}.")
+        logger.warning("sglang-ext: %s", message)
+        problems = [message]
+    else:
+        problems = []
+        for st in skipped:
+            logger.warning("sglang-ext: patch %s skipped, nothing of it applied: %s", st.name, st.detail)
+            problems.append(f"patch {st.name} skipped: {st.detail}")
+    if _state.strict:
+        raise SglangExtActivationError(
+            "sglang-ext strict mode (" + knob("strict").env + "=1): " + "; ".join(problems))
 
 
 def _arm(spec: PatchSpec, settings: Settings) -> None:
     ctx = PatchContext(spec.name, settings)
     _state.contexts[spec.name] = ctx
     for part in spec.parts:
-        when_imported(part.trigger_module, _part_runner(spec, part, ctx))
+        callback = _part_runner(spec, part, ctx, _state.generation)
+        _state.triggers.append((part.trigger_module, callback))
+        when_imported(part.trigger_module, callback)
 
 
-def _part_runner(spec: PatchSpec, part, ctx: PatchContext):
+def _fail(spec: PatchSpec, ctx: PatchContext, st: PatchStatus, detail: str,
+          cause: Optional[BaseException]) -> None:
+    """Roll the whole patch back, record the failure, abort in strict mode."""
+    ctx.rollback()
+    st.state, st.detail = FAILED, detail
+    st.parts_applied.clear()
+    st.parts_pending.clear()
+    logger.error("sglang-ext: patch %s failed and was rolled back (nothing of it applied): %s", spec.name, detail)
+    _write_record()
+    if _state.strict:
+        raise SglangExtActivationError(f"sglang-ext strict mode: patch {spec.name} {st}") from cause
+
+
+def _part_runner(spec: PatchSpec, part, ctx: PatchContext, generation: int):
     def run(module: Any) -> None:
+        if generation != _state.generation:
+            return  # armed by an activation that was deactivated since
         st = _state.statuses[spec.name]
-        if st.state not in (ARMED,):
+        if st.state != ARMED:
             return  # an earlier part failed: the patch stays off whole
+        _forget_trigger(part.trigger_module, run)
         before = len(ctx.swaps)
         try:
             mod_name, fn_name = part.function.split(":")
@@ -206,31 +310,42 @@ def _part_runner(spec: PatchSpec, part, ctx: PatchContext):
             if len(ctx.swaps) == before:
                 problems.append(f"{part.function} changed nothing")
             if problems:
-                raise RuntimeError("; ".join(problems))
-        except Exception as exc:  # noqa: BLE001 - we re-raise as BaseException in strict mode
-            ctx.rollback()
-            st.state, st.detail = FAILED, f"{part.function}: {type(exc).__name__}: {exc}"
-            st.parts_applied.clear()
-            logger.error("sglang-ext: patch %s failed and was rolled back: %s", spec.name, st.detail)
-            _write_record()
-            if _state.strict:
-                raise SglangExtActivationError(f"sglang-ext strict mode: patch {spec.name} {st}") from exc
+                raise RuntimeError("verification failed: " + "; ".join(problems))
+        except BaseException as exc:  # noqa: BLE001 - rolled back here, re-raised (strict or not ours)
+            _fail(spec, ctx, st, f"{part.function} on {part.trigger_module}: {type(exc).__name__}: {exc}", exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit, a nested strict abort
             return
         st.parts_pending.remove(part.trigger_module)
         st.parts_applied.append(part.trigger_module)
         if not st.parts_pending:
             st.state, st.detail = APPLIED, ""
+            logger.info("sglang-ext: patch %s applied", spec.name)
         else:
-            st.detail = "applies when " + ", ".join(st.parts_pending) + " is imported"
+            st.detail = _pending_detail(st)
         _write_record()
 
     return run
 
 
+def _forget_trigger(module_name: str, callback: Callable[[Any], None]) -> None:
+    _state.triggers = [t for t in _state.triggers if t[1] is not callback]
+
+
 def _import_triggers() -> None:
-    for st in list(_state.statuses.values()):
+    """Import every pending trigger module now (doctor, tests); an import error fails its patch."""
+    for spec in PATCHES:
+        st = _state.statuses.get(spec.name)
+        if st is None:
+            continue
         for module in list(st.parts_pending):
-            importlib.import_module(module)
+            if st.state != ARMED:
+                break
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # noqa: BLE001 - becomes a failed patch (abort in strict mode)
+                _fail(spec, _state.contexts[spec.name], st,
+                      f"cannot import {module}: {type(exc).__name__}: {exc}", exc)
 
 
 def process_role() -> str:
@@ -238,16 +353,24 @@ def process_role() -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name) or "process"
 
 
+def record() -> Dict[str, Any]:
+    """This process's activation record (what `SGLANG_EXT_ACTIVATION_DIR` files hold)."""
+    return {"pid": os.getpid(), "role": process_role(), "argv0": sys.argv[0] if sys.argv else "",
+            "sglang": _state.version, "strict": _state.strict,
+            "patches": {k: v.as_dict() for k, v in _state.statuses.items()}}
+
+
 def _write_record() -> None:
     settings = _state.settings
     directory = settings.activation_dir if settings is not None else ""
     if not directory:
         return
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{process_role()}-{os.getpid()}.json")
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"pid": os.getpid(), "role": process_role(), "argv0": sys.argv[0] if sys.argv else "",
-                   "sglang": _state.version, "patches": {k: v.as_dict() for k, v in _state.statuses.items()}},
-                  f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record(), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:  # a diagnostics file must never stop a server
+        logger.warning("sglang-ext: cannot write activation record %s: %s", path, exc)

@@ -131,6 +131,18 @@ def pending_triggers() -> Dict[str, int]:
         return {k: len(v) for k, v in _pending.items()}
 
 
+def cancel_trigger(module_name: str, callback: Callable[[ModuleType], None]) -> bool:
+    """Forget a callback registered with `when_imported` that has not run yet (deactivation)."""
+    with _lock:
+        callbacks = _pending.get(module_name, [])
+        if callback not in callbacks:
+            return False
+        callbacks.remove(callback)
+        if not callbacks:
+            del _pending[module_name]
+        return True
+
+
 def _is_initializing(mod: ModuleType) -> bool:
     spec = getattr(mod, "__spec__", None)
     return bool(getattr(spec, "_initializing", False))
@@ -139,8 +151,14 @@ def _is_initializing(mod: ModuleType) -> bool:
 def _fire(module_name: str, module: ModuleType) -> None:
     with _lock:
         callbacks = _pending.pop(module_name, [])
-    for cb in callbacks:
-        cb(module)
+    first_error: Optional[BaseException] = None
+    for cb in callbacks:  # one failing patch must not keep the others of this module from running
+        try:
+            cb(module)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest ran
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
