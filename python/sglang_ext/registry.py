@@ -86,7 +86,14 @@ PATCHES: Tuple[PatchSpec, ...] = (
         name="prefill_cp_bucket",
         summary="Prefill CP (zigzag) graph bucket chosen by CP-local capacity, once per batch",
         targets=T(_BCG, "PrefillCPBCGInput")
-        + T(_PREFILL, "PrefillCudaGraphRunner.can_run_graph", "PrefillCudaGraphRunner.load_batch"),
+        + T(_PREFILL, "PrefillCudaGraphRunner.can_run_graph", "PrefillCudaGraphRunner.load_batch",
+            "_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR")
+        # the override of _pad_to_bucket delegates to the base staticmethod
+        + T("sglang.srt.model_executor.runner.base_cuda_graph_runner", "BaseCudaGraphRunner._pad_to_bucket")
+        # the closed-form requirement must equal the rows prepare() builds for the live layout
+        + T("sglang.srt.layers.cp.utils", "is_cp_v2_active", "prepare_cp_forward")
+        + T("sglang.srt.layers.cp.zigzag", "ZigzagCPStrategy.build_metadata")
+        + T("sglang.srt.layers.cp.padding", "pad_logical_token_to_physical"),
         parts=(
             Part(_BCG, "sglang_ext.adapters.prefill_cp_bucket:patch_bcg"),
             Part(_PREFILL, "sglang_ext.adapters.prefill_cp_bucket:patch_prefill_runner"),
@@ -99,9 +106,12 @@ PATCHES: Tuple[PatchSpec, ...] = (
     PatchSpec(
         name="mg_worker_activation",
         summary="Apply sglang-ext inside spawned multimodal_gen GPU workers (0.5.17 loads no plugins there)",
-        targets=T(f"{_MG}.launch_server", "launch_server"),
+        # launch_server() spawns the module global run_scheduler_process; the two pool-disagg
+        # launchers spawn the module global _run_disagg_role_process, which calls it.
+        targets=T(f"{_MG}.launch_server", "launch_server", "launch_pool_disagg_server", "launch_disagg_role",
+                  "_run_disagg_role_process"),
         parts=(Part(f"{_MG}.launch_server", "sglang_ext.adapters.mg_worker_activation:patch_launch_server"),),
-        rebinds=(f"{_MG}.launch_server.run_scheduler_process",),
+        rebinds=(f"{_MG}.launch_server.run_scheduler_process", f"{_MG}.launch_server._run_disagg_role_process"),
         upstream_pr="(multimodal_gen plugin group, sglang 0.5.21)",
         upstream_since="0.5.21",
         upstream_equivalent=True,

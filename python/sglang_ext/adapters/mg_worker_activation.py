@@ -1,0 +1,40 @@
+"""Activate sglang-ext inside spawned multimodal_gen GPU workers.
+
+Target symbol(s): `sglang.multimodal_gen.runtime.launch_server.run_scheduler_process`
+    (module global, `from ...managers.gpu_worker import run_scheduler_process`, used as
+    `mp.Process(target=...)` by `launch_server()` and called by `_run_disagg_role_process`)
+    and `launch_server._run_disagg_role_process` (spawn target of `launch_pool_disagg_server`
+    and `launch_disagg_role`).
+sglang versions: 0.5.17 (fingerprint-gated); not needed from 0.5.21.
+Upstream PR: multimodal_gen plugin group `sglang.multimodal_gen.plugins`, first in 0.5.21
+    (`runtime/managers/worker_bootstrap.py` loads plugins in every spawned worker).
+Why: 0.5.17 spawns the workers (`diffusion_generator` forces the spawn start method) and
+    nothing under multimodal_gen calls `load_plugins()`, so Pi0.5 patches applied in the
+    `sglang serve` process would not exist where the graphs run.
+How: rebind both launch_server globals to top-level functions of `sglang_ext.mg_worker`.
+    A spawned target is pickled by reference, so the child imports sglang_ext, activates,
+    then calls sglang's original entry. This deliberately uses `ctx.setattr` and not
+    `ctx.transplant_function`: a transplanted function pickles as `launch_server.<name>` and
+    the child would resolve that to the unpatched original. Plugin-only: a patched fork tree
+    needs no activation in workers, so the fork patch series skips this patch.
+Retire when: the minimum supported sglang is >= 0.5.21 (entry point registered under
+    `sglang.multimodal_gen.plugins` in setup.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def patch_launch_server(ctx, module) -> None:
+    from sglang_ext import mg_worker
+
+    gpu_worker = sys.modules["sglang.multimodal_gen.runtime.managers.gpu_worker"]
+    if module.run_scheduler_process is not gpu_worker.run_scheduler_process:
+        raise RuntimeError(
+            "launch_server.run_scheduler_process is not gpu_worker.run_scheduler_process "
+            f"(found {module.run_scheduler_process!r}); another patch owns the worker entry"
+        )
+    ctx.setattr(module, "_ext_orig__run_disagg_role_process", module._run_disagg_role_process)
+    ctx.setattr(module, "run_scheduler_process", mg_worker.run_scheduler_process)
+    ctx.setattr(module, "_run_disagg_role_process", mg_worker._run_disagg_role_process)

@@ -1,0 +1,67 @@
+"""Stand-in for `ServerArgs` inside a spawned multimodal_gen worker (used by test_mg_spawned_worker).
+
+sglang's worker entry `gpu_worker.run_scheduler_process` reads `server_args.log_level`
+(via `configure_logger`) near its start. A `WorkerProbe` passed as `server_args` turns
+that first read into a report of the child's own state -- activation statuses, the live
+`launch_server` globals, the call stack that led there -- sent through a pipe, after
+which the child exits before any GPU scheduler is built. Everything reported is
+observed inside the child.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+
+# Read by `_run_disagg_role_process` before it calls the worker entry: answered, not reported.
+_PASSTHROUGH = {"master_port": 29999}
+
+
+class WorkerProbe:
+    def __init__(self, conn) -> None:
+        self._conn = conn
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # pickle protocol and our own fields
+            raise AttributeError(name)
+        if name in _PASSTHROUGH:
+            return _PASSTHROUGH[name]
+        self._conn.send(observe_child(first_read=name))
+        self._conn.close()
+        os._exit(0)  # stop here: no scheduler, no GPU
+
+
+def _qualified(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def observe_child(first_read: str) -> dict:
+    frames = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        frames.append(f"{frame.f_globals.get('__name__')}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    frames.reverse()  # outermost first
+
+    report = {
+        "pid": os.getpid(),
+        "process_name": multiprocessing.current_process().name,
+        "has_parent_process": multiprocessing.parent_process() is not None,
+        "first_read": first_read,
+        "stack": frames,
+        "sglang_ext_imported": "sglang_ext" in sys.modules,
+        "statuses": {},
+    }
+    if "sglang_ext.activation" in sys.modules:
+        activation = sys.modules["sglang_ext.activation"]
+        report["statuses"] = {name: str(st) for name, st in activation.statuses().items()}
+    launch_server = sys.modules.get("sglang.multimodal_gen.runtime.launch_server")
+    if launch_server is not None:
+        report["launch_server.run_scheduler_process"] = _qualified(launch_server.run_scheduler_process)
+        report["launch_server._run_disagg_role_process"] = _qualified(launch_server._run_disagg_role_process)
+        wrappers = sys.modules.get("sglang_ext.mg_worker")
+        report["worker_entry_is_sglang_ext_wrapper"] = (
+            wrappers is not None and launch_server.run_scheduler_process is wrappers.run_scheduler_process
+        )
+    return report
