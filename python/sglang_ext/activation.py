@@ -242,7 +242,8 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
 
 
 def _pending_detail(st: PatchStatus) -> str:
-    return "applies when " + ", ".join(st.parts_pending) + " is imported"
+    verb = "is" if len(st.parts_pending) == 1 else "are"
+    return f"applies when {', '.join(st.parts_pending)} {verb} imported"
 
 
 def _report_refusals(source_root: Optional[str]) -> None:

@@ -1,0 +1,7 @@
+"""`python -m sglang_ext doctor ...` (same as the `sglang-ext` console script)."""
+
+import sys
+
+from sglang_ext.cli import main
+
+sys.exit(main())

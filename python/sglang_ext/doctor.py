@@ -1,0 +1,249 @@
+"""`sglang-ext doctor`: what is installed, what each patch does in this process, and why.
+
+`report()` is usable inside a running server (it reads this process's
+activation and graph-cache counters, it never activates anything);
+`run_checks()` is what the console script does in its own process: activate
+every patch with the fingerprint check and, by default, import every target
+module so that "applied" is proven rather than "armed".
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from sglang_ext import activation, fingerprint
+from sglang_ext.errors import ExtConfigError
+from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
+from sglang_ext.registry import PATCHES, PatchSpec
+from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, installed_sglang_path,
+                                 installed_sglang_version, source_tree_version)
+
+# How each mode came to its statuses (shown in the report).
+MODE_LIVE = "live: statuses of this process's activation"
+MODE_IMPORT = "applied here: every target module imported and patched in the doctor's own process"
+MODE_FINGERPRINTS = "fingerprints only: nothing imported or patched ('armed' = would apply when imported)"
+
+
+def _dist_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(source_root: Optional[str] = None, version: Optional[str] = None) -> Dict[str, Any]:
+    """Versions and paths (no import of torch or sglang)."""
+    if source_root is not None:
+        sglang_version = version or source_tree_version(source_root)
+        sglang_path = os.path.join(source_root, "sglang")
+    else:
+        sglang_version = version or installed_sglang_version()
+        sglang_path = installed_sglang_path()
+    return {
+        "sglang_ext": _dist_version("sglang-ext"),
+        "sglang": {"version": sglang_version, "path": sglang_path,
+                   "installed_version": installed_sglang_version(),
+                   "supported": activation.is_supported(sglang_version),
+                   "supported_versions": list(SUPPORTED_SGLANG), "supported_range": SUPPORTED_RANGE},
+        "torch": _dist_version("torch"),
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+    }
+
+
+def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str]) -> List[Dict[str, Any]]:
+    recorded = fingerprint.recorded_versions()
+    tables = {v: fingerprint.reference_table(v) for v in recorded}
+    rows = []
+    for target in spec.targets:
+        live = fingerprint.fingerprint(target.module, target.qualname, source_root)
+        reference = {v: tables[v].get(target.key) for v in spec.supported}
+        rows.append({
+            "target": target.key,
+            "fingerprint": live,
+            "reference": reference,
+            "match": live is not None and live in set(reference.values()),
+            "same_as_releases": [v for v in recorded if live is not None and tables[v].get(target.key) == live],
+        })
+    return rows
+
+
+def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus],
+                 source_root: Optional[str]) -> Dict[str, Any]:
+    return {
+        "name": spec.name,
+        "summary": spec.summary,
+        "status": str(status) if status is not None else "not activated",
+        "state": status.state if status is not None else None,
+        "detail": status.detail if status is not None else "",
+        "parts_applied": list(status.parts_applied) if status is not None else [],
+        "parts_pending": list(status.parts_pending) if status is not None else [],
+        "process": spec.process,
+        "supported": list(spec.supported),
+        "targets": _fingerprint_rows(spec, source_root),
+        "rebinds": list(spec.rebinds),
+        "upstream": {"pr": spec.upstream_pr, "since": spec.upstream_since,
+                     "equivalent": spec.upstream_equivalent, "retire_when": spec.retire_when},
+    }
+
+
+def graph_cache_counters() -> Optional[Dict[str, Dict[str, Any]]]:
+    """`sglang_ext.graphs.stats.snapshot()` of this process (None if the core is unavailable)."""
+    try:
+        from sglang_ext.graphs import stats
+    except ImportError:
+        return None
+    return stats.snapshot()
+
+
+def read_records(directory: str) -> List[Dict[str, Any]]:
+    """Activation records written by each process of a server (`SGLANG_EXT_ACTIVATION_DIR`)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                rec = json.load(f)
+        except (OSError, ValueError) as exc:
+            rec = {"error": f"unreadable: {exc}"}
+        rec["file"] = os.path.basename(path)
+        out.append(rec)
+    return out
+
+
+def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
+           environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The doctor report of this process. Inside a running server: live statuses + graph caches.
+
+    Where this process has not activated sglang-ext (or `source_root` names another tree),
+    the statuses are planned from the fingerprints without touching anything.
+    """
+    env = os.environ if environ is None else environ
+    live = activation.statuses() if source_root is None else {}
+    settings: Optional[Settings] = activation.current_settings() if live else None
+    config_error = None
+    if settings is None:
+        try:
+            settings = load_settings(env)
+        except ExtConfigError as exc:
+            config_error = str(exc)
+    if live:
+        statuses, mode = live, MODE_LIVE
+        checked_version = activation.activated_version()
+    elif settings is not None:
+        checked_version = activation.resolve_version(settings, source_root, version)
+        statuses, mode = activation.plan(settings, version=checked_version, source_root=source_root), MODE_FINGERPRINTS
+    else:
+        checked_version, statuses, mode = version, {}, MODE_FINGERPRINTS
+    out = environment(source_root, checked_version)
+    try:
+        enabled = knob_enabled(env)
+    except ExtConfigError:
+        enabled = False
+    out.update({
+        "mode": mode,
+        "enabled_in_environment": enabled,
+        "strict": activation.is_strict() if live else bool(settings and settings.strict),
+        "config_error": config_error,
+        "patches": [_patch_entry(spec, statuses.get(spec.name), source_root) for spec in PATCHES],
+        "graph_caches": graph_cache_counters(),
+    })
+    return out
+
+
+def run_checks(*, import_targets: bool = True, source_root: Optional[str] = None,
+               version: Optional[str] = None, strict: Optional[bool] = None,
+               environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """What the console script does: activate in this (throw-away) process, then report.
+
+    With `import_targets` every trigger module is imported so each patch is proven to
+    apply (about 10-25 s: it imports the Qwen-VL and multimodal_gen stacks). Another
+    tree (`source_root`) is only fingerprinted: its code is not what this process runs.
+    """
+    env = dict(os.environ if environ is None else environ)
+    try:
+        settings = load_settings(env)
+    except ExtConfigError as exc:
+        out = report(source_root=source_root, version=version, environ=env)
+        out["config_error"] = str(exc)
+        return out
+    want_strict = settings.strict if strict is None else strict
+    if source_root is None and import_targets and not activation.statuses():
+        # Never strict here: the doctor reports every failure instead of stopping at the first.
+        activation.activate(environ=env, force=True, strict=False, eager=True, version=version)
+        out = report(environ=env)
+        out["mode"] = MODE_IMPORT
+    else:
+        out = report(source_root=source_root, version=version, environ=env)
+    out["strict"] = want_strict
+    return out
+
+
+def problems(rep: Dict[str, Any]) -> List[str]:
+    """Requested patches that would not be live (failed or skipped), plus configuration errors."""
+    out = []
+    if rep.get("config_error"):
+        out.append(f"configuration error: {rep['config_error']}")
+    for p in rep["patches"]:
+        if p["state"] in (activation.FAILED, activation.SKIPPED):
+            out.append(f"{p['name']}: {p['status']}")
+    return out
+
+
+def render_text(rep: Dict[str, Any]) -> str:
+    sg = rep["sglang"]
+    lines = [f"sglang-ext {rep['sglang_ext'] or '(not installed as a distribution)'} doctor"]
+    support = "supported" if sg["supported"] else "NOT SUPPORTED"
+    lines.append(f"  sglang   {sg['version'] or '(not found)'}  {sg['path'] or ''}  "
+                 f"[{support}; supported: {', '.join(sg['supported_versions'])} ({sg['supported_range']})]")
+    if sg["installed_version"] != sg["version"]:
+        lines.append(f"           (installed sglang: {sg['installed_version'] or 'none'})")
+    lines.append(f"  torch    {rep['torch'] or '(not installed)'}")
+    lines.append(f"  python   {rep['python']}  {rep['executable']}")
+    lines.append(f"  switch   {MASTER_ENV}={'1' if rep['enabled_in_environment'] else 'unset/0'} in this environment; "
+                 f"strict {'on' if rep['strict'] else 'off'} ({knob('strict').env})")
+    lines.append(f"  mode     {rep['mode']}")
+    if rep.get("config_error"):
+        lines.append(f"  CONFIG ERROR: {rep['config_error']}")
+    lines.append("")
+    width = max(len(p["name"]) for p in rep["patches"]) if rep["patches"] else 10
+    for p in rep["patches"]:
+        lines.append(f"{p['name']:<{width}}  {p['status']}")
+        lines.append(f"{'':<{width}}  {p['summary']}")
+        for t in p["targets"]:
+            if t["match"]:
+                verdict = "matches " + ", ".join(p["supported"])
+            elif t["fingerprint"] is None:
+                verdict = "ABSENT"
+            else:
+                verdict = "CHANGED"
+            same = ", ".join(t["same_as_releases"]) or "no recorded release"
+            lines.append(f"{'':<{width}}    {t['target']}: {verdict} (identical in: {same})")
+        up = p["upstream"]
+        since = f"upstream since {up['since']}" if up["since"] else "not upstream"
+        equiv = "equivalent" if up["equivalent"] else "not equivalent"
+        lines.append(f"{'':<{width}}  upstream {up['pr']}; {since} ({equiv}); retire when {up['retire_when']}")
+    caches = rep.get("graph_caches")
+    lines.append("")
+    if caches is None:
+        lines.append("graph caches: sglang_ext.graphs.stats unavailable")
+    elif not caches:
+        lines.append("graph caches: none in this process (run doctor inside the server, "
+                     "sglang_ext.doctor.report(), to see a server's counters)")
+    else:
+        lines.append("graph caches:")
+        for name, info in sorted(caches.items()):
+            fields = ", ".join(f"{k}={v}" for k, v in info.items() if k != "name")
+            lines.append(f"  {name}: {fields}")
+    for rec in rep.get("records", []):
+        if "error" in rec:
+            lines.append(f"record {rec['file']}: {rec['error']}")
+            continue
+        lines.append(f"record {rec['file']}: role={rec.get('role')} pid={rec.get('pid')} sglang={rec.get('sglang')}")
+        for name, st in sorted(rec.get("patches", {}).items()):
+            lines.append(f"    {name}: {st.get('status')}")
+    return "\n".join(lines) + "\n"
