@@ -1,0 +1,308 @@
+"""Prefill context-parallel graph bucket chosen by CP-local capacity, once per batch.
+
+Target symbols:
+    sglang.srt.layers.cp.bcg.PrefillCPBCGInput  (adds required_local_tokens,
+        select_replay_bucket, select_replay_bucket_for_batch, replay_bucket_decision)
+    sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner
+        .can_run_graph (original && CP-local fit), .load_batch (pads to the admitted
+        bucket), ._pad_to_bucket (subclass override that honours the admitted bucket)
+sglang versions: 0.5.17 (fingerprint-gated; 0.5.18+ carry upstream's version of the fix).
+Upstream PR: sgl-project/sglang#33906 (first released in 0.5.18).
+
+Why: with CP v2 (zigzag) and breakable prefill graphs, a multi-request batch can
+need more CP-local rows than the smallest global bucket it fits was captured
+with (e.g. 520 live rows against 512 for the 2048 bucket); 0.5.17 pads to that
+bucket anyway and `PrefillCPBCGInput.prepare` raises at replay, killing the
+request. Upstream searches the captured buckets for one whose recorded local
+capacity fits, but computes that choice twice (admission and replay) and raises
+if the two disagree.
+
+How:
+- `PrefillCPBCGInput` gets upstream's three methods with upstream's semantics,
+  built on `sglang_ext.graphs.buckets.select_bucket`. The zigzag requirement is
+  computed in closed form from the sorted per-request remainders: O(bs log bs)
+  instead of upstream's O(bs * cp) loop, same result. `bucket_local_tokens` is
+  already recorded for every captured bucket by 0.5.17's `prepare(capture=True)`.
+- `can_run_graph` = original && fit check, only when the runner captured CP BCG
+  and the batch is CP-active. The `BucketDecision` is made there, once, and
+  stored on the forward batch (`forward_batch.prefill_cp_bucket_decision`).
+- `load_batch` (same guard) requires that stored decision and pads to exactly its
+  bucket; without one it raises a RuntimeError that says why (never a recomputed
+  or different bucket). Every other configuration calls the original unchanged.
+- 0.5.17's `load_batch` derives `static_num_tokens` from `self._pad_to_bucket`
+  once, before the buffer fill and `prepare()`. Instead of copying its 180-line
+  body, the replacement sets a `ContextVar` holding (live tokens, admitted
+  bucket) around the original call, and a `_pad_to_bucket` override on the
+  subclass returns that bucket for that size (else the base implementation). A
+  ContextVar (not a runner attribute) keeps concurrent or nested calls in other
+  threads/tasks from seeing each other's bucket, and is reset in `finally`.
+  The fork patch thus stays short: one staticmethod, two small methods, and the
+  original `load_batch`/`can_run_graph` kept as `_ext_orig_*`.
+- Counters per runner (admitted, admitted with a larger bucket, rejected for no
+  fit, rejected for an unknown layout, padding rows added over the smallest
+  bucket, total padding rows) are registered with `sglang_ext.graphs.stats`.
+
+Deviation from upstream: a `load_batch` under CP BCG that was not admitted by
+`can_run_graph` on the same forward batch raises (upstream recomputes).
+
+Retire when: upstream stores the admitted bucket with the batch instead of
+recomputing it at replay (still recomputed in 0.5.23) and the minimum supported
+sglang has the fit search (>= 0.5.18).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextvars
+from typing import Any, Dict, Optional, Sequence
+
+from sglang.srt.layers.cp.base import get_cp_strategy
+from sglang.srt.layers.cp.padding import get_cp_padding_align_size
+from sglang.srt.layers.cp.utils import is_cp_v2_active
+from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
+
+from sglang_ext.graphs import stats as ext_graph_stats
+from sglang_ext.graphs.buckets import BucketDecision, select_bucket
+
+# Name under which graph-cache counters show up in `doctor` / stats snapshots.
+PREFILL_CP_BUCKET_STATS_NAME = "prefill_cp_bucket"
+
+# (live tokens, admitted bucket) while PrefillCudaGraphRunner.load_batch runs a CP batch.
+_EXT_ADMITTED_PREFILL_BUCKET: contextvars.ContextVar = contextvars.ContextVar(
+    "sglang_ext_admitted_prefill_bucket", default=None
+)
+
+
+# --------------------------------------------------------------------------
+# sglang.srt.layers.cp.bcg.PrefillCPBCGInput
+# --------------------------------------------------------------------------
+
+
+def zigzag_required_local_rows(extend_seq_lens: Sequence[Any], cp_size: int, align_size: int) -> int:
+    """Aligned CP-local rows the busiest rank needs for this zigzag layout.
+
+    Each request is cut into 2*cp blocks of `base` rows, the first `rem` blocks
+    one row longer; rank r owns blocks r and 2*cp-1-r. Summed over requests,
+    rank r holds 2*sum(base) + #(rem > r) + #(rem > 2*cp-1-r) rows, so one sort
+    of the remainders replaces upstream's per-request, per-rank loop.
+    """
+    if not isinstance(extend_seq_lens, (list, tuple)):
+        extend_seq_lens = [int(length) for length in extend_seq_lens]  # CPU tensor / array
+    segments = 2 * cp_size
+    remainders = sorted([length % segments for length in extend_seq_lens])
+    total_base = (sum(extend_seq_lens) - sum(remainders)) // segments
+    both = 2 * len(remainders)
+    busiest = max(
+        both - bisect.bisect_right(remainders, rank) - bisect.bisect_right(remainders, segments - 1 - rank)
+        for rank in range(cp_size)
+    )
+    needed = 2 * total_base + busiest
+    return int((needed + align_size - 1) // align_size * align_size)
+
+
+def select_fitting_bucket(
+    bucket_local_tokens: Dict[int, int],
+    num_tokens: int,
+    required: int,
+    capture_num_tokens: Sequence[int],
+    max_padding_factor: float,
+) -> BucketDecision:
+    """`select_bucket` over the captured buckets the padding factor allows.
+
+    Only that window is handed over (the rest cannot qualify), so validating the
+    candidates costs O(window), not O(all captured sizes), per batch.
+    """
+    lo = bisect.bisect_left(capture_num_tokens, num_tokens)
+    hi = bisect.bisect_right(capture_num_tokens, num_tokens * max_padding_factor)
+    return select_bucket(
+        num_tokens,
+        capture_num_tokens[lo:hi],
+        max_padding_factor=max_padding_factor,
+        capacity=bucket_local_tokens,
+        required=required,
+    )
+
+
+def required_local_tokens(self, extend_seq_lens: Any) -> Optional[int]:
+    """Aligned CP-local rows a live zigzag layout needs (max over ranks); None if unknown."""
+    strategy = get_cp_strategy()
+    if not isinstance(strategy, ZigzagCPStrategy) or extend_seq_lens is None:
+        return None
+    return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size, get_cp_padding_align_size())
+
+
+def replay_bucket_decision(
+    self,
+    *,
+    num_tokens: int,
+    extend_seq_lens: Any,
+    capture_num_tokens: Sequence[int],
+    max_padding_factor: float,
+) -> Optional[BucketDecision]:
+    """The whole decision for one batch; None when the layout's requirement is unknown."""
+    required = self.required_local_tokens(extend_seq_lens)
+    if required is None:
+        return None
+    return select_fitting_bucket(
+        self.bucket_local_tokens, num_tokens, required, capture_num_tokens, max_padding_factor
+    )
+
+
+def select_replay_bucket(
+    self,
+    *,
+    num_tokens: int,
+    required_local_tokens: int,
+    capture_num_tokens: Sequence[int],
+    max_padding_factor: float,
+) -> Optional[int]:
+    """Smallest captured global bucket within the padding factor whose CP-local rows fit."""
+    return select_fitting_bucket(
+        self.bucket_local_tokens, num_tokens, required_local_tokens, capture_num_tokens, max_padding_factor
+    ).bucket
+
+
+def select_replay_bucket_for_batch(
+    self,
+    *,
+    num_tokens: int,
+    extend_seq_lens: Any,
+    capture_num_tokens: Sequence[int],
+    max_padding_factor: float,
+) -> Optional[int]:
+    """`select_replay_bucket` for a batch's extend lengths; None -> run eager."""
+    decision = self.replay_bucket_decision(
+        num_tokens=num_tokens,
+        extend_seq_lens=extend_seq_lens,
+        capture_num_tokens=capture_num_tokens,
+        max_padding_factor=max_padding_factor,
+    )
+    return None if decision is None else decision.bucket
+
+
+def patch_bcg(ctx, module) -> None:
+    cls = module.PrefillCPBCGInput
+    for fn in (required_local_tokens, replay_bucket_decision, select_replay_bucket, select_replay_bucket_for_batch):
+        ctx.transplant_method(cls, fn)
+
+
+# --------------------------------------------------------------------------
+# sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner
+# --------------------------------------------------------------------------
+
+
+class PrefillCPBucketCounters:
+    """What the CP bucket search did in one runner (see `sglang_ext.graphs.stats`)."""
+
+    __slots__ = (
+        "__weakref__",
+        "admitted",
+        "admitted_larger_bucket",
+        "rejected_no_fit",
+        "rejected_unknown_layout",
+        "padding_rows_added",
+        "padding_rows_total",
+        "stats_name",
+    )
+
+    def __init__(self) -> None:
+        self.admitted = 0
+        # a bucket above the smallest one >= live tokens, because that one lacked CP-local rows
+        self.admitted_larger_bucket = 0
+        self.rejected_no_fit = 0
+        self.rejected_unknown_layout = 0  # non-zigzag strategy or no CPU extend lengths
+        # rows padded beyond what the smallest bucket >= live tokens would have padded
+        self.padding_rows_added = 0
+        self.padding_rows_total = 0
+        self.stats_name = ""  # set on registration; the stats registry may add a suffix
+
+    def count(self, decision: Optional[BucketDecision], capture_num_tokens: Sequence[int]) -> None:
+        if decision is None:
+            self.rejected_unknown_layout += 1
+            return
+        if decision.bucket is None:
+            self.rejected_no_fit += 1
+            return
+        self.admitted += 1
+        self.padding_rows_total += decision.padding
+        smallest = capture_num_tokens[bisect.bisect_left(capture_num_tokens, decision.live_size)]
+        if decision.bucket > smallest:
+            self.admitted_larger_bucket += 1
+            self.padding_rows_added += decision.bucket - smallest
+
+    def as_dict(self) -> Dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__ if name not in ("__weakref__", "stats_name")}
+
+
+def prefill_cp_bucket_counters(runner) -> PrefillCPBucketCounters:
+    """The runner's counters, created (and registered for stats) on first use."""
+    counters = runner.__dict__.get("_ext_prefill_cp_bucket_counters")
+    if counters is None:
+        counters = PrefillCPBucketCounters()
+        runner._ext_prefill_cp_bucket_counters = counters
+        # held weakly (bound method): a dead runner's counters leave the snapshot
+        counters.stats_name = ext_graph_stats.register(PREFILL_CP_BUCKET_STATS_NAME, counters.as_dict)
+    return counters
+
+
+def can_run_graph(self, forward_batch) -> bool:
+    admitted = self._ext_orig_can_run_graph(forward_batch)
+    if not (getattr(self, "enable_cp_v2_bcg_capture", False) and is_cp_v2_active(forward_batch)):
+        return admitted
+    decision = None
+    if admitted:
+        assert self.prefill_cp_bcg_input is not None
+        decision = self.prefill_cp_bcg_input.replay_bucket_decision(
+            num_tokens=len(forward_batch.input_ids),
+            extend_seq_lens=forward_batch.extend_seq_lens_cpu,
+            capture_num_tokens=self.capture_num_tokens,
+            max_padding_factor=_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR,
+        )
+        prefill_cp_bucket_counters(self).count(decision, self.capture_num_tokens)
+    # Made once here; load_batch replays exactly this bucket (or refuses).
+    forward_batch.prefill_cp_bucket_decision = decision
+    return decision is not None and decision.fits
+
+
+def load_batch(self, forward_batch, **kwargs):
+    if not (getattr(self, "enable_cp_v2_bcg_capture", False) and is_cp_v2_active(forward_batch)):
+        return self._ext_orig_load_batch(forward_batch, **kwargs)
+    num_tokens = len(forward_batch.input_ids)
+    decision = getattr(forward_batch, "prefill_cp_bucket_decision", None)
+    if decision is None or not decision.fits or decision.live_size != num_tokens:
+        raise RuntimeError(admission_missing_message(decision, num_tokens))
+    token = _EXT_ADMITTED_PREFILL_BUCKET.set((num_tokens, decision.bucket))
+    try:
+        return self._ext_orig_load_batch(forward_batch, **kwargs)
+    finally:
+        _EXT_ADMITTED_PREFILL_BUCKET.reset(token)
+
+
+def admission_missing_message(decision: Optional[BucketDecision], num_tokens: int) -> str:
+    prefix = f"Prefill CP CUDA graph replay of a {num_tokens}-token batch "
+    if decision is None:
+        return (prefix + "has no admission decision: can_run_graph() must admit this forward batch "
+                "(and find a bucket with enough CP-local rows) before load_batch()")
+    if not decision.fits:
+        return (prefix + f"was rejected at admission: no captured bucket has {decision.required} "
+                "CP-local rows within the padding limit; it must run eager")
+    return (prefix + f"carries a decision made for {decision.live_size} tokens "
+            f"(bucket {decision.bucket}); the batch changed after can_run_graph()")
+
+
+def _pad_to_bucket(raw_size, buckets):
+    """Base bucket rounding, except inside a CP load_batch: the admitted bucket."""
+    admitted = _EXT_ADMITTED_PREFILL_BUCKET.get()
+    if admitted is not None and admitted[0] == raw_size:
+        return admitted[1]
+    return BaseCudaGraphRunner._pad_to_bucket(raw_size, buckets)
+
+
+def patch_prefill_runner(ctx, module) -> None:
+    cls = module.PrefillCudaGraphRunner
+    # The replacements call the originals under a distinct name (no closures: adapter rule 3).
+    ctx.setattr(cls, "_ext_orig_can_run_graph", cls.__dict__["can_run_graph"])
+    ctx.setattr(cls, "_ext_orig_load_batch", cls.__dict__["load_batch"])
+    ctx.transplant_method(cls, can_run_graph)
+    ctx.transplant_method(cls, load_batch)
+    ctx.transplant_method(cls, _pad_to_bucket, kind="staticmethod")

@@ -1,0 +1,392 @@
+"""Prefill context-parallel graph bucket search on sglang 0.5.17 (patch prefill_cp_bucket).
+
+Real sglang 0.5.17 classes throughout: a minimal `PrefillCudaGraphRunner` built with
+`__new__` (as upstream's test does), the real zigzag strategy (`init_cp_strategy`), the
+real per-rank parallel state (`get_parallel().override`). Only the GPU side (buffer
+registry) is replaced by a recorder. The first four tests port upstream's
+`TestPrefillCPBCGReplay` (sgl-project/sglang#33906); the load_batch test admits the
+batch first, because this port decides once at admission and refuses a replay
+that was never admitted.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest.mock import patch
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang.srt.layers.cp.base import init_cp_strategy
+from sglang.srt.layers.cp.bcg import PrefillCPBCGInput
+from sglang.srt.layers.cp.utils import prepare_cp_forward
+from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+from sglang.srt.runtime_context import get_parallel
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from sglang_ext.registry import PATCH_NAMES
+
+register_cpu_ci(est_time=40, suite="base-a-test-cpu")
+
+from conftest import plugin_only  # noqa: E402  (test/registered/conftest.py)
+
+THIS_PATCH = "prefill_cp_bucket"
+ALIGN = 8
+OVERFLOW_LENS = [1534, 161, 353]  # 2048 tokens; needs 513 rows on rank 0 -> 520 aligned
+
+
+def zigzag(cp_size: int) -> None:
+    init_cp_strategy(SimpleNamespace(enable_prefill_cp=True, attn_cp_size=cp_size, cp_strategy="zigzag"))
+
+
+def no_cp() -> None:
+    init_cp_strategy(SimpleNamespace(enable_prefill_cp=False, attn_cp_size=1, cp_strategy="zigzag"))
+
+
+@pytest.fixture
+def cp_patch(ext_patches, monkeypatch):
+    """This patch applied strictly through the real activation path; CP v2 on; no strategy after."""
+    monkeypatch.setenv("SGLANG_ENABLE_CP_V2", "1")
+    statuses = ext_patches(disable=",".join(n for n in PATCH_NAMES if n != THIS_PATCH))
+    if statuses:  # plugin mode (the patched tree returns {})
+        assert statuses[THIS_PATCH].state == "applied", statuses[THIS_PATCH]
+    yield statuses
+    no_cp()
+
+
+class StopAfterRecordingFill(Exception):
+    pass
+
+
+class RecordingRegistry:
+    """Stands in for the GPU buffer registry: records the padding target, then stops load_batch."""
+
+    def __init__(self):
+        self.padded_num_tokens = None
+
+    def fill_from(self, _source, **kwargs):
+        self.padded_num_tokens = kwargs["padded_num_tokens"]
+        raise StopAfterRecordingFill
+
+
+def make_runner(capture_num_tokens=(2048, 2304), bucket_local_tokens=None, cp_bcg=True):
+    runner = PrefillCudaGraphRunner.__new__(PrefillCudaGraphRunner)
+    runner._is_full_backend = False
+    runner.enable_lora = False
+    runner._capture_chunked_prefix = False
+    runner.prefill_backend_name = Backend.TC_PIECEWISE
+    runner.has_mha_companion_layers = False
+    runner.capture_hidden_mode = CaptureHiddenMode.NULL
+    runner.capture_num_tokens = list(capture_num_tokens)
+    runner.max_num_tokens = capture_num_tokens[-1]
+    runner.enable_cp_v2_bcg_capture = cp_bcg
+    runner.prefill_cp_bcg_input = PrefillCPBCGInput(
+        input_embeds=torch.empty(0),
+        positions=torch.empty(0),
+        bucket_local_tokens=dict(bucket_local_tokens or {}),
+    )
+    runner.buffer_registry = RecordingRegistry()
+    return runner
+
+
+def make_forward_batch(extend_seq_lens=OVERFLOW_LENS, num_tokens=None):
+    num_tokens = sum(extend_seq_lens) if num_tokens is None else num_tokens
+    return SimpleNamespace(
+        batch_size=len(extend_seq_lens),
+        input_embeds=None,
+        replace_embeds=None,
+        mm_inputs=None,
+        forward_mode=ForwardMode.EXTEND,
+        capture_hidden_mode=CaptureHiddenMode.NULL,
+        global_num_tokens_cpu=None,
+        return_logprob=False,
+        input_ids=list(range(num_tokens)),
+        seq_lens_cpu=list(extend_seq_lens),
+        extend_seq_lens_cpu=list(extend_seq_lens),
+        extend_prefix_lens_cpu=[0] * len(extend_seq_lens),
+    )
+
+
+def padded_by_load_batch(runner, forward_batch):
+    """What load_batch pads to (the recorder stops it right after the buffer fill)."""
+    with pytest.raises(StopAfterRecordingFill):
+        runner.load_batch(forward_batch)
+    return runner.buffer_registry.padded_num_tokens
+
+
+def align8(*, create=False):
+    """Upstream's way of fixing the CP align size; create=True only where the patch is rolled back."""
+    return patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=ALIGN, create=create)
+
+
+# --------------------------------------------------------------------------- upstream's four
+
+
+def test_local_capacity_overflow_uses_next_capture_bucket(cp_patch):
+    runner = make_runner((2048, 2304, 2560), {2048: 512, 2304: 576, 2560: 640})
+    zigzag(4)
+    with align8():
+        selected = []
+        for cp_rank in range(4):
+            with get_parallel().override(attn_cp_rank=cp_rank, attn_cp_size=4):
+                selected.append(
+                    runner.prefill_cp_bcg_input.select_replay_bucket_for_batch(
+                        num_tokens=2048,
+                        extend_seq_lens=OVERFLOW_LENS,
+                        capture_num_tokens=runner.capture_num_tokens,
+                        max_padding_factor=2,
+                    )
+                )
+        assert selected == [2304, 2304, 2304, 2304]
+        with get_parallel().override(attn_cp_rank=0, attn_cp_size=4):
+            assert runner.can_run_graph(make_forward_batch()) is True
+
+
+def test_bucket_search_preserves_two_x_padding_limit(cp_patch):
+    runner = make_runner((2048, 2304), {2048: 512, 2304: 576})
+    assert (
+        runner.prefill_cp_bcg_input.select_replay_bucket(
+            num_tokens=1024, required_local_tokens=520, capture_num_tokens=runner.capture_num_tokens, max_padding_factor=2
+        )
+        is None
+    )
+    # the same requirement is met once the live size makes 2304 legal (<= 2x)
+    assert (
+        runner.prefill_cp_bcg_input.select_replay_bucket(
+            num_tokens=1152, required_local_tokens=520, capture_num_tokens=runner.capture_num_tokens, max_padding_factor=2
+        )
+        == 2304
+    )
+
+
+def test_bucket_search_falls_back_when_no_capture_has_capacity(cp_patch):
+    runner = make_runner((2048, 2304), {2048: 512, 2304: 516})
+    zigzag(4)
+    forward_batch = make_forward_batch()
+    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+        assert runner.can_run_graph(forward_batch) is False
+        # the rejection is remembered: a replay of this batch refuses instead of padding
+        with pytest.raises(RuntimeError, match="rejected at admission"):
+            runner.load_batch(forward_batch)
+    assert runner.buffer_registry.padded_num_tokens is None
+
+
+def test_load_batch_pads_to_admitted_larger_bucket(cp_patch):
+    runner = make_runner((2048, 2304), {2048: 512, 2304: 576})
+    zigzag(4)
+    forward_batch = make_forward_batch()
+    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+        assert runner.can_run_graph(forward_batch)
+        decision = forward_batch.prefill_cp_bucket_decision
+        assert (decision.live_size, decision.bucket, decision.required, decision.capacity) == (2048, 2304, 520, 576)
+        assert padded_by_load_batch(runner, forward_batch) == 2304
+        # the bucket override is scoped to that call: the base rounding is back afterwards
+        assert PrefillCudaGraphRunner._pad_to_bucket(2048, [2048, 2304]) == 2048
+
+
+# --------------------------------------------------------------------------- beyond upstream
+
+
+def test_all_ranks_admit_the_same_bucket_and_match_real_zigzag_rows(cp_patch):
+    """Every rank decides alike, and the requirement equals what 0.5.17's prepare builds."""
+    runner = make_runner((2048, 2304, 2560), {2048: 512, 2304: 576, 2560: 640})
+    zigzag(4)
+    decisions, built_rows = [], []
+    with align8(), patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN):
+        for cp_rank in range(4):
+            with get_parallel().override(attn_cp_rank=cp_rank, attn_cp_size=4):
+                forward_batch = make_forward_batch()
+                assert runner.can_run_graph(forward_batch)
+                decisions.append(forward_batch.prefill_cp_bucket_decision)
+                forward_batch.attn_cp_metadata = None
+                forward_batch.out_cache_loc = None
+                prepare_cp_forward(forward_batch)  # real zigzag split + physical padding
+                built_rows.append(max(forward_batch.attn_cp_metadata.per_rank_actual_token))
+    assert len(set(decisions)) == 1, decisions
+    assert decisions[0].bucket == 2304
+    assert built_rows == [decisions[0].required] * 4 == [520] * 4
+
+
+def test_replay_without_admission_raises_clearly(cp_patch):
+    runner = make_runner((2048, 2304), {2048: 512, 2304: 576})
+    zigzag(4)
+    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+        with pytest.raises(RuntimeError, match="no admission decision"):
+            runner.load_batch(make_forward_batch())
+        assert runner.buffer_registry.padded_num_tokens is None
+
+        # a decision made for another token count is not reused
+        forward_batch = make_forward_batch()
+        assert runner.can_run_graph(forward_batch)
+        forward_batch.input_ids = list(range(2040))
+        forward_batch.extend_seq_lens_cpu = [1534, 161, 345]
+        with pytest.raises(RuntimeError, match="decision made for 2048 tokens"):
+            runner.load_batch(forward_batch)
+        assert runner.buffer_registry.padded_num_tokens is None
+
+
+def test_non_zigzag_layout_unknown_runs_eager(cp_patch):
+    runner = make_runner((2048, 2304), {2048: 512, 2304: 576})
+    zigzag(4)
+    forward_batch = make_forward_batch()
+    forward_batch.extend_seq_lens_cpu = None  # no CPU lengths: requirement unknown
+    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+        assert runner.prefill_cp_bcg_input.required_local_tokens(None) is None
+        assert runner.can_run_graph(forward_batch) is False
+        assert forward_batch.prefill_cp_bucket_decision is None
+
+
+def test_counters_reach_graph_stats(cp_patch):
+    from sglang_ext.adapters.prefill_cp_bucket import PREFILL_CP_BUCKET_STATS_NAME
+    from sglang_ext.graphs import stats
+
+    runner = make_runner((2048, 2304, 4096), {2048: 512, 2304: 576, 4096: 1024})
+    zigzag(4)
+    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+        assert runner.can_run_graph(make_forward_batch())  # 2304 instead of 2048
+        assert runner.can_run_graph(make_forward_batch([1024, 1024]))  # fits 2048
+        runner.prefill_cp_bcg_input.bucket_local_tokens = {2048: 512}
+        assert not runner.can_run_graph(make_forward_batch())  # nothing fits
+        fb = make_forward_batch()
+        fb.extend_seq_lens_cpu = None
+        assert not runner.can_run_graph(fb)
+    name = runner._ext_prefill_cp_bucket_counters.stats_name  # may carry a suffix: other runners live
+    assert name.split("#")[0] == PREFILL_CP_BUCKET_STATS_NAME
+    snap = stats.snapshot()[name]
+    assert snap == {
+        "admitted": 2,
+        "admitted_larger_bucket": 1,
+        "rejected_no_fit": 1,
+        "rejected_unknown_layout": 1,
+        "padding_rows_added": 256,
+        "padding_rows_total": 256,
+    }
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except StopAfterRecordingFill:
+        return ("padded",)
+    except Exception as exc:  # noqa: BLE001 - comparing failures too
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def _non_cp_observations():
+    """can_run_graph and load_batch outcomes over configurations that must not change."""
+    seen = []
+    configs = [
+        # (cp_bcg flag, CP strategy, CP v2 env)
+        (False, None, "1"),
+        (False, 4, "1"),  # CP strategy but this runner captured no CP body
+        (True, 4, "0"),  # CP BCG captured, but CP v2 off: batch not CP-active
+        (True, None, "1"),  # no CP strategy bound
+    ]
+    for cp_bcg, cp, env in configs:
+        with patch.dict("os.environ", {"SGLANG_ENABLE_CP_V2": env}):
+            zigzag(cp) if cp else no_cp()
+            for lens in ([1534, 161, 353], [1000], [3, 5], [2304], [2000, 300], [4000]):
+                runner = make_runner((2048, 2304, 4096), {2048: 512, 2304: 576, 4096: 1024}, cp_bcg=cp_bcg)
+                fb = make_forward_batch(lens)
+                with get_parallel().override(attn_cp_rank=1, attn_cp_size=4), align8(create=True):
+                    admitted = _outcome(lambda: runner.can_run_graph(fb))
+                    loaded = _outcome(lambda: runner.load_batch(fb))
+                seen.append((cp_bcg, cp, env, tuple(lens), admitted, loaded, runner.buffer_registry.padded_num_tokens,
+                             sorted(vars(fb))))
+    no_cp()
+    return seen
+
+
+@plugin_only
+def test_non_cp_configurations_behave_as_unpatched(cp_patch):
+    from sglang_ext import activation
+
+    patched = _non_cp_observations()
+    activation.deactivate()
+    assert not hasattr(PrefillCPBCGInput, "select_replay_bucket")  # really unpatched now
+    unpatched = _non_cp_observations()
+    assert patched == unpatched
+    # the comparison covered admitted and padded batches, not only refusals
+    assert any(obs[4] == ("ok", True) and obs[5] == ("padded",) for obs in patched)
+    assert any(obs[4] == ("ok", False) for obs in patched)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+def upstream_required_rows(lens, cp_size, align):
+    """Reference: upstream's per-request, per-rank loop (PR #33906)."""
+    segments = cp_size * 2
+    per_rank = [0] * cp_size
+    for length in lens:
+        base, rem = divmod(length, segments)
+        for rank in range(cp_size):
+            per_rank[rank] += base * 2 + int(rank < rem) + int(segments - 1 - rank < rem)
+    return (max(per_rank) + align - 1) // align * align
+
+
+@st.composite
+def cp_cases(draw):
+    cp_size = draw(st.sampled_from([2, 4, 8]))
+    lens = draw(st.lists(st.integers(2 * cp_size, 3000), min_size=1, max_size=24))
+    align = draw(st.sampled_from([1, cp_size, 2 * cp_size, 8]))
+    buckets = sorted(draw(st.sets(st.integers(16, 40000), min_size=1, max_size=12)))
+    capacity = {b: draw(st.integers(0, b)) for b in buckets if draw(st.booleans()) or b == buckets[0]}
+    factor = draw(st.sampled_from([1, 1.5, 2, 4]))
+    return cp_size, lens, align, buckets, capacity, factor
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cp_cases())
+def test_selection_properties(cp_patch, case):
+    cp_size, lens, align, buckets, capacity, factor = case
+    live = sum(lens)
+    zigzag(cp_size)
+    cp_input = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0), bucket_local_tokens=capacity)
+    with patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=align):
+        per_rank = []
+        for rank in range(cp_size):
+            with get_parallel().override(attn_cp_rank=rank, attn_cp_size=cp_size):
+                required = cp_input.required_local_tokens(lens)
+                chosen = cp_input.select_replay_bucket_for_batch(
+                    num_tokens=live, extend_seq_lens=lens, capture_num_tokens=buckets, max_padding_factor=factor
+                )
+                per_rank.append((required, chosen))
+    assert len(set(per_rank)) == 1  # rank-independent
+    required, chosen = per_rank[0]
+    assert required == upstream_required_rows(lens, cp_size, align)
+    fitting = [b for b in buckets if live <= b <= live * factor and capacity.get(b, -1) >= required]
+    if chosen is None:
+        assert fitting == []
+    else:
+        assert chosen >= live
+        assert chosen <= live * factor
+        assert capacity[chosen] >= required
+        assert chosen == min(fitting)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    cp_size=st.sampled_from([2, 4, 8]),
+    lens=st.lists(st.integers(16, 2000), min_size=1, max_size=8),
+    seq_split=st.booleans(),
+)
+def test_requirement_equals_rows_prepare_builds(cp_patch, cp_size, lens, seq_split):
+    """required_local_tokens == max physical rows of 0.5.17's real zigzag metadata, on every rank."""
+    align = 2 * cp_size if seq_split else cp_size
+    zigzag(cp_size)
+    cp_input = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0))
+    with patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=align), patch(
+        "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=align
+    ):
+        for rank in range(cp_size):
+            with get_parallel().override(attn_cp_rank=rank, attn_cp_size=cp_size):
+                fb = make_forward_batch(lens)
+                fb.attn_cp_metadata = None
+                fb.out_cache_loc = None
+                prepare_cp_forward(fb)
+                assert max(fb.attn_cp_metadata.per_rank_actual_token) == cp_input.required_local_tokens(lens)
