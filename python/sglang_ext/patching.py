@@ -215,11 +215,20 @@ def _install_finder() -> None:
 # sglang_ext.graphs) are added to the target module, recorded like any swap.
 
 import builtins as _builtins
+import dis as _dis
 import types as _types
+
+_GLOBAL_NAME_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
 
 
 def _code_names(code: _types.CodeType) -> set:
-    names = set(code.co_names)
+    """Global names `code` (and nested code) reads or writes.
+
+    Only global-name instructions count: `co_names` also holds attribute names,
+    so `self.replay()` in a replacement would otherwise copy an adapter function
+    named `replay` into the target module as a stray global.
+    """
+    names = {ins.argval for ins in _dis.get_instructions(code) if ins.opname in _GLOBAL_NAME_OPS}
     for const in code.co_consts:
         if isinstance(const, _types.CodeType):
             names |= _code_names(const)
