@@ -161,6 +161,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("pi05_graph_min_hits", "int", 1,
          "Anti-thrash admission for Pi0.5 graphs: capture a signature after this many sightings.",
          minimum=1),
+    Knob("pi05_fused_denoise", "bool", False,
+         "Opt-in: capture all denoise steps of a Pi0.5 request (including the x_t update) as "
+         "one CUDA graph: one replay per request instead of one per step."),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

@@ -62,6 +62,9 @@ _QWEN3 = "sglang.srt.models.qwen3_vl"
 _BCG = "sglang.srt.layers.cp.bcg"
 _PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 _MG = "sglang.multimodal_gen.runtime"
+_PI05_CORE = f"{_MG}.models.vlas.pi05_core"
+_PI05_POLICY = f"{_MG}.models.vlas.pi05_policy"
+_VLA_STAGES = f"{_MG}.pipelines_core.stages.vla"
 
 PATCHES: Tuple[PatchSpec, ...] = (
     PatchSpec(
@@ -117,6 +120,38 @@ PATCHES: Tuple[PatchSpec, ...] = (
         upstream_equivalent=True,
         retire_when="the minimum supported sglang loads sglang.multimodal_gen.plugins in workers (>= 0.5.21)",
         process="multimodal_gen launcher",
+    ),
+    PatchSpec(
+        name="pi05_graphs",
+        summary="Pi0.5 prefix and action-denoise CUDA graphs with bounded caches (exact / bucket LRU), "
+        "denoise layout hoisted, capturable masked prefixes, K/V refresh keyed by context generation, "
+        "opt-in fused denoise loop",
+        targets=T(f"{_MG}.vla.denoise_cuda_graph", "VLADenoiseGraphRunner", "VLADenoiseGraphSignature",
+                  "_CapturedDenoiseGraph", "_copy_prefix_context_")
+        + T(f"{_MG}.vla.prefix_cache", "PrefixContext", "VLADensePrefixCache")
+        + T(_PI05_CORE, "create_sinusoidal_pos_embedding", "make_att_2d_masks", "trim_trailing_padding_tokens",
+            "Pi05CoreModel.prepare_attention_masks_4d", "Pi05CoreModel.embed_prefix",
+            "Pi05CoreModel.embed_suffix", "Pi05CoreModel.encode_prefix", "Pi05CoreModel.denoise_step")
+        + T(_PI05_POLICY, "Pi05ActionExpert.forward", "Pi05PolicyModel.__init__",
+            "Pi05PolicyModel.build_prefix_cache_key", "Pi05PolicyModel.encode_prefix",
+            "Pi05PolicyModel.denoise_step", "Pi05PolicyModel.sample_actions",
+            "Pi05PolicyModel._prefix_language_model", "Pi05PolicyModel._materialize_prefix_kv_for_action")
+        + T(_VLA_STAGES, "_grouped_fingerprint", "VLAPrefixEncodingStage.forward",
+            "VLAPrefixEncodingStage.run_grouped_requests", "VLAPrefixEncodingStage.get_cached_context"),
+        parts=(
+            Part(f"{_MG}.vla.denoise_cuda_graph", "sglang_ext.adapters.pi05_graphs:patch_graph_module"),
+            Part(_PI05_CORE, "sglang_ext.adapters.pi05_graphs:patch_core"),
+            Part(_PI05_POLICY, "sglang_ext.adapters.pi05_graphs:patch_policy"),
+            Part(_VLA_STAGES, "sglang_ext.adapters.pi05_graphs:patch_stages"),
+        ),
+        rebinds=(f"{_PI05_POLICY}.VLADenoiseGraphRunner", f"{_PI05_POLICY}.VLADenoiseGraphSignature",
+                 f"{_MG}.vla.denoise_cuda_graph (module alias of {_MG}.vla.cuda_graph)"),
+        upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
+        upstream_since="0.5.19",
+        upstream_equivalent=False,  # upstream keys the K/V refresh on id(), syncs after prefix replay
+        retire_when="upstream keys the action-graph K/V refresh on something id()-free and the minimum "
+        "supported sglang has vla/cuda_graph.py (>= 0.5.19)",
+        process="multimodal_gen worker",
     ),
 )
 
