@@ -65,6 +65,10 @@ _MG = "sglang.multimodal_gen.runtime"
 _PI05_CORE = f"{_MG}.models.vlas.pi05_core"
 _PI05_POLICY = f"{_MG}.models.vlas.pi05_policy"
 _VLA_STAGES = f"{_MG}.pipelines_core.stages.vla"
+_MG_LINEAR = f"{_MG}.layers.linear"
+_MG_CONFIGS = "sglang.multimodal_gen.configs.pipeline_configs"
+_PI05_CONFIG = f"{_MG_CONFIGS}.pi05"
+_VLA_PROTOCOL = f"{_MG}.entrypoints.vla.protocol"
 
 PATCHES: Tuple[PatchSpec, ...] = (
     PatchSpec(
@@ -152,6 +156,56 @@ PATCHES: Tuple[PatchSpec, ...] = (
         retire_when="upstream keys the action-graph K/V refresh on something id()-free and the minimum "
         "supported sglang has vla/cuda_graph.py (>= 0.5.19)",
         process="multimodal_gen worker",
+    ),
+    PatchSpec(
+        name="pi05_merged_linear",
+        summary="MergedReplicatedLinear (one packed weight, one GEMM, shard-aware weight_loader); "
+        "non-TP PiGemma Q/K/V and gate/up use it; separate-tensor checkpoints still load",
+        targets=T(_MG_LINEAR, "ReplicatedLinear", "adjust_scalar_to_fused_array")
+        + T(_PI05_CORE, "PiGemmaMLP", "PiGemmaAttention", "linear_forward")
+        # separate q/k/v and gate/up checkpoint tensors reach the packed shards through these
+        + T(_PI05_POLICY, "Pi05PolicyModel._FUSED_WEIGHT_MAPPINGS", "Pi05PolicyModel._candidate_target_weights",
+            "Pi05PolicyModel._resolve_target_weight", "Pi05PolicyModel._load_tensor_to_target"),
+        parts=(
+            Part(_MG_LINEAR, "sglang_ext.adapters.pi05_merged_linear:patch_linear"),
+            Part(_PI05_CORE, "sglang_ext.adapters.pi05_gemma_mlp:patch_pi05_core"),
+            Part(_PI05_CORE, "sglang_ext.adapters.pi05_gemma_attention:patch_pi05_core"),
+        ),
+        rebinds=(f"{_PI05_CORE}.MergedReplicatedLinear (new global used by the patched __init__s)",),
+        upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
+        upstream_since="0.5.19",
+        upstream_equivalent=True,
+        retire_when="the minimum supported sglang has MergedReplicatedLinear (>= 0.5.19)",
+        process="multimodal_gen worker",
+    ),
+    PatchSpec(
+        name="pi05_config",
+        summary="Pi0.5 graph config fields (prompt_token_buckets, prefix/action graph capacities) validated "
+        "at start-up, misspelled graph keys rejected, --ext-pi05-* overrides; prompt_bucketing module; "
+        "action metadata reports graph availability",
+        targets=T(_PI05_CONFIG, "Pi05PipelineConfig")
+        + T(f"{_MG_CONFIGS}.base", "PipelineConfig.update_pipeline_config", "PipelineConfig.check_pipeline_config")
+        + T(_VLA_PROTOCOL, "action_metadata")
+        + T(f"{_MG}.entrypoints.vla.api", "action_metadata_endpoint"),
+        parts=(
+            Part(_PI05_CONFIG, "sglang_ext.adapters.pi05_config:patch_pipeline_config"),
+            Part(f"{_MG}.vla", "sglang_ext.adapters.pi05_config:install_prompt_bucketing"),
+            Part(_VLA_PROTOCOL, "sglang_ext.adapters.pi05_action_metadata:patch_protocol"),
+            Part(f"{_MG}.entrypoints.vla.api", "sglang_ext.adapters.pi05_action_metadata:rebind_action_metadata"),
+            Part(f"{_MG}.entrypoints.vla.ws_utils",
+                 "sglang_ext.adapters.pi05_action_metadata:rebind_action_metadata"),
+        ),
+        rebinds=(f"{_MG}.entrypoints.vla.api.action_metadata", f"{_MG}.entrypoints.vla.ws_utils.action_metadata",
+                 f"{_MG}.vla.prompt_bucketing (new module)",
+                 f"{_MG}.entrypoints.action.protocol (module alias of {_VLA_PROTOCOL})"),
+        upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
+        upstream_since="0.5.19",
+        upstream_equivalent=False,  # upstream ignores misspelled graph keys in update_pipeline_config
+        retire_when="the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects "
+        "misspelled pipeline config keys",
+        # The config is built in the launcher (ServerArgs) and pickled into the workers; the
+        # metadata is served by the HTTP process.
+        process="multimodal_gen launcher, HTTP server and worker",
     ),
 )
 

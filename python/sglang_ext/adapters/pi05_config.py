@@ -1,0 +1,246 @@
+"""Pi0.5 graph settings on `Pi05PipelineConfig`, validated; prompt bucketing module.
+
+Target symbols:
+    sglang.multimodal_gen.configs.pipeline_configs.pi05.Pi05PipelineConfig
+        (adds dataclass fields enable_prefix_cuda_graph, prompt_token_buckets,
+        prefix_cuda_graph_max_entries, action_cuda_graph_max_entries; adds
+        __post_init__, _validate_cuda_graph_config, check_pipeline_config,
+        prefix_cuda_graph_available, action_cuda_graph_available,
+        update_pipeline_config; wraps the dataclass __init__)
+    sglang.multimodal_gen.configs.pipeline_configs.base.PipelineConfig
+        .update_pipeline_config / .check_pipeline_config (called, unchanged)
+    new module sglang.multimodal_gen.runtime.vla.prompt_bucketing
+sglang versions: 0.5.17 (fingerprint-gated; 0.5.19 has fields and module upstream).
+Upstream PR: the Pi0.5 bounded-graph PR released in 0.5.19 (supersedes #34588).
+
+Why: the bounded prefix/action graph caches and opt-in prompt buckets need
+their settings on the pipeline config (upstream names, so upstream tests and
+configs work), checked at start-up: a bad bucket list would otherwise surface
+as a wrong graph signature or a shape error mid-request. 0.5.17's
+`update_pipeline_config` silently drops unknown JSON keys, so a typo such as
+`prompt_token_bucket` would silently leave bucket mode off.
+
+How: the fields are added to the existing class in place, not by a subclass:
+- a subclass would have to be rebound in five places (the module, the
+  pipeline_configs package, `_CONFIG_REGISTRY`, `_PIPELINE_CONFIG_REGISTRY`,
+  `Pi05Pipeline.pipeline_config_cls`) before the first config is built, and the
+  config instance is pickled into spawned workers, where the subclass only
+  exists if sglang-ext is active there too;
+- in place, the class object stays the same: `isinstance`, the registries and
+  pickling are unaffected (an instance's fields travel in its `__dict__`), and
+  upstream's `Pi05PipelineConfig(prompt_token_buckets=[...])` and
+  `update_pipeline_config({...})` work because `dataclasses.fields()` reads
+  `__dataclass_fields__`, which gets the four `Field`s (declared once below on
+  `_Pi05GraphConfigFields`), and the wrapped `__init__` accepts them.
+  Class-level defaults cover instances that were unpickled from a process
+  without the patch.
+- `__post_init__` (which 0.5.17's `update_pipeline_config` already calls) applies
+  the `--ext-pi05-*` knob overrides, then validates; `check_pipeline_config`
+  (called by ServerArgs) validates again. Rules (upstream's, plus integer type
+  checks on the capacities): buckets are integers (not bool), positive, strictly
+  increasing and unique, the last <= max_token_len; capacities are integers
+  (not bool) >= 0. Each error is a ValueError naming the field (and the knob
+  when a knob set the value).
+- Unknown JSON keys: `update_pipeline_config` rejects keys that look like a
+  graph setting (close to a Pi0.5 graph key, or containing `cuda_graph` /
+  `token_bucket`) with ExtConfigError; other unknown keys stay ignored as on
+  0.5.17, because configs written for newer sglang releases carry keys 0.5.17
+  does not know and must keep loading.
+
+Fork form (patches/): the four fields in the dataclass body and the methods;
+the `__init__` wrapper and `__dataclass_fields__` edits only exist because a
+live dataclass cannot gain fields otherwise.
+
+Retire when: the minimum supported sglang is >= 0.5.19 (fields, validation and
+module upstream); the misspelled-key check has no upstream equivalent.
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from dataclasses import MISSING, dataclass, field, fields
+
+from sglang_ext import knobs as _ext_knobs
+from sglang_ext.errors import ExtConfigError
+from sglang_ext.patching import install_module
+
+
+@dataclass
+class _Pi05GraphConfigFields:
+    """The dataclass fields upstream 0.5.19 has and 0.5.17 lacks (upstream defaults)."""
+
+    enable_prefix_cuda_graph: bool = True
+    # Opt-in prompt buckets shared by prefix and action CUDA graphs. Padding
+    # changes reduction shapes, so exact prompt lengths remain the default.
+    prompt_token_buckets: list[int] = field(default_factory=list)
+    prefix_cuda_graph_max_entries: int = 1
+    action_cuda_graph_max_entries: int = 4
+
+
+_EXT_PI05_GRAPH_FIELDS = fields(_Pi05GraphConfigFields)
+
+# Keys a misspelling is checked against: the new fields and 0.5.17's action flag.
+_EXT_PI05_GRAPH_KEYS = tuple(f.name for f in _EXT_PI05_GRAPH_FIELDS) + ("enable_action_cuda_graph",)
+
+# config field -> knob that overrides it ("-1" / empty = keep the config value).
+_EXT_PI05_GRAPH_KNOBS = (
+    ("prefix_cuda_graph_max_entries", "pi05_prefix_graph_max_entries"),
+    ("action_cuda_graph_max_entries", "pi05_action_graph_max_entries"),
+    ("prompt_token_buckets", "pi05_prompt_token_buckets"),
+)
+
+
+def _ext_is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _ext_apply_pi05_graph_knobs(config) -> list:
+    """Apply `--ext-pi05-*` overrides; return 'field (from flag / env)' for each applied."""
+    applied = []
+    for field_name, knob_name in _EXT_PI05_GRAPH_KNOBS:
+        value = _ext_knobs.current(knob_name)
+        if value == -1 or value == ():
+            continue
+        setattr(config, field_name, list(value) if isinstance(value, tuple) else value)
+        knob = _ext_knobs.knob(knob_name)
+        applied.append(f"{field_name} (from {knob.flag} / {knob.env})")
+    return applied
+
+
+def _ext_reject_misspelled_graph_keys(config, source_pipeline_dict) -> None:
+    known = {f.name for f in fields(config)}
+    for key in source_pipeline_dict:
+        if not isinstance(key, str) or key in known:
+            continue
+        close = difflib.get_close_matches(key, _EXT_PI05_GRAPH_KEYS, n=1, cutoff=0.8)
+        if close or "cuda_graph" in key or "token_bucket" in key:
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ExtConfigError(
+                f"unknown Pi0.5 pipeline config key {key!r}: {hint}"
+                f"allowed graph keys: {', '.join(_EXT_PI05_GRAPH_KEYS)}"
+            )
+
+
+# ---- methods installed on Pi05PipelineConfig ----
+
+
+def __init__(self, *args, **kwargs):
+    # The generated 0.5.17 __init__ knows neither the new fields nor __post_init__.
+    for graph_field in _EXT_PI05_GRAPH_FIELDS:
+        if graph_field.name in kwargs:
+            value = kwargs.pop(graph_field.name)
+        elif graph_field.default_factory is not MISSING:
+            value = graph_field.default_factory()
+        else:
+            value = graph_field.default
+        setattr(self, graph_field.name, value)
+    self._ext_orig___init__(*args, **kwargs)
+    self.__post_init__()
+
+
+def __post_init__(self) -> None:
+    overrides = _ext_apply_pi05_graph_knobs(self)
+    try:
+        self._validate_cuda_graph_config()
+    except ValueError as exc:
+        if not overrides:
+            raise
+        raise ValueError(f"{exc}; overridden: {', '.join(overrides)}") from exc
+
+
+def _validate_cuda_graph_config(self) -> None:
+    raw = self.prompt_token_buckets
+    if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
+        raise ValueError(f"prompt_token_buckets must contain integers, got {raw!r}")
+    buckets = list(raw)
+    for index, bucket in enumerate(buckets):
+        if not _ext_is_int(bucket):
+            raise ValueError(
+                f"prompt_token_buckets must contain integers (not bool), got {bucket!r} at index {index}"
+            )
+        if bucket <= 0:
+            raise ValueError(f"prompt_token_buckets must contain positive lengths, got {bucket} at index {index}")
+        if index and bucket <= buckets[index - 1]:
+            raise ValueError(
+                f"prompt_token_buckets must be strictly increasing and unique, got {buckets} "
+                f"({bucket} at index {index} follows {buckets[index - 1]})"
+            )
+    if buckets and buckets[-1] > self.max_token_len:
+        raise ValueError(f"prompt_token_buckets cannot exceed max_token_len ({self.max_token_len}), got {buckets[-1]}")
+    for name in ("prefix_cuda_graph_max_entries", "action_cuda_graph_max_entries"):
+        value = getattr(self, name)
+        if not _ext_is_int(value):
+            raise ValueError(f"{name} must be an integer (not bool), got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be non-negative (0 disables these graphs), got {value}")
+        setattr(self, name, int(value))
+    self.prompt_token_buckets = [int(bucket) for bucket in buckets]
+
+
+def check_pipeline_config(self) -> None:
+    PipelineConfig.check_pipeline_config(self)
+    self._validate_cuda_graph_config()
+
+
+def update_pipeline_config(self, source_pipeline_dict) -> None:
+    _ext_reject_misspelled_graph_keys(self, source_pipeline_dict)
+    PipelineConfig.update_pipeline_config(self, source_pipeline_dict)
+
+
+def prefix_cuda_graph_available(self) -> bool:
+    return bool(
+        self.enable_prefix_cuda_graph
+        and self.prefix_cuda_graph_max_entries > 0
+        and not any(
+            (
+                self.offload_prefix_image_encoder,
+                self.offload_prefix_image_encoder_after_embed,
+                self.offload_prefix_token_embedding,
+                self.offload_prefix_language_layers,
+                self.offload_prefix_language_layers_after_prefix,
+                self.offload_prefix_language_layer_count_after_prefix > 0,
+                self.empty_cache_after_prefix,
+            )
+        )
+    )
+
+
+def action_cuda_graph_available(self) -> bool:
+    return bool(
+        self.enable_action_cuda_graph
+        and self.action_cuda_graph_max_entries > 0
+        and not self.offload_action_expert_after_denoise
+    )
+
+
+# ---- parts ----
+
+
+def patch_pipeline_config(ctx, module) -> None:
+    """Part for `sglang.multimodal_gen.configs.pipeline_configs.pi05`."""
+    cls = module.Pi05PipelineConfig
+    for graph_field in _EXT_PI05_GRAPH_FIELDS:
+        ctx.setitem(cls.__dataclass_fields__, graph_field.name, graph_field)
+        # Class-level fallback for instances that never ran the wrapped __init__
+        # (unpickled from a process without the patch); a tuple, never a shared list.
+        fallback = () if graph_field.default_factory is not MISSING else graph_field.default
+        ctx.setattr(cls, graph_field.name, fallback)
+    ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
+    ctx.transplant_method(cls, __init__)
+    for method in (
+        __post_init__,
+        _validate_cuda_graph_config,
+        check_pipeline_config,
+        update_pipeline_config,
+        prefix_cuda_graph_available,
+        action_cuda_graph_available,
+    ):
+        ctx.transplant_method(cls, method)
+
+
+def install_prompt_bucketing(ctx, module) -> None:
+    """Part for `sglang.multimodal_gen.runtime.vla`: add the upstream prompt_bucketing module."""
+    from sglang_ext.upstream.multimodal_gen.runtime.vla import prompt_bucketing
+
+    install_module(ctx, f"{module.__name__}.prompt_bucketing", prompt_bucketing)
