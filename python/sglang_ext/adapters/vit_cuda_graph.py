@@ -1,0 +1,638 @@
+"""ViT CUDA graphs keyed by attention layout, bounded, workspace-stable, never wrong.
+
+Target symbols:
+    sglang.srt.multimodal.vit_cuda_graph_runner.ViTCudaGraphRunner (methods patched
+        in place: _get_graph_key, _sequence_layout_key, _get_sin_cos_ws, _create_graph,
+        create_graph, replay, run; added: _retired_sin_cos_ws (property) and _ext_* helpers)
+    sglang.srt.models.qwen2_5_vl.Qwen2_5_VisionTransformer.forward_with_cuda_graph
+    sglang.srt.models.qwen3_vl.Qwen3VLMoeVisionModel.forward_with_cuda_graph
+        (inherited by qwen3_omni_moe.Qwen3OmniMoeVisionEncoder)
+sglang versions: 0.5.17 (fingerprint-gated). 0.5.19+ carry upstream's layout key, which
+is still unbounded (see "Retire when").
+Upstream PR: sgl-project/sglang#37043 (first released in 0.5.19).
+
+Why: 0.5.17 keys ViT graphs by token count only. Two batches with equal token count
+and different image boundaries replay the first batch's `cu_seqlens` and baked
+`max_seqlen`: silently wrong embeddings. Growing the rotary sin/cos workspace moves
+it while older graphs keep reading the old (freed, reusable) address. Upstream's fix
+keeps every layout's graph forever (each in a private pool), never frees retired
+workspaces, syncs GPU->CPU when no layout key is passed, has no eager fallback and
+returns the graph-owned output buffer for Qwen3.
+
+How:
+- Key = `GraphKey(num_tokens, layout=(full-attention cu_seqlens, window cu_seqlens))`
+  as Python ints, built by the two model methods from CPU metadata (grid_thw, the
+  window index list, the CPU cu_seqlens of `_prepare_graph_inputs`) and passed as
+  upstream's `attention_layout_key`. Device tensors are then built from the same ints,
+  so the key always describes the data.
+- `_get_graph_key(x_3d)` with one argument returns the token count (what 0.5.17's
+  NPU subclass expects; it keeps its own state). With CPU cu_seqlens it builds the
+  key from them; with device cu_seqlens and no key it raises `DeviceSyncError`
+  (never a hidden sync).
+- `run()` without any CPU layout (e.g. a caller passing only CUDA cu_seqlens, as
+  upstream's GPU unit test does) runs the tower EAGER: no sync, no graph, counted as
+  `fallback_no_cpu_layout`. Eager uses max_seqlen = token count, an upper bound;
+  the triton vision kernel (kernels/ops/attention/prefill_attention.py) uses it only
+  as a grid bound (programs past a sequence's length load nothing and store
+  nothing), so the output is exact. Chosen over refusing (would break callers that
+  work on 0.5.17) and over syncing (the point of the fix).
+- Capacity: one `BoundedGraphCache` per runner (knobs vit_graph_max_entries,
+  _max_bytes, _policy, _min_hits, read when the runner is first used). LRU eviction
+  resets the graph and drops its buffers before the next capture. All captures go
+  into sglang's process-wide graph pool (`get_or_create_global_graph_memory_pool`),
+  so graph memory stays flat however many layouts come and go. Graphs sharing a pool
+  may overwrite each other's intermediates, which is safe here because each replay's
+  output is copied out before anything else runs on the stream (see ownership).
+- Bytes per graph are the buffers a graph holds exclusively (input, attention
+  workspace, output, rotary slice, cu_seqlens): computed from shapes, so every TP
+  rank sees the same numbers and makes the same admission/eviction decisions.
+  Intermediates are shared through the pool and not counted per graph.
+- Eager fallback (over capacity, warming up, quarantined after a failed capture,
+  capacity 0, no CPU layout): the same blocks and merger, given
+  `forward_metadata=prepare_vision_attention_metadata(..., max_seqlen=<from the CPU
+  layout>)`, which the vision attention backends take in preference to the graph
+  path (vision.py: `if forward_metadata is not None`). Same kernels, same max_seqlen:
+  the result equals the graph's. Blocks whose forward takes no `forward_metadata`
+  get the graph-form arguments with a fresh `output_ws` instead.
+- A capture that raises quarantines the key (eager from then on). Non-data-parallel
+  encoders capture inside the TP custom all-reduce capture context, as 0.5.17 does;
+  the capture outcome is then agreed over the TP CPU group (one tiny gloo all-reduce
+  per capture, never per replay) so a rank-local failure (e.g. OOM on one rank) makes
+  every rank drop the graph: graph and eager all-reduces never mix across ranks.
+- Rotary sin/cos: each graph leases `[:seq_len]` slices from a `StableWorkspacePool`
+  (per head_dim); growth allocates a new backing buffer, existing slices never move,
+  a backing is freed once no live graph leases it. Upstream's
+  `_get_sin_cos_ws(graph_key, seq_len, head_dim)` returns the key's stable slices;
+  `_retired_sin_cos_ws` lists the retired backings still leased (freed ones vanish).
+- Ownership: `replay()` returns an owned tensor: `index_select` (Qwen2.5, as 0.5.17)
+  or a clone (Qwen3: 0.5.17 returned `block_output[key]`, which mm_utils' embedding
+  cache may keep while a later replay of the same key, or of any graph sharing the
+  pool, overwrites it).
+- In-place patching: methods are replaced on the class, so runners built before
+  activation, the `qwen2_5_vl` / `qwen3_vl` module globals, `qwen3_vl.graph_runners_dict`
+  (whose default factory returns the same class object) and the NPU subclass all see
+  the new code; new state is created lazily on a runner's first use.
+- Counters (hits, misses, captures, evictions, fallbacks by reason, resident graphs
+  and bytes) are registered with `sglang_ext.graphs.stats` per runner.
+
+Not done: the opt-in layout-class mode (`--ext-vit-graph-mode class`) is accepted by
+the knob but runs as `layout` mode; see `_ext_graph_mode`.
+
+Deviation from upstream: a direct `_get_graph_key(x, cuda_cu_seqlens, ...)` call
+without a key raises instead of syncing; `create_graph` stores device copies of
+cu_seqlens owned by the graph (upstream keeps the caller's tensors by reference).
+
+Retire when: upstream bounds the ViT graph count with eviction, frees retired rotary
+workspaces, returns owned outputs and never syncs on the key path (all still open in
+0.5.23).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from contextlib import nullcontext
+from typing import Any, Dict, Hashable, List, Optional, Tuple
+
+import torch
+
+from sglang_ext import knobs as ext_knobs
+from sglang_ext.graphs import stats as ext_graph_stats
+from sglang_ext.graphs.cache import BoundedGraphCache
+from sglang_ext.graphs.keys import (
+    DeviceSyncError,
+    GraphKey,
+    cpu_ints,
+    cumulative_lengths,
+    dedup_consecutive,
+    grid_thw_lengths,
+)
+from sglang_ext.graphs.workspace import StableWorkspacePool
+
+_ext_vit_logger = logging.getLogger("sglang_ext.vit_cuda_graph")
+
+# Fallback reasons, as counted per runner.
+_EXT_VIT_FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed")
+
+
+# ---------------------------------------------------------------------------
+# Helpers (module-level: transplanted into the runner module with the methods)
+# ---------------------------------------------------------------------------
+
+
+def _ext_vit_layout_ints(values, field):
+    """CPU layout as a tuple of ints; None for None; DeviceSyncError for device tensors."""
+    if values is None:
+        return None
+    return cpu_ints(values, field=field)
+
+
+def _ext_vit_max_len(layout):
+    """Longest sequence of a cumulative layout (0 for an empty one)."""
+    if not layout or len(layout) < 2:
+        return 0
+    return max(b - a for a, b in zip(layout, layout[1:]))
+
+
+def _ext_vit_is_device_tensor(value):
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+
+
+# ---------------------------------------------------------------------------
+# ViTCudaGraphRunner methods
+# ---------------------------------------------------------------------------
+
+
+def _ext_ensure_state(self):
+    """Create the sglang-ext state on first use (also for runners built before activation)."""
+    if "_ext_cache" in self.__dict__:
+        return
+    policy = ext_knobs.current("vit_graph_policy")
+    self._ext_cache = BoundedGraphCache(
+        "vit_cuda_graph",
+        ext_knobs.current("vit_graph_max_entries"),
+        policy=policy,
+        max_bytes=ext_knobs.current("vit_graph_max_bytes"),
+        min_hits=ext_knobs.current("vit_graph_min_hits"),
+        release=self._ext_release_graph,
+    )
+    self._ext_mode = ext_knobs.current("vit_graph_mode")
+    self._ext_rotary_pools = {}
+    self._ext_rotary_leases = {}
+    self._ext_rotary_current = {}
+    self._sin_cos_ws_by_graph = {}
+    self._ext_graph_bytes = {}
+    self._ext_max_lens = {}
+    self._ext_fallbacks = {reason: 0 for reason in _EXT_VIT_FALLBACK_REASONS}
+    blocks = getattr(self.vit, "blocks", None) or [None]
+    forward = getattr(blocks[0], "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    self._ext_blk_accepts_metadata = "forward_metadata" in params
+    self._ext_stats_name = f"vit_cuda_graph:{type(self.vit).__name__}@{id(self):x}"
+    ext_graph_stats.register(self._ext_stats_name, self._ext_graph_info)
+
+
+def _ext_graph_info(self):
+    """Counters for `sglang-ext doctor` / periodic debug logs."""
+    info = self._ext_cache.info().as_dict()
+    info["mode"] = self._ext_mode
+    info["resident_graphs"] = len(self._ext_cache)
+    info["fallbacks"] = sum(self._ext_fallbacks.values())
+    for reason, count in self._ext_fallbacks.items():
+        info[f"fallback_{reason}"] = count
+    info["rotary_backing_buffers"] = sum(p.backing_buffers for p in self._ext_rotary_pools.values())
+    info["rotary_bytes"] = sum(p.bytes_allocated for p in self._ext_rotary_pools.values())
+    return info
+
+
+def _ext_release_graph(self, entry):
+    """Drop everything one graph holds (cache release callback: exactly once per cache entry).
+
+    `entry` is `(graph_key, graph)`; a stale entry (its key since re-captured) only resets its graph.
+    """
+    graph_key, graph = entry
+    if self.block_graphs.get(graph_key) is graph:
+        self._ext_drop_graph_state(graph_key)
+    elif graph is not None:
+        graph.reset()
+
+
+def _ext_drop_graph_state(self, graph_key):
+    graph = self.block_graphs.pop(graph_key, None)
+    if graph is not None:
+        try:
+            graph.reset()
+        except Exception as exc:  # noqa: BLE001 - a half-captured graph must not mask the capture error
+            _ext_vit_logger.debug("reset of ViT graph %s failed: %s", graph_key, exc)
+    for table in (self.block_input, self.block_ws, self.block_output, self.cu_full_len,
+                  self.cu_window_len, self.cu_full_len_kk, self.cu_window_len_kk):
+        table.pop(graph_key, None)
+    self._ext_graph_bytes.pop(graph_key, None)
+    self._ext_max_lens.pop(graph_key, None)
+    self._sin_cos_ws_by_graph.pop(graph_key, None)
+    lease = self._ext_rotary_leases.pop(graph_key, None)
+    if lease is not None:
+        lease.release()
+
+
+def _sequence_layout_key(cu_seqlens):
+    """Upstream's name; CPU values only (a device tensor raises DeviceSyncError, never syncs)."""
+    return _ext_vit_layout_ints(cu_seqlens, "cu_seqlens")
+
+
+def _get_graph_key(self, x_3d, cu_seqlens=None, cu_window_seqlens=None, attention_layout_key=None):
+    """Include attention boundaries so equal-length batches stay distinct.
+
+    One argument (0.5.17's NPU subclass): the token count, as before.
+    """
+    num_tokens = int(x_3d.shape[0])
+    if attention_layout_key is None:
+        if cu_seqlens is None and cu_window_seqlens is None:
+            return num_tokens
+        attention_layout_key = (
+            _ext_vit_layout_ints(cu_seqlens, "cu_seqlens"),
+            _ext_vit_layout_ints(cu_window_seqlens, "cu_window_seqlens"),
+        )
+    full, window = attention_layout_key
+    full = None if full is None else tuple(int(v) for v in full)
+    window = None if window is None else tuple(int(v) for v in window)
+    return GraphKey(num_tokens, layout=(full, window))
+
+
+def _get_sin_cos_ws(self, graph_key, seq_len, head_dim):
+    """Return the stable rotary buffers captured by one graph (leased until the graph is released)."""
+    self._ext_ensure_state()
+    cached = self._sin_cos_ws_by_graph.get(graph_key)
+    if cached is not None:
+        return cached
+    pool = self._ext_rotary_pools.get(head_dim)
+    if pool is None:
+        pool = StableWorkspacePool(f"vit_rotary_hd{head_dim}", dtype=self.dtype, device=self.device)
+        self._ext_rotary_pools[head_dim] = pool
+    lease = pool.lease(graph_key, seq_len, (head_dim,), count=2)
+    self._ext_rotary_leases[graph_key] = lease
+    self._sin_cos_ws_by_graph[graph_key] = tuple(lease.tensors)
+    # A lease always comes from the pool's current buffer: remember which one that is.
+    self._ext_rotary_current[head_dim] = lease.tensors[0].untyped_storage().data_ptr()
+    self.sin_cos_ws = self._sin_cos_ws_by_graph[graph_key]  # 0.5.17's name: the newest slices
+    return self._sin_cos_ws_by_graph[graph_key]
+
+
+def _retired_sin_cos_ws(self):
+    """Retired rotary backings still leased by a live graph, one (cos, sin) each; freed ones drop out."""
+    leases = self.__dict__.get("_ext_rotary_leases") or {}
+    current = self.__dict__.get("_ext_rotary_current") or {}
+    retired = {}
+    for lease in leases.values():
+        cos, sin = lease.tensors
+        backing = cos.untyped_storage().data_ptr()
+        if current.get(cos.shape[-1]) != backing:
+            retired.setdefault(backing, (cos, sin))
+    return list(retired.values())
+
+
+def _ext_graph_pool(self):
+    from sglang.srt.model_executor.runner_utils.pool import get_or_create_global_graph_memory_pool
+
+    return get_or_create_global_graph_memory_pool(torch.cuda)
+
+
+def _ext_capture_agreed(self, ok):
+    """All TP ranks keep a graph only if every rank captured it (DP encoders capture rank-locally)."""
+    if getattr(self.vit, "use_data_parallel", False):
+        return ok
+    group = get_tp_group()
+    if getattr(group, "world_size", 1) <= 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return bool(flag.item())
+
+
+def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None):
+    graph = torch.cuda.CUDAGraph()
+    vit = self.vit
+    max_full_len, max_window_len = self._ext_max_lens[graph_key]
+    cu_full = self.cu_full_len[graph_key]
+    cu_full_kk = self.cu_full_len_kk[graph_key]
+    if self._fullatt_block_indexes:
+        cu_window = self.cu_window_len[graph_key]
+        cu_window_kk = self.cu_window_len_kk[graph_key]
+    backend = self._attn_backend
+    if backend not in ("triton_attn", "fa3"):
+        raise RuntimeError(f"ViT CUDA graph does not support attention backend: {backend}")
+
+    def seqlens_arg(full):
+        if full:
+            cu, kk, max_len = cu_full, cu_full_kk, max_full_len
+        else:
+            cu, kk, max_len = cu_window, cu_window_kk, max_window_len
+        return [cu, kk, max_len] if backend == "triton_attn" else [cu, max_len]
+
+    rotary_kwargs = {}
+    if position_embeddings is not None:
+        rotary_kwargs["position_embeddings"] = position_embeddings
+    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
+        rotary_kwargs["rotary_pos_emb_cos"] = rotary_pos_emb_cos
+        rotary_kwargs["rotary_pos_emb_sin"] = rotary_pos_emb_sin
+
+    def block_is_full(layer_num):
+        return not self._fullatt_block_indexes or layer_num in self._fullatt_block_indexes
+
+    with torch.no_grad():
+        vit.blocks[0](self.block_input[graph_key], cu_seqlens=seqlens_arg(block_is_full(0)),
+                      output_ws=self.block_ws[graph_key], **rotary_kwargs)
+    torch.cuda.synchronize()
+
+    self.block_graphs[graph_key] = graph  # registered before capture: a failed capture is reset too
+    with self._capture_context(), torch.cuda.graph(graph, pool=self._ext_graph_pool()):
+        y = self.block_input[graph_key]
+        deepstack_outs = []
+        for layer_num, blk in enumerate(vit.blocks):
+            y = blk(y, cu_seqlens=seqlens_arg(block_is_full(layer_num)),
+                    output_ws=self.block_ws[graph_key], **rotary_kwargs)
+            if self._deepstack_visual_indexes and layer_num in self._deepstack_visual_indexes:
+                if self._deepstack_merger_list is None:
+                    raise RuntimeError("deepstack_visual_indexes exists but deepstack_merger_list is missing.")
+                deepstack_outs.append(self._deepstack_merger_list[len(deepstack_outs)](y))
+        main_out = vit.merger(y)
+        self.block_output[graph_key] = torch.cat([main_out] + deepstack_outs, dim=1) if deepstack_outs else main_out
+
+
+def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
+                 rotary_pos_emb_sin=None, attention_layout_key=None):
+    """Capture one graph for this layout (no admission check: `run` decides). Returns its key."""
+    self._ext_ensure_state()
+    graph_key = self._get_graph_key(x_3d, cu_seqlens, cu_window_seqlens, attention_layout_key)
+    if graph_key in self.block_graphs:
+        return graph_key
+    full_layout, window_layout = graph_key.layout
+    seq_len = graph_key.num_tokens
+    device = self.device
+    attn = self.vit.blocks[0].attn
+    try:
+        self.block_input[graph_key] = torch.empty_like(x_3d, device=device).contiguous()
+        self.block_ws[graph_key] = torch.empty(
+            seq_len, attn.num_attention_heads_per_partition, attn.head_size, device=device, dtype=self.dtype)
+        # Graph-owned copies: the graph reads these addresses at every replay.
+        cu_full = cu_seqlens.to(device=device, dtype=torch.int32).clone()
+        self.cu_full_len[graph_key] = cu_full
+        self.cu_full_len_kk[graph_key] = cu_full[1:] - cu_full[:-1]
+        if self._fullatt_block_indexes:
+            cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32).clone()
+            self.cu_window_len[graph_key] = cu_window
+            self.cu_window_len_kk[graph_key] = cu_window[1:] - cu_window[:-1]
+        self._ext_max_lens[graph_key] = (_ext_vit_max_len(full_layout), _ext_vit_max_len(window_layout))
+        self.block_input[graph_key].copy_(x_3d)
+        if position_embeddings is not None:
+            cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1])
+            cos_ws.copy_(position_embeddings[0])
+            sin_ws.copy_(position_embeddings[1])
+            self._create_graph(graph_key, position_embeddings=(cos_ws, sin_ws))
+        elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
+            cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1])
+            cos_ws.copy_(rotary_pos_emb_cos)
+            sin_ws.copy_(rotary_pos_emb_sin)
+            self._create_graph(graph_key, rotary_pos_emb_cos=cos_ws, rotary_pos_emb_sin=sin_ws)
+        else:
+            self._create_graph(graph_key)
+        captured = True
+    except Exception:
+        captured = False
+        if not self._ext_capture_agreed(False):
+            self._ext_drop_graph_state(graph_key)
+            raise
+    if not self._ext_capture_agreed(captured):
+        self._ext_drop_graph_state(graph_key)
+        raise RuntimeError(f"ViT CUDA graph capture for {graph_key} failed on another TP rank")
+    nbytes = sum(t.numel() * t.element_size() for t in (
+        self.block_input[graph_key], self.block_ws[graph_key], self.block_output[graph_key],
+        self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key]))
+    if self._fullatt_block_indexes:
+        nbytes += sum(t.numel() * t.element_size() for t in (
+            self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key]))
+    for t in self._sin_cos_ws_by_graph.get(graph_key, ()):
+        nbytes += t.numel() * t.element_size()
+    self._ext_graph_bytes[graph_key] = nbytes
+    # False (exact policy, over budget): the cache has already released the entry.
+    self._ext_cache.put(graph_key, (graph_key, self.block_graphs[graph_key]), nbytes=nbytes)
+    return graph_key
+
+
+def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None,
+           output_indices=None):
+    seq_len = graph_key.num_tokens if isinstance(graph_key, GraphKey) else int(graph_key)
+    if position_embeddings is not None:
+        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1])
+        cos_ws.copy_(position_embeddings[0])
+        sin_ws.copy_(position_embeddings[1])
+    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
+        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1])
+        cos_ws.copy_(rotary_pos_emb_cos)
+        sin_ws.copy_(rotary_pos_emb_sin)
+    self.block_input[graph_key].copy_(x_3d)
+    self.block_graphs[graph_key].replay()
+    out = self.block_output[graph_key]
+    # Owned result: the static output is rewritten by the next replay of this key
+    # (and may be by any graph sharing the pool).
+    if output_indices is not None:
+        return out.index_select(0, output_indices)
+    return out.clone()
+
+
+def _ext_expected_bytes(self, x_3d):
+    """Input + attention workspace bytes of a graph for x_3d (known before capturing)."""
+    attn = getattr(self.vit.blocks[0], "attn", None)
+    heads = getattr(attn, "num_attention_heads_per_partition", 0)
+    head_size = getattr(attn, "head_size", 0)
+    seq_len = int(x_3d.shape[0])
+    return x_3d.numel() * x_3d.element_size() + seq_len * heads * head_size * x_3d.element_size()
+
+
+def _ext_run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
+                   rotary_pos_emb_sin, output_indices, max_full_len, max_window_len):
+    """The captured computation, run eagerly through the same blocks (same kernels, same result)."""
+    from sglang.srt.layers.attention.vision import prepare_vision_attention_metadata
+
+    self._ext_ensure_state()
+    vit = self.vit
+    device = x_3d.device
+    backend = self._attn_backend
+    full_md = window_md = None
+    if self._ext_blk_accepts_metadata:
+        full_md = prepare_vision_attention_metadata(cu_seqlens, device=device, max_seqlen=max_full_len)
+        if self._fullatt_block_indexes:
+            window_md = prepare_vision_attention_metadata(cu_window_seqlens, device=device,
+                                                          max_seqlen=max_window_len)
+    else:
+        cu_full = cu_seqlens.to(device=device, dtype=torch.int32)
+        if self._fullatt_block_indexes:
+            cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32)
+
+    rotary_kwargs = {}
+    if position_embeddings is not None:
+        rotary_kwargs["position_embeddings"] = position_embeddings
+    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
+        rotary_kwargs["rotary_pos_emb_cos"] = rotary_pos_emb_cos
+        rotary_kwargs["rotary_pos_emb_sin"] = rotary_pos_emb_sin
+
+    y = x_3d
+    deepstack_outs = []
+    for layer_num, blk in enumerate(vit.blocks):
+        full = not self._fullatt_block_indexes or layer_num in self._fullatt_block_indexes
+        if self._ext_blk_accepts_metadata:
+            md = full_md if full else window_md
+            y = blk(y, cu_seqlens=md.cu_seqlens, forward_metadata=md, **rotary_kwargs)
+        else:
+            cu, max_len = (cu_full, max_full_len) if full else (cu_window, max_window_len)
+            seqlens = [cu, cu[1:] - cu[:-1], max_len] if backend != "fa3" else [cu, max_len]
+            attn = blk.attn
+            output_ws = torch.empty(y.shape[0], attn.num_attention_heads_per_partition, attn.head_size,
+                                    device=device, dtype=self.dtype)
+            y = blk(y, cu_seqlens=seqlens, output_ws=output_ws, **rotary_kwargs)
+        if self._deepstack_visual_indexes and layer_num in self._deepstack_visual_indexes:
+            deepstack_outs.append(self._deepstack_merger_list[len(deepstack_outs)](y))
+    out = vit.merger(y)
+    if deepstack_outs:
+        out = torch.cat([out] + deepstack_outs, dim=1)
+    if output_indices is not None:
+        out = out.index_select(0, output_indices)
+    return out
+
+
+def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
+        rotary_pos_emb_sin=None, output_indices=None, attention_layout_key=None):
+    self._ext_ensure_state()
+    x_3d = x.unsqueeze(1)  # [S, 1, H]
+    num_tokens = int(x_3d.shape[0])
+    graph_key = None
+    if attention_layout_key is not None or not (
+        _ext_vit_is_device_tensor(cu_seqlens) or _ext_vit_is_device_tensor(cu_window_seqlens)
+    ):
+        graph_key = self._get_graph_key(x_3d, cu_seqlens, cu_window_seqlens, attention_layout_key)
+    if not isinstance(graph_key, GraphKey):
+        max_full_len = max_window_len = num_tokens  # upper bound: exact for the triton kernel, no sync
+        reason = "no_cpu_layout"
+    else:
+        max_full_len = _ext_vit_max_len(graph_key.layout[0])
+        max_window_len = _ext_vit_max_len(graph_key.layout[1])
+        reason = None
+        if self._ext_cache.get(graph_key) is None:
+            admission = self._ext_cache.admit(graph_key, expected_bytes=self._ext_expected_bytes(x_3d))
+            if admission.capture:
+                try:
+                    self.create_graph(x_3d, cu_seqlens, cu_window_seqlens, position_embeddings,
+                                      rotary_pos_emb_cos, rotary_pos_emb_sin,
+                                      attention_layout_key=graph_key.layout)
+                except Exception as exc:  # noqa: BLE001 - the batch still gets a correct result
+                    self._ext_cache.fail(graph_key, exc)
+                    _ext_vit_logger.warning("ViT CUDA graph capture failed for %d tokens; running eager from now "
+                                            "on for this layout: %s: %s", num_tokens, type(exc).__name__, exc)
+                    reason = "capture_failed"
+                else:
+                    if graph_key not in self._ext_cache:  # exact policy: the capture did not fit the budget
+                        reason = "capacity"
+            else:
+                reason = admission.name.lower().replace("eager_", "")
+    ext_graph_stats.maybe_log(_ext_vit_logger, ext_knobs.current("stats_log_interval_s"))
+    if reason is not None:
+        self._ext_fallbacks[reason] += 1
+        return self._ext_run_eager(x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
+                                   rotary_pos_emb_sin, output_indices, max_full_len, max_window_len)
+    return self.replay(graph_key, x_3d, position_embeddings=position_embeddings,
+                       rotary_pos_emb_cos=rotary_pos_emb_cos, rotary_pos_emb_sin=rotary_pos_emb_sin,
+                       output_indices=output_indices)
+
+
+# ---------------------------------------------------------------------------
+# Model methods: build the key from CPU metadata, before any host-to-device copy
+# ---------------------------------------------------------------------------
+
+
+def _ext_vit_host_grid(grid_thw):
+    """grid_thw as CPU rows (0.5.17 already reads it on the host in get_window_index / rot_pos_emb)."""
+    if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
+        return grid_thw.cpu()
+    return grid_thw
+
+
+def forward_with_cuda_graph(self, x, grid_thw):
+    """Qwen2_5_VisionTransformer: 0.5.17's body, plus the attention layout key from CPU metadata."""
+    x = x.to(device=self.device, dtype=self.dtype)
+    x = self.patch_embed(x)
+    rotary_pos_emb = self.rot_pos_emb(grid_thw)
+
+    window_index, cu_window_list = self.get_window_index(grid_thw)
+    window_layout = dedup_consecutive(int(v) for v in cu_window_list)  # == torch.unique_consecutive
+    # Doubled leading zero, as 0.5.17's cu_seqlens has it.
+    full_layout = (0,) + cumulative_lengths(grid_thw_lengths(_ext_vit_host_grid(grid_thw)))
+    cu_window_seqlens = torch.tensor(window_layout, dtype=torch.int32).to(x.device, non_blocking=True)
+    cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
+
+    window_index = window_index.to(device=x.device)
+    reverse_indices = permute_inv(window_index)
+    rotary_pos_emb = rotary_pos_emb.to(device=x.device, dtype=x.dtype)
+
+    seq_len, _ = x.size()
+    x = x.reshape(seq_len // self.spatial_merge_unit, self.spatial_merge_unit, -1)
+    x = x[window_index, :, :]
+    x = x.reshape(seq_len, -1)
+    rotary_pos_emb = rotary_pos_emb.reshape(seq_len // self.spatial_merge_unit, self.spatial_merge_unit, -1)
+    rotary_pos_emb = rotary_pos_emb[window_index, :, :]
+    rotary_pos_emb = rotary_pos_emb.reshape(seq_len, -1)
+    emb = torch.cat((rotary_pos_emb, rotary_pos_emb), dim=-1)
+    position_embeddings = (emb.cos().to(x.device, x.dtype), emb.sin().to(x.device, x.dtype))
+
+    return self.cuda_graph_runner.run(
+        x=x,
+        position_embeddings=position_embeddings,
+        cu_seqlens=cu_seqlens,
+        cu_window_seqlens=cu_window_seqlens,
+        output_indices=reverse_indices,
+        attention_layout_key=(full_layout, window_layout),
+    )
+
+
+def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
+    """Qwen3VLMoeVisionModel.forward_with_cuda_graph (installed under that name)."""
+    x, cu_seqlens, rotary_pos_emb_cos, rotary_pos_emb_sin = self._prepare_graph_inputs(x, grid_thw)
+    # `_prepare_graph_inputs` returns host cu_seqlens (numpy -> CPU tensor): the key costs no sync.
+    full_layout = cpu_ints(cu_seqlens, field="cu_seqlens", allow_device_sync=True)
+    cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
+    return self.graph_runners.run(
+        x=x,
+        position_embeddings=None,
+        rotary_pos_emb_cos=rotary_pos_emb_cos,
+        rotary_pos_emb_sin=rotary_pos_emb_sin,
+        cu_seqlens=cu_seqlens,
+        cu_window_seqlens=None,
+        output_indices=None,
+        attention_layout_key=(full_layout, None),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Parts (registry: patch vit_cuda_graph)
+# ---------------------------------------------------------------------------
+
+_RUNNER_METHODS = (
+    _ext_ensure_state, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key, _get_sin_cos_ws,
+    _ext_graph_pool, _ext_capture_agreed, _create_graph, create_graph, replay, _ext_expected_bytes, _ext_run_eager, run,
+)
+
+
+def patch_runner(ctx, module) -> None:
+    cls = module.ViTCudaGraphRunner
+    for fn in _RUNNER_METHODS:
+        ctx.transplant_method(cls, fn)
+    ctx.transplant_method(cls, _sequence_layout_key, kind="staticmethod")
+    ctx.transplant_method(cls, _retired_sin_cos_ws, kind="property")
+
+
+def _check_runner_bindings(module) -> None:
+    """The model module must use the runner class this patch changed in place."""
+    import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
+
+    bound = getattr(module, "ViTCudaGraphRunner", None)
+    if bound is not runner_module.ViTCudaGraphRunner:
+        raise RuntimeError(f"{module.__name__}.ViTCudaGraphRunner is not "
+                           "sglang.srt.multimodal.vit_cuda_graph_runner.ViTCudaGraphRunner (rebound by someone else)")
+
+
+def patch_qwen2_5_vl(ctx, module) -> None:
+    _check_runner_bindings(module)
+    ctx.transplant_method(module.Qwen2_5_VisionTransformer, forward_with_cuda_graph)
+
+
+def patch_qwen3_vl(ctx, module) -> None:
+    _check_runner_bindings(module)
+    table = module.graph_runners_dict
+    for device_type, runner_cls in list(table.items()):
+        if device_type != "npu" and runner_cls is not module.ViTCudaGraphRunner:
+            raise RuntimeError(f"qwen3_vl.graph_runners_dict[{device_type!r}] is {runner_cls!r}, "
+                               "not the patched ViTCudaGraphRunner")
+    ctx.transplant_method(module.Qwen3VLMoeVisionModel, _ext_qwen3_forward_with_cuda_graph,
+                          name="forward_with_cuda_graph")

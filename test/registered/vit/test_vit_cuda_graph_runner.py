@@ -1,0 +1,603 @@
+"""ViT CUDA-graph runner on sglang 0.5.17 (patch vit_cuda_graph), on CPU.
+
+The first five tests port upstream's `test/registered/unit/multimodal/
+test_vit_cuda_graph_runner.py` (sgl-project/sglang#37043) unchanged in substance:
+they use sglang's real `ViTCudaGraphRunner`. The rest drive the real runner's
+capture/replay code with a recording fake of `torch.cuda.CUDAGraph` /
+`torch.cuda.graph`: a stub block registers a "kernel" (a thunk that recomputes its
+output IN PLACE from the tensors it was captured with) on the graph being captured,
+and `replay()` runs those thunks. So a replay sees exactly what a CUDA graph would:
+the captured tensor objects, whatever they now contain. The stub block's output
+depends on the sequence boundaries, the rotary values and (checked) max_seqlen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from types import SimpleNamespace
+from unittest.mock import patch
+
+import pytest
+import torch
+from torch import nn
+
+try:
+    from sglang.test.ci.ci_register import register_cpu_ci
+
+    register_cpu_ci(est_time=40, suite="base-a-test-cpu")
+except ImportError:  # pragma: no cover
+    pass
+
+import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
+from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+from conftest import plugin_only  # noqa: E402  (test/registered/conftest.py)
+from sglang_ext.graphs import stats
+from sglang_ext.graphs.keys import DeviceSyncError
+from sglang_ext.registry import PATCH_NAMES
+
+THIS_PATCH = "vit_cuda_graph"
+
+
+@pytest.fixture
+def vit_patch(ext_patches):
+    """Activate only this patch (strict, real activation path); returns activate(**knobs)."""
+
+    def activate(**knobs):
+        statuses = ext_patches(disable=",".join(n for n in PATCH_NAMES if n != THIS_PATCH), **knobs)
+        if statuses:  # plugin mode (the patched tree returns {})
+            assert statuses[THIS_PATCH].state == "applied", statuses[THIS_PATCH]
+        return statuses
+
+    return activate
+
+
+# ---------------------------------------------------------------------------
+# Upstream's tests (ported)
+# ---------------------------------------------------------------------------
+
+
+class _Block:
+    def forward(self, x):
+        return x
+
+
+def _runner(*, use_data_parallel: bool) -> ViTCudaGraphRunner:
+    vit = SimpleNamespace(
+        blocks=[_Block()],
+        deepstack_visual_indexes=[],
+        deepstack_merger_list=None,
+        use_data_parallel=use_data_parallel,
+    )
+    return ViTCudaGraphRunner(vit)
+
+
+def test_dp_vit_graph_capture_does_not_enter_tp_communication_capture(vit_patch):
+    vit_patch()
+    runner = _runner(use_data_parallel=True)
+    with patch(
+        "sglang.srt.multimodal.vit_cuda_graph_runner.get_tp_group",
+        side_effect=AssertionError("DP capture must be rank-local"),
+    ):
+        with runner._capture_context():
+            pass
+
+
+def test_non_dp_vit_graph_capture_uses_tp_communication_capture(vit_patch):
+    vit_patch()
+    entered = []
+
+    class Capture:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *args):
+            return False
+
+    group = SimpleNamespace(ca_comm=SimpleNamespace(capture=lambda: Capture()))
+    runner = _runner(use_data_parallel=False)
+    with patch("sglang.srt.multimodal.vit_cuda_graph_runner.get_tp_group", return_value=group):
+        with runner._capture_context():
+            pass
+    assert entered == [True]
+
+
+def test_vit_graph_runner_caches_resolved_backend_name(vit_patch):
+    vit_patch()
+
+    class Block:
+        attn = SimpleNamespace(qkv_backend_name="fa3", qkv_backend=object())
+
+        def forward(self, x, output_ws=None):
+            return x
+
+    runner = ViTCudaGraphRunner(SimpleNamespace(blocks=[Block()]))
+    assert runner._attn_backend == "fa3"
+
+
+def test_vit_graph_key_includes_full_and_window_attention_boundaries(vit_patch):
+    vit_patch()
+    runner = _runner(use_data_parallel=True)
+    x = torch.empty(8, 1, 4)
+    first = runner._get_graph_key(x, torch.tensor([0, 4, 8]), torch.tensor([0, 2, 4, 8]))
+    second = runner._get_graph_key(x, torch.tensor([0, 2, 8]), torch.tensor([0, 4, 6, 8]))
+    assert first != second
+
+
+def test_vit_graph_keeps_rotary_workspace_address_after_growth(vit_patch):
+    vit_patch()
+    runner = _runner(use_data_parallel=True)
+    runner.vit.device = torch.device("cpu")
+    runner.vit.dtype = torch.float32
+
+    small = runner._get_sin_cos_ws("small", seq_len=4, head_dim=2)
+    small_address = small[0].data_ptr()
+    runner._get_sin_cos_ws("large", seq_len=16, head_dim=2)
+
+    assert runner._get_sin_cos_ws("small", seq_len=4, head_dim=2)[0].data_ptr() == small_address
+    assert len(runner._retired_sin_cos_ws) == 1
+
+
+# ---------------------------------------------------------------------------
+# Keys
+# ---------------------------------------------------------------------------
+
+
+def test_graph_key_with_one_argument_is_the_token_count(vit_patch):
+    """0.5.17's NPU subclass calls `_get_graph_key(x_3d)` and sizes buffers with the result."""
+    vit_patch()
+    runner = _runner(use_data_parallel=True)
+    assert runner._get_graph_key(torch.empty(12, 1, 4)) == 12
+
+
+def test_graph_key_refuses_device_boundaries_instead_of_syncing(vit_patch):
+    vit_patch()
+    runner = _runner(use_data_parallel=True)
+    on_device = torch.tensor([0, 4, 8], device="meta")
+    with pytest.raises(DeviceSyncError, match="cu_seqlens"):
+        runner._get_graph_key(torch.empty(8, 1, 4), on_device, None)
+    # An explicit CPU layout key needs no tensor read at all.
+    by_key = runner._get_graph_key(torch.empty(8, 1, 4), on_device, None, attention_layout_key=((0, 4, 8), None))
+    assert by_key == runner._get_graph_key(torch.empty(8, 1, 4), torch.tensor([0, 4, 8]), None)
+
+
+def test_graph_key_same_tokens_same_layout_is_equal(vit_patch):
+    vit_patch()
+    runner = _runner(use_data_parallel=True)
+    x = torch.empty(8, 1, 4)
+    assert runner._get_graph_key(x, [0, 4, 8], [0, 2, 4, 8]) == runner._get_graph_key(
+        x, torch.tensor([0, 4, 8], dtype=torch.int32), (0, 2, 4, 8))
+    assert runner._get_graph_key(x, [0, 4, 8], None) != runner._get_graph_key(torch.empty(9, 1, 4), [0, 4, 9], None)
+
+
+# ---------------------------------------------------------------------------
+# A recording fake of CUDA graphs and a layout-sensitive stub tower
+# ---------------------------------------------------------------------------
+
+_CAPTURING: list = [None]
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: replays recorded in-place thunks."""
+
+    created: list = []
+
+    def __init__(self):
+        self.thunks = []
+        self.replays = 0
+        self.resets = 0
+        self.pool = None
+        FakeGraph.created.append(self)
+
+    def replay(self):
+        assert self.resets == 0, "replay of a graph that was reset"
+        for thunk in self.thunks:
+            thunk()
+        self.replays += 1
+
+    def reset(self):
+        self.resets += 1
+        self.thunks = []
+
+
+@contextlib.contextmanager
+def fake_capture(graph, pool=None, **kwargs):
+    graph.pool = pool
+    _CAPTURING[0] = graph
+    try:
+        yield
+    finally:
+        _CAPTURING[0] = None
+
+
+POOL = object()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CUDA graph API replaced by the recorder; sglang's global graph pool reset after the test."""
+    from sglang.srt.runtime_context import get_resources
+
+    FakeGraph.created = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: POOL)
+    monkeypatch.setattr(get_resources(), "graph_memory_pool", None)
+    return FakeGraph
+
+
+def _layout_compute(x, cu, max_seqlen, pos):
+    """Each token gets + (length of its sequence) + its rotary value; checks max_seqlen is an upper bound."""
+    seq_lens = cu[1:] - cu[:-1]
+    assert int(seq_lens.sum()) == x.shape[0], "boundaries do not cover the tokens"
+    assert max_seqlen >= int(seq_lens.max()), f"max_seqlen {max_seqlen} below the real {int(seq_lens.max())}"
+    owner_len = torch.repeat_interleave(seq_lens, seq_lens).to(x.dtype)
+    return x + owner_len.view(-1, 1, 1) + pos[: x.shape[0], :1].unsqueeze(1)
+
+
+class LayoutBlock(nn.Module):
+    """Graph-mode contract of sglang's vision blocks: list-form cu_seqlens + output_ws, or forward_metadata."""
+
+    def __init__(self, *, accepts_metadata: bool = True, fail_capture: bool = False):
+        super().__init__()
+        self.attn = SimpleNamespace(num_attention_heads_per_partition=1, head_size=1, qkv_backend_name="triton_attn")
+        self.fail_capture = fail_capture
+        self.calls = []
+        if not accepts_metadata:
+            self.forward = self._forward_without_metadata
+
+    def _forward_without_metadata(self, x, *, cu_seqlens, position_embeddings=None, rotary_pos_emb_cos=None,
+                                  rotary_pos_emb_sin=None, output_ws=None):
+        return LayoutBlock.forward(self, x, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                            rotary_pos_emb_cos=rotary_pos_emb_cos, rotary_pos_emb_sin=rotary_pos_emb_sin,
+                            output_ws=output_ws)
+
+    def forward(self, x, *, cu_seqlens, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None,
+                output_ws=None, forward_metadata=None):
+        graph = _CAPTURING[0]
+        if graph is not None and self.fail_capture:
+            raise RuntimeError("capture failed (test)")
+        pos = position_embeddings[0] if position_embeddings is not None else rotary_pos_emb_cos
+        if forward_metadata is not None:
+            cu, max_seqlen = forward_metadata.cu_seqlens, forward_metadata.max_seqlen
+            self.calls.append("metadata")
+        else:
+            assert isinstance(cu_seqlens, list) and output_ws is not None, "graph-mode call without graph arguments"
+            cu, max_seqlen = cu_seqlens[0], cu_seqlens[-1]
+            self.calls.append("capture" if graph is not None else "graph-form")
+        out = _layout_compute(x, cu, max_seqlen, pos)
+        if graph is not None:
+            graph.thunks.append(lambda: out.copy_(_layout_compute(x, cu, max_seqlen, pos)))
+        return out
+
+
+class SqueezeMerger(nn.Module):
+    def forward(self, x):
+        out = x.squeeze(1).clone()
+        graph = _CAPTURING[0]
+        if graph is not None:
+            graph.thunks.append(lambda: out.copy_(x.squeeze(1)))
+        return out
+
+
+class StubTower(nn.Module):
+    """Qwen2.5-like when `fullatt` is given (block 0 windowed, block 1 full), else Qwen3-like."""
+
+    def __init__(self, *, fullatt=(1,), use_data_parallel=True, **block_kwargs):
+        super().__init__()
+        self.blocks = nn.ModuleList([LayoutBlock(**block_kwargs), LayoutBlock(**block_kwargs)])
+        self.merger = SqueezeMerger()
+        if fullatt:
+            self.fullatt_block_indexes = list(fullatt)
+        self.use_data_parallel = use_data_parallel
+        self.deepstack_visual_indexes = []
+        self.deepstack_merger_list = None
+        self.max_context_len = None
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+
+def reference(tower, x, full, window, pos):
+    """What the tower computes, straight (no runner)."""
+    y = x.unsqueeze(1)
+    for i, _ in enumerate(tower.blocks):
+        use_full = not getattr(tower, "fullatt_block_indexes", None) or i in tower.fullatt_block_indexes
+        layout = torch.tensor(full if use_full or window is None else window)
+        y = _layout_compute(y, layout, 10**9, pos)
+    return y.squeeze(1)
+
+
+def random_layout(rng, total, pieces):
+    cuts = sorted(rng.sample(range(1, total), pieces - 1)) if pieces > 1 else []
+    return (0, *cuts, total)
+
+
+def call(runner, tokens, full, window=None, position=0.0, *, with_key=True, qwen3=False):
+    """One batch through the runner, as the patched model methods call it; returns (out, expected)."""
+    x = torch.arange(tokens, dtype=torch.float32).view(tokens, 1) * 0.5
+    pos = torch.full((tokens, 1), float(position))
+    kwargs = dict(attention_layout_key=(tuple(full), None if window is None else tuple(window))) if with_key else {}
+    cu = torch.tensor(full, dtype=torch.int32)
+    cu_window = None if window is None else torch.tensor(window, dtype=torch.int32)
+    if qwen3:
+        out = runner.run(x=x, cu_seqlens=cu, cu_window_seqlens=None, position_embeddings=None,
+                         rotary_pos_emb_cos=pos, rotary_pos_emb_sin=pos, output_indices=None, **kwargs)
+    else:
+        out = runner.run(x, cu, cu_window, (pos, pos), **kwargs)
+    return out, reference(runner.vit, x, full, window, pos)
+
+
+# ---------------------------------------------------------------------------
+# Correctness of capture/replay
+# ---------------------------------------------------------------------------
+
+
+def test_equal_token_count_with_other_boundaries_gets_its_own_graph(vit_patch, fake_cuda):
+    vit_patch()
+    runner = ViTCudaGraphRunner(StubTower())
+    first, want_first = call(runner, 8, (0, 0, 4, 8), (0, 2, 4, 8), position=1)
+    second, want_second = call(runner, 8, (0, 0, 2, 8), (0, 2, 8), position=1)
+    again, want_again = call(runner, 8, (0, 0, 4, 8), (0, 2, 4, 8), position=1)
+    torch.testing.assert_close(first, want_first)
+    torch.testing.assert_close(second, want_second)
+    torch.testing.assert_close(again, want_again)
+    assert not torch.equal(want_first, want_second)
+    assert len(fake_cuda.created) == 2 and fake_cuda.created[0].replays == 2
+    assert all(g.pool is POOL for g in fake_cuda.created), "captures must share sglang's global graph pool"
+
+
+def test_small_graph_sees_new_positions_after_workspace_growth(vit_patch, fake_cuda):
+    """Upstream's metadata scenario: 4 tokens, grow to 8, replay 4 with new positions."""
+    vit_patch()
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    first, want = call(runner, 4, (0, 2, 4), position=1)
+    torch.testing.assert_close(first, want)
+    key_small = next(iter(runner._sin_cos_ws_by_graph))
+    small_ptr = runner._sin_cos_ws_by_graph[key_small][0].data_ptr()
+    different, want = call(runner, 4, (0, 1, 4), position=1)
+    torch.testing.assert_close(different, want)
+    call(runner, 8, (0, 8), position=7)
+    after, want = call(runner, 4, (0, 2, 4), position=5)
+    torch.testing.assert_close(after, want)
+    assert runner._sin_cos_ws_by_graph[key_small][0].data_ptr() == small_ptr
+    assert len(runner._retired_sin_cos_ws) == 1  # the 4-token graphs still lease the first buffer
+
+
+def test_graph_and_eager_results_are_identical_over_random_layouts(vit_patch, fake_cuda):
+    vit_patch(vit_graph_max_entries=3)
+    runner = ViTCudaGraphRunner(StubTower())
+    rng = random.Random(0)
+    layouts = []
+    for _ in range(6):  # 6 layouts (some with equal token counts) over 3 slots: hits and evictions
+        tokens = rng.choice((8, 12))
+        layouts.append((tokens, (0,) + random_layout(rng, tokens, rng.randint(1, 3)),
+                        random_layout(rng, tokens, rng.randint(1, 4))))
+    for step in range(60):
+        tokens, full, window = rng.choice(layouts)
+        out, want = call(runner, tokens, full, window, position=step)
+        torch.testing.assert_close(out, want, msg=f"step {step}")
+    info = stats.snapshot()[runner._ext_stats_name]
+    assert info["size"] <= 3 and info["evictions"] > 0 and info["hits"] > 0
+
+
+# ---------------------------------------------------------------------------
+# Capacity, eviction, fallback, quarantine, ownership
+# ---------------------------------------------------------------------------
+
+
+def test_lru_eviction_resets_the_graph_and_frees_its_buffers(vit_patch, fake_cuda):
+    vit_patch(vit_graph_max_entries=2)
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    for full in ((0, 4, 8), (0, 2, 8), (0, 8)):
+        out, want = call(runner, 8, full)
+        torch.testing.assert_close(out, want)
+    first, second, third = fake_cuda.created
+    assert (first.resets, second.resets, third.resets) == (1, 0, 0)
+    assert len(runner.block_graphs) == len(runner.block_input) == len(runner.block_output) == 2
+    assert len(runner.cu_full_len) == len(runner._sin_cos_ws_by_graph) == 2
+    out, want = call(runner, 8, (0, 4, 8))  # evicted layout: captured again, still right
+    torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert (info["captures"], info["evictions"], info["resident_graphs"]) == (4, 2, 2)
+    assert info["bytes_resident"] > 0
+
+
+def test_eviction_frees_retired_rotary_workspace(vit_patch, fake_cuda):
+    vit_patch(vit_graph_max_entries=1)
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    call(runner, 4, (0, 4))
+    call(runner, 16, (0, 16))  # grows the workspace; the 4-token graph is evicted first
+    assert runner._retired_sin_cos_ws == []
+    assert runner._ext_graph_info()["rotary_backing_buffers"] == 1
+
+
+def test_exact_policy_over_capacity_runs_eager_with_the_graph_result(vit_patch, fake_cuda):
+    vit_patch(vit_graph_max_entries=1, vit_graph_policy="exact")
+    runner = ViTCudaGraphRunner(StubTower())
+    graphed, want_graphed = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+    eager, want_eager = call(runner, 8, (0, 0, 2, 8), (0, 2, 8))
+    torch.testing.assert_close(graphed, want_graphed)
+    torch.testing.assert_close(eager, want_eager)
+    assert len(fake_cuda.created) == 1
+    assert runner.vit.blocks[0].calls[-1] == "metadata"  # eager through the same blocks, with metadata
+    info = runner._ext_graph_info()
+    assert info["fallback_capacity"] == 1 and info["rejections"] == 1
+
+
+def test_eager_fallback_for_blocks_without_metadata_uses_graph_arguments(vit_patch, fake_cuda):
+    vit_patch(vit_graph_max_entries=0)
+    runner = ViTCudaGraphRunner(StubTower(accepts_metadata=False))
+    out, want = call(runner, 8, (0, 0, 3, 8), (0, 2, 3, 8))
+    torch.testing.assert_close(out, want)
+    assert runner.vit.blocks[0].calls == ["graph-form"] and not fake_cuda.created
+    assert runner._ext_graph_info()["fallback_disabled"] == 1
+
+
+def test_failed_capture_is_quarantined_and_runs_eager(vit_patch, fake_cuda):
+    vit_patch()
+    runner = ViTCudaGraphRunner(StubTower(fail_capture=True))
+    for _ in range(3):
+        out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+        torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert info["failures"] == 1 and info["fallback_capture_failed"] == 1 and info["fallback_quarantined"] == 2
+    assert fake_cuda.created[0].resets == 1, "the half-captured graph must be reset"
+    assert runner.block_graphs == {} and runner.block_input == {} and runner._ext_rotary_leases == {}
+
+
+def test_min_hits_captures_on_the_nth_sighting(vit_patch, fake_cuda):
+    vit_patch(vit_graph_min_hits=3)
+    runner = ViTCudaGraphRunner(StubTower())
+    for _ in range(4):
+        out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+        torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert info["fallback_warming"] == 2 and info["captures"] == 1 and info["hits"] == 1
+
+
+def test_replay_output_is_owned_by_the_caller(vit_patch, fake_cuda):
+    """Qwen3 path (no output_indices): a later replay must not change an earlier result."""
+    vit_patch()
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    first, want_first = call(runner, 8, (0, 4, 8), position=1, qwen3=True)
+    kept = first.clone()
+    second, _ = call(runner, 8, (0, 4, 8), position=9, qwen3=True)  # same key: replay
+    assert fake_cuda.created[0].replays == 2
+    torch.testing.assert_close(first, kept)
+    torch.testing.assert_close(first, want_first)
+    key = next(iter(runner.block_output))
+    for out in (first, second):
+        assert out.untyped_storage().data_ptr() != runner.block_output[key].untyped_storage().data_ptr()
+
+
+def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_cuda, monkeypatch):
+    """Two runners (two TP ranks, non-DP encoder) see one random stream: identical captures/evictions."""
+    vit_patch(vit_graph_max_entries=3, vit_graph_min_hits=2)
+    group = SimpleNamespace(ca_comm=None, world_size=1)
+    monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    ranks = [ViTCudaGraphRunner(StubTower(use_data_parallel=False)) for _ in range(2)]
+    histories = [[], []]
+    rng = random.Random(7)
+    for _ in range(80):
+        tokens = rng.choice((8, 12))
+        full = (0,) + random_layout(rng, tokens, rng.randint(1, 2))
+        window = random_layout(rng, tokens, rng.randint(1, 3))
+        for rank, runner in enumerate(ranks):
+            call(runner, tokens, full, window)
+            info = runner._ext_graph_info()
+            histories[rank].append((runner._ext_cache.keys(), info["captures"], info["evictions"]))
+    assert histories[0] == histories[1]
+    assert histories[0][-1][2] > 0
+
+
+def test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere(vit_patch, fake_cuda, monkeypatch):
+    vit_patch()
+    group = SimpleNamespace(ca_comm=None, world_size=2, cpu_group=object())
+    monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    votes = []
+
+    def all_reduce(flag, op=None, group=None):
+        votes.append(int(flag.item()))
+        flag.fill_(0)  # the other rank failed
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    runner = ViTCudaGraphRunner(StubTower(use_data_parallel=False))
+    out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+    torch.testing.assert_close(out, want)
+    assert votes == [1]  # this rank captured fine, and said so
+    assert runner.block_graphs == {} and runner._ext_graph_info()["failures"] == 1
+
+
+def test_stats_registry_reports_the_runner(vit_patch, fake_cuda):
+    vit_patch(vit_graph_max_entries=1)
+    runner = ViTCudaGraphRunner(StubTower())
+    call(runner, 8, (0, 0, 8), (0, 8))
+    call(runner, 8, (0, 0, 8), (0, 8))
+    call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+    info = stats.snapshot()[runner._ext_stats_name]
+    assert {k: info[k] for k in ("hits", "misses", "captures", "evictions", "resident_graphs", "fallbacks")} == {
+        "hits": 1, "misses": 2, "captures": 2, "evictions": 1, "resident_graphs": 1, "fallbacks": 0}
+    assert info["bytes_resident"] > 0
+
+
+# ---------------------------------------------------------------------------
+# In-place patching: runners built before activation, qwen3's runner table
+# ---------------------------------------------------------------------------
+
+
+@plugin_only
+def test_runner_built_before_activation_uses_the_patched_methods(vit_patch, fake_cuda):
+    runner = ViTCudaGraphRunner(StubTower())  # 0.5.17's __init__, before activation
+    vit_patch(vit_graph_max_entries=1)
+    a, want_a = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+    b, want_b = call(runner, 8, (0, 0, 2, 8), (0, 2, 8))
+    torch.testing.assert_close(a, want_a)
+    torch.testing.assert_close(b, want_b)
+    assert runner._ext_graph_info()["evictions"] == 1
+
+
+def test_qwen3_runner_table_and_model_globals_build_the_patched_runner(vit_patch):
+    vit_patch()
+    from sglang.srt.models import qwen2_5_vl, qwen3_vl
+
+    for runner_cls in (qwen3_vl.graph_runners_dict["cuda"], qwen3_vl.graph_runners_dict.default_factory(),
+                       qwen3_vl.ViTCudaGraphRunner, qwen2_5_vl.ViTCudaGraphRunner):
+        assert runner_cls is runner_module.ViTCudaGraphRunner
+        runner = runner_cls(StubTower())
+        x = torch.empty(8, 1, 1)
+        assert runner._get_graph_key(x, [0, 4, 8], None) != runner._get_graph_key(x, [0, 2, 8], None)
+
+
+# ---------------------------------------------------------------------------
+# The model methods build the key from CPU metadata (real sglang towers on CPU)
+# ---------------------------------------------------------------------------
+
+
+class RecordingRunner:
+    def __init__(self):
+        self.calls = []
+
+    def run(self, **kwargs):
+        self.calls.append(kwargs)
+        return kwargs["x"]
+
+
+@pytest.fixture(scope="module")
+def published_runtime():
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    runtime_context.publish(ServerArgs(model_path="dummy", mm_attention_backend="triton_attn", device="cpu"),
+                            role="test")
+    yield
+    runtime_context.reset_context()
+
+
+def test_qwen2_5_vision_forward_passes_the_cpu_layout_key(vit_patch, published_runtime):
+    vit_patch()
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    from sglang.srt.models.qwen2_5_vl import Qwen2_5_VisionTransformer
+
+    cfg = Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=16,
+                                 fullatt_block_indexes=[1], window_size=112, patch_size=14, spatial_merge_size=2,
+                                 temporal_patch_size=2, in_channels=3)
+    vit = Qwen2_5_VisionTransformer(cfg, use_data_parallel=True)
+    vit.cuda_graph_runner = RecordingRunner()
+    grid_thw = torch.tensor([[1, 4, 6], [1, 10, 4]])
+    tokens = int(grid_thw.prod(dim=1).sum())
+    pixels = torch.randn(tokens, 3 * 2 * 14 * 14)
+    vit.forward_with_cuda_graph(pixels, grid_thw)
+
+    (kwargs,) = vit.cuda_graph_runner.calls
+    full, window = kwargs["attention_layout_key"]
+    assert full == (0, 0, 24, 64)  # 0.5.17's doubled leading zero, then cumulative t*h*w
+    _, window_list = vit.get_window_index(grid_thw)
+    assert window == tuple(torch.unique_consecutive(torch.tensor(window_list)).tolist())
+    assert kwargs["cu_seqlens"].tolist() == list(full)
+    assert kwargs["cu_window_seqlens"].tolist() == list(window)
+    assert all(isinstance(v, int) for v in full + window)
+    assert kwargs["output_indices"] is not None and kwargs["position_embeddings"][0].shape[0] == tokens
