@@ -1,0 +1,31 @@
+"""`python -m sglang_ext.launch_server <sglang launch_server args> [--ext-* flags]`
+
+Same as `python -m sglang.launch_server`, with sglang-ext switched on in this
+process and (through the environment) in every child process. `--help` lists
+the `--ext-*` flags, then sglang's own arguments.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from typing import List
+
+from sglang_ext.launcher import main
+
+PROG = "python -m sglang_ext.launch_server"
+
+
+def run_sglang_launch_server(argv: List[str]) -> None:
+    """Run sglang's `python -m sglang.launch_server` entry with `argv`.
+
+    runpy with alter_sys gives the same `__main__` module spec as `python -m`,
+    so spawned children re-import `sglang.launch_server` as `__mp_main__`
+    exactly as they do without sglang-ext.
+    """
+    sys.argv = [sys.argv[0], *argv]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], PROG, run_sglang_launch_server))

@@ -1,0 +1,158 @@
+"""Shared logic of `python -m sglang_ext.launch_server` and `python -m sglang_ext.serve`.
+
+The launchers take sglang's own command line plus `--ext-*` flags (one per knob
+in `sglang_ext.knobs.KNOBS`). They:
+
+1. split the `--ext-*` flags off (sglang's parsers would reject them),
+2. validate every value before sglang starts (exit 2 naming the flag and what
+   is allowed),
+3. export `SGLANG_EXT=1` and `SGLANG_EXT_<NAME>=<value>`, so every child
+   process (srt scheduler, spawned multimodal_gen workers) inherits them,
+4. activate sglang-ext in this process, and
+5. hand the remaining argv to sglang's own entry point, unchanged.
+
+This module imports no sglang code: it stays cheap, and spawned children that
+re-import the launcher as `__mp_main__` pay nothing for it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from sglang_ext.errors import ExtConfigError, SglangExtActivationError
+from sglang_ext.knobs import FLAG_PREFIX, KNOBS, MASTER_ENV, Knob, load_settings
+
+USAGE_EXIT = 2  # argparse's exit status for bad command lines
+
+_BY_FLAG: Dict[str, Knob] = {k.flag: k for k in KNOBS}
+
+
+def split_ext_args(argv: Sequence[str]) -> Tuple[Dict[str, str], List[str]]:
+    """Separate `--ext-*` flags from sglang's arguments.
+
+    Returns ({knob name: raw value}, remaining argv in original order).
+    Spellings: `--ext-name value`, `--ext-name=value`; a boolean knob given
+    bare (`--ext-strict`) means true, and takes a value only with `=`
+    (`--ext-strict=0`), so a following sglang argument is never swallowed.
+    Raises ExtConfigError for unknown `--ext-*` flags, missing values and
+    repeated flags.
+    """
+    values: Dict[str, str] = {}
+    rest: List[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith(FLAG_PREFIX):
+            rest.append(arg)
+            continue
+        flag, has_value, inline = arg.partition("=")
+        knob = _BY_FLAG.get(flag)
+        if knob is None:
+            raise ExtConfigError(_unknown_flag_message(flag))
+        if knob.name in values:
+            raise ExtConfigError(f"{flag} given more than once")
+        if has_value:
+            raw = inline
+        elif knob.kind == "bool":
+            raw = "1"
+        elif i < len(argv) and not argv[i].startswith("--"):
+            raw = argv[i]
+            i += 1
+        else:
+            raise ExtConfigError(f"{flag} needs a value; {_allowed(knob)}")
+        values[knob.name] = raw
+    return values, rest
+
+
+def _unknown_flag_message(flag: str) -> str:
+    close = difflib.get_close_matches(flag, list(_BY_FLAG), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown flag {flag}{hint}; allowed: {', '.join(_BY_FLAG)}"
+
+
+def _allowed(knob: Knob) -> str:
+    if knob.kind == "bool":
+        return "allowed: bare flag (true) or =1/0, =true/false, =yes/no, =on/off"
+    if knob.kind == "int":
+        return f"allowed: an integer >= {knob.minimum}" if knob.minimum is not None else "allowed: an integer"
+    if knob.kind in ("choice", "name_list") and knob.choices:
+        return "allowed: " + ", ".join(knob.choices)
+    if knob.kind == "name_list":
+        from sglang_ext.registry import PATCH_NAMES
+
+        return "allowed: comma-separated patch names from " + ", ".join(PATCH_NAMES)
+    if knob.kind == "int_list":
+        return "allowed: comma-separated positive integers, strictly increasing"
+    return "allowed: a string"
+
+
+def _env_text(knob: Knob, value) -> str:
+    """Canonical environment spelling of a parsed value."""
+    if knob.kind == "bool":
+        return "1" if value else "0"
+    if knob.kind in ("int_list", "name_list"):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Environment entries to export for these flag values (SGLANG_EXT=1 included).
+
+    Every value is parsed by its knob; then the merged environment (base env
+    plus these entries) is validated as a whole with `load_settings`, so
+    unknown SGLANG_EXT_* variables and unknown patch names are caught here too.
+    Raises ExtConfigError.
+    """
+    base = dict(os.environ if base_env is None else base_env)
+    updates = {MASTER_ENV: "1"}
+    by_name = {k.name: k for k in KNOBS}
+    for name, raw in values.items():
+        knob = by_name[name]
+        updates[knob.env] = _env_text(knob, knob.parse(raw))
+    load_settings({**base, **updates})
+    return updates
+
+
+def ext_help(prog: str) -> str:
+    """The `--ext-*` section of `--help`, generated from KNOBS."""
+    lines = [
+        f"usage: {prog} <sglang arguments> [--ext-* flags]",
+        "",
+        "sglang-ext flags (each also settable as an environment variable, inherited by child",
+        f"processes; the launcher sets {MASTER_ENV}=1). Boolean flags: bare = true, or =0/=1.",
+        "",
+    ]
+    for k in KNOBS:
+        default = _env_text(k, k.default) if k.default not in ((), "") else '""'
+        lines.append(f"  {k.flag}  (env {k.env}, default {default})")
+        lines.append(f"      {k.help}")
+        lines.append(f"      {_allowed(k)}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]]) -> int:
+    """Steps 1-5; `handover(sglang_argv)` runs sglang's entry point. Returns the exit status."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(ext_help(prog))
+        print("sglang's own arguments follow.\n", flush=True)
+        return handover([a for a in argv if not a.startswith(FLAG_PREFIX)]) or 0
+    try:
+        values, rest = split_ext_args(argv)
+        updates = ext_environment(values)
+    except ExtConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT
+    os.environ.update(updates)
+    from sglang_ext.activation import activate
+
+    try:
+        activate()
+    except SglangExtActivationError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    return handover(rest) or 0

@@ -1,0 +1,28 @@
+"""`python -m sglang_ext.serve <sglang serve args> [--ext-* flags]`
+
+Same as `sglang serve` (LLM and multimodal_gen / Pi0.5 servers), with
+sglang-ext switched on in this process and (through the environment) in every
+child process. On sglang 0.5.17 multimodal_gen workers load no plugins; the
+`mg_worker_activation` patch makes them activate sglang-ext themselves.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List
+
+from sglang_ext.launcher import main
+
+PROG = "python -m sglang_ext.serve"
+
+
+def run_sglang_serve(argv: List[str]) -> None:
+    """Run sglang's `sglang serve` console entry with `argv`."""
+    from sglang.cli.main import main as sglang_main
+
+    sys.argv = ["sglang", "serve", *argv]
+    sglang_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], PROG, run_sglang_serve))

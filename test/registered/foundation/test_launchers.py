@@ -1,0 +1,155 @@
+"""`python -m sglang_ext.launch_server` / `python -m sglang_ext.serve`: --ext-* flags are split off,
+validated before sglang starts, exported to the environment, and sglang gets the rest unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from sglang_ext import activation, launcher
+from sglang_ext.knobs import KNOBS, MASTER_ENV
+from sglang_ext.registry import PATCH_NAMES
+
+register_cpu_ci(est_time=20, suite="base-a-test-cpu")
+
+ALL_PATCHES = ",".join(PATCH_NAMES)
+
+
+@pytest.fixture
+def clean_env():
+    """No sglang-ext variables before the test; the environment is restored after it."""
+    saved = dict(os.environ)
+    for name in [n for n in os.environ if n == MASTER_ENV or n.startswith("SGLANG_EXT_")]:
+        del os.environ[name]
+    activation.deactivate()
+    yield os.environ
+    activation.deactivate()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+class Handover:
+    """Records the argv the launcher hands to sglang's entry point."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, argv):
+        self.calls.append(list(argv))
+
+
+def test_split_keeps_sglang_arguments_in_order():
+    values, rest = launcher.split_ext_args([
+        "--model-path", "Qwen/Qwen2.5-VL-7B-Instruct", "--ext-strict", "--tp", "2",
+        "--ext-vit-graph-max-entries", "4", "--ext-vit-graph-policy=exact",
+        "--ext-pi05-prefix-graph-max-entries", "-1", "--enable-multimodal",
+    ])
+    assert rest == ["--model-path", "Qwen/Qwen2.5-VL-7B-Instruct", "--tp", "2", "--enable-multimodal"]
+    assert values == {"strict": "1", "vit_graph_max_entries": "4", "vit_graph_policy": "exact",
+                      "pi05_prefix_graph_max_entries": "-1"}
+
+
+def test_bare_boolean_flag_never_swallows_the_next_argument():
+    values, rest = launcher.split_ext_args(["--ext-strict", "Qwen/Qwen2.5-VL-7B-Instruct", "--ext-debug-addresses=0"])
+    assert values == {"strict": "1", "debug_addresses": "0"}
+    assert rest == ["Qwen/Qwen2.5-VL-7B-Instruct"]  # `sglang serve <model>` positional survives
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--ext-strit"], ["--ext-strit", "did you mean --ext-strict", "allowed: --ext-strict"]),
+    (["--ext-vit-graph-max-entries"], ["--ext-vit-graph-max-entries needs a value", "integer >= 0"]),
+    (["--ext-vit-graph-max-entries", "--tp", "2"], ["--ext-vit-graph-max-entries needs a value"]),
+    (["--ext-strict", "--ext-strict=0"], ["--ext-strict given more than once"]),
+    (["--ext-vit-graph-max-entries=many"], ["--ext-vit-graph-max-entries", "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES",
+                                            "'many' is not an integer", "allowed"]),
+    (["--ext-vit-graph-min-hits=0"], ["--ext-vit-graph-min-hits", "below the minimum", ">= 1"]),
+    (["--ext-vit-graph-policy", "fifo"], ["--ext-vit-graph-policy", "'fifo'", "allowed: lru, exact"]),
+    (["--ext-strict=maybe"], ["--ext-strict", "allowed: 1/0"]),
+    (["--ext-disable=vit_cuda_graph,no_such_patch"], ["--ext-disable", "no_such_patch",
+                                                       "allowed: " + ", ".join(PATCH_NAMES)]),
+    (["--ext-pi05-prompt-token-buckets=64,32"], ["--ext-pi05-prompt-token-buckets", "strictly increasing"]),
+])
+def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(clean_env, capsys, argv, names):
+    handover = Handover()
+    status = launcher.main(["--model-path", "m", *argv], "prog", handover)
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("prog: error: ")
+    for text in names:
+        assert text in err
+    assert handover.calls == []  # sglang never started
+    assert MASTER_ENV not in os.environ and activation.statuses() == {}
+
+
+def test_unknown_sglang_ext_environment_variable_is_rejected(clean_env, capsys):
+    clean_env["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIE"] = "3"  # typo of a knob's env spelling
+    status = launcher.main(["--model-path", "m"], "prog", Handover())
+    err = capsys.readouterr().err
+    assert status == 2 and "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIE" in err and "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES" in err
+
+
+def test_flags_are_exported_canonically_and_activation_runs_here(clean_env):
+    handover = Handover()
+    status = launcher.main([
+        "--model-path", "m", "--ext-strict", f"--ext-disable={ALL_PATCHES}",
+        "--ext-vit-graph-max-entries", "4", "--ext-pi05-prompt-token-buckets", "16, 32,64",
+        "--ext-debug-addresses=off", "--port", "30001",
+    ], "prog", handover)
+    assert status == 0
+    assert handover.calls == [["--model-path", "m", "--port", "30001"]]
+    env = clean_env
+    assert env[MASTER_ENV] == "1"
+    assert env["SGLANG_EXT_STRICT"] == "1"
+    assert env["SGLANG_EXT_DISABLE"] == ALL_PATCHES
+    assert env["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] == "4"
+    assert env["SGLANG_EXT_PI05_PROMPT_TOKEN_BUCKETS"] == "16,32,64"
+    assert env["SGLANG_EXT_DEBUG_ADDRESSES"] == "0"
+    assert "SGLANG_EXT_VIT_GRAPH_POLICY" not in env  # not given: the default applies, nothing exported
+    # activated in the launcher process, with the flags' values
+    assert {name: str(st) for name, st in activation.statuses().items()} == {n: "disabled" for n in PATCH_NAMES}
+    assert activation.current_settings().vit_graph_max_entries == 4
+
+
+def test_flags_override_inherited_environment(clean_env):
+    clean_env["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] = "9"
+    clean_env["SGLANG_EXT_VIT_GRAPH_POLICY"] = "exact"
+    launcher.main([f"--ext-disable={ALL_PATCHES}", "--ext-vit-graph-max-entries=2"], "prog", Handover())
+    assert clean_env["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] == "2"
+    assert clean_env["SGLANG_EXT_VIT_GRAPH_POLICY"] == "exact"
+
+
+def test_help_lists_every_knob_then_hands_help_to_sglang(clean_env, capsys):
+    handover = Handover()
+    assert launcher.main(["--help", "--ext-strict"], "python -m sglang_ext.serve", handover) == 0
+    out = capsys.readouterr().out
+    for k in KNOBS:
+        assert k.flag in out and k.env in out, k.name
+        assert k.help in out
+    assert "default 32" in out  # vit_graph_max_entries
+    assert handover.calls == [["--help"]]  # sglang prints its own arguments next
+    assert activation.statuses() == {}  # --help activates nothing
+
+
+@pytest.mark.parametrize("module, extra", [
+    ("sglang_ext.launch_server", []),
+    ("sglang_ext.serve", ["--model-type", "llm"]),
+])
+def test_real_handover_strips_ext_flags_before_sglang_parses(tmp_path, module, extra):
+    """Runs the real entry points: sglang's own parser must see every argument except --ext-*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--ext-strict", f"--ext-disable={ALL_PATCHES}",
+         "--ext-activation-dir", str(tmp_path), *extra, "--model-path", "m", "--not-an-sglang-flag"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: unrecognized arguments: --not-an-sglang-flag\n" in proc.stderr, proc.stderr[-2000:]
+    records = list(tmp_path.glob("MainProcess-*.json"))  # written by the launcher's own activation
+    assert len(records) == 1
+    patches = json.loads(records[0].read_text())["patches"]
+    assert {n: p["status"] for n, p in patches.items()} == {n: "disabled" for n in PATCH_NAMES}
