@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Prefill context-parallel bucket selection: decision cost and admission rates (issue 8, item 3).
+
+CPU only; uses the real sglang 0.5.17 classes with the `prefill_cp_bucket` patch
+applied through the activation path (strict), the real zigzag strategy and
+sglang's default prefill capture sizes (`ServerArgs._generate_prefill_cuda_graph_batch_sizes`).
+
+1. Decision cost: median microseconds of one per-batch decision
+   (`PrefillCPBCGInput.replay_bucket_decision` = requirement + bucket search) for
+   bs = 1..64 and cp = 2/4/8 (target <= 10 us). For reference, the same inputs
+   through upstream's per-request-per-rank loop, which upstream runs twice per
+   batch (admission and replay).
+2. Admission rates over random multi-request batches. Captured CP-local
+   capacities are what 0.5.17's capture records: one dummy request per bucket.
+   - 0.5.17 unpatched: admitted when the smallest bucket >= tokens is within 2x;
+     replay then crashes (`PrefillCPBCGInput.prepare` RuntimeError) when the live
+     layout needs more local rows than that bucket captured -> counted as `crash`.
+   - sglang-ext: admitted with the smallest bucket whose captured rows fit
+     (`graph` or `graph_larger`), else eager (`eager_no_fit`); batches the
+     original `can_run_graph` refuses are `eager` in both.
+
+Align size: 2*cp, 0.5.17's default prefill_cp_mode="in-seq-split".
+These are measurements, not tests: nothing here asserts timing.
+
+    .venv/bin/python scripts/bench_prefill_cp.py [--batches 20000] [--out docs/bench/prefill_cp.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+from unittest.mock import patch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATCH = "prefill_cp_bucket"
+CP_SIZES = (2, 4, 8)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_TOKENS = 8192
+PADDING_FACTOR = 2  # 0.5.17's _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR
+
+
+def activate_patch() -> None:
+    from sglang_ext import activation
+    from sglang_ext.registry import PATCH_NAMES
+
+    env = dict(os.environ)
+    env.update(SGLANG_EXT="1", SGLANG_EXT_STRICT="1",
+               SGLANG_EXT_DISABLE=",".join(n for n in PATCH_NAMES if n != PATCH))
+    statuses = activation.activate(environ=env, eager=True)
+    state = statuses[PATCH].state
+    if state != "applied":
+        sys.exit(f"bench_prefill_cp: patch {PATCH} is {state}: {statuses[PATCH]}")
+
+
+def capture_sizes(cp_size: int) -> list:
+    from sglang.srt.server_args import ServerArgs
+
+    sizes = ServerArgs._generate_prefill_cuda_graph_batch_sizes(SimpleNamespace(), MAX_TOKENS)
+    return [s for s in sizes if s >= 2 * cp_size]  # filter_prefill_cp_bcg_capture_num_tokens
+
+
+def upstream_required_rows(lens, cp_size, align):
+    """Upstream's loop (PR #33906), for the cost reference only."""
+    segments = cp_size * 2
+    per_rank = [0] * cp_size
+    for raw_length in lens:
+        base, remainder = divmod(int(raw_length), segments)
+        for rank in range(cp_size):
+            opposite = segments - 1 - rank
+            per_rank[rank] += base * 2 + int(rank < remainder) + int(opposite < remainder)
+    return (max(per_rank) + align - 1) // align * align
+
+
+def upstream_select(bucket_local_tokens, num_tokens, required, buckets, factor):
+    limit = num_tokens * factor
+    for bucket in buckets:
+        if bucket < num_tokens:
+            continue
+        if bucket > limit:
+            break
+        cap = bucket_local_tokens.get(bucket)
+        if cap is not None and required <= cap:
+            return bucket
+    return None
+
+
+def random_lengths(rng: random.Random, bs: int, cp_size: int, max_total: int) -> list:
+    """bs request lengths, each >= 2*cp (zigzag can apply), total <= max_total."""
+    low = 2 * cp_size
+    high = max(low, max_total // bs)
+    return [rng.randint(low, high) for _ in range(bs)]
+
+
+def median_us(fn, *, calls: int, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter_ns() - start) / calls / 1000.0)
+    return statistics.median(samples)
+
+
+def make_cp_input(buckets, cp_size):
+    import torch
+    from sglang.srt.layers.cp.bcg import PrefillCPBCGInput
+    from sglang_ext.adapters.prefill_cp_bucket import zigzag_required_local_rows
+
+    # what 0.5.17's capture records: a one-request dummy batch per bucket
+    local = {b: zigzag_required_local_rows([b], cp_size, 2 * cp_size) for b in buckets}
+    return PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0), bucket_local_tokens=local)
+
+
+def bench_decision(cp_size: int, rng: random.Random, calls: int, rounds: int) -> list:
+    rows = []
+    buckets = capture_sizes(cp_size)
+    cp_input = make_cp_input(buckets, cp_size)
+    for bs in BATCH_SIZES:
+        lens = random_lengths(rng, bs, cp_size, MAX_TOKENS)
+        num_tokens = sum(lens)
+
+        def ext():
+            return cp_input.replay_bucket_decision(num_tokens=num_tokens, extend_seq_lens=lens,
+                                                   capture_num_tokens=buckets,
+                                                   max_padding_factor=PADDING_FACTOR)
+
+        def upstream_twice():
+            for _ in range(2):
+                required = upstream_required_rows(lens, cp_size, 2 * cp_size)
+                upstream_select(cp_input.bucket_local_tokens, num_tokens, required, buckets, PADDING_FACTOR)
+
+        rows.append({
+            "cp": cp_size, "bs": bs, "num_tokens": num_tokens, "buckets": len(buckets),
+            "ext_decision_us": round(median_us(ext, calls=calls, rounds=rounds), 2),
+            "upstream_twice_us": round(median_us(upstream_twice, calls=calls, rounds=rounds), 2),
+        })
+    return rows
+
+
+def admission_rates(cp_size: int, rng: random.Random, batches: int) -> dict:
+    from sglang.srt.model_executor.runner.base_cuda_graph_runner import BaseCudaGraphRunner
+
+    buckets = capture_sizes(cp_size)
+    cp_input = make_cp_input(buckets, cp_size)
+    counts = {"unpatched": {"graph": 0, "crash": 0, "eager": 0},
+              "ext": {"graph": 0, "graph_larger": 0, "eager_no_fit": 0, "eager": 0}}
+    ext_padding = unpatched_padding = 0
+    for _ in range(batches):
+        bs = rng.choice((2, 3, 4, 6, 8, 12, 16))
+        lens = random_lengths(rng, bs, cp_size, rng.choice((1024, 2048, 4096, MAX_TOKENS)))
+        num_tokens = sum(lens)
+        # the original admission (can_replay_locally's size checks): same for both
+        if num_tokens > buckets[-1]:
+            counts["unpatched"]["eager"] += 1
+            counts["ext"]["eager"] += 1
+            continue
+        smallest = BaseCudaGraphRunner._pad_to_bucket(num_tokens, buckets)
+        if smallest > num_tokens * PADDING_FACTOR:
+            counts["unpatched"]["eager"] += 1
+            counts["ext"]["eager"] += 1
+            continue
+        decision = cp_input.replay_bucket_decision(num_tokens=num_tokens, extend_seq_lens=lens,
+                                                   capture_num_tokens=buckets,
+                                                   max_padding_factor=PADDING_FACTOR)
+        if decision.required > cp_input.bucket_local_tokens[smallest]:
+            counts["unpatched"]["crash"] += 1  # prepare() raises at replay
+        else:
+            counts["unpatched"]["graph"] += 1
+            unpatched_padding += smallest - num_tokens
+        if not decision.fits:
+            counts["ext"]["eager_no_fit"] += 1
+        else:
+            counts["ext"]["graph" if decision.bucket == smallest else "graph_larger"] += 1
+            ext_padding += decision.padding
+    ext_graphs = counts["ext"]["graph"] + counts["ext"]["graph_larger"]
+    return {
+        "cp": cp_size, "batches": batches, "unpatched": counts["unpatched"], "ext": counts["ext"],
+        "unpatched_crash_rate": round(counts["unpatched"]["crash"] / batches, 4),
+        "unpatched_graph_rate": round(counts["unpatched"]["graph"] / batches, 4),
+        "ext_graph_rate": round(ext_graphs / batches, 4),
+        "ext_larger_bucket_rate": round(counts["ext"]["graph_larger"] / batches, 4),
+        "ext_mean_padding_rows": round(ext_padding / max(ext_graphs, 1), 1),
+        "unpatched_mean_padding_rows": round(unpatched_padding / max(counts["unpatched"]["graph"], 1), 1),
+    }
+
+
+def render(decision_rows, rate_rows) -> str:
+    out = ["Per-batch decision, median us (target <= 10 us); upstream = its loop, run twice per batch"]
+    out.append(f"{'cp':>3} {'bs':>3} {'tokens':>6} {'ext us':>8} {'upstream x2 us':>15}")
+    for r in decision_rows:
+        out.append(f"{r['cp']:>3} {r['bs']:>3} {r['num_tokens']:>6} {r['ext_decision_us']:>8.2f} "
+                   f"{r['upstream_twice_us']:>15.2f}")
+    out.append("")
+    out.append("Admission over random multi-request batches (rates of all batches)")
+    out.append(f"{'cp':>3} {'0.5.17 graph':>12} {'0.5.17 crash':>12} {'ext graph':>10} {'ext larger':>10} "
+               f"{'ext eager(no fit)':>17} {'pad rows 0.5.17/ext':>20}")
+    for r in rate_rows:
+        n = r["batches"]
+        out.append(f"{r['cp']:>3} {r['unpatched_graph_rate']:>12.3f} {r['unpatched_crash_rate']:>12.3f} "
+                   f"{r['ext_graph_rate']:>10.3f} {r['ext_larger_bucket_rate']:>10.3f} "
+                   f"{r['ext']['eager_no_fit'] / n:>17.3f} "
+                   f"{r['unpatched_mean_padding_rows']:>9.1f}/{r['ext_mean_padding_rows']:<10.1f}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "bench", "prefill_cp.json"),
+                    help="JSON results path (default: %(default)s)")
+    ap.add_argument("--batches", type=int, default=20000, help="random batches per cp size for the admission table")
+    ap.add_argument("--calls", type=int, default=200, help="decisions per timing round")
+    ap.add_argument("--rounds", type=int, default=25, help="timing rounds (the median is reported)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    os.environ["SGLANG_ENABLE_CP_V2"] = "1"
+    activate_patch()
+    from sglang.srt.layers.cp.base import init_cp_strategy
+    from sglang.srt.runtime_context import get_parallel
+
+    decision_rows, rate_rows = [], []
+    for cp_size in CP_SIZES:
+        init_cp_strategy(SimpleNamespace(enable_prefill_cp=True, attn_cp_size=cp_size, cp_strategy="zigzag"))
+        with get_parallel().override(attn_cp_rank=0, attn_cp_size=cp_size), \
+                patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", new=lambda: 2 * cp_size):
+            # a plain function, not a MagicMock: a mock call costs microseconds itself
+            decision_rows += bench_decision(cp_size, random.Random(args.seed * 100 + cp_size), args.calls, args.rounds)
+            rate_rows.append(admission_rates(cp_size, random.Random(args.seed * 100 + cp_size + 50), args.batches))
+
+    result = {
+        "bench": "prefill_cp",
+        "sglang": __import__("sglang").__version__,
+        "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(),
+        "max_tokens": MAX_TOKENS,
+        "align": "2*cp",
+        "decision": decision_rows,
+        "admission": rate_rows,
+        "command": "python scripts/bench_prefill_cp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+    print(render(decision_rows, rate_rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
