@@ -1,11 +1,14 @@
 """sglang-free core shared by the ViT, prefill-CP and Pi0.5 graph adapters.
 
-Importable with torch but without sglang and without CUDA. Every decision here
-depends only on the sequence of keys seen, so tensor-parallel ranks that see the
-same requests decide (and capture) in lockstep.
+Importable with torch but without sglang and without CUDA (torch itself is
+imported only by the functions that need it). Every decision here depends only
+on the sequence of keys seen, so tensor-parallel ranks that see the same
+requests decide (and capture) in lockstep.
 """
 
+from sglang_ext.graphs import stats
 from sglang_ext.graphs.buckets import BucketDecision, select_bucket, validate_buckets
+from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, release_entry
 from sglang_ext.graphs.keys import (
     DeviceSyncError,
     GraphKey,
@@ -14,15 +17,24 @@ from sglang_ext.graphs.keys import (
     dedup_consecutive,
     grid_thw_lengths,
 )
+from sglang_ext.graphs.workspace import AddressGuard, StableWorkspacePool, WorkspaceLease
 
 __all__ = [
+    "AddressGuard",
+    "Admission",
+    "BoundedGraphCache",
     "BucketDecision",
+    "CacheInfo",
     "DeviceSyncError",
     "GraphKey",
+    "StableWorkspacePool",
+    "WorkspaceLease",
     "cpu_ints",
     "cumulative_lengths",
     "dedup_consecutive",
     "grid_thw_lengths",
+    "release_entry",
     "select_bucket",
+    "stats",
     "validate_buckets",
 ]

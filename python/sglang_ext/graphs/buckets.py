@@ -77,7 +77,8 @@ def select_bucket(
     if required is not None and (not _is_int(required) or required < 0):
         raise ValueError(f"required: {required!r} is not allowed; allowed: None or integers >= 0")
     sizes = validate_buckets(buckets)
-    limit = live_size * max_padding_factor
+    # inf means "no limit", also for live_size 0 (0 * inf would be nan).
+    limit = math.inf if math.isinf(max_padding_factor) else live_size * max_padding_factor
     for bucket in sizes[bisect.bisect_left(sizes, live_size):]:
         if bucket > limit:
             break

@@ -1,5 +1,10 @@
-"""CPU tests of the sglang-free graph core: keys and bucket selection."""
+"""CPU tests of the sglang-free graph core: keys, bucket selection, bounded cache, stats."""
 
+import gc
+import json
+import logging
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -16,7 +21,12 @@ except ImportError:  # the core is sglang-free; its tests run without sglang too
         return None
 
 
+from graph_core_fakes import FakeGraph, key_sequence, rank_log, resets_of, run_step
+
+from sglang_ext.graphs import cache as cache_module
+from sglang_ext.graphs import stats
 from sglang_ext.graphs.buckets import BucketDecision, select_bucket, validate_buckets
+from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, release_entry
 from sglang_ext.graphs.keys import (
     DeviceSyncError,
     GraphKey,
@@ -199,6 +209,7 @@ def test_select_bucket_padding_factor_limit():
     assert select_bucket(99, [100], max_padding_factor=1).bucket is None
     assert select_bucket(100, [100], max_padding_factor=1).bucket == 100
     assert select_bucket(0, [1, 2]).bucket is None  # nothing to pad: no bucket is within 0 * factor
+    assert select_bucket(0, [1, 2], max_padding_factor=float("inf")).bucket == 1  # inf = no limit
 
 
 def test_select_bucket_required_vs_capacity():
@@ -254,20 +265,329 @@ _buckets = st.lists(st.integers(1, 4096), min_size=1, max_size=12, unique=True).
 def test_select_bucket_properties(live, buckets, factor, caps, required):
     d = select_bucket(live, buckets, max_padding_factor=factor, capacity=caps, required=required)
 
+    limit = float("inf") if factor == float("inf") else live * factor
+
     def fits(b):
-        return live <= b <= live * factor and (required is None or caps.get(b, -1) >= required)
+        return live <= b <= limit and (required is None or caps.get(b, -1) >= required)
 
     fitting = [b for b in buckets if fits(b)]
     if d.bucket is None:
         assert fitting == []
     else:
         assert d.bucket >= live
-        assert d.bucket <= live * factor
+        assert d.bucket <= limit
         if required is not None:
             assert d.capacity is not None and d.capacity >= required
         assert d.bucket == min(fitting)  # minimal among fitting buckets
         assert d.padding == d.bucket - live
     assert d.live_size == live and d.required == required
+
+
+# -------------------------------------------------------------------------- cache
+
+
+def test_capacity_zero_runs_everything_eager():
+    events, graphs = [], []
+    cache = BoundedGraphCache("zero", 0)
+    assert [run_step(cache, k, events, graphs) for k in "aab"] == ["EAGER_DISABLED"] * 3
+    assert graphs == [] and len(cache) == 0
+    g = FakeGraph("x", events)
+    assert cache.put("x", g) is False and g.resets == 1  # refused entries are released, not leaked
+    info = cache.info()
+    assert (info.size, info.capacity, info.captures, info.misses) == (0, 0, 0, 3)
+
+
+def test_capacity_one_swaps_and_resets_the_previous_graph():
+    events, graphs = [], []
+    cache = BoundedGraphCache("one", 1)
+    assert [run_step(cache, k, events, graphs) for k in "aabab"] == [
+        "captured", "hit", "captured", "captured", "captured"
+    ]
+    assert resets_of(events) == ["a", "b", "a"]
+    assert cache.keys() == ("b",)
+    # The reset of the evicted graph happens before the new capture (pool memory is free first).
+    assert events.index(("reset", "a")) < events.index(("capture", "b"))
+    assert cache.info().evictions == 3
+
+
+def test_capacity_n_lru_order():
+    events, graphs = [], []
+    cache = BoundedGraphCache("n", 3)
+    for k in "abc":
+        run_step(cache, k, events, graphs)
+    assert cache.keys() == ("a", "b", "c")
+    assert run_step(cache, "a", events, graphs) == "hit"
+    assert cache.keys() == ("b", "c", "a")
+    run_step(cache, "d", events, graphs)
+    assert cache.keys() == ("c", "a", "d") and resets_of(events) == ["b"]
+    assert list(cache.entries) == ["c", "a", "d"]
+    with pytest.raises(TypeError):
+        cache.entries["z"] = None  # read-only view
+    info = cache.info()
+    assert (info.size, info.hits, info.misses, info.captures, info.evictions) == (3, 1, 4, 4, 1)
+
+
+def test_exact_policy_keeps_first_keys_and_rejects_later_ones():
+    events, graphs = [], []
+    cache = BoundedGraphCache("exact", 2, policy="exact")
+    out = [run_step(cache, k, events, graphs) for k in "abcca"]
+    assert out == ["captured", "captured", "EAGER_CAPACITY", "EAGER_CAPACITY", "hit"]
+    assert cache.keys() == ("b", "a") and resets_of(events) == []
+    late = FakeGraph("c", events)
+    assert cache.put("c", late) is False and late.resets == 1  # a put past capacity is refused too
+    info = cache.info()
+    assert (info.rejections, info.evictions, info.size) == (3, 0, 2)
+    assert cache.discard("a") and run_step(cache, "c", events, graphs) == "captured"
+
+
+def test_anti_thrash_captures_on_the_kth_sighting_without_evicting_before():
+    events, graphs = [], []
+    cache = BoundedGraphCache("warm", 1, min_hits=3)
+    assert [run_step(cache, "a", events, graphs) for _ in range(4)] == [
+        "EAGER_WARMING", "EAGER_WARMING", "captured", "hit"
+    ]
+    # A one-off key neither evicts nor captures; 'a' keeps its graph.
+    assert run_step(cache, "b", events, graphs) == "EAGER_WARMING"
+    assert run_step(cache, "a", events, graphs) == "hit"
+    assert [run_step(cache, "b", events, graphs) for _ in range(2)] == ["EAGER_WARMING", "captured"]
+    assert resets_of(events) == ["a"]
+    # Sightings restart after eviction: 'a' must warm up again.
+    assert run_step(cache, "a", events, graphs) == "EAGER_WARMING"
+    assert cache.info().min_hits == 3
+
+
+def test_byte_budget_evicts_by_bytes_before_capture():
+    events, graphs = [], []
+    cache = BoundedGraphCache("bytes", 10, max_bytes=100)
+    for k in "abc":
+        assert run_step(cache, k, events, graphs, nbytes=40) in ("captured",)
+    # a+b+c = 120 > 100: 'a' was evicted when 'c' was admitted, before its capture.
+    assert cache.keys() == ("b", "c") and cache.bytes_resident == 80
+    assert events.index(("reset", "a")) < events.index(("capture", "c"))
+    # Larger than the whole budget: eager, nothing evicted.
+    assert run_step(cache, "huge", events, graphs, nbytes=101) == "EAGER_CAPACITY"
+    assert cache.keys() == ("b", "c") and cache.info().rejections == 1
+    # A capture that measured more than expected: evict LRU after the put, never the new entry.
+    assert cache.admit("d", expected_bytes=10).capture and cache.keys() == ("b", "c")
+    d = FakeGraph("d", events)
+    assert cache.put("d", d, nbytes=95) is True
+    assert cache.keys() == ("d",) and d.resets == 0 and cache.bytes_resident == 95
+    assert cache.put("e", FakeGraph("e", events), nbytes=150) is True  # alone over budget: kept, others go
+    assert cache.keys() == ("e",) and d.resets == 1
+    info = cache.info()
+    assert (info.bytes_resident, info.max_bytes, info.evictions) == (150, 100, 4)
+
+
+def test_every_release_path_resets_exactly_once():
+    events, graphs = [], []
+    cache = BoundedGraphCache("paths", 2)
+    for k in "ab":
+        run_step(cache, k, events, graphs)
+    run_step(cache, "c", events, graphs)  # evict a
+    replacement = FakeGraph("b", events)
+    cache.put("b", replacement)  # replace b
+    assert cache.discard("c") is True and cache.discard("c") is False  # discard c
+    partial = FakeGraph("p", events)
+    cache.put("p", partial)
+    cache.fail("p", RuntimeError("first replay failed"))  # fail releases the partial entry
+    run_step(cache, "q", events, graphs)
+    cache.clear()  # clear releases b (replacement) and q
+    everything = graphs + [replacement, partial]
+    assert [g.resets for g in everything] == [1] * len(everything)
+    assert sorted(resets_of(events)) == sorted(["a", "b", "c", "p", "b", "q"])
+    assert len(cache) == 0
+
+
+def test_release_entry_prefers_release_then_graph_reset():
+    calls = []
+
+    class WithRelease:
+        def release(self):
+            calls.append("release")
+
+        graph = FakeGraph("g", calls)
+
+    class WithGraph:
+        graph = FakeGraph("g2", calls)
+
+    release_entry(WithRelease())
+    release_entry(WithGraph())
+    release_entry(object())  # tolerated: nothing to release
+    assert calls == [("capture", "g"), ("capture", "g2"), "release", ("reset", "g2")]
+
+
+def test_custom_release_and_clear_releases_all_even_if_one_raises():
+    released = []
+
+    def release(entry):
+        released.append(entry)
+        if entry == "bad":
+            raise RuntimeError("reset failed")
+
+    cache = BoundedGraphCache("custom", 3, release=release)
+    for key in ("x", "bad", "y"):
+        cache.put(key, key)
+    with pytest.raises(RuntimeError, match="reset failed"):
+        cache.clear()
+    assert released == ["x", "bad", "y"] and len(cache) == 0
+
+
+def test_failed_capture_quarantines_key_and_cache_keeps_working():
+    events, graphs = [], []
+    cache = BoundedGraphCache("fail", 2)
+    assert run_step(cache, "a", events, graphs) == "captured"
+    assert run_step(cache, "bad", events, graphs, fail=True) == "failed"
+    assert [run_step(cache, "bad", events, graphs) for _ in range(3)] == ["EAGER_QUARANTINED"] * 3
+    assert cache.is_quarantined("bad") and "RuntimeError: capture failed" in cache.quarantine_reason("bad")
+    assert [run_step(cache, k, events, graphs) for k in "bca"] == ["captured", "captured", "captured"]
+    assert cache.put("bad", FakeGraph("bad", events)) is False  # never stored once quarantined
+    info = cache.info()
+    assert (info.failures, info.quarantined, info.size) == (1, 1, 2)
+    cache.clear()
+    assert not cache.is_quarantined("bad") and cache.info() == CacheInfo(
+        "fail", 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, "lru", 1, 0
+    )
+
+
+def test_quarantine_and_warming_bookkeeping_are_bounded(monkeypatch):
+    monkeypatch.setattr(cache_module, "MAX_TRACKED_KEYS", 3)
+    cache = BoundedGraphCache("bounded", 2, min_hits=2)
+    for i in range(5):
+        cache.fail(f"k{i}")
+    assert [cache.is_quarantined(f"k{i}") for i in range(5)] == [False, False, True, True, True]
+    for i in range(5):
+        assert cache.admit(f"w{i}") is Admission.EAGER_WARMING
+    assert cache.admit("w0") is Admission.EAGER_WARMING  # forgotten: starts over
+    assert cache.admit("w4") is Admission.CAPTURE
+
+
+def test_decisions_are_identical_across_four_ranks():
+    seq = key_sequence()
+    logs = []
+    for rank in range(4):
+        # Each rank builds its own key objects (equal values, different identities).
+        logs.append(rank_log([("".join(list(k)), n) for k, n in seq]))
+    assert all(log == logs[0] for log in logs[1:])
+    events, info = logs[0]
+    assert info["evictions"] > 10 and info["captures"] > 10 and info["hits"] > 10  # the log is non-trivial
+
+
+def test_decisions_do_not_depend_on_hash_seed():
+    """4 rank processes with different PYTHONHASHSEED (set/dict hash order differs) decide identically."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]);"
+        "import graph_core_fakes as t; print(json.dumps(t.rank_log(t.key_sequence())))"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    outputs = []
+    for rank in range(4):
+        env = dict(os.environ, PYTHONHASHSEED=str(rank + 1))
+        proc = subprocess.run([sys.executable, "-c", code, here], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert all(out == outputs[0] for out in outputs[1:])
+    assert outputs[0] == json.loads(json.dumps(rank_log(key_sequence())))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, allowed",
+    [
+        (dict(max_entries=-1), "max_entries", "integers >= 0"),
+        (dict(max_entries=True), "max_entries", "integers >= 0"),
+        (dict(max_entries=2.5), "max_entries", "integers >= 0"),
+        (dict(max_entries="3"), "max_entries", "integers >= 0"),
+        (dict(max_entries=2, policy="fifo"), "policy", "lru, exact"),
+        (dict(max_entries=2, min_hits=0), "min_hits", "integers >= 1"),
+        (dict(max_entries=2, max_bytes=-1), "max_bytes", "integers >= 0"),
+        (dict(max_entries=2, release=None), "release", "a callable"),
+        (dict(name="", max_entries=2), "name", "a non-empty string"),
+    ],
+)
+def test_cache_bad_input_names_argument_and_allowed_values(kwargs, field, allowed):
+    kwargs.setdefault("name", "c")
+    with pytest.raises(ValueError, match=f"^{field}:.*allowed: {allowed}"):
+        BoundedGraphCache(**kwargs)
+
+
+def test_cache_bad_sizes_in_calls():
+    cache = BoundedGraphCache("c", 2)
+    with pytest.raises(ValueError, match="^expected_bytes:"):
+        cache.admit("a", expected_bytes=-1)
+    with pytest.raises(ValueError, match="^nbytes:"):
+        cache.put("a", FakeGraph("a", []), nbytes=1.5)
+
+
+def test_admission_capture_property():
+    assert [a for a in Admission if a.capture] == [Admission.CAPTURE]
+
+
+# -------------------------------------------------------------------------- stats
+
+
+class _Runner:
+    def __init__(self, name):
+        self.cache = BoundedGraphCache(name, 2)
+
+    def describe(self):
+        return {"size": len(self.cache), "kind": "runner"}
+
+
+def test_stats_snapshot_follows_live_caches():
+    cache = BoundedGraphCache("stats-vit", 2)
+    cache.put("a", FakeGraph("a", []))
+    name = stats.register("stats-vit", cache.info)
+    other = BoundedGraphCache("stats-vit", 2)
+    name2 = stats.register("stats-vit", other.info)
+    assert (name, name2) == ("stats-vit", "stats-vit#2")
+    snap = stats.snapshot()
+    assert snap["stats-vit"]["size"] == 1 and snap["stats-vit"]["policy"] == "lru"
+    assert snap["stats-vit#2"]["size"] == 0
+    del cache
+    gc.collect()
+    assert "stats-vit" not in stats.snapshot()  # a dead cache disappears by itself
+    stats.unregister(name2)
+    assert "stats-vit#2" not in stats.snapshot()
+
+
+def test_stats_owner_ties_plain_callables_to_an_object():
+    runner = _Runner("stats-owner")
+    fn = lambda: {"size": 7}  # noqa: E731 - a plain callable, held strongly
+    stats.register("stats-owner", fn, owner=runner)
+    stats.register("stats-owner-method", runner.describe)
+    snap = stats.snapshot()
+    assert snap["stats-owner"] == {"size": 7} and snap["stats-owner-method"]["kind"] == "runner"
+    del runner
+    gc.collect()
+    snap = stats.snapshot()
+    assert "stats-owner" not in snap and "stats-owner-method" not in snap
+
+
+def test_stats_bad_registration():
+    with pytest.raises(ValueError, match="^info_fn:.*allowed"):
+        stats.register("x", None)
+    with pytest.raises(ValueError, match="^name:.*allowed"):
+        stats.register("", lambda: {})
+
+
+def test_stats_maybe_log_is_rate_limited(monkeypatch, caplog):
+    monkeypatch.setattr(stats, "_last_log", [float("-inf")])
+    cache = BoundedGraphCache("stats-log", 3)
+    name = stats.register("stats-log", cache.info)
+    logger = logging.getLogger("sglang_ext.test.stats")
+    try:
+        logger.setLevel(logging.INFO)
+        assert stats.maybe_log(logger, 0) is False  # debug off: nothing computed or logged
+        logger.setLevel(logging.DEBUG)
+        with caplog.at_level(logging.DEBUG, logger=logger.name):
+            assert stats.maybe_log(logger, 3600) is True
+            assert stats.maybe_log(logger, 3600) is False
+            assert stats.maybe_log(logger, 0) is True
+        lines = [r.getMessage() for r in caplog.records if "stats-log" in r.getMessage()]
+        assert len(lines) == 2 and "capacity=3" in lines[0]
+        with pytest.raises(ValueError, match="^interval_s:"):
+            stats.maybe_log(logger, -1)
+    finally:
+        stats.unregister(name)
 
 
 if __name__ == "__main__":

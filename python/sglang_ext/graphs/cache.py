@@ -1,0 +1,307 @@
+"""A capacity-bounded cache of captured graphs with an explicit admission step.
+
+Protocol for a runner (one cache per runner, single-threaded like sglang's runners):
+
+    entry = cache.get(key)
+    if entry is None:
+        if cache.admit(key, expected_bytes=...).capture:   # may evict LRU entries NOW
+            try:
+                entry = capture(...)
+            except Exception as exc:
+                cache.fail(key, exc)                         # quarantined: eager from now on
+            else:
+                cache.put(key, entry, nbytes=...)
+    run entry if there is one, else run eager
+
+`admit` evicts before the capture so an evicted graph's pool memory is back in
+the pool when the new graph is captured. Every decision depends only on the
+sequence of calls (keys, and the byte sizes passed in), never on free memory or
+time, so tensor-parallel ranks fed the same requests capture in lockstep. Byte
+sizes must therefore be equal on all ranks for the byte budget to stay in
+lockstep too (identical captures on identical devices measure the same).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Generic, Hashable, Mapping, Optional, Tuple, TypeVar
+
+from sglang_ext.graphs.keys import _is_int
+
+K = TypeVar("K", bound=Hashable)
+E = TypeVar("E")
+
+POLICIES = ("lru", "exact")
+# Bounded bookkeeping for keys that are NOT resident (warming counts, quarantine):
+# a stream of distinct keys must not grow memory without bound.
+MAX_TRACKED_KEYS = 4096
+
+
+def release_entry(entry: Any) -> None:
+    """Default release: `entry.release()`, else `entry.graph.reset()`, else `entry.reset()`.
+
+    `reset()` returns the graph's blocks to its memory pool; dropping the last
+    Python reference alone would do the same only whenever the GC gets to it.
+    """
+    release = getattr(entry, "release", None)
+    if callable(release):
+        release()
+        return
+    graph = getattr(entry, "graph", None)
+    reset = getattr(graph, "reset", None) or getattr(entry, "reset", None)
+    if callable(reset):
+        reset()
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    name: str
+    size: int
+    capacity: int
+    hits: int
+    misses: int
+    captures: int
+    evictions: int
+    rejections: int
+    failures: int
+    bytes_resident: int
+    max_bytes: int
+    policy: str
+    min_hits: int = 1
+    quarantined: int = 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+class Admission(enum.Enum):
+    """What to do with a key that missed the cache."""
+
+    CAPTURE = "capture"
+    EAGER_CAPACITY = "eager_capacity"  # full and the policy keeps what it has (exact), or too big for the budget
+    EAGER_WARMING = "eager_warming"  # anti-thrash: not seen min_hits times yet
+    EAGER_QUARANTINED = "eager_quarantined"  # its capture failed before
+    EAGER_DISABLED = "eager_disabled"  # capacity 0
+
+    @property
+    def capture(self) -> bool:
+        return self is Admission.CAPTURE
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name}: {value!r} is not allowed; allowed: integers >= {minimum}")
+    return int(value)
+
+
+class BoundedGraphCache(Generic[K, E]):
+    """At most `max_entries` graphs (and `max_bytes` bytes if > 0), in LRU order.
+
+    Policies: `lru` evicts the least recently used entries to make room;
+    `exact` keeps the first graphs it captured and runs later keys eager.
+    `min_hits` > 1 captures a key only on its `min_hits`-th sighting, so one-off
+    layouts do not evict graphs that are in use. `release` is called exactly
+    once for every entry the cache drops (evict, replace, discard, clear, fail).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        max_entries: int,
+        *,
+        policy: str = "lru",
+        max_bytes: int = 0,
+        min_hits: int = 1,
+        release: Callable[[E], None] = release_entry,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name: {name!r} is not allowed; allowed: a non-empty string")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
+        if not callable(release):
+            raise ValueError(f"release: {release!r} is not allowed; allowed: a callable taking an entry")
+        self.name = name
+        self.capacity = _check_int("max_entries", max_entries, 0)
+        self.max_bytes = _check_int("max_bytes", max_bytes, 0)
+        self.min_hits = _check_int("min_hits", min_hits, 1)
+        self.policy = policy
+        self._release = release
+        self._entries: "OrderedDict[K, E]" = OrderedDict()
+        self._nbytes: Dict[K, int] = {}
+        self._sightings: "OrderedDict[K, int]" = OrderedDict()
+        # Failed keys -> short reason. A string, not the exception: a traceback
+        # would keep the failed capture's frames (and their tensors) alive.
+        self._quarantine: "OrderedDict[K, str]" = OrderedDict()
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.hits = self.misses = self.captures = 0
+        self.evictions = self.rejections = self.failures = 0
+
+    # ------------------------------------------------------------------ lookups
+
+    def get(self, key: K) -> Optional[E]:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> Tuple[K, ...]:
+        """Resident keys, least recently used first."""
+        return tuple(self._entries)
+
+    @property
+    def entries(self) -> Mapping[K, E]:
+        """Read-only view of the resident entries, least recently used first."""
+        return MappingProxyType(self._entries)
+
+    @property
+    def bytes_resident(self) -> int:
+        return sum(self._nbytes.values())
+
+    def is_quarantined(self, key: K) -> bool:
+        return key in self._quarantine
+
+    def quarantine_reason(self, key: K) -> Optional[str]:
+        return self._quarantine.get(key)
+
+    # ---------------------------------------------------------------- admission
+
+    def _over_budget(self, extra_entries: int, extra_bytes: int) -> bool:
+        if len(self._entries) + extra_entries > self.capacity:
+            return True
+        return self.max_bytes > 0 and self.bytes_resident + extra_bytes > self.max_bytes
+
+    def admit(self, key: K, *, expected_bytes: int = 0) -> Admission:
+        """Decide whether to capture `key` (call after a miss, before capturing).
+
+        Under `lru`, entries are evicted here, before the capture, so their
+        memory can be reused by it. A graph larger than the whole byte budget
+        is never captured (evicting everything would not make it fit).
+        """
+        expected_bytes = _check_int("expected_bytes", expected_bytes, 0)
+        if self.capacity == 0:
+            return Admission.EAGER_DISABLED
+        if key in self._quarantine:
+            self._quarantine.move_to_end(key)
+            return Admission.EAGER_QUARANTINED
+        if key in self._entries:
+            return Admission.CAPTURE  # a re-capture; put() replaces (and releases) the old entry
+        if self.policy == "exact" and self._over_budget(1, expected_bytes):
+            self.rejections += 1
+            return Admission.EAGER_CAPACITY
+        if self.max_bytes > 0 and expected_bytes > self.max_bytes:
+            self.rejections += 1
+            return Admission.EAGER_CAPACITY
+        if self.min_hits > 1:
+            seen = self._sightings.pop(key, 0) + 1
+            if seen < self.min_hits:
+                self._sightings[key] = seen
+                _trim(self._sightings)
+                return Admission.EAGER_WARMING
+        while self._entries and self._over_budget(1, expected_bytes):
+            self._evict_oldest()
+        return Admission.CAPTURE
+
+    def put(self, key: K, entry: E, *, nbytes: int = 0) -> bool:
+        """Store a freshly captured entry; returns False (and releases it) if it may not stay."""
+        nbytes = _check_int("nbytes", nbytes, 0)
+        if self.capacity == 0 or key in self._quarantine:
+            self._release(entry)
+            return False
+        old = self._entries.pop(key, None)
+        self._nbytes.pop(key, None)
+        if old is not None:
+            self._release(old)
+        if self.policy == "exact" and self._over_budget(1, nbytes):
+            self.rejections += 1
+            self._release(entry)
+            return False
+        self._entries[key] = entry
+        self._nbytes[key] = nbytes
+        self._sightings.pop(key, None)
+        self.captures += 1
+        while len(self._entries) > 1 and self._over_budget(0, 0):
+            self._evict_oldest()
+        return True
+
+    def fail(self, key: K, exc: Optional[BaseException] = None) -> None:
+        """Quarantine `key` after a failed capture: it runs eager from now on."""
+        self.failures += 1
+        self._quarantine.pop(key, None)
+        self._quarantine[key] = "" if exc is None else f"{type(exc).__name__}: {exc}"[:200]
+        _trim(self._quarantine)
+        self._sightings.pop(key, None)
+        self.discard(key)
+
+    # ------------------------------------------------------------------ release
+
+    def _evict_oldest(self) -> None:
+        key = next(iter(self._entries))
+        self.evictions += 1
+        self.discard(key)
+
+    def discard(self, key: K) -> bool:
+        """Drop `key` if resident (releasing it); returns whether it was."""
+        if key not in self._entries:
+            return False
+        entry = self._entries.pop(key)
+        self._nbytes.pop(key, None)
+        self._release(entry)
+        return True
+
+    def clear(self) -> None:
+        """Release every entry and forget all state (quarantine, counters) as if new."""
+        entries = list(self._entries.values())
+        self._entries.clear()
+        self._nbytes.clear()
+        self._sightings.clear()
+        self._quarantine.clear()
+        self._reset_counters()
+        first_error: Optional[BaseException] = None
+        for entry in entries:  # release all even if one release raises
+            try:
+                self._release(entry)
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def info(self) -> CacheInfo:
+        return CacheInfo(
+            name=self.name,
+            size=len(self._entries),
+            capacity=self.capacity,
+            hits=self.hits,
+            misses=self.misses,
+            captures=self.captures,
+            evictions=self.evictions,
+            rejections=self.rejections,
+            failures=self.failures,
+            bytes_resident=self.bytes_resident,
+            max_bytes=self.max_bytes,
+            policy=self.policy,
+            min_hits=self.min_hits,
+            quarantined=len(self._quarantine),
+        )
+
+    def __repr__(self) -> str:
+        i = self.info()
+        return f"BoundedGraphCache({i.name!r}, {i.size}/{i.capacity}, policy={i.policy}, bytes={i.bytes_resident})"
+
+
+def _trim(tracked: "OrderedDict[Any, Any]") -> None:
+    while len(tracked) > MAX_TRACKED_KEYS:
+        tracked.popitem(last=False)

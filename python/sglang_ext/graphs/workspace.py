@@ -1,0 +1,214 @@
+"""Address-stable workspaces for captured graphs.
+
+A CUDA graph replays with the device addresses it captured, so an input
+buffer a live graph captured must neither move nor be freed while that graph
+lives. Upstream grows its ViT rotary workspace by allocating a bigger one and
+(since 0.5.19) keeps every retired buffer forever. Here each graph leases a
+slice of the current backing buffer; growth starts a new backing buffer and
+leaves older ones (and the slices in them) where they are; a retired buffer is
+freed as soon as the last lease on it is released.
+
+Leases overlap on purpose: every graph leasing from one buffer gets its first
+rows. Graphs of one runner never run concurrently and each replay first copies
+its own inputs into its slice, so sharing is safe and costs one buffer, not one
+per graph. The tensors of one lease (e.g. cos and sin) never overlap each other.
+
+Allocate leases before capturing (outside the graph's pool), and do not keep
+references to `lease.tensors` beyond the lease: they keep the buffer alive.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
+
+from sglang_ext.graphs.keys import _is_int
+
+# Each tensor of a lease starts on this byte boundary, so vectorised kernels
+# see the same alignment as with a fresh allocation.
+ALIGN_BYTES = 256
+
+
+class _Backing:
+    __slots__ = ("tensor", "leases", "__weakref__")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.leases = 0
+
+
+class WorkspaceLease:
+    """Slices of one backing buffer held by one graph; `release()` when the graph goes."""
+
+    __slots__ = ("owner", "rows", "_pool", "_backing", "_tensors")
+
+    def __init__(self, pool: "StableWorkspacePool", backing: _Backing, owner: Any, rows: int, tensors: tuple):
+        self.owner = owner
+        self.rows = rows
+        self._pool = pool
+        self._backing = backing
+        self._tensors = tensors
+
+    @property
+    def released(self) -> bool:
+        return self._backing is None
+
+    @property
+    def tensors(self) -> Tuple[Any, ...]:
+        if self._backing is None:
+            raise RuntimeError(f"workspace lease of {self.owner!r} used after release")
+        return self._tensors
+
+    @property
+    def tensor(self) -> Any:
+        """The only tensor of a count=1 lease."""
+        tensors = self.tensors
+        if len(tensors) != 1:
+            raise ValueError(f"lease holds {len(tensors)} tensors; use .tensors")
+        return tensors[0]
+
+    def release(self) -> None:
+        """Give the slices back (idempotent); frees a retired backing buffer with its last lease."""
+        backing, self._backing, self._tensors = self._backing, None, ()
+        if backing is not None:
+            self._pool._release(backing)
+
+
+class StableWorkspacePool:
+    """Backing buffers (flat 1-D tensors) from which graphs lease fixed-address slices.
+
+    The current buffer is kept when its last lease goes (it is the one the next
+    capture will use; freeing it would re-allocate on every evict/capture cycle);
+    `trim()` drops it when unused. Retired buffers are freed with their last lease.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        allocate: Optional[Callable[[int], Any]] = None,
+        dtype: Any = None,
+        device: Any = None,
+        growth: float = 2.0,
+    ) -> None:
+        if not isinstance(growth, (int, float)) or isinstance(growth, bool) or not growth >= 1:
+            raise ValueError(f"growth: {growth!r} is not allowed; allowed: numbers >= 1")
+        if allocate is None:
+            import torch
+
+            def allocate(numel: int, _dtype=dtype, _device=device) -> Any:
+                return torch.empty(numel, dtype=_dtype, device=_device)
+
+        self.name = name
+        self.growth = float(growth)
+        self._allocate = allocate
+        # Alignment padding between a lease's tensors needs the element size up front;
+        # a 0-element tensor costs no device memory.
+        self._element_size = allocate(0).element_size()
+        self._current: Optional[_Backing] = None
+        self._retired: Dict[int, _Backing] = {}  # id -> backing still leased by a graph
+
+    # ------------------------------------------------------------------ leasing
+
+    def lease(self, owner: Any, rows: int, row_shape: Sequence[int] = (), *, count: int = 1) -> WorkspaceLease:
+        """`count` non-overlapping tensors of shape (rows, *row_shape) that never move."""
+        if not _is_int(rows) or rows < 0:
+            raise ValueError(f"rows: {rows!r} is not allowed; allowed: integers >= 0")
+        if not _is_int(count) or count < 1:
+            raise ValueError(f"count: {count!r} is not allowed; allowed: integers >= 1")
+        row_shape = tuple(row_shape)
+        if not all(_is_int(d) and d >= 0 for d in row_shape):
+            raise ValueError(f"row_shape: {row_shape!r} is not allowed; allowed: a tuple of integers >= 0")
+        per_tensor = rows * math.prod(row_shape)
+        stride = self._aligned(per_tensor)
+        needed = stride * (count - 1) + per_tensor
+        backing = self._backing_for(needed)
+        flat = backing.tensor
+        tensors = tuple(flat[i * stride : i * stride + per_tensor].view(rows, *row_shape) for i in range(count))
+        backing.leases += 1
+        return WorkspaceLease(self, backing, owner, rows, tensors)
+
+    def _aligned(self, numel: int) -> int:
+        unit = max(1, ALIGN_BYTES // self._element_size)
+        return -(-numel // unit) * unit
+
+    def _backing_for(self, needed: int) -> _Backing:
+        current = self._current
+        if current is not None and current.tensor.numel() >= needed:
+            return current
+        size = needed if current is None else max(needed, math.ceil(current.tensor.numel() * self.growth))
+        new = _Backing(self._allocate(size))
+        if current is not None and current.leases > 0:
+            self._retired[id(current)] = current  # graphs still replay from it: keep it where it is
+        self._current = new
+        return new
+
+    def _release(self, backing: _Backing) -> None:
+        backing.leases -= 1
+        if backing.leases == 0 and backing is not self._current:
+            self._retired.pop(id(backing), None)
+
+    def trim(self) -> bool:
+        """Drop the current backing buffer if no lease holds it; returns whether it did."""
+        if self._current is not None and self._current.leases == 0:
+            self._current = None
+            return True
+        return False
+
+    # ------------------------------------------------------------------ counters
+
+    def _alive(self) -> Tuple[_Backing, ...]:
+        return tuple(self._retired.values()) + ((self._current,) if self._current is not None else ())
+
+    @property
+    def backing_buffers(self) -> int:
+        return len(self._alive())
+
+    @property
+    def bytes_allocated(self) -> int:
+        return sum(b.tensor.numel() * b.tensor.element_size() for b in self._alive())
+
+    @property
+    def live_leases(self) -> int:
+        return sum(b.leases for b in self._alive())
+
+    def __repr__(self) -> str:
+        return (
+            f"StableWorkspacePool({self.name!r}, buffers={self.backing_buffers}, "
+            f"bytes={self.bytes_allocated}, leases={self.live_leases})"
+        )
+
+
+class AddressGuard:
+    """Debug check that a graph's inputs still have the addresses it captured.
+
+    Off unless `enabled=True` or SGLANG_EXT_DEBUG_ADDRESSES=1: collecting
+    `data_ptr()`s costs host time on every replay.
+    """
+
+    def __init__(self, enabled: Optional[bool] = None) -> None:
+        if enabled is None:
+            from sglang_ext import knobs
+
+            enabled = bool(knobs.current("debug_addresses"))
+        self.enabled = enabled
+        self._recorded: Dict[Hashable, Tuple[int, ...]] = {}
+
+    def record(self, key: Hashable, tensors: Sequence[Any]) -> None:
+        if self.enabled:
+            self._recorded[key] = tuple(t.data_ptr() for t in tensors)
+
+    def check(self, key: Hashable, tensors: Sequence[Any]) -> None:
+        if not self.enabled or key not in self._recorded:
+            return
+        captured = self._recorded[key]
+        now = tuple(t.data_ptr() for t in tensors)
+        if len(now) != len(captured):
+            raise AssertionError(f"graph {key!r}: captured {len(captured)} inputs, replay passes {len(now)}")
+        for i, (old, new) in enumerate(zip(captured, now)):
+            if old != new:
+                raise AssertionError(f"graph {key!r}: input tensor {i} moved from {old:#x} to {new:#x} since capture")
+
+    def forget(self, key: Hashable) -> None:
+        """Call when the graph is released."""
+        self._recorded.pop(key, None)
