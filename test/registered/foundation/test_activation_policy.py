@@ -1,0 +1,415 @@
+"""Activation policy: switch, idempotence, all-or-nothing parts, verification, strict mode, bad input.
+
+Mechanics tests use a synthetic patch (a temporary package with two target modules and an
+adapter) registered in place of the real registry, so a failing part can be provoked on
+purpose. The switch, bad-input and refusal tests run the real registry against the real
+installed sglang 0.5.17, and against the real 0.5.12 / 0.5.23 wheels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import os
+import sys
+import textwrap
+import types
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from conftest import plugin_only
+from released_wheels import released_tree  # noqa: F401  (fixture)
+from sglang_ext import activation, doctor, patching, plugin, registry
+from sglang_ext.errors import SglangExtActivationError
+from sglang_ext.registry import PATCH_NAMES, PATCHES, Part, PatchSpec
+from sglang_ext.versions import at_least
+
+register_cpu_ci(est_time=60, suite="base-a-test-cpu")
+
+pytestmark = plugin_only
+
+STATUS_WORDS = ("applied", "armed", "disabled", "not needed", "skipped", "failed")
+_counter = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def clean_activation(monkeypatch):
+    for name in list(os.environ):
+        if name == "SGLANG_EXT" or name.startswith("SGLANG_EXT_"):
+            monkeypatch.delenv(name)
+    activation.deactivate()
+    yield
+    activation.deactivate()
+
+
+# --------------------------------------------------------------------------
+# A synthetic patch: package <pkg> with target_a (class Engine), target_b (def helper)
+# --------------------------------------------------------------------------
+
+ADAPTER = '''
+calls = []
+
+
+def run(self):
+    return "patched " + self.name
+
+
+def _ext_patched_helper():
+    return "patched helper"
+
+
+def patch_a(ctx, module):
+    calls.append("a")
+    ctx.transplant_method(module.Engine, run)
+
+
+def patch_b(ctx, module):
+    calls.append("b")
+    ctx.setattr(module, "helper", _ext_patched_helper)
+
+
+def patch_b_raises(ctx, module):
+    calls.append("b")
+    ctx.setattr(module, "helper", _ext_patched_helper)
+    raise RuntimeError("boom in part b")
+
+
+def patch_b_clobbered(ctx, module):
+    # someone else rebinds the attribute after us: verification must notice
+    calls.append("b")
+    ctx.setattr(module, "helper", _ext_patched_helper)
+    module.helper = lambda: "someone else"
+
+
+def patch_b_noop(ctx, module):
+    calls.append("b")
+
+
+def patch_b_reenters(ctx, module):
+    from sglang_ext import activation
+    calls.append(("reentered", sorted(activation.activate())))
+    ctx.setattr(module, "helper", _ext_patched_helper)
+'''
+
+
+class FakePatch:
+    def __init__(self, tmp_path, monkeypatch, part_b="patch_b"):
+        self.pkg = f"ext_fake_{next(_counter)}"
+        root = tmp_path / self.pkg
+        root.mkdir()
+        (root / "__init__.py").write_text("")
+        (root / "target_a.py").write_text(textwrap.dedent('''
+            class Engine:
+                def __init__(self, name="e"):
+                    self.name = name
+
+                def run(self):
+                    return "original " + self.name
+            '''))
+        (root / "target_b.py").write_text("def helper():\n    return 'original helper'\n")
+        (root / "adapter.py").write_text(ADAPTER)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        self.spec = PatchSpec(
+            name="fake_patch", summary="synthetic two-part patch", targets=(),
+            parts=(Part(f"{self.pkg}.target_a", f"{self.pkg}.adapter:patch_a"),
+                   Part(f"{self.pkg}.target_b", f"{self.pkg}.adapter:{part_b}")),
+            upstream_pr="-", retire_when="-", supported=("0.5.17",))
+        monkeypatch.setattr(activation, "PATCHES", (self.spec,))
+        monkeypatch.setattr(registry, "PATCHES", (self.spec,))  # the disable-list check reads it
+
+    def module(self, name):
+        return importlib.import_module(f"{self.pkg}.{name}")
+
+    @property
+    def calls(self):
+        return self.module("adapter").calls
+
+    def activate(self, strict=True, **env):
+        environ = {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1" if strict else "0", **env}
+        return activation.activate(environ=environ, version="0.5.17")
+
+    def assert_original(self):
+        a, b = sys.modules.get(f"{self.pkg}.target_a"), sys.modules.get(f"{self.pkg}.target_b")
+        if a is not None:
+            assert a.Engine().run() == "original e"
+            assert "_ext_patched_helper" not in vars(a)
+        if b is not None:
+            assert b.helper() == "original helper"
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    return lambda **kw: FakePatch(tmp_path, monkeypatch, **kw)
+
+
+def test_parts_apply_when_their_modules_are_imported_then_verify(fake):
+    f = fake()
+    st = f.activate()["fake_patch"]
+    assert st.state == "armed" and f"{f.pkg}.target_a" in st.detail
+    f.module("target_a")
+    st = activation.statuses()["fake_patch"]
+    assert st.state == "armed" and st.parts_applied == [f"{f.pkg}.target_a"]
+    assert st.detail == f"applies when {f.pkg}.target_b is imported"
+    f.module("target_b")
+    st = activation.statuses()["fake_patch"]
+    assert (st.state, str(st)) == ("applied", "applied")
+    assert f.module("target_a").Engine("x").run() == "patched x"
+    assert f.module("target_b").helper() == "patched helper"
+    assert activation.is_active("fake_patch")
+
+
+def test_activation_is_idempotent(fake):
+    f = fake()
+    f.module("target_a"), f.module("target_b")
+    first = f.activate()
+    second = f.activate()
+    third = activation.activate(environ={"SGLANG_EXT": "1"})
+    assert {k: str(v) for k, v in first.items()} == {k: str(v) for k, v in second.items()} == \
+        {k: str(v) for k, v in third.items()} == {"fake_patch": "applied"}
+    assert f.calls == ["a", "b"]  # each part ran once
+
+
+def test_activation_is_reentrant_from_inside_a_part(fake):
+    f = fake(part_b="patch_b_reenters")
+    f.activate()
+    f.module("target_a"), f.module("target_b")
+    assert f.calls[1] == ("reentered", ["fake_patch"])
+    assert str(activation.statuses()["fake_patch"]) == "applied"
+
+
+def test_installed_but_not_enabled_changes_nothing(fake):
+    f = fake()
+    pending_before = patching.pending_triggers()
+    assert activation.activate(environ={}) == {}
+    assert activation.activate(environ={"SGLANG_EXT": "0", "SGLANG_EXT_DISABLE": "no_such_patch"}) == {}
+    assert activation.statuses() == {}
+    assert patching.pending_triggers() == pending_before
+    f.module("target_a"), f.module("target_b")
+    assert f.calls == []
+    f.assert_original()
+
+
+def test_part_that_raises_rolls_back_the_whole_patch(fake, caplog):
+    f = fake(part_b="patch_b_raises")
+    f.activate(strict=False)
+    f.module("target_a")
+    assert f.module("target_a").Engine().run() == "patched e"  # part a is live until b fails
+    with caplog.at_level(logging.ERROR, logger="sglang_ext"):
+        f.module("target_b")
+    st = activation.statuses()["fake_patch"]
+    assert st.state == "failed"
+    assert str(st).startswith(f"failed: {f.pkg}.adapter:patch_b_raises on {f.pkg}.target_b: RuntimeError: boom in part b")
+    assert st.parts_applied == [] and st.parts_pending == []
+    f.assert_original()
+    assert "rolled back" in caplog.text and "boom in part b" in caplog.text
+
+
+def test_part_that_raises_aborts_in_strict_mode(fake):
+    f = fake(part_b="patch_b_raises")
+    f.activate(strict=True)
+    f.module("target_a")
+    with pytest.raises(SglangExtActivationError, match="strict mode: patch fake_patch failed: .*boom in part b"):
+        f.module("target_b")
+    assert not isinstance(SglangExtActivationError("x"), Exception)  # sglang's `except Exception` cannot catch it
+    f.assert_original()
+    assert activation.statuses()["fake_patch"].state == "failed"
+
+
+def test_part_whose_swap_does_not_verify_rolls_back(fake):
+    f = fake(part_b="patch_b_clobbered")
+    f.activate(strict=False)
+    f.module("target_a"), f.module("target_b")
+    st = activation.statuses()["fake_patch"]
+    assert st.state == "failed"
+    assert "verification failed" in st.detail and "helper is not the patched object" in st.detail
+    f.assert_original()
+
+
+def test_part_that_changes_nothing_fails(fake):
+    f = fake(part_b="patch_b_noop")
+    f.activate(strict=False)
+    f.module("target_a"), f.module("target_b")
+    st = activation.statuses()["fake_patch"]
+    assert st.state == "failed" and "patch_b_noop changed nothing" in st.detail
+    f.assert_original()
+
+
+def test_deactivate_restores_and_cancels_pending_parts(fake):
+    f = fake()
+    f.activate()
+    f.module("target_a")
+    assert f.module("target_a").Engine().run() == "patched e"
+    activation.deactivate()
+    assert f.module("target_a").Engine().run() == "original e"
+    assert f"{f.pkg}.target_b" not in patching.pending_triggers()
+    f.module("target_b")  # the cancelled part must not run
+    assert f.calls == ["a"]
+    f.assert_original()
+
+
+def test_disabled_patch_is_left_alone(fake):
+    f = fake()
+    st = f.activate(SGLANG_EXT_DISABLE="fake_patch")["fake_patch"]
+    assert (st.state, str(st)) == ("disabled", "disabled")
+    f.module("target_a"), f.module("target_b")
+    assert f.calls == []
+    f.assert_original()
+
+
+def test_activation_record_is_written_per_process(fake, tmp_path):
+    f = fake()
+    records = tmp_path / "records"
+    f.activate(SGLANG_EXT_ACTIVATION_DIR=str(records))
+    f.module("target_a"), f.module("target_b")
+    [rec] = doctor.read_records(str(records))
+    assert rec["pid"] == os.getpid()
+    assert rec["patches"]["fake_patch"]["status"] == "applied"
+    assert rec["sglang"] == "0.5.17" and rec["strict"] is True
+
+
+# --------------------------------------------------------------------------
+# Bad input: clear errors naming what is wrong and what is allowed
+# --------------------------------------------------------------------------
+
+def test_unknown_patch_in_disable_list_names_the_allowed_names():
+    with pytest.raises(SglangExtActivationError) as err:
+        activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_DISABLE": "vit_cuda_graph,vit_graphs"})
+    text = str(err.value)
+    assert "SGLANG_EXT_DISABLE" in text and "vit_graphs" in text
+    assert "allowed: " + ", ".join(PATCH_NAMES) in text
+    assert activation.statuses() == {}
+
+
+def test_valid_disable_list_on_real_registry(monkeypatch):
+    monkeypatch.setattr(activation, "_arm", lambda spec, settings: None)  # decide only; nothing armed
+    got = activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_DISABLE": ",".join(PATCH_NAMES)})
+    assert {k: str(v) for k, v in got.items()} == {n: "disabled" for n in PATCH_NAMES}
+
+
+def test_unknown_environment_variable_is_an_error():
+    with pytest.raises(SglangExtActivationError) as err:
+        activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS": "4"})
+    text = str(err.value)
+    assert "unknown sglang-ext environment variable(s) SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS" in text
+    assert "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES" in text  # the allowed spelling is listed
+
+
+def test_bad_master_switch_value_is_an_error():
+    with pytest.raises(SglangExtActivationError, match=r"SGLANG_EXT: 'maybe' is not allowed; allowed: 1 or 0"):
+        activation.activate(environ={"SGLANG_EXT": "maybe"})
+
+
+# --------------------------------------------------------------------------
+# Refusals on the real registry: unsupported sglang, changed fingerprints (real wheels)
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def live_sglang():
+    """Snapshot of every real target module (and its classes) to prove nothing was touched."""
+    names = sorted({p.trigger_module for spec in PATCHES for p in spec.parts}
+                   | {t.module for spec in PATCHES for t in spec.targets})
+    modules = [importlib.import_module(n) for n in names]
+
+    def snapshot():
+        out = {}
+        for m in modules:
+            out[m.__name__] = dict(vars(m))
+            for name, obj in vars(m).items():
+                if isinstance(obj, type) and obj.__module__ == m.__name__:
+                    out[f"{m.__name__}:{name}"] = dict(vars(obj))
+        return out
+
+    return snapshot
+
+
+def assert_same(before, after):
+    assert before.keys() == after.keys()
+    for owner in before:
+        changed = [k for k in before[owner].keys() | after[owner].keys()
+                   if before[owner].get(k, "<missing>") is not after[owner].get(k, "<missing>")]
+        assert not changed, f"{owner}: {changed} changed"
+
+
+def test_unsupported_sglang_applies_nothing_with_one_clear_warning(released_tree, live_sglang, caplog):
+    tree = released_tree("0.5.23")
+    before, pending = live_sglang(), patching.pending_triggers()
+    with caplog.at_level(logging.WARNING, logger="sglang_ext"):
+        got = activation.activate(environ={"SGLANG_EXT": "1"}, source_root=tree)
+    assert activation.activated_version() == "0.5.23"  # read from the tree's sglang/_version.py
+    for spec in PATCHES:
+        text = str(got[spec.name])
+        if spec.upstream_equivalent and spec.upstream_since and at_least("0.5.23", spec.upstream_since):
+            assert text == f"not needed (upstream has it since {spec.upstream_since})"
+        else:
+            assert text == "skipped (sglang 0.5.23 is not supported; supported: 0.5.17)"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "sglang 0.5.23" in warnings[0] and "is not supported" in warnings[0]
+    assert "supported: 0.5.17" in warnings[0] and "Nothing was applied" in warnings[0]
+    assert patching.pending_triggers() == pending
+    assert_same(before, live_sglang())
+
+
+def test_unsupported_sglang_aborts_in_strict_mode(released_tree, live_sglang):
+    before = live_sglang()
+    with pytest.raises(SglangExtActivationError, match=r"strict mode .*sglang 0\.5\.23 .* is not supported .*"
+                       r"supported: 0\.5\.17"):
+        activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1"},
+                            source_root=released_tree("0.5.23"))
+    assert_same(before, live_sglang())
+
+
+@pytest.mark.parametrize("release", ["0.5.12", "0.5.23"])
+def test_changed_fingerprints_apply_nothing(release, released_tree, live_sglang, caplog):
+    """The tree claims to be 0.5.17 (as a source build with SGLANG_EXT_ASSUME_SGLANG would), but its
+    code is another release's: every patch is refused by its fingerprints, the live sglang untouched."""
+    tree = released_tree(release)
+    before, pending = live_sglang(), patching.pending_triggers()
+    with caplog.at_level(logging.WARNING, logger="sglang_ext"):
+        got = activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.17"},
+                                  source_root=tree)
+    for spec in PATCHES:
+        st = got[spec.name]
+        assert st.state == "skipped", (spec.name, str(st))
+        assert ("fingerprint changed: " in st.detail) or ("target absent: " in st.detail)
+        assert f"checked sglang 0.5.17 at {tree} against the reference of sglang 0.5.17" in st.detail
+        assert not all(st.fingerprints.values())
+        bad = [k for k, ok in st.fingerprints.items() if not ok]
+        assert all(k in st.detail for k in bad)
+        assert f"patch {spec.name} skipped, nothing of it applied" in caplog.text
+    assert patching.pending_triggers() == pending
+    assert_same(before, live_sglang())
+
+
+@pytest.mark.parametrize("release", ["0.5.12", "0.5.23"])
+def test_changed_fingerprints_abort_in_strict_mode(release, released_tree, live_sglang):
+    before = live_sglang()
+    with pytest.raises(SglangExtActivationError) as err:
+        activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1",
+                                     "SGLANG_EXT_ASSUME_SGLANG": "0.5.17"},
+                            source_root=released_tree(release))
+    for name in PATCH_NAMES:
+        assert f"patch {name} skipped: " in str(err.value)
+    assert_same(before, live_sglang())
+
+
+def test_matching_fingerprints_arm_every_patch(released_tree, monkeypatch):
+    """Control for the two tests above: the real 0.5.17 wheel passes the same check."""
+    monkeypatch.setattr(activation, "_arm", lambda spec, settings: None)  # decide only; apply nothing
+    got = activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1"},
+                              source_root=released_tree("0.5.17"))
+    for spec in PATCHES:
+        assert got[spec.name].state == "armed", str(got[spec.name])
+        assert all(got[spec.name].fingerprints.values())
+
+
+def test_plugin_register_without_switch_touches_no_sglang_attribute(live_sglang):
+    before, pending = live_sglang(), patching.pending_triggers()
+    meta_path = list(sys.meta_path)
+    plugin.register()
+    plugin.register()
+    assert activation.statuses() == {}
+    assert patching.pending_triggers() == pending and sys.meta_path == meta_path
+    assert_same(before, live_sglang())
