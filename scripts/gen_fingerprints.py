@@ -7,13 +7,17 @@ downloaded (`pip download --no-deps`, cached in `--wheels-dir`, default
 registry target (`PATCHES[*].targets`) is fingerprinted from that tree. These
 tables are never edited by hand: rerun this script after changing registry targets.
 
-    python scripts/gen_fingerprints.py            # regenerate the tables
-    python scripts/gen_fingerprints.py --check    # CI: exit 1 if the committed tables are stale
+    python scripts/gen_fingerprints.py            # regenerate the tables (and the support matrix)
+    python scripts/gen_fingerprints.py --check    # CI: exit 1 if the tables or the matrix are stale
+
+The support matrix (docs/support-matrix.md, README.md) is derived from these tables, so
+this script runs `scripts/gen_support_matrix.py` after them (same mode).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -27,7 +31,7 @@ from sglang_ext.registry import PATCHES  # noqa: E402
 
 TABLE_DIR = os.path.join(REPO, "python", "sglang_ext", "fingerprints")
 GENERATED_BY = "scripts/gen_fingerprints.py"
-REGENERATE = "python scripts/gen_fingerprints.py && git add python/sglang_ext/fingerprints"
+REGENERATE = "python scripts/gen_fingerprints.py && git add python/sglang_ext/fingerprints docs/support-matrix.md README.md"
 
 
 def registry_targets() -> List[tuple]:
@@ -111,7 +115,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     if args.check:
         print(f"fingerprint tables up to date ({len(versions)} releases, {len(registry_targets())} targets)")
-    return 0
+    return support_matrix_main(["--check"] if args.check else [])
+
+
+def support_matrix_main(argv: List[str]) -> int:
+    path = os.path.join(REPO, "scripts", "gen_support_matrix.py")
+    spec = importlib.util.spec_from_file_location("gen_support_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 if __name__ == "__main__":
