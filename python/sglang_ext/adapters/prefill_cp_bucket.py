@@ -189,10 +189,17 @@ def patch_bcg(ctx, module) -> None:
 # --------------------------------------------------------------------------
 # sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner
 # --------------------------------------------------------------------------
+# `_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR` and `BaseCudaGraphRunner` below are not
+# imported here on purpose: the transplanted functions resolve them among the
+# prefill runner module's own globals, exactly as the same code inside that file.
 
 
 class PrefillCPBucketCounters:
-    """What the CP bucket search did in one runner (see `sglang_ext.graphs.stats`)."""
+    """What the CP bucket search did in one runner (see `sglang_ext.graphs.stats`).
+
+    Plain data: classes are copied into the target module as they are (not
+    transplanted), so the logic that needs other names lives in functions.
+    """
 
     __slots__ = (
         "__weakref__",
@@ -216,22 +223,25 @@ class PrefillCPBucketCounters:
         self.padding_rows_total = 0
         self.stats_name = ""  # set on registration; the stats registry may add a suffix
 
-    def count(self, decision: Optional[BucketDecision], capture_num_tokens: Sequence[int]) -> None:
-        if decision is None:
-            self.rejected_unknown_layout += 1
-            return
-        if decision.bucket is None:
-            self.rejected_no_fit += 1
-            return
-        self.admitted += 1
-        self.padding_rows_total += decision.padding
-        smallest = capture_num_tokens[bisect.bisect_left(capture_num_tokens, decision.live_size)]
-        if decision.bucket > smallest:
-            self.admitted_larger_bucket += 1
-            self.padding_rows_added += decision.bucket - smallest
-
     def as_dict(self) -> Dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__ if name not in ("__weakref__", "stats_name")}
+
+
+def record_bucket_decision(
+    counters: PrefillCPBucketCounters, decision: Optional[BucketDecision], capture_num_tokens: Sequence[int]
+) -> None:
+    if decision is None:
+        counters.rejected_unknown_layout += 1
+        return
+    if decision.bucket is None:
+        counters.rejected_no_fit += 1
+        return
+    counters.admitted += 1
+    counters.padding_rows_total += decision.padding
+    smallest = capture_num_tokens[bisect.bisect_left(capture_num_tokens, decision.live_size)]
+    if decision.bucket > smallest:
+        counters.admitted_larger_bucket += 1
+        counters.padding_rows_added += decision.bucket - smallest
 
 
 def prefill_cp_bucket_counters(runner) -> PrefillCPBucketCounters:
@@ -258,7 +268,7 @@ def can_run_graph(self, forward_batch) -> bool:
             capture_num_tokens=self.capture_num_tokens,
             max_padding_factor=_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR,
         )
-        prefill_cp_bucket_counters(self).count(decision, self.capture_num_tokens)
+        record_bucket_decision(prefill_cp_bucket_counters(self), decision, self.capture_num_tokens)
     # Made once here; load_batch replays exactly this bucket (or refuses).
     forward_batch.prefill_cp_bucket_decision = decision
     return decision is not None and decision.fits
