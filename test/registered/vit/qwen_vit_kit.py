@@ -1,0 +1,115 @@
+"""Build sglang 0.5.17's real Qwen2.5-VL vision tower with random weights, outside a server.
+
+Shared by the GPU tests (test_vit_cuda_graph_cuda.py) and scripts/bench_vit.py. Not a
+test module. What a server would do first is done here: publish runtime settings (the
+tower reads the vision attention backend from them), and, because the GPU machine
+carries stand-ins for sgl_kernel/flashinfer, every sglang `MultiPlatformOp` (RMSNorm,
+SiluAndMul, ...) is switched to its `forward_native` torch implementation. Attention
+stays sglang's real triton kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import List, Sequence, Tuple
+
+import torch
+
+# (patch_size 14, spatial merge 2): a grid side must be even.
+SMALL_CONFIG = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=64,
+                    fullatt_block_indexes=[1, 3], window_size=112, patch_size=14, spatial_merge_size=2,
+                    temporal_patch_size=2, in_channels=3, hidden_act="silu")
+# Qwen2.5-VL-7B-Instruct's vision tower.
+QWEN2_5_VL_7B_CONFIG = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                            fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14,
+                            spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="silu")
+
+
+def publish_runtime(mm_attention_backend: str = "triton_attn") -> None:
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    runtime_context.publish(
+        ServerArgs(model_path="dummy", mm_attention_backend=mm_attention_backend, device="cpu"), role="test")
+
+
+def use_native_ops(module: torch.nn.Module) -> int:
+    """Route every sglang MultiPlatformOp to forward_native (no sgl_kernel); returns how many."""
+    from sglang.srt.layers.utils.multi_platform import MultiPlatformOp
+
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, MultiPlatformOp) and type(sub).forward_native is not MultiPlatformOp.forward_native:
+            sub._forward_method = sub.forward_native
+            count += 1
+    return count
+
+
+def build_qwen2_5_tower(config: dict = SMALL_CONFIG, *, dtype=torch.float32, device="cuda", seed: int = 0,
+                        graphs: bool = True):
+    """sglang's Qwen2_5_VisionTransformer with random weights; `graphs` builds its ViT graph runner."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    from sglang.srt.models import qwen2_5_vl
+
+    previous = os.environ.get("SGLANG_VIT_ENABLE_CUDA_GRAPH")
+    os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1" if graphs else "0"
+    try:
+        vit = qwen2_5_vl.Qwen2_5_VisionTransformer(Qwen2_5_VLVisionConfig(**config), use_data_parallel=True)
+    finally:
+        if previous is None:
+            os.environ.pop("SGLANG_VIT_ENABLE_CUDA_GRAPH", None)
+        else:
+            os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = previous
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in vit.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif "norm" in name or "ln_q" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    use_native_ops(vit)
+    return vit.to(device=device, dtype=dtype).eval()
+
+
+def random_batch(rng: random.Random, sides: Sequence[int], *, max_images: int = 4, patch_dim: int = 3 * 2 * 14 * 14,
+                 dtype=torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """1..max_images images, each (t=1, h, w) with h, w drawn from `sides` (even patch counts); CPU tensors."""
+    grid = [[1, rng.choice(sides), rng.choice(sides)] for _ in range(rng.randint(1, max_images))]
+    tokens = sum(t * h * w for t, h, w in grid)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    return torch.randn(tokens, patch_dim, generator=g, dtype=dtype), torch.tensor(grid, dtype=torch.int64)
+
+
+def forward(vit, pixels: torch.Tensor, grid_thw: torch.Tensor, *, graph: bool) -> torch.Tensor:
+    """One tower forward through the graph runner (`graph=True`) or sglang's eager path."""
+    previous = vit.enable_cg
+    vit.enable_cg = graph
+    try:
+        with torch.inference_mode():
+            return vit(pixels, grid_thw)
+    finally:
+        vit.enable_cg = previous
+
+
+def grid_list(grid_thw: torch.Tensor) -> List[List[int]]:
+    return [list(map(int, row)) for row in grid_thw.tolist()]
+
+
+def init_single_rank_parallel_state() -> None:
+    """World of one (gloo), so sglang's parallel layers find their TP group; idempotent."""
+    from sglang.srt.distributed import parallel_state
+
+    if parallel_state._TP is not None:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parallel_state.init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)

@@ -1,0 +1,287 @@
+"""ViT CUDA graphs on sglang 0.5.17 with the vit_cuda_graph patch, on a real GPU.
+
+Real CUDA graphs, sglang's real `ViTCudaGraphRunner` (patched in place), and for the
+last two tests sglang's real `Qwen2_5_VisionTransformer` (random weights, triton_attn).
+On sglang 0.5.17 without the patch, the boundary and workspace tests fail (stale
+cu_seqlens / a freed rotary buffer) and the memory test grows without bound.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+try:
+    from sglang.test.ci.ci_register import register_cuda_ci
+
+    register_cuda_ci(est_time=120, stage="base-b", runner_config="1-gpu-small")
+except ImportError:  # pragma: no cover
+    pass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sglang_ext.registry import PATCH_NAMES  # noqa: E402
+from sglang_ext.versions import installed_sglang_version  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+THIS_PATCH = "vit_cuda_graph"
+
+
+@pytest.fixture
+def vit_patch(ext_patches, monkeypatch):
+    """Only this patch, strict, through the real activation path; ViT graph mode on."""
+    monkeypatch.setenv("SGLANG_VIT_ENABLE_CUDA_GRAPH", "1")
+
+    def activate(**knobs):
+        if installed_sglang_version() is None:  # unpacked source tree (GPU machine): no dist metadata
+            knobs.setdefault("assume_sglang", "0.5.17")
+        statuses = ext_patches(disable=",".join(n for n in PATCH_NAMES if n != THIS_PATCH), **knobs)
+        if statuses:
+            assert statuses[THIS_PATCH].state == "applied", statuses[THIS_PATCH]
+        return statuses
+
+    return activate
+
+
+# ---------------------------------------------------------------------------
+# A tower whose output depends on boundaries and positions (upstream's test shape)
+# ---------------------------------------------------------------------------
+
+
+class BoundaryBlock(nn.Module):
+    """Upstream's `_BoundaryBlock`: out = x + cu_seqlens[1] + position."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = type("AttentionConfig", (), {"num_attention_heads_per_partition": 1, "head_size": 1,
+                                                  "qkv_backend_name": "triton_attn"})()
+
+    def forward(self, x, *, cu_seqlens, position_embeddings, output_ws=None):
+        boundary = cu_seqlens[0][1].to(x.dtype)
+        position = position_embeddings[0][: x.shape[0], :1].unsqueeze(1)
+        return x + boundary + position
+
+
+class SequenceLengthBlock(nn.Module):
+    """Each token gets + the length of its sequence + its position; graph-capturable (no host reads)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.attn = type("AttentionConfig", (), {"num_attention_heads_per_partition": 1, "head_size": hidden,
+                                                  "qkv_backend_name": "triton_attn"})()
+
+    def forward(self, x, *, cu_seqlens, position_embeddings, output_ws=None, forward_metadata=None):
+        cu = forward_metadata.cu_seqlens if forward_metadata is not None else cu_seqlens[0]
+        tokens = torch.arange(x.shape[0], device=x.device, dtype=cu.dtype)
+        owner = torch.searchsorted(cu[1:], tokens, right=True)
+        owner_len = (cu[owner + 1] - cu[owner]).to(x.dtype)
+        return x * 0.5 + owner_len.view(-1, 1, 1) + position_embeddings[0][: x.shape[0], :1].unsqueeze(1)
+
+
+class Merger(nn.Module):
+    def forward(self, x):
+        return x.squeeze(1)
+
+
+class Tower(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.blocks = nn.ModuleList([block])
+        self.merger = Merger()
+        self.use_data_parallel = True
+        self.deepstack_visual_indexes = []
+        self.deepstack_merger_list = None
+        self.max_context_len = None
+        self.register_buffer("anchor", torch.empty(0, device="cuda"))
+
+    @property
+    def device(self):
+        return self.anchor.device
+
+    @property
+    def dtype(self):
+        return torch.float32
+
+
+def run_boundary(runner, seq_len, boundaries, position, *, with_key):
+    x = torch.zeros(seq_len, 1, device="cuda")
+    cu = torch.tensor(boundaries, dtype=torch.int32, device="cuda")
+    positions = torch.full((seq_len, 1), float(position), device="cuda")
+    key = dict(attention_layout_key=(tuple(boundaries), None)) if with_key else {}
+    out = runner.run(x, cu, None, (positions, positions), **key)
+    torch.cuda.synchronize()
+    return out.cpu()
+
+
+@pytest.mark.parametrize("with_key", [True, False], ids=["cpu-layout-key", "upstream-call-no-key"])
+def test_vit_graph_replays_current_attention_and_position_metadata(vit_patch, with_key):
+    """Upstream's GPU scenario. With a key: real graphs. Without (upstream's call): eager, never a sync."""
+    vit_patch()
+    from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+    runner = ViTCudaGraphRunner(Tower(BoundaryBlock()))
+    first = run_boundary(runner, 4, [0, 2, 4], 1, with_key=with_key)
+    different_layout = run_boundary(runner, 4, [0, 1, 4], 1, with_key=with_key)
+    run_boundary(runner, 8, [0, 8], 7, with_key=with_key)
+    small_after_growth = run_boundary(runner, 4, [0, 2, 4], 5, with_key=with_key)
+
+    torch.testing.assert_close(first, torch.full_like(first, 3))
+    torch.testing.assert_close(different_layout, torch.full_like(different_layout, 2))
+    torch.testing.assert_close(small_after_growth, torch.full_like(small_after_growth, 7))
+    info = runner._ext_graph_info()
+    if with_key:
+        assert (info["captures"], info["hits"], info["fallbacks"]) == (3, 1, 0)
+    else:
+        assert (info["captures"], info["fallback_no_cpu_layout"]) == (0, 4)
+
+
+def test_small_graph_keeps_its_rotary_buffer_when_the_allocator_would_reuse_it(vit_patch):
+    """0.5.17 frees the old workspace on growth; fill the allocator's free blocks with garbage to expose it."""
+    vit_patch()
+    from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+    runner = ViTCudaGraphRunner(Tower(BoundaryBlock()))
+    torch.testing.assert_close(run_boundary(runner, 64, [0, 32, 64], 1, with_key=True), torch.full((64, 1), 33.0))
+    (small_key,) = runner._sin_cos_ws_by_graph
+    small_cos = runner._sin_cos_ws_by_graph[small_key][0]
+    small_ptr, small_bytes = small_cos.data_ptr(), small_cos.untyped_storage().nbytes()
+    run_boundary(runner, 4096, [0, 4096], 7, with_key=True)  # grows the rotary workspace
+    # Anything freed of that size would now be handed out again, and overwritten.
+    garbage = [torch.full((small_bytes // 4,), 1000.0, device="cuda") for _ in range(64)]
+    assert all(g.untyped_storage().data_ptr() != small_cos.untyped_storage().data_ptr() for g in garbage)
+    after = run_boundary(runner, 64, [0, 32, 64], 5, with_key=True)
+    torch.testing.assert_close(after, torch.full_like(after, 37))
+    assert runner._sin_cos_ws_by_graph[small_key][0].data_ptr() == small_ptr
+    assert len(runner._retired_sin_cos_ws) == 1
+    del garbage
+
+
+def _expected_sequence_length_output(x, layout, position):
+    lengths = torch.tensor(layout[1:]) - torch.tensor(layout[:-1])
+    owner_len = torch.repeat_interleave(lengths, lengths).to(torch.float32).view(-1, 1)
+    return x.cpu() * 0.5 + owner_len + position
+
+
+def test_capacity_overflow_falls_back_to_eager_with_identical_output(vit_patch, monkeypatch):
+    vit_patch(vit_graph_max_entries=2, vit_graph_policy="exact")
+    from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+    hidden = 8
+    graphs = ViTCudaGraphRunner(Tower(SequenceLengthBlock(hidden)))
+    layouts = [(0, 100, 256), (0, 56, 256), (0, 128, 200, 256), (0, 1, 256)]
+    x = torch.randn(256, hidden, device="cuda")
+    pos = torch.randn(256, 1, device="cuda").expand(256, hidden).contiguous()
+    outs = []
+    for layout in layouts:
+        cu = torch.tensor(layout, dtype=torch.int32, device="cuda")
+        outs.append(graphs.run(x, cu, None, (pos, pos), attention_layout_key=(layout, None)))
+    info = graphs._ext_graph_info()
+    assert (info["captures"], info["fallback_capacity"]) == (2, 2)
+    for layout, out in zip(layouts, outs):
+        want = _expected_sequence_length_output(x, layout, pos[:, :1].cpu())
+        torch.testing.assert_close(out.cpu(), want)
+    # The eager results equal what a graph computes for the same layouts.
+    monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES", "8")  # read when a runner is first used
+    roomy = ViTCudaGraphRunner(Tower(SequenceLengthBlock(hidden)))
+    for layout, out in zip(layouts[2:], outs[2:]):
+        cu = torch.tensor(layout, dtype=torch.int32, device="cuda")
+        graphed = roomy.run(x, cu, None, (pos, pos), attention_layout_key=(layout, None))
+        assert torch.equal(graphed, out)
+    assert roomy._ext_graph_info()["captures"] == 2
+
+
+def test_graph_memory_stays_flat_over_1000_random_layouts(vit_patch):
+    vit_patch(vit_graph_max_entries=4)
+    from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+    hidden = 256
+    runner = ViTCudaGraphRunner(Tower(SequenceLengthBlock(hidden)))
+    rng = random.Random(0)
+
+    def one(step):
+        tokens = rng.choice((1024, 2048, 4096))
+        cuts = sorted(rng.sample(range(1, tokens), rng.randint(0, 3)))
+        layout = (0, *cuts, tokens)
+        x = torch.randn(tokens, hidden, device="cuda")
+        pos = torch.full((tokens, hidden), float(step % 7), device="cuda")
+        out = runner.run(x, torch.tensor(layout, dtype=torch.int32, device="cuda"), None, (pos, pos),
+                         attention_layout_key=(layout, None))
+        if step % 50 == 0:
+            torch.testing.assert_close(out.cpu(), _expected_sequence_length_output(x, layout, float(step % 7)))
+
+    for step in range(100):
+        one(step)
+    torch.cuda.synchronize()
+    reserved_after_warmup = torch.cuda.memory_reserved()
+    for step in range(100, 1000):
+        one(step)
+    torch.cuda.synchronize()
+    growth = torch.cuda.memory_reserved() - reserved_after_warmup
+    info = runner._ext_graph_info()
+    assert info["captures"] > 900 and info["evictions"] > 900 and info["resident_graphs"] == 4
+    assert growth <= 64 << 20, f"graph memory grew by {growth / 2**20:.1f} MiB over 900 layouts"
+    assert info["rotary_backing_buffers"] <= 2
+
+
+# ---------------------------------------------------------------------------
+# sglang's real Qwen2.5-VL vision tower
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_runtime():
+    import qwen_vit_kit as kit
+    from sglang.srt import runtime_context
+
+    kit.publish_runtime("triton_attn")
+    kit.init_single_rank_parallel_state()
+    yield kit
+    runtime_context.reset_context()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qwen2_5_vision_tower_graph_output_equals_eager(vit_patch, qwen_runtime, dtype):
+    kit = qwen_runtime
+    vit_patch(vit_graph_max_entries=6)
+    vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=dtype, seed=1)
+    assert vit.cuda_graph_runner is not None and vit.blocks[0].attn.qkv_backend_name == "triton_attn"
+    rng = random.Random(3)
+    sides = (4, 6, 8, 12, 16)
+    batches = [kit.random_batch(rng, sides) for _ in range(10)]
+    worst = 0.0
+    for step in range(40):
+        pixels, grid = batches[rng.randrange(len(batches))] if step % 3 else kit.random_batch(rng, sides)
+        graphed = kit.forward(vit, pixels, grid, graph=True)
+        eager = kit.forward(vit, pixels, grid, graph=False)
+        assert graphed.shape == eager.shape and torch.isfinite(eager).all()
+        worst = max(worst, (graphed.float() - eager.float()).abs().max().item())
+        if dtype == torch.float32:
+            torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5, msg=f"step {step} grid {grid.tolist()}")
+        else:
+            torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2, msg=f"step {step} grid {grid.tolist()}")
+    info = vit.cuda_graph_runner._ext_graph_info()
+    print(f"\nqwen2.5 tower {dtype}: max |graph - eager| = {worst:.3g}; {info}")
+    assert info["hits"] > 0 and info["evictions"] > 0 and info["resident_graphs"] <= 6
+
+
+def test_qwen2_5_tower_equal_token_batches_with_other_boundaries(vit_patch, qwen_runtime):
+    """The bug report: same total tokens, different image boundaries -> must not reuse the graph."""
+    kit = qwen_runtime
+    vit_patch()
+    vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.float32, seed=2)
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(192, 3 * 2 * 14 * 14, generator=g)
+    two_images = torch.tensor([[1, 8, 12], [1, 8, 12]])  # 96 + 96 tokens
+    one_image = torch.tensor([[1, 12, 16]])  # 192 tokens
+    for grid in (two_images, one_image, two_images):
+        graphed = kit.forward(vit, pixels, grid, graph=True)
+        eager = kit.forward(vit, pixels, grid, graph=False)
+        torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    info = vit.cuda_graph_runner._ext_graph_info()
+    assert (info["captures"], info["hits"]) == (2, 1)
