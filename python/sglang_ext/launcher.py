@@ -63,7 +63,7 @@ def split_ext_args(argv: Sequence[str]) -> Tuple[Dict[str, str], List[str]]:
             raw = argv[i]
             i += 1
         else:
-            raise ExtConfigError(f"{flag} needs a value; {_allowed(knob)}")
+            raise ExtConfigError(f"{flag} needs a value; {allowed_text(knob)}")
         values[knob.name] = raw
     return values, rest
 
@@ -74,7 +74,7 @@ def _unknown_flag_message(flag: str) -> str:
     return f"unknown flag {flag}{hint}; allowed: {', '.join(_BY_FLAG)}"
 
 
-def _allowed(knob: Knob) -> str:
+def allowed_text(knob: Knob) -> str:
     if knob.kind == "bool":
         return "allowed: bare flag (true) or =1/0, =true/false, =yes/no, =on/off"
     if knob.kind == "int":
@@ -90,13 +90,17 @@ def _allowed(knob: Knob) -> str:
     return "allowed: a string"
 
 
-def _env_text(knob: Knob, value) -> str:
+def env_text(knob: Knob, value) -> str:
     """Canonical environment spelling of a parsed value."""
     if knob.kind == "bool":
         return "1" if value else "0"
     if knob.kind in ("int_list", "name_list"):
         return ",".join(str(v) for v in value)
     return str(value)
+
+
+def default_text(knob: Knob) -> str:
+    return env_text(knob, knob.default) if knob.default not in ((), "") else '""'
 
 
 def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
@@ -112,7 +116,7 @@ def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, s
     by_name = {k.name: k for k in KNOBS}
     for name, raw in values.items():
         knob = by_name[name]
-        updates[knob.env] = _env_text(knob, knob.parse(raw))
+        updates[knob.env] = env_text(knob, knob.parse(raw))
     load_settings({**base, **updates})
     return updates
 
@@ -127,10 +131,9 @@ def ext_help(prog: str) -> str:
         "",
     ]
     for k in KNOBS:
-        default = _env_text(k, k.default) if k.default not in ((), "") else '""'
-        lines.append(f"  {k.flag}  (env {k.env}, default {default})")
+        lines.append(f"  {k.flag}  (env {k.env}, default {default_text(k)})")
         lines.append(f"      {k.help}")
-        lines.append(f"      {_allowed(k)}")
+        lines.append(f"      {allowed_text(k)}")
     lines.append("")
     return "\n".join(lines)
 
