@@ -1,0 +1,206 @@
+"""ViT CUDA-graph benchmark: sglang 0.5.17's runner vs the vit_cuda_graph patch (issue 8 item 2).
+
+sglang's real Qwen2.5-VL vision tower (Qwen2.5-VL-7B's vision config, random weights,
+triton_attn, bf16) is fed a stream of requests of 1-4 images at common photo
+resolutions. Every request runs through the graph runner AND sglang's eager path;
+the outputs are compared. Modes:
+
+  eager        sglang's eager tower (the baseline timings, measured on the same requests)
+  0.5.17       the runner as shipped: graphs keyed by token count, unbounded
+  ext-layout   the patch: graphs keyed by (tokens, attention layout), LRU capacity --capacity
+  ext-class    (layout-class mode) not implemented; reported as such
+
+Prints a table last and writes JSON (--out). Runs in about 3 minutes on one H200
+(--quick: small tower, 100 requests). On the GPU machine:
+
+    source .carry/device_env.sh 0517
+    SGLANG_EXT_ASSUME_SGLANG=0.5.17 python3 .carry/with_stubs.py scripts/bench_vit.py --out $OUT/vit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "test", "registered", "vit"))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+import qwen_vit_kit as kit  # noqa: E402
+
+# (width px, height px, weight): Qwen2.5-VL resizes to multiples of 28 px = 2 patches.
+RESOLUTIONS = [(448, 448, 8), (640, 480, 6), (336, 336, 4), (1024, 768, 2), (800, 600, 3), (224, 224, 2),
+               (560, 420, 2), (1280, 720, 1)]
+IMAGES_PER_REQUEST = ([1, 2, 3, 4], [60, 25, 10, 5])
+
+
+def patches_per_side(px: int) -> int:
+    return max(2, round(px / 28) * 2)
+
+
+def request_stream(n: int, seed: int, *, scale: float = 1.0):
+    """n requests as CPU (pixels, grid_thw); `scale` shrinks resolutions (quick mode)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        count = rng.choices(*IMAGES_PER_REQUEST)[0]
+        grid = []
+        for _ in range(count):
+            w, h, _ = rng.choices(RESOLUTIONS, [r[2] for r in RESOLUTIONS])[0]
+            grid.append([1, patches_per_side(h * scale), patches_per_side(w * scale)])
+        tokens = sum(t * h * w for t, h, w in grid)
+        yield tokens, grid, rng.randrange(2**31)
+
+
+def pixels_for(tokens: int, seed: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, 3 * 2 * 14 * 14, generator=g).to(dtype)
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int):
+    runner = vit.cuda_graph_runner
+    graph_s = eager_s = 0.0
+    tokens_total = wrong = bitwise = 0
+    worst = 0.0
+    timeline = []
+    for i, (tokens, grid, seed) in enumerate(requests):
+        pixels = pixels_for(tokens, seed, dtype)
+        grid_thw = torch.tensor(grid, dtype=torch.int64)
+        graphed, dt_graph = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=True))
+        eager, dt_eager = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=False))
+        graph_s += dt_graph
+        eager_s += dt_eager
+        tokens_total += tokens
+        diff = (graphed.float() - eager.float()).abs().max().item() if graphed.shape == eager.shape else float("inf")
+        worst = max(worst, diff)
+        wrong += diff > tol
+        bitwise += bool(graphed.shape == eager.shape and torch.equal(graphed, eager))
+        if i % sample_every == 0 or i == len(requests) - 1:
+            resident = len(runner.block_graphs)
+            ext = runner._ext_graph_info() if "_ext_cache" in runner.__dict__ else None
+            timeline.append({"request": i + 1, "resident_graphs": resident,
+                             "graph_bytes_resident": ext["bytes_resident"] if ext else None,
+                             "cuda_reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1)})
+    n = len(requests)
+    result = {
+        "mode": name, "requests": n, "tokens": tokens_total,
+        "graph_req_per_s": n / graph_s, "eager_req_per_s": n / eager_s, "speedup_vs_eager": eager_s / graph_s,
+        "wrong_outputs": wrong, "bitwise_equal": bitwise, "max_abs_diff": worst,
+        "resident_graphs": len(runner.block_graphs),
+        "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
+        "timeline": timeline,
+    }
+    if "_ext_cache" in runner.__dict__:
+        info = runner._ext_graph_info()
+        lookups = info["hits"] + info["misses"]
+        result.update(hit_rate=info["hits"] / lookups if lookups else 0.0, captures=info["captures"],
+                      evictions=info["evictions"], fallbacks=info["fallbacks"],
+                      graph_bytes_resident=info["bytes_resident"], counters=info)
+    else:
+        result.update(hit_rate=None, captures=len(runner.block_graphs))
+    return result
+
+
+def free(vit) -> None:
+    del vit
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def activate_patch(capacity: int) -> None:
+    from sglang_ext import activation
+    from sglang_ext.registry import PATCH_NAMES
+    from sglang_ext.versions import installed_sglang_version
+
+    os.environ["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] = str(capacity)
+    os.environ["SGLANG_EXT_DISABLE"] = ",".join(n for n in PATCH_NAMES if n != "vit_cuda_graph")
+    os.environ["SGLANG_EXT_STRICT"] = "1"
+    if installed_sglang_version() is None:
+        os.environ.setdefault("SGLANG_EXT_ASSUME_SGLANG", "0.5.17")
+    statuses = activation.activate(force=True, eager=True)
+    assert statuses["vit_cuda_graph"].state == "applied", statuses["vit_cuda_graph"]
+
+
+def table(results) -> str:
+    cols = ["mode", "requests", "graph_req_per_s", "eager_req_per_s", "speedup_vs_eager", "hit_rate", "captures",
+            "resident_graphs", "peak_cuda_reserved_mib", "wrong_outputs", "bitwise_equal", "max_abs_diff"]
+    rows = [cols] + [[_fmt(r.get(c)) for c in cols] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--unpatched-requests", type=int, default=300,
+                        help="requests for the 0.5.17 mode (its graphs are unbounded)")
+    parser.add_argument("--capacity", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="small tower, half resolutions, 100 requests")
+    parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "bench", "vit.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_vit.py needs a CUDA device")
+
+    config = kit.SMALL_CONFIG if args.quick else kit.QWEN2_5_VL_7B_CONFIG
+    n = 100 if args.quick else args.requests
+    scale = 0.5 if args.quick else 1.0
+    dtype = torch.bfloat16
+    tol = 5e-2  # bf16; a stale layout is off by O(1)
+    requests = list(request_stream(n, args.seed, scale=scale))
+    os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1"
+    kit.publish_runtime("triton_attn")
+    kit.init_single_rank_parallel_state()
+
+    results = []
+    started = time.perf_counter()
+    unpatched_n = min(n, args.unpatched_requests)
+    vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
+    results.append(run_mode("0.5.17", vit, requests[:unpatched_n], dtype=dtype, tol=tol,
+                            sample_every=max(1, unpatched_n // 20)))
+    free(vit)
+    activate_patch(args.capacity)
+    vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
+    results.append(run_mode(f"ext-layout (cap {args.capacity})", vit, requests, dtype=dtype, tol=tol,
+                            sample_every=max(1, n // 20)))
+    free(vit)
+    results.append({"mode": "ext-class", "note": "layout-class mode not implemented"})
+
+    report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": str(dtype),
+                         "attention": "triton_attn", "requests": n, "capacity": args.capacity,
+                         "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
+                         "device": torch.cuda.get_device_name(), "seconds": round(time.perf_counter() - started, 1)},
+              "results": results}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.out}")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
