@@ -9,6 +9,14 @@ requests decide (and capture) in lockstep.
 from sglang_ext.graphs import stats
 from sglang_ext.graphs.buckets import BucketDecision, select_bucket, validate_buckets
 from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, release_entry
+from sglang_ext.graphs.capture import (
+    capture_graph,
+    capture_measured,
+    largest_first,
+    pin_graph_pool,
+    pool_reserved_bytes,
+    shared_graph_pool,
+)
 from sglang_ext.graphs.keys import (
     DeviceSyncError,
     GraphKey,
@@ -29,12 +37,18 @@ __all__ = [
     "GraphKey",
     "StableWorkspacePool",
     "WorkspaceLease",
+    "capture_graph",
+    "capture_measured",
     "cpu_ints",
     "cumulative_lengths",
     "dedup_consecutive",
     "grid_thw_lengths",
+    "largest_first",
+    "pin_graph_pool",
+    "pool_reserved_bytes",
     "release_entry",
     "select_bucket",
+    "shared_graph_pool",
     "stats",
     "validate_buckets",
 ]

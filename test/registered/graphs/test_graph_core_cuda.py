@@ -1,0 +1,277 @@
+"""GPU tests of the graph core with real torch.cuda.CUDAGraph (1 GPU, well under a minute).
+
+Run with `-s` to see one summary line per test.
+"""
+
+import gc
+import sys
+import time
+
+import pytest
+import torch
+
+try:
+    from sglang.test.ci.ci_register import register_cuda_ci
+except ImportError:  # the core is sglang-free; its tests run without sglang too
+
+    def register_cuda_ci(*args, **kwargs):
+        return None
+
+
+from sglang_ext.graphs import BoundedGraphCache, StableWorkspacePool
+from sglang_ext.graphs.capture import capture_graph, capture_measured, pool_reserved_bytes, shared_graph_pool
+
+register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-small")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MiB = 1 << 20
+# Allowed drift of reserved memory across the eviction loop. A leak of even one
+# graph per eviction would add > 0.5 MiB x 200 = 100 MiB.
+FLAT_TOLERANCE = 4 * MiB
+
+
+class GraphEntry:
+    """A cached graph as an adapter stores it: graph, its output, its workspace lease."""
+
+    def __init__(self, graph, output, lease=None):
+        self.graph = graph
+        self.output = output
+        self.lease = lease
+        self.releases = 0
+
+    def release(self):
+        self.releases += 1
+        self.graph.reset()
+        self.output = None  # the output block goes back to the shared pool
+        if self.lease is not None:
+            self.lease.release()
+
+
+def _summary(name, **values):
+    print(f"[graph-core-cuda] {name}: " + " ".join(f"{k}={v}" for k, v in values.items()))
+
+
+@torch.no_grad()
+def test_evicted_graphs_return_pool_memory():
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    pool = shared_graph_pool()
+    assert shared_graph_pool(device) is pool  # one pool per device
+    weight = torch.randn(1024, 2048, device=device)
+    stream = torch.cuda.Stream()
+    row_cycle = [64, 128, 192, 256, 320, 384, 448, 512]  # outputs of 0.5 .. 4 MiB
+    released = []
+
+    def capture(cache, step):
+        rows = row_cycle[step % len(row_cycle)]
+        key = (step, rows)  # a new layout every step: every step misses
+        assert cache.get(key) is None
+        assert cache.admit(key).capture  # under lru this resets the LRU graph first
+        static_in = torch.randn(rows, 1024, device=device)
+        (graph, out), nbytes = capture_measured(
+            lambda: capture_graph(lambda: torch.relu(static_in @ weight) + 1, pool=pool, stream=stream)
+        )
+        entry = GraphEntry(graph, out)
+        entry.static_in = static_in
+        cache.put(key, entry, nbytes=nbytes)
+        released.append(entry)
+        return nbytes
+
+    cache = BoundedGraphCache("cuda-lru", 4)
+    warmup_steps, total_steps = 40, 264
+    for step in range(warmup_steps):
+        capture(cache, step)
+    torch.cuda.synchronize()
+    baseline = pool_reserved_bytes()
+    peak, late_measured = baseline, 0
+    for step in range(warmup_steps, total_steps):
+        late_measured += capture(cache, step)
+        peak = max(peak, pool_reserved_bytes())
+    torch.cuda.synchronize()
+    evictions = cache.info().evictions
+    assert evictions == total_steps - 4
+    assert evictions - (warmup_steps - 4) >= 200
+    evicted = released[: total_steps - 4]
+    assert [e.releases for e in evicted] == [1] * len(evicted)  # every evicted graph reset exactly once
+    assert [e.releases for e in released[-4:]] == [0] * 4
+    # Replay the survivors: still correct after 200+ resets of their pool neighbours.
+    for entry in cache.entries.values():
+        entry.graph.replay()
+        torch.testing.assert_close(entry.output, torch.relu(entry.static_in @ weight) + 1)
+    assert peak - baseline <= FLAT_TOLERANCE, f"reserved grew {(peak - baseline) / MiB:.1f} MiB across evictions"
+    assert late_measured <= FLAT_TOLERANCE
+
+    # Control: the same captures WITHOUT eviction must grow reserved memory, or the check above proves nothing.
+    cache.clear()
+    keep_all = BoundedGraphCache("cuda-keep", 1000)
+    before = pool_reserved_bytes()
+    for step in range(40):
+        capture(keep_all, step)
+    torch.cuda.synchronize()
+    control_growth = pool_reserved_bytes() - before
+    keep_all.clear()
+    assert control_growth > 8 * FLAT_TOLERANCE, f"control grew only {control_growth / MiB:.1f} MiB"
+    _summary(
+        "evicted graphs return pool memory",
+        evictions=evictions,
+        reserved_mib=f"{baseline / MiB:.1f}",
+        drift_mib=f"{(peak - baseline) / MiB:.2f}",
+        tolerance_mib=FLAT_TOLERANCE // MiB,
+        control_growth_mib=f"{control_growth / MiB:.1f}",
+        seconds=f"{time.perf_counter() - start:.1f}",
+    )
+
+
+@torch.no_grad()
+def test_replay_after_workspace_growth_reads_its_own_slice():
+    start = time.perf_counter()
+    torch.manual_seed(1)
+    device = torch.device("cuda")
+    pool = shared_graph_pool()
+    weight = torch.randn(256, 256, device=device)
+    workspace = StableWorkspacePool("cuda-ws", dtype=torch.float32, device=device)
+
+    def capture(rows):
+        lease = workspace.lease(("g", rows), rows, (256,))
+        x = lease.tensor
+        x.normal_()
+        graph, out = capture_graph(lambda: x @ weight, pool=pool)
+        return GraphEntry(graph, out, lease)
+
+    small = capture(8)
+    small_ptr = small.lease.tensor.data_ptr()
+    small_block = small.lease.tensor.numel()
+    big = capture(4096)  # does not fit: growth starts a new backing buffer
+    assert workspace.backing_buffers == 2
+    assert big.lease.tensor.data_ptr() != small_ptr
+
+    # Defeat allocator reuse: take every free block the allocator offers for this size and fill it
+    # with a sentinel. Had the small graph's buffer been freed, one of them would sit at its address.
+    holders = [torch.full((small_block,), 1e6, device=device) for _ in range(64)]
+    assert small_ptr not in {h.data_ptr() for h in holders}
+    xs, xb = torch.randn(8, 256, device=device), torch.randn(4096, 256, device=device)
+    small.lease.tensor.copy_(xs)
+    big.lease.tensor.copy_(xb)
+    small.graph.replay()
+    big.graph.replay()
+    torch.cuda.synchronize()
+    assert small.lease.tensor.data_ptr() == small_ptr
+    torch.testing.assert_close(small.output, xs @ weight)
+    torch.testing.assert_close(big.output, xb @ weight)
+
+    # Releasing the last holder of the old buffer gives its memory back to the allocator.
+    allocated = torch.cuda.memory_allocated()
+    small.release()
+    del small
+    gc.collect()
+    freed = allocated - torch.cuda.memory_allocated()
+    assert workspace.backing_buffers == 1 and freed >= small_block * 4
+
+    # Control: a buffer freed under a live graph IS handed out again, and the replay then reads the
+    # sentinel. This is the failure the checks above exclude.
+    scratch = torch.randn(8, 256, device=device)
+    scratch_ptr = scratch.data_ptr()
+    graph, out = capture_graph(lambda: scratch @ weight, pool=pool)
+    del scratch
+    reused = None
+    for _ in range(512):
+        holders.append(torch.full((8, 256), 1e6, device=device))
+        if holders[-1].data_ptr() == scratch_ptr:
+            reused = holders[-1]
+            break
+    assert reused is not None, "control: the allocator did not reuse the freed block"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, reused @ weight)  # the graph read whatever now lives at the old address
+    graph.reset()
+    big.release()
+    _summary(
+        "replay after workspace growth",
+        small_ptr=hex(small_ptr),
+        freed_bytes=freed,
+        control_reuse="yes",
+        seconds=f"{time.perf_counter() - start:.1f}",
+    )
+
+
+@torch.no_grad()
+def test_replayed_graph_matches_eager_on_random_inputs():
+    start = time.perf_counter()
+    torch.manual_seed(2)
+    device = torch.device("cuda")
+    pool = shared_graph_pool()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)
+    ).to(device).eval()
+    inputs = StableWorkspacePool("cuda-inputs", dtype=torch.float32, device=device)
+    cache = BoundedGraphCache("cuda-mlp", 2)
+    stream = torch.cuda.Stream()
+    batch_sizes = [1, 7, 32]  # three keys, two slots: graphs are evicted and re-captured
+    max_diff, replays = 0.0, 0
+    for i in range(30):
+        bs = batch_sizes[i % 3] if i < 15 else batch_sizes[(i * 7) % 3]
+        entry = cache.get(bs)
+        if entry is None:
+            assert cache.admit(bs).capture
+            lease = inputs.lease(bs, bs, (512,))
+            static_in = lease.tensor
+            static_in.zero_()
+            graph, out = capture_graph(lambda: model(static_in), pool=pool, stream=stream)
+            entry = GraphEntry(graph, out, lease)
+            cache.put(bs, entry)
+        x = torch.randn(bs, 512, device=device)
+        entry.lease.tensor.copy_(x)
+        entry.graph.replay()
+        expected = model(x)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(entry.output, expected, rtol=1e-5, atol=1e-5)
+        max_diff = max(max_diff, (entry.output - expected).abs().max().item())
+        replays += 1
+    info = cache.info()
+    assert info.evictions > 0 and info.hits > 0
+    cache.clear()
+    assert inputs.live_leases == 0
+    _summary(
+        "replay equals eager",
+        replays=replays,
+        captures=info.captures,
+        evictions=info.evictions,
+        max_abs_diff=f"{max_diff:.2e}",
+        seconds=f"{time.perf_counter() - start:.1f}",
+    )
+
+
+@torch.no_grad()
+def test_emptying_the_shared_pool_keeps_later_captures_working():
+    """Evict the pool's only graph while a caller still holds its output, over and over.
+
+    Without the pin in shared_graph_pool() the pool's use count reaches 0 at each
+    eviction and, with a block still alive, PyTorch refuses the next capture.
+    """
+    start = time.perf_counter()
+    torch.manual_seed(3)
+    device = torch.device("cuda")
+    pool = shared_graph_pool()
+    weight = torch.randn(128, 128, device=device)
+    cache = BoundedGraphCache("cuda-one", 1)
+    kept = []  # outputs of evicted graphs that a caller still holds
+    for step in range(60):
+        if step == 30:
+            cache.clear()  # the other way to empty the pool
+        assert cache.admit(step).capture
+        x = torch.randn(16 + step % 4, 128, device=device)
+        graph, out = capture_graph(lambda: x @ weight, pool=pool)
+        cache.put(step, GraphEntry(graph, out))
+        kept.append(out)
+        x.normal_()
+        graph.replay()
+        torch.testing.assert_close(out, x @ weight)
+    assert cache.info().evictions == 58 and len(cache) == 1
+    cache.clear()
+    _summary("pool emptied repeatedly", captures=60, kept_outputs=len(kept), seconds=f"{time.perf_counter() - start:.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-s"]))
