@@ -601,3 +601,28 @@ def test_qwen2_5_vision_forward_passes_the_cpu_layout_key(vit_patch, published_r
     assert kwargs["cu_window_seqlens"].tolist() == list(window)
     assert all(isinstance(v, int) for v in full + window)
     assert kwargs["output_indices"] is not None and kwargs["position_embeddings"][0].shape[0] == tokens
+
+
+def test_qwen3_vision_forward_passes_the_cpu_layout_key(vit_patch):
+    """The real (patched) Qwen3VLMoeVisionModel.forward_with_cuda_graph on an object with the attributes it uses."""
+    vit_patch()
+    from sglang.srt.models.qwen3_vl import Qwen3VLMoeVisionModel
+    from sglang.srt.models.utils import compute_cu_seqlens_from_grid_numpy
+
+    grid_thw = torch.tensor([[1, 4, 6], [2, 4, 4]])
+    tokens = int(grid_thw.prod(dim=1).sum())
+    host_cu = compute_cu_seqlens_from_grid_numpy(grid_thw)  # what 0.5.17's _prepare_graph_inputs returns
+
+    class Tower:
+        graph_runners = RecordingRunner()
+
+        def _prepare_graph_inputs(self, x, grid):
+            return x, host_cu, torch.ones(tokens, 4), torch.zeros(tokens, 4)
+
+    tower = Tower()
+    Qwen3VLMoeVisionModel.forward_with_cuda_graph(tower, torch.randn(tokens, 8), grid_thw)
+    (kwargs,) = tower.graph_runners.calls
+    full, window = kwargs["attention_layout_key"]
+    assert full == (0, 24, 40, 56) and window is None  # per frame: 4*6, then 2 frames of 4*4
+    assert kwargs["cu_seqlens"].dtype == torch.int32 and kwargs["cu_seqlens"].tolist() == list(full)
+    assert kwargs["output_indices"] is None and kwargs["rotary_pos_emb_cos"] is not None
