@@ -347,6 +347,11 @@ class _VLAGraphRunnerBase:
         self._cache.clear()
         self._capacity_warning_emitted = False
 
+    @staticmethod
+    def _graph_device(tensor: Any) -> bool:
+        """Graphs are captured for CUDA tensors only; anything else runs eager."""
+        return tensor.device.type == "cuda"
+
     def _capture_resources(self, device: torch.device):
         device_module = torch.get_device_module(device)
         if self._capture_stream is None:
@@ -358,16 +363,15 @@ class _VLAGraphRunnerBase:
 
     def _admit(self, signature: Any) -> bool:
         """After a miss: may this signature be captured now? (LRU mode evicts here.)"""
-        if not self._cache.can_admit(signature):
-            if not self._capacity_warning_emitted:
-                logger.info(
-                    "VLA %s CUDA graph capacity reached (%d); new signatures run eagerly",
-                    self._cache_name,
-                    self.max_entries,
-                )
-                self._capacity_warning_emitted = True
-            return False
-        return self._cache.admit(signature).capture
+        admission = self._cache.admit(signature)
+        if admission is Admission.EAGER_CAPACITY and not self._capacity_warning_emitted:
+            logger.info(
+                "VLA %s CUDA graph capacity reached (%d); new signatures run eagerly",
+                self._cache_name,
+                self.max_entries,
+            )
+            self._capacity_warning_emitted = True
+        return admission.capture
 
     def _capture_graph(self, device: torch.device, run: Callable[[], Any]):
         """Warm up `run` on the capture stream, then capture it. Returns (graph, output)."""
@@ -443,7 +447,7 @@ class VLAPrefixGraphRunner(_VLAGraphRunnerBase):
         if (
             not self.enabled
             or not inputs
-            or inputs[0].device.type != "cuda"
+            or not self._graph_device(inputs[0])
         ):
             return step_fn(inputs)
         captured = self._cache.get(signature)
@@ -588,7 +592,7 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
         timestep: torch.Tensor,
     ) -> torch.Tensor:
         """Velocity for one denoise step (graph-owned output on the graph path)."""
-        if not self.enabled or x_t.device.type != "cuda":
+        if not self.enabled or not self._graph_device(x_t):
             return step_fn(prefix_context, x_t, timestep)
         captured = self._cache.get(signature)
         if captured is None and not self._admit(signature):
@@ -610,40 +614,30 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
     def capture_or_run_loop(
         self,
         signature: VLADenoiseLoopGraphSignature,
-        step_fn: Callable[..., torch.Tensor],
+        loop_fn: Callable[[PrefixContext, torch.Tensor, torch.Tensor], torch.Tensor],
         prefix_context: PrefixContext,
         x_t: torch.Tensor,
         timesteps: torch.Tensor,
-        dt: float,
     ) -> torch.Tensor:
-        """Run every denoise step (`x_t += dt * velocity`) of one request; returns x_t.
+        """Every denoise step of one request as one replay; returns x_t (updated in place).
 
-        One replay instead of `num_steps`. The graph holds the same kernels as the
-        per-step path, in the same order, so results equal the eager loop. `x_t`
-        is updated in place as in the eager loop.
+        `loop_fn(context, x_t, timesteps)` runs all steps, updating `x_t` in place.
+        The graph holds the same kernels as the eager loop, in the same order.
         """
-        batch_size = x_t.shape[0]
-
-        def run_loop(context: PrefixContext, state: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-            for index in range(steps.shape[0]):
-                velocity = step_fn(context, state, steps[index].expand(batch_size))
-                state.add_(velocity, alpha=dt)
-            return state
-
-        if not self.enabled or x_t.device.type != "cuda":
-            return run_loop(prefix_context, x_t, timesteps)
+        if not self.enabled or not self._graph_device(x_t):
+            return loop_fn(prefix_context, x_t, timesteps)
         captured = self._cache.get(signature)
         if captured is None and not self._admit(signature):
-            return run_loop(prefix_context, x_t, timesteps)
+            return loop_fn(prefix_context, x_t, timesteps)
         try:
             if captured is None:
                 static_context, static_x_t, static_steps = self._new_static_state(
                     prefix_context, x_t, timesteps
                 )
-                # Warm-up and capture both advance the static state: the graph
-                # reads its inputs only at replay, after the copies below.
+                # Warm-up advances the static state; the copies below set the
+                # real inputs before the first replay.
                 graph, _ = self._capture_graph(
-                    x_t.device, lambda: run_loop(static_context, static_x_t, static_steps)
+                    x_t.device, lambda: loop_fn(static_context, static_x_t, static_steps)
                 )
                 captured = self._entry(
                     graph, static_context, static_x_t, static_steps, static_x_t, prefix_context
@@ -664,7 +658,7 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
             return x_t
         except Exception:
             self._fail(signature, "fused denoise")
-            return run_loop(prefix_context, x_t, timesteps)
+            return loop_fn(prefix_context, x_t, timesteps)
 
 
 __all__ = [
