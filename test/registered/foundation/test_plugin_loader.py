@@ -1,0 +1,121 @@
+"""sglang's own plugin loader (`sglang.srt.plugins.load_plugins`) with the installed entry point.
+
+Each scenario is a fresh interpreter, as in a real scheduler process: it calls sglang's real
+`load_plugins()` (which discovers `sglang_ext.plugin:register` through the package's entry
+point) and reports what it sees. The scenarios run concurrently to keep the wall time down.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from conftest import plugin_only
+from sglang_ext.registry import PATCH_NAMES
+
+register_cpu_ci(est_time=60, suite="base-a-test-cpu")
+
+pytestmark = plugin_only
+
+# Runs inside the child. After load_plugins() returns, optionally import a real target module
+# (PROBE_IMPORT_TARGET=1; it costs seconds) and report statuses, pending triggers, and whether
+# any sglang_ext code sits in the patched class.
+PROBE = r'''
+import json, os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang_ext import activation, patching
+before = {k: str(v) for k, v in activation.statuses().items()}
+ext_attrs = None
+if os.environ.get("PROBE_IMPORT_TARGET") == "1":
+    import sglang.srt.layers.cp.bcg as bcg
+    ext_attrs = sorted(n for n, v in vars(bcg.PrefillCPBCGInput).items() if hasattr(v, "__sglang_ext_source__")
+                       or hasattr(getattr(v, "__func__", None), "__sglang_ext_source__"))
+print("PROBE " + json.dumps({
+    "after_load_plugins": before,
+    "after_import": {k: str(v) for k, v in activation.statuses().items()},
+    "pending": patching.pending_triggers(),
+    "ext_attrs_on_PrefillCPBCGInput": ext_attrs,
+    "finders": [type(f).__name__ for f in sys.meta_path],
+}))
+'''
+
+SCENARIOS = {
+    "unset": {"PROBE_IMPORT_TARGET": "1"},
+    "enabled_strict": {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "PROBE_IMPORT_TARGET": "1"},
+    "unsupported_strict": {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.23"},
+    "unsupported_default": {"SGLANG_EXT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.23"},
+    "bad_value_default": {"SGLANG_EXT": "1", "SGLANG_EXT_VIT_GRAPH_POLICY": "fifo"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    base = {k: v for k, v in os.environ.items() if not (k == "SGLANG_EXT" or k.startswith("SGLANG_EXT_"))}
+    base["SGLANG_PLUGINS"] = "sglang_ext"  # only our entry point, whatever else is installed
+    procs = {name: subprocess.Popen([sys.executable, "-c", PROBE], env={**base, **extra},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, extra in SCENARIOS.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        probe = next((json.loads(line[len("PROBE "):]) for line in stdout.splitlines()
+                      if line.startswith("PROBE ")), None)
+        out[name] = (proc.returncode, probe, stderr)
+    return out
+
+
+def test_entry_point_is_installed():
+    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert eps["sglang_ext"].value == "sglang_ext.plugin:register"
+    assert eps["sglang_ext"].dist.name == "sglang-ext"
+    mg = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.multimodal_gen.plugins")}
+    assert mg["sglang_ext"] == "sglang_ext.plugin:register"
+
+
+def test_switch_unset_applies_nothing(runs):
+    rc, probe, stderr = runs["unset"]
+    assert rc == 0, stderr
+    assert probe["after_load_plugins"] == {} and probe["after_import"] == {}
+    assert probe["pending"] == {}
+    assert probe["ext_attrs_on_PrefillCPBCGInput"] == []
+    assert "_PostImportFinder" not in probe["finders"]
+
+
+def test_enabled_load_plugins_arms_then_applies_on_import(runs):
+    rc, probe, stderr = runs["enabled_strict"]
+    assert rc == 0, stderr
+    assert set(probe["after_load_plugins"]) == set(PATCH_NAMES)
+    assert probe["after_load_plugins"]["prefill_cp_bucket"].startswith("armed (applies when ")
+    # importing bcg runs that part; the patch is applied once its runner module is imported too
+    assert probe["ext_attrs_on_PrefillCPBCGInput"], "no sglang_ext code installed on PrefillCPBCGInput"
+    assert "sglang.srt.layers.cp.bcg" not in probe["pending"]
+
+
+def test_strict_failure_aborts_instead_of_being_swallowed(runs):
+    rc, probe, stderr = runs["unsupported_strict"]
+    assert rc != 0 and probe is None  # load_plugins() did not return
+    assert "SglangExtActivationError" in stderr
+    assert "sglang 0.5.23" in stderr and "is not supported" in stderr and "supported: 0.5.17" in stderr
+
+
+def test_default_mode_warns_once_and_applies_nothing(runs):
+    rc, probe, stderr = runs["unsupported_default"]
+    assert rc == 0, stderr
+    assert all(s.startswith(("skipped (sglang 0.5.23 is not supported", "not needed (upstream"))
+               for s in probe["after_import"].values()), probe["after_import"]
+    assert probe["pending"] == {}  # nothing armed: nothing can apply later either
+    assert stderr.count("is not supported by sglang-ext") == 1
+
+
+def test_bad_knob_value_aborts_even_without_strict(runs):
+    rc, probe, stderr = runs["bad_value_default"]
+    assert rc != 0 and probe is None
+    assert "SglangExtActivationError" in stderr
+    assert "--ext-vit-graph-policy / SGLANG_EXT_VIT_GRAPH_POLICY: 'fifo' is not allowed; allowed: lru, exact" in stderr
