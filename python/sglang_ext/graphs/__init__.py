@@ -12,6 +12,7 @@ from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, rel
 from sglang_ext.graphs.capture import (
     capture_graph,
     capture_measured,
+    capture_stream,
     largest_first,
     pin_graph_pool,
     pool_reserved_bytes,
@@ -39,6 +40,7 @@ __all__ = [
     "WorkspaceLease",
     "capture_graph",
     "capture_measured",
+    "capture_stream",
     "cpu_ints",
     "cumulative_lengths",
     "dedup_consecutive",

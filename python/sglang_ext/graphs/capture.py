@@ -7,14 +7,15 @@ holding a private pool. Inside sglang, adapters pass sglang's own pool
 so sglang's graphs and ours share one. torch is imported only when called,
 and CUDA is touched only when available.
 
-Pinning: PyTorch counts the graphs using a pool. When the last one is reset,
-the pool becomes "freeable"; if any tensor allocated in it is still alive
-(e.g. an output a caller kept), the pool cannot be torn down, and the next
-capture into the same handle fails an internal assert (`use_count > 0` in
-`create_or_incref_pool`). A bounded cache empties the pool exactly this way
-(capacity 1, or `clear()`), so every shared pool is pinned by one tiny graph
-that is never reset. Blocks of reset graphs then stay in the pool, reused by
-later captures, instead of being returned to the device and re-allocated.
+Pinning: PyTorch counts the graphs using a pool (`use_count`). When the last
+one is reset the pool becomes "freeable": it is torn down at the next
+`empty_cache()` only if none of its blocks is still allocated (e.g. an output a
+caller kept), and until it is torn down a new capture into the same handle
+fails an internal assert (`use_count > 0` in `create_or_incref_pool`). A
+bounded cache empties the pool exactly this way (capacity 1, or `clear()`), so
+every shared pool is pinned by one tiny graph that is never reset. Blocks of
+reset graphs then stay in the pool and are reused by later captures instead of
+going back to the device and being allocated again.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sglang_ext.graphs.keys import _is_int
 T = TypeVar("T")
 
 _pools: Dict[int, Any] = {}
+_capture_streams: Dict[int, Any] = {}
 _pins: Dict[Tuple[int, Tuple[int, ...]], Any] = {}  # (device, pool id) -> (graph, tensor) never reset
 
 
@@ -70,7 +72,7 @@ def pin_graph_pool(pool: Any, device: Any = None) -> None:
         return
     with torch.cuda.device(index):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(index)):
             anchor = torch.zeros(1, device=torch.device("cuda", index))
     _pins[key] = (graph, anchor)
 
@@ -95,8 +97,24 @@ def capture_measured(fn_capture: Callable[[], T], device: Any = None) -> Tuple[T
     return result, max(0, pool_reserved_bytes(device) - before)
 
 
+def capture_stream(device: Any = None) -> Any:
+    """The side stream all captures on `device` use by default.
+
+    One stream on purpose: the allocator reuses a freed pool block only on the
+    stream it was allocated on, so a new stream per capture would never reuse
+    the blocks that evicted graphs gave back.
+    """
+    import torch
+
+    index = _cuda_index(device)
+    stream = _capture_streams.get(index)
+    if stream is None:
+        stream = _capture_streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 def capture_graph(fn: Callable[[], T], *, pool: Any = None, stream: Any = None, warmup_iters: int = 1) -> Tuple[Any, T]:
-    """Warm `fn` up on a side stream, then capture it into a new CUDAGraph; returns (graph, output).
+    """Warm `fn` up on the capture stream, then capture it into a new CUDAGraph; returns (graph, output).
 
     Warm-up runs lazy initialisation (cuBLAS handles, autotuning) outside the
     capture, where it would otherwise fail or be baked in.
@@ -105,7 +123,7 @@ def capture_graph(fn: Callable[[], T], *, pool: Any = None, stream: Any = None, 
 
     if not _is_int(warmup_iters) or warmup_iters < 0:
         raise ValueError(f"warmup_iters: {warmup_iters!r} is not allowed; allowed: integers >= 0")
-    stream = torch.cuda.Stream() if stream is None else stream
+    stream = capture_stream() if stream is None else stream
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup_iters):

@@ -4,6 +4,7 @@ Run with `-s` to see one summary line per test.
 """
 
 import gc
+import random
 import sys
 import time
 
@@ -19,16 +20,33 @@ except ImportError:  # the core is sglang-free; its tests run without sglang too
 
 
 from sglang_ext.graphs import BoundedGraphCache, StableWorkspacePool
-from sglang_ext.graphs.capture import capture_graph, capture_measured, pool_reserved_bytes, shared_graph_pool
+from sglang_ext.graphs.capture import (
+    capture_graph,
+    capture_measured,
+    capture_stream,
+    pool_reserved_bytes,
+    shared_graph_pool,
+)
 
 register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MiB = 1 << 20
-# Allowed drift of reserved memory across the eviction loop. A leak of even one
-# graph per eviction would add > 0.5 MiB x 200 = 100 MiB.
-FLAT_TOLERANCE = 4 * MiB
+# Allowed drift of reserved memory across the eviction loop: one extra 20 MiB
+# large-block segment (allocator fragmentation) plus slack. Keeping each evicted
+# graph would add >= 0.75 MiB (output + input) x 224 evictions = 168 MiB.
+FLAT_TOLERANCE = 24 * MiB
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _frozen_gc():
+    """Some torch versions gc.collect() on every capture; with sglang and pytest loaded that
+    costs ~0.1 s each. Freezing the objects that exist now keeps ~400 captures fast."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 class GraphEntry:
@@ -48,6 +66,10 @@ class GraphEntry:
             self.lease.release()
 
 
+def _overlaps(a_ptr, a_len, b_ptr, b_len):
+    return a_ptr < b_ptr + b_len and b_ptr < a_ptr + a_len
+
+
 def _summary(name, **values):
     print(f"[graph-core-cuda] {name}: " + " ".join(f"{k}={v}" for k, v in values.items()))
 
@@ -60,7 +82,7 @@ def test_evicted_graphs_return_pool_memory():
     pool = shared_graph_pool()
     assert shared_graph_pool(device) is pool  # one pool per device
     weight = torch.randn(1024, 2048, device=device)
-    stream = torch.cuda.Stream()
+    stream = capture_stream()
     row_cycle = [64, 128, 192, 256, 320, 384, 448, 512]  # outputs of 0.5 .. 4 MiB
     released = []
 
@@ -112,7 +134,7 @@ def test_evicted_graphs_return_pool_memory():
     torch.cuda.synchronize()
     control_growth = pool_reserved_bytes() - before
     keep_all.clear()
-    assert control_growth > 8 * FLAT_TOLERANCE, f"control grew only {control_growth / MiB:.1f} MiB"
+    assert control_growth > 2 * FLAT_TOLERANCE, f"control grew only {control_growth / MiB:.1f} MiB"
     _summary(
         "evicted graphs return pool memory",
         evictions=evictions,
@@ -147,12 +169,13 @@ def test_replay_after_workspace_growth_reads_its_own_slice():
     assert workspace.backing_buffers == 2
     assert big.lease.tensor.data_ptr() != small_ptr
 
-    # Defeat allocator reuse: take every free block the allocator offers for this size and fill it
-    # with a sentinel. Had the small graph's buffer been freed, one of them would sit at its address.
+    # Defeat allocator reuse: take blocks of the small buffer's size and fill them with a sentinel.
+    # Had the small graph's buffer been freed at growth, some of them would overlap its address range.
+    nbytes = small_block * 4
     holders = [torch.full((small_block,), 1e6, device=device) for _ in range(64)]
-    assert small_ptr not in {h.data_ptr() for h in holders}
+    assert not any(_overlaps(h.data_ptr(), nbytes, small_ptr, nbytes) for h in holders)
     xs, xb = torch.randn(8, 256, device=device), torch.randn(4096, 256, device=device)
-    small.lease.tensor.copy_(xs)
+    small.lease.tensor.copy_(xs)  # what the runner does before a replay: write the graph's own slice
     big.lease.tensor.copy_(xb)
     small.graph.replay()
     big.graph.replay()
@@ -170,28 +193,30 @@ def test_replay_after_workspace_growth_reads_its_own_slice():
     assert workspace.backing_buffers == 1 and freed >= small_block * 4
 
     # Control: a buffer freed under a live graph IS handed out again, and the replay then reads the
-    # sentinel. This is the failure the checks above exclude.
+    # sentinel. This is the failure the checks above exclude, and shows the sentinel method detects it.
     scratch = torch.randn(8, 256, device=device)
     scratch_ptr = scratch.data_ptr()
     graph, out = capture_graph(lambda: scratch @ weight, pool=pool)
+    graph.replay()
+    before = out.clone()
     del scratch
-    reused = None
+    overlapped = False
     for _ in range(512):
         holders.append(torch.full((8, 256), 1e6, device=device))
-        if holders[-1].data_ptr() == scratch_ptr:
-            reused = holders[-1]
+        if _overlaps(holders[-1].data_ptr(), nbytes, scratch_ptr, nbytes):
+            overlapped = True
             break
-    assert reused is not None, "control: the allocator did not reuse the freed block"
+    assert overlapped, "control: the allocator did not hand out the freed block again"
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, reused @ weight)  # the graph read whatever now lives at the old address
+    assert not torch.allclose(out, before), "control: replay did not read the reused memory"
     graph.reset()
     big.release()
     _summary(
         "replay after workspace growth",
         small_ptr=hex(small_ptr),
         freed_bytes=freed,
-        control_reuse="yes",
+        holders=len(holders),
         seconds=f"{time.perf_counter() - start:.1f}",
     )
 
@@ -207,18 +232,18 @@ def test_replayed_graph_matches_eager_on_random_inputs():
     ).to(device).eval()
     inputs = StableWorkspacePool("cuda-inputs", dtype=torch.float32, device=device)
     cache = BoundedGraphCache("cuda-mlp", 2)
-    stream = torch.cuda.Stream()
     batch_sizes = [1, 7, 32]  # three keys, two slots: graphs are evicted and re-captured
     max_diff, replays = 0.0, 0
+    rng = random.Random(2)
     for i in range(30):
-        bs = batch_sizes[i % 3] if i < 15 else batch_sizes[(i * 7) % 3]
+        bs = rng.choice(batch_sizes)
         entry = cache.get(bs)
         if entry is None:
             assert cache.admit(bs).capture
             lease = inputs.lease(bs, bs, (512,))
             static_in = lease.tensor
             static_in.zero_()
-            graph, out = capture_graph(lambda: model(static_in), pool=pool, stream=stream)
+            graph, out = capture_graph(lambda: model(static_in), pool=pool)
             entry = GraphEntry(graph, out, lease)
             cache.put(bs, entry)
         x = torch.randn(bs, 512, device=device)
@@ -247,8 +272,9 @@ def test_replayed_graph_matches_eager_on_random_inputs():
 def test_emptying_the_shared_pool_keeps_later_captures_working():
     """Evict the pool's only graph while a caller still holds its output, over and over.
 
-    Without the pin in shared_graph_pool() the pool's use count reaches 0 at each
-    eviction and, with a block still alive, PyTorch refuses the next capture.
+    Without the pin in shared_graph_pool() the pool's use count would reach 0 at each
+    eviction and, with a block still alive, the next capture would fail PyTorch's
+    internal assert in create_or_incref_pool.
     """
     start = time.perf_counter()
     torch.manual_seed(3)
