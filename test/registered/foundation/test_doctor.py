@@ -1,0 +1,136 @@
+"""`sglang-ext doctor`: the console script on the installed sglang 0.5.17, another tree, records,
+and `sglang_ext.doctor.report()` inside a process that runs patched code."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from conftest import plugin_only
+from released_wheels import released_tree  # noqa: F401  (fixture)
+from sglang_ext import activation, cli, doctor
+from sglang_ext.registry import PATCH_NAMES, PATCHES
+
+register_cpu_ci(est_time=45, suite="base-a-test-cpu")
+
+pytestmark = plugin_only
+
+STATES = {"applied", "armed", "disabled", "not needed", "skipped", "failed"}
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not (k == "SGLANG_EXT" or k.startswith("SGLANG_EXT_"))}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(autouse=True)
+def clean_activation(monkeypatch):
+    for name in list(os.environ):
+        if name == "SGLANG_EXT" or name.startswith("SGLANG_EXT_"):
+            monkeypatch.delenv(name)
+    activation.deactivate()
+    yield
+    activation.deactivate()
+
+
+def run_cli(*args):
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = cli.main(list(args))
+    return rc, buf.getvalue()
+
+
+def test_console_script_json_on_installed_sglang_proves_every_patch():
+    """The default doctor run: activate strictly-reported in its own process, import every target."""
+    exe = shutil.which("sglang-ext", path=os.path.dirname(sys.executable))
+    assert exe, "console script sglang-ext is not installed next to this interpreter"
+    proc = subprocess.run([exe, "doctor", "--json", "--strict"], env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+    rep = json.loads(proc.stdout)
+    assert rep["sglang"]["version"] == importlib.metadata.version("sglang") == "0.5.17"
+    assert rep["sglang"]["path"].endswith(os.path.join("site-packages", "sglang"))
+    assert rep["sglang"]["supported"] is True
+    assert rep["torch"] == importlib.metadata.version("torch")
+    assert rep["python"] == sys.version.split()[0]
+    assert rep["mode"] == doctor.MODE_IMPORT
+    assert [p["name"] for p in rep["patches"]] == list(PATCH_NAMES)
+    for p in rep["patches"]:
+        assert p["state"] in STATES and p["status"].startswith(p["state"])
+        assert p["upstream"]["pr"] and p["supported"] == ["0.5.17"]
+        assert {t["target"] for t in p["targets"]} == {t.key for t in next(s for s in PATCHES if s.name == p["name"]).targets}
+        assert all(t["match"] and "0.5.17" in t["same_as_releases"] for t in p["targets"]), p["targets"]
+    not_applied = {p["name"]: p["status"] for p in rep["patches"] if p["state"] != "applied"}
+    assert not not_applied, not_applied
+    assert rep["problems"] == [] and proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_other_tree_is_only_fingerprinted_and_strict_exit_is_nonzero(released_tree, monkeypatch):
+    tree = released_tree("0.5.23")
+    rc, out = run_cli("doctor", "--json", "--strict", "--source-root", tree)
+    rep = json.loads(out)
+    assert rc == 1
+    assert rep["mode"] == doctor.MODE_FINGERPRINTS
+    assert rep["sglang"]["version"] == "0.5.23" and rep["sglang"]["supported"] is False
+    assert rep["sglang"]["path"] == os.path.join(tree, "sglang")
+    states = {p["name"]: p["state"] for p in rep["patches"]}
+    assert set(states.values()) <= {"skipped", "not needed"} and "skipped" in states.values()
+    assert len(rep["problems"]) == list(states.values()).count("skipped")
+    assert activation.statuses() == {}  # the doctor's look at another tree activated nothing here
+    # without strict the same report exits 0
+    rc, _ = run_cli("doctor", "--json", "--source-root", tree)
+    assert rc == 0
+
+
+def test_assumed_version_reports_changed_fingerprints_per_target(released_tree):
+    tree = released_tree("0.5.12")
+    rc, out = run_cli("doctor", "--source-root", tree, "--assume-version", "0.5.17")
+    assert rc == 0
+    assert "CHANGED" in out or "ABSENT" in out
+    for name in PATCH_NAMES:
+        assert f"\n{name}" in out and "skipped (" in out
+
+
+def test_configuration_error_exits_2_and_names_the_variable(monkeypatch):
+    monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS", "2")
+    rc, out = run_cli("doctor", "--no-import")
+    assert rc == 2
+    assert "CONFIG ERROR: unknown sglang-ext environment variable(s) SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS" in out
+
+
+def test_report_inside_a_patched_process_shows_live_statuses_and_graph_caches(ext_patches):
+    from sglang_ext.graphs import stats
+
+    statuses = ext_patches()
+    owner = type("Runner", (), {})()
+    name = stats.register("doctor-test-cache", lambda: {"hits": 3, "misses": 1, "captures": 1}, owner=owner)
+    try:
+        rep = doctor.report()
+    finally:
+        stats.unregister(name)
+    assert rep["mode"] == doctor.MODE_LIVE
+    assert {p["name"]: p["status"] for p in rep["patches"]} == {k: str(v) for k, v in statuses.items()}
+    assert rep["graph_caches"][name]["hits"] == 3
+
+
+def test_records_of_a_server_are_read_back(tmp_path, ext_patches, monkeypatch):
+    records = tmp_path / "records"
+    monkeypatch.setenv("SGLANG_EXT_ACTIVATION_DIR", str(records))
+    statuses = ext_patches()
+    (records / "broken-1.json").write_text("{not json")
+    rc, out = run_cli("doctor", "--json", "--no-import", "--records", str(records))
+    rep = json.loads(out)
+    by_file = {r["file"]: r for r in rep["records"]}
+    mine = next(r for r in rep["records"] if r.get("pid") == os.getpid())
+    assert {k: v["status"] for k, v in mine["patches"].items()} == {k: str(v) for k, v in statuses.items()}
+    assert by_file["broken-1.json"]["error"].startswith("unreadable")
+    assert rc == 0
