@@ -8,7 +8,8 @@ the outputs are compared. Modes:
   eager        sglang's eager tower (the baseline timings, measured on the same requests)
   0.5.17       the runner as shipped: graphs keyed by token count, unbounded
   ext-layout   the patch: graphs keyed by (tokens, attention layout), LRU capacity --capacity
-  ext-class    (layout-class mode) not implemented; reported as such
+  ext-class    the patch in layout-class mode: graphs shared by layouts with the same token
+               count, sequence-count class and max-length class, boundaries refreshed per replay
 
 Prints a table last and writes JSON (--out). Runs in about 3 minutes on one H200
 (--quick: small tower, 100 requests). On the GPU machine:
@@ -123,12 +124,13 @@ def free(vit) -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def activate_patch(capacity: int) -> None:
+def activate_patch(capacity: int, mode: str) -> None:
     from sglang_ext import activation
     from sglang_ext.registry import PATCH_NAMES
     from sglang_ext.versions import installed_sglang_version
 
     os.environ["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] = str(capacity)
+    os.environ["SGLANG_EXT_VIT_GRAPH_MODE"] = mode  # read when a runner is first used
     os.environ["SGLANG_EXT_DISABLE"] = ",".join(n for n in PATCH_NAMES if n != "vit_cuda_graph")
     os.environ["SGLANG_EXT_STRICT"] = "1"
     if installed_sglang_version() is None:
@@ -183,12 +185,12 @@ def main() -> None:
     results.append(run_mode("0.5.17", vit, requests[:unpatched_n], dtype=dtype, tol=tol,
                             sample_every=max(1, unpatched_n // 20)))
     free(vit)
-    activate_patch(args.capacity)
-    vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
-    results.append(run_mode(f"ext-layout (cap {args.capacity})", vit, requests, dtype=dtype, tol=tol,
-                            sample_every=max(1, n // 20)))
-    free(vit)
-    results.append({"mode": "ext-class", "note": "layout-class mode not implemented"})
+    for mode in ("layout", "class"):
+        activate_patch(args.capacity, mode)
+        vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
+        results.append(run_mode(f"ext-{mode} (cap {args.capacity})", vit, requests, dtype=dtype, tol=tol,
+                                sample_every=max(1, n // 20)))
+        free(vit)
 
     report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": str(dtype),
                          "attention": "triton_attn", "requests": n, "capacity": args.capacity,

@@ -75,8 +75,20 @@ How:
 - Counters (hits, misses, captures, evictions, fallbacks by reason, resident graphs
   and bytes) are registered with `sglang_ext.graphs.stats` per runner.
 
-Not done: the opt-in layout-class mode (`--ext-vit-graph-mode class`) is accepted by
-the knob but runs as `layout` mode; see `_ext_graph_mode`.
+Layout-class mode (opt-in, `--ext-vit-graph-mode class`, triton_attn only; other
+backends keep layout keys): key = (token count, per layout: sequence count rounded
+up to a power of two, longest sequence rounded up to a power of two (at most the
+token count)). The graph's cu_seqlens / sequence-length buffers are sized for the
+class and rewritten before every replay (device copies; unused trailing sequences
+get length 0); the captured max_seqlen is the class bound. Exact because the triton
+vision kernel (kernels/ops/attention/prefill_attention.py) reads max_seqlen only as
+its grid size and masks every load/store by the per-sequence length, so extra
+programs and zero-length sequences compute nothing; every other op sees the same
+shapes as eager. Token counts are NOT padded: padding would change GEMM shapes, so
+results would only match eager within rounding (and padded rows would need their
+own sequence); many layouts still share a graph (e.g. the same images in another
+order, or images of different shapes with equal token totals). fa3 takes
+max_seqlen into its scheduling heuristics, so it is not claimed exact there.
 
 Deviation from upstream: a direct `_get_graph_key(x, cuda_cu_seqlens, ...)` call
 without a key raises instead of syncing; `create_graph` stores device copies of
@@ -134,6 +146,18 @@ def _ext_vit_max_len(layout):
     return max(b - a for a, b in zip(layout, layout[1:]))
 
 
+def _ext_vit_pow2(value):
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+def _ext_vit_layout_class(layout, num_tokens):
+    """(padded sequence count, max_seqlen bound) of one layout, for layout-class mode."""
+    if layout is None:
+        return (None, None)
+    return (_ext_vit_pow2(max(len(layout) - 1, 1)),
+            min(_ext_vit_pow2(max(_ext_vit_max_len(layout), 1)), max(num_tokens, 1)))
+
+
 def _ext_vit_is_device_tensor(value):
     return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
@@ -178,7 +202,7 @@ def _ext_ensure_state(self):
 def _ext_graph_info(self):
     """Counters for `sglang-ext doctor` / periodic debug logs."""
     info = self._ext_cache.info().as_dict()
-    info["mode"] = self._ext_mode
+    info["mode"] = "class" if self._ext_class_mode() else "layout"
     info["resident_graphs"] = len(self._ext_cache)
     info["fallbacks"] = sum(self._ext_fallbacks.values())
     for reason, count in self._ext_fallbacks.items():
@@ -240,6 +264,38 @@ def _get_graph_key(self, x_3d, cu_seqlens=None, cu_window_seqlens=None, attentio
     full = None if full is None else tuple(int(v) for v in full)
     window = None if window is None else tuple(int(v) for v in window)
     return GraphKey(num_tokens, layout=(full, window))
+
+
+def _ext_class_mode(self):
+    """Layout-class mode is exact only for the triton kernel (max_seqlen is just its grid bound)."""
+    return self._ext_mode == "class" and self._attn_backend == "triton_attn"
+
+
+def _ext_graph_key_for(self, layout_key):
+    """The cache key of a batch: its layout key, or in class mode its (tokens, class) key."""
+    if not self._ext_class_mode():
+        return layout_key
+    full, window = layout_key.layout
+    tokens = layout_key.num_tokens
+    return GraphKey(tokens, variant=("class",) + _ext_vit_layout_class(full, tokens)
+                    + _ext_vit_layout_class(window, tokens))
+
+
+def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
+    """Class mode: write this batch's boundaries into the graph's buffers (device copies, no sync).
+
+    Unused trailing sequences get the token count as boundary: zero length, so the
+    triton kernel's programs for them load and store nothing.
+    """
+    tokens = graph_key.num_tokens
+    pairs = [(self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key], cu_seqlens)]
+    if self._fullatt_block_indexes:
+        pairs.append((self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key], cu_window_seqlens))
+    for buffer, lengths, source in pairs:
+        count = source.shape[0]
+        buffer[:count].copy_(source, non_blocking=True)
+        buffer[count:].fill_(tokens)
+        torch.sub(buffer[1:], buffer[:-1], out=lengths)
 
 
 def _get_sin_cos_ws(self, graph_key, seq_len, head_dim):
@@ -344,12 +400,13 @@ def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=
 
 def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
                  rotary_pos_emb_sin=None, attention_layout_key=None):
-    """Capture one graph for this layout (no admission check: `run` decides). Returns its key."""
+    """Capture one graph for this batch's key (no admission check: `run` decides). Returns the key."""
     self._ext_ensure_state()
-    graph_key = self._get_graph_key(x_3d, cu_seqlens, cu_window_seqlens, attention_layout_key)
+    layout_key = self._get_graph_key(x_3d, cu_seqlens, cu_window_seqlens, attention_layout_key)
+    graph_key = self._ext_graph_key_for(layout_key)
     if graph_key in self.block_graphs:
         return graph_key
-    full_layout, window_layout = graph_key.layout
+    full_layout, window_layout = layout_key.layout
     seq_len = graph_key.num_tokens
     device = self.device
     attn = self.vit.blocks[0].attn
@@ -357,15 +414,27 @@ def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings,
         self.block_input[graph_key] = torch.empty_like(x_3d, device=device).contiguous()
         self.block_ws[graph_key] = torch.empty(
             seq_len, attn.num_attention_heads_per_partition, attn.head_size, device=device, dtype=self.dtype)
-        # Graph-owned copies: the graph reads these addresses at every replay.
-        cu_full = cu_seqlens.to(device=device, dtype=torch.int32).clone()
-        self.cu_full_len[graph_key] = cu_full
-        self.cu_full_len_kk[graph_key] = cu_full[1:] - cu_full[:-1]
-        if self._fullatt_block_indexes:
-            cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32).clone()
-            self.cu_window_len[graph_key] = cu_window
-            self.cu_window_len_kk[graph_key] = cu_window[1:] - cu_window[:-1]
-        self._ext_max_lens[graph_key] = (_ext_vit_max_len(full_layout), _ext_vit_max_len(window_layout))
+        # Graph-owned boundary buffers: the graph reads these addresses at every replay.
+        if graph_key.variant:  # class mode: room for the class's sequence count, refreshed per replay
+            _, full_count, full_max, window_count, window_max = graph_key.variant
+            self.cu_full_len[graph_key] = torch.empty(full_count + 1, dtype=torch.int32, device=device)
+            self.cu_full_len_kk[graph_key] = torch.empty(full_count, dtype=torch.int32, device=device)
+            if self._fullatt_block_indexes:
+                self.cu_window_len[graph_key] = torch.empty(window_count + 1, dtype=torch.int32, device=device)
+                self.cu_window_len_kk[graph_key] = torch.empty(window_count, dtype=torch.int32, device=device)
+            self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),
+                                   None if cu_window_seqlens is None
+                                   else cu_window_seqlens.to(device=device, dtype=torch.int32))
+            self._ext_max_lens[graph_key] = (full_max, window_max)
+        else:
+            cu_full = cu_seqlens.to(device=device, dtype=torch.int32).clone()
+            self.cu_full_len[graph_key] = cu_full
+            self.cu_full_len_kk[graph_key] = cu_full[1:] - cu_full[:-1]
+            if self._fullatt_block_indexes:
+                cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32).clone()
+                self.cu_window_len[graph_key] = cu_window
+                self.cu_window_len_kk[graph_key] = cu_window[1:] - cu_window[:-1]
+            self._ext_max_lens[graph_key] = (_ext_vit_max_len(full_layout), _ext_vit_max_len(window_layout))
         self.block_input[graph_key].copy_(x_3d)
         if position_embeddings is not None:
             cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1])
@@ -499,6 +568,8 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
     else:
         max_full_len = _ext_vit_max_len(graph_key.layout[0])
         max_window_len = _ext_vit_max_len(graph_key.layout[1])
+        layout_key = graph_key
+        graph_key = self._ext_graph_key_for(layout_key)
         reason = None
         if self._ext_cache.get(graph_key) is None:
             admission = self._ext_cache.admit(graph_key, expected_bytes=self._ext_expected_bytes(x_3d))
@@ -506,7 +577,7 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
                 try:
                     self.create_graph(x_3d, cu_seqlens, cu_window_seqlens, position_embeddings,
                                       rotary_pos_emb_cos, rotary_pos_emb_sin,
-                                      attention_layout_key=graph_key.layout)
+                                      attention_layout_key=layout_key.layout)
                 except Exception as exc:  # noqa: BLE001 - the batch still gets a correct result
                     self._ext_cache.fail(graph_key, exc)
                     _ext_vit_logger.warning("ViT CUDA graph capture failed for %d tokens; running eager from now "
@@ -522,6 +593,11 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
         self._ext_fallbacks[reason] += 1
         return self._ext_run_eager(x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
                                    rotary_pos_emb_sin, output_indices, max_full_len, max_window_len)
+    if graph_key.variant:  # class mode: this batch's boundaries into the shared graph
+        device = self.device
+        self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),
+                               None if cu_window_seqlens is None
+                               else cu_window_seqlens.to(device=device, dtype=torch.int32))
     return self.replay(graph_key, x_3d, position_embeddings=position_embeddings,
                        rotary_pos_emb_cos=rotary_pos_emb_cos, rotary_pos_emb_sin=rotary_pos_emb_sin,
                        output_indices=output_indices)
@@ -599,7 +675,8 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 # ---------------------------------------------------------------------------
 
 _RUNNER_METHODS = (
-    _ext_ensure_state, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key, _get_sin_cos_ws,
+    _ext_ensure_state, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
+    _ext_class_mode, _ext_graph_key_for, _ext_write_layout, _get_sin_cos_ws,
     _ext_graph_pool, _ext_capture_agreed, _create_graph, create_graph, replay, _ext_expected_bytes, _ext_run_eager, run,
 )
 

@@ -245,10 +245,11 @@ def qwen_runtime():
     runtime_context.reset_context()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_qwen2_5_vision_tower_graph_output_equals_eager(vit_patch, qwen_runtime, dtype):
+@pytest.mark.parametrize(("dtype", "mode"), [(torch.float32, "layout"), (torch.bfloat16, "layout"),
+                                             (torch.float32, "class")], ids=["fp32", "bf16", "fp32-class"])
+def test_qwen2_5_vision_tower_graph_output_equals_eager(vit_patch, qwen_runtime, dtype, mode):
     kit = qwen_runtime
-    vit_patch(vit_graph_max_entries=6)
+    vit_patch(vit_graph_max_entries=6, vit_graph_mode=mode)
     vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=dtype, seed=1)
     assert vit.cuda_graph_runner is not None and vit.blocks[0].attn.qkv_backend_name == "triton_attn"
     rng = random.Random(3)
@@ -266,8 +267,10 @@ def test_qwen2_5_vision_tower_graph_output_equals_eager(vit_patch, qwen_runtime,
         else:
             torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2, msg=f"step {step} grid {grid.tolist()}")
     info = vit.cuda_graph_runner._ext_graph_info()
-    print(f"\nqwen2.5 tower {dtype}: max |graph - eager| = {worst:.3g}; {info}")
-    assert info["hits"] > 0 and info["evictions"] > 0 and info["resident_graphs"] <= 6
+    print(f"\nqwen2.5 tower {dtype} {mode}: max |graph - eager| = {worst:.3g}; {info}")
+    assert info["hits"] > 0 and info["resident_graphs"] <= 6 and info["mode"] == mode
+    if mode == "layout":
+        assert info["evictions"] > 0
 
 
 def test_qwen2_5_tower_equal_token_batches_with_other_boundaries(vit_patch, qwen_runtime):

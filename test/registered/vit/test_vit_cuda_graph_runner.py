@@ -366,8 +366,9 @@ def test_small_graph_sees_new_positions_after_workspace_growth(vit_patch, fake_c
     assert len(runner._retired_sin_cos_ws) == 1  # the 4-token graphs still lease the first buffer
 
 
-def test_graph_and_eager_results_are_identical_over_random_layouts(vit_patch, fake_cuda):
-    vit_patch(vit_graph_max_entries=3)
+@pytest.mark.parametrize("mode", ["layout", "class"])
+def test_graph_and_eager_results_are_identical_over_random_layouts(vit_patch, fake_cuda, mode):
+    vit_patch(vit_graph_max_entries=3, vit_graph_mode=mode)
     runner = ViTCudaGraphRunner(StubTower())
     rng = random.Random(0)
     layouts = []
@@ -380,7 +381,37 @@ def test_graph_and_eager_results_are_identical_over_random_layouts(vit_patch, fa
         out, want = call(runner, tokens, full, window, position=step)
         torch.testing.assert_close(out, want, msg=f"step {step}")
     info = stats.snapshot()[runner._ext_stats_name]
-    assert info["size"] <= 3 and info["evictions"] > 0 and info["hits"] > 0
+    assert info["size"] <= 3 and info["hits"] > 0 and info["mode"] == mode
+    if mode == "layout":
+        assert info["evictions"] > 0
+
+
+def test_class_mode_shares_one_graph_between_layouts_and_refreshes_boundaries(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="class")
+    runner = ViTCudaGraphRunner(StubTower())
+    a = ((0, 0, 6, 8), (0, 2, 4, 8))  # 3 full / 3 window sequences, longest 6 / 4
+    b = ((0, 0, 5, 8), (0, 1, 2, 4, 8))  # 3 / 4 sequences, longest 5 / 4: same class
+    for step, (full, window) in enumerate((a, b, a, b)):
+        out, want = call(runner, 8, full, window, position=step)
+        torch.testing.assert_close(out, want, msg=f"step {step}")
+    assert len(fake_cuda.created) == 1 and fake_cuda.created[0].replays == 4
+    (key,) = runner.block_graphs
+    assert runner.cu_window_len[key].tolist() == [0, 1, 2, 4, 8]  # b's boundaries, written for the last replay
+    info = runner._ext_graph_info()
+    assert (info["captures"], info["hits"], info["mode"]) == (1, 3, "class")
+
+
+def test_class_mode_pads_unused_sequences_with_zero_length(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="class")
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    out, want = call(runner, 8, (0, 3, 5, 8), qwen3=True)  # 3 sequences -> class of 4
+    torch.testing.assert_close(out, want)
+    (key,) = runner.block_graphs
+    assert runner.cu_full_len[key].tolist() == [0, 3, 5, 8, 8]
+    assert runner.cu_full_len_kk[key].tolist() == [3, 2, 3, 0]
+    out, want = call(runner, 8, (0, 1, 8), qwen3=True)  # 2 sequences, longest 7 -> another class
+    torch.testing.assert_close(out, want)
+    assert len(runner.block_graphs) == 2
 
 
 # ---------------------------------------------------------------------------
