@@ -9,17 +9,32 @@ cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.17}"
 PY="${PYTHON:-python3}"
+export PIP_NO_INPUT=1  # never prompt (CI, no stdin)
+t0=$(date +%s)
+phase_t=$t0
+phase() {  # phase NAME: print how long the previous phase took
+  local now; now=$(date +%s)
+  echo "install_cpu_env: $1 ($((now - phase_t)) s)"
+  phase_t=$now
+}
+# pip warns once per local index directory it cannot use; those lines say nothing about this install.
+pip_quiet() { "$@" 2> >(grep -v "^WARNING: Location 'file:///" >&2); }
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 VPY="$VENV/bin/python"
-t0=$(date +%s)
-"$VPY" -m pip install -q --upgrade pip uv
+pip_quiet "$VPY" -m pip install -q --upgrade pip uv
+phase "venv, pip, uv"
 # torch first (pip: it sees the local wheel directory; uv would download GBs).
-"$VPY" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+pip_quiet "$VPY" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+phase "torch 2.14.1 + torchvision 0.29.1"
 # uv: fast resolver + bytecode compile (imports of sglang are 3x slower without .pyc).
+# Its package cache (~/.cache/uv, or UV_CACHE_DIR) makes reruns on the same machine fast.
 UV="$VENV/bin/uv"
 # The installed torch satisfies every dependent's range, so uv keeps it.
 "$UV" pip install -q --python "$VPY" --compile-bytecode -r requirements/cpu-ci.txt
 "$UV" pip install -q --python "$VPY" --compile-bytecode --no-deps "sglang==$SGLANG_VERSION"
+phase "dependencies + sglang $SGLANG_VERSION --no-deps"
 # the project itself (editable; pulls no dependencies: sglang and torch are the user's)
-"$VPY" -m pip install -q --no-deps --no-build-isolation -e .
+pip_quiet "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
+phase "sglang-ext (editable)"
 echo "install_cpu_env: $VENV ready in $(( $(date +%s) - t0 )) s (sglang $SGLANG_VERSION)"
