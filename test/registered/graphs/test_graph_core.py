@@ -490,6 +490,45 @@ def test_decisions_do_not_depend_on_hash_seed():
     assert outputs[0] == json.loads(json.dumps(rank_log(key_sequence())))
 
 
+_ops = st.lists(
+    st.tuples(st.sampled_from(["step", "step", "step", "fail", "discard"]), st.integers(0, 9), st.integers(0, 60)),
+    max_size=80,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops=_ops,
+    capacity=st.integers(0, 4),
+    policy=st.sampled_from(["lru", "exact"]),
+    max_bytes=st.sampled_from([0, 50, 100]),
+    min_hits=st.integers(1, 3),
+)
+def test_cache_invariants_under_random_operations(ops, capacity, policy, max_bytes, min_hits):
+    events, graphs = [], []
+    cache = BoundedGraphCache("prop", capacity, policy=policy, max_bytes=max_bytes, min_hits=min_hits)
+    for op, key, nbytes in ops:
+        before = set(cache.keys())
+        if op == "step":
+            run_step(cache, key, events, graphs, nbytes=nbytes)
+        elif op == "fail":
+            cache.fail(key)
+        else:
+            cache.discard(key)
+        resident = set(cache.keys())
+        assert len(cache) <= capacity
+        assert max_bytes == 0 or cache.bytes_resident <= max_bytes or len(cache) == 1
+        assert not any(cache.is_quarantined(k) for k in resident)
+        if policy == "exact" and op == "step" and len(before) == capacity:
+            assert resident == before  # exact: a full cache keeps what it has
+        info = cache.info()
+        assert info.size == len(resident) and info.captures == len(graphs)
+    resident_ids = {id(e) for e in cache.entries.values()}
+    for graph in graphs:  # resident graphs never reset, every dropped one exactly once
+        assert graph.resets == (0 if id(graph) in resident_ids else 1)
+    assert cache.info().evictions + len(resident_ids) <= len(graphs)
+
+
 @pytest.mark.parametrize(
     "kwargs, field, allowed",
     [
