@@ -103,8 +103,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import nullcontext
-from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
@@ -112,7 +110,6 @@ from sglang_ext import knobs as ext_knobs
 from sglang_ext.graphs import stats as ext_graph_stats
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.keys import (
-    DeviceSyncError,
     GraphKey,
     cpu_ints,
     cumulative_lengths,
