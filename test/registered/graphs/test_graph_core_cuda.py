@@ -294,7 +294,7 @@ def test_emptying_the_shared_pool_keeps_later_captures_working():
         x.normal_()
         graph.replay()
         torch.testing.assert_close(out, x @ weight)
-    assert cache.info().evictions == 58 and len(cache) == 1
+    assert cache.info().evictions == 29 and len(cache) == 1  # counters restart at clear()
     cache.clear()
     _summary("pool emptied repeatedly", captures=60, kept_outputs=len(kept), seconds=f"{time.perf_counter() - start:.1f}")
 
