@@ -76,8 +76,15 @@ PATCHES: Tuple[PatchSpec, ...] = (
         summary="ViT CUDA graphs keyed by attention layout, bounded (LRU + reset), "
         "stable rotary workspaces, eager fallback, owned outputs",
         targets=T(_VIT_RUNNER, "ViTCudaGraphRunner")
-        + T(_QWEN25, "Qwen2_5_VisionTransformer.forward_with_cuda_graph")
-        + T(_QWEN3, "Qwen3VLMoeVisionModel.forward_with_cuda_graph", "graph_runners_dict"),
+        + T(_QWEN25, "Qwen2_5_VisionTransformer.forward_with_cuda_graph", "Qwen2_5_VisionTransformer.get_window_index")
+        + T(_QWEN3, "Qwen3VLMoeVisionModel.forward_with_cuda_graph", "Qwen3VLMoeVisionModel._prepare_graph_inputs",
+            "graph_runners_dict")
+        # Relied on, not replaced: metadata takes precedence over the graph path (eager fallback),
+        # max_seqlen is only the triton kernel's grid bound (class mode), the shared graph pool.
+        + T("sglang.srt.layers.attention.vision", "prepare_vision_attention_metadata",
+            "VisionTritonAttention.forward")
+        + T("sglang.kernels.ops.attention.prefill_attention", "context_attention_fwd", "_fwd_kernel")
+        + T("sglang.srt.model_executor.runner_utils.pool", "get_or_create_global_graph_memory_pool"),
         parts=(
             Part(_VIT_RUNNER, "sglang_ext.adapters.vit_cuda_graph:patch_runner"),
             Part(_QWEN25, "sglang_ext.adapters.vit_cuda_graph:patch_qwen2_5_vl"),
