@@ -1,0 +1,1 @@
+"""Helpers for sglang-ext tests and benchmarks (imported by them only)."""

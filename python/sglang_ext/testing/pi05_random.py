@@ -1,0 +1,264 @@
+"""Pi0.5 at its real size with random weights, for GPU tests and benchmarks.
+
+No checkpoint is downloaded: the architecture comes from sglang's own
+`Pi05PipelineConfig` / `Pi05PolicyModel` (gemma_2b prefix VLM + SigLIP tower +
+gemma_300m action expert, about 3.35 B parameters), and the weight loader is
+replaced by a seeded random fill. Works for sglang 0.5.17 (with or without
+sglang-ext) and 0.5.19.
+
+On a machine where sglang's CUDA kernel packages are stand-ins (sgl_kernel,
+flashinfer), every sglang custom op (activations, norms, rotary) is switched to
+its plain-torch `forward_native`, and attention uses torch SDPA; both eager and
+graph runs use the same kernels, so their outputs are comparable.
+
+Importable without sglang (imports happen inside the functions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+
+LIBERO_CAMERAS = ("base_0_rgb", "left_wrist_0_rgb")
+
+
+class Pi05BuildError(RuntimeError):
+    """A step of building the random Pi0.5 failed; the message names the step."""
+
+
+def _step(name: str):
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except Pi05BuildError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the step's name
+            raise Pi05BuildError(f"building random Pi0.5: step '{name}' failed: {type(exc).__name__}: {exc}") from exc
+
+    return guard()
+
+
+def _unit_server_args(attention_backend: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        attention_backend=attention_backend,
+        attention_backend_config=None,
+        comfyui_mode=False,
+        disable_autocast=False,
+        enable_cfg_parallel=False,
+        enable_breakable_cuda_graph=False,
+        enable_layerwise_nvtx_marker=False,
+        enable_torch_compile=False,
+        model_loaded={},
+        model_paths={},
+        pipeline_config=SimpleNamespace(),
+    )
+
+
+def _published_srt_context():
+    """0.5.19's SigLIP tower reads sglang's runtime settings (the GPU worker publishes them)."""
+    try:
+        from sglang.srt.runtime_context import get_context
+    except ImportError:  # 0.5.17: no runtime context
+        return contextlib.nullcontext()
+    context = get_context()
+    if getattr(context, "_server_args", None) is not None:
+        return contextlib.nullcontext()
+    return context.override_server_args()
+
+
+def _custom_op_bases() -> tuple:
+    bases = []
+    with contextlib.suppress(ImportError):
+        from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
+
+        bases.append(CustomOp)
+    with contextlib.suppress(ImportError):
+        from sglang.srt.layers.utils.multi_platform import MultiPlatformOp
+
+        bases.append(MultiPlatformOp)
+    return tuple(bases)
+
+
+def use_native_custom_ops(model: torch.nn.Module) -> int:
+    """Route every sglang custom op to its plain-torch forward; returns how many."""
+    bases = _custom_op_bases()
+    swapped = 0
+    for module in model.modules():
+        if not hasattr(module, "_forward_method"):
+            continue
+        native = getattr(type(module), "forward_native", None)
+        if native is None or any(native is getattr(base, "forward_native", None) for base in bases):
+            continue  # no own native implementation: keep what it dispatched to
+        module._forward_method = module.forward_native
+        swapped += 1
+    return swapped
+
+
+def _random_fill(core_model: torch.nn.Module, seed: int, std: float) -> None:
+    generator_by_device: Dict[torch.device, torch.Generator] = {}
+
+    def generator(device):
+        if device not in generator_by_device:
+            generator_by_device[device] = torch.Generator(device=device).manual_seed(seed)
+        return generator_by_device[device]
+
+    with torch.no_grad():
+        layer_norm_params = set()
+        for module in core_model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                if module.weight is not None:
+                    module.weight.fill_(1.0)
+                    layer_norm_params.add(id(module.weight))
+                if module.bias is not None:
+                    module.bias.zero_()
+                    layer_norm_params.add(id(module.bias))
+        for name, parameter in core_model.named_parameters():
+            if id(parameter) in layer_norm_params:
+                continue
+            if name.endswith("bias"):
+                parameter.zero_()
+            else:
+                parameter.normal_(0.0, std, generator=generator(parameter.device))
+
+
+def build_random_pi05(
+    *,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    std: float = 0.02,
+    config_overrides: Optional[Dict[str, Any]] = None,
+    attention_backend: str = "torch_sdpa",
+    native_custom_ops: bool = True,
+    log: Callable[[str], None] = print,
+):
+    """Build sglang's Pi05PolicyModel at full size with random weights on `device`."""
+    with _step("import sglang Pi0.5 modules"):
+        from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
+        from sglang.multimodal_gen.runtime.models.vlas import pi05_policy
+        from sglang.multimodal_gen.runtime.server_args import set_global_server_args
+
+    with _step("publish multimodal_gen server args (attention backend)"):
+        set_global_server_args(_unit_server_args(attention_backend))
+
+    with _step("pipeline config"):
+        config = Pi05PipelineConfig()
+        for key, value in (config_overrides or {}).items():
+            if not hasattr(config, key):
+                log(f"[pi05_random] config has no field {key!r} on this sglang; ignored")
+                continue
+            setattr(config, key, value)
+
+    policy_cls = pi05_policy.Pi05PolicyModel
+    original_load = policy_cls.__dict__["_load_weights"]
+
+    def random_weights(self):
+        _random_fill(self.core_model, seed, std)
+
+    policy_cls._load_weights = random_weights  # restored below
+    try:
+        with _step("construct Pi05PolicyModel (random weights)"), _published_srt_context():
+            policy = policy_cls(
+                config,
+                model_path="random-pi05",
+                device=torch.device(device),
+                dtype=dtype,
+                manifest=pi05_policy.Pi05CheckpointManifest(model_path="random-pi05"),
+            )
+    finally:
+        policy_cls._load_weights = original_load
+    if native_custom_ops:
+        with _step("switch sglang custom ops to plain torch"):
+            swapped = use_native_custom_ops(policy)
+            log(f"[pi05_random] {swapped} custom ops use forward_native")
+    parameters = sum(p.numel() for p in policy.parameters())
+    log(f"[pi05_random] built Pi0.5: {parameters / 1e9:.2f} B parameters, {dtype}, {device}")
+    return policy
+
+
+def make_observation(
+    policy,
+    *,
+    prompt_len: int,
+    masked_camera: bool = False,
+    seed: int = 0,
+    cameras: Sequence[str] = LIBERO_CAMERAS,
+    image_size: int = 224,
+    state_dim: int = 8,
+):
+    """A LIBERO-like observation after preprocessing: two 224x224 cameras in [-1, 1],
+    prompt token ids padded to max_token_len, optional empty (masked) camera."""
+    from sglang.multimodal_gen.runtime.vla.observation import VLAObservationBatch
+
+    config = policy.config
+    generator = torch.Generator().manual_seed(seed)
+    images = {
+        name: torch.rand(1, 3, image_size, image_size, generator=generator) * 2 - 1 for name in cameras
+    }
+    image_masks = {name: torch.ones(1, dtype=torch.bool) for name in cameras}
+    if masked_camera:
+        image_masks[cameras[-1]] = torch.zeros(1, dtype=torch.bool)
+        images[cameras[-1]] = torch.full_like(images[cameras[-1]], -1.0)
+    max_len = int(config.max_token_len)
+    if not 0 < prompt_len <= max_len:
+        raise ValueError(f"prompt_len: {prompt_len} is not allowed; allowed: 1..{max_len}")
+    tokens = torch.zeros(1, max_len, dtype=torch.long)
+    tokens[0, :prompt_len] = torch.randint(2, 250_000, (prompt_len,), generator=generator)
+    token_masks = torch.zeros(1, max_len, dtype=torch.bool)
+    token_masks[0, :prompt_len] = True
+    return VLAObservationBatch(
+        prompt=["random prompt"],
+        images=images,
+        image_masks=image_masks,
+        state=torch.rand(1, state_dim, generator=generator) * 2 - 1,
+        noise=None,
+        tokens=tokens,
+        token_masks=token_masks,
+        batch_size=1,
+        metadata={"camera_order": tuple(cameras)},
+    )
+
+
+def make_noise(policy, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    config = policy.config
+    return torch.randn(1, config.action_horizon, config.action_dim, generator=generator).to(policy.device)
+
+
+def encode_prefix_accepts_graph_flag(policy) -> bool:
+    return "use_cuda_graph" in inspect.signature(policy.encode_prefix).parameters
+
+
+def run_request(policy, observation, noise: torch.Tensor, *, graph: bool, num_steps: int = 10):
+    """One Pi0.5 request as the pipeline stages run it: prefix, then action denoise."""
+    with torch.inference_mode():
+        if encode_prefix_accepts_graph_flag(policy):
+            prefix_context = policy.encode_prefix(observation, use_cuda_graph=graph)
+        else:  # 0.5.17: no prefix graph
+            prefix_context = policy.encode_prefix(observation)
+        return policy.sample_actions(
+            observation,
+            prefix_context,
+            noise=noise,
+            num_steps=num_steps,
+            use_cuda_graph=graph,
+        )
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = float(b.float().abs().max())
+    return max_abs_diff(a, b) / max(scale, 1e-6)
+
+
+def finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all()) and not math.isnan(float(t.float().abs().max()))
