@@ -241,8 +241,13 @@ def test_non_zigzag_layout_unknown_runs_eager(cp_patch):
 
 
 def test_counters_reach_graph_stats(cp_patch):
+    import sys
+
     from sglang_ext.adapters.prefill_cp_bucket import PREFILL_CP_BUCKET_STATS_NAME
-    from sglang_ext.graphs import stats
+
+    # the stats registry the runner's code uses: sglang_ext's with the plugin, the vendored
+    # sglang.ext copy in the patched fork tree
+    stats = sys.modules[PrefillCudaGraphRunner.__module__].ext_graph_stats
 
     runner = make_runner((2048, 2304, 4096), {2048: 512, 2304: 576, 4096: 1024})
     zigzag(4)
