@@ -1,0 +1,205 @@
+"""Pi0.5 CUDA graphs on the GPU (patch pi05_graphs): real-size model, random weights.
+
+Pi05PolicyModel is built from sglang's own config (gemma_2b + SigLIP + gemma_300m,
+about 3.35 B parameters, bf16) with a seeded random fill instead of a checkpoint
+(sglang_ext.testing.pi05_random). Two 224x224 cameras, 10 denoise steps, horizon 50,
+action dim 32; full prefixes (both cameras) and masked prefixes (empty second camera).
+
+Tolerance: graph replays run the same kernels as eager on the same inputs, so we
+expect equality; the stated bound is a relative max-abs difference of 1e-2 of the
+largest eager action (bf16 has 8 mantissa bits: 2^-8 = 3.9e-3 per rounding, a few
+roundings of headroom). Every case prints its max abs / relative difference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+try:
+    from sglang.test.ci.ci_register import register_cuda_ci
+
+    register_cuda_ci(est_time=240, stage="base-b", runner_config="1-gpu-small")
+except ImportError:  # pragma: no cover
+    pass
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+RELATIVE_TOLERANCE = 1e-2
+NUM_STEPS = 10
+PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
+
+
+def _ext_environment():
+    from sglang_ext.versions import installed_sglang_version, source_tree_version
+
+    env = {
+        "SGLANG_EXT": "1",
+        "SGLANG_EXT_STRICT": "1",
+        "SGLANG_EXT_PI05_PREFIX_GRAPH_MAX_ENTRIES": "16",
+        "SGLANG_EXT_PI05_ACTION_GRAPH_MAX_ENTRIES": "16",
+    }
+    if installed_sglang_version() is None:  # unpacked source tree (GPU machine)
+        import sglang
+
+        version = source_tree_version(os.path.dirname(os.path.dirname(sglang.__file__)))
+        if version:
+            env["SGLANG_EXT_ASSUME_SGLANG"] = version
+    return env
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from sglang_ext.testing.pi05_random import build_random_pi05
+
+    patch = pytest.MonkeyPatch()
+    activation = None
+    if not PATCHED_TREE:
+        from sglang_ext import activation
+
+        for key, value in _ext_environment().items():
+            patch.setenv(key, value)
+        activation.deactivate()
+        statuses = activation.activate(eager=True)
+        print("sglang-ext:", {name: str(status) for name, status in statuses.items()})
+    else:
+        patch.setenv("SGLANG_EXT_PI05_PREFIX_GRAPH_MAX_ENTRIES", "16")
+        patch.setenv("SGLANG_EXT_PI05_ACTION_GRAPH_MAX_ENTRIES", "16")
+    model = build_random_pi05(device="cuda", dtype=torch.bfloat16, seed=0)
+    print(
+        "graph runners:",
+        "prefix", model.prefix_graph_runner.enabled, model.prefix_graph_runner.max_entries,
+        "action", model.graph_runner.enabled, model.graph_runner.max_entries,
+    )
+    yield model
+    model.prefix_graph_runner.clear()
+    model.graph_runner.clear()
+    del model
+    torch.cuda.empty_cache()
+    if activation is not None:
+        activation.deactivate()
+    patch.undo()
+
+
+def _compare(label, graph_actions, eager_actions):
+    from sglang_ext.testing.pi05_random import finite, max_abs_diff, relative_diff
+
+    diff = max_abs_diff(graph_actions, eager_actions)
+    relative = relative_diff(graph_actions, eager_actions)
+    print(
+        f"[{label}] max|graph-eager|={diff:.3e} relative={relative:.3e} "
+        f"max|eager|={float(eager_actions.abs().max()):.3e} bit_equal={torch.equal(graph_actions, eager_actions)}"
+    )
+    assert finite(eager_actions) and finite(graph_actions), label
+    assert relative <= RELATIVE_TOLERANCE, f"{label}: relative difference {relative:.3e} > {RELATIVE_TOLERANCE}"
+
+
+def _request(policy, *, prompt_len, masked, seed, graph):
+    from sglang_ext.testing.pi05_random import make_noise, make_observation, run_request
+
+    observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=seed)
+    return run_request(policy, observation, make_noise(policy, seed), graph=graph, num_steps=NUM_STEPS)
+
+
+@pytest.mark.parametrize("prompt_len", [17, 48, 111])
+@pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
+def test_graph_mode_matches_eager(policy, masked, prompt_len):
+    before_prefix = policy.prefix_graph_runner.cache_info()
+    before_action = policy.graph_runner.cache_info()
+    eager = _request(policy, prompt_len=prompt_len, masked=masked, seed=prompt_len, graph=False)
+    captured = _request(policy, prompt_len=prompt_len, masked=masked, seed=prompt_len, graph=True)
+    replayed = _request(policy, prompt_len=prompt_len, masked=masked, seed=prompt_len, graph=True)
+    label = f"{'masked' if masked else 'full'} prompt={prompt_len}"
+    _compare(label + " capture", captured, eager)
+    _compare(label + " replay", replayed, eager)
+    assert torch.equal(captured, replayed)
+    prefix, action = policy.prefix_graph_runner.cache_info(), policy.graph_runner.cache_info()
+    print(f"[{label}] prefix cache {prefix}\n[{label}] action cache {action}")
+    # Both graphs were used: one new prefix and one new action signature, then hits.
+    assert prefix.captures == before_prefix.captures + 1 and prefix.hits >= before_prefix.hits + 1
+    assert action.captures == before_action.captures + 1
+    assert action.hits >= before_action.hits + 2 * NUM_STEPS - 1
+
+
+def test_fused_denoise_matches_eager(policy, monkeypatch):
+    monkeypatch.setenv("SGLANG_EXT_PI05_FUSED_DENOISE", "1")
+    for masked in (False, True):
+        eager = _request(policy, prompt_len=33, masked=masked, seed=7, graph=False)
+        first = _request(policy, prompt_len=33, masked=masked, seed=7, graph=True)
+        second = _request(policy, prompt_len=33, masked=masked, seed=7, graph=True)
+        label = f"fused {'masked' if masked else 'full'}"
+        _compare(label + " capture", first, eager)
+        _compare(label + " replay", second, eager)
+    loop_signatures = [s for s in policy.graph_runner._cache.entries if hasattr(s, "num_steps")]
+    print("fused graphs:", loop_signatures)
+    assert len(loop_signatures) == 2
+
+
+@pytest.mark.parametrize("prefix_graph", [True, False], ids=["prefix-graph", "eager-prefix"])
+def test_consecutive_requests_never_share_kv(policy, prefix_graph):
+    """Requests with different images and the same signature, alternating: each must
+    see its own prefix K/V (eager-prefix contexts are freed between requests, so a
+    refresh keyed on id() could skip the copy)."""
+    from sglang_ext.testing.pi05_random import make_noise, make_observation, max_abs_diff, run_request
+
+    noise = make_noise(policy, 99)
+    observations = {seed: make_observation(policy, prompt_len=40, seed=seed) for seed in (101, 202)}
+    eager = {seed: run_request(policy, obs, noise, graph=False) for seed, obs in observations.items()}
+    separation = max_abs_diff(eager[101], eager[202])
+    print(f"[kv {prefix_graph}] eager A vs B differ by {separation:.3e}")
+    assert separation > 1e-3, "the two requests must produce different actions"
+
+    for seed in (101, 202, 101, 202, 101):
+        observation = observations[seed]
+        with torch.inference_mode():
+            context = policy.encode_prefix(observation, use_cuda_graph=prefix_graph)
+            actions = policy.sample_actions(
+                observation, context, noise=noise, num_steps=NUM_STEPS, use_cuda_graph=True
+            )
+            del context
+        _compare(f"kv seed={seed} prefix_graph={prefix_graph}", actions, eager[seed])
+        other = 202 if seed == 101 else 101
+        assert max_abs_diff(actions, eager[other]) > separation / 2
+
+
+def test_bounded_cache_memory_is_flat(policy):
+    """Bucket mode, capacity 2: many signatures; graph memory stays bounded."""
+    cuda_graph = importlib.import_module("sglang.multimodal_gen.runtime.vla.cuda_graph")
+    saved = policy.prefix_graph_runner, policy.graph_runner
+    saved[0].clear()
+    saved[1].clear()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    policy.prefix_graph_runner = cuda_graph.VLAPrefixGraphRunner(enabled=True, max_entries=2, evict_on_miss=True)
+    policy.graph_runner = cuda_graph.VLADenoiseGraphRunner(enabled=True, max_entries=2, evict_on_miss=True)
+    try:
+        lengths = [20, 45, 70, 95, 120, 145]
+        reserved = []
+        for round_index in range(3):
+            for prompt_len in lengths:
+                _request(policy, prompt_len=prompt_len, masked=False, seed=prompt_len, graph=True)
+                torch.cuda.synchronize()
+                reserved.append(torch.cuda.memory_reserved())
+            print(
+                f"[memory] round {round_index}: reserved MiB",
+                [round(r / 2**20) for r in reserved[-len(lengths):]],
+            )
+        prefix, action = policy.prefix_graph_runner.cache_info(), policy.graph_runner.cache_info()
+        print(f"[memory] prefix {prefix}\n[memory] action {action}")
+        assert prefix.size <= 2 and action.size <= 2
+        assert prefix.evictions >= 3 * len(lengths) - 2 and action.evictions >= 3 * len(lengths) - 2
+        first_round_peak = max(reserved[: len(lengths)])
+        later_peak = max(reserved[len(lengths):])
+        slack = 256 * 2**20
+        print(f"[memory] first round peak {first_round_peak / 2**20:.0f} MiB, later peak {later_peak / 2**20:.0f} MiB")
+        assert later_peak <= first_round_peak + slack
+        eager = _request(policy, prompt_len=145, masked=False, seed=145, graph=False)
+        graph = _request(policy, prompt_len=145, masked=False, seed=145, graph=True)
+        _compare("after evictions prompt=145", graph, eager)
+    finally:
+        policy.prefix_graph_runner.clear()
+        policy.graph_runner.clear()
+        policy.prefix_graph_runner, policy.graph_runner = saved
