@@ -166,6 +166,20 @@ def deactivate() -> None:
         _state.strict = False
 
 
+def verify_applied() -> Dict[str, List[str]]:
+    """Re-check now that every swap of every (partly) applied patch is still the live object.
+
+    Applying verifies once; something may rebind a target later (another plugin, sglang's
+    HookRegistry propagating a REPLACE). `doctor` reports this.
+    """
+    out: Dict[str, List[str]] = {}
+    for name, st in _state.statuses.items():
+        ctx = _state.contexts.get(name)
+        if ctx is not None and st.parts_applied:
+            out[name] = ctx.problems()
+    return out
+
+
 def resolve_version(settings: Optional[Settings], source_root: Optional[str] = None,
                     version: Optional[str] = None) -> Optional[str]:
     """The sglang version to check against: explicit > SGLANG_EXT_ASSUME_SGLANG > tree > installed."""

@@ -74,7 +74,7 @@ def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str]) -> List[Dict[
 
 
 def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus],
-                 source_root: Optional[str]) -> Dict[str, Any]:
+                 source_root: Optional[str], live_problems: Optional[List[str]]) -> Dict[str, Any]:
     return {
         "name": spec.name,
         "summary": spec.summary,
@@ -83,6 +83,9 @@ def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus],
         "detail": status.detail if status is not None else "",
         "parts_applied": list(status.parts_applied) if status is not None else [],
         "parts_pending": list(status.parts_pending) if status is not None else [],
+        # applied parts re-checked now: None = nothing applied in this process to check
+        "verified_live": None if live_problems is None else not live_problems,
+        "live_problems": list(live_problems or []),
         "process": spec.process,
         "supported": list(spec.supported),
         "targets": _fingerprint_rows(spec, source_root),
@@ -139,6 +142,7 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
         statuses, mode = activation.plan(settings, version=checked_version, source_root=source_root), MODE_FINGERPRINTS
     else:
         checked_version, statuses, mode = version, {}, MODE_FINGERPRINTS
+    verified = activation.verify_applied() if live else {}
     out = environment(source_root, checked_version)
     try:
         enabled = knob_enabled(env)
@@ -149,7 +153,8 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
         "enabled_in_environment": enabled,
         "strict": activation.is_strict() if live else bool(settings and settings.strict),
         "config_error": config_error,
-        "patches": [_patch_entry(spec, statuses.get(spec.name), source_root) for spec in PATCHES],
+        "patches": [_patch_entry(spec, statuses.get(spec.name), source_root, verified.get(spec.name))
+                    for spec in PATCHES],
         "graph_caches": graph_cache_counters(),
     })
     return out
@@ -191,6 +196,8 @@ def problems(rep: Dict[str, Any]) -> List[str]:
     for p in rep["patches"]:
         if p["state"] in (activation.FAILED, activation.SKIPPED):
             out.append(f"{p['name']}: {p['status']}")
+        elif p["live_problems"]:
+            out.append(f"{p['name']}: {p['status']}, but now: {'; '.join(p['live_problems'])}")
     return out
 
 
@@ -212,7 +219,8 @@ def render_text(rep: Dict[str, Any]) -> str:
     lines.append("")
     width = max(len(p["name"]) for p in rep["patches"]) if rep["patches"] else 10
     for p in rep["patches"]:
-        lines.append(f"{p['name']:<{width}}  {p['status']}")
+        check = {None: "", True: "  [verified live]", False: "  [NO LONGER LIVE: " + "; ".join(p["live_problems"]) + "]"}
+        lines.append(f"{p['name']:<{width}}  {p['status']}{check[p['verified_live']]}")
         lines.append(f"{'':<{width}}  {p['summary']}")
         for t in p["targets"]:
             if t["match"]:

@@ -120,6 +120,25 @@ def test_report_inside_a_patched_process_shows_live_statuses_and_graph_caches(ex
     assert rep["mode"] == doctor.MODE_LIVE
     assert {p["name"]: p["status"] for p in rep["patches"]} == {k: str(v) for k, v in statuses.items()}
     assert rep["graph_caches"][name]["hits"] == 3
+    assert all(p["verified_live"] for p in rep["patches"] if p["state"] == "applied")
+
+
+def test_report_notices_a_target_rebound_after_applying(ext_patches):
+    """Something (another plugin, sglang's HookRegistry) rebinds a patched attribute later."""
+    from sglang_ext.patching import _ItemOwner
+
+    ext_patches()
+    ctx = activation._state.contexts["prefill_cp_bucket"]
+    swap = next(s for s in ctx.swaps if not isinstance(s.owner, _ItemOwner))
+    setattr(swap.owner, swap.name, "rebound by someone else")
+    try:
+        rep = doctor.report()
+    finally:
+        setattr(swap.owner, swap.name, swap.replacement)
+    entry = next(p for p in rep["patches"] if p["name"] == "prefill_cp_bucket")
+    assert entry["verified_live"] is False
+    assert f"{swap.describe()} is not the patched object" in entry["live_problems"][0]
+    assert any(line.startswith("prefill_cp_bucket: applied, but now: ") for line in doctor.problems(rep))
 
 
 def test_records_of_a_server_are_read_back(tmp_path, ext_patches, monkeypatch):
