@@ -30,7 +30,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_ext.registry import PATCH_NAMES
 
-register_cpu_ci(est_time=40, suite="base-a-test-cpu")
+register_cpu_ci(est_time=45, suite="base-a-test-cpu")
 
 from conftest import plugin_only  # noqa: E402  (test/registered/conftest.py)
 
@@ -395,3 +395,141 @@ def test_requirement_equals_rows_prepare_builds(cp_patch, cp_size, lens, seq_spl
                 fb.out_cache_loc = None
                 prepare_cp_forward(fb)
                 assert max(fb.attn_cp_metadata.per_rank_actual_token) == cp_input.required_local_tokens(lens)
+
+
+# --------------------------------------------------------------------------- the crash, end to end on CPU
+
+HIDDEN = 16
+VOCAB = 4096
+
+
+class _Batch(SimpleNamespace):
+    """A live ForwardBatch stand-in: fields it does not set read as None (as ForwardBatch defaults do)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+class _Slot:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def slice_for(self, _bs, num_tokens):
+        return self.tensor[:num_tokens]
+
+
+class PaddingRegistry:
+    """CPU stand-in for the runner's static buffer registry: copies live rows, zero-pads to the bucket."""
+
+    def __init__(self, max_tokens):
+        self.slots = {
+            "input_ids": _Slot(torch.zeros(max_tokens, dtype=torch.int64)),
+            "positions": _Slot(torch.zeros(max_tokens, dtype=torch.int64)),
+            "out_cache_loc": _Slot(torch.zeros(max_tokens, dtype=torch.int64)),
+        }
+        self.padded_num_tokens = None
+
+    def has_slot(self, name):
+        return name in self.slots
+
+    def get_slot(self, name):
+        return self.slots[name]
+
+    def fill_from(self, source, *, raw_bs, padded_bs, raw_num_tokens, padded_num_tokens):
+        self.padded_num_tokens = padded_num_tokens
+        for name, slot in self.slots.items():
+            slot.tensor[:raw_num_tokens].copy_(getattr(source, name))
+            slot.tensor[raw_num_tokens:padded_num_tokens].zero_()
+
+
+def make_replay_runner(embedding):
+    """Minimal runner whose real 0.5.17 load_batch runs through PrefillCPBCGInput.prepare on CPU."""
+    buckets = (2048, 2304, 2560)
+    runner = make_runner(buckets, {2048: 512, 2304: 576, 2560: 640})
+    runner.prefill_cp_bcg_input = PrefillCPBCGInput(
+        input_embeds=torch.zeros(buckets[-1], HIDDEN),
+        positions=torch.zeros(buckets[-1], dtype=torch.int64),
+        bucket_local_tokens={2048: 512, 2304: 576, 2560: 640},  # one-request captures, align 8
+    )
+    runner.buffer_registry = PaddingRegistry(buckets[-1])
+    runner.backend = object()  # not breakable: no MHA-state restore
+    runner.capture_return_pooled_hidden_states = False
+    runner._prefill_static_buffers = None
+    runner.static_draft_hidden_states = None
+    runner.model_runner = SimpleNamespace(model=SimpleNamespace(get_input_embeddings=lambda: embedding))
+    # GPU-side pieces of load_batch, recorded instead of run
+    runner._next_token_logits_buffer = lambda rows: None
+    runner._prefill_logits_buffer_rows = lambda forward_batch: 0
+    runner.replay_metadata_calls = []
+    runner._prepare_forward_metadata_for_replay = lambda *args: runner.replay_metadata_calls.append(args)
+    return runner
+
+
+def make_live_batch(extend_seq_lens):
+    n = sum(extend_seq_lens)
+    positions = torch.cat([torch.arange(length) for length in extend_seq_lens])
+    return _Batch(
+        batch_size=len(extend_seq_lens),
+        forward_mode=ForwardMode.EXTEND,
+        global_forward_mode=ForwardMode.EXTEND,
+        capture_hidden_mode=CaptureHiddenMode.NULL,
+        return_logprob=False,
+        input_ids=torch.randint(0, VOCAB, (n,)),
+        positions=positions,
+        out_cache_loc=torch.arange(n),
+        seq_lens_cpu=list(extend_seq_lens),
+        extend_seq_lens_cpu=list(extend_seq_lens),
+        extend_prefix_lens_cpu=[0] * len(extend_seq_lens),
+        extend_num_tokens=n,
+    )
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1, 2, 3])
+def test_real_load_batch_replays_overflowing_layout_in_the_admitted_bucket(cp_patch, cp_rank):
+    """0.5.17's own load_batch + prepare on CPU: the 520-row layout lands in the 2304 bucket's 576 rows."""
+    torch.manual_seed(cp_rank)
+    embedding = torch.nn.Embedding(VOCAB, HIDDEN)
+    runner = make_replay_runner(embedding)
+    zigzag(4)
+    live = make_live_batch(OVERFLOW_LENS)
+    with get_parallel().override(attn_cp_rank=cp_rank, attn_cp_size=4), align8(), patch(
+        "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
+    ), torch.no_grad():
+        assert runner.can_run_graph(live)
+        static = runner.load_batch(live)
+
+        assert runner.buffer_registry.padded_num_tokens == 2304
+        assert len(static.input_ids) == 2304
+        assert static.attn_cp_metadata.per_rank_actual_token == [576] * 4  # the captured geometry
+        assert len(runner.replay_metadata_calls) == 1 and runner.replay_metadata_calls[0][2] == 2304
+        # this rank's zigzag blocks of the live embeddings, then zeros up to the captured 576 rows
+        metadata = static.attn_cp_metadata
+        logical = metadata.per_rank_logical_token[cp_rank]
+        assert logical == [513, 511, 512, 512][cp_rank]
+        blocks = torch.split(embedding(live.input_ids), metadata.split_list)
+        zigzag_rows = torch.cat([blocks[i] for i in metadata.zigzag_index])
+        assert zigzag_rows.shape[0] == logical
+        assert static.input_embeds.shape[0] == 576
+        torch.testing.assert_close(static.input_embeds[:logical], zigzag_rows)
+        assert torch.count_nonzero(static.input_embeds[logical:]) == 0
+
+
+@plugin_only
+def test_unpatched_load_batch_crashes_on_the_same_layout(cp_patch):
+    """The bug this patch fixes: unpatched 0.5.17 pads to 2048 and prepare() refuses 520 > 512 rows."""
+    from sglang_ext import activation
+
+    activation.deactivate()
+    embedding = torch.nn.Embedding(VOCAB, HIDDEN)
+    runner = make_replay_runner(embedding)
+    zigzag(4)
+    live = make_live_batch(OVERFLOW_LENS)
+    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), patch(
+        "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
+    ), torch.no_grad():
+        assert runner.can_run_graph(live)  # admitted ...
+        with pytest.raises(RuntimeError, match="needs 520 local CP rows, but global prefill bucket 2048"):
+            runner.load_batch(live)  # ... and killed at replay
+    assert runner.buffer_registry.padded_num_tokens == 2048
