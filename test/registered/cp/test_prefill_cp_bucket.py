@@ -2,8 +2,9 @@
 
 Real sglang 0.5.17 classes throughout: a minimal `PrefillCudaGraphRunner` built with
 `__new__` (as upstream's test does), the real zigzag strategy (`init_cp_strategy`), the
-real per-rank parallel state (`get_parallel().override`). Only the GPU side (buffer
-registry) is replaced by a recorder. The first four tests port upstream's
+real per-rank parallel state (`get_parallel().override`). Only GPU-side pieces (the
+static buffer registry, logits buffer, attention replay metadata) are CPU stand-ins;
+the end-to-end tests run 0.5.17's own `load_batch` and `PrefillCPBCGInput.prepare`. The first four tests port upstream's
 `TestPrefillCPBCGReplay` (sgl-project/sglang#33906); the load_batch test admits the
 batch first, because this port decides once at admission and refuses a replay
 that was never admitted.
