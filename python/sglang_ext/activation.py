@@ -212,7 +212,9 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
         st.state, st.detail = DISABLED, f"listed in {knob('disable').env}"
         return st
     if version is None:
-        st.state, st.detail = SKIPPED, "sglang is not installed (no version found)"
+        st.state = SKIPPED
+        st.detail = (f"no sglang version found in {source_root}/sglang/_version.py; give one with "
+                     f"{knob('assume_sglang').env}" if source_root else "sglang is not installed")
         return st
     if spec.upstream_equivalent and spec.upstream_since and at_least(version, spec.upstream_since):
         st.state, st.detail = NOT_NEEDED, f"upstream has it since {spec.upstream_since}"

@@ -64,7 +64,8 @@ class Knob:
                 value = int(text, 10)
             except ValueError:
                 raise ExtConfigError(
-                    f"{self._where()}: {raw!r} is not an integer; allowed: integers >= {self.minimum}"
+                    f"{self._where()}: {raw!r} is not an integer; allowed: "
+                    + ("integers" if self.minimum is None else f"integers >= {self.minimum}")
                 ) from None
             if self.minimum is not None and value < self.minimum:
                 raise ExtConfigError(

@@ -100,6 +100,17 @@ def test_assumed_version_reports_changed_fingerprints_per_target(released_tree):
         assert f"\n{name}" in out and "skipped (" in out
 
 
+def test_python_dash_m_route_and_a_tree_without_version(tmp_path):
+    (tmp_path / "sglang").mkdir()  # a source tree without sglang/_version.py
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext", "doctor", "--json", "--source-root", str(tmp_path)],
+                          env=clean_env(SGLANG_EXT_STRICT="1"), capture_output=True, text=True, timeout=120)
+    rep = json.loads(proc.stdout)
+    assert proc.returncode == 1, proc.stderr
+    expected = (f"skipped (no sglang version found in {tmp_path}/sglang/_version.py; "
+                "give one with SGLANG_EXT_ASSUME_SGLANG)")
+    assert {p["status"] for p in rep["patches"]} == {expected}
+
+
 def test_configuration_error_exits_2_and_names_the_variable(monkeypatch):
     monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS", "2")
     rc, out = run_cli("doctor", "--no-import")
