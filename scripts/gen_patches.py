@@ -75,10 +75,7 @@ PLUGIN_DELIVERY_ONLY: Dict[str, str] = {
 
 # Registry entries the generator cannot yet emit faithfully. Each entry is a known gap of the
 # fork series (shown in the matrix); the reason says what the adapter would have to change.
-NOT_EMITTABLE: Dict[str, str] = {
-    "pi05_config": "adds dataclass fields by writing Pi05PipelineConfig.__dataclass_fields__ and wraps the "
-                   "dataclass-generated __init__, neither of which exists as source in the class body",
-}
+NOT_EMITTABLE: Dict[str, str] = {}
 
 
 class GenerationError(Exception):
@@ -450,20 +447,81 @@ class _Collector:
             if loc is None:
                 return None
             node = _top_level_def(self.tree(loc["src_file"]), loc["src_name"])
+            after = self.after_class(patch, cls, target, s)
+            if after is None:
+                return None
+            if after:
+                # Added after the class statement, as the plugin does (see after_class).
+                if s.name in vars(target):
+                    self.error(patch, f"{s.describe()}: {target.__name__} has a global {s.name}; the def "
+                                      "emitted after the class would replace it")
+                    return None
+                self.check_definition_names(patch, s.describe(), node, target, True)
+                return {"op": "post_method", "decorator": kind, **where, **loc}
+            mangled = sorted({n for n in _identifiers(node) if n.startswith("__") and not n.endswith("__")})
+            if mangled:
+                self.error(patch, f"{s.describe()}: uses {', '.join(mangled)}; inside a class body Python "
+                                  "mangles such names (to _Class__name), so the fork would differ")
+                return None
             self.check_definition_names(patch, s.describe(), node, target, False)
             return {"op": "method", "decorator": kind, **where, **loc}
         # _ext_orig_<name> = <name>: the original kept under another name (adapter rule 3)
-        for other in swaps:
+        of = None
+        aliasable = isinstance(s.replacement, (types.FunctionType, staticmethod, classmethod, property))
+        for other in swaps if aliasable else ():
             if other.owner is cls and other.name != s.name and other.original is s.replacement:
-                return {"op": "class_alias", "of": other.name, **where}
-        for other_name, value in vars(cls).items():
-            if other_name != s.name and value is s.replacement:
-                return {"op": "class_alias", "of": other_name, **where}
+                of = other.name
+        if of is None and aliasable:
+            for other_name, value in vars(cls).items():
+                if other_name != s.name and value is s.replacement:
+                    of = other_name
+        if of is not None:
+            after = self.after_class(patch, cls, target, _SyntheticSwap(cls, of, s.replacement, None))
+            if after is None:
+                return None
+            return {"op": "post_alias" if after else "class_alias", "of": of, **where}
         if s.original is _missing() and _is_literal_value(s.replacement):
-            return {"op": "class_constant", "value_repr": repr(s.replacement), **where}
+            after = self.after_class(patch, cls, target, s)
+            if after is None:
+                return None
+            return {"op": "post_constant" if after else "class_constant", "value_repr": repr(s.replacement),
+                    **where}
         self.error(patch, f"{s.describe()}: installed with ctx.setattr ({type(s.replacement).__name__}); the "
                           "generator can only emit transplant_method defs, _ext_orig_ aliases and new literal "
                           "class attributes")
+        return None
+
+    def after_class(self, patch: str, cls: type, target: types.ModuleType, s: Any) -> Optional[bool]:
+        """True if `s` must be emitted as an assignment after the class statement instead of in its body.
+
+        The plugin changes a class after its decorators ran. In the body of a decorated class a
+        new or replaced member would be seen by the decorator (a `__post_init__` makes @dataclass's
+        __init__ call it), and an attribute the decorator generated (a dataclass __init__) has no
+        def to replace. None (error recorded): the class has no source."""
+        node = _find_class(self.tree(target.__file__), cls.__qualname__)
+        if node is None:
+            self.error(patch, f"{s.describe()}: class {cls.__qualname__} not found in {target.__file__}")
+            return None
+        if node.decorator_list:
+            # @dataclass looks at annotations and dunder methods only: a plain method may stay in the body
+            plain_method = isinstance(s.replacement, types.FunctionType) and not s.name.startswith("__") \
+                and s.name not in getattr(cls, "__dataclass_fields__", {})
+            if not (plain_method and all(_is_dataclass_decorator(d) for d in node.decorator_list)):
+                return True
+        if s.original is _missing():
+            return False
+        return not any(s.name in _class_body_names(stmt) for stmt in node.body)
+
+    def value_expression(self, module: types.ModuleType, value: Any) -> Optional[str]:
+        """An expression over `module`'s globals that evaluates to `value` itself."""
+        for name, v in vars(module).items():
+            if v is value and not name.startswith("__"):
+                return name
+        for name, v in vars(module).items():
+            if isinstance(v, (tuple, list)) and not name.startswith("__"):
+                for i, element in enumerate(v):
+                    if element is value:
+                        return f"{name}[{i}]"
         return None
 
     def _module_item(self, patch: str, s: Any, installed: Mapping[str, Any], needed_by: str = ""
@@ -504,6 +562,12 @@ class _Collector:
         adapter = self.adapter_holding(patch, s.name, s.replacement)
         if adapter is None:
             origin = _importable_from(s.replacement)
+            adapter_modules = {m.__name__ for mods in self.adapters.values() for m in mods}
+            if origin is not None and origin[0] in adapter_modules:
+                self.error(patch, f"{what}: adapter function {origin[0]}.{origin[1]} is not transplanted; "
+                                  "install it with ctx.transplant_function so it runs in the target module's "
+                                  "namespace")
+                return None
             if origin is not None and not origin[0].startswith("sglang_ext.adapters"):
                 module, attr = origin
                 return {"op": "import", "stmt": f"from {module} import {attr}"
@@ -605,21 +669,36 @@ class _Collector:
             if holder is not None:
                 break
         if holder is None:
-            self.error(patch, f"{s.describe()}: the dict is not a global of any {self.package} "
-                              "module; only module-level dicts can be patched in the fork")
+            # a dict held by a class (e.g. a dataclass's __dataclass_fields__)
+            for mod_name, mod in list(sys.modules.items()):
+                if mod is None or not self.in_package(mod_name):
+                    continue
+                for name, value in list(vars(mod).items()):
+                    if isinstance(value, type) and value.__module__ == mod_name:
+                        for attr, held in vars(value).items():
+                            if held is mapping:
+                                holder, dict_name = mod, f"{value.__qualname__}.{attr}"
+                if holder is not None:
+                    break
+        if holder is None:
+            self.error(patch, f"{s.describe()}[{s.name!r}]: the dict is neither a global of a {self.package} "
+                              "module nor an attribute of one of its classes")
             return None
         if not _is_literal_value(s.name):
-            self.error(patch, f"{s.describe()}: key {s.name!r} is not a literal")
-            return None
-        value_names = [n for n, v in vars(holder).items() if v is s.replacement and not n.startswith("__")]
-        if not value_names:
-            self.error(patch, f"{holder.__name__}.{dict_name}[{s.name!r}]: the new value is not a global of "
-                              f"{holder.__name__}; install it there first (ctx.transplant_function)")
+            self.error(patch, f"{dict_name}[{s.name!r}]: key is not a literal")
             return None
         preferred = getattr(s.replacement, "__name__", None)
-        value_name = preferred if preferred in value_names else sorted(value_names)[0]
+        if isinstance(preferred, str) and vars(holder).get(preferred) is s.replacement:
+            value = preferred
+        else:
+            value = self.value_expression(holder, s.replacement)
+        if value is None:
+            self.error(patch, f"{holder.__name__}.{dict_name}[{s.name!r}]: the new value is not a global of "
+                              f"{holder.__name__} (nor an element of one); install it there first "
+                              "(ctx.transplant_function)")
+            return None
         return {"op": "dict_item", "module": holder.__name__, "file": self.module_rel(holder),
-                "dict": dict_name, "key_repr": repr(s.name), "value": value_name}
+                "dict": dict_name, "key_repr": repr(s.name), "value": value}
 
     def _installed_module(self, patch: str, s: Any, installed: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
         module = s.replacement
@@ -1137,9 +1216,21 @@ class SeriesRenderer:
             else:
                 end_blocks.append(((item["src_file"], item["src_line"]), block))
         tail = [block for _, block in sorted(end_blocks)]
-        tail_items = [f"{i['dict']}[{i['key_repr']}] = {i['value']}\n" for i in items if i["op"] == "dict_item"]
-        if tail_items:
-            tail.append("".join(tail_items))
+        # statements that run after every class is created, in the order the plugin ran them
+        after: List[str] = []
+        for i in items:
+            if i["op"] == "dict_item":
+                after.append(f"{i['dict']}[{i['key_repr']}] = {i['value']}\n")
+            elif i["op"] == "post_alias":
+                after.append(f"{i['cls']}.{i['name']} = {i['cls']}.{i['of']}\n")
+            elif i["op"] == "post_constant":
+                after.append(f"{i['cls']}.{i['name']} = {i['value_repr']}\n")
+            elif i["op"] == "post_method":
+                block, _ = self._source_block(i)
+                value = f"{i['decorator']}({i['name']})" if i["decorator"] else i["name"]
+                after.append(f"\n{block}\n\n{i['cls']}.{i['name']} = {value}\ndel {i['name']}\n\n")
+        if after:
+            tail.append("".join(after).strip("\n") + "\n")
         if tail:
             edit.insert_after(len(lines), "\n\n" + "\n\n".join(tail))
         return edit.apply()
@@ -1199,7 +1290,7 @@ class SeriesRenderer:
         for rel, item in self.checks:
             text = self.current[rel]
             tree = ast.parse(text)
-            if item["op"] in ("method", "def"):
+            if item["op"] in ("method", "def", "post_method"):
                 owner = _find_class(tree, item["cls"]) if item["op"] == "method" else tree
                 matches = [s for s in owner.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                    ast.ClassDef)) and s.name == item["name"]]
@@ -1214,6 +1305,24 @@ class SeriesRenderer:
                 if _normalized_dump(emitted) != _normalized_dump(src_node):
                     raise GenerationError(f"{rel}: emitted {item['name']} differs from {item['src_file']} "
                                           "(generator bug)")
+
+
+def _identifiers(node: ast.AST) -> Set[str]:
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+    return out
+
+
+def _is_dataclass_decorator(node: ast.expr) -> bool:
+    target = node.func if isinstance(node, ast.Call) else node
+    return (isinstance(target, ast.Name) and target.id == "dataclass") or \
+        (isinstance(target, ast.Attribute) and target.attr == "dataclass")
 
 
 def _alias_module(name: str, of: str) -> str:
@@ -1297,7 +1406,7 @@ def _header(fields: Sequence[Tuple[str, str]]) -> str:
 def spec_header(spec: Any, items: Sequence[Dict[str, Any]], sources: Sequence[str], version: str) -> str:
     changed = []
     for i in items:
-        if i["op"] in ("method", "class_alias", "class_constant"):
+        if i["op"] in ("method", "class_alias", "class_constant", "post_method", "post_alias", "post_constant"):
             changed.append(f"{i['module']}.{i['cls']}.{i['name']}")
         elif i["op"] == "new_module":
             changed.append(f"{i['module']} (new module)")
@@ -1515,8 +1624,23 @@ def check_pristine(collected: Mapping[str, Any], pristine_root: str) -> None:
                                   f"tree ({pristine}); reinstall sglang=={SERIES_VERSION} in the venv")
 
 
-def generate(python: Optional[str] = None, sglang_tree: Optional[str] = None) -> Dict[str, str]:
-    """Everything gen_patches writes: {path relative to REPO: content}."""
+_GENERATED: Dict[Tuple[Optional[str], Optional[str]], Dict[str, str]] = {}
+
+
+def generate(python: Optional[str] = None, sglang_tree: Optional[str] = None, *, reuse: bool = False
+             ) -> Dict[str, str]:
+    """Everything gen_patches writes: {path relative to REPO: content}.
+
+    reuse: return this process's earlier result for the same arguments (tests run --check
+    several times; one activation subprocess is enough)."""
+    if reuse and (python, sglang_tree) in _GENERATED:
+        return dict(_GENERATED[(python, sglang_tree)])
+    out = _generate(python, sglang_tree)
+    _GENERATED[(python, sglang_tree)] = dict(out)
+    return out
+
+
+def _generate(python: Optional[str], sglang_tree: Optional[str]) -> Dict[str, str]:
     from sglang_ext.registry import PATCHES
     from sglang_ext import wheels
 
@@ -1535,7 +1659,7 @@ def generate(python: Optional[str] = None, sglang_tree: Optional[str] = None) ->
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, *, reuse: bool = False) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when the committed series is stale")
     parser.add_argument("--sglang-tree", help="pristine sglang 0.5.17 tree (unpacked wheel or checkout); "
@@ -1548,7 +1672,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.collect:
         return _collect_main(args.collect)
     try:
-        generated = generate(args.python, args.sglang_tree)
+        generated = generate(args.python, args.sglang_tree, reuse=reuse)
     except GenerationError as exc:
         print(f"gen_patches: {exc}", file=sys.stderr)
         return 2

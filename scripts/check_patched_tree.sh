@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# CI for the fork patch series (issue 7):
+#   1. patches/ equals what scripts/gen_patches.py generates from the adapters now;
+#   2. it applies (git apply --check, then git apply) to a copy of the pristine sglang 0.5.17
+#      installed in the venv;
+#   3. the project's CPU suite passes against that patched copy with the plugin NOT active
+#      (EXT_TEST_TREE=patched: plugin-only tests skip, the rest must pass unchanged).
+#
+#   scripts/check_patched_tree.sh [--keep]     (VENV=.venv, SUITE=base-a-test-cpu)
+# --keep: leave the patched copy in place (its path is printed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PY="$VENV/bin/python"
+SUITE="${SUITE:-base-a-test-cpu}"
+keep=0
+[ "${1:-}" = "--keep" ] && keep=1
+
+echo "check_patched_tree: regenerate and compare (scripts/gen_patches.py --check)"
+"$PY" scripts/gen_patches.py --check
+
+# The pristine 0.5.17 the plugin patches at run time: the venv's installed package.
+site_pkg="$(env -u PYTHONPATH "$PY" -c 'import os, sglang; print(os.path.dirname(sglang.__file__))')"
+version="$(env -u PYTHONPATH "$PY" -c 'import importlib.metadata as m; print(m.version("sglang"))')"
+[ "${version%%+*}" = 0.5.17 ] || { echo "check_patched_tree: the venv has sglang $version, not 0.5.17" >&2; exit 1; }
+
+tree="$(mktemp -d "${TMPDIR:-/tmp}/sglang-0.5.17-patched.XXXXXX")"
+if [ "$keep" = 0 ]; then trap 'rm -rf "$tree"' EXIT; fi
+# -a keeps modification times, so the byte code cached beside unpatched files stays valid
+# (imports of sglang model modules cost 10-30 s each without it).
+cp -a "$site_pkg" "$tree/sglang"
+bash scripts/apply_patches.sh "$tree"
+
+under_test="$(cd /tmp && env -u SGLANG_EXT PYTHONPATH="$tree" "$PY" -c 'import sglang; print(sglang.__file__)')"
+echo "check_patched_tree: sglang under test: $under_test"
+case "$under_test" in
+  "$tree"/*) ;;
+  *) echo "check_patched_tree: PYTHONPATH=$tree does not select the patched tree" >&2; exit 1 ;;
+esac
+
+echo "check_patched_tree: suite $SUITE against the patched tree, plugin off"
+set +e
+env -u SGLANG_EXT PYTHONPATH="$tree" EXT_TEST_TREE=patched EXT_PATCHED_TREE="$tree" \
+  "$PY" scripts/run_suite.py --suite "$SUITE"
+status=$?
+set -e
+[ "$keep" = 1 ] && echo "check_patched_tree: patched tree kept at $tree"
+if [ "$status" != 0 ]; then
+  echo "check_patched_tree: FAILED: suite $SUITE on the patched tree exited with $status" >&2
+  exit "$status"
+fi
+echo "check_patched_tree: the patched tree passes suite $SUITE"
