@@ -118,7 +118,23 @@ def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, s
         knob = by_name[name]
         updates[knob.env] = env_text(knob, knob.parse(raw))
     load_settings({**base, **updates})
+    _check_plugin_whitelist(base)
     return updates
+
+
+PLUGIN_NAME = "sglang_ext"  # entry-point name in setup.py; what SGLANG_PLUGINS filters on
+
+
+def _check_plugin_whitelist(env: Mapping[str, str]) -> None:
+    # sglang's loader runs only whitelisted entry points when SGLANG_PLUGINS is set; without
+    # sglang_ext there, the srt scheduler processes would run unpatched.
+    raw = env.get("SGLANG_PLUGINS", "")
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    if names and PLUGIN_NAME not in names:
+        raise ExtConfigError(
+            f"SGLANG_PLUGINS={raw!r} leaves out {PLUGIN_NAME}, so sglang would not load it in its "
+            f"scheduler processes; allowed: unset/empty, or a list that includes {PLUGIN_NAME}"
+        )
 
 
 def ext_help(prog: str) -> str:

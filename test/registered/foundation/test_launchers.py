@@ -153,3 +153,18 @@ def test_real_handover_strips_ext_flags_before_sglang_parses(tmp_path, module, e
     assert len(records) == 1
     patches = json.loads(records[0].read_text())["patches"]
     assert {n: p["status"] for n, p in patches.items()} == {n: "disabled" for n in PATCH_NAMES}
+
+
+def test_sglang_plugin_whitelist_without_sglang_ext_is_rejected(clean_env, capsys):
+    clean_env["SGLANG_PLUGINS"] = "other_plugin"
+    assert launcher.main(["--model-path", "m"], "prog", Handover()) == 2
+    assert "SGLANG_PLUGINS='other_plugin' leaves out sglang_ext" in capsys.readouterr().err
+    clean_env["SGLANG_PLUGINS"] = f"other_plugin, {launcher.PLUGIN_NAME}"
+    assert launcher.main(["--model-path", "m", f"--ext-disable={ALL_PATCHES}"], "prog", Handover()) == 0
+
+
+def test_plugin_name_is_the_registered_entry_point():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert names.get(launcher.PLUGIN_NAME) == "sglang_ext.plugin:register"
