@@ -34,7 +34,8 @@ How:
   `fallback_no_cpu_layout`. Eager uses max_seqlen = token count, an upper bound;
   the triton vision kernel (kernels/ops/attention/prefill_attention.py) uses it only
   as a grid bound (programs past a sequence's length load nothing and store
-  nothing), so the output is exact. Chosen over refusing (would break callers that
+  nothing), so the output is exact (fa3 gets the same bound: correct, not claimed
+  bitwise equal). Chosen over refusing (would break callers that
   work on 0.5.17) and over syncing (the point of the fix).
 - Capacity: one `BoundedGraphCache` per runner (knobs vit_graph_max_entries,
   _max_bytes, _policy, _min_hits, read when the runner is first used). LRU eviction
@@ -42,7 +43,10 @@ How:
   into sglang's process-wide graph pool (`get_or_create_global_graph_memory_pool`),
   so graph memory stays flat however many layouts come and go. Graphs sharing a pool
   may overwrite each other's intermediates, which is safe here because each replay's
-  output is copied out before anything else runs on the stream (see ownership).
+  output is copied out before anything else runs on the stream (see ownership). It
+  assumes, as sglang does when its prefill and decode graphs share this pool, that
+  no graph whose static output outlives the next ViT replay is captured after a ViT
+  graph (sglang captures its LLM graphs at start-up).
 - Bytes per graph are the buffers a graph holds exclusively (input, attention
   workspace, output, rotary slice, cu_seqlens): computed from shapes, so every TP
   rank sees the same numbers and makes the same admission/eviction decisions.
@@ -59,6 +63,8 @@ How:
   the capture outcome is then agreed over the TP CPU group (one tiny gloo all-reduce
   per capture, never per replay) so a rank-local failure (e.g. OOM on one rank) makes
   every rank drop the graph: graph and eager all-reduces never mix across ranks.
+  (Untested residual risk: a capture raising half-way inside the custom all-reduce
+  capture context on one rank only leaves ranks with different registered buffers.)
 - Rotary sin/cos: each graph leases `[:seq_len]` slices from a `StableWorkspacePool`
   (per head_dim); growth allocates a new backing buffer, existing slices never move,
   a backing is freed once no live graph leases it. Upstream's
@@ -90,8 +96,9 @@ own sequence); many layouts still share a graph (e.g. the same images in another
 order, or images of different shapes with equal token totals). fa3 takes
 max_seqlen into its scheduling heuristics, so it is not claimed exact there.
 
-Deviation from upstream: a direct `_get_graph_key(x, cuda_cu_seqlens, ...)` call
-without a key raises instead of syncing; `create_graph` stores device copies of
+Deviation from upstream: keys are `GraphKey`s, not `(S, layout)` tuples; a direct
+`_get_graph_key(x, cuda_cu_seqlens, ...)` call without a key raises instead of syncing;
+`attention_layout_key` must be `(full cu_seqlens ints, window cu_seqlens ints or None)`; `create_graph` stores device copies of
 cu_seqlens owned by the graph (upstream keeps the caller's tensors by reference).
 
 Retire when: upstream bounds the ViT graph count with eviction, frees retired rotary
