@@ -517,6 +517,25 @@ def test_real_load_batch_replays_overflowing_layout_in_the_admitted_bucket(cp_pa
         assert torch.count_nonzero(static.input_embeds[logical:]) == 0
 
 
+def test_capacities_recorded_by_real_capture_prepare_drive_the_search(cp_patch):
+    """0.5.17's prepare(capture=True) records every bucket's local rows; the search uses exactly those."""
+    embedding = torch.nn.Embedding(VOCAB, HIDDEN)
+    runner = make_replay_runner(embedding)
+    runner.prefill_cp_bcg_input.bucket_local_tokens = {}
+    zigzag(4)
+    with get_parallel().override(attn_cp_rank=2, attn_cp_size=4), align8(), patch(
+        "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
+    ), torch.no_grad():
+        for bucket in reversed(runner.capture_num_tokens):  # capture order of 0.5.17
+            dummy = make_live_batch([bucket])  # capture_prepare's one-request dummy batch
+            runner.prefill_cp_bcg_input.prepare(runner, dummy, static_num_tokens=bucket, capture=True)
+        assert runner.prefill_cp_bcg_input.bucket_local_tokens == {2048: 512, 2304: 576, 2560: 640}
+        live = make_live_batch(OVERFLOW_LENS)
+        assert runner.can_run_graph(live)
+        assert live.prefill_cp_bucket_decision.bucket == 2304
+        assert live.prefill_cp_bucket_decision.capacity == 576
+
+
 @plugin_only
 def test_unpatched_load_batch_crashes_on_the_same_layout(cp_patch):
     """The bug this patch fixes: unpatched 0.5.17 pads to 2048 and prepare() refuses 520 > 512 rows."""
