@@ -657,3 +657,43 @@ def test_qwen3_vision_forward_passes_the_cpu_layout_key(vit_patch):
     assert full == (0, 24, 40, 56) and window is None  # per frame: 4*6, then 2 frames of 4*4
     assert kwargs["cu_seqlens"].dtype == torch.int32 and kwargs["cu_seqlens"].tolist() == list(full)
     assert kwargs["output_indices"] is None and kwargs["rotary_pos_emb_cos"] is not None
+
+
+class _NoCudaGraphs:
+    def __init__(self):
+        raise RuntimeError("no CUDA graphs on this machine (test)")
+
+
+def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails(vit_patch, monkeypatch):
+    """sglang's real tower on CPU (sdpa): every capture fails, each batch still gets eager's exact result."""
+    import sys
+
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    import qwen_vit_kit as kit
+    from sglang.srt import runtime_context
+    from sglang.srt.layers import linear
+
+    vit_patch()
+    monkeypatch.setenv("SGLANG_VIT_ENABLE_CUDA_GRAPH", "1")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _NoCudaGraphs)
+    monkeypatch.setattr(linear, "get_tp_group", lambda: SimpleNamespace(world_size=1))  # a world of one
+    kit.publish_runtime("sdpa")
+    try:
+        vit = kit.build_qwen2_5_tower(device="cpu", graphs=False)
+    finally:
+        runtime_context.reset_context()
+    kit.publish_runtime("sdpa")  # VisionAttention.forward reads the exec settings
+    try:
+        vit.cuda_graph_runner = ViTCudaGraphRunner(vit)  # 0.5.17 builds it only on CUDA
+        rng = random.Random(0)
+        for _ in range(3):
+            pixels, grid = kit.random_batch(rng, (4, 6, 8))
+            with torch.inference_mode():
+                fallback = vit.forward_with_cuda_graph(pixels, grid)
+                eager = vit.forward(pixels, grid)  # enable_cg is False: sglang's own eager path
+            assert torch.equal(fallback, eager), grid.tolist()
+    finally:
+        runtime_context.reset_context()
+    info = vit.cuda_graph_runner._ext_graph_info()
+    assert info["failures"] == 3 and info["fallback_capture_failed"] == 3 and info["resident_graphs"] == 0
+    assert vit.cuda_graph_runner._ext_rotary_leases == {} and vit.cuda_graph_runner.block_input == {}
