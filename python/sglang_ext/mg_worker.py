@@ -44,3 +44,13 @@ def _run_disagg_role_process(*args, **kwargs):
 
     original = getattr(launch_server, "_ext_orig__run_disagg_role_process", launch_server._run_disagg_role_process)
     return original(*args, **kwargs)
+
+
+def _run_http_server_process(*args, **kwargs):
+    """Target of the HTTP server child that `launch_server` spawns with `--webui` (it serves
+    request/response code such as the Pi0.5 action metadata)."""
+    _activate_in_worker()
+    from sglang.multimodal_gen.runtime import launch_server
+
+    original = getattr(launch_server, "_ext_orig__run_http_server_process", launch_server._run_http_server_process)
+    return original(*args, **kwargs)

@@ -4,14 +4,15 @@ Target symbol(s): `sglang.multimodal_gen.runtime.launch_server.run_scheduler_pro
     (module global, `from ...managers.gpu_worker import run_scheduler_process`, used as
     `mp.Process(target=...)` by `launch_server()` and called by `_run_disagg_role_process`)
     and `launch_server._run_disagg_role_process` (spawn target of `launch_pool_disagg_server`
-    and `launch_disagg_role`).
+    and `launch_disagg_role`), and `launch_server._run_http_server_process` (the HTTP server
+    child that `launch_server` spawns with `--webui`).
 sglang versions: 0.5.17 (fingerprint-gated); not needed from 0.5.21.
 Upstream PR: multimodal_gen plugin group `sglang.multimodal_gen.plugins`, first in 0.5.21
     (`runtime/managers/worker_bootstrap.py` loads plugins in every spawned worker).
 Why: 0.5.17 spawns the workers (`diffusion_generator` forces the spawn start method) and
     nothing under multimodal_gen calls `load_plugins()`, so Pi0.5 patches applied in the
     `sglang serve` process would not exist where the graphs run.
-How: rebind both launch_server globals to top-level functions of `sglang_ext.mg_worker`.
+How: rebind these launch_server globals to top-level functions of `sglang_ext.mg_worker`.
     A spawned target is pickled by reference, so the child imports sglang_ext, activates,
     then calls sglang's original entry. This deliberately uses `ctx.setattr` and not
     `ctx.transplant_function`: a transplanted function pickles as `launch_server.<name>` and
@@ -36,5 +37,7 @@ def patch_launch_server(ctx, module) -> None:
             f"(found {module.run_scheduler_process!r}); another patch owns the worker entry"
         )
     ctx.setattr(module, "_ext_orig__run_disagg_role_process", module._run_disagg_role_process)
+    ctx.setattr(module, "_ext_orig__run_http_server_process", module._run_http_server_process)
     ctx.setattr(module, "run_scheduler_process", mg_worker.run_scheduler_process)
     ctx.setattr(module, "_run_disagg_role_process", mg_worker._run_disagg_role_process)
+    ctx.setattr(module, "_run_http_server_process", mg_worker._run_http_server_process)

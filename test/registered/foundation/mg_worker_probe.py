@@ -60,6 +60,7 @@ def observe_child(first_read: str) -> dict:
     if launch_server is not None:
         report["launch_server.run_scheduler_process"] = _qualified(launch_server.run_scheduler_process)
         report["launch_server._run_disagg_role_process"] = _qualified(launch_server._run_disagg_role_process)
+        report["launch_server._run_http_server_process"] = _qualified(launch_server._run_http_server_process)
         wrappers = sys.modules.get("sglang_ext.mg_worker")
         report["worker_entry_is_sglang_ext_wrapper"] = (
             wrappers is not None and launch_server.run_scheduler_process is wrappers.run_scheduler_process

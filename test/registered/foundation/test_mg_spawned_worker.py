@@ -57,7 +57,7 @@ def _collect(proc, report_r):
 
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
-    """Start three spawned children at once (their sglang imports overlap), collect their reports."""
+    """Start four spawned children at once (their sglang imports overlap), collect their reports."""
     from sglang_ext import activation, mg_worker
     from sglang_ext.registry import PATCH_NAMES
 
@@ -79,7 +79,9 @@ def children(tmp_path_factory):
             "entry": launch_server.run_scheduler_process,
             "disagg_entry": launch_server._run_disagg_role_process,
             "entry_pickle": pickle.dumps(launch_server.run_scheduler_process),
-            "wrappers": (mg_worker.run_scheduler_process, mg_worker._run_disagg_role_process),
+            "http_entry": launch_server._run_http_server_process,
+            "wrappers": (mg_worker.run_scheduler_process, mg_worker._run_disagg_role_process,
+                         mg_worker._run_http_server_process),
         }
         ctx = multiprocessing.get_context("spawn")
         started = {
@@ -93,6 +95,11 @@ def children(tmp_path_factory):
                 ctx, launch_server._run_disagg_role_process,
                 lambda probe, w: (0, 0, 0, probe, w, [], []),
                 "sglang-denoiser-r0"),
+            # launch_server(--webui): the HTTP server child, _run_http_server_process(server_args)
+            "http": _start(
+                ctx, launch_server._run_http_server_process,
+                lambda probe, w: (probe,),
+                "sglang-diffusion-webui"),
             # Control: what launch_server spawns without the patch, same inherited SGLANG_EXT=1.
             "unpatched": _start(
                 ctx, gpu_worker.run_scheduler_process,
@@ -111,7 +118,7 @@ def children(tmp_path_factory):
 def test_parent_rebinds_worker_targets_to_picklable_sglang_ext_functions(children):
     parent, _, _ = children
     assert parent["status"] == "applied"
-    assert (parent["entry"], parent["disagg_entry"]) == parent["wrappers"]
+    assert (parent["entry"], parent["disagg_entry"], parent["http_entry"]) == parent["wrappers"]
     # Spawn pickles the target by reference: the child must import sglang_ext to resolve it.
     assert b"sglang_ext.mg_worker" in parent["entry_pickle"]
     assert parent["entry_after_rollback"] is parent["original"]
@@ -142,6 +149,20 @@ def test_pool_disagg_worker_activates_before_sglang_worker_entry(children):
     stack = child["stack"]
     # our disagg wrapper -> sglang's original _run_disagg_role_process -> (patched global) -> worker
     chain = [DISAGG_WRAPPER, SGLANG_DISAGG, WRAPPER, SGLANG_WORKER]
+    assert all(frame in stack for frame in chain), stack
+    assert [stack.index(f) for f in chain] == sorted(stack.index(f) for f in chain), stack
+
+
+def test_webui_http_server_child_activates_before_sglang_http_server(children):
+    _, reports, _ = children
+    child = reports["http"]
+    assert child["process_name"] == "sglang-diffusion-webui"
+    assert child["statuses"][PATCH] == "applied"
+    assert child["launch_server._run_http_server_process"] == "sglang_ext.mg_worker:_run_http_server_process"
+    stack = child["stack"]
+    chain = ["sglang_ext.mg_worker:_run_http_server_process",
+             "sglang.multimodal_gen.runtime.launch_server:_run_http_server_process",
+             "sglang.multimodal_gen.runtime.launch_server:launch_http_server_only"]
     assert all(frame in stack for frame in chain), stack
     assert [stack.index(f) for f in chain] == sorted(stack.index(f) for f in chain), stack
 
