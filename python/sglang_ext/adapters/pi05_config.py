@@ -47,9 +47,11 @@ How: the fields are added to the existing class in place, not by a subclass:
   0.5.17, because configs written for newer sglang releases carry keys 0.5.17
   does not know and must keep loading.
 
-Fork form (patches/): the four fields in the dataclass body and the methods;
-the `__init__` wrapper and `__dataclass_fields__` edits only exist because a
-live dataclass cannot gain fields otherwise.
+Fork form (patches/pi05-config.patch, generated): the same code, emitted after
+the class statement (`__dataclass_fields__` items, class defaults, the wrapped
+`__init__`), so the patched tree and the plugin behave identically, including
+for instances unpickled without the fields. A hand-written fork would instead
+declare the four fields in the dataclass body.
 
 Retire when: the minimum supported sglang is >= 0.5.19 (fields, validation and
 module upstream); the misspelled-key check has no upstream equivalent.

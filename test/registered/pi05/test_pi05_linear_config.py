@@ -529,6 +529,20 @@ def test_misspelled_graph_key_is_an_error(ext_patches, key, suggestion):
     assert config.prompt_token_buckets == []  # nothing was applied
 
 
+def test_misspelled_graph_key_in_a_pipeline_config_file_stops_loading(ext_patches, tmp_path):
+    import json
+
+    ext_patches()
+    path = tmp_path / "pi05_pipeline.json"
+    path.write_text(json.dumps({"action_horizon": 10, "action_cuda_graph_max_entires": 2}))
+    config = Pi05PipelineConfig()
+    with pytest.raises(ExtConfigError, match="did you mean 'action_cuda_graph_max_entries'"):
+        config.load_from_json(str(path))  # 0.5.17's loader -> update_pipeline_config
+    path.write_text(json.dumps({"action_horizon": 10, "action_cuda_graph_max_entries": 2}))
+    config.load_from_json(str(path))
+    assert (config.action_horizon, config.action_cuda_graph_max_entries) == (10, 2)
+
+
 def test_unrelated_unknown_keys_are_still_ignored_like_0_5_17(ext_patches):
     ext_patches()
     config = Pi05PipelineConfig()
