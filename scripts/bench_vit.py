@@ -116,8 +116,8 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int):
     return result
 
 
-def free(vit) -> None:
-    del vit
+def release_memory() -> None:
+    """After the caller dropped its tower: collect the runner's reference cycles, return graph memory."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -184,13 +184,15 @@ def main() -> None:
     vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
     results.append(run_mode("0.5.17", vit, requests[:unpatched_n], dtype=dtype, tol=tol,
                             sample_every=max(1, unpatched_n // 20)))
-    free(vit)
+    vit = None
+    release_memory()
     for mode in ("layout", "class"):
         activate_patch(args.capacity, mode)
         vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
         results.append(run_mode(f"ext-{mode} (cap {args.capacity})", vit, requests, dtype=dtype, tol=tol,
                                 sample_every=max(1, n // 20)))
-        free(vit)
+        vit = None
+        release_memory()
 
     report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": str(dtype),
                          "attention": "triton_attn", "requests": n, "capacity": args.capacity,
