@@ -25,7 +25,7 @@ from torch import nn
 try:
     from sglang.test.ci.ci_register import register_cpu_ci
 
-    register_cpu_ci(est_time=40, suite="base-a-test-cpu")
+    register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 except ImportError:  # pragma: no cover
     pass
 
