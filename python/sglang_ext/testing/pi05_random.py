@@ -136,12 +136,17 @@ def build_random_pi05(
     config_overrides: Optional[Dict[str, Any]] = None,
     attention_backend: str = "torch_sdpa",
     native_custom_ops: bool = True,
+    reduced: bool = False,
     log: Callable[[str], None] = print,
 ):
-    """Build sglang's Pi05PolicyModel at full size with random weights on `device`."""
+    """Build sglang's Pi05PolicyModel at full size with random weights on `device`.
+
+    `reduced=True` (CPU logic checks only): one transformer layer per tower and
+    small MLPs; widths stay (the projector fixes the prefix width at 2048).
+    """
     with _step("import sglang Pi0.5 modules"):
         from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
-        from sglang.multimodal_gen.runtime.models.vlas import pi05_policy
+        from sglang.multimodal_gen.runtime.models.vlas import pi05_core, pi05_policy
         from sglang.multimodal_gen.runtime.server_args import set_global_server_args
 
     with _step("publish multimodal_gen server args (attention backend)"):
@@ -162,6 +167,14 @@ def build_random_pi05(
         _random_fill(self.core_model, seed, std)
 
     policy_cls._load_weights = random_weights  # restored below
+    original_variants = pi05_core.get_gemma_variant_config
+    if reduced:
+        def reduced_variant(variant):
+            full = original_variants(variant)
+            return type(full)(width=full.width, depth=1, mlp_dim=256, num_heads=full.num_heads,
+                              num_kv_heads=full.num_kv_heads, head_dim=full.head_dim)
+
+        pi05_core.get_gemma_variant_config = reduced_variant
     try:
         with _step("construct Pi05PolicyModel (random weights)"), _published_srt_context():
             policy = policy_cls(
@@ -173,6 +186,7 @@ def build_random_pi05(
             )
     finally:
         policy_cls._load_weights = original_load
+        pi05_core.get_gemma_variant_config = original_variants
     if native_custom_ops:
         with _step("switch sglang custom ops to plain torch"):
             swapped = use_native_custom_ops(policy)
@@ -262,3 +276,28 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all()) and not math.isnan(float(t.float().abs().max()))
+
+
+def activate_sglang_ext(knob_values: Optional[Dict[str, Any]] = None, *, strict: bool = True):
+    """Switch sglang-ext on in this process (strict) with the given knobs; returns statuses.
+
+    On an unpacked sglang source tree (no installed distribution) the tree's
+    version is assumed, as `--ext-assume-sglang` would.
+    """
+    import os
+
+    from sglang_ext import activation
+    from sglang_ext.versions import installed_sglang_version, source_tree_version
+
+    os.environ["SGLANG_EXT"] = "1"
+    os.environ["SGLANG_EXT_STRICT"] = "1" if strict else "0"
+    for name, value in (knob_values or {}).items():
+        os.environ["SGLANG_EXT_" + name.upper()] = str(value)
+    if installed_sglang_version() is None and "SGLANG_EXT_ASSUME_SGLANG" not in os.environ:
+        import sglang
+
+        version = source_tree_version(os.path.dirname(os.path.dirname(sglang.__file__)))
+        if version:
+            os.environ["SGLANG_EXT_ASSUME_SGLANG"] = version
+    activation.deactivate()
+    return activation.activate(eager=True)
