@@ -19,6 +19,7 @@ from torch import nn
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
+from conftest import plugin_only
 from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
 from sglang_ext.errors import ExtConfigError
 
@@ -589,6 +590,20 @@ def test_config_pickles_with_graph_fields_and_old_pickles_get_defaults(ext_patch
     assert list(old.prompt_token_buckets) == []
     assert old.prefix_cuda_graph_max_entries == 1 and old.action_cuda_graph_max_entries == 4
     assert old.prefix_cuda_graph_available() and old.action_cuda_graph_available()
+
+
+@plugin_only
+def test_config_pickled_with_the_patch_loads_where_the_patch_is_not_active(ext_patches):
+    """A launcher with the patch and a spawned worker without it (or before it applies)."""
+    from sglang_ext import activation
+
+    ext_patches()
+    payload = pickle.dumps(Pi05PipelineConfig(prompt_token_buckets=[16], prefix_cuda_graph_max_entries=2))
+    activation.deactivate()
+    assert "prompt_token_buckets" not in Pi05PipelineConfig.__dataclass_fields__  # 0.5.17 class again
+    config = pickle.loads(payload)
+    assert type(config) is Pi05PipelineConfig
+    assert config.prompt_token_buckets == [16] and config.prefix_cuda_graph_max_entries == 2
 
 
 @pytest.mark.parametrize(
