@@ -7,10 +7,11 @@ What runs (4 ranks, torch.multiprocessing + NCCL, NVLink multicast off):
   CP-local rows while the 2048 bucket captured 512: every rank's patched
   `PrefillCudaGraphRunner.can_run_graph` admits it with the 2304 bucket, and all ranks
   agree (all_gather_object);
-- a CP-sharded toy layer (linear + GELU on the local zigzag rows, then an NCCL
-  all-gather across the CP group) captured as one CUDA graph per bucket with the local
-  capacity a one-request capture records; the live batch is replayed in the admitted
-  bucket's graph and the gathered, un-zigzagged output equals the eager full-sequence result.
+- a CP-sharded toy layer (linear + GELU on the local zigzag rows) captured as one CUDA
+  graph per bucket with the local capacity a one-request capture records; the live batch
+  is replayed in the admitted bucket's graph, the local rows are all-gathered over NCCL
+  between segments (where breakable CUDA graphs run their collectives), and the
+  un-zigzagged result equals the eager full-sequence result.
 
 Left out (needs a full sglang model runner with its binary kernels): a tiny real model
 with trtllm_mha prefill attention and breakable CUDA graphs, and its logits.
@@ -110,18 +111,16 @@ def _run_rank(rank, dist, out_dir):
 
         # capture: one graph per bucket, local capacity of a one-request dummy batch (as 0.5.17 records)
         graphs, static_in, static_out = {}, {}, {}
-        dist.all_gather_into_tensor(torch.empty(WORLD, device=device), torch.ones(1, device=device))  # NCCL warm-up
         for bucket in BUCKETS:
             meta = strategy.build_metadata(num_tokens=bucket, seqs_len=[bucket], extend_seqs_len=[bucket])
             pad_logical_token_to_physical(meta)
             rows = meta.per_rank_actual_token[0]
             cp_input.bucket_local_tokens[bucket] = rows
             static_in[bucket] = torch.zeros(rows, HIDDEN, device=device)
-            static_out[bucket] = torch.empty(WORLD * rows, HIDDEN, device=device)
+            static_out[bucket] = torch.empty(rows, HIDDEN, device=device)
 
             def body(b=bucket):
-                local = torch.nn.functional.gelu(static_in[b] @ weight)
-                dist.all_gather_into_tensor(static_out[b], local)
+                static_out[b].copy_(torch.nn.functional.gelu(static_in[b] @ weight))
 
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -174,10 +173,12 @@ def _run_rank(rank, dist, out_dir):
         static_in[bucket].zero_()
         static_in[bucket][: local.shape[0]].copy_(local)
         graphs[bucket].replay()
-        torch.cuda.synchronize()
-
+        # the CP gather runs between captured segments, as breakable CUDA graphs run collectives
         capacity = cp_input.bucket_local_tokens[bucket]
-        gathered = static_out[bucket].view(WORLD, capacity, HIDDEN)
+        gathered = torch.empty(WORLD * capacity, HIDDEN, device=device)
+        dist.all_gather_into_tensor(gathered, static_out[bucket])
+        torch.cuda.synchronize()
+        gathered = gathered.view(WORLD, capacity, HIDDEN)
         y_graph = torch.empty(sum(LIVE_LENS), HIDDEN, device=device)
         for r, positions in enumerate(_zigzag_positions(metas, sum(LIVE_LENS))):
             y_graph[positions.to(device)] = gathered[r, : len(positions)]

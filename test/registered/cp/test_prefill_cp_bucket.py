@@ -424,11 +424,10 @@ class _Slot:
 class PaddingRegistry:
     """CPU stand-in for the runner's static buffer registry: copies live rows, zero-pads to the bucket."""
 
-    def __init__(self, max_tokens):
+    def __init__(self, max_tokens, device="cpu"):
         self.slots = {
-            "input_ids": _Slot(torch.zeros(max_tokens, dtype=torch.int64)),
-            "positions": _Slot(torch.zeros(max_tokens, dtype=torch.int64)),
-            "out_cache_loc": _Slot(torch.zeros(max_tokens, dtype=torch.int64)),
+            name: _Slot(torch.zeros(max_tokens, dtype=torch.int64, device=device))
+            for name in ("input_ids", "positions", "out_cache_loc")
         }
         self.padded_num_tokens = None
 
@@ -445,16 +444,16 @@ class PaddingRegistry:
             slot.tensor[raw_num_tokens:padded_num_tokens].zero_()
 
 
-def make_replay_runner(embedding):
-    """Minimal runner whose real 0.5.17 load_batch runs through PrefillCPBCGInput.prepare on CPU."""
+def make_replay_runner(embedding, device="cpu"):
+    """Minimal runner whose real 0.5.17 load_batch runs through PrefillCPBCGInput.prepare."""
     buckets = (2048, 2304, 2560)
     runner = make_runner(buckets, {2048: 512, 2304: 576, 2560: 640})
     runner.prefill_cp_bcg_input = PrefillCPBCGInput(
-        input_embeds=torch.zeros(buckets[-1], HIDDEN),
-        positions=torch.zeros(buckets[-1], dtype=torch.int64),
+        input_embeds=torch.zeros(buckets[-1], HIDDEN, device=device),
+        positions=torch.zeros(buckets[-1], dtype=torch.int64, device=device),
         bucket_local_tokens={2048: 512, 2304: 576, 2560: 640},  # one-request captures, align 8
     )
-    runner.buffer_registry = PaddingRegistry(buckets[-1])
+    runner.buffer_registry = PaddingRegistry(buckets[-1], device)
     runner.backend = object()  # not breakable: no MHA-state restore
     runner.capture_return_pooled_hidden_states = False
     runner._prefill_static_buffers = None
@@ -468,18 +467,18 @@ def make_replay_runner(embedding):
     return runner
 
 
-def make_live_batch(extend_seq_lens):
+def make_live_batch(extend_seq_lens, device="cpu", generator=None):
     n = sum(extend_seq_lens)
-    positions = torch.cat([torch.arange(length) for length in extend_seq_lens])
+    positions = torch.cat([torch.arange(length) for length in extend_seq_lens]).to(device)
     return _Batch(
         batch_size=len(extend_seq_lens),
         forward_mode=ForwardMode.EXTEND,
         global_forward_mode=ForwardMode.EXTEND,
         capture_hidden_mode=CaptureHiddenMode.NULL,
         return_logprob=False,
-        input_ids=torch.randint(0, VOCAB, (n,)),
+        input_ids=torch.randint(0, VOCAB, (n,), generator=generator).to(device),
         positions=positions,
-        out_cache_loc=torch.arange(n),
+        out_cache_loc=torch.arange(n, device=device),
         seq_lens_cpu=list(extend_seq_lens),
         extend_seq_lens_cpu=list(extend_seq_lens),
         extend_prefix_lens_cpu=[0] * len(extend_seq_lens),
@@ -553,3 +552,93 @@ def test_unpatched_load_batch_crashes_on_the_same_layout(cp_patch):
         with pytest.raises(RuntimeError, match="needs 520 local CP rows, but global prefill bucket 2048"):
             runner.load_batch(live)  # ... and killed at replay
     assert runner.buffer_registry.padded_num_tokens == 2048
+
+
+# --------------------------------------------------------------------------- replay in the admitted bucket == eager
+# (the same rank loop with real CUDA graphs: test_prefill_cp_graph_1gpu.py)
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: replay() reruns the captured body on the same buffers."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def replay(self):
+        self.body()
+
+
+def capture_fake_graph(local_input, weight):
+    out = torch.empty(local_input.shape[0], weight.shape[1], device=local_input.device)
+
+    def body():
+        out.copy_(torch.nn.functional.gelu(local_input @ weight))
+
+    body()  # "capture" runs the body once on the dummy rows, as warm-up + capture would
+    return FakeGraph(body), out
+
+
+def replay_all_ranks(device, capture):
+    """Capture per bucket and replay the overflow batch on each of 4 CP ranks in turn; check == eager.
+
+    `capture(local_input, weight) -> (graph, output)` makes a graph of the CP-local toy body
+    (CUDA graph on a GPU, `FakeGraph` on CPU). Returns the bucket each rank replayed.
+    """
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(VOCAB, HIDDEN).to(device)
+    weight = torch.randn(HIDDEN, HIDDEN, device=device) / HIDDEN**0.5
+    live_ids_seed = torch.Generator().manual_seed(1)  # the same live batch on every rank
+    live_ids = make_live_batch(OVERFLOW_LENS, generator=live_ids_seed).input_ids
+    zigzag(4)
+
+    decisions, rank_rows, rank_outputs, replayed = [], [], [], []
+    with align8(), patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN), \
+            torch.no_grad():
+        for rank in range(4):
+            with get_parallel().override(attn_cp_rank=rank, attn_cp_size=4):
+                runner = make_replay_runner(embedding, device)
+                cp_input = runner.prefill_cp_bcg_input
+                cp_input.bucket_local_tokens = {}
+                graphs, outputs = {}, {}
+                for bucket in reversed(runner.capture_num_tokens):  # 0.5.17's capture order
+                    dummy = make_live_batch([bucket], device)
+                    cp_input.prepare(runner, dummy, static_num_tokens=bucket, capture=True)
+                    rows = cp_input.bucket_local_tokens[bucket]
+                    graphs[bucket], outputs[bucket] = capture(cp_input.input_embeds[:rows], weight)
+                assert cp_input.bucket_local_tokens == {2048: 512, 2304: 576, 2560: 640}
+
+                live = make_live_batch(OVERFLOW_LENS, device)
+                live.input_ids = live_ids.to(device)
+                assert runner.can_run_graph(live)
+                decision = live.prefill_cp_bucket_decision
+                decisions.append((decision.bucket, decision.required))
+                static = runner.load_batch(live)  # real 0.5.17 body; prepare() fills the fixed buffer
+                graphs[decision.bucket].replay()
+                replayed.append(decision.bucket)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+
+                metadata = static.attn_cp_metadata
+                logical = metadata.per_rank_logical_token[rank]
+                rank_outputs.append(outputs[decision.bucket][:logical].clone())
+                rank_rows.append(_zigzag_rows(len(live_ids), metadata))
+
+        assert decisions == [(2304, 520)] * 4
+        y_graph = torch.empty(len(live_ids), HIDDEN, device=device)
+        for rows, out in zip(rank_rows, rank_outputs):
+            assert len(rows) == out.shape[0]
+            y_graph[rows.to(device)] = out
+        assert sorted(torch.cat(rank_rows).tolist()) == list(range(len(live_ids)))
+        y_eager = torch.nn.functional.gelu(embedding(live_ids.to(device)) @ weight)
+        torch.testing.assert_close(y_graph, y_eager, rtol=1e-4, atol=1e-4)
+    return replayed
+
+
+def _zigzag_rows(total, metadata):
+    """Sequence index of every logical local row of one rank, in its zigzag order."""
+    blocks = torch.split(torch.arange(total), metadata.split_list)
+    return torch.cat([blocks[i] for i in metadata.zigzag_index])
+
+
+def test_replay_in_admitted_bucket_equals_eager_on_every_rank(cp_patch):
+    assert replay_all_ranks(torch.device("cpu"), capture_fake_graph) == [2304] * 4
