@@ -12,12 +12,14 @@ Upstream PR: multimodal_gen plugin group `sglang.multimodal_gen.plugins`, first 
 Why: 0.5.17 spawns the workers (`diffusion_generator` forces the spawn start method) and
     nothing under multimodal_gen calls `load_plugins()`, so Pi0.5 patches applied in the
     `sglang serve` process would not exist where the graphs run.
-How: rebind these launch_server globals to top-level functions of `sglang_ext.mg_worker`.
-    A spawned target is pickled by reference, so the child imports sglang_ext, activates,
-    then calls sglang's original entry. This deliberately uses `ctx.setattr` and not
-    `ctx.transplant_function`: a transplanted function pickles as `launch_server.<name>` and
-    the child would resolve that to the unpatched original. Plugin-only: a patched fork tree
-    needs no activation in workers, so the fork patch series skips this patch.
+How: rebind these launch_server globals to `sglang_ext.mg_worker.ENTRIES` objects that pickle
+    as a call of the top-level `sglang_ext.mg_worker.worker_entry(name)`: the spawned child
+    imports sglang_ext and activates while unpickling the target, before the arguments import
+    sglang.multimodal_gen, then calls sglang's original entry. This deliberately uses
+    `ctx.setattr` and not `ctx.transplant_function`: a transplanted function pickles as
+    `launch_server.<name>` and the child would resolve that to the unpatched original.
+    Plugin-only: a patched fork tree needs no activation in workers, so the fork patch series
+    skips this patch.
 Retire when: the minimum supported sglang is >= 0.5.21 (entry point registered under
     `sglang.multimodal_gen.plugins` in setup.py).
 """
@@ -38,6 +40,5 @@ def patch_launch_server(ctx, module) -> None:
         )
     ctx.setattr(module, "_ext_orig__run_disagg_role_process", module._run_disagg_role_process)
     ctx.setattr(module, "_ext_orig__run_http_server_process", module._run_http_server_process)
-    ctx.setattr(module, "run_scheduler_process", mg_worker.run_scheduler_process)
-    ctx.setattr(module, "_run_disagg_role_process", mg_worker._run_disagg_role_process)
-    ctx.setattr(module, "_run_http_server_process", mg_worker._run_http_server_process)
+    for name, entry in mg_worker.ENTRIES.items():
+        ctx.setattr(module, name, entry)

@@ -19,8 +19,12 @@ _PASSTHROUGH = {"master_port": 29999}
 
 
 class WorkerProbe:
-    def __init__(self, conn) -> None:
+    """`payload`: any picklable sglang object; unpickling it in the child imports sglang modules
+    the way unpickling a real `ServerArgs` does."""
+
+    def __init__(self, conn, payload=None) -> None:
         self._conn = conn
+        self._payload = payload
 
     def __getattr__(self, name):
         if name.startswith("_"):  # pickle protocol and our own fields
@@ -63,6 +67,10 @@ def observe_child(first_read: str) -> dict:
         report["launch_server._run_http_server_process"] = _qualified(launch_server._run_http_server_process)
         wrappers = sys.modules.get("sglang_ext.mg_worker")
         report["worker_entry_is_sglang_ext_wrapper"] = (
-            wrappers is not None and launch_server.run_scheduler_process is wrappers.run_scheduler_process
+            wrappers is not None and launch_server.run_scheduler_process is wrappers.ENTRIES["run_scheduler_process"]
         )
+    # sys.modules keeps insertion order: a module enters it when its import starts.
+    order = list(sys.modules)
+    report["import_position"] = {name: order.index(name) for name in ("sglang_ext.activation", "sglang.multimodal_gen")
+                                 if name in sys.modules}
     return report

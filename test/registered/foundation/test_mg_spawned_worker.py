@@ -34,9 +34,12 @@ REPORT_TIMEOUT_S = 240
 
 
 def _start(ctx, target, make_args, name):
+    from sglang.multimodal_gen.runtime.disaggregation.roles import RoleType
+
     report_r, report_w = ctx.Pipe(duplex=False)
     _, scheduler_w = ctx.Pipe(duplex=False)  # the pipe_writer sglang passes; never written here
-    proc = ctx.Process(target=target, args=make_args(WorkerProbe(report_w), scheduler_w), name=name, daemon=True)
+    probe = WorkerProbe(report_w, payload=RoleType.MONOLITHIC)
+    proc = ctx.Process(target=target, args=make_args(probe, scheduler_w), name=name, daemon=True)
     proc.start()
     report_w.close()
     return proc, report_r
@@ -80,8 +83,8 @@ def children(tmp_path_factory):
             "disagg_entry": launch_server._run_disagg_role_process,
             "entry_pickle": pickle.dumps(launch_server.run_scheduler_process),
             "http_entry": launch_server._run_http_server_process,
-            "wrappers": (mg_worker.run_scheduler_process, mg_worker._run_disagg_role_process,
-                         mg_worker._run_http_server_process),
+            "wrappers": tuple(mg_worker.ENTRIES[n] for n in (
+                "run_scheduler_process", "_run_disagg_role_process", "_run_http_server_process")),
         }
         ctx = multiprocessing.get_context("spawn")
         started = {
@@ -119,8 +122,8 @@ def test_parent_rebinds_worker_targets_to_picklable_sglang_ext_functions(childre
     parent, _, _ = children
     assert parent["status"] == "applied"
     assert (parent["entry"], parent["disagg_entry"], parent["http_entry"]) == parent["wrappers"]
-    # Spawn pickles the target by reference: the child must import sglang_ext to resolve it.
-    assert b"sglang_ext.mg_worker" in parent["entry_pickle"]
+    # The target pickles as a call of sglang_ext.mg_worker.worker_entry: the child imports sglang_ext.
+    assert b"sglang_ext.mg_worker" in parent["entry_pickle"] and b"worker_entry" in parent["entry_pickle"]
     assert parent["entry_after_rollback"] is parent["original"]
 
 
@@ -139,6 +142,9 @@ def test_monolithic_worker_activates_before_sglang_worker_entry(children):
     assert WRAPPER in stack and SGLANG_WORKER in stack
     assert stack.index(WRAPPER) < stack.index(SGLANG_WORKER), stack
     assert child["first_read"] == "log_level"  # sglang's configure_logger(server_args)
+    # activated while unpickling the target, before the arguments imported sglang.multimodal_gen
+    position = child["import_position"]
+    assert position["sglang_ext.activation"] < position["sglang.multimodal_gen"], position
 
 
 def test_pool_disagg_worker_activates_before_sglang_worker_entry(children):
@@ -172,6 +178,7 @@ def test_unpatched_worker_target_gets_no_activation_on_0_5_17(children):
     _, reports, _ = children
     child = reports["unpatched"]
     assert child["statuses"] == {}
+    assert "sglang_ext.activation" not in child["import_position"]
     assert child["worker_entry_is_sglang_ext_wrapper"] is False
     assert child["launch_server.run_scheduler_process"] == SGLANG_WORKER
     assert WRAPPER not in child["stack"]
