@@ -1191,9 +1191,8 @@ class SeriesRenderer:
                     if m.group(1) == "from":
                         self.ext_modules.add(m.group(2) + "." + stmt.split(" import ")[1].split(" as ")[0])
                 stmts.append(rewrite_imports(stmt + "\n", rel, self.package))
-        if stmts:  # `import x` lines first, then `from x import y`, each sorted
-            ordered = sorted(set(stmts), key=lambda line: (line.startswith("from "), line))
-            edit.insert_after(_import_block_end(tree), "".join(ordered))
+        if stmts:
+            edit.insert_after(_import_block_end(tree), _import_lines(stmts))
         # 2. class members
         by_class: Dict[str, List[Dict[str, Any]]] = {}
         for item in items:
@@ -1305,6 +1304,24 @@ class SeriesRenderer:
                 if _normalized_dump(emitted) != _normalized_dump(src_node):
                     raise GenerationError(f"{rel}: emitted {item['name']} differs from {item['src_file']} "
                                           "(generator bug)")
+
+
+def _import_lines(stmts: Iterable[str]) -> str:
+    """`import x` lines first, then one `from m import a, b` per module; sorted."""
+    plain, names = set(), {}
+    for stmt in stmts:
+        m = re.fullmatch(r"from ([\w.]+) import (\w+(?: as \w+)?)\n?", stmt)
+        if m:
+            names.setdefault(m.group(1), set()).add(m.group(2))
+        else:
+            plain.add(stmt.rstrip("\n") + "\n")
+    out = sorted(plain)
+    for module in sorted(names):
+        line = f"from {module} import {', '.join(sorted(names[module]))}\n"
+        if len(line) > 100:
+            line = f"from {module} import (\n" + "".join(f"    {n},\n" for n in sorted(names[module])) + ")\n"
+        out.append(line)
+    return "".join(out)
 
 
 def _identifiers(node: ast.AST) -> Set[str]:

@@ -213,12 +213,13 @@ def test_series_applies_to_a_pristine_0_5_17_tree(tmp_path, layout):
     changed = 0
     for rel in _touched_files():
         text = (base / rel).read_text()
-        ast.parse(text, filename=rel)
+        imported = {n.module for n in ast.walk(ast.parse(text, filename=rel)) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Import) for a in n.names}
+        assert not [m for m in imported if m and m.split(".")[0] == "sglang_ext"], f"{rel} imports sglang_ext"
         src = os.path.join(pristine, rel)
         changed += not os.path.exists(src) or text != open(src).read()
     assert changed == len(_touched_files())
     assert (base / "sglang" / "ext" / "__init__.py").exists()
-    assert "from sglang_ext" not in "".join((base / rel).read_text() for rel in _touched_files())
 
     again = _apply(str(tree))  # a patched tree does not take the series twice
     assert again.returncode != 0
@@ -407,3 +408,14 @@ def test_patched_tree_is_the_sglang_under_test():
     from sglang_ext import activation
 
     assert activation.statuses() == {}, "the plugin must not be active on the patched tree"
+
+
+@pytest.mark.skipif(shutil.which("quilt") is None, reason="quilt is not installed")
+def test_quilt_push_applies_the_series_to_a_checkout(tmp_path):
+    tree = tmp_path / "checkout"
+    _pristine_subset(str(tree), "python")
+    done = subprocess.run(["quilt", "push", "-a"], cwd=tree, capture_output=True, text=True,
+                          env={**os.environ, "QUILT_PATCHES": gp.PATCH_DIR})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"Now at patch {os.path.join(gp.PATCH_DIR, _series_files()[-1])}" in done.stdout
+    assert (tree / "python" / "sglang" / "ext" / "__init__.py").exists()
