@@ -20,6 +20,18 @@ plugin_only = pytest.mark.skipif(
 )
 
 
+def ext_core(name: str):
+    """The sglang-ext core module `name` (e.g. "graphs.stats") that the sglang under test uses.
+
+    Plugin: `sglang_ext.<name>`. Patched tree: the copy the fork series vendors as
+    `sglang.ext.<name>`, a different module object (its stats registry, its classes); tests
+    that read state of patched sglang objects through the core must use this.
+    """
+    import importlib
+
+    return importlib.import_module(("sglang.ext." if PATCHED_TREE else "sglang_ext.") + name)
+
+
 @pytest.fixture
 def ext_patches(monkeypatch):
     """Call `ext_patches(**knobs)` to switch sglang-ext on (strict) with the given knob values.
