@@ -42,8 +42,16 @@ How:
   fit, rejected for an unknown layout, padding rows added over the smallest
   bucket, total padding rows) are registered with `sglang_ext.graphs.stats`.
 
-Deviation from upstream: a `load_batch` under CP BCG that was not admitted by
-`can_run_graph` on the same forward batch raises (upstream recomputes).
+Deviations from upstream:
+- a `load_batch` under CP BCG that was not admitted by `can_run_graph` on the same
+  forward batch raises (upstream recomputes the bucket there), so upstream's
+  `test_load_batch_uses_selected_larger_bucket`, which calls load_batch directly,
+  needs a `can_run_graph` call first;
+- `replay_bucket_decision` (the full `BucketDecision`) is ours; upstream's three
+  methods return what upstream's return;
+- the search bisects `capture_num_tokens` (ascending, as 0.5.17's `_pad_to_bucket`
+  already requires) and `select_bucket` rejects invalid input with ValueError
+  where upstream's loop would silently return a wrong or no bucket.
 
 Retire when: upstream stores the admitted bucket with the batch instead of
 recomputing it at replay (still recomputed in 0.5.23) and the minimum supported
