@@ -389,7 +389,11 @@ def _run_id_reuse_scenario(prefix_cache, runner, captured_cls):
         static_timestep=torch.empty(1),
         static_output=torch.empty(1, 2, 4),
     )
+    # Neighbours of the same type keep A's allocator pool in use after A is freed,
+    # so the freed block is handed out again rather than the pool being recycled.
+    ballast = [prefix_cache.VLADensePrefixCache(()) for _ in range(64)]
     request_a = _context(prefix_cache, 1.0)
+    ballast += [prefix_cache.VLADensePrefixCache(()) for _ in range(64)]
     runner._sync_context_if_needed(captured, request_a)
     assert static_context.past_key_values[0][0].eq(1.0).all()
     freed_id = id(request_a.past_key_values)
@@ -402,7 +406,7 @@ def _run_id_reuse_scenario(prefix_cache, runner, captured_cls):
         del request_a  # reference counting frees A's context and K/V container now
         assert freed() is None
         candidates = []
-        for _ in range(10_000):  # CPython's allocator hands the freed block out again
+        for _ in range(200_000):  # CPython's allocator hands the freed block out again
             kv = prefix_cache.VLADensePrefixCache(layers_b)
             if id(kv) == freed_id:
                 break
