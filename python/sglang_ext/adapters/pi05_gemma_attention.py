@@ -24,12 +24,22 @@ from __future__ import annotations
 from sglang_ext.adapters.pi05_merged_linear import MergedReplicatedLinear
 
 
-def __init__(self, config, layer_idx: int, *, tensor_parallel: bool = False):
-    nn.Module.__init__(self)
+def __init__(
+    self,
+    config: GemmaConfig,
+    layer_idx: int,
+    *,
+    tensor_parallel: bool = False,
+):
+    nn.Module.__init__(self)  # module-level def: no zero-argument super()
     self.config = config
     self.layer_idx = layer_idx
     self.tensor_parallel = tensor_parallel
-    self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    self.head_dim = getattr(
+        config,
+        "head_dim",
+        config.hidden_size // config.num_attention_heads,
+    )
     self.scaling = self.head_dim**-0.5
     self.attention_dropout = config.attention_dropout
     self.is_causal = not getattr(config, "use_bidirectional_attention", False)
@@ -63,7 +73,11 @@ def __init__(self, config, layer_idx: int, *, tensor_parallel: bool = False):
             output_sizes=[self.q_size, self.kv_size, self.kv_size],
             bias=config.attention_bias,
         )
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+        )
     self.q_proj = None
     self.k_proj = None
     self.v_proj = None
@@ -96,21 +110,29 @@ def __init__(self, config, layer_idx: int, *, tensor_parallel: bool = False):
             },
             allow_cudnn_sdp=True,
         )
-        if _use_ulysses_action_attention(config.num_attention_heads) and not tensor_parallel
+        if _use_ulysses_action_attention(config.num_attention_heads)
+        and not tensor_parallel
         else None
     )
 
 
-def projection_dtype(self):
+def projection_dtype(self) -> torch.dtype:
     return self.qkv_proj.weight.dtype
 
 
-def project_qkv(self, hidden_states):
+def project_qkv(
+    self,
+    hidden_states: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     input_shape = hidden_states.shape[:-1]
     query_shape = (*input_shape, self.num_heads, self.head_dim)
     kv_shape = (*input_shape, self.num_key_value_heads, self.head_dim)
+
     qkv = linear_forward(self.qkv_proj, hidden_states)
-    query_states, key_states, value_states = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    query_states, key_states, value_states = qkv.split(
+        [self.q_size, self.kv_size, self.kv_size],
+        dim=-1,
+    )
     return (
         query_states.view(query_shape).transpose(1, 2),
         key_states.view(kv_shape).transpose(1, 2),

@@ -23,8 +23,8 @@ from __future__ import annotations
 from sglang_ext.adapters.pi05_merged_linear import MergedReplicatedLinear
 
 
-def __init__(self, config, *, tensor_parallel: bool = False):
-    nn.Module.__init__(self)
+def __init__(self, config: GemmaConfig, *, tensor_parallel: bool = False):
+    nn.Module.__init__(self)  # module-level def: no zero-argument super()
     self.hidden_size = config.hidden_size
     self.intermediate_size = config.intermediate_size
     self.tensor_parallel = tensor_parallel
@@ -45,7 +45,9 @@ def __init__(self, config, *, tensor_parallel: bool = False):
             output_sizes=[self.intermediate_size] * 2,
             bias=False,
         )
-        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.down_proj = nn.Linear(
+            self.intermediate_size, self.hidden_size, bias=False
+        )
     self.gate_proj = None
     self.up_proj = None
     if config.hidden_act != "gelu_pytorch_tanh":
@@ -53,11 +55,11 @@ def __init__(self, config, *, tensor_parallel: bool = False):
     self.act_fn = GeluAndMul(approximate="tanh")
 
 
-def projection_dtype(self):
+def projection_dtype(self) -> torch.dtype:
     return self.gate_up_proj.weight.dtype
 
 
-def forward(self, x):
+def forward(self, x: torch.Tensor) -> torch.Tensor:
     gate_up = linear_forward(self.gate_up_proj, x)
     return linear_forward(self.down_proj, self.act_fn(gate_up))
 
