@@ -1666,6 +1666,12 @@ def _generate(python: Optional[str], sglang_tree: Optional[str]) -> Dict[str, st
         root = os.path.join(root, "python")  # an sglang checkout
     if not os.path.isdir(os.path.join(root, "sglang")):
         raise GenerationError(f"{root} holds no sglang/ package")
+    from sglang_ext.versions import source_tree_version
+
+    tree_version = source_tree_version(root)
+    if tree_version is not None and tree_version.split("+")[0] != SERIES_VERSION:
+        raise GenerationError(f"{root} is sglang {tree_version}; the series is generated against a pristine "
+                              f"sglang {SERIES_VERSION} tree")
     collected = run_collection(python or default_python())
     if collected.get("errors"):
         raise GenerationError("cannot generate the series faithfully:\n  " + "\n  ".join(collected["errors"]))
