@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 _MISSING = object()
 
@@ -46,6 +46,8 @@ class PatchContext:
     patch_name: str
     settings: Any
     swaps: List[AttrSwap] = field(default_factory=list)
+    # module globals another patch added that this patch's code also uses (see _provide_globals)
+    shared_globals: List[Tuple[ModuleType, str]] = field(default_factory=list)
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
         original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
@@ -68,6 +70,9 @@ class PatchContext:
         return out
 
     def rollback(self) -> None:
+        for module, name in self.shared_globals:
+            _release_global(self, module, name)
+        self.shared_globals.clear()
         for s in reversed(self.swaps):
             if isinstance(s.owner, _ItemOwner):
                 if s.original is _MISSING:
@@ -75,6 +80,8 @@ class PatchContext:
                 else:
                     s.owner.mapping[s.name] = s.original
             elif s.original is _MISSING:
+                if isinstance(s.owner, ModuleType) and not _release_global(self, s.owner, s.name):
+                    continue  # another applied patch still uses this added global: it removes it
                 try:
                     delattr(s.owner, s.name)
                 except AttributeError:
@@ -93,6 +100,29 @@ class _ItemOwner:
 
     def __repr__(self) -> str:  # for describe()
         return f"<dict {type(self.mapping).__name__}>"
+
+
+# Module globals added by _provide_globals, with every context whose code uses them. Two patches
+# transplanting into one module may both need e.g. `BoundedGraphCache`: the first adds it, the
+# second shares it, and rolling the first back must not pull it from under the second.
+_added_globals: Dict[Tuple[int, str], Tuple[ModuleType, List["PatchContext"]]] = {}
+
+
+def _release_global(ctx: "PatchContext", module: ModuleType, name: str) -> bool:
+    """Drop ctx's use of an added global; True if nobody uses it any more (caller removes it)."""
+    entry = _added_globals.get((id(module), name))
+    if entry is None:
+        return True
+    users = entry[1]
+    if ctx in users:
+        users.remove(ctx)
+    if users:
+        return False
+    del _added_globals[(id(module), name)]
+    if not any(s.owner is module and s.name == name for s in ctx.swaps):
+        # the patch that added it was rolled back earlier and left it for ctx: remove it now
+        module.__dict__.pop(name, None)
+    return True
 
 
 def _live_attr(owner: Any, name: str) -> Any:
@@ -250,16 +280,35 @@ def _provide_globals(ctx: "PatchContext", fn: _types.FunctionType, module: Modul
     """Copy into `module` every adapter global `fn` uses that `module` lacks (recursively)."""
     adapter_globals = fn.__globals__
     for name in sorted(_code_names(fn.__code__)):
-        if name in seen or name in module.__dict__ or hasattr(_builtins, name):
+        if name in seen or hasattr(_builtins, name) and name not in module.__dict__:
             continue
         if name not in adapter_globals:
             continue  # an attribute name (LOAD_ATTR shares co_names), not a global
+        if name in module.__dict__:
+            _share_added_global(ctx, module, name, adapter_globals[name])
+            continue
         seen.add(name)
         value = adapter_globals[name]
         if isinstance(value, _types.FunctionType) and value.__module__ == fn.__module__:
             _provide_globals(ctx, value, module, seen)
             value = _transplanted(value, module)
         ctx.setattr(module, name, value)
+        _added_globals[(id(module), name)] = (module, [ctx])
+
+
+def _share_added_global(ctx: "PatchContext", module: ModuleType, name: str, wanted: Any) -> None:
+    """`module` already has `name`. If another patch added it, use it only if it is the same object."""
+    entry = _added_globals.get((id(module), name))
+    if entry is None or ctx in entry[1]:
+        return  # sglang's own global (the code resolves to it, as pasted code would), or ours already
+    existing = module.__dict__[name]
+    if existing is not wanted and getattr(existing, "__sglang_ext_source__", None) is not wanted:
+        others = ", ".join(c.patch_name for c in entry[1])
+        raise ValueError(
+            f"{module.__name__}.{name}: patch {others} added a different object under this name than "
+            f"patch {ctx.patch_name} needs; rename one of them (prefix private helpers with _ext_<patch>_)")
+    entry[1].append(ctx)
+    ctx.shared_globals.append((module, name))
 
 
 def _transplant_method(self: PatchContext, cls: type, fn: _types.FunctionType, *, name: Optional[str] = None,
@@ -283,7 +332,11 @@ def _transplant_function(self: PatchContext, module: ModuleType, obj: Any, *, na
     if isinstance(obj, _types.FunctionType):
         _provide_globals(self, obj, module, {obj.__name__})
         obj = _transplanted(obj, module)
-    self.setattr(module, name or obj.__name__, obj)
+    name = name or obj.__name__
+    added = name not in module.__dict__
+    self.setattr(module, name, obj)
+    if added:
+        _added_globals[(id(module), name)] = (module, [self])
     return obj
 
 
