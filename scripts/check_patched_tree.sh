@@ -10,7 +10,7 @@
 # --keep: leave the patched copy in place (its path is printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${VENV:-.venv}"
+VENV="$(cd "${VENV:-.venv}" && pwd)"
 PY="$VENV/bin/python"
 SUITE="${SUITE:-base-a-test-cpu}"
 keep=0

@@ -1626,8 +1626,15 @@ def write(expected: Mapping[str, str], patch_dir: str) -> None:
 
 
 def default_python() -> str:
-    venv = os.path.join(REPO, ".venv", "bin", "python")
-    return venv if os.path.exists(venv) else sys.executable
+    """This interpreter when sglang is installed in it (CI's venv, whatever its path), else .venv."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("sglang")
+        return sys.executable
+    except importlib.metadata.PackageNotFoundError:
+        venv = os.path.join(REPO, ".venv", "bin", "python")
+        return venv if os.path.exists(venv) else sys.executable
 
 
 def check_pristine(collected: Mapping[str, Any], pristine_root: str) -> None:
@@ -1688,7 +1695,7 @@ def main(argv: Optional[Sequence[str]] = None, *, reuse: bool = False) -> int:
     parser.add_argument("--sglang-tree", help="pristine sglang 0.5.17 tree (unpacked wheel or checkout); "
                                               "default: the cached wheel (~/.cache/sglang-ext/wheels)")
     parser.add_argument("--python", help="interpreter with pristine sglang 0.5.17 and sglang-ext installed "
-                                         "(default: .venv/bin/python)")
+                                         "(default: this one if it has sglang, else .venv/bin/python)")
     parser.add_argument("--patch-dir", default=PATCH_DIR, help=argparse.SUPPRESS)  # tests: a copy to check
     parser.add_argument("--collect", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
