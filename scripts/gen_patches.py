@@ -1133,12 +1133,14 @@ class SeriesRenderer:
         return body, sorted(set(sources))
 
     def _missing_packages(self, rel: str) -> List[str]:
-        """__init__.py files of the new module's parent packages that the tree lacks."""
+        """__init__.py files for the new module's parent directories that the tree lacks entirely.
+        A directory that exists without __init__.py is a namespace package and stays one."""
         out = []
         parts = rel.split("/")[:-1]
         for i in range(2, len(parts) + 1):
-            init = "/".join(parts[:i]) + "/__init__.py"
-            if self.text(init) is None:
+            directory = "/".join(parts[:i])
+            init = directory + "/__init__.py"
+            if not os.path.isdir(os.path.join(self.root, directory)) and self.text(init) is None:
                 out.append(init)
         return out
 
