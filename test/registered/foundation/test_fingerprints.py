@@ -12,6 +12,7 @@ import textwrap
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
+from conftest import plugin_only
 from released_wheels import released_tree  # noqa: F401  (fixture)
 from sglang_ext import fingerprint, wheels
 from sglang_ext.registry import PATCHES
@@ -90,6 +91,7 @@ def test_absent_definition_and_module_fingerprint_to_none(tmp_path):
     assert fingerprint.fingerprint("pkg.mod", "Runner.run", source_root=root) is not None
 
 
+@plugin_only  # on EXT_TEST_TREE=patched the sglang on sys.path is the patched copy, by design
 def test_installed_sglang_matches_its_recorded_table():
     version = installed_sglang_version()
     table = fingerprint.reference_table(version)
