@@ -19,9 +19,10 @@ from torch import nn
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from conftest import plugin_only
+from conftest import ext_core, plugin_only
 from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
-from sglang_ext.errors import ExtConfigError
+
+ExtConfigError = ext_core("errors").ExtConfigError  # the patched tree raises its vendored copy
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
