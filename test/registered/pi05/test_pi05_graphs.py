@@ -21,12 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-try:
-    from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.ci.ci_register import register_cpu_ci
 
-    register_cpu_ci(est_time=90, suite="base-a-test-cpu")
-except ImportError:  # pragma: no cover - sglang test helpers absent
-    pass
+register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
 CUDA_GRAPH = "sglang.multimodal_gen.runtime.vla.cuda_graph"
 CORE = "sglang.multimodal_gen.runtime.models.vlas.pi05_core"

@@ -16,12 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-try:
-    from sglang.test.ci.ci_register import register_cuda_ci
+from sglang.test.ci.ci_register import register_cuda_ci
 
-    register_cuda_ci(est_time=120, stage="base-b", runner_config="1-gpu-small")
-except ImportError:  # pragma: no cover
-    pass
+register_cuda_ci(est_time=120, stage="base-b", runner_config="1-gpu-small")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
