@@ -12,13 +12,16 @@ reads every recorded swap, and writes the same code into the sglang source:
     module function / adapter class -> its source at module end (or in place of the old def)
     constant                       -> its assignment, copied from the adapter
     imported object                -> the adapter's import line (sglang_ext.* rewritten)
-    install_module(...)            -> a new file holding the module's source
+    install_module(...)            -> a new file holding the module's source (a second name
+                                      of the same module: a file handing out that module)
     dict item                      -> `<dict>[<key>] = <name>` at module end
+    change of a decorated class    -> an assignment after the class (the plugin, too, changes
+                                      it after the decorator ran)
 
 Anything it cannot reproduce exactly (a closure, a lambda, a wrapper installed with
-ctx.setattr, a computed constant, a swap it does not know) stops generation with a
-message naming the adapter object: the series never carries code that behaves
-differently from the plugin. The sglang_ext modules that emitted code imports are
+ctx.setattr, a decorated function, a name bound to different objects in adapter and
+target, a swap it does not know) stops generation with a message naming the adapter
+object: the series never carries code that behaves differently from the plugin. The sglang_ext modules that emitted code imports are
 vendored as `sglang/ext/...` by the first patch. Every emitted definition is checked
 afterwards: its AST in the patched file equals its AST in the adapter.
 

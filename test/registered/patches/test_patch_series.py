@@ -272,6 +272,10 @@ print(json.dumps(out))
 """
 
 
+def _synthetic_modules():
+    return [m for m in sys.modules if m in ("fakesg", "fake_adapter", "bad_adapter") or m.startswith("fakesg.")]
+
+
 @pytest.fixture
 def synthetic(monkeypatch):
     """fakesg patched through PatchContext by fake_adapter (as the plugin would); rolled back after."""
@@ -279,7 +283,7 @@ def synthetic(monkeypatch):
 
     monkeypatch.syspath_prepend(SYNTHETIC)
     monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES", "7")
-    for name in [m for m in sys.modules if m == "fakesg" or m.startswith("fakesg.") or m.endswith("_adapter")]:
+    for name in _synthetic_modules():
         monkeypatch.delitem(sys.modules, name)
     import fake_adapter
     import fakesg.models
@@ -291,7 +295,7 @@ def synthetic(monkeypatch):
     yield contexts, fake_adapter
     for ctx in reversed(list(contexts.values())):
         ctx.rollback()
-    for name in [m for m in sys.modules if m == "fakesg" or m.startswith("fakesg.") or m.endswith("_adapter")]:
+    for name in _synthetic_modules():
         sys.modules.pop(name, None)
 
 
