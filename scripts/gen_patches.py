@@ -276,6 +276,7 @@ class _Collector:
         self.end_names: Dict[str, Set[str]] = {}  # module -> names emitted at the end of the file
         self.provided: Set[Tuple[str, str]] = set()  # (module, name) synthesized for emitted code
         self.pending: List[Dict[str, Any]] = []  # synthesized items, emitted before their user
+        self.installed: Dict[str, Any] = {}  # install_module targets of every patch so far
 
     # -- helpers ------------------------------------------------------------
     def tree(self, path: str) -> ast.Module:
@@ -398,6 +399,7 @@ class _Collector:
 
         installed = {s.name: s.replacement for s in swaps
                      if isinstance(s.owner, _ItemOwner) and s.owner.mapping is sys.modules}
+        self.installed.update(installed)
         for s in swaps:
             if not isinstance(s.owner, types.ModuleType):
                 continue
@@ -715,7 +717,7 @@ class _Collector:
             return {"op": "new_module", "module": s.name, "file": rel, "src_file": src_file}
         # The same module under a second name (0.5.17's name of a renamed upstream module, or an
         # existing sglang module under its upstream name): a file that hands out that module.
-        canonical = [name for name, mod in installed.items()
+        canonical = [name for name, mod in self.installed.items()
                      if mod is module and name != s.name and src_file == os.path.abspath(self.mirrored(name))]
         if not canonical and self.in_package(module.__name__) and sys.modules.get(module.__name__) is module:
             canonical = [module.__name__]

@@ -249,10 +249,21 @@ def test_apply_refuses_a_tree_without_a_version(tmp_path):
 # ---------------------------------------------------------------------------
 
 _PROBE = r"""
-import json, sys
-import fakesg.runner as runner, fakesg.models as models
+import dataclasses, json, sys
+import fakesg.runner as runner, fakesg.models as models, fakesg.config as config
+import fakesg.bucketing, fakesg.legacy_bucketing
 from fakesg.bucketing import pick_bucket
+cfg = config.Config(size=2, buckets=(1, 3))
+try:
+    config.Config(buckets=(3, 1))
+    bad_buckets = None
+except ValueError as exc:
+    bad_buckets = str(exc)
 out = {
+    "config": [cfg.describe(), cfg.checked, [f.name for f in dataclasses.fields(cfg)], bad_buckets,
+               config.Config().buckets],
+    "legacy_alias": fakesg.legacy_bucketing is fakesg.bucketing,
+    "one_ext_runner": models.ExtRunner is runner.ExtRunner,
     "run": repr(runner.Runner(2).run([1, 2])),
     "run_tag": repr(runner.Runner(1).run([7], tag="t")),
     "kind": runner.Runner.kind(),
@@ -289,9 +300,12 @@ def synthetic(monkeypatch):
     import fakesg.models
     import fakesg.runner
 
-    contexts = {"fake_runner": PatchContext("fake_runner", None), "fake_models": PatchContext("fake_models", None)}
+    import fakesg.config
+
+    contexts = {name: PatchContext(name, None) for name in ("fake_runner", "fake_models", "fake_config")}
     fake_adapter.patch_runner(contexts["fake_runner"], fakesg.runner)
     fake_adapter.patch_models(contexts["fake_models"], fakesg.models)
+    fake_adapter.patch_config(contexts["fake_config"], fakesg.config)
     yield contexts, fake_adapter
     for ctx in reversed(list(contexts.values())):
         ctx.rollback()
@@ -315,15 +329,19 @@ def test_synthetic_fork_behaves_like_the_plugin(synthetic, tmp_path):
     files = gp.render_series(collected, _synthetic_specs(contexts), pristine_root=SYNTHETIC, package="fakesg",
                              path_prefix="")
     order = [line for line in files["series"].splitlines() if line and not line.startswith("#")]
-    assert order == [gp.CORE_PATCH, "fake-runner.patch", "fake-models.patch"]
+    assert order == [gp.CORE_PATCH, "fake-runner.patch", "fake-models.patch", "fake-config.patch"]
+    assert "class ExtRunner" not in files["fake-models.patch"]  # imported from fakesg.runner instead
+    assert "\n+Config.__post_init__ = __post_init__\n" in files["fake-config.patch"]  # after @dataclass
 
     # what the plugin does, in this process
     scope = {}
     exec(_PROBE.replace("print(json.dumps(out))", ""), scope)
-    expected = scope["out"]
+    expected = json.loads(json.dumps(scope["out"]))  # as the fork's probe reports it
     assert expected["run"].startswith("('patched', (2, (1, 2)), 6,")
     assert expected["models"] == ["cpu", "ext"]
     assert expected["kind"] == "ext" and expected["orig_is_kept"] == "run"
+    assert expected["config"] == ["size=2 buckets=(1, 3)", 1, ["size", "buckets"], "buckets must increase", [4, 8]]
+    assert expected["legacy_alias"] and expected["one_ext_runner"]
 
     # the same calls on a copy of the pristine tree with the generated series applied
     tree = tmp_path / "tree"

@@ -1,7 +1,10 @@
 """Synthetic adapter following the adapter rules (tests of scripts/gen_patches.py only)."""
 
 import importlib.util
+import logging
 import os
+import sys
+from dataclasses import dataclass, fields
 
 from fakesg.runner import Runner
 from sglang_ext import knobs
@@ -75,8 +78,51 @@ def patch_runner(ctx, module):
     ctx.transplant_method(module.Runner, kind, kind="staticmethod")
     ctx.transplant_method(module.Runner, describe)
     ctx.transplant_function(module, runner_name)
+    ctx.transplant_function(module, ExtRunner)  # also in fakesg.models: one class, defined once
 
 
 def patch_models(ctx, module):
     ctx.transplant_function(module, ExtRunner)
     ctx.setitem(module.runners, "ext", ExtRunner)
+
+
+# ---- a dataclass gains fields and a wrapped __init__ (changed after its decorator ran) ----
+
+
+@dataclass
+class _ExtConfigFields:
+    buckets: tuple = (4, 8)
+
+
+_EXT_CONFIG_FIELDS = fields(_ExtConfigFields)
+_EXT_LOGGER = logging.getLogger("fakesg.ext")
+
+
+def __init__(self, *args, **kwargs):
+    for graph_field in _EXT_CONFIG_FIELDS:
+        setattr(self, graph_field.name, kwargs.pop(graph_field.name, graph_field.default))
+    self._ext_orig___init__(*args, **kwargs)
+    self.__post_init__()
+
+
+def __post_init__(self):
+    _EXT_LOGGER.debug("checked %s", self.buckets)
+    if list(self.buckets) != sorted(self.buckets):
+        raise ValueError("buckets must increase")
+    self.checked = getattr(self, "checked", 0) + 1
+
+
+def _ext_describe_config(self):
+    return f"size={self.size} buckets={tuple(self.buckets)}"
+
+
+def patch_config(ctx, module):
+    cls = module.Config
+    for graph_field in _EXT_CONFIG_FIELDS:
+        ctx.setitem(cls.__dataclass_fields__, graph_field.name, graph_field)
+    ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
+    ctx.transplant_method(cls, __init__)
+    ctx.transplant_method(cls, __post_init__)
+    ctx.transplant_method(cls, _ext_describe_config, name="describe")
+    # the same module under a second (older) name
+    install_module(ctx, "fakesg.legacy_bucketing", sys.modules["fakesg.bucketing"])
