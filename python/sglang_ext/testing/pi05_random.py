@@ -278,6 +278,14 @@ def finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all()) and not math.isnan(float(t.float().abs().max()))
 
 
+def unrelated_patches() -> list:
+    """Patches outside Pi0.5 (ViT, prefill CP, worker activation): left off in Pi0.5
+    GPU runs, so a problem there cannot abort them and their modules are not imported."""
+    from sglang_ext.registry import PATCHES
+
+    return [spec.name for spec in PATCHES if not spec.name.startswith("pi05")]
+
+
 def activate_sglang_ext(knob_values: Optional[Dict[str, Any]] = None, *, strict: bool = True):
     """Switch sglang-ext on in this process (strict) with the given knobs; returns statuses.
 
@@ -291,6 +299,7 @@ def activate_sglang_ext(knob_values: Optional[Dict[str, Any]] = None, *, strict:
 
     os.environ["SGLANG_EXT"] = "1"
     os.environ["SGLANG_EXT_STRICT"] = "1" if strict else "0"
+    os.environ.setdefault("SGLANG_EXT_DISABLE", ",".join(unrelated_patches()))
     for name, value in (knob_values or {}).items():
         os.environ["SGLANG_EXT_" + name.upper()] = str(value)
     if installed_sglang_version() is None and "SGLANG_EXT_ASSUME_SGLANG" not in os.environ:

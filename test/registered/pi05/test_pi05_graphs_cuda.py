@@ -19,12 +19,9 @@ import os
 import pytest
 import torch
 
-try:
-    from sglang.test.ci.ci_register import register_cuda_ci
+from sglang.test.ci.ci_register import register_cuda_ci
 
-    register_cuda_ci(est_time=240, stage="base-b", runner_config="1-gpu-small")
-except ImportError:  # pragma: no cover
-    pass
+register_cuda_ci(est_time=240, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,9 +33,12 @@ PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
 def _ext_environment():
     from sglang_ext.versions import installed_sglang_version, source_tree_version
 
+    from sglang_ext.testing.pi05_random import unrelated_patches
+
     env = {
         "SGLANG_EXT": "1",
         "SGLANG_EXT_STRICT": "1",
+        "SGLANG_EXT_DISABLE": ",".join(unrelated_patches()),
         "SGLANG_EXT_PI05_PREFIX_GRAPH_MAX_ENTRIES": "16",
         "SGLANG_EXT_PI05_ACTION_GRAPH_MAX_ENTRIES": "16",
     }
@@ -147,7 +147,10 @@ def test_consecutive_requests_never_share_kv(policy, prefix_graph):
 
     noise = make_noise(policy, 99)
     observations = {seed: make_observation(policy, prompt_len=40, seed=seed) for seed in (101, 202)}
-    eager = {seed: run_request(policy, obs, noise, graph=False) for seed, obs in observations.items()}
+    eager = {
+        seed: run_request(policy, obs, noise, graph=False, num_steps=NUM_STEPS)
+        for seed, obs in observations.items()
+    }
     separation = max_abs_diff(eager[101], eager[202])
     print(f"[kv {prefix_graph}] eager A vs B differ by {separation:.3e}")
     assert separation > 1e-3, "the two requests must produce different actions"
