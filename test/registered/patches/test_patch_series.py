@@ -441,3 +441,22 @@ def test_quilt_push_applies_the_series_to_a_checkout(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"Now at patch {os.path.join(gp.PATCH_DIR, _series_files()[-1])}" in done.stdout
     assert (tree / "python" / "sglang" / "ext" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("tag, ok", [("v0.5.17", True), ("v0.5.18", False)])
+def test_apply_reads_the_release_tag_of_a_checkout_without_a_build(tmp_path, tag, ok):
+    tree = tmp_path / "sglang-checkout"
+    _pristine_subset(str(tree), "python")
+    (tree / "python" / "sglang" / "_version.py").unlink()  # generated at build time, not in git
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path), "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@e"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-q", "-m", "release"],
+                ["git", "tag", tag]):
+        subprocess.run(cmd, cwd=tree, check=True, env=env, capture_output=True)
+    done = _apply("--check", str(tree))
+    if ok:
+        assert done.returncode == 0, done.stderr
+        assert "(sglang 0.5.17, checkout layout, -p1)" in done.stdout
+    else:
+        assert done.returncode != 0
+        assert "this patch series is for sglang 0.5.17" in done.stderr and "is sglang 0.5.18" in done.stderr
