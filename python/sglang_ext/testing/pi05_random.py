@@ -60,16 +60,17 @@ def _unit_server_args(attention_backend: str) -> SimpleNamespace:
     )
 
 
-def _published_srt_context():
-    """0.5.19's SigLIP tower reads sglang's runtime settings (the GPU worker publishes them)."""
+def _publish_srt_context() -> None:
+    """0.5.19's SigLIP tower reads sglang's runtime settings, which sglang's GPU worker
+    publishes; publish test settings for the rest of the process (forward passes read
+    them too). 0.5.17 has no runtime context: nothing to do."""
     try:
         from sglang.srt.runtime_context import get_context
-    except ImportError:  # 0.5.17: no runtime context
-        return contextlib.nullcontext()
+    except ImportError:
+        return
     context = get_context()
-    if getattr(context, "_server_args", None) is not None:
-        return contextlib.nullcontext()
-    return context.override_server_args()
+    if getattr(context, "_server_args", None) is None:
+        context.override_server_args().install()
 
 
 def _custom_op_bases() -> tuple:
@@ -176,7 +177,9 @@ def build_random_pi05(
 
         pi05_core.get_gemma_variant_config = reduced_variant
     try:
-        with _step("construct Pi05PolicyModel (random weights)"), _published_srt_context():
+        with _step("publish sglang runtime settings (0.5.19)"):
+            _publish_srt_context()
+        with _step("construct Pi05PolicyModel (random weights)"):
             policy = policy_cls(
                 config,
                 model_path="random-pi05",
