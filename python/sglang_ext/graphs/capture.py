@@ -16,15 +16,40 @@ bounded cache empties the pool exactly this way (capacity 1, or `clear()`), so
 every shared pool is pinned by one tiny graph that is never reset. Blocks of
 reset graphs then stay in the pool and are reused by later captures instead of
 going back to the device and being allocated again.
+
+Guarded capture (`guarded_capture`, used by every capture here and by the
+adapters):
+- Automatic garbage collection is off while a stream captures. A CUDAGraph in an
+  unreachable reference cycle (a dropped runner and its graphs) would otherwise
+  be collected inside the capture; its destructor's `reset()` destroys a graph
+  exec, which CUDA refuses while a stream captures ("operation not permitted
+  when stream is capturing (function reset)"), and that invalidates the capture.
+- A failed capture is undone. PyTorch's `capture_end` raises at
+  `cudaStreamEndCapture` before it ends the allocator's recording into the pool
+  and before it takes the CUDA generator out of capture mode, and
+  `torch.cuda.graph.__exit__` then skips restoring the caller's stream. Left so,
+  every later capture into that pool fails ("beginAllocateToPool: already
+  recording to mempool_id") and every CUDA RNG call fails ("Offset increment
+  outside graph capture encountered unexpectedly"). The pinned-host allocator
+  records into the pool too (torch 2.11), and only `capture_end` can end that.
+  So the undo re-opens an empty capture on the stream (the runtime's
+  `cudaStreamBeginCapture`) and calls the graph's `capture_end` again: now it
+  runs its whole clean-up, and `reset()` returns the pool use the capture took.
+  See `_undo_failed_capture` for the fallback.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, TypeVar
+import contextlib
+import gc
+import logging
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, TypeVar
 
 from sglang_ext.graphs.keys import _is_int
 
 T = TypeVar("T")
+
+_logger = logging.getLogger("sglang_ext.graphs.capture")
 
 _pools: Dict[int, Any] = {}
 _capture_streams: Dict[int, Any] = {}
@@ -72,7 +97,7 @@ def pin_graph_pool(pool: Any, device: Any = None) -> None:
         return
     with torch.cuda.device(index):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(index)):
+        with guarded_capture(graph, pool=pool, stream=capture_stream(index)):
             anchor = torch.zeros(1, device=torch.device("cuda", index))
     _pins[key] = (graph, anchor)
 
@@ -130,9 +155,151 @@ def capture_graph(fn: Callable[[], T], *, pool: Any = None, stream: Any = None, 
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
+    with guarded_capture(graph, pool=pool, stream=stream):
         output = fn()
     return graph, output
+
+
+@contextlib.contextmanager
+def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[Any]:
+    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe from the GC and safe to fail.
+
+    See the module docstring: no automatic GC inside the capture; after a failed
+    capture the pool, the CUDA generator and the caller's stream are usable
+    again, and the error propagates. `pool=None` captures into a fresh private
+    pool (its handle is needed to undo a failure); `stream=None` uses
+    `capture_stream()`. On success the graph belongs to the caller; a capture
+    whose body raised but which ended cleanly is left to the caller to reset.
+    """
+    import torch
+
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()
+    if stream is None:
+        stream = capture_stream()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        # The outer stream context restores the caller's stream even when
+        # torch.cuda.graph's __exit__ raises before restoring it.
+        with torch.cuda.stream(stream):
+            capture = torch.cuda.graph(graph, pool=pool, stream=stream)
+            capture.__enter__()
+            try:
+                yield graph
+            except BaseException as body_error:
+                try:
+                    capture.__exit__(type(body_error), body_error, body_error.__traceback__)
+                except BaseException:  # noqa: BLE001 - the body's error is the one to report
+                    _undo_failed_capture(graph, pool, stream)
+                raise
+            try:
+                capture.__exit__(None, None, None)
+            except BaseException:
+                _undo_failed_capture(graph, pool, stream)
+                raise
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
+    """Make the pool, the CUDA generator and later captures usable after `capture_end` raised.
+
+    PyTorch's `capture_end` raised at `cudaStreamEndCapture` (the capture was
+    invalidated), before its own clean-up. Preferred undo: put the stream back into
+    an (empty) capture and call the graph's `capture_end` again, which then runs
+    that clean-up itself: it ends the device AND the pinned-host allocator's
+    recording into the pool (there is no Python binding for the host one) and takes
+    the generator out of capture mode; `reset()` then returns the pool use the
+    capture took. Fallback, where the runtime's begin-capture call is not found:
+    end the device recording and its use, and capture a no-op once to reset the
+    generator (the host allocator then keeps the pool recorded: later captures into
+    this pool fail cleanly and run eager).
+    """
+    import torch
+
+    if _end_capture_in_place(graph, stream):
+        try:
+            graph.reset()
+        except Exception as exc:  # noqa: BLE001
+            _logger.debug("reset of the failed graph raised: %s", exc)
+        return
+    index = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except Exception as exc:  # noqa: BLE001 - already ended (capture_end failed later than usual)
+        _logger.debug("graph pool %s was not recording after the failed capture: %s", pool, exc)
+    else:
+        # capture_begin took a use of the pool; reset() releases it only after a capture that ended.
+        torch._C._cuda_releasePool(index, pool)
+    try:
+        graph.reset()  # drops the graph's capture registrations
+    except Exception as exc:  # noqa: BLE001
+        _logger.debug("reset of the failed graph raised: %s", exc)
+    # A capture that ends takes the generator out of capture mode: capture a no-op once,
+    # into its own pool (freed with the graph), on the same stream.
+    probe = torch.empty(1, device=torch.device("cuda", index))
+    repair = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(repair, stream=stream):
+            probe.fill_(0)
+    except Exception as exc:  # noqa: BLE001 - report the original failure, not this one
+        _logger.warning("CUDA graph state could not be restored after a failed capture: %s", exc)
+    finally:
+        repair.reset()
+
+
+_CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
+
+
+def _end_capture_in_place(graph: Any, stream: Any) -> bool:
+    """Re-open an empty capture on `stream` and let `graph.capture_end()` finish its clean-up.
+
+    True when capture_end completed (the stream is no longer capturing and the pool
+    recordings and generator capture mode are ended); False to use the fallback.
+    """
+    import warnings
+
+    begin = _runtime_begin_capture()
+    if begin is None:
+        return False
+    if begin(stream.cuda_stream, _CAPTURE_MODE_RELAXED) != 0:
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is, on purpose
+            graph.capture_end()
+    except Exception as exc:  # noqa: BLE001
+        _logger.debug("capture_end of the re-opened capture raised: %s", exc)
+        return False
+    return True
+
+
+_runtime_begin: list = []
+
+
+def _runtime_begin_capture() -> Optional[Callable[[int, int], int]]:
+    """`cudaStreamBeginCapture` of the CUDA runtime this process loaded (None if not found)."""
+    if _runtime_begin:
+        return _runtime_begin[0]
+    import ctypes
+
+    fn = None
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+        for path in sorted(paths):
+            candidate = getattr(ctypes.CDLL(path), "cudaStreamBeginCapture", None)
+            if candidate is not None:
+                candidate.argtypes = [ctypes.c_void_p, ctypes.c_int]
+                candidate.restype = ctypes.c_int
+                fn = candidate
+                break
+    except OSError as exc:
+        _logger.debug("CUDA runtime not found for capture clean-up: %s", exc)
+    _runtime_begin.append(fn)
+    return fn
 
 
 def largest_first(sizes: Iterable[int]) -> Tuple[int, ...]:

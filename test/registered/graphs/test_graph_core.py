@@ -651,5 +651,146 @@ def test_capture_helpers_bad_input():
         capture.capture_graph(lambda: None, warmup_iters=-1)
 
 
+class _RecordingCapture:
+    """Stands in for torch.cuda.graph: records GC state inside the capture; capture_end may fail."""
+
+    def __init__(self, log, *, end_fails=False):
+        self.log, self.end_fails = log, end_fails
+
+    def __call__(self, graph, pool=None, stream=None, **kwargs):
+        self.log.append(("graph", graph, pool, stream))
+        return self
+
+    def __enter__(self):
+        self.log.append(("begin", gc.isenabled()))
+
+    def __exit__(self, *exc):
+        self.log.append(("end", gc.isenabled()))
+        if self.end_fails:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+class _ResettableGraph:
+    def __init__(self, log):
+        self.log = log
+
+    def reset(self):
+        self.log.append(("reset", self))
+
+
+@pytest.fixture
+def recording_cuda(monkeypatch):
+    """The torch.cuda pieces guarded_capture touches, recorded (no GPU needed)."""
+    log = []
+    recorder = _RecordingCapture(log)
+    monkeypatch.setattr(torch.cuda, "graph", recorder)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: _Recorded(log, "stream", s))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 7))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _ResettableGraph(log))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(1))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda dev, pool: log.append(("endpool", dev, pool)),
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda dev, pool: log.append(("release", dev, pool)),
+                        raising=False)
+    monkeypatch.setattr(capture, "_runtime_begin", [None])  # the fallback undo, unless a test installs one
+    return recorder, log
+
+
+class _Recorded:
+    def __init__(self, log, what, value):
+        self.log, self.what, self.value = log, what, value
+
+    def __enter__(self):
+        self.log.append((self.what + "-in", self.value))
+
+    def __exit__(self, *exc):
+        self.log.append((self.what + "-out", self.value))
+
+
+def test_guarded_capture_turns_automatic_gc_off_only_inside_the_capture(recording_cuda):
+    recorder, log = recording_cuda
+    graph = _ResettableGraph(log)
+    assert gc.isenabled()
+    with capture.guarded_capture(graph, pool=(0, 3), stream="s"):
+        assert not gc.isenabled()  # a CUDAGraph collected here would reset inside the capture
+    assert gc.isenabled()
+    assert log == [("stream-in", "s"), ("graph", graph, (0, 3), "s"), ("begin", False), ("end", False),
+                   ("stream-out", "s")]
+    gc.disable()
+    try:  # a caller that had GC off keeps it off
+        with capture.guarded_capture(graph, pool=(0, 3), stream="s"):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_guarded_capture_undoes_a_capture_whose_end_failed(recording_cuda):
+    recorder, log = recording_cuda
+    recorder.end_fails = True
+    graph = _ResettableGraph(log)
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        with capture.guarded_capture(graph, pool=(0, 3), stream="s"):
+            pass
+    assert gc.isenabled()
+    # End the pool's recording and its use, reset the graph, then one throwaway capture (its own
+    # pool) whose end takes the generator out of capture mode; the caller's stream is restored last.
+    assert log[4:7] == [("endpool", 0, (0, 3)), ("release", 0, (0, 3)), ("reset", graph)]
+    repair = log[7][1]
+    assert log[7] == ("graph", repair, None, "s") and repair is not graph
+    assert log[8:] == [("begin", False), ("end", False), ("reset", repair), ("stream-out", "s")]
+
+
+def test_guarded_capture_undo_reruns_capture_end_inside_a_reopened_capture(recording_cuda, monkeypatch):
+    """Preferred undo: the graph's own capture_end, run again once the stream captures (empty)."""
+    recorder, log = recording_cuda
+    recorder.end_fails = True
+
+    class Graph(_ResettableGraph):
+        def capture_end(self):
+            self.log.append(("capture_end", self))
+
+    def begin(stream_handle, mode):
+        log.append(("begin-raw", stream_handle, mode))
+        return 0
+
+    monkeypatch.setattr(capture, "_runtime_begin", [begin])
+    stream = type("Stream", (), {"cuda_stream": 1234})()
+    graph = Graph(log)
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        with capture.guarded_capture(graph, pool=(0, 3), stream=stream):
+            pass
+    # No private-API pool calls and no throwaway capture: capture_end ends both recordings itself.
+    assert log[4:] == [("begin-raw", 1234, 2), ("capture_end", graph), ("reset", graph), ("stream-out", stream)]
+    assert gc.isenabled()
+
+
+def test_guarded_capture_body_error_propagates_after_the_undo(recording_cuda):
+    recorder, log = recording_cuda
+    recorder.end_fails = True
+    graph = _ResettableGraph(log)
+    with pytest.raises(ValueError, match="body"):
+        with capture.guarded_capture(graph, pool=(0, 3), stream="s"):
+            raise ValueError("body")
+    assert ("endpool", 0, (0, 3)) in log and ("reset", graph) in log and log[-1] == ("stream-out", "s")
+    # A body error whose capture still ended cleanly: nothing to undo, the caller resets the graph.
+    recorder.end_fails = False
+    log.clear()
+    with pytest.raises(ValueError, match="body"):
+        with capture.guarded_capture(graph, pool=(0, 3), stream="s"):
+            raise ValueError("body")
+    assert [e[0] for e in log] == ["stream-in", "graph", "begin", "end", "stream-out"]
+
+
+def test_guarded_capture_without_a_pool_uses_a_known_private_pool(recording_cuda):
+    recorder, log = recording_cuda
+    recorder.end_fails = True
+    with pytest.raises(RuntimeError):
+        with capture.guarded_capture(_ResettableGraph(log), stream="s"):
+            pass
+    assert log[1][2] == (0, 7) and ("endpool", 0, (0, 7)) in log
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -24,6 +24,7 @@ from sglang_ext.graphs.capture import (
     capture_graph,
     capture_measured,
     capture_stream,
+    guarded_capture,
     pool_reserved_bytes,
     shared_graph_pool,
 )
@@ -301,6 +302,66 @@ def test_emptying_the_shared_pool_keeps_later_captures_working():
     assert cache.info().evictions == 29 and len(cache) == 1  # counters restart at clear()
     cache.clear()
     _summary("pool emptied repeatedly", captures=60, kept_outputs=len(kept), seconds=f"{time.perf_counter() - start:.1f}")
+
+
+@torch.no_grad()
+def test_garbage_collection_inside_a_capture_cannot_invalidate_it():
+    """A captured graph that only a dead reference cycle holds (a dropped runner) must not be
+    collected inside a later capture: its destructor resets it, which CUDA refuses while a
+    stream captures, and the capture fails. guarded_capture keeps the GC off meanwhile."""
+    pool, stream = shared_graph_pool(), capture_stream()
+    x = torch.randn(64, 64, device="cuda")
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # without the guard the GC would run at nearly every allocation
+    try:
+        for step in range(5):
+            old_graph, _ = capture_graph(lambda: x * 2, pool=pool, stream=stream)
+            holder = [old_graph]
+            del old_graph
+
+            def body():
+                dead = {"graph": holder.pop()}
+                dead["self"] = dead  # now only the cyclic GC can free the graph
+                del dead
+                junk = [[i] for i in range(5000)]  # allocations that trigger collections
+                return x @ x + len(junk)
+
+            graph, out = capture_graph(body, pool=pool, stream=stream, warmup_iters=0)
+            graph.replay()
+            torch.testing.assert_close(out, x @ x + 5000)
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()  # the dead graphs are reset here, outside any capture
+    torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def test_a_failed_capture_leaves_the_pool_the_generator_and_the_stream_usable():
+    """A host read inside a capture invalidates it; afterwards the shared pool takes new captures,
+    CUDA RNG works and the caller is back on its own stream (PyTorch alone leaves all three broken)."""
+    pool, stream = shared_graph_pool(), capture_stream()
+    x = torch.randn(32, 32, device="cuda")
+    caller = torch.cuda.current_stream()
+    for attempt in range(3):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(Exception):  # noqa: B017 - CUDA reports it as AcceleratorError or RuntimeError
+            with guarded_capture(graph, pool=pool, stream=stream):
+                (x @ x).sum().item()
+        assert torch.cuda.current_stream() == caller and gc.isenabled()
+        noise = torch.randn(16, device="cuda")  # raised "Offset increment outside graph capture" before
+        assert torch.isfinite(noise).all()
+        good, out = capture_graph(lambda: x @ x + attempt, pool=pool, stream=stream)
+        x.normal_()
+        good.replay()
+        torch.testing.assert_close(out, x @ x + attempt)
+        good.reset()
+    # A capture that uses the generator still works and replays different numbers each time.
+    rng_graph, rand_out = capture_graph(lambda: torch.rand(1024, device="cuda"), pool=pool, stream=stream)
+    rng_graph.replay()
+    first = rand_out.clone()
+    rng_graph.replay()
+    assert not torch.equal(first, rand_out)
 
 
 if __name__ == "__main__":
