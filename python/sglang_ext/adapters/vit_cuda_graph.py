@@ -41,7 +41,12 @@ How:
   _max_bytes, _policy, _min_hits, read when the runner is first used). LRU eviction
   resets the graph and drops its buffers before the next capture. All captures go
   into sglang's process-wide graph pool (`get_or_create_global_graph_memory_pool`),
-  so graph memory stays flat however many layouts come and go. Graphs sharing a pool
+  pinned (`sglang_ext.graphs.capture.pin_graph_pool`) so evicting the last graph never
+  empties it, on one capture stream per device (`capture_stream`: the allocator reuses a
+  freed pool block only on the stream that allocated it), through `guarded_capture` (no
+  automatic GC inside a capture: a dropped runner's graphs collected there would reset
+  inside it and invalidate it; a failed capture leaves the pool and the CUDA generator
+  usable). So graph memory stays flat however many layouts come and go. Graphs sharing a pool
   may overwrite each other's intermediates, which is safe here because each replay's
   output is copied out before anything else runs on the stream (see ownership). It
   assumes, as sglang does when its prefill and decode graphs share this pool, that
@@ -116,6 +121,7 @@ import torch
 from sglang_ext import knobs as ext_knobs
 from sglang_ext.graphs import stats as ext_graph_stats
 from sglang_ext.graphs.cache import BoundedGraphCache
+from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
 from sglang_ext.graphs.keys import (
     GraphKey,
     cpu_ints,
@@ -335,9 +341,12 @@ def _retired_sin_cos_ws(self):
 
 
 def _ext_graph_pool(self):
+    """sglang's process-wide graph pool, pinned so that evicting every ViT graph never empties it."""
     from sglang.srt.model_executor.runner_utils.pool import get_or_create_global_graph_memory_pool
 
-    return get_or_create_global_graph_memory_pool(torch.cuda)
+    pool = get_or_create_global_graph_memory_pool(torch.cuda)
+    pin_graph_pool(pool)
+    return pool
 
 
 def _ext_capture_agreed(self, ok):
@@ -388,7 +397,11 @@ def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=
     torch.cuda.synchronize()
 
     self.block_graphs[graph_key] = graph  # registered before capture: a failed capture is reset too
-    with self._capture_context(), torch.cuda.graph(graph, pool=self._ext_graph_pool()):
+    pool = self._ext_graph_pool()
+    # guarded_capture: no GC inside the capture (a collected graph's reset() would invalidate it),
+    # a failed capture leaves the pool and the CUDA generator usable; one capture stream per
+    # device, so blocks of evicted graphs are reused by the next capture.
+    with self._capture_context(), guarded_capture(graph, pool=pool, stream=capture_stream()):
         y = self.block_input[graph_key]
         deepstack_outs = []
         for layer_num, blk in enumerate(vit.blocks):

@@ -226,6 +226,43 @@ def test_graph_memory_stays_flat_over_1000_random_layouts(vit_patch):
     assert info["rotary_backing_buffers"] <= 2
 
 
+class HostReadBlock(SequenceLengthBlock):
+    """Reads a device value on the host while a graph captures: the capture is invalidated."""
+
+    def forward(self, x, *, cu_seqlens, position_embeddings, output_ws=None, forward_metadata=None):
+        if torch.cuda.is_current_stream_capturing():
+            int(cu_seqlens[0][-1])
+        return super().forward(x, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                               output_ws=output_ws, forward_metadata=forward_metadata)
+
+
+def test_failed_capture_runs_eager_and_leaves_the_shared_pool_usable(vit_patch):
+    """A capture that CUDA invalidates runs that batch eager; afterwards CUDA RNG works and other
+    runners still capture into sglang's global graph pool (no 'already recording to mempool_id')."""
+    vit_patch()
+    from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+    hidden = 8
+    layout = (0, 40, 128)
+    x = torch.randn(128, hidden, device="cuda")
+    pos = torch.randn(128, 1, device="cuda").expand(128, hidden).contiguous()
+    cu = torch.tensor(layout, dtype=torch.int32, device="cuda")
+    want = _expected_sequence_length_output(x, layout, pos[:, :1].cpu())
+    broken = ViTCudaGraphRunner(Tower(HostReadBlock(hidden)))
+    for _ in range(2):
+        out = broken.run(x, cu, None, (pos, pos), attention_layout_key=(layout, None))
+        torch.testing.assert_close(out.cpu(), want)
+    info = broken._ext_graph_info()
+    assert (info["failures"], info["fallback_capture_failed"], info["fallback_quarantined"]) == (1, 1, 1)
+    assert torch.isfinite(torch.randn(64, device="cuda")).all()  # the generator left capture mode
+    working = ViTCudaGraphRunner(Tower(SequenceLengthBlock(hidden)))
+    for _ in range(2):
+        out = working.run(x, cu, None, (pos, pos), attention_layout_key=(layout, None))
+        torch.testing.assert_close(out.cpu(), want)
+    info = working._ext_graph_info()
+    assert (info["captures"], info["hits"], info["failures"]) == (1, 1, 0)
+
+
 # ---------------------------------------------------------------------------
 # sglang's real Qwen2.5-VL vision tower
 # ---------------------------------------------------------------------------

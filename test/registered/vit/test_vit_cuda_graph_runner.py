@@ -22,17 +22,14 @@ import pytest
 import torch
 from torch import nn
 
-try:
-    from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.ci.ci_register import register_cpu_ci
 
-    register_cpu_ci(est_time=60, suite="base-a-test-cpu")
-except ImportError:  # pragma: no cover
-    pass
+register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
 import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
 from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
 
-from conftest import plugin_only  # noqa: E402  (test/registered/conftest.py)
+from conftest import ext_core, plugin_only  # noqa: E402  (test/registered/conftest.py)
 from sglang_ext.registry import PATCH_NAMES
 
 THIS_PATCH = "vit_cuda_graph"
@@ -215,19 +212,34 @@ def fake_capture(graph, pool=None, **kwargs):
         _CAPTURING[0] = None
 
 
-POOL = object()
+POOL = (0, 424242)  # a pool handle is a pair of ints, as torch.cuda.graph_pool_handle() returns
+
+
+class FakeStream:
+    def wait_stream(self, other):
+        pass
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """CUDA graph API replaced by the recorder; sglang's global graph pool reset after the test."""
+    """CUDA graph API replaced by the recorder; sglang's global graph pool reset after the test.
+
+    The pool counts as pinned already (the pin is a real tiny CUDA graph; the CUDA tests
+    cover it), and the core's per-device capture streams start empty.
+    """
     from sglang.srt.runtime_context import get_resources
 
+    capture_core = ext_core("graphs.capture")
     FakeGraph.created = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: POOL)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(capture_core, "_capture_streams", {})
+    monkeypatch.setattr(capture_core, "_pins", {(0, POOL): ("pinned by the fixture", None)})
     monkeypatch.setattr(get_resources(), "graph_memory_pool", None)
     return FakeGraph
 
