@@ -34,8 +34,27 @@ class BucketDecision:
         return 0 if self.bucket is None else self.bucket - self.live_size
 
 
+# Bucket lists already validated. Runners pass the same capture list for every batch;
+# re-checking it element by element was most of the per-batch decision cost.
+_VALIDATED: dict = {}
+_VALIDATED_MAX = 64
+
+
 def validate_buckets(buckets: Sequence[Any], *, field: str = "buckets") -> Tuple[int, ...]:
     """Return `buckets` as a tuple after checking: positive ints, strictly increasing."""
+    if isinstance(buckets, (tuple, list)):
+        as_tuple = tuple(buckets)
+        # Exact ints only: True == 1 and 1.0 == 1 would otherwise hit a cached (1,).
+        if set(map(type, as_tuple)) == {int} and as_tuple in _VALIDATED:
+            return as_tuple
+    out = _check_buckets(buckets, field)
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.clear()
+    _VALIDATED[out] = True
+    return out
+
+
+def _check_buckets(buckets: Sequence[Any], field: str) -> Tuple[int, ...]:
     allowed = "allowed: positive integers, strictly increasing, no duplicates"
     if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
         raise ValueError(f"{field}: {buckets!r} is not allowed; {allowed}")

@@ -794,3 +794,14 @@ def test_guarded_capture_without_a_pool_uses_a_known_private_pool(recording_cuda
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_validated_bucket_cache_does_not_admit_equal_non_ints():
+    """The fast path for already-validated lists must not let True/1.0 pass as 1."""
+    from sglang_ext.graphs.buckets import validate_buckets
+
+    assert validate_buckets([1, 2]) == (1, 2)
+    assert validate_buckets([1, 2]) == (1, 2)  # cached
+    for bad in ([True, 2], [1.0, 2], (1, 2.0)):
+        with pytest.raises(ValueError, match="buckets"):
+            validate_buckets(bad)
