@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Write docs/performance.md from the benchmark results in docs/bench/*.json.
+
+The numbers come only from the JSON the benchmark scripts wrote (never typed in):
+    scripts/bench_pi05.py        -> docs/bench/pi05_<impl>.json  (GPU; one file per implementation)
+    scripts/bench_vit.py         -> docs/bench/vit.json          (GPU)
+    scripts/bench_prefill_cp.py  -> docs/bench/prefill_cp.json   (CPU)
+Each table is rendered by the benchmark script's own table function, so the doc
+and the script's console output agree. `--check` fails when the doc is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import io
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(REPO, "docs", "bench")
+DOC = os.path.join(REPO, "docs", "performance.md")
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+PI05_MEANING = """\
+One request at a time, 10 denoise steps, LIBERO-like inputs (two 224x224 cameras, state 8,
+horizon 50, action dim 32), full and masked (empty second camera) prefixes, prompts of mixed
+lengths, random weights at the real size (3.35 B parameters, bf16). p50/p90: wall-clock
+latency per request after warm-up. launches/req: CUDA kernel launch API calls per request
+(torch.profiler; graph replays count as graph launches instead). kernels/req and kernel
+ms/req: device kernels executed and their summed time. peak MiB: peak allocated memory.
+pool +MiB: growth of reserved memory while graph modes ran. max rel diff: largest
+|action - eager action| / max |eager action| over the timed requests (0 = bit-identical).
+Modes: `graph` = exact mode (first N signatures captured, later ones eager), `graph-bucket` =
+prompt buckets + LRU, `graph-fused` = one graph for all denoise steps (sglang-ext only)."""
+
+VIT_MEANING = """\
+sglang's real Qwen2.5-VL vision tower (random weights, triton_attn, bf16) fed a stream of
+requests of 1-4 images at common resolutions; every request also runs eager for comparison.
+graph/eager req/s: throughput of the graph runner and of sglang's eager tower on the same
+requests. hit_rate: replays / graph-eligible batches. resident_graphs: graphs alive at the end
+(0.5.17 is unbounded). peak_cuda_reserved_mib: peak reserved memory. wrong_outputs: requests
+whose graph output differs from eager beyond bf16 tolerance (0.5.17 replays stale layouts)."""
+
+CP_MEANING = """\
+CPU only. Decision: time to choose the replay bucket for one batch (sglang-ext decides once
+at admission; upstream 0.5.18+ runs its loop twice, at admission and at replay). Admission:
+random multi-request zigzag batches against sglang's default prefill capture sizes; `0.5.17
+crash` = batches whose live CP-local rows exceed the bucket 0.5.17 pads to (a replay
+RuntimeError on 0.5.17), which sglang-ext replays in a larger captured bucket or runs eager."""
+
+
+def _load(path):
+    with open(path, "r", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _pi05_section():
+    paths = sorted(glob.glob(os.path.join(BENCH_DIR, "pi05_*.json")))
+    if not paths:
+        return None
+    import bench_pi05
+
+    runs = [_load(p) for p in paths]
+    results = [r for run in runs for r in run["results"]]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bench_pi05.print_table(results)
+    device = ", ".join(sorted({run.get("device", "?") for run in runs}))
+    torch_versions = ", ".join(sorted({run.get("torch", "?") for run in runs}))
+    settings = runs[0].get("settings", {})
+    lines = ["## Pi0.5 latency (`scripts/bench_pi05.py`)", "", PI05_MEANING, "",
+             f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
+             f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
+             f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
+             "", "```", out.getvalue().strip("\n"), "```", "",
+             "Commands (GPU machine, one process per implementation, run one after another):", "", "```"]
+    for run in runs:
+        tag = "0519" if run["impl"] == "0519" else "0517"
+        lines.append(f"source .carry/device_env.sh {tag} && python3 .carry/with_stubs.py scripts/bench_pi05.py "
+                     f"--impl {run['impl']} --out docs/bench/pi05_{run['impl']}.json")
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def _vit_section():
+    path = os.path.join(BENCH_DIR, "vit.json")
+    if not os.path.exists(path):
+        return None
+    import bench_vit
+
+    run = _load(path)
+    cfg = run["config"]
+    return "\n".join([
+        "## ViT graphs (`scripts/bench_vit.py`)", "", VIT_MEANING, "",
+        f"Device: {cfg.get('device')}; tower: {cfg.get('tower')}; {cfg.get('requests')} requests; "
+        f"capacity {cfg.get('capacity')}; {cfg.get('seconds')} s in all.", "",
+        "```", bench_vit.table(run["results"]), "```", "",
+        "Command: `source .carry/device_env.sh 0517 && SGLANG_EXT_ASSUME_SGLANG=0.5.17 python3 "
+        ".carry/with_stubs.py scripts/bench_vit.py --out docs/bench/vit.json`", ""])
+
+
+def _cp_section():
+    path = os.path.join(BENCH_DIR, "prefill_cp.json")
+    if not os.path.exists(path):
+        return None
+    import bench_prefill_cp
+
+    run = _load(path)
+    return "\n".join([
+        "## Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)", "", CP_MEANING, "",
+        f"Machine: {run.get('machine')} x{run.get('cpus')} (1-min load {run.get('load_average_1m')}); "
+        f"sglang {run.get('sglang')}.", "",
+        "```", bench_prefill_cp.render(run["decision"], run["admission"]), "```", "",
+        f"Command: `{run.get('command')}`", ""])
+
+
+def render() -> str:
+    sections = [s for s in (_pi05_section(), _vit_section(), _cp_section()) if s]
+    head = ["# Performance", "",
+            "Generated by `scripts/gen_performance_doc.py` from `docs/bench/*.json`; do not edit by hand.",
+            "Every table compares implementations measured in the same run on the same machine.", ""]
+    return "\n".join(head + sections).rstrip("\n") + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="fail if docs/performance.md is stale")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        current = open(DOC, encoding="utf-8").read() if os.path.exists(DOC) else ""
+        if current != text:
+            print("docs/performance.md is stale: run `python scripts/gen_performance_doc.py`", file=sys.stderr)
+            return 1
+        return 0
+    with open(DOC, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
