@@ -63,6 +63,7 @@ SERIES_VERSION = "0.5.17"
 PATCHES_ROOT = os.path.join(REPO, "patches")
 PATCH_DIR = os.path.join(PATCHES_ROOT, f"sglang-{SERIES_VERSION}")
 README = os.path.join(PATCHES_ROOT, "README.md")
+TOP_README = os.path.join(REPO, "README.md")  # carries the same matrix in its patches section
 REGENERATE = "python scripts/gen_patches.py && git add patches/"
 CORE_PATCH = "sglang-ext-core.patch"
 MATRIX_BEGIN = "<!-- BEGIN GENERATED MATRIX (scripts/gen_patches.py) -->"
@@ -1576,7 +1577,7 @@ def matrix(specs: Sequence[Any], files: Mapping[str, str]) -> str:
 
 def readme_text(current: str, table: str) -> str:
     if MATRIX_BEGIN not in current or MATRIX_END not in current:
-        raise GenerationError(f"{README} lacks the generated-matrix markers {MATRIX_BEGIN!r} / {MATRIX_END!r}")
+        raise GenerationError(f"a README lacks the generated-matrix markers {MATRIX_BEGIN!r} / {MATRIX_END!r}")
     before, rest = current.split(MATRIX_BEGIN, 1)
     _, after = rest.split(MATRIX_END, 1)
     return before + MATRIX_BEGIN + "\n" + table + MATRIX_END + after
@@ -1692,7 +1693,9 @@ def _generate(python: Optional[str], sglang_tree: Optional[str]) -> Dict[str, st
     check_pristine(collected, root)
     files = render_series(collected, PATCHES, pristine_root=root)
     out = {os.path.join(os.path.relpath(PATCH_DIR, REPO), name): text for name, text in files.items()}
-    out[os.path.relpath(README, REPO)] = readme_text(_read(README), matrix(PATCHES, files))
+    table = matrix(PATCHES, files)
+    for readme in (README, TOP_README):
+        out[os.path.relpath(readme, REPO)] = readme_text(_read(readme), table)
     return out
 
 
@@ -1715,20 +1718,22 @@ def main(argv: Optional[Sequence[str]] = None, *, reuse: bool = False) -> int:
         return 2
     series_rel = os.path.relpath(PATCH_DIR, REPO)
     series = {os.path.basename(k): v for k, v in generated.items() if os.path.dirname(k) == series_rel}
-    readme_rel = os.path.relpath(README, REPO)
+    readmes = {os.path.relpath(r, REPO): r for r in (README, TOP_README)}
     if args.check:
         problems = compare(series, args.patch_dir)
-        if _read(README) != generated[readme_rel]:
-            problems.append(f"{readme_rel}: the patch x version matrix is out of date")
+        for rel, path in readmes.items():
+            if _read(path) != generated[rel]:
+                problems.append(f"{rel}: the patch x version matrix is out of date")
         if problems:
             print(stale_message(problems, args.patch_dir), file=sys.stderr)
             return 1
         print(f"{series_rel}: up to date ({len(series) - 1} patches)")
         return 0
     write(series, args.patch_dir)
-    with open(README, "w", encoding="utf-8") as f:
-        f.write(generated[readme_rel])
-    print(f"wrote {series_rel} ({len(series) - 1} patches) and the matrix in {readme_rel}")
+    for rel, path in readmes.items():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(generated[rel])
+    print(f"wrote {series_rel} ({len(series) - 1} patches) and the matrix in {', '.join(readmes)}")
     return 0
 
 
