@@ -48,6 +48,7 @@ from sglang.srt.model_executor.runner_utils.pool import (
 from sglang_ext import knobs
 from sglang_ext.graphs import stats as graph_stats
 from sglang_ext.graphs.cache import Admission, BoundedGraphCache
+from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
 
 logger = init_logger(__name__)
 
@@ -355,10 +356,15 @@ class _VLAGraphRunnerBase:
     def _capture_resources(self, device: torch.device):
         device_module = torch.get_device_module(device)
         if self._capture_stream is None:
-            self._capture_stream = device_module.Stream(device=device)
+            # One capture stream per device (shared with every sglang-ext runner): the
+            # allocator reuses an evicted graph's pool blocks only on the stream that
+            # allocated them.
+            self._capture_stream = capture_stream(device)
         if self._graph_pool is None:
             self._graph_pool = get_or_create_global_graph_memory_pool(device_module)
             set_graph_pool_id(self._graph_pool)
+            # Evicting every graph must not empty the pool while an output is still alive.
+            pin_graph_pool(self._graph_pool, device)
         return device_module
 
     def _admit(self, signature: Any) -> bool:
@@ -381,14 +387,10 @@ class _VLAGraphRunnerBase:
             run()
         self._capture_stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with (
-            device_module.graph(
-                cuda_graph=graph,
-                pool=self._graph_pool,
-                stream=self._capture_stream,
-            ),
-            torch.inference_mode(),
-        ):
+        # guarded_capture: no automatic GC inside the capture (a collected graph's reset()
+        # would invalidate it), and a failed capture leaves the pool, the CUDA generator
+        # and the stream usable, so the signature can fall back to eager cleanly.
+        with guarded_capture(graph, pool=self._graph_pool, stream=self._capture_stream), torch.inference_mode():
             output = run()
         self._capture_stream.synchronize()
         return graph, output
