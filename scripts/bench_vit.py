@@ -21,7 +21,6 @@ Prints a table last and writes JSON (--out). Runs in about 3 minutes on one H200
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -72,8 +71,9 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int):
+def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, progress=None):
     runner = vit.cuda_graph_runner
+    progress = {} if progress is None else progress
     graph_s = eager_s = 0.0
     tokens_total = wrong = bitwise = 0
     worst = 0.0
@@ -81,6 +81,8 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int):
     for i, (tokens, grid, seed) in enumerate(requests):
         pixels = pixels_for(tokens, seed, dtype)
         grid_thw = torch.tensor(grid, dtype=torch.int64)
+        progress["requests_done"] = i
+        progress["wrong_outputs_so_far"] = wrong
         graphed, dt_graph = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=True))
         eager, dt_eager = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=False))
         graph_s += dt_graph
@@ -116,14 +118,6 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int):
     return result
 
 
-def release_memory() -> None:
-    """After the caller dropped its tower: collect the runner's reference cycles, return graph memory."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-
-
 def activate_patch(capacity: int, mode: str) -> None:
     from sglang_ext import activation
     from sglang_ext.registry import PATCH_NAMES
@@ -140,7 +134,7 @@ def activate_patch(capacity: int, mode: str) -> None:
 
 
 def table(results) -> str:
-    cols = ["mode", "requests", "graph_req_per_s", "eager_req_per_s", "speedup_vs_eager", "hit_rate", "captures",
+    cols = ["mode", "requests", "crashed_at_request", "graph_req_per_s", "eager_req_per_s", "speedup_vs_eager", "hit_rate", "captures",
             "resident_graphs", "peak_cuda_reserved_mib", "wrong_outputs", "bitwise_equal", "max_abs_diff"]
     rows = [cols] + [[_fmt(r.get(c)) for c in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
@@ -155,19 +149,24 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--unpatched-requests", type=int, default=300,
-                        help="requests for the 0.5.17 mode (its graphs are unbounded)")
-    parser.add_argument("--capacity", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="small tower, half resolutions, 100 requests")
-    parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "bench", "vit.json"))
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_vit.py needs a CUDA device")
+MODES = ("0.5.17", "layout", "class")
 
+
+def _child_command(args, mode: str, part_out: str) -> list:
+    """Re-run this script for one mode, through the CUDA-package stand-ins if they are active."""
+    cmd = [sys.executable]
+    stubs = sys.modules.get("sgl_stub_finder")
+    if stubs is not None:  # GPU machine: python3 .carry/with_stubs.py scripts/bench_vit.py ...
+        cmd.append(os.path.join(os.path.dirname(os.path.dirname(stubs.__file__)), "with_stubs.py"))
+    cmd += [os.path.abspath(__file__), "--mode", mode, "--part-out", part_out, "--requests", str(args.requests),
+            "--unpatched-requests", str(args.unpatched_requests), "--capacity", str(args.capacity),
+            "--seed", str(args.seed)] + (["--quick"] if args.quick else [])
+    return cmd
+
+
+def run_one_mode(args) -> None:
+    """One mode in this process. A crash (0.5.17 can replay a stale layout into an illegal
+    memory access, which kills the CUDA context) is recorded instead of lost."""
     config = kit.SMALL_CONFIG if args.quick else kit.QWEN2_5_VL_7B_CONFIG
     n = 100 if args.quick else args.requests
     scale = 0.5 if args.quick else 1.0
@@ -177,24 +176,59 @@ def main() -> None:
     os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1"
     kit.publish_runtime("triton_attn")
     kit.init_single_rank_parallel_state()
-
-    results = []
-    started = time.perf_counter()
-    unpatched_n = min(n, args.unpatched_requests)
-    vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
-    results.append(run_mode("0.5.17", vit, requests[:unpatched_n], dtype=dtype, tol=tol,
-                            sample_every=max(1, unpatched_n // 20)))
-    vit = None
-    release_memory()
-    for mode in ("layout", "class"):
-        activate_patch(args.capacity, mode)
+    if args.mode == "0.5.17":
+        name, requests = "0.5.17", requests[: min(n, args.unpatched_requests)]
+    else:
+        activate_patch(args.capacity, args.mode)
+        name = f"ext-{args.mode} (cap {args.capacity})"
+    progress: dict = {}
+    try:
         vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
-        results.append(run_mode(f"ext-{mode} (cap {args.capacity})", vit, requests, dtype=dtype, tol=tol,
-                                sample_every=max(1, n // 20)))
-        vit = None
-        release_memory()
+        result = run_mode(name, vit, requests, dtype=dtype, tol=tol,
+                          sample_every=max(1, len(requests) // 20), progress=progress)
+    except Exception as exc:  # noqa: BLE001 - the crash is the measurement
+        result = {"mode": name, "requests": len(requests), "crashed": f"{type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                  "crashed_at_request": progress.get("requests_done", 0) + 1,
+                  "wrong_outputs": progress.get("wrong_outputs_so_far", 0)}
+    with open(args.part_out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
 
-    report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": str(dtype),
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--unpatched-requests", type=int, default=300,
+                        help="requests for the 0.5.17 mode (its graphs are unbounded)")
+    parser.add_argument("--capacity", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="small tower, half resolutions, 100 requests")
+    parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "bench", "vit.json"))
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: one mode per process
+    parser.add_argument("--part-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_vit.py needs a CUDA device")
+    if args.mode:
+        run_one_mode(args)
+        return
+
+    import subprocess
+    import tempfile
+
+    started = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in MODES:  # one process per mode: fresh CUDA context, no cross-talk
+            part = os.path.join(tmp, f"{mode}.json")
+            proc = subprocess.run(_child_command(args, mode, part))
+            if os.path.exists(part):
+                with open(part, encoding="utf-8") as f:
+                    results.append(json.load(f))
+            else:
+                results.append({"mode": mode, "crashed": f"exit status {proc.returncode}, no result"})
+    n = 100 if args.quick else args.requests
+    report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
                          "attention": "triton_attn", "requests": n, "capacity": args.capacity,
                          "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
                          "device": torch.cuda.get_device_name(), "seconds": round(time.perf_counter() - started, 1)},

@@ -189,7 +189,14 @@ def resolve_version(settings: Optional[Settings], source_root: Optional[str] = N
         return settings.assume_sglang
     if source_root is not None:
         return source_tree_version(source_root)
-    return installed_sglang_version()
+    installed = installed_sglang_version()
+    if installed is None:
+        # An sglang on sys.path without dist metadata (an unpacked wheel or a build tree):
+        # its own _version.py says which release it is; fingerprints are still checked.
+        path = installed_sglang_path()
+        if path is not None:
+            return source_tree_version(os.path.dirname(path))
+    return installed
 
 
 def is_supported(version: Optional[str]) -> bool:

@@ -505,3 +505,14 @@ def test_same_global_name_for_different_objects_fails_the_second_patch(tmp_path,
     assert got["first"] == "applied"
     assert got["second"].startswith("failed: ") and "_ext_shared_helper: patch first added a different object" in got["second"]
     assert target.helper() == "original helper" and target.Engine().run() == "first <e>"
+
+
+def test_sglang_without_dist_metadata_is_identified_by_its_version_file(monkeypatch):
+    """An unpacked sglang on sys.path (no dist-info, e.g. a build tree) reports the release
+    in its own sglang/_version.py; activation checks fingerprints against that release."""
+    from sglang_ext import activation
+
+    monkeypatch.setattr(activation, "installed_sglang_version", lambda: None)
+    assert activation.resolve_version(None) == "0.5.17"
+    monkeypatch.setattr(activation, "installed_sglang_path", lambda: None)
+    assert activation.resolve_version(None) is None  # no sglang at all: "sglang is not installed"

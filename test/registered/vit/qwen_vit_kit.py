@@ -99,17 +99,4 @@ def grid_list(grid_thw: torch.Tensor) -> List[List[int]]:
     return [list(map(int, row)) for row in grid_thw.tolist()]
 
 
-def init_single_rank_parallel_state() -> None:
-    """World of one (gloo), so sglang's parallel layers find their TP group; idempotent."""
-    from sglang.srt.distributed import parallel_state
-
-    if parallel_state._TP is not None:
-        return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    parallel_state.init_distributed_environment(
-        world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+from sglang_ext.testing.single_rank import init_single_rank_parallel_state  # noqa: E402,F401
