@@ -57,6 +57,31 @@ def _load(path):
         return json.load(f)
 
 
+def _target(label: str, value: float, op: str, bound: float, fmt: str = "{:.2f}") -> str:
+    met = value <= bound if op == "<=" else value >= bound
+    return f"| {label} | {fmt.format(value)} | {op} {fmt.format(bound)} | {'met' if met else 'NOT met'} |"
+
+
+TARGET_HEAD = ["| target (issue 8) | measured | bound | |", "|---|---|---|---|"]
+
+
+def _pi05_targets(results) -> list:
+    by = {(r["impl"], r["mode"]): r for r in results}
+    ext_graph = [r for r in results if r["impl"] == "0517-ext" and r["mode"].startswith("graph")]
+    if not ext_graph or ("0519", "graph") not in by or ("0517", "eager") not in by:
+        return []
+    best = min(ext_graph, key=lambda r: r["p50_ms"])
+    rows = [_target(f"best ext graph p50 ({best['mode']}) / 0.5.19 exact graph p50",
+                    best["p50_ms"] / by[("0519", "graph")]["p50_ms"], "<=", 0.90),
+            _target(f"best ext graph p50 ({best['mode']}) / 0.5.17 eager p50",
+                    best["p50_ms"] / by[("0517", "eager")]["p50_ms"], "<=", 0.17)]
+    if ("0517-ext", "eager") in by:
+        rows.append(_target("ext eager launches / 0.5.17 eager launches",
+                            by[("0517-ext", "eager")]["kernel_launches_per_request"]
+                            / by[("0517", "eager")]["kernel_launches_per_request"], "<=", 0.85))
+    return ["", *TARGET_HEAD, *rows]
+
+
 def _pi05_section():
     paths = sorted(glob.glob(os.path.join(BENCH_DIR, "pi05_*.json")))
     if not paths:
@@ -75,7 +100,7 @@ def _pi05_section():
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
              f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
-             "", "```", out.getvalue().strip("\n"), "```", "",
+             "", "```", out.getvalue().strip("\n"), "```", *_pi05_targets(results), "",
              "Commands (GPU machine, one process per implementation, run one after another):", "", "```"]
     for run in runs:
         tag = "0519" if run["impl"] == "0519" else "0517"
@@ -83,6 +108,18 @@ def _pi05_section():
                      f"--impl {run['impl']} --out docs/bench/pi05_{run['impl']}.json")
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def _vit_targets(results) -> list:
+    rows = []
+    for r in results:
+        if r.get("hit_rate") is None:
+            continue
+        rows += [_target(f"{r['mode']}: hit rate", r["hit_rate"], ">=", 0.90),
+                 _target(f"{r['mode']}: resident graphs", r["resident_graphs"], "<=", 32, "{:.0f}"),
+                 _target(f"{r['mode']}: throughput vs eager", r["speedup_vs_eager"], ">=", 1.5),
+                 _target(f"{r['mode']}: mismatches vs eager", r["wrong_outputs"], "<=", 0, "{:.0f}")]
+    return ["", *TARGET_HEAD, *rows] if rows else []
 
 
 def _vit_section():
@@ -97,9 +134,11 @@ def _vit_section():
         "## ViT graphs (`scripts/bench_vit.py`)", "", VIT_MEANING, "",
         f"Device: {cfg.get('device')}; tower: {cfg.get('tower')}; {cfg.get('requests')} requests; "
         f"capacity {cfg.get('capacity')}; {cfg.get('seconds')} s in all.", "",
-        "```", bench_vit.table(run["results"]), "```", "",
-        "Command: `source .carry/device_env.sh 0517 && SGLANG_EXT_ASSUME_SGLANG=0.5.17 python3 "
-        ".carry/with_stubs.py scripts/bench_vit.py --out docs/bench/vit.json`", ""])
+        "```", bench_vit.table(run["results"]), "```", *_vit_targets(run["results"]), "",
+        "Command: `source .carry/device_env.sh 0517 && python3 .carry/with_stubs.py scripts/bench_vit.py "
+        f"--requests {cfg.get('requests')} --capacity {cfg.get('capacity')} --out docs/bench/vit.json` "
+        "(0.5.17 runs the first `--unpatched-requests` of the same stream; each mode in its own process). "
+        "`crashed_at_request`: the request at which that implementation's process died.", ""])
 
 
 def _cp_section():
@@ -113,7 +152,9 @@ def _cp_section():
         "## Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)", "", CP_MEANING, "",
         f"Machine: {run.get('machine')} x{run.get('cpus')} (1-min load {run.get('load_average_1m')}); "
         f"sglang {run.get('sglang')}.", "",
-        "```", bench_prefill_cp.render(run["decision"], run["admission"]), "```", "",
+        "```", bench_prefill_cp.render(run["decision"], run["admission"]), "```", "", *TARGET_HEAD,
+        _target("slowest per-batch decision (median us)", max(r["ext_decision_us"] for r in run["decision"]),
+                "<=", 10.0), "",
         f"Command: `{run.get('command')}`", ""])
 
 
