@@ -44,7 +44,8 @@ def _step(name: str):
     return guard()
 
 
-def _unit_server_args(attention_backend: str) -> SimpleNamespace:
+def unit_server_args(attention_backend: Optional[str]) -> SimpleNamespace:
+    """The multimodal_gen server-args fields Pi0.5 model construction reads (tests, benchmarks)."""
     return SimpleNamespace(
         attention_backend=attention_backend,
         attention_backend_config=None,
@@ -155,7 +156,7 @@ def build_random_pi05(
         from sglang.multimodal_gen.runtime.server_args import set_global_server_args
 
     with _step("publish multimodal_gen server args (attention backend)"):
-        set_global_server_args(_unit_server_args(attention_backend))
+        set_global_server_args(unit_server_args(attention_backend))
 
     with _step("pipeline config"):
         config = Pi05PipelineConfig()

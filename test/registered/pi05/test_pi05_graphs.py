@@ -26,6 +26,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
+from sglang_ext.testing.pi05_random import unit_server_args  # noqa: E402
+
 CUDA_GRAPH = "sglang.multimodal_gen.runtime.vla.cuda_graph"
 CORE = "sglang.multimodal_gen.runtime.models.vlas.pi05_core"
 POLICY = "sglang.multimodal_gen.runtime.models.vlas.pi05_policy"
@@ -37,30 +39,13 @@ PREFIX_CACHE = "sglang.multimodal_gen.runtime.vla.prefix_cache"
 # Fixtures
 # --------------------------------------------------------------------------
 
-
-def _unit_server_args():
-    return SimpleNamespace(
-        attention_backend=None,
-        attention_backend_config=None,
-        comfyui_mode=False,
-        disable_autocast=False,
-        enable_cfg_parallel=False,
-        enable_breakable_cuda_graph=False,
-        enable_layerwise_nvtx_marker=False,
-        enable_torch_compile=False,
-        model_loaded={},
-        model_paths={},
-        pipeline_config=SimpleNamespace(),
-    )
-
-
 @pytest.fixture
 def pi05(ext_patches, monkeypatch):
     """`pi05(**knobs)` activates sglang-ext and returns the patched sglang modules."""
     from sglang.multimodal_gen.runtime.server_args import get_global_server_args
 
     server_args_module = importlib.import_module(get_global_server_args.__module__)
-    monkeypatch.setattr(server_args_module, "_global_server_args", _unit_server_args())
+    monkeypatch.setattr(server_args_module, "_global_server_args", unit_server_args(None))
 
     def activate(**knobs):
         ext_patches(**knobs)
