@@ -39,6 +39,7 @@ PREFIX_CACHE = "sglang.multimodal_gen.runtime.vla.prefix_cache"
 # Fixtures
 # --------------------------------------------------------------------------
 
+
 @pytest.fixture
 def pi05(ext_patches, monkeypatch):
     """`pi05(**knobs)` activates sglang-ext and returns the patched sglang modules."""
