@@ -137,7 +137,8 @@ KNOBS: tuple[Knob, ...] = (
          "Most ViT CUDA graphs resident at once (0 disables ViT graphs: every batch runs eager).",
          minimum=0),
     Knob("vit_graph_max_bytes", "int", 0,
-         "Graph-pool byte budget for ViT graphs, measured per capture (0 = no byte limit).",
+         "Byte budget for resident ViT graphs, counted from each graph's static buffers (the same on "
+         "every TP rank, so ranks evict in lockstep; 0 = no byte limit).",
          minimum=0),
     Knob("vit_graph_policy", "choice", "lru",
          "When full: 'lru' evicts the least recently used graph (reset() before capture); "
@@ -147,8 +148,9 @@ KNOBS: tuple[Knob, ...] = (
          "Anti-thrash admission: capture a layout only once it has been seen this many times.",
          minimum=1),
     Knob("vit_graph_mode", "choice", "layout",
-         "'layout': one graph per (tokens, attention layout), exact. 'class': graphs keyed by "
-         "(padded tokens, sequence-count class) with boundaries refreshed at replay.",
+         "'layout': one graph per (tokens, attention layout). 'class' (triton_attn only): graphs shared by "
+         "layouts with the same token count, sequence-count class and longest-sequence class; boundaries "
+         "are refreshed at every replay. Both are exact.",
          choices=("layout", "class")),
     # --- Pi0.5 graphs (patches pi05_*) ---
     Knob("pi05_prefix_graph_max_entries", "int", -1,

@@ -129,7 +129,7 @@ from sglang_ext.graphs.keys import (
     dedup_consecutive,
     grid_thw_lengths,
 )
-from sglang_ext.graphs.workspace import StableWorkspacePool
+from sglang_ext.graphs.workspace import AddressGuard, StableWorkspacePool
 
 _ext_vit_logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
@@ -198,6 +198,8 @@ def _ext_ensure_state(self):
     self._ext_graph_bytes = {}
     self._ext_max_lens = {}
     self._ext_fallbacks = {reason: 0 for reason in _EXT_VIT_FALLBACK_REASONS}
+    # --ext-debug-addresses: assert at every replay that no captured tensor moved.
+    self._ext_address_guard = AddressGuard()
     blocks = getattr(self.vit, "blocks", None) or [None]
     forward = getattr(blocks[0], "forward", None)
     try:
@@ -246,6 +248,9 @@ def _ext_drop_graph_state(self, graph_key):
         table.pop(graph_key, None)
     self._ext_graph_bytes.pop(graph_key, None)
     self._ext_max_lens.pop(graph_key, None)
+    guard = self.__dict__.get("_ext_address_guard")
+    if guard is not None:
+        guard.forget(graph_key)
     self._sin_cos_ws_by_graph.pop(graph_key, None)
     lease = self._ext_rotary_leases.pop(graph_key, None)
     if lease is not None:
@@ -474,14 +479,9 @@ def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings,
     if not self._ext_capture_agreed(captured):
         self._ext_drop_graph_state(graph_key)
         raise RuntimeError(f"ViT CUDA graph capture for {graph_key} failed on another TP rank")
-    nbytes = sum(t.numel() * t.element_size() for t in (
-        self.block_input[graph_key], self.block_ws[graph_key], self.block_output[graph_key],
-        self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key]))
-    if self._fullatt_block_indexes:
-        nbytes += sum(t.numel() * t.element_size() for t in (
-            self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key]))
-    for t in self._sin_cos_ws_by_graph.get(graph_key, ()):
-        nbytes += t.numel() * t.element_size()
+    tensors = self._ext_graph_tensors(graph_key)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    self._ext_address_guard.record(graph_key, tensors)
     self._ext_graph_bytes[graph_key] = nbytes
     # False (exact policy, over budget): the cache has already released the entry.
     self._ext_cache.put(graph_key, (graph_key, self.block_graphs[graph_key]), nbytes=nbytes)
@@ -500,6 +500,9 @@ def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=N
         cos_ws.copy_(rotary_pos_emb_cos)
         sin_ws.copy_(rotary_pos_emb_sin)
     self.block_input[graph_key].copy_(x_3d)
+    guard = self.__dict__.get("_ext_address_guard")
+    if guard is not None and guard.enabled:
+        guard.check(graph_key, self._ext_graph_tensors(graph_key))
     self.block_graphs[graph_key].replay()
     out = self.block_output[graph_key]
     # Owned result: the static output is rewritten by the next replay of this key
@@ -507,6 +510,16 @@ def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=N
     if output_indices is not None:
         return out.index_select(0, output_indices)
     return out.clone()
+
+
+def _ext_graph_tensors(self, graph_key):
+    """Every static tensor a captured graph reads or writes: their addresses are baked into it."""
+    tensors = [self.block_input[graph_key], self.block_ws[graph_key], self.block_output[graph_key],
+               self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key]]
+    if self._fullatt_block_indexes:
+        tensors += [self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key]]
+    tensors += list(self._sin_cos_ws_by_graph.get(graph_key, ()))
+    return tuple(tensors)
 
 
 def _ext_expected_bytes(self, x_3d):
@@ -694,7 +707,8 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 _RUNNER_METHODS = (
     _ext_ensure_state, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
     _ext_class_mode, _ext_graph_key_for, _ext_write_layout, _get_sin_cos_ws,
-    _ext_graph_pool, _ext_capture_agreed, _create_graph, create_graph, replay, _ext_expected_bytes, _ext_run_eager, run,
+    _ext_graph_pool, _ext_capture_agreed, _create_graph, create_graph, replay, _ext_graph_tensors,
+    _ext_expected_bytes, _ext_run_eager, run,
 )
 
 

@@ -713,3 +713,26 @@ def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails
     info = vit.cuda_graph_runner._ext_graph_info()
     assert info["failures"] == 3 and info["fallback_capture_failed"] == 3 and info["resident_graphs"] == 0
     assert vit.cuda_graph_runner._ext_rotary_leases == {} and vit.cuda_graph_runner.block_input == {}
+
+
+def test_debug_addresses_catches_a_captured_tensor_that_moved(vit_patch, fake_cuda):
+    """--ext-debug-addresses: a replay whose captured buffer was replaced fails loudly, not silently."""
+    vit_patch(vit_graph_max_entries=2, debug_addresses=1)
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    out, want = call(runner, 4, (0, 2, 4), position=1)
+    out, want = call(runner, 4, (0, 2, 4), position=2)  # a replay with every address as captured
+    torch.testing.assert_close(out, want)
+    key = next(iter(runner.block_graphs))
+    runner.cu_full_len[key] = runner.cu_full_len[key].clone()  # what a moved workspace looks like
+    with pytest.raises(AssertionError, match="moved"):
+        call(runner, 4, (0, 2, 4), position=3)
+
+
+def test_debug_addresses_off_by_default_costs_nothing(vit_patch, fake_cuda):
+    vit_patch(vit_graph_max_entries=2)
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    call(runner, 4, (0, 2, 4), position=1)
+    assert runner._ext_address_guard.enabled is False
+    key = next(iter(runner.block_graphs))
+    runner.cu_full_len[key] = runner.cu_full_len[key].clone()
+    call(runner, 4, (0, 2, 4), position=2)  # no check, no error (the default keeps replay lean)
