@@ -20,6 +20,7 @@ import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
+from activation_env import clean_activation  # noqa: F401  (autouse fixture)
 from released_wheels import released_tree  # noqa: F401  (fixture)
 from sglang_ext import activation, doctor, patching, plugin, registry
 from sglang_ext.errors import SglangExtActivationError
@@ -32,16 +33,6 @@ pytestmark = plugin_only
 
 STATUS_WORDS = ("applied", "armed", "disabled", "not needed", "skipped", "failed")
 _counter = itertools.count()
-
-
-@pytest.fixture(autouse=True)
-def clean_activation(monkeypatch):
-    for name in list(os.environ):
-        if name == "SGLANG_EXT" or name.startswith("SGLANG_EXT_"):
-            monkeypatch.delenv(name)
-    activation.deactivate()
-    yield
-    activation.deactivate()
 
 
 # --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
+from activation_env import clean_activation  # noqa: F401  (autouse fixture)
 from released_wheels import released_tree  # noqa: F401  (fixture)
 from sglang_ext import activation, cli, doctor
 from sglang_ext.registry import PATCH_NAMES, PATCHES
@@ -31,16 +32,6 @@ def clean_env(**extra):
     env = {k: v for k, v in os.environ.items() if not (k == "SGLANG_EXT" or k.startswith("SGLANG_EXT_"))}
     env.update(extra)
     return env
-
-
-@pytest.fixture(autouse=True)
-def clean_activation(monkeypatch):
-    for name in list(os.environ):
-        if name == "SGLANG_EXT" or name.startswith("SGLANG_EXT_"):
-            monkeypatch.delenv(name)
-    activation.deactivate()
-    yield
-    activation.deactivate()
 
 
 def run_cli(*args):
