@@ -187,6 +187,19 @@ PATCHES: Tuple[PatchSpec, ...] = (
         process="multimodal_gen worker",
     ),
     PatchSpec(
+        name="pi05_fused_norms",
+        summary="PiGemma adaRMS norm on fused rms_norm + addcmul (same float32 math, ~5 kernels instead "
+        "of ~13); gated_residual as one addcmul",
+        # PiGemmaDecoderLayer.forward and compute_layer_complete call gated_residual through the
+        # module globals, so rebinding the function reaches them.
+        targets=T(_PI05_CORE, "PiGemmaRMSNorm", "gated_residual"),
+        parts=(Part(_PI05_CORE, "sglang_ext.adapters.pi05_fused_norms:patch_pi05_core"),),
+        rebinds=(f"{_PI05_CORE}.gated_residual",),
+        upstream_pr="none (sglang-ext only)",
+        retire_when="upstream PiGemmaRMSNorm uses a fused rms_norm and gated_residual is a single op",
+        process="multimodal_gen worker",
+    ),
+    PatchSpec(
         name="pi05_config",
         summary="Pi0.5 graph config fields (prompt_token_buckets, prefix/action graph capacities) validated "
         "at start-up, misspelled graph keys rejected, --ext-pi05-* overrides; prompt_bucketing module; "
