@@ -150,8 +150,15 @@ KNOBS: tuple[Knob, ...] = (
     Knob("vit_graph_mode", "choice", "layout",
          "'layout': one graph per (tokens, attention layout). 'class' (triton_attn only): graphs shared by "
          "layouts with the same token count, sequence-count class and longest-sequence class; boundaries "
-         "are refreshed at every replay. Both are exact.",
-         choices=("layout", "class")),
+         "are refreshed at every replay. Both are bitwise equal to eager. 'bucket' (triton_attn only): class "
+         "mode with token counts padded up to --ext-vit-graph-token-buckets (padding is its own attention "
+         "sequence and is dropped from the output): far fewer graphs; equal to eager within bf16 rounding "
+         "(GEMMs see more rows), not bitwise.",
+         choices=("layout", "class", "bucket")),
+    Knob("vit_graph_token_buckets", "int_list", (),
+         "Bucket mode: token counts (patches before merging) to pad to; each must be a multiple of the "
+         "tower's spatial merge unit (4 for Qwen2.5-VL / Qwen3-VL) or it is skipped. Empty = 256 growing "
+         "by 12.5 % (multiples of 64) up to 16384; larger batches are not padded."),
     # --- Pi0.5 graphs (patches pi05_*) ---
     Knob("pi05_prefix_graph_max_entries", "int", -1,
          "Override prefix_cuda_graph_max_entries of the Pi0.5 pipeline config (-1 = keep config).",

@@ -101,6 +101,19 @@ own sequence); many layouts still share a graph (e.g. the same images in another
 order, or images of different shapes with equal token totals). fa3 takes
 max_seqlen into its scheduling heuristics, so it is not claimed exact there.
 
+Bucket mode (opt-in, `--ext-vit-graph-mode bucket`, triton_attn only): class mode plus token
+padding, for streams whose token totals rarely repeat (1-4 images at mixed resolutions hit
+class-mode graphs only ~70 % of the time). The token count is padded up to the next
+`--ext-vit-graph-token-buckets` size (default: 256 growing by 12.5 %, ~7 % padding on a
+realistic stream). Padding rows are zeros appended after the real tokens, forming their own
+attention sequences (one full-attention sequence; window-sized window sequences), so no real
+token attends to them; the merger's first tokens/merge-unit rows are the real output and only
+they are returned. The full-attention class is widened to >= 8 sequences with the bucket as
+max_seqlen bound, so a bucket has one graph. Cost: GEMMs see up to 12.5 % more rows, and a
+different row count can make cuBLAS pick another kernel, so results equal eager within
+rounding (bf16), not bitwise. Batches above the largest bucket run unpadded, as in class mode;
+eager fallbacks always run the real, unpadded batch.
+
 Deviation from upstream: keys are `GraphKey`s, not `(S, layout)` tuples; a direct
 `_get_graph_key(x, cuda_cu_seqlens, ...)` call without a key raises instead of syncing;
 `attention_layout_key` must be `(full cu_seqlens ints, window cu_seqlens ints or None)`; `create_graph` stores device copies of
@@ -115,11 +128,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 
 import torch
 
 from sglang_ext import knobs as ext_knobs
 from sglang_ext.graphs import stats as ext_graph_stats
+from sglang_ext.graphs.buckets import geometric_buckets, select_bucket
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
 from sglang_ext.graphs.keys import (
@@ -135,6 +150,12 @@ _ext_vit_logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
 # Fallback reasons, as counted per runner.
 _EXT_VIT_FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed")
+
+# Bucket mode's default token ladder: one 224x224 image (256 patches) growing by 12.5 % up to
+# 16384 patches, in multiples of 64 (one Qwen2.5-VL attention window; a multiple of the merge unit).
+_EXT_VIT_DEFAULT_BUCKETS = dict(smallest=256, largest=16384, ratio=1.125, multiple=64)
+# Bucket mode: room for this many full-attention sequences at least, so one token bucket has one class.
+_EXT_VIT_BUCKET_MIN_SEQUENCES = 8
 
 
 # ---------------------------------------------------------------------------
@@ -168,6 +189,31 @@ def _ext_vit_layout_class(layout, num_tokens):
             min(_ext_vit_pow2(max(_ext_vit_max_len(layout), 1)), max(num_tokens, 1)))
 
 
+def _ext_vit_token_buckets(unit):
+    """Bucket mode's token ladder (knob or default), keeping sizes the merge unit divides."""
+    buckets = ext_knobs.current("vit_graph_token_buckets") or geometric_buckets(**_EXT_VIT_DEFAULT_BUCKETS)
+    return tuple(b for b in buckets if b % unit == 0)
+
+
+def _ext_vit_padded_layout(layout, real_tokens, bucket, chunk):
+    """`layout` plus padding sequences covering [real_tokens, bucket), none longer than `chunk`."""
+    if layout is None:
+        return None
+    cuts = list(layout)
+    end = real_tokens
+    while end < bucket:
+        end = min(end + chunk, bucket)
+        cuts.append(end)
+    return tuple(cuts)
+
+
+def _ext_vit_pad_rows(tensor, pad):
+    """`tensor` with `pad` zero rows appended along dim 0 (one kernel)."""
+    if tensor is None:
+        return None
+    return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, pad))
+
+
 def _ext_vit_is_device_tensor(value):
     return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
@@ -191,6 +237,10 @@ def _ext_ensure_state(self):
         release=self._ext_release_graph,
     )
     self._ext_mode = ext_knobs.current("vit_graph_mode")
+    # Merger rows: `spatial_merge_unit` input tokens make one output row (1 for towers without merging).
+    self._ext_merge_unit = int(getattr(self.vit, "spatial_merge_unit", 1) or 1)
+    self._ext_token_buckets = _ext_vit_token_buckets(self._ext_merge_unit) if self._ext_mode == "bucket" else ()
+    self._ext_padding = {"padded_batches": 0, "padding_tokens": 0, "real_tokens": 0}
     self._ext_rotary_pools = {}
     self._ext_rotary_leases = {}
     self._ext_rotary_current = {}
@@ -214,7 +264,8 @@ def _ext_ensure_state(self):
 def _ext_graph_info(self):
     """Counters for `sglang-ext doctor` / periodic debug logs."""
     info = self._ext_cache.info().as_dict()
-    info["mode"] = "class" if self._ext_class_mode() else "layout"
+    info["mode"] = "bucket" if self._ext_bucket_mode() else "class" if self._ext_class_mode() else "layout"
+    info.update(self._ext_padding)
     info["resident_graphs"] = len(self._ext_cache)
     info["fallbacks"] = sum(self._ext_fallbacks.values())
     for reason, count in self._ext_fallbacks.items():
@@ -282,18 +333,66 @@ def _get_graph_key(self, x_3d, cu_seqlens=None, cu_window_seqlens=None, attentio
 
 
 def _ext_class_mode(self):
-    """Layout-class mode is exact only for the triton kernel (max_seqlen is just its grid bound)."""
-    return self._ext_mode == "class" and self._attn_backend == "triton_attn"
+    """Layout-class (and bucket) mode is exact only for the triton kernel (max_seqlen is just its grid bound)."""
+    return self._ext_mode in ("class", "bucket") and self._attn_backend == "triton_attn"
+
+
+def _ext_bucket_mode(self):
+    return self._ext_mode == "bucket" and self._attn_backend == "triton_attn"
 
 
 def _ext_graph_key_for(self, layout_key):
-    """The cache key of a batch: its layout key, or in class mode its (tokens, class) key."""
+    """The cache key of a batch: its layout key, or in class mode its (tokens, class) key.
+
+    Bucket mode coarsens the full-attention class so that a token bucket has one graph: room for
+    at least `_EXT_VIT_BUCKET_MIN_SEQUENCES` sequences and the token count as max_seqlen bound
+    (the kernel's extra programs find no rows and exit). Windows keep class mode's classes.
+    """
     if not self._ext_class_mode():
         return layout_key
     full, window = layout_key.layout
     tokens = layout_key.num_tokens
-    return GraphKey(tokens, variant=("class",) + _ext_vit_layout_class(full, tokens)
-                    + _ext_vit_layout_class(window, tokens))
+    full_class = _ext_vit_layout_class(full, tokens)
+    if self._ext_bucket_mode():
+        if full is not None:
+            full_class = (max(_EXT_VIT_BUCKET_MIN_SEQUENCES, full_class[0]), max(tokens, 1))
+        return GraphKey(tokens, variant=("bucket",) + full_class + _ext_vit_layout_class(window, tokens))
+    return GraphKey(tokens, variant=("class",) + full_class + _ext_vit_layout_class(window, tokens))
+
+
+def _ext_pad_to_bucket(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
+                       output_indices):
+    """Bucket mode: the batch padded to its token bucket, or None (no bucket, or already a bucket size).
+
+    Padding rows are zeros and form their own attention sequences (one for full attention,
+    window-sized ones for window attention), so no real token attends to them; they come after
+    the real tokens, so the merger's first `tokens / merge unit` rows are the real output, and
+    `output_indices` (given, or built here) selects only those.
+    """
+    tokens = layout_key.num_tokens
+    unit = self._ext_merge_unit
+    if tokens % unit:
+        return None
+    decision = select_bucket(tokens, self._ext_token_buckets, max_padding_factor=math.inf)
+    if decision.bucket is None or decision.padding == 0:
+        return None
+    bucket, pad = decision.bucket, decision.padding
+    full, window = layout_key.layout
+    full = _ext_vit_padded_layout(full, tokens, bucket, bucket)
+    window = _ext_vit_padded_layout(window, tokens, bucket, max(_ext_vit_max_len(window), unit))
+    device = x_3d.device
+    cu_seqlens = torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True)
+    cu_window_seqlens = (None if window is None
+                         else torch.tensor(window, dtype=torch.int32).to(device, non_blocking=True))
+    if position_embeddings is not None:
+        position_embeddings = tuple(_ext_vit_pad_rows(t, pad) for t in position_embeddings)
+    if output_indices is None:
+        output_indices = torch.arange(tokens // unit, device=device)
+    self._ext_padding["padded_batches"] += 1
+    self._ext_padding["padding_tokens"] += pad
+    return (GraphKey(bucket, layout=(full, window)), _ext_vit_pad_rows(x_3d, pad), cu_seqlens, cu_window_seqlens,
+            position_embeddings, _ext_vit_pad_rows(rotary_pos_emb_cos, pad),
+            _ext_vit_pad_rows(rotary_pos_emb_sin, pad), output_indices)
 
 
 def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
@@ -587,6 +686,8 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
     self._ext_ensure_state()
     x_3d = x.unsqueeze(1)  # [S, 1, H]
     num_tokens = int(x_3d.shape[0])
+    eager_batch = (x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
+                   output_indices)
     graph_key = None
     if attention_layout_key is not None or not (
         _ext_vit_is_device_tensor(cu_seqlens) or _ext_vit_is_device_tensor(cu_window_seqlens)
@@ -599,6 +700,13 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
         max_full_len = _ext_vit_max_len(graph_key.layout[0])
         max_window_len = _ext_vit_max_len(graph_key.layout[1])
         layout_key = graph_key
+        if self._ext_bucket_mode():
+            self._ext_padding["real_tokens"] += num_tokens
+            padded = self._ext_pad_to_bucket(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos,
+                                             rotary_pos_emb_sin, output_indices)
+            if padded is not None:  # the graph sees the padded batch; eager keeps the real one
+                (layout_key, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
+                 rotary_pos_emb_sin, output_indices) = padded
         graph_key = self._ext_graph_key_for(layout_key)
         reason = None
         if self._ext_cache.get(graph_key) is None:
@@ -621,8 +729,7 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
     ext_graph_stats.maybe_log(_ext_vit_logger, ext_knobs.current("stats_log_interval_s"))
     if reason is not None:
         self._ext_fallbacks[reason] += 1
-        return self._ext_run_eager(x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
-                                   rotary_pos_emb_sin, output_indices, max_full_len, max_window_len)
+        return self._ext_run_eager(*eager_batch, max_full_len, max_window_len)
     if graph_key.variant:  # class mode: this batch's boundaries into the shared graph
         device = self.device
         self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),
@@ -706,7 +813,7 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 
 _RUNNER_METHODS = (
     _ext_ensure_state, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
-    _ext_class_mode, _ext_graph_key_for, _ext_write_layout, _get_sin_cos_ws,
+    _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_pad_to_bucket, _ext_write_layout, _get_sin_cos_ws,
     _ext_graph_pool, _ext_capture_agreed, _create_graph, create_graph, replay, _ext_graph_tensors,
     _ext_expected_bytes, _ext_run_eager, run,
 )

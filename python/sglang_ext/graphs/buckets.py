@@ -106,3 +106,28 @@ def select_bucket(
             continue
         return BucketDecision(live_size, bucket, required, cap)
     return BucketDecision(live_size, None, required, None)
+
+
+def geometric_buckets(smallest: int, largest: int, *, ratio: float, multiple: int = 1) -> Tuple[int, ...]:
+    """Sizes from `smallest` growing by `ratio`, each rounded up to `multiple`, until one is >= `largest`.
+
+    Padding a live size to the next such bucket wastes less than `ratio - 1` of it
+    (plus rounding), while the number of distinct sizes, i.e. of graphs, stays
+    logarithmic in largest / smallest.
+    """
+    for name, value in (("smallest", smallest), ("largest", largest), ("multiple", multiple)):
+        if not _is_int(value) or value <= 0:
+            raise ValueError(f"{name}: {value!r} is not allowed; allowed: positive integers")
+    if largest < smallest:
+        raise ValueError(f"largest: {largest} is below smallest {smallest}; allowed: integers >= smallest")
+    if not isinstance(ratio, numbers.Real) or isinstance(ratio, bool) or not ratio > 1 or math.isinf(ratio):
+        raise ValueError(f"ratio: {ratio!r} is not allowed; allowed: finite numbers > 1")
+    sizes = []
+    size = float(smallest)
+    while True:
+        bucket = -(-math.ceil(size) // multiple) * multiple
+        if not sizes or bucket > sizes[-1]:
+            sizes.append(bucket)
+        if bucket >= largest:
+            return tuple(sizes)
+        size *= ratio

@@ -26,7 +26,7 @@ from graph_core_fakes import FakeGraph, key_sequence, rank_log, resets_of, run_s
 from sglang_ext.graphs import cache as cache_module
 from sglang_ext.graphs import stats
 from sglang_ext.graphs import capture
-from sglang_ext.graphs.buckets import BucketDecision, select_bucket, validate_buckets
+from sglang_ext.graphs.buckets import BucketDecision, geometric_buckets, select_bucket, validate_buckets
 from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, release_entry
 from sglang_ext.graphs.keys import (
     DeviceSyncError,
@@ -282,6 +282,41 @@ def test_select_bucket_properties(live, buckets, factor, caps, required):
         assert d.bucket == min(fitting)  # minimal among fitting buckets
         assert d.padding == d.bucket - live
     assert d.live_size == live and d.required == required
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    smallest=st.integers(1, 2048),
+    span=st.integers(0, 50_000),
+    ratio=st.sampled_from([1.01, 1.1, 1.125, 1.5, 2.0]),
+    multiple=st.sampled_from([1, 4, 64]),
+)
+def test_geometric_buckets_bound_the_padding(smallest, span, ratio, multiple):
+    largest = smallest + span
+    sizes = geometric_buckets(smallest, largest, ratio=ratio, multiple=multiple)
+    assert validate_buckets(sizes) == sizes  # positive, strictly increasing
+    assert all(b % multiple == 0 for b in sizes)
+    assert sizes[0] >= smallest and sizes[-1] >= largest
+    assert len(sizes) == 1 or sizes[-2] < largest  # stops at the first size covering `largest`
+    for a, b in zip(sizes, sizes[1:]):  # each step grows by at most the ratio, plus rounding
+        assert b <= a * ratio + multiple
+
+
+def test_geometric_buckets_default_vit_ladder():
+    sizes = geometric_buckets(256, 16384, ratio=1.125, multiple=64)
+    assert sizes[:4] == (256, 320, 384, 448) and sizes[-1] >= 16384 and len(sizes) == 36
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(smallest=0, largest=8, ratio=2.0), "smallest"),
+    (dict(smallest=8, largest=4, ratio=2.0), "largest"),
+    (dict(smallest=8, largest=16, ratio=1.0), "ratio"),
+    (dict(smallest=8, largest=16, ratio=float("inf")), "ratio"),
+    (dict(smallest=8, largest=16, ratio=2.0, multiple=0), "multiple"),
+])
+def test_geometric_buckets_bad_input_names_argument(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: .*allowed"):
+        geometric_buckets(**kwargs)
 
 
 # -------------------------------------------------------------------------- cache

@@ -280,7 +280,9 @@ def qwen_runtime():
 
 
 @pytest.mark.parametrize(("dtype", "mode"), [(torch.float32, "layout"), (torch.bfloat16, "layout"),
-                                             (torch.float32, "class")], ids=["fp32", "bf16", "fp32-class"])
+                                             (torch.float32, "class"), (torch.float32, "bucket"),
+                                             (torch.bfloat16, "bucket")],
+                         ids=["fp32", "bf16", "fp32-class", "fp32-bucket", "bf16-bucket"])
 def test_qwen2_5_vision_tower_graph_output_equals_eager(vit_patch, qwen_runtime, dtype, mode):
     kit = qwen_runtime
     vit_patch(vit_graph_max_entries=6, vit_graph_mode=mode)
@@ -297,7 +299,9 @@ def test_qwen2_5_vision_tower_graph_output_equals_eager(vit_patch, qwen_runtime,
         assert graphed.shape == eager.shape and torch.isfinite(eager).all()
         worst = max(worst, (graphed.float() - eager.float()).abs().max().item())
         if dtype == torch.float32:
-            torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5, msg=f"step {step} grid {grid.tolist()}")
+            # Bucket mode pads the GEMMs' row count: cuBLAS may pick another kernel (rounding only).
+            tol = 1e-4 if mode == "bucket" else 1e-5
+            torch.testing.assert_close(graphed, eager, rtol=tol, atol=tol, msg=f"step {step} grid {grid.tolist()}")
         else:
             torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2, msg=f"step {step} grid {grid.tolist()}")
     info = vit.cuda_graph_runner._ext_graph_info()
@@ -305,6 +309,8 @@ def test_qwen2_5_vision_tower_graph_output_equals_eager(vit_patch, qwen_runtime,
     assert info["hits"] > 0 and info["resident_graphs"] <= 6 and info["mode"] == mode
     if mode == "layout":
         assert info["evictions"] > 0
+    if mode == "bucket":
+        assert info["padded_batches"] > 0
 
 
 def test_qwen2_5_tower_equal_token_batches_with_other_boundaries(vit_patch, qwen_runtime):

@@ -430,6 +430,98 @@ def test_class_mode_pads_unused_sequences_with_zero_length(vit_patch, fake_cuda)
     assert len(runner.block_graphs) == 2
 
 
+class PairMerger(nn.Module):
+    """A merger with spatial merge unit 2: output row i sums input rows 2i and 2i+1."""
+
+    def forward(self, x):
+        out = x.squeeze(1).view(-1, 2, x.shape[-1]).sum(1)
+        graph = _CAPTURING[0]
+        if graph is not None:
+            graph.thunks.append(lambda: out.copy_(x.squeeze(1).view(-1, 2, x.shape[-1]).sum(1)))
+        return out
+
+
+def merged_tower(**kwargs):
+    tower = StubTower(**kwargs)
+    tower.merger = PairMerger()
+    tower.spatial_merge_unit = 2
+    return tower
+
+
+def merged_reference(tower, x, full, window, pos):
+    y = reference(tower, x, full, window, pos)
+    return y.view(-1, 2, y.shape[-1]).sum(1)
+
+
+def test_bucket_mode_pads_to_the_bucket_and_returns_only_real_rows(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32")
+    runner = ViTCudaGraphRunner(merged_tower())
+    # Windows of at most 4 tokens; with their padding windows, 5 to 8 window sequences: one class.
+    batches = [(12, (0, 0, 4, 12), (0, 4, 6, 8, 12)), (10, (0, 0, 6, 10), (0, 2, 6, 10)),
+               (14, (0, 0, 14), (0, 4, 8, 12, 14)), (12, (0, 0, 2, 12), (0, 2, 4, 8, 12))]
+    for step, (tokens, full, window) in enumerate(batches * 2):
+        x = torch.arange(tokens, dtype=torch.float32).view(tokens, 1) * 0.5 + step
+        pos = torch.full((tokens, 1), float(step))
+        order = torch.randperm(tokens // 2, generator=torch.Generator().manual_seed(step))
+        out = runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32),
+                         (pos, pos), output_indices=order, attention_layout_key=(full, window))
+        want = merged_reference(runner.vit, x, full, window, pos).index_select(0, order)
+        torch.testing.assert_close(out, want, msg=f"step {step}")
+    (key,) = runner.block_graphs  # 10, 12 and 14 tokens all run the 16-token graph
+    assert key.num_tokens == 16 and key.variant[0] == "bucket"
+    assert runner.block_input[key].shape[0] == 16
+    # The last batch's boundaries plus padding sequences: one for full attention, window-sized ones.
+    assert runner.cu_full_len[key].tolist()[:4] == [0, 0, 2, 12] and runner.cu_full_len[key].tolist()[4] == 16
+    assert runner.cu_window_len[key].tolist() == [0, 2, 4, 8, 12, 16, 16, 16, 16]
+    info = runner._ext_graph_info()
+    assert (info["mode"], info["captures"], info["hits"]) == ("bucket", 1, 7)
+    assert (info["padded_batches"], info["padding_tokens"], info["real_tokens"]) == (8, 2 * (4 + 6 + 2 + 4), 96)
+
+
+def test_bucket_mode_qwen3_output_is_the_real_rows(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16")
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    for tokens, full in ((5, (0, 2, 5)), (7, (0, 3, 4, 7)), (8, (0, 8)), (6, (0, 6))):
+        out, want = call(runner, tokens, full, qwen3=True, position=tokens)
+        assert out.shape == want.shape
+        torch.testing.assert_close(out, want)
+    # 5, 6 and 7 tokens share the padded 8-token graph with the unpadded 8-token batch.
+    assert [k.num_tokens for k in runner.block_graphs] == [8]
+    assert runner._ext_graph_info()["hits"] == 3
+
+
+def test_bucket_mode_leaves_batches_above_the_largest_bucket_unpadded(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8")
+    runner = ViTCudaGraphRunner(StubTower())
+    out, want = call(runner, 12, (0, 0, 5, 12), (0, 4, 12))
+    torch.testing.assert_close(out, want)
+    (key,) = runner.block_graphs
+    assert key.num_tokens == 12 and runner._ext_graph_info()["padded_batches"] == 0
+
+
+def test_bucket_mode_eager_fallback_runs_the_unpadded_batch(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="16", vit_graph_min_hits=2)
+    tower = merged_tower()
+    runner = ViTCudaGraphRunner(tower)
+    x = torch.arange(10, dtype=torch.float32).view(10, 1)
+    pos = torch.zeros(10, 1)
+    full, window = (0, 0, 4, 10), (0, 4, 10)
+    out = runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32),
+                     (pos, pos), output_indices=torch.arange(5), attention_layout_key=(full, window))
+    torch.testing.assert_close(out, merged_reference(tower, x, full, window, pos))
+    assert not runner.block_graphs and runner._ext_graph_info()["fallback_warming"] == 1
+    # The eager run saw 10 rows (the real batch), not the 16-row bucket.
+    assert tower.blocks[0].calls == ["metadata"]
+
+
+def test_bucket_mode_needs_triton_attention(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="16")
+    runner = ViTCudaGraphRunner(StubTower())
+    runner._attn_backend = "fa3"
+    runner._ext_ensure_state()
+    assert not runner._ext_bucket_mode() and runner._ext_graph_info()["mode"] == "layout"
+
+
 # ---------------------------------------------------------------------------
 # Capacity, eviction, fallback, quarantine, ownership
 # ---------------------------------------------------------------------------
