@@ -7,15 +7,19 @@ the outputs are compared. Modes:
 
   eager        sglang's eager tower (the baseline timings, measured on the same requests)
   0.5.17       the runner as shipped: graphs keyed by token count, unbounded
+  0.5.19       upstream's runner (layout keys, unbounded, private pools); needs --upstream-root
   ext-layout   the patch: graphs keyed by (tokens, attention layout), LRU capacity --capacity
   ext-class    the patch in layout-class mode: graphs shared by layouts with the same token
                count, sequence-count class and max-length class, boundaries refreshed per replay
+  ext-bucket   layout-class mode with token counts padded to a 12.5 % ladder (padding is its
+               own attention sequence): one graph per token bucket
 
-Prints a table last and writes JSON (--out). Runs in about 3 minutes on one H200
-(--quick: small tower, 100 requests). On the GPU machine:
+Each mode runs in its own process. A request is a hit when it replays a graph captured for an
+earlier request. Prints a table last and writes JSON (--out). Runs in about 6 minutes on one
+H200 (--quick: small tower, 100 requests). On the GPU machine:
 
-    source .carry/device_env.sh 0517
-    SGLANG_EXT_ASSUME_SGLANG=0.5.17 python3 .carry/with_stubs.py scripts/bench_vit.py --out $OUT/vit.json
+    source .carry/device_env.sh 0519 && source .carry/device_env.sh 0517
+    python3 .carry/with_stubs.py scripts/bench_vit.py --upstream-root .carry/run/sgl0519 --out $OUT/vit.json
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
     progress = {} if progress is None else progress
     graph_s = eager_s = 0.0
     tokens_total = wrong = bitwise = 0
+    new_graphs = 0  # unbounded runners: a request that added a graph was a miss
     worst = 0.0
     timeline = []
     for i, (tokens, grid, seed) in enumerate(requests):
@@ -83,7 +88,9 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         grid_thw = torch.tensor(grid, dtype=torch.int64)
         progress["requests_done"] = i
         progress["wrong_outputs_so_far"] = wrong
+        before = len(runner.block_graphs)
         graphed, dt_graph = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=True))
+        new_graphs += len(runner.block_graphs) > before
         eager, dt_eager = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=False))
         graph_s += dt_graph
         eager_s += dt_eager
@@ -113,17 +120,18 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         result.update(hit_rate=info["hits"] / lookups if lookups else 0.0, captures=info["captures"],
                       evictions=info["evictions"], fallbacks=info["fallbacks"],
                       graph_bytes_resident=info["bytes_resident"], counters=info)
-    else:
-        result.update(hit_rate=None, captures=len(runner.block_graphs))
+    else:  # unbounded runner (0.5.17 / 0.5.19): graphs are never evicted
+        result.update(hit_rate=1 - new_graphs / n if n else 0.0, captures=len(runner.block_graphs))
     return result
 
 
-def activate_patch(capacity: int, mode: str) -> None:
+def activate_patch(capacity: int, mode: str, max_bytes: int) -> None:
     from sglang_ext import activation
     from sglang_ext.registry import PATCH_NAMES
     from sglang_ext.versions import installed_sglang_version
 
     os.environ["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] = str(capacity)
+    os.environ["SGLANG_EXT_VIT_GRAPH_MAX_BYTES"] = str(max_bytes)
     os.environ["SGLANG_EXT_VIT_GRAPH_MODE"] = mode  # read when a runner is first used
     os.environ["SGLANG_EXT_DISABLE"] = ",".join(n for n in PATCH_NAMES if n != "vit_cuda_graph")
     os.environ["SGLANG_EXT_STRICT"] = "1"
@@ -135,7 +143,8 @@ def activate_patch(capacity: int, mode: str) -> None:
 
 def table(results) -> str:
     cols = ["mode", "requests", "crashed_at_request", "graph_req_per_s", "eager_req_per_s", "speedup_vs_eager", "hit_rate", "captures",
-            "resident_graphs", "peak_cuda_reserved_mib", "wrong_outputs", "bitwise_equal", "max_abs_diff"]
+            "resident_graphs", "peak_graph_bytes_mib", "peak_cuda_reserved_mib", "padding", "wrong_outputs",
+            "bitwise_equal", "max_abs_diff"]
     rows = [cols] + [[_fmt(r.get(c)) for c in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
@@ -149,7 +158,22 @@ def _fmt(value) -> str:
     return str(value)
 
 
-MODES = ("0.5.17", "layout", "class")
+MODES = ("0.5.17", "0.5.19", "layout", "class", "bucket")
+
+
+def _child_env(args, mode: str) -> dict:
+    """The 0.5.19 mode imports upstream's sglang tree in place of the installed one."""
+    env = dict(os.environ)
+    if mode == "0.5.19":
+        import sglang
+
+        installed = os.path.dirname(os.path.dirname(os.path.abspath(sglang.__file__)))
+        upstream = os.path.abspath(args.upstream_root)
+        parts = [upstream if os.path.abspath(p) == installed else p
+                 for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(parts if upstream in parts else [upstream] + parts)
+        env.pop("SGLANG_EXT", None)  # upstream as released: the plugin stays off
+    return env
 
 
 def _child_command(args, mode: str, part_out: str) -> list:
@@ -160,7 +184,7 @@ def _child_command(args, mode: str, part_out: str) -> list:
         cmd.append(os.path.join(os.path.dirname(os.path.dirname(stubs.__file__)), "with_stubs.py"))
     cmd += [os.path.abspath(__file__), "--mode", mode, "--part-out", part_out, "--requests", str(args.requests),
             "--unpatched-requests", str(args.unpatched_requests), "--capacity", str(args.capacity),
-            "--seed", str(args.seed)] + (["--quick"] if args.quick else [])
+            "--max-bytes", str(args.max_bytes), "--seed", str(args.seed)] + (["--quick"] if args.quick else [])
     return cmd
 
 
@@ -176,16 +200,25 @@ def run_one_mode(args) -> None:
     os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1"
     kit.publish_runtime("triton_attn")
     kit.init_single_rank_parallel_state()
-    if args.mode == "0.5.17":
-        name, requests = "0.5.17", requests[: min(n, args.unpatched_requests)]
+    if args.mode in ("0.5.17", "0.5.19"):  # unbounded runners: fewer requests
+        import sglang
+
+        name, requests = args.mode, requests[: min(n, args.unpatched_requests)]
+        name += f" ({os.path.dirname(os.path.abspath(sglang.__file__))})" if args.mode == "0.5.19" else ""
     else:
-        activate_patch(args.capacity, args.mode)
+        activate_patch(args.capacity, args.mode, args.max_bytes)
         name = f"ext-{args.mode} (cap {args.capacity})"
     progress: dict = {}
     try:
         vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
         result = run_mode(name, vit, requests, dtype=dtype, tol=tol,
                           sample_every=max(1, len(requests) // 20), progress=progress)
+        timeline_bytes = [t["graph_bytes_resident"] for t in result["timeline"] if t["graph_bytes_resident"]]
+        result["peak_graph_bytes_mib"] = round(max(timeline_bytes) / 2**20, 1) if timeline_bytes else None
+        result["graph_bytes_budget_mib"] = round(args.max_bytes / 2**20, 1) if args.mode not in MODES[:2] else None
+        counters = result.get("counters") or {}
+        if counters.get("real_tokens"):
+            result["padding"] = counters["padding_tokens"] / counters["real_tokens"]
     except Exception as exc:  # noqa: BLE001 - the crash is the measurement
         result = {"mode": name, "requests": len(requests), "crashed": f"{type(exc).__name__}: "
                   f"{str(exc).splitlines()[0] if str(exc) else ''}",
@@ -199,8 +232,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--unpatched-requests", type=int, default=300,
-                        help="requests for the 0.5.17 mode (its graphs are unbounded)")
+                        help="requests for the 0.5.17 and 0.5.19 modes (their graphs are unbounded)")
     parser.add_argument("--capacity", type=int, default=32)
+    parser.add_argument("--max-bytes", type=int, default=2 << 30,
+                        help="ext modes: byte budget of resident graphs (--ext-vit-graph-max-bytes)")
+    parser.add_argument("--upstream-root", help="directory holding upstream sglang 0.5.19's `sglang` package; "
+                        "without it the 0.5.19 mode is skipped")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small tower, half resolutions, 100 requests")
     parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "bench", "vit.json"))
@@ -220,8 +257,10 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:  # one process per mode: fresh CUDA context, no cross-talk
+            if mode == "0.5.19" and not args.upstream_root:
+                continue
             part = os.path.join(tmp, f"{mode}.json")
-            proc = subprocess.run(_child_command(args, mode, part))
+            proc = subprocess.run(_child_command(args, mode, part), env=_child_env(args, mode))
             if os.path.exists(part):
                 with open(part, encoding="utf-8") as f:
                     results.append(json.load(f))
@@ -230,6 +269,7 @@ def main() -> None:
     n = 100 if args.quick else args.requests
     report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
                          "attention": "triton_attn", "requests": n, "capacity": args.capacity,
+                         "graph_bytes_budget_mib": round(args.max_bytes / 2**20, 1),
                          "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
                          "device": torch.cuda.get_device_name(), "seconds": round(time.perf_counter() - started, 1)},
               "results": results}

@@ -40,9 +40,13 @@ VIT_MEANING = """\
 sglang's real Qwen2.5-VL vision tower (random weights, triton_attn, bf16) fed a stream of
 requests of 1-4 images at common resolutions; every request also runs eager for comparison.
 graph/eager req/s: throughput of the graph runner and of sglang's eager tower on the same
-requests. hit_rate: replays / graph-eligible batches. resident_graphs: graphs alive at the end
-(0.5.17 is unbounded). peak_cuda_reserved_mib: peak reserved memory. wrong_outputs: requests
-whose graph output differs from eager beyond bf16 tolerance (0.5.17 replays stale layouts)."""
+requests. hit_rate: requests that replayed an existing graph (captures and eager fallbacks are
+misses). resident_graphs: graphs alive at the end (0.5.17 and 0.5.19 are unbounded).
+peak_graph_bytes_mib: most bytes held by resident graphs' own buffers (ext modes; budget
+--max-bytes). peak_cuda_reserved_mib: peak reserved memory. padding: padding tokens / real
+tokens (bucket mode). wrong_outputs: requests whose graph output differs from eager by more than
+0.05 (bf16; 0.5.17 replays stale layouts, off by O(1)). bitwise_equal: requests equal to eager
+bit for bit (bucket mode pads GEMMs, so it is close, not bitwise)."""
 
 CP_MEANING = """\
 CPU only. Decision: time to choose the replay bucket for one batch (sglang-ext decides once
@@ -111,14 +115,18 @@ def _pi05_section():
 
 
 def _vit_targets(results) -> list:
+    """Issue 8's targets, for the sglang-ext modes (0.5.17 / 0.5.19 are the baselines)."""
     rows = []
     for r in results:
-        if r.get("hit_rate") is None:
+        if r.get("hit_rate") is None or not r["mode"].startswith("ext-"):
             continue
         rows += [_target(f"{r['mode']}: hit rate", r["hit_rate"], ">=", 0.90),
                  _target(f"{r['mode']}: resident graphs", r["resident_graphs"], "<=", 32, "{:.0f}"),
                  _target(f"{r['mode']}: throughput vs eager", r["speedup_vs_eager"], ">=", 1.5),
                  _target(f"{r['mode']}: mismatches vs eager", r["wrong_outputs"], "<=", 0, "{:.0f}")]
+        if r.get("peak_graph_bytes_mib") is not None and r.get("graph_bytes_budget_mib"):
+            rows.append(_target(f"{r['mode']}: peak resident graph MiB (budget)", r["peak_graph_bytes_mib"], "<=",
+                                r["graph_bytes_budget_mib"], "{:.0f}"))
     return ["", *TARGET_HEAD, *rows] if rows else []
 
 
@@ -135,9 +143,11 @@ def _vit_section():
         f"Device: {cfg.get('device')}; tower: {cfg.get('tower')}; {cfg.get('requests')} requests; "
         f"capacity {cfg.get('capacity')}; {cfg.get('seconds')} s in all.", "",
         "```", bench_vit.table(run["results"]), "```", *_vit_targets(run["results"]), "",
-        "Command: `source .carry/device_env.sh 0517 && python3 .carry/with_stubs.py scripts/bench_vit.py "
+        "Command: `source .carry/device_env.sh 0519 && source .carry/device_env.sh 0517 && python3 "
+        ".carry/with_stubs.py scripts/bench_vit.py --upstream-root .carry/run/sgl0519 "
         f"--requests {cfg.get('requests')} --capacity {cfg.get('capacity')} --out docs/bench/vit.json` "
-        "(0.5.17 runs the first `--unpatched-requests` of the same stream; each mode in its own process). "
+        "(0.5.17 and 0.5.19 run the first `--unpatched-requests` of the same stream, their graphs being "
+        "unbounded; each mode in its own process). "
         "`crashed_at_request`: the request at which that implementation's process died.", ""])
 
 
