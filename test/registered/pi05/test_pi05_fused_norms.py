@@ -2,8 +2,9 @@
 
 Real 0.5.17 `PiGemmaRMSNorm` modules (adaptive with a random `dense`, plain with a
 random `weight`) run through the patched forward and are compared with 0.5.17's
-math, copied below as `_reference_forward` / `_reference_gated_residual` (a
-plugin-only test pins the copies to the installed, unpatched 0.5.17 code).
+math, copied as `reference_forward` / `reference_gated_residual` in
+pi05_norm_reference.py (a plugin-only test pins the copies to the installed,
+unpatched 0.5.17 code).
 
 Tolerances: float32 outputs within 1e-5 (same float32 math, only the reduction
 order and multiply/add grouping differ). bf16 outputs within one bf16 ulp of the
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
+from pi05_norm_reference import reference_forward, reference_gated_residual
 from sglang.multimodal_gen.runtime.models.vlas import pi05_core
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
@@ -31,38 +33,6 @@ register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 THIS_PATCH = "pi05_fused_norms"
 DIM, COND_DIM, BATCH, TOKENS = 64, 32, 2, 5
 BF16_ULP = 2.0**-7  # spacing of bf16 values relative to their magnitude (upper bound)
-
-
-def _reference_forward(norm, x, cond=None):
-    """0.5.17's PiGemmaRMSNorm.forward."""
-    dtype = x.dtype
-    variance = torch.mean(torch.square(x.float()), dim=-1, keepdim=True)
-    normed = x * torch.rsqrt(variance + norm.eps)
-    if cond is None:
-        if norm.dense is not None:
-            return normed.type_as(x), None
-        normed = normed * (1.0 + norm.weight.float())
-        return normed.type_as(x), None
-    if norm.dense is None:
-        normed = normed * (1.0 + norm.weight.float())
-        return normed.type_as(x), None
-    modulation = norm.dense(cond.to(dtype=norm.dense.weight.dtype))
-    if x.ndim == 3:
-        modulation = modulation.unsqueeze(1)
-    scale, shift, gate = modulation.chunk(3, dim=-1)
-    normed = normed * (1.0 + scale.float()) + shift.float()
-    return normed.to(dtype), gate.to(dtype)
-
-
-def _reference_gated_residual(x, y, gate):
-    """0.5.17's gated_residual."""
-    if x is None and y is None:
-        return None
-    if x is None or y is None:
-        return x if x is not None else y
-    if gate is None:
-        return x + y
-    return x + y * gate
 
 
 def _norm(adaptive: bool, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
@@ -119,7 +89,7 @@ def test_adaptive_norm_with_cond_matches_0_5_17(fused, module_dtype, dtype, ndim
     x, cond = _inputs(ndim, dtype)
     with torch.set_grad_enabled(grad):
         out, gate = norm(x, cond=cond)
-        want, want_gate = _reference_forward(norm, x, cond)
+        want, want_gate = reference_forward(norm, x, cond)
     _assert_close(out, want)
     assert gate.dtype == want_gate.dtype and torch.equal(gate, want_gate)
     if grad:  # the autograd path stays differentiable
@@ -137,7 +107,7 @@ def test_norm_without_modulation_matches_0_5_17(fused, adaptive, with_cond, modu
     cond = cond if with_cond else None
     with torch.no_grad():
         out, gate = norm(x, cond=cond)
-        want, want_gate = _reference_forward(norm, x, cond)
+        want, want_gate = reference_forward(norm, x, cond)
     assert gate is None and want_gate is None
     _assert_close(out, want)
 
@@ -160,7 +130,7 @@ def test_gated_residual_matches_0_5_17(fused, x_dtype, y_dtype, gate_shape):
     y = torch.randn(BATCH, TOKENS, DIM, generator=gen).to(y_dtype)
     gate = torch.randn(gate_shape, generator=gen).to(y_dtype)
     got = fused.gated_residual(x, y, gate)
-    want = _reference_gated_residual(x, y, gate)
+    want = reference_gated_residual(x, y, gate)
     # 0.5.17 rounds y * gate to y's dtype before adding: its error scales with the terms, not the sum
     _assert_close(got, want, rounding=y_dtype, magnitude=x.float().abs() + (y.float() * gate.float()).abs())
     # the patched result rounds once: the float32 value, stored in the result dtype
@@ -202,7 +172,7 @@ def test_adaptive_norm_uses_fused_rms_norm_and_few_ops(fused):
     with torch.no_grad():
         norm(x, cond=cond)  # warm-up: first-call dispatch noise stays out of the profile
         patched = _top_level_ops(lambda: norm(x, cond=cond))
-        original = _top_level_ops(lambda: _reference_forward(norm, x, cond))
+        original = _top_level_ops(lambda: reference_forward(norm, x, cond))
     names = [name for name, _ in patched]
     assert "aten::rms_norm" in names, names
     assert not {"aten::rsqrt", "aten::mean", "aten::square", "aten::pow"} & set(names), names
@@ -228,7 +198,7 @@ def test_callers_look_gated_residual_up_in_the_module(fused):
 
 @plugin_only
 def test_reference_copies_are_0_5_17s_code():
-    """The references above behave exactly like the installed, unpatched 0.5.17 functions."""
+    """The reference copies behave exactly like the installed, unpatched 0.5.17 functions."""
     from sglang_ext import activation
 
     activation.deactivate()
@@ -240,11 +210,11 @@ def test_reference_copies_are_0_5_17s_code():
         with torch.no_grad():
             for c in (cond, None):
                 out, gate = norm(x, cond=c)
-                want, want_gate = _reference_forward(norm, x, c)
+                want, want_gate = reference_forward(norm, x, c)
                 assert torch.equal(out, want)
                 assert (gate is None and want_gate is None) or torch.equal(gate, want_gate)
     x, y, gate = torch.randn(2, 3, 4).bfloat16(), torch.randn(2, 3, 4).bfloat16(), torch.randn(2, 1, 4).bfloat16()
-    assert torch.equal(pi05_core.gated_residual(x, y, gate), _reference_gated_residual(x, y, gate))
+    assert torch.equal(pi05_core.gated_residual(x, y, gate), reference_gated_residual(x, y, gate))
 
 
 @plugin_only
