@@ -188,6 +188,12 @@ def _child_command(args, mode: str, part_out: str) -> list:
     return cmd
 
 
+def _mode_key(name: str) -> str:
+    """The MODES entry of a result's display name ("ext-bucket (cap 32)" -> "bucket")."""
+    head = name.split(" ")[0]
+    return head[len("ext-"):] if head.startswith("ext-") else head
+
+
 def run_one_mode(args) -> None:
     """One mode in this process. A crash (0.5.17 can replay a stale layout into an illegal
     memory access, which kills the CUDA context) is recorded instead of lost."""
@@ -241,6 +247,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small tower, half resolutions, 100 requests")
     parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "bench", "vit.json"))
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other modes' results already in --out (same stream and settings required)")
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: one mode per process
     parser.add_argument("--part-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -253,10 +262,14 @@ def main() -> None:
     import subprocess
     import tempfile
 
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: {unknown} not allowed; allowed: {', '.join(MODES)}")
     started = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:  # one process per mode: fresh CUDA context, no cross-talk
+        for mode in modes:  # one process per mode: fresh CUDA context, no cross-talk
             if mode == "0.5.19" and not args.upstream_root:
                 continue
             part = os.path.join(tmp, f"{mode}.json")
@@ -266,6 +279,8 @@ def main() -> None:
                     results.append(json.load(f))
             else:
                 results.append({"mode": mode, "crashed": f"exit status {proc.returncode}, no result"})
+            results[-1]["mode_key"] = mode
+            results[-1]["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     n = 100 if args.quick else args.requests
     report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
                          "attention": "triton_attn", "requests": n, "capacity": args.capacity,
@@ -273,6 +288,15 @@ def main() -> None:
                          "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
                          "device": torch.cuda.get_device_name(), "seconds": round(time.perf_counter() - started, 1)},
               "results": results}
+    if args.merge and os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as f:
+            previous = json.load(f)
+        same = {k: previous["config"].get(k) for k in ("tower", "requests", "capacity")}
+        if same != {k: report["config"][k] for k in same}:
+            raise SystemExit(f"--merge: {args.out} was measured with {same}; this run differs")
+        kept = [r for r in previous["results"] if r.get("mode_key", _mode_key(r["mode"])) not in modes]
+        report["results"] = sorted(kept + results, key=lambda r: MODES.index(r.get("mode_key", _mode_key(r["mode"]))))
+        report["config"]["seconds"] = previous["config"].get("seconds")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)

@@ -35,12 +35,24 @@ def publish_runtime(mm_attention_backend: str = "triton_attn") -> None:
 
 
 def use_native_ops(module: torch.nn.Module) -> int:
-    """Route every sglang MultiPlatformOp to forward_native (no sgl_kernel); returns how many."""
+    """Route every sglang fused/multi-platform op to forward_native (no sgl_kernel); returns how many.
+
+    0.5.17: ops derive from `MultiPlatformOp`; 0.5.19 adds the `BaseFusedOp` base (RMSNorm
+    derives from it directly). Both cache the dispatch target in `_forward_method`.
+    """
     from sglang.srt.layers.utils.multi_platform import MultiPlatformOp
 
+    bases = [MultiPlatformOp]
+    try:
+        from sglang.kernels.fused_op import BaseFusedOp
+
+        bases.append(BaseFusedOp)
+    except ImportError:
+        pass
     count = 0
     for sub in module.modules():
-        if isinstance(sub, MultiPlatformOp) and type(sub).forward_native is not MultiPlatformOp.forward_native:
+        base = next((b for b in bases if isinstance(sub, b)), None)
+        if base is not None and type(sub).forward_native is not getattr(base, "forward_native", None):
             sub._forward_method = sub.forward_native
             count += 1
     return count
