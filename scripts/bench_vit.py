@@ -210,10 +210,11 @@ def run_one_mode(args) -> None:
         import sglang
 
         name, requests = args.mode, requests[: min(n, args.unpatched_requests)]
-        name += f" ({os.path.dirname(os.path.abspath(sglang.__file__))})" if args.mode == "0.5.19" else ""
+        sglang_path = os.path.dirname(os.path.abspath(sglang.__file__))
     else:
         activate_patch(args.capacity, args.mode, args.max_bytes)
         name = f"ext-{args.mode} (cap {args.capacity})"
+        sglang_path = None
     progress: dict = {}
     try:
         vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
@@ -222,6 +223,8 @@ def run_one_mode(args) -> None:
         timeline_bytes = [t["graph_bytes_resident"] for t in result["timeline"] if t["graph_bytes_resident"]]
         result["peak_graph_bytes_mib"] = round(max(timeline_bytes) / 2**20, 1) if timeline_bytes else None
         result["graph_bytes_budget_mib"] = round(args.max_bytes / 2**20, 1) if args.mode not in MODES[:2] else None
+        if sglang_path and args.mode == "0.5.19":
+            result["sglang_path"] = sglang_path
         counters = result.get("counters") or {}
         if counters.get("real_tokens"):
             result["padding"] = counters["padding_tokens"] / counters["real_tokens"]
@@ -280,7 +283,8 @@ def main() -> None:
             else:
                 results.append({"mode": mode, "crashed": f"exit status {proc.returncode}, no result"})
             results[-1]["mode_key"] = mode
-            results[-1]["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            if args.merge:  # measured in a later run than the results it joins
+                results[-1]["merged_later"] = True
     n = 100 if args.quick else args.requests
     report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
                          "attention": "triton_attn", "requests": n, "capacity": args.capacity,
