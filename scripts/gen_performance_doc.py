@@ -148,6 +148,7 @@ def _vit_section():
         f"Device: {cfg.get('device')}; tower: {cfg.get('tower')}; {cfg.get('requests')} requests; "
         f"capacity {cfg.get('capacity')}; {cfg.get('seconds')} s in all.", "",
         "```", bench_vit.table(run["results"]), "```", *_vit_targets(run["results"]), "",
+        *_vit_timeline(run["results"]),
         "Command: `source .carry/device_env.sh 0519 && source .carry/device_env.sh 0517 && python3 "
         ".carry/with_stubs.py scripts/bench_vit.py --upstream-root .carry/run/sgl0519 "
         f"--requests {cfg.get('requests')} --capacity {cfg.get('capacity')} --out docs/bench/vit.json` "
@@ -155,6 +156,26 @@ def _vit_section():
         "unbounded; each mode in its own process). "
         "`crashed_at_request`: the request at which that implementation's process died.",
         *_merged_note(run["results"]), ""])
+
+
+def _vit_timeline(results, points: int = 6) -> list:
+    """Graph memory over time: resident graphs / graph-buffer MiB / reserved MiB at evenly spaced requests."""
+    rows = [r for r in results if r.get("timeline")]
+    if not rows:
+        return []
+    lines = ["Memory over the stream (resident graphs / MiB held by graph buffers / MiB reserved by the "
+             "CUDA caching allocator, eager runs included), sampled at the request shown:", "",
+             "| mode | " + " | ".join(f"sample {i + 1}" for i in range(points)) + " |",
+             "|---|" + "---|" * points]
+    for r in rows:
+        timeline = r["timeline"]
+        picks = [timeline[round(i * (len(timeline) - 1) / (points - 1))] for i in range(points)]
+        cells = []
+        for t in picks:
+            graph_mib = "-" if t["graph_bytes_resident"] is None else f"{t['graph_bytes_resident'] / 2**20:.0f}"
+            cells.append(f"#{t['request']}: {t['resident_graphs']} / {graph_mib} / {t['cuda_reserved_mib']:.0f}")
+        lines.append(f"| {r['mode']} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _merged_note(results) -> list:
