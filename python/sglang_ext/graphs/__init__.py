@@ -27,7 +27,7 @@ from sglang_ext.graphs.keys import (
     dedup_consecutive,
     grid_thw_lengths,
 )
-from sglang_ext.graphs.workspace import AddressGuard, StableWorkspacePool, WorkspaceLease
+from sglang_ext.graphs.workspace import AddressGuard, GraphInputMovedError, StableWorkspacePool, WorkspaceLease
 
 __all__ = [
     "AddressGuard",
@@ -36,6 +36,7 @@ __all__ = [
     "BucketDecision",
     "CacheInfo",
     "DeviceSyncError",
+    "GraphInputMovedError",
     "GraphKey",
     "StableWorkspacePool",
     "WorkspaceLease",

@@ -20,7 +20,7 @@ references to `lease.tensors` beyond the lease: they keep the buffer alive.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple, Union
 
 from sglang_ext.graphs.keys import _is_int
 
@@ -179,11 +179,16 @@ class StableWorkspacePool:
         )
 
 
+class GraphInputMovedError(AssertionError):
+    """A captured graph's input no longer has its capture-time address (a bug, never a fallback case)."""
+
+
 class AddressGuard:
     """Debug check that a graph's inputs still have the addresses it captured.
 
     Off unless `enabled=True` or SGLANG_EXT_DEBUG_ADDRESSES=1: collecting
-    `data_ptr()`s costs host time on every replay.
+    `data_ptr()`s costs host time on every replay. `tensors` is a sequence, or a
+    mapping name -> tensor so that a failure names the input that moved.
     """
 
     def __init__(self, enabled: Optional[bool] = None) -> None:
@@ -192,22 +197,35 @@ class AddressGuard:
 
             enabled = bool(knobs.current("debug_addresses"))
         self.enabled = enabled
-        self._recorded: Dict[Hashable, Tuple[int, ...]] = {}
+        self._recorded: Dict[Hashable, Tuple[Tuple[str, ...], Tuple[int, ...]]] = {}
 
-    def record(self, key: Hashable, tensors: Sequence[Any]) -> None:
+    @staticmethod
+    def _addresses(tensors: Union[Sequence[Any], Mapping[str, Any]]) -> Tuple[Tuple[str, ...], Tuple[int, ...]]:
+        if isinstance(tensors, Mapping):
+            return tuple(f"input {name!r}" for name in tensors), tuple(t.data_ptr() for t in tensors.values())
+        return tuple(f"input tensor {i}" for i in range(len(tensors))), tuple(t.data_ptr() for t in tensors)
+
+    def record(self, key: Hashable, tensors: Union[Sequence[Any], Mapping[str, Any]]) -> None:
         if self.enabled:
-            self._recorded[key] = tuple(t.data_ptr() for t in tensors)
+            self._recorded[key] = self._addresses(tensors)
 
-    def check(self, key: Hashable, tensors: Sequence[Any]) -> None:
+    def check(self, key: Hashable, tensors: Union[Sequence[Any], Mapping[str, Any]]) -> None:
         if not self.enabled or key not in self._recorded:
             return
-        captured = self._recorded[key]
-        now = tuple(t.data_ptr() for t in tensors)
+        names, captured = self._recorded[key]
+        _, now = self._addresses(tensors)
         if len(now) != len(captured):
-            raise AssertionError(f"graph {key!r}: captured {len(captured)} inputs, replay passes {len(now)}")
-        for i, (old, new) in enumerate(zip(captured, now)):
+            raise GraphInputMovedError(f"graph {key!r}: captured {len(captured)} inputs, replay passes {len(now)}")
+        for name, old, new in zip(names, captured, now):
             if old != new:
-                raise AssertionError(f"graph {key!r}: input tensor {i} moved from {old:#x} to {new:#x} since capture")
+                raise GraphInputMovedError(f"graph {key!r}: {name} moved from {old:#x} to {new:#x} since capture")
+
+    def __contains__(self, key: object) -> bool:
+        """Whether addresses are recorded for `key` (a live graph captured while enabled)."""
+        return key in self._recorded
+
+    def keys(self) -> Tuple[Hashable, ...]:
+        return tuple(self._recorded)
 
     def forget(self, key: Hashable) -> None:
         """Call when the graph is released."""
