@@ -23,6 +23,9 @@ capture). Differences from upstream, each a fix:
 - No host synchronisation after a prefix replay (consumers run on the same stream).
 - `VLADenoiseGraphRunner.capture_or_run_loop`: one graph for every denoise step
   including the `x_t` update (opt-in, `--ext-pi05-fused-denoise`).
+- `--ext-debug-addresses`: each runner's `AddressGuard` records the addresses of
+  every static tensor a graph reads or writes at capture, asserts them before
+  each replay, and forgets them when the graph is released.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from sglang_ext import knobs
 from sglang_ext.graphs import stats as graph_stats
 from sglang_ext.graphs.cache import Admission, BoundedGraphCache
 from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
+from sglang_ext.graphs.workspace import AddressGuard, GraphInputMovedError
 
 logger = init_logger(__name__)
 
@@ -165,6 +169,8 @@ class _BoundedCaptureCache:
     `discard`, `clear`, `mark_failure`, `info`, `entries`) on the shared core.
     `evict_on_miss=False` is exact mode (the first `max_entries` signatures stay,
     later ones run eager); `True` is LRU with release before the next capture.
+    With an `address_guard`, every release (evict, discard, failure, clear)
+    also drops the recorded addresses of signatures no longer resident.
     """
 
     def __init__(
@@ -174,22 +180,36 @@ class _BoundedCaptureCache:
         *,
         evict_on_miss: bool,
         min_hits: int = 1,
+        address_guard: AddressGuard | None = None,
     ):
         self.name = name
         self.max_entries = max(0, int(max_entries))
         self.evict_on_miss = bool(evict_on_miss)
+        self.address_guard = address_guard
         self._graphs: BoundedGraphCache = BoundedGraphCache(
             f"vla.{name}",
             self.max_entries,
             policy="lru" if self.evict_on_miss else "exact",
             min_hits=min_hits,
-            release=_release_captured,
+            release=self._release_and_forget,
         )
         self._unkeyed_failures = 0
 
     @staticmethod
     def _release(entry: Any) -> None:
         _release_captured(entry)
+
+    def _release_and_forget(self, entry: Any) -> None:
+        # The core releases entries without their signature; the core has already
+        # dropped the released one, so forget every recorded signature not resident.
+        try:
+            _release_captured(entry)
+        finally:
+            guard = self.address_guard
+            if guard is not None and guard.enabled:
+                for signature in guard.keys():
+                    if signature not in self._graphs:
+                        guard.forget(signature)
 
     @property
     def entries(self):
@@ -225,6 +245,23 @@ class _BoundedCaptureCache:
             self._release(entry)
             return False
         return self._graphs.put(signature, entry, nbytes=nbytes)
+
+    def put_captured(
+        self, signature: Any, entry: Any, static_tensors: Callable[[Any], dict], *, nbytes: int = 0
+    ) -> bool:
+        """`put` a fresh capture; if it stays, record its static tensors' addresses
+        (`static_tensors(entry)` is only called with --ext-debug-addresses)."""
+        stored = self.put(signature, entry, nbytes=nbytes)
+        guard = self.address_guard
+        if stored and guard is not None and guard.enabled:
+            guard.record(signature, static_tensors(entry))
+        return stored
+
+    def check_addresses(self, signature: Any, entry: Any, static_tensors: Callable[[Any], dict]) -> None:
+        """Before a replay: raise GraphInputMovedError if a recorded static tensor moved."""
+        guard = self.address_guard
+        if guard is not None and guard.enabled and signature in guard:
+            guard.check(signature, static_tensors(entry))
 
     def discard(self, signature: Any) -> None:
         self._graphs.discard(signature)
@@ -319,6 +356,35 @@ def _prefix_context_bytes(prefix_context: PrefixContext) -> int:
 
 
 # --------------------------------------------------------------------------
+# Static tensors of a captured graph (--ext-debug-addresses)
+# --------------------------------------------------------------------------
+
+
+def _prefix_context_static_tensors(name: str, prefix_context: PrefixContext) -> dict[str, torch.Tensor]:
+    tensors = {f"{name}.prefix_pad_masks": prefix_context.prefix_pad_masks}
+    for layer, (keys, values, _) in enumerate(prefix_context.past_key_values):
+        tensors[f"{name}.past_key_values[{layer}].keys"] = keys
+        tensors[f"{name}.past_key_values[{layer}].values"] = values
+    return tensors
+
+
+def _prefix_graph_static_tensors(captured: _CapturedPrefixGraph) -> dict[str, torch.Tensor]:
+    """Every tensor a prefix graph reads (inputs) or writes (output K/V and masks), by name."""
+    tensors = {f"static_inputs[{i}]": t for i, t in enumerate(captured.static_inputs)}
+    tensors.update(_prefix_context_static_tensors("static_output", captured.static_output))
+    return tensors
+
+
+def _denoise_graph_static_tensors(captured: _CapturedDenoiseGraph) -> dict[str, torch.Tensor]:
+    """Every tensor a denoise graph reads (prefix K/V, masks, x_t, timestep) or writes, by name."""
+    tensors = _prefix_context_static_tensors("static_prefix_context", captured.static_prefix_context)
+    tensors["static_x_t"] = captured.static_x_t
+    tensors["static_timestep"] = captured.static_timestep
+    tensors["static_output"] = captured.static_output  # the fused loop's output is static_x_t itself
+    return tensors
+
+
+# --------------------------------------------------------------------------
 # Runners
 # --------------------------------------------------------------------------
 
@@ -327,11 +393,15 @@ class _VLAGraphRunnerBase:
     _cache_name = "graph"
 
     def __init__(self, enabled: bool, max_entries: int, evict_on_miss: bool):
+        # --ext-debug-addresses (read now, from the environment): assert before every
+        # replay that no static tensor of the graph moved since its capture.
+        self._address_guard = AddressGuard()
         self._cache = _BoundedCaptureCache(
             self._cache_name,
             max_entries,
             evict_on_miss=evict_on_miss,
             min_hits=int(knobs.current("pi05_graph_min_hits")),
+            address_guard=self._address_guard,
         )
         self.max_entries = self._cache.max_entries
         self.enabled = bool(enabled) and self.max_entries > 0
@@ -458,9 +528,10 @@ class VLAPrefixGraphRunner(_VLAGraphRunnerBase):
         try:
             if captured is None:
                 captured = self._capture(signature, step_fn, inputs)
-                self._cache.put(
+                self._cache.put_captured(
                     signature,
                     captured,
+                    _prefix_graph_static_tensors,
                     nbytes=_tensor_bytes(captured.static_inputs)
                     + _prefix_context_bytes(captured.static_output),
                 )
@@ -469,8 +540,11 @@ class VLAPrefixGraphRunner(_VLAGraphRunnerBase):
                     captured.static_inputs, inputs, strict=True
                 ):
                     static_input.copy_(current_input)
+            self._cache.check_addresses(signature, captured, _prefix_graph_static_tensors)
             captured.graph.replay()
             return captured.static_output
+        except GraphInputMovedError:
+            raise  # a bug to report, not a capture failure to hide behind eager
         except Exception:
             self._fail(signature, "prefix")
             return step_fn(inputs)
@@ -602,13 +676,18 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
         try:
             if captured is None:
                 captured = self._capture(signature, step_fn, prefix_context, x_t, timestep)
-                self._cache.put(signature, captured, nbytes=self._entry_bytes(captured))
+                self._cache.put_captured(
+                    signature, captured, _denoise_graph_static_tensors, nbytes=self._entry_bytes(captured)
+                )
             else:
                 self._sync_context_if_needed(captured, prefix_context)
                 captured.static_x_t.copy_(x_t)
                 captured.static_timestep.copy_(timestep)
+            self._cache.check_addresses(signature, captured, _denoise_graph_static_tensors)
             captured.graph.replay()
             return captured.static_output
+        except GraphInputMovedError:
+            raise  # a bug to report, not a capture failure to hide behind eager
         except Exception:
             self._fail(signature, "denoise")
             return step_fn(prefix_context, x_t, timestep)
@@ -644,7 +723,9 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
                 captured = self._entry(
                     graph, static_context, static_x_t, static_steps, static_x_t, prefix_context
                 )
-                self._cache.put(signature, captured, nbytes=self._entry_bytes(captured))
+                self._cache.put_captured(
+                    signature, captured, _denoise_graph_static_tensors, nbytes=self._entry_bytes(captured)
+                )
                 logger.info(
                     "Captured VLA fused denoise CUDA graph: %d steps, prefix=%d (%s)",
                     signature.num_steps,
@@ -655,9 +736,12 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
                 self._sync_context_if_needed(captured, prefix_context)
             captured.static_x_t.copy_(x_t)
             captured.static_timestep.copy_(timesteps)
+            self._cache.check_addresses(signature, captured, _denoise_graph_static_tensors)
             captured.graph.replay()
             x_t.copy_(captured.static_x_t)
             return x_t
+        except GraphInputMovedError:
+            raise  # a bug to report, not a capture failure to hide behind eager
         except Exception:
             self._fail(signature, "fused denoise")
             return loop_fn(prefix_context, x_t, timesteps)
