@@ -185,6 +185,21 @@ def test_address_guard_detects_moved_inputs():
     guard.check("k", [y, x])  # forgotten: nothing to compare
 
 
+def test_address_guard_names_inputs_given_by_name():
+    guard = AddressGuard(enabled=True)
+    x, y = torch.zeros(4), torch.zeros(4)
+    guard.record("k", {"x": x, "kv[0].keys": y})
+    assert "k" in guard and guard.keys() == ("k",)
+    guard.check("k", {"x": x, "kv[0].keys": y})
+    with pytest.raises(AssertionError, match=r"input 'kv\[0\]\.keys' moved"):
+        guard.check("k", {"x": x, "kv[0].keys": y.clone()})
+    guard.forget("k")
+    assert "k" not in guard
+    off = AddressGuard(enabled=False)
+    off.record("k", {"x": x})
+    assert "k" not in off  # nothing collected while off
+
+
 def test_address_guard_is_off_by_default_and_on_with_env(monkeypatch):
     x = torch.zeros(2)
     monkeypatch.delenv("SGLANG_EXT_DEBUG_ADDRESSES", raising=False)

@@ -14,6 +14,7 @@ import gc
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import weakref
 from types import MethodType, SimpleNamespace
@@ -684,3 +685,152 @@ def test_grouped_requests_keep_their_own_prefix_kv(pi05, fake_graphs):
     third_context = third.extra["vla"]["prefix_context"]
     assert third_context.layout.get("mutable_graph_output") is True
     assert third_context.past_key_values[0][0].eq(14.0).all()
+
+
+# --------------------------------------------------------------------------
+# --ext-debug-addresses: every static tensor of a Pi0.5 graph is checked before replay
+# --------------------------------------------------------------------------
+
+
+def _prefix_kv_step(prefix_cache):
+    def encode(inputs):
+        (pixels,) = inputs
+        kv = (pixels * 2).reshape(1, 1, 3, 1).repeat(1, 1, 1, 4)
+        return prefix_cache.PrefixContext(
+            past_key_values=prefix_cache.VLADensePrefixCache(((kv, kv + 1, None), (kv + 2, kv + 3, None))),
+            prefix_pad_masks=pixels.reshape(1, 3) > 0,
+            prefix_len=3,
+        )
+
+    return encode
+
+
+def _loop_kv_steps(context, x_t, timesteps):
+    for timestep in timesteps:
+        x_t.add_(context.past_key_values[0][0].mean() + timestep)
+    return x_t
+
+
+def _move_first_kv_keys(context):
+    keys, values, window = context.past_key_values.layers[0]
+    context.past_key_values.layers[0] = (keys.clone(), values, window)  # a re-allocated K buffer
+
+
+def _graph_case(m, kind):
+    """A runner of `kind`, `run(value)` (one request), the static tensor to move and its name."""
+    if kind == "prefix":
+        runner = m.cg.VLAPrefixGraphRunner(enabled=True, max_entries=2)
+        signature = m.cg.VLAPrefixGraphSignature(
+            batch_size=1, input_shapes=((1, 3),), input_dtypes=("float32",), static_layout=(), parallel_layout="single"
+        )
+        encode = _prefix_kv_step(m.prefix_cache)
+
+        def run(value):
+            return runner.capture_or_run(signature, encode, (torch.full((1, 3), value),))
+
+        def move(captured):
+            captured.static_inputs = tuple(t.clone() for t in captured.static_inputs)
+
+        return SimpleNamespace(runner=runner, signature=signature, run=run, move=move, moved="static_inputs[0]")
+    if kind == "step":
+        runner = m.cg.VLADenoiseGraphRunner(enabled=True, max_entries=2)
+        signature = _signature(m.cg, 3)
+
+        def run(value):
+            return runner.capture_or_run(
+                signature, _kv_step, _context(m.prefix_cache, value), torch.zeros(1, 2, 4), torch.ones(1)
+            )
+
+        def move(captured):
+            captured.static_timestep = captured.static_timestep.clone()
+
+        return SimpleNamespace(runner=runner, signature=signature, run=run, move=move, moved="static_timestep")
+    runner = m.cg.VLADenoiseGraphRunner(enabled=True, max_entries=2)
+    signature = m.cg.VLADenoiseLoopGraphSignature(step=_signature(m.cg, 3), num_steps=2)
+
+    def run(value):
+        return runner.capture_or_run_loop(
+            signature, _loop_kv_steps, _context(m.prefix_cache, value), torch.zeros(1, 2, 4), torch.ones(2)
+        )
+
+    def move(captured):
+        _move_first_kv_keys(captured.static_prefix_context)
+
+    return SimpleNamespace(
+        runner=runner, signature=signature, run=run, move=move, moved="static_prefix_context.past_key_values[0].keys"
+    )
+
+
+def _count_static_tensor_collections(cg, monkeypatch):
+    calls = []
+    for name in ("_prefix_graph_static_tensors", "_denoise_graph_static_tensors"):
+        collect = getattr(cg, name)
+
+        def counting(captured, _collect=collect, _name=name):
+            calls.append(_name)
+            return _collect(captured)
+
+        monkeypatch.setattr(cg, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["prefix", "step", "loop"])
+def test_debug_addresses_reports_a_moved_static_tensor_before_replay(pi05, fake_graphs, kind):
+    m = pi05(debug_addresses=1)
+    graphs = fake_graphs(m.cg)
+    case = _graph_case(m, kind)
+    case.run(1.0)
+    case.run(2.0)  # a new request: inputs and K/V are refreshed in place, nothing moves
+    (graph,) = graphs.graphs
+    assert graph.replays == 2
+
+    case.move(case.runner._cache.entries[case.signature])
+    with pytest.raises(AssertionError, match=re.escape(f"'{case.moved}' moved")):
+        case.run(3.0)
+    assert graph.replays == 2  # checked before the replay
+    assert case.runner.cache_info().failures == 0  # raised, not hidden behind an eager fallback
+
+
+@pytest.mark.parametrize("kind", ["prefix", "step", "loop"])
+def test_debug_addresses_off_collects_no_addresses(pi05, fake_graphs, monkeypatch, kind):
+    m = pi05(debug_addresses=0)
+    graphs = fake_graphs(m.cg)
+    calls = _count_static_tensor_collections(m.cg, monkeypatch)
+    case = _graph_case(m, kind)
+    case.run(1.0)
+    case.move(case.runner._cache.entries[case.signature])
+    case.run(2.0)  # no check: the moved tensor goes unnoticed, as without the knob
+    assert graphs.graphs[0].replays == 2
+    assert calls == []
+
+    monkeypatch.setenv("SGLANG_EXT_DEBUG_ADDRESSES", "1")  # read when a runner is made
+    _graph_case(m, kind).run(1.0)
+    assert calls  # the counter sees the collections the knob turns on
+
+
+def test_debug_addresses_forget_released_graphs(pi05, fake_graphs, monkeypatch):
+    m = pi05(debug_addresses=1)
+    graphs = fake_graphs(m.cg)
+    runner = m.cg.VLADenoiseGraphRunner(enabled=True, max_entries=1, evict_on_miss=True)
+    guard = runner._address_guard
+    context = _context(m.prefix_cache, 1.0)
+    x_t = torch.zeros(1, 2, 4)
+    runner.capture_or_run(_signature(m.cg, 3), _kv_step, context, x_t, torch.ones(1))
+    assert _signature(m.cg, 3) in guard
+
+    runner.capture_or_run(_signature(m.cg, 4), _kv_step, context, x_t, torch.ones(1))  # evicts 3
+    assert graphs.graphs[0].resets == 1
+    assert _signature(m.cg, 3) not in guard and _signature(m.cg, 4) in guard
+
+    def failing_replay():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(graphs.graphs[1], "replay", failing_replay)
+    out = runner.capture_or_run(_signature(m.cg, 4), _kv_step, context, x_t, torch.ones(1))
+    torch.testing.assert_close(out, _kv_step(context, x_t, torch.ones(1)))  # eager fallback
+    assert runner.cache_info().failures == 1 and _signature(m.cg, 4) not in guard
+
+    runner.capture_or_run(_signature(m.cg, 5), _kv_step, context, x_t, torch.ones(1))
+    assert _signature(m.cg, 5) in guard
+    runner.clear()
+    assert _signature(m.cg, 5) not in guard and guard.keys() == ()
