@@ -267,9 +267,17 @@ def run_mode(policy, impl: str, mode: str, inputs, args, reference: Dict[tuple, 
     return result
 
 
+def _graph_buffer_mib(result: Dict[str, Any]) -> str:
+    """Bytes held by resident graphs' static buffers, as the sglang-ext caches count them ("-": not reported)."""
+    counted = [c.get("bytes_resident") for c in (result.get("prefix_graph_runner_cache"),
+                                                  result.get("graph_runner_cache")) if isinstance(c, dict)]
+    counted = [b for b in counted if b is not None]
+    return f"{sum(counted) / 2**20:.0f}" if counted else "-"
+
+
 def print_table(results: List[Dict[str, Any]]) -> None:
     header = ("impl", "mode", "p50 ms", "p90 ms", "launches/req", "graph launches/req", "kernels/req",
-              "kernel ms/req", "peak MiB", "pool +MiB", "max rel diff")
+              "kernel ms/req", "peak MiB", "pool +MiB", "graph buf MiB", "max rel diff")
     rows = [header]
     for r in results:
         rows.append((
@@ -278,7 +286,7 @@ def print_table(results: List[Dict[str, Any]]) -> None:
             f"{r.get('graph_launches_per_request', float('nan')):.1f}",
             f"{r.get('device_kernels_per_request', float('nan')):.0f}",
             f"{r.get('kernel_time_ms_per_request', float('nan')):.1f}",
-            f"{r['peak_allocated_mib']:.0f}", f"{r['graph_pool_growth_mib']:.0f}",
+            f"{r['peak_allocated_mib']:.0f}", f"{r['graph_pool_growth_mib']:.0f}", _graph_buffer_mib(r),
             f"{r['max_relative_diff_vs_eager']:.1e}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -31,7 +31,9 @@ lengths, random weights at the real size (3.35 B parameters, bf16). p50/p90: wal
 latency per request after warm-up. launches/req: CUDA kernel launch API calls per request
 (torch.profiler; graph replays count as graph launches instead). kernels/req and kernel
 ms/req: device kernels executed and their summed time. peak MiB: peak allocated memory.
-pool +MiB: growth of reserved memory while graph modes ran. max rel diff: largest
+pool +MiB: growth of reserved memory while graph modes ran (graph intermediates included).
+graph buf MiB: static buffers of the resident graphs, as sglang-ext's bounded caches count them
+(upstream's caches do not report it). max rel diff: largest
 |action - eager action| / max |eager action| over the timed requests (0 = bit-identical).
 Modes: `graph` = exact mode (first N signatures captured, later ones eager), `graph-bucket` =
 prompt buckets + LRU, `graph-fused` = one graph for all denoise steps (sglang-ext only)."""

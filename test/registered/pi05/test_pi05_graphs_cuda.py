@@ -138,6 +138,22 @@ def test_fused_denoise_matches_eager(policy, monkeypatch):
     assert len(loop_signatures) == 2
 
 
+def test_fused_norms_change_actions_only_within_rounding(policy, monkeypatch):
+    """pi05_fused_norms vs 0.5.17's norm and gated-residual math, whole request at real size (eager)."""
+    from sglang.multimodal_gen.runtime.models.vlas import pi05_core
+
+    from pi05_norm_reference import reference_forward, reference_gated_residual
+
+    for masked in (False, True):
+        fused = _request(policy, prompt_len=40, masked=masked, seed=11, graph=False)
+        with monkeypatch.context() as m:
+            m.setattr(pi05_core.PiGemmaRMSNorm, "forward", reference_forward)
+            m.setattr(pi05_core, "gated_residual", reference_gated_residual)
+            original = _request(policy, prompt_len=40, masked=masked, seed=11, graph=False)
+        _compare(f"fused norms vs 0.5.17 norms {'masked' if masked else 'full'}", fused, original)
+    assert pi05_core.PiGemmaRMSNorm.forward is not reference_forward  # restored
+
+
 @pytest.mark.parametrize("prefix_graph", [True, False], ids=["prefix-graph", "eager-prefix"])
 def test_consecutive_requests_never_share_kv(policy, prefix_graph):
     """Requests with different images and the same signature, alternating: each must
