@@ -36,7 +36,10 @@ graph buf MiB: static buffers of the resident graphs, as sglang-ext's bounded ca
 (upstream's caches do not report it). max rel diff: largest
 |action - eager action| / max |eager action| over the timed requests (0 = bit-identical).
 Modes: `graph` = exact mode (first N signatures captured, later ones eager), `graph-bucket` =
-prompt buckets + LRU, `graph-fused` = one graph for all denoise steps (sglang-ext only)."""
+prompt buckets + LRU, `graph-fused` = one graph for all denoise steps (sglang-ext only).
+`0517-ext` includes `pi05_fused_norms` (fewer, fused norm kernels in every mode); its actions
+match 0.5.17's norm math within bf16 rounding (checked on the GPU by
+`test_pi05_graphs_cuda.py::test_fused_norms_change_actions_only_within_rounding`)."""
 
 VIT_MEANING = """\
 sglang's real Qwen2.5-VL vision tower (random weights, triton_attn, bf16) fed a stream of
