@@ -241,6 +241,13 @@ def _ext_ensure_state(self):
     self._ext_merge_unit = int(getattr(self.vit, "spatial_merge_unit", 1) or 1)
     self._ext_token_buckets = _ext_vit_token_buckets(self._ext_merge_unit) if self._ext_mode == "bucket" else ()
     self._ext_padding = {"padded_batches": 0, "padding_tokens": 0, "real_tokens": 0}
+    if self._ext_mode != "layout" and self._attn_backend != "triton_attn":
+        _ext_vit_logger.warning("--ext-vit-graph-mode %s needs the triton_attn vision attention backend; this "
+                                "tower uses %s, so its graphs are keyed by exact layout", self._ext_mode,
+                                self._attn_backend)
+    elif self._ext_mode == "bucket" and not self._ext_token_buckets:
+        _ext_vit_logger.warning("--ext-vit-graph-token-buckets: no size is a multiple of this tower's merge unit "
+                                "%d, so bucket mode pads nothing (class mode keys only)", self._ext_merge_unit)
     self._ext_rotary_pools = {}
     self._ext_rotary_leases = {}
     self._ext_rotary_current = {}

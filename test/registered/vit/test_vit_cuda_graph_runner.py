@@ -514,12 +514,25 @@ def test_bucket_mode_eager_fallback_runs_the_unpadded_batch(vit_patch, fake_cuda
     assert tower.blocks[0].calls == ["metadata"]
 
 
-def test_bucket_mode_needs_triton_attention(vit_patch, fake_cuda):
+def test_bucket_mode_needs_triton_attention(vit_patch, fake_cuda, caplog):
     vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="16")
     runner = ViTCudaGraphRunner(StubTower())
     runner._attn_backend = "fa3"
-    runner._ext_ensure_state()
+    with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
+        runner._ext_ensure_state()
     assert not runner._ext_bucket_mode() and runner._ext_graph_info()["mode"] == "layout"
+    assert "needs the triton_attn vision attention backend" in caplog.text and "fa3" in caplog.text
+
+
+def test_bucket_sizes_the_merge_unit_does_not_divide_are_skipped(vit_patch, fake_cuda, caplog):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="9,15")
+    runner = ViTCudaGraphRunner(merged_tower())  # merge unit 2: neither size is usable
+    with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
+        out = runner.run(torch.arange(6.0).view(6, 1), torch.tensor([0, 0, 6], dtype=torch.int32),
+                         torch.tensor([0, 2, 6], dtype=torch.int32), (torch.zeros(6, 1), torch.zeros(6, 1)),
+                         output_indices=torch.arange(3), attention_layout_key=((0, 0, 6), (0, 2, 6)))
+    assert out.shape == (3, 1) and runner._ext_token_buckets == ()
+    assert "merge unit 2" in caplog.text and runner._ext_graph_info()["padded_batches"] == 0
 
 
 # ---------------------------------------------------------------------------
