@@ -156,9 +156,10 @@ KNOBS: tuple[Knob, ...] = (
          "(GEMMs see more rows), not bitwise.",
          choices=("layout", "class", "bucket")),
     Knob("vit_graph_token_buckets", "int_list", (),
-         "Bucket mode: token counts (patches before merging) to pad to; each must be a multiple of the "
-         "tower's spatial merge unit (4 for Qwen2.5-VL / Qwen3-VL) or it is skipped. Empty = 256 growing "
-         "by 12.5 % (multiples of 64) up to 16384; larger batches are not padded."),
+         "Bucket mode only: token counts (patches before merging) to pad to, each a multiple of 4 (the "
+         "spatial merge unit of the Qwen2.5-VL / Qwen3-VL towers). Empty = 256 growing by 12.5 % in "
+         "multiples of 64, up to 17792 (the first step >= 16384); larger batches are not padded, smaller "
+         "ones pad to 256."),
     # --- Pi0.5 graphs (patches pi05_*) ---
     Knob("pi05_prefix_graph_max_entries", "int", -1,
          "Override prefix_cuda_graph_max_entries of the Pi0.5 pipeline config (-1 = keep config).",
@@ -220,7 +221,31 @@ def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
                 f"{k.flag} / {k.env}: unknown patch name(s) {', '.join(unknown)}; "
                 f"allowed: {', '.join(names)}"
             )
+    _check_vit_token_buckets(values)
     return Settings(enabled=enabled, values=values)
+
+
+# The spatial merge unit (2x2 patches) of every ViT tower the vit_cuda_graph patch serves.
+VIT_MERGE_UNIT = 4
+
+
+def _check_vit_token_buckets(values: dict) -> None:
+    """Token buckets only mean something in bucket mode, and must keep merge groups whole."""
+    buckets = values["vit_graph_token_buckets"]
+    if not buckets:
+        return
+    k = knob("vit_graph_token_buckets")
+    if values["vit_graph_mode"] != "bucket":
+        raise ExtConfigError(
+            f"{k.flag} / {k.env}: only used with {knob('vit_graph_mode').flag} bucket (mode is "
+            f"{values['vit_graph_mode']!r}); allowed: leave it empty, or set the mode to bucket"
+        )
+    bad = [b for b in buckets if b % VIT_MERGE_UNIT]
+    if bad:
+        raise ExtConfigError(
+            f"{k.flag} / {k.env}: {', '.join(map(str, bad))} not a multiple of {VIT_MERGE_UNIT}; allowed: "
+            f"comma-separated positive multiples of {VIT_MERGE_UNIT} (the ViT spatial merge unit), strictly increasing"
+        )
 
 
 def knob_enabled(env: Mapping[str, str]) -> bool:
