@@ -104,14 +104,17 @@ max_seqlen into its scheduling heuristics, so it is not claimed exact there.
 Bucket mode (opt-in, `--ext-vit-graph-mode bucket`, triton_attn only): class mode plus token
 padding, for streams whose token totals rarely repeat (1-4 images at mixed resolutions hit
 class-mode graphs only ~70 % of the time). The token count is padded up to the next
-`--ext-vit-graph-token-buckets` size (default: 256 growing by 12.5 %, ~7 % padding on a
-realistic stream). Padding rows are zeros appended after the real tokens, forming their own
+`--ext-vit-graph-token-buckets` size (default: 256 growing by 12.5 % in multiples of 64, up
+to 17792; ~7 % padding on a realistic stream, at most 12.5 % plus the rounding to 64, i.e. up
+to 25 % just above 256, and batches under 256 tokens pad to 256). Padding rows are zeros appended after the real tokens, forming their own
 attention sequences (one full-attention sequence; window-sized window sequences), so no real
 token attends to them; the merger's first tokens/merge-unit rows are the real output and only
 they are returned. The full-attention class is widened to >= 8 sequences with the bucket as
-max_seqlen bound, so a bucket has one graph. Cost: GEMMs see up to 12.5 % more rows, and a
-different row count can make cuBLAS pick another kernel, so results equal eager within
-rounding (bf16), not bitwise. Batches above the largest bucket run unpadded, as in class mode;
+max_seqlen bound, so a bucket needs one graph per window-count class (power of two; about
+one per bucket: 31 graphs for 26 buckets on the benchmark stream). Cost: GEMMs see the
+padding rows, and a different row count can make cuBLAS pick another kernel, so results
+equal eager within rounding (bf16), not bitwise. A padded graph over the byte budget runs
+the batch eager (an unpadded graph is not tried). Batches above the largest bucket run unpadded, as in class mode;
 eager fallbacks always run the real, unpadded batch.
 
 Deviation from upstream: keys are `GraphKey`s, not `(S, layout)` tuples; a direct
@@ -151,8 +154,8 @@ _ext_vit_logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 # Fallback reasons, as counted per runner.
 _EXT_VIT_FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed")
 
-# Bucket mode's default token ladder: one 224x224 image (256 patches) growing by 12.5 % up to
-# 16384 patches, in multiples of 64 (one Qwen2.5-VL attention window; a multiple of the merge unit).
+# Bucket mode's default token ladder: one 224x224 image (256 patches) growing by 12.5 % until a
+# size >= 16384 patches (17792), in multiples of 64 (one Qwen2.5-VL attention window; a multiple of the merge unit).
 _EXT_VIT_DEFAULT_BUCKETS = dict(smallest=256, largest=16384, ratio=1.125, multiple=64)
 # Bucket mode: room for this many full-attention sequences at least, so one token bucket has one class.
 _EXT_VIT_BUCKET_MIN_SEQUENCES = 8
@@ -351,8 +354,8 @@ def _ext_bucket_mode(self):
 def _ext_graph_key_for(self, layout_key):
     """The cache key of a batch: its layout key, or in class mode its (tokens, class) key.
 
-    Bucket mode coarsens the full-attention class so that a token bucket has one graph: room for
-    at least `_EXT_VIT_BUCKET_MIN_SEQUENCES` sequences and the token count as max_seqlen bound
+    Bucket mode coarsens the full-attention class so that it does not split a token bucket: room
+    for at least `_EXT_VIT_BUCKET_MIN_SEQUENCES` sequences and the token count as max_seqlen bound
     (the kernel's extra programs find no rows and exit). Windows keep class mode's classes.
     """
     if not self._ext_class_mode():
@@ -395,8 +398,6 @@ def _ext_pad_to_bucket(self, layout_key, x_3d, position_embeddings, rotary_pos_e
         position_embeddings = tuple(_ext_vit_pad_rows(t, pad) for t in position_embeddings)
     if output_indices is None:
         output_indices = torch.arange(tokens // unit, device=device)
-    self._ext_padding["padded_batches"] += 1
-    self._ext_padding["padding_tokens"] += pad
     return (GraphKey(bucket, layout=(full, window)), _ext_vit_pad_rows(x_3d, pad), cu_seqlens, cu_window_seqlens,
             position_embeddings, _ext_vit_pad_rows(rotary_pos_emb_cos, pad),
             _ext_vit_pad_rows(rotary_pos_emb_sin, pad), output_indices)
@@ -708,7 +709,6 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
         max_window_len = _ext_vit_max_len(graph_key.layout[1])
         layout_key = graph_key
         if self._ext_bucket_mode():
-            self._ext_padding["real_tokens"] += num_tokens
             padded = self._ext_pad_to_bucket(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos,
                                              rotary_pos_emb_sin, output_indices)
             if padded is not None:  # the graph sees the padded batch; eager keeps the real one
@@ -737,6 +737,11 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
     if reason is not None:
         self._ext_fallbacks[reason] += 1
         return self._ext_run_eager(*eager_batch, max_full_len, max_window_len)
+    if graph_key.variant and graph_key.variant[0] == "bucket":  # counted for graph runs only
+        self._ext_padding["real_tokens"] += num_tokens
+        if graph_key.num_tokens > num_tokens:
+            self._ext_padding["padded_batches"] += 1
+            self._ext_padding["padding_tokens"] += graph_key.num_tokens - num_tokens
     if graph_key.variant:  # class mode: this batch's boundaries into the shared graph
         device = self.device
         self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),

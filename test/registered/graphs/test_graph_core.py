@@ -311,6 +311,7 @@ def test_geometric_buckets_default_vit_ladder():
     (dict(smallest=0, largest=8, ratio=2.0), "smallest"),
     (dict(smallest=8, largest=4, ratio=2.0), "largest"),
     (dict(smallest=8, largest=16, ratio=1.0), "ratio"),
+    (dict(smallest=1, largest=10**6, ratio=1.0000001), "ratio"),
     (dict(smallest=8, largest=16, ratio=float("inf")), "ratio"),
     (dict(smallest=8, largest=16, ratio=2.0, multiple=0), "multiple"),
 ])

@@ -261,6 +261,7 @@ class LayoutBlock(nn.Module):
         self.attn = SimpleNamespace(num_attention_heads_per_partition=1, head_size=1, qkv_backend_name="triton_attn")
         self.fail_capture = fail_capture
         self.calls = []
+        self.rows = []  # x.shape[0] of every call
         if not accepts_metadata:
             self.forward = self._forward_without_metadata
 
@@ -276,6 +277,7 @@ class LayoutBlock(nn.Module):
         if graph is not None and self.fail_capture:
             raise RuntimeError("capture failed (test)")
         pos = position_embeddings[0] if position_embeddings is not None else rotary_pos_emb_cos
+        self.rows.append(x.shape[0])
         if forward_metadata is not None:
             cu, max_seqlen = forward_metadata.cu_seqlens, forward_metadata.max_seqlen
             self.calls.append("metadata")
@@ -509,9 +511,11 @@ def test_bucket_mode_eager_fallback_runs_the_unpadded_batch(vit_patch, fake_cuda
     out = runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32),
                      (pos, pos), output_indices=torch.arange(5), attention_layout_key=(full, window))
     torch.testing.assert_close(out, merged_reference(tower, x, full, window, pos))
-    assert not runner.block_graphs and runner._ext_graph_info()["fallback_warming"] == 1
-    # The eager run saw 10 rows (the real batch), not the 16-row bucket.
-    assert tower.blocks[0].calls == ["metadata"]
+    info = runner._ext_graph_info()
+    assert not runner.block_graphs and info["fallback_warming"] == 1
+    # The eager run saw 10 rows (the real batch), not the 16-row bucket; nothing counts as padded.
+    assert tower.blocks[0].calls == ["metadata"] and tower.blocks[0].rows == [10] and tower.blocks[1].rows == [10]
+    assert (info["padded_batches"], info["padding_tokens"], info["real_tokens"]) == (0, 0, 0)
 
 
 def test_bucket_mode_needs_triton_attention(vit_patch, fake_cuda, caplog):
@@ -525,14 +529,44 @@ def test_bucket_mode_needs_triton_attention(vit_patch, fake_cuda, caplog):
 
 
 def test_bucket_sizes_the_merge_unit_does_not_divide_are_skipped(vit_patch, fake_cuda, caplog):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="9,15")
-    runner = ViTCudaGraphRunner(merged_tower())  # merge unit 2: neither size is usable
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="4,12")
+    tower = merged_tower()
+    tower.spatial_merge_unit = 8  # a tower merging 8 patches: neither size keeps merge groups whole
+    runner = ViTCudaGraphRunner(tower)
     with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
-        out = runner.run(torch.arange(6.0).view(6, 1), torch.tensor([0, 0, 6], dtype=torch.int32),
-                         torch.tensor([0, 2, 6], dtype=torch.int32), (torch.zeros(6, 1), torch.zeros(6, 1)),
-                         output_indices=torch.arange(3), attention_layout_key=((0, 0, 6), (0, 2, 6)))
-    assert out.shape == (3, 1) and runner._ext_token_buckets == ()
-    assert "merge unit 2" in caplog.text and runner._ext_graph_info()["padded_batches"] == 0
+        runner._ext_ensure_state()
+    assert runner._ext_token_buckets == () and "merge unit 8" in caplog.text
+
+
+def test_bucket_mode_qwen3_deepstack_rows_are_the_real_ones(vit_patch, fake_cuda, monkeypatch):
+    """Qwen3's deepstack mergers' outputs are joined along dim 1: padding rows must drop from both."""
+    real_cat = torch.cat
+
+    def recording_cat(tensors, dim=0):  # the captured torch.cat is a kernel too: replay it
+        out = real_cat(tensors, dim=dim)
+        graph = _CAPTURING[0]
+        if graph is not None:
+            parts = list(tensors)
+            graph.thunks.append(lambda: out.copy_(real_cat(parts, dim=dim)))
+        return out
+
+    monkeypatch.setattr(torch, "cat", recording_cat)
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16")
+    tower = StubTower(fullatt=())
+    tower.deepstack_visual_indexes = [0]
+    tower.deepstack_merger_list = nn.ModuleList([SqueezeMerger()])
+    runner = ViTCudaGraphRunner(tower)
+    for tokens, full in ((5, (0, 2, 5)), (7, (0, 3, 4, 7)), (6, (0, 6))):
+        x = torch.arange(tokens, dtype=torch.float32).view(tokens, 1) * 0.5
+        pos = torch.full((tokens, 1), float(tokens))
+        out = runner.run(x=x, cu_seqlens=torch.tensor(full, dtype=torch.int32), cu_window_seqlens=None,
+                         position_embeddings=None, rotary_pos_emb_cos=pos, rotary_pos_emb_sin=pos,
+                         output_indices=None, attention_layout_key=(tuple(full), None))
+        after_block0 = _layout_compute(x.unsqueeze(1), torch.tensor(full), 10**9, pos).squeeze(1)
+        want = torch.cat([reference(tower, x, full, None, pos), after_block0], dim=1)
+        torch.testing.assert_close(out, want)
+    assert [k.num_tokens for k in runner.block_graphs] == [8]
+    assert runner._ext_graph_info()["padded_batches"] == 3
 
 
 # ---------------------------------------------------------------------------
