@@ -144,6 +144,7 @@ def test_fused_norms_change_actions_only_within_rounding(policy, monkeypatch):
 
     from pi05_norm_reference import reference_forward, reference_gated_residual
 
+    identical = []
     for masked in (False, True):
         fused = _request(policy, prompt_len=40, masked=masked, seed=11, graph=False)
         with monkeypatch.context() as m:
@@ -151,6 +152,9 @@ def test_fused_norms_change_actions_only_within_rounding(policy, monkeypatch):
             m.setattr(pi05_core, "gated_residual", reference_gated_residual)
             original = _request(policy, prompt_len=40, masked=masked, seed=11, graph=False)
         _compare(f"fused norms vs 0.5.17 norms {'masked' if masked else 'full'}", fused, original)
+        identical.append(torch.equal(fused, original))
+    # The fused code really ran: its single bf16 rounding differs from 0.5.17's somewhere.
+    assert not all(identical), "fused and 0.5.17 norms gave bit-identical actions: is pi05_fused_norms active?"
     assert pi05_core.PiGemmaRMSNorm.forward is not reference_forward  # restored
 
 
