@@ -5,14 +5,17 @@ triton_attn, bf16) is fed a stream of requests of 1-4 images at common photo
 resolutions. Every request runs through the graph runner AND sglang's eager path;
 the outputs are compared. Modes:
 
-  eager        sglang's eager tower (the baseline timings, measured on the same requests)
+  eager        sglang's eager tower (the baseline timings, measured on the same requests in every
+               mode's process, interleaved with the graph runs)
+  eager-only   a process that runs only sglang's eager tower (no graph runner): a second baseline,
+               free of any interference between graph and eager runs in one process
   0.5.17       the runner as shipped: graphs keyed by token count, unbounded
   0.5.19       upstream's runner (layout keys, unbounded, private pools); needs --upstream-root
   ext-layout   the patch: graphs keyed by (tokens, attention layout), LRU capacity --capacity
   ext-class    the patch in layout-class mode: graphs shared by layouts with the same token
                count, sequence-count class and max-length class, boundaries refreshed per replay
   ext-bucket   layout-class mode with token counts padded to a 12.5 % ladder (padding is its
-               own attention sequence): one graph per token bucket
+               own attention sequence): about one graph per token bucket
 
 Each mode runs in its own process. A request is a hit when it replays a graph captured for an
 earlier request. Prints a table last and writes JSON (--out). Runs in about 6 minutes on one
@@ -81,6 +84,8 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
     graph_s = eager_s = 0.0
     tokens_total = wrong = bitwise = 0
     new_graphs = 0  # unbounded runners: a request that added a graph was a miss
+    ext_cache = runner.__dict__.get("_ext_cache") if runner is not None else None
+    peak_graph_bytes = 0
     worst = 0.0
     timeline = []
     for i, (tokens, grid, seed) in enumerate(requests):
@@ -91,6 +96,9 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         before = len(runner.block_graphs)
         graphed, dt_graph = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=True))
         new_graphs += len(runner.block_graphs) > before
+        ext_cache = runner.__dict__.get("_ext_cache")  # created by the first run
+        if ext_cache is not None:
+            peak_graph_bytes = max(peak_graph_bytes, ext_cache.info().bytes_resident)
         eager, dt_eager = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=False))
         graph_s += dt_graph
         eager_s += dt_eager
@@ -112,6 +120,7 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         "wrong_outputs": wrong, "bitwise_equal": bitwise, "max_abs_diff": worst,
         "resident_graphs": len(runner.block_graphs),
         "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
+        "peak_graph_bytes_mib": round(peak_graph_bytes / 2**20, 1) if ext_cache is not None else None,
         "timeline": timeline,
     }
     if "_ext_cache" in runner.__dict__:
@@ -158,7 +167,7 @@ def _fmt(value) -> str:
     return str(value)
 
 
-MODES = ("0.5.17", "0.5.19", "layout", "class", "bucket")
+MODES = ("0.5.17", "0.5.19", "eager-only", "layout", "class", "bucket")
 
 
 def _child_env(args, mode: str) -> dict:
@@ -194,6 +203,21 @@ def _mode_key(name: str) -> str:
     return head[len("ext-"):] if head.startswith("ext-") else head
 
 
+def run_eager_only(args, config, requests, dtype) -> None:
+    """sglang's eager tower alone in this process, on the same requests (second eager baseline)."""
+    vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1, graphs=False)
+    eager_s = 0.0
+    for tokens, grid, seed in requests:
+        pixels = pixels_for(tokens, seed, dtype)
+        _, dt = timed(lambda: kit.forward(vit, pixels, torch.tensor(grid, dtype=torch.int64), graph=False))
+        eager_s += dt
+    result = {"mode": "eager-only", "requests": len(requests), "tokens": sum(r[0] for r in requests),
+              "eager_req_per_s": len(requests) / eager_s,
+              "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
+    with open(args.part_out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+
+
 def run_one_mode(args) -> None:
     """One mode in this process. A crash (0.5.17 can replay a stale layout into an illegal
     memory access, which kills the CUDA context) is recorded instead of lost."""
@@ -206,6 +230,9 @@ def run_one_mode(args) -> None:
     os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1"
     kit.publish_runtime("triton_attn")
     kit.init_single_rank_parallel_state()
+    if args.mode == "eager-only":
+        run_eager_only(args, config, requests, dtype)
+        return
     if args.mode in ("0.5.17", "0.5.19"):  # unbounded runners: fewer requests
         import sglang
 
@@ -220,8 +247,6 @@ def run_one_mode(args) -> None:
         vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
         result = run_mode(name, vit, requests, dtype=dtype, tol=tol,
                           sample_every=max(1, len(requests) // 20), progress=progress)
-        timeline_bytes = [t["graph_bytes_resident"] for t in result["timeline"] if t["graph_bytes_resident"]]
-        result["peak_graph_bytes_mib"] = round(max(timeline_bytes) / 2**20, 1) if timeline_bytes else None
         result["graph_bytes_budget_mib"] = round(args.max_bytes / 2**20, 1) if args.mode not in MODES[:2] else None
         if sglang_path and args.mode == "0.5.19":
             result["sglang_path"] = sglang_path
@@ -269,12 +294,30 @@ def main() -> None:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"--modes: {unknown} not allowed; allowed: {', '.join(MODES)}")
+    if "0.5.19" in modes and not args.upstream_root:
+        print("bench_vit: no --upstream-root, so the 0.5.19 mode is skipped")
+        modes.remove("0.5.19")
+    n = 100 if args.quick else args.requests
+    config = {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
+              "attention": "triton_attn", "requests": n, "capacity": args.capacity,
+              "graph_bytes_budget_mib": round(args.max_bytes / 2**20, 1), "seed": args.seed,
+              "unpatched_requests": args.unpatched_requests,
+              "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
+              "device": torch.cuda.get_device_name()}
+    kept = []
+    if args.merge and os.path.exists(args.out):  # checked before any GPU time is spent
+        with open(args.out, encoding="utf-8") as f:
+            previous = json.load(f)
+        same = {k: previous["config"].get(k) for k in config}
+        now = json.loads(json.dumps(config))  # tuples as JSON lists
+        if same != now:
+            raise SystemExit(f"--merge: {args.out} was measured with {same}; this run has {now}")
+        kept = [r for r in previous["results"] if r.get("mode_key", _mode_key(r["mode"])) not in modes]
+        config["seconds"] = previous["config"].get("seconds")
     started = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:  # one process per mode: fresh CUDA context, no cross-talk
-            if mode == "0.5.19" and not args.upstream_root:
-                continue
             part = os.path.join(tmp, f"{mode}.json")
             proc = subprocess.run(_child_command(args, mode, part), env=_child_env(args, mode))
             if os.path.exists(part):
@@ -285,22 +328,9 @@ def main() -> None:
             results[-1]["mode_key"] = mode
             if args.merge:  # measured in a later run than the results it joins
                 results[-1]["merged_later"] = True
-    n = 100 if args.quick else args.requests
-    report = {"config": {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
-                         "attention": "triton_attn", "requests": n, "capacity": args.capacity,
-                         "graph_bytes_budget_mib": round(args.max_bytes / 2**20, 1),
-                         "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
-                         "device": torch.cuda.get_device_name(), "seconds": round(time.perf_counter() - started, 1)},
-              "results": results}
-    if args.merge and os.path.exists(args.out):
-        with open(args.out, encoding="utf-8") as f:
-            previous = json.load(f)
-        same = {k: previous["config"].get(k) for k in ("tower", "requests", "capacity")}
-        if same != {k: report["config"][k] for k in same}:
-            raise SystemExit(f"--merge: {args.out} was measured with {same}; this run differs")
-        kept = [r for r in previous["results"] if r.get("mode_key", _mode_key(r["mode"])) not in modes]
-        report["results"] = sorted(kept + results, key=lambda r: MODES.index(r.get("mode_key", _mode_key(r["mode"]))))
-        report["config"]["seconds"] = previous["config"].get("seconds")
+    config.setdefault("seconds", round(time.perf_counter() - started, 1))
+    report = {"config": config, "results": sorted(
+        kept + results, key=lambda r: MODES.index(r.get("mode_key", _mode_key(r["mode"]))))}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
