@@ -198,7 +198,7 @@ def _child_command(args, mode: str, part_out: str) -> list:
 
 
 def _mode_key(name: str) -> str:
-    """The MODES entry of a result's display name ("ext-bucket (cap 32)" -> "bucket")."""
+    """The MODES entry of a result's display name ("ext-bucket (cap 32)" -> "bucket"; "0.5.19" stays)."""
     head = name.split(" ")[0]
     return head[len("ext-"):] if head.startswith("ext-") else head
 
@@ -312,7 +312,7 @@ def main() -> None:
         now = json.loads(json.dumps(config))  # tuples as JSON lists
         if same != now:
             raise SystemExit(f"--merge: {args.out} was measured with {same}; this run has {now}")
-        kept = [r for r in previous["results"] if r.get("mode_key", _mode_key(r["mode"])) not in modes]
+        kept = [r for r in previous["results"] if _mode_key(r["mode"]) not in modes]
         config["seconds"] = previous["config"].get("seconds")
     started = time.perf_counter()
     results = []
@@ -325,12 +325,11 @@ def main() -> None:
                     results.append(json.load(f))
             else:
                 results.append({"mode": mode, "crashed": f"exit status {proc.returncode}, no result"})
-            results[-1]["mode_key"] = mode
             if args.merge:  # measured in a later run than the results it joins
                 results[-1]["merged_later"] = True
     config.setdefault("seconds", round(time.perf_counter() - started, 1))
     report = {"config": config, "results": sorted(
-        kept + results, key=lambda r: MODES.index(r.get("mode_key", _mode_key(r["mode"]))))}
+        kept + results, key=lambda r: MODES.index(_mode_key(r["mode"])))}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)

@@ -127,12 +127,14 @@ def _pi05_section():
 
 def _vit_targets(results) -> list:
     """Issue 8's targets, for the sglang-ext modes (0.5.17 / 0.5.19 are the baselines)."""
+    from bench_vit import _mode_key
+
     rows = []
-    eager_only = next((r for r in results if r.get("mode_key") == "eager-only" and "eager_req_per_s" in r), None)
+    eager_only = next((r for r in results if _mode_key(r["mode"]) == "eager-only" and "eager_req_per_s" in r), None)
     for r in results:
         if r.get("hit_rate") is None or not r["mode"].startswith("ext-"):
             continue
-        if r.get("mode_key") in ("class", "bucket"):
+        if _mode_key(r["mode"]) in ("class", "bucket"):
             rows += [_target(f"{r['mode']}: hit rate", r["hit_rate"], ">=", 0.90),
                      _target(f"{r['mode']}: throughput vs eager (same process, interleaved)",
                              r["speedup_vs_eager"], ">=", 1.5)]
