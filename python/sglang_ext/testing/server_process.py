@@ -40,15 +40,24 @@ class ServerHandle:
             time.sleep(1.0)
         raise TimeoutError(f"server on port {self.port} not healthy after {timeout:.0f}s:\n" + self.log_tail(60))
 
-    def post(self, path: str, body: dict, timeout: float = 120) -> dict:
-        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            raise RuntimeError(f"POST {path} on port {self.port}: HTTP {exc.code}: "
-                               f"{exc.read()[:500]!r}") from exc
+    def post(self, path: str, body: dict, timeout: float = 120, retries: int = 2) -> dict:
+        """POST JSON, return the JSON answer. A refused/reset connection is retried while the
+        server lives (a full accept backlog under many concurrent clients); HTTP errors are not."""
+        data = json.dumps(body).encode()
+        for attempt in range(retries + 1):
+            req = urllib.request.Request(self.base_url + path, data=data,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as exc:
+                raise RuntimeError(f"POST {path} on port {self.port}: HTTP {exc.code}: "
+                                   f"{exc.read()[:500]!r}") from exc
+            except (ConnectionError, urllib.error.URLError):
+                if attempt == retries or self.proc.poll() is not None:
+                    raise
+                time.sleep(1.0)
+        raise AssertionError("unreachable")
 
     def get_text(self, path: str, timeout: float = 30) -> str:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
@@ -56,7 +65,8 @@ class ServerHandle:
 
     def stop(self, grace: float = 20) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
-        if self.proc.poll() is None or _group_alive(self.proc.pid):
+        self.proc.poll()
+        if _group_alive(self.proc.pid):
             for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5)):
                 try:
                     os.killpg(self.proc.pid, sig)
@@ -64,6 +74,7 @@ class ServerHandle:
                     break
                 deadline = time.monotonic() + wait
                 while time.monotonic() < deadline and _group_alive(self.proc.pid):
+                    self.proc.poll()  # reap the leader: a zombie would keep the group "alive"
                     time.sleep(0.2)
                 if not _group_alive(self.proc.pid):
                     break

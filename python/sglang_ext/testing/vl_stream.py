@@ -9,6 +9,7 @@ absolute difference is within a tolerance.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import math
 import random
@@ -82,6 +83,7 @@ def with_image_changed(spec: RequestSpec, which: int = 0) -> RequestSpec:
     return RequestSpec(spec.index, spec.sizes, tuple(seeds))
 
 
+@functools.lru_cache(maxsize=4096)  # every server of a test gets the same images: encode once
 def image_data_uri(width: int, height: int, seed: int) -> str:
     """A PNG data URI: seeded random colour blocks of 8x8 px (compresses well, differs per seed)."""
     from PIL import Image

@@ -237,9 +237,8 @@ def run_servers(kind: str, workdir: Path) -> Dict[str, Run]:
             list(ex.map(serve, list(runs)))
         print(f"[{kind}] all servers done in {time.monotonic() - t0:.0f}s", flush=True)
     finally:
-        for name, h in handles.items():
-            h.stop()
-            _finish(runs[name], h)
+        with ThreadPoolExecutor(len(CONFIGS)) as ex:
+            list(ex.map(lambda name: (handles[name].stop(), _finish(runs[name], handles[name])), list(handles)))
     for run in runs.values():
         if run.error:
             print(f"[{kind}] {run.config.name} log tail / error:\n{run.error}", flush=True)
