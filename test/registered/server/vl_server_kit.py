@@ -7,7 +7,8 @@ same request stream; the `run_all` fixture collects everything once, the tests t
 claim each (letters as in issue 13 item 3).
 
 Knobs (environment): SGX_SERVER_REQUESTS (200), SGX_SERVER_ATOL (graphs on vs off, 1e-2),
-SGX_CONCURRENT_ATOL (concurrent vs sequential; unset: max(ATOL, 2 x batching noise)), SGX_HEALTH_TIMEOUT_S (300), SGX_STAGGER (1).
+SGX_CONCURRENT_ATOL (concurrent vs sequential; unset: max(ATOL, 2 x batching noise)),
+SGX_HEALTH_TIMEOUT_S (300), SGX_STAGGER (1).
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ import os
 import random
 import re
 import socket
-import sys
 import tempfile
 import time
-from threading import Event as ThreadEvent
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from threading import Event as ThreadEvent
 from typing import Dict, List, Optional
 
 import pytest
@@ -61,7 +61,6 @@ class ServerConfig:
 CONFIGS = tuple(ServerConfig(f"{'upstream' if up else 'ext'}-{be or 'default'}-graphs-{'on' if g else 'off'}",
                              up, be, g)
                 for be in (None, "triton_attn") for up, g in ((False, True), (False, False), (True, True)))
-BY_NAME = {c.name: c for c in CONFIGS}
 
 
 @dataclass
@@ -73,10 +72,10 @@ class Run:
     error: Optional[str] = None  # start-up failure or crash, with the log tail
     backend_logged: Optional[str] = None
     probe: List[List[float]] = field(default_factory=list)  # (a): request, same with one image changed
-    signatures: List[Optional[List[float]]] = field(default_factory=list)
-    chat: List[Optional[List[float]]] = field(default_factory=list)
-    pool_sequential: List[List[float]] = field(default_factory=list)
-    concurrent: List[Optional[List[float]]] = field(default_factory=list)
+    signatures: List[List[float]] = field(default_factory=list)  # the stream, /generate
+    chat: List[List[float]] = field(default_factory=list)  # its first N_CHAT, /v1/chat/completions
+    pool_sequential: List[List[float]] = field(default_factory=list)  # (h) reference, graphs off only
+    concurrent: List[List[float]] = field(default_factory=list)  # (h), CONCURRENCY in flight
     metrics_warm: Dict[str, Optional[float]] = field(default_factory=dict)
     metrics_stream: Dict[str, Optional[float]] = field(default_factory=dict)
     metrics_end: Dict[str, Optional[float]] = field(default_factory=dict)
