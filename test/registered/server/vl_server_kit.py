@@ -8,7 +8,7 @@ claim each (letters as in issue 13 item 3).
 
 Knobs (environment): SGX_SERVER_REQUESTS (200), SGX_SERVER_ATOL (graphs on vs off, 1e-2),
 SGX_CONCURRENT_ATOL (concurrent vs sequential; unset: max(ATOL, 2 x batching noise)),
-SGX_HEALTH_TIMEOUT_S (300), SGX_STAGGER (1).
+SGX_HEALTH_TIMEOUT_S (300), SGX_STAGGER (1), SGX_BACKENDS (default,triton_attn).
 """
 
 from __future__ import annotations
@@ -58,9 +58,13 @@ class ServerConfig:
         return f"ext-{self.backend or 'default'}-graphs-off"
 
 
+# SGX_BACKENDS (default "default,triton_attn"): which ViT backends this run covers, so that a GPU call
+# made before FA3 has arrived can run the triton_attn servers alone.
+BACKENDS = tuple(None if b == "default" else b
+                 for b in os.environ.get("SGX_BACKENDS", "default,triton_attn").split(","))
 CONFIGS = tuple(ServerConfig(f"{'upstream' if up else 'ext'}-{be or 'default'}-graphs-{'on' if g else 'off'}",
                              up, be, g)
-                for be in (None, "triton_attn") for up, g in ((False, True), (False, False), (True, True)))
+                for be in BACKENDS for up, g in ((False, True), (False, False), (True, True)))
 
 
 @dataclass
@@ -408,7 +412,7 @@ def check_concurrent_with_mm_cache(kind, run_all):
     and twice what batching alone does on the graphs-off server (same requests, same concurrency),
     unless SGX_CONCURRENT_ATOL fixes it; it must stay below what a changed image does (a).
     """
-    for backend in (None, "triton_attn"):
+    for backend in BACKENDS:
         off = ok(run_all, f"ext-{backend or 'default'}-graphs-off")
         floor = vs.compare(off.concurrent, off.pool_sequential, 0.0)
         tol = CONCURRENT_ATOL if CONCURRENT_ATOL is not None else max(ATOL, 2 * floor.max_diff)
