@@ -3,8 +3,9 @@
 #   1. patches/ equals what scripts/gen_patches.py generates from the adapters now;
 #   2. it applies (git apply --check, then git apply) to a copy of the pristine sglang 0.5.17
 #      installed in the venv;
-#   3. the project's CPU suite passes against that patched copy with the plugin NOT active
-#      (EXT_TEST_TREE=patched: plugin-only tests skip, the rest must pass unchanged).
+#   3. the project's CPU suite passes against that patched copy with the installed plugin NOT active:
+#      the copy vendors sglang-ext as sglang.ext and the tests drive that one (EXT_TEST_TREE=patched:
+#      tests of the installed plugin itself skip, the rest must pass unchanged).
 #
 #   scripts/check_patched_tree.sh [--keep]     (VENV=.venv, SUITE=base-a-test-cpu)
 # --keep: leave the patched copy in place (its path is printed).
@@ -31,16 +32,18 @@ if [ "$keep" = 0 ]; then trap 'rm -rf "$tree"' EXIT; fi
 cp -a "$site_pkg" "$tree/sglang"
 bash scripts/apply_patches.sh "$tree"
 
-under_test="$(cd /tmp && env -u SGLANG_EXT PYTHONPATH="$tree" "$PY" -c 'import sglang; print(sglang.__file__)')"
+# this checkout's sglang_ext (the installed plugin, standing aside) comes after the patched tree
+pythonpath="$tree:$PWD/python"
+under_test="$(cd /tmp && env -u SGLANG_EXT PYTHONPATH="$pythonpath" "$PY" -c 'import sglang; print(sglang.__file__)')"
 echo "check_patched_tree: sglang under test: $under_test"
 case "$under_test" in
   "$tree"/*) ;;
-  *) echo "check_patched_tree: PYTHONPATH=$tree does not select the patched tree" >&2; exit 1 ;;
+  *) echo "check_patched_tree: PYTHONPATH=$pythonpath does not select the patched tree" >&2; exit 1 ;;
 esac
 
 echo "check_patched_tree: suite $SUITE against the patched tree, plugin off"
 set +e
-env -u SGLANG_EXT PYTHONPATH="$tree" EXT_TEST_TREE=patched EXT_PATCHED_TREE="$tree" \
+env -u SGLANG_EXT PYTHONPATH="$pythonpath" EXT_TEST_TREE=patched EXT_PATCHED_TREE="$tree" \
   "$PY" scripts/run_suite.py --suite "$SUITE"
 status=$?
 set -e

@@ -124,6 +124,11 @@ def activate(
                 _import_triggers()
             return statuses()
         env = os.environ if environ is None else environ
+        carried = sglang_carries_sglang_ext()
+        if carried:
+            logger.info("sglang-ext: %s is patched with the fork series and activates its own copy; "
+                        "the installed plugin stands aside", carried)
+            return {}
         try:
             if not (force or knob_enabled(env)):
                 return {}  # installed but not enabled: touch nothing, validate nothing else
@@ -147,6 +152,15 @@ def activate(
             _import_triggers()
         _write_record()
         return statuses()
+
+
+def sglang_carries_sglang_ext() -> Optional[str]:
+    """The importable sglang's directory when it vendors sglang-ext (a tree patched with the fork
+    series in patches/, which activates that copy itself), unless this module is that copy."""
+    if __name__.startswith("sglang."):
+        return None
+    path = installed_sglang_path()
+    return path if path and os.path.exists(os.path.join(path, "ext", "activation.py")) else None
 
 
 def deactivate() -> None:

@@ -267,7 +267,7 @@ def unknown_env_names(env: Optional[Mapping[str, str]] = None) -> list[str]:
 
 def current(name: str) -> Any:
     """Value of one knob, read from the environment now (cheap; used by patched code at
-    construction time, so the plugin and the generated fork tree read settings the same way)."""
+    construction time)."""
     k = _BY_NAME[name]
     raw = os.environ.get(k.env)
     return k.default if raw is None else k.parse(raw)

@@ -240,9 +240,8 @@ def _install_finder() -> None:
 # installed with `ctx.transplant_method(cls, fn)`. The function is rebuilt with
 # the *target module's* globals, so it resolves names exactly as the same code
 # pasted into sglang's file would (tests that mock `<target module>.name` reach
-# it, and the generated fork patch in patches/ is that same code, pasted). Names
-# the function needs that the target module lacks (adapter helpers, imports of
-# sglang_ext.graphs) are added to the target module, recorded like any swap.
+# it). Names the function needs that the target module lacks (adapter helpers,
+# imports of sglang_ext.graphs) are added to the target module, recorded like any swap.
 
 import builtins as _builtins
 import dis as _dis

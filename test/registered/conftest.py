@@ -1,13 +1,11 @@
 """Shared fixtures: run the same tests against the plugin or against the patched fork tree.
 
-EXT_TEST_TREE=plugin (default): patches are applied through the real activation
-path (strict mode), and rolled back after each test.
-EXT_TEST_TREE=patched: sglang on sys.path is a 0.5.17 tree with patches/ applied
-and the plugin NOT active; `ext_patches` then only sets the knobs (environment),
-because the behaviour is already in sglang's source.
+EXT_TEST_TREE=plugin (default): patches are applied through the installed plugin's
+activation (strict mode), and rolled back after each test.
+EXT_TEST_TREE=patched: sglang on sys.path is a 0.5.17 tree with patches/ applied, which
+vendors sglang-ext as `sglang.ext`; the installed plugin stands aside there, and
+`ext_patches` drives the fork's own copy (`sglang.ext.activation`) the same way.
 """
-
-from __future__ import annotations
 
 import os
 
@@ -16,12 +14,12 @@ import pytest
 PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
 
 plugin_only = pytest.mark.skipif(
-    PATCHED_TREE, reason="tests the plugin's activation mechanics; the patched tree has no activation step"
+    PATCHED_TREE, reason="tests the installed plugin itself; on the patched tree it stands aside for sglang.ext"
 )
 
 
 def ext_core(name: str):
-    """The sglang-ext core module `name` (e.g. "graphs.stats") that the sglang under test uses.
+    """The sglang-ext module `name` (e.g. "graphs.stats", "activation") that the sglang under test uses.
 
     Plugin: `sglang_ext.<name>`. Patched tree: the copy the fork series vendors as
     `sglang.ext.<name>`, a different module object (its stats registry, its classes); tests
@@ -37,20 +35,17 @@ def ext_patches(monkeypatch):
     """Call `ext_patches(**knobs)` to switch sglang-ext on (strict) with the given knob values.
 
     Knob names are KNOBS names (e.g. vit_graph_max_entries=2); values are strings or ints.
-    Returns the activation statuses (empty dict on the patched tree).
+    Returns the activation statuses of the copy the sglang under test uses (see `ext_core`).
     """
-    from sglang_ext import activation
+    activation = ext_core("activation")
 
     def _activate(**knobs):
         for name, value in knobs.items():
             monkeypatch.setenv("SGLANG_EXT_" + name.upper(), str(value))
-        if PATCHED_TREE:
-            return {}
         monkeypatch.setenv("SGLANG_EXT", "1")
         monkeypatch.setenv("SGLANG_EXT_STRICT", "1")
         activation.deactivate()
         return activation.activate(eager=True)
 
     yield _activate
-    if not PATCHED_TREE:
-        activation.deactivate()
+    activation.deactivate()

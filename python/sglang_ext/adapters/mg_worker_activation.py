@@ -18,8 +18,8 @@ How: rebind these launch_server globals to `sglang_ext.mg_worker.ENTRIES` object
     sglang.multimodal_gen, then calls sglang's original entry. This deliberately uses
     `ctx.setattr` and not `ctx.transplant_function`: a transplanted function pickles as
     `launch_server.<name>` and the child would resolve that to the unpatched original.
-    Plugin-only: a patched fork tree needs no activation in workers, so the fork patch series
-    skips this patch.
+    The fork patch series vendors this adapter too: a patched tree activates its own copy
+    (`sglang.ext`) the same way, so its workers are reached by the same route.
 Retire when: the minimum supported sglang is >= 0.5.21 (entry point registered under
     `sglang.multimodal_gen.plugins` in setup.py).
 """

@@ -14,6 +14,10 @@ import multiprocessing
 import os
 import sys
 
+# The sglang-ext copy under test: the plugin, or on the patched tree the fork's vendored copy
+# (the spawned child inherits EXT_TEST_TREE).
+EXT = "sglang.ext" if os.environ.get("EXT_TEST_TREE", "plugin") == "patched" else "sglang_ext"
+
 # Read by `_run_disagg_role_process` before it calls the worker entry: answered, not reported.
 _PASSTHROUGH = {"master_port": 29999}
 
@@ -54,23 +58,23 @@ def observe_child(first_read: str) -> dict:
         "has_parent_process": multiprocessing.parent_process() is not None,
         "first_read": first_read,
         "stack": frames,
-        "sglang_ext_imported": "sglang_ext" in sys.modules,
+        "sglang_ext_imported": EXT in sys.modules,
         "statuses": {},
     }
-    if "sglang_ext.activation" in sys.modules:
-        activation = sys.modules["sglang_ext.activation"]
+    if f"{EXT}.activation" in sys.modules:
+        activation = sys.modules[f"{EXT}.activation"]
         report["statuses"] = {name: str(st) for name, st in activation.statuses().items()}
     launch_server = sys.modules.get("sglang.multimodal_gen.runtime.launch_server")
     if launch_server is not None:
         report["launch_server.run_scheduler_process"] = _qualified(launch_server.run_scheduler_process)
         report["launch_server._run_disagg_role_process"] = _qualified(launch_server._run_disagg_role_process)
         report["launch_server._run_http_server_process"] = _qualified(launch_server._run_http_server_process)
-        wrappers = sys.modules.get("sglang_ext.mg_worker")
+        wrappers = sys.modules.get(f"{EXT}.mg_worker")
         report["worker_entry_is_sglang_ext_wrapper"] = (
             wrappers is not None and launch_server.run_scheduler_process is wrappers.ENTRIES["run_scheduler_process"]
         )
     # sys.modules keeps insertion order: a module enters it when its import starts.
     order = list(sys.modules)
-    report["import_position"] = {name: order.index(name) for name in ("sglang_ext.activation", "sglang.multimodal_gen")
+    report["import_position"] = {name: order.index(name) for name in (f"{EXT}.activation", "sglang.multimodal_gen")
                                  if name in sys.modules}
     return report

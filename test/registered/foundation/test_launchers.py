@@ -17,6 +17,8 @@ from sglang_ext.registry import PATCH_NAMES
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
+from conftest import plugin_only  # noqa: E402
+
 ALL_PATCHES = ",".join(PATCH_NAMES)
 
 
@@ -97,6 +99,7 @@ def test_unknown_sglang_ext_environment_variable_is_rejected(clean_env, capsys):
     assert status == 2 and "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIE" in err and "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES" in err
 
 
+@plugin_only  # activates the installed plugin, which stands aside on a patched tree
 def test_flags_are_exported_canonically_and_activation_runs_here(clean_env):
     handover = Handover()
     status = launcher.main([

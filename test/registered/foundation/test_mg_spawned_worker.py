@@ -5,7 +5,8 @@ The parent activates sglang-ext (strict) and then starts children exactly as sgl
 launch_server module global>, args=<the argument tuple sglang passes>)`. The only stand-in
 is `server_args`: a `WorkerProbe` that, when sglang's original worker entry first reads it,
 reports the child's own state through a pipe and exits before any GPU work. Every assertion
-below is on state observed inside the child.
+below is on state observed inside the child. On the patched tree the same route runs through
+the fork's vendored copy (`sglang.ext`), activated the same way.
 """
 
 from __future__ import annotations
@@ -18,16 +19,14 @@ import pickle
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from conftest import plugin_only
-from mg_worker_probe import WorkerProbe
+from conftest import ext_core
+from mg_worker_probe import EXT, WorkerProbe
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
 
-pytestmark = plugin_only
-
 PATCH = "mg_worker_activation"
-WRAPPER = "sglang_ext.mg_worker:run_scheduler_process"
-DISAGG_WRAPPER = "sglang_ext.mg_worker:_run_disagg_role_process"
+WRAPPER = f"{EXT}.mg_worker:run_scheduler_process"
+DISAGG_WRAPPER = f"{EXT}.mg_worker:_run_disagg_role_process"
 SGLANG_WORKER = "sglang.multimodal_gen.runtime.managers.gpu_worker:run_scheduler_process"
 SGLANG_DISAGG = "sglang.multimodal_gen.runtime.launch_server:_run_disagg_role_process"
 REPORT_TIMEOUT_S = 240
@@ -61,8 +60,9 @@ def _collect(proc, report_r):
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
     """Start four spawned children at once (their sglang imports overlap), collect their reports."""
-    from sglang_ext import activation, mg_worker
     from sglang_ext.registry import PATCH_NAMES
+
+    activation, mg_worker = ext_core("activation"), ext_core("mg_worker")
 
     record_dir = tmp_path_factory.mktemp("activation-records")
     with pytest.MonkeyPatch.context() as env:
@@ -122,8 +122,8 @@ def test_parent_rebinds_worker_targets_to_picklable_sglang_ext_functions(childre
     parent, _, _ = children
     assert parent["status"] == "applied"
     assert (parent["entry"], parent["disagg_entry"], parent["http_entry"]) == parent["wrappers"]
-    # The target pickles as a call of sglang_ext.mg_worker.worker_entry: the child imports sglang_ext.
-    assert b"sglang_ext.mg_worker" in parent["entry_pickle"] and b"worker_entry" in parent["entry_pickle"]
+    # The target pickles as a call of <EXT>.mg_worker.worker_entry: the child imports sglang-ext.
+    assert f"{EXT}.mg_worker".encode() in parent["entry_pickle"] and b"worker_entry" in parent["entry_pickle"]
     assert parent["entry_after_rollback"] is parent["original"]
 
 
@@ -144,7 +144,7 @@ def test_monolithic_worker_activates_before_sglang_worker_entry(children):
     assert child["first_read"] == "log_level"  # sglang's configure_logger(server_args)
     # activated while unpickling the target, before the arguments imported sglang.multimodal_gen
     position = child["import_position"]
-    assert position["sglang_ext.activation"] < position["sglang.multimodal_gen"], position
+    assert position[f"{EXT}.activation"] < position["sglang.multimodal_gen"], position
 
 
 def test_pool_disagg_worker_activates_before_sglang_worker_entry(children):
@@ -164,9 +164,9 @@ def test_webui_http_server_child_activates_before_sglang_http_server(children):
     child = reports["http"]
     assert child["process_name"] == "sglang-diffusion-webui"
     assert child["statuses"][PATCH] == "applied"
-    assert child["launch_server._run_http_server_process"] == "sglang_ext.mg_worker:_run_http_server_process"
+    assert child["launch_server._run_http_server_process"] == f"{EXT}.mg_worker:_run_http_server_process"
     stack = child["stack"]
-    chain = ["sglang_ext.mg_worker:_run_http_server_process",
+    chain = [f"{EXT}.mg_worker:_run_http_server_process",
              "sglang.multimodal_gen.runtime.launch_server:_run_http_server_process",
              "sglang.multimodal_gen.runtime.launch_server:launch_http_server_only"]
     assert all(frame in stack for frame in chain), stack
@@ -178,7 +178,7 @@ def test_unpatched_worker_target_gets_no_activation_on_0_5_17(children):
     _, reports, _ = children
     child = reports["unpatched"]
     assert child["statuses"] == {}
-    assert "sglang_ext.activation" not in child["import_position"]
+    assert f"{EXT}.activation" not in child["import_position"]
     assert child["worker_entry_is_sglang_ext_wrapper"] is False
     assert child["launch_server.run_scheduler_process"] == SGLANG_WORKER
     assert WRAPPER not in child["stack"]

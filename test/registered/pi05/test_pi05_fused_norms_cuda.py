@@ -40,29 +40,29 @@ MAX_PATCHED_KERNELS = 6
 def pi05_core():
     from sglang.multimodal_gen.runtime.models.vlas import pi05_core
 
+    import importlib
+
+    from sglang_ext.registry import PATCH_NAMES
+    from sglang_ext.versions import installed_sglang_version, source_tree_version
+
+    # the plugin, or on the patched tree the copy the fork series vendors (sglang.ext)
+    activation = importlib.import_module("sglang.ext.activation" if PATCHED_TREE else "sglang_ext.activation")
     patch = pytest.MonkeyPatch()
-    activation = None
-    if not PATCHED_TREE:
-        from sglang_ext import activation
-        from sglang_ext.registry import PATCH_NAMES
-        from sglang_ext.versions import installed_sglang_version, source_tree_version
+    patch.setenv("SGLANG_EXT", "1")
+    patch.setenv("SGLANG_EXT_STRICT", "1")
+    patch.setenv("SGLANG_EXT_DISABLE", ",".join(n for n in PATCH_NAMES if n != THIS_PATCH))
+    if installed_sglang_version() is None:  # unpacked source tree (GPU machine)
+        import sglang
 
-        patch.setenv("SGLANG_EXT", "1")
-        patch.setenv("SGLANG_EXT_STRICT", "1")
-        patch.setenv("SGLANG_EXT_DISABLE", ",".join(n for n in PATCH_NAMES if n != THIS_PATCH))
-        if installed_sglang_version() is None:  # unpacked source tree (GPU machine)
-            import sglang
-
-            version = source_tree_version(os.path.dirname(os.path.dirname(sglang.__file__)))
-            if version:
-                patch.setenv("SGLANG_EXT_ASSUME_SGLANG", version)
-        activation.deactivate()
-        statuses = activation.activate(eager=True)
-        assert statuses[THIS_PATCH].state == "applied", statuses[THIS_PATCH]
+        version = source_tree_version(os.path.dirname(os.path.dirname(sglang.__file__)))
+        if version:
+            patch.setenv("SGLANG_EXT_ASSUME_SGLANG", version)
+    activation.deactivate()
+    statuses = activation.activate(eager=True)
+    assert statuses[THIS_PATCH].state == "applied", statuses[THIS_PATCH]
     print("torch", torch.__version__, torch.cuda.get_device_name())
     yield pi05_core
-    if activation is not None:
-        activation.deactivate()
+    activation.deactivate()
     patch.undo()
 
 

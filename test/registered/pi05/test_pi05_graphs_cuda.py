@@ -55,19 +55,16 @@ def _ext_environment():
 def policy():
     from sglang_ext.testing.pi05_random import build_random_pi05
 
-    patch = pytest.MonkeyPatch()
-    activation = None
-    if not PATCHED_TREE:
-        from sglang_ext import activation
+    import importlib
 
-        for key, value in _ext_environment().items():
-            patch.setenv(key, value)
-        activation.deactivate()
-        statuses = activation.activate(eager=True)
-        print("sglang-ext:", {name: str(status) for name, status in statuses.items()})
-    else:
-        patch.setenv("SGLANG_EXT_PI05_PREFIX_GRAPH_MAX_ENTRIES", "16")
-        patch.setenv("SGLANG_EXT_PI05_ACTION_GRAPH_MAX_ENTRIES", "16")
+    # the plugin, or on the patched tree the copy the fork series vendors (sglang.ext)
+    activation = importlib.import_module("sglang.ext.activation" if PATCHED_TREE else "sglang_ext.activation")
+    patch = pytest.MonkeyPatch()
+    for key, value in _ext_environment().items():
+        patch.setenv(key, value)
+    activation.deactivate()
+    statuses = activation.activate(eager=True)
+    print("sglang-ext:", {name: str(status) for name, status in statuses.items()})
     model = build_random_pi05(device="cuda", dtype=torch.bfloat16, seed=0)
     print(
         "graph runners:",
@@ -79,8 +76,7 @@ def policy():
     model.graph_runner.clear()
     del model
     torch.cuda.empty_cache()
-    if activation is not None:
-        activation.deactivate()
+    activation.deactivate()
     patch.undo()
 
 

@@ -24,13 +24,14 @@ UNIT_TESTS = (
 )
 
 _CHILD = """
-import os, sys
+import importlib, os, sys
 import pytest
-if os.environ.get("EXT_TEST_TREE", "plugin") != "patched":
-    from sglang_ext import activation
-    statuses = activation.activate(eager=True)
-    assert statuses["pi05_merged_linear"].state == "applied", statuses["pi05_merged_linear"]
-    assert statuses["pi05_config"].state == "applied", statuses["pi05_config"]
+# the plugin, or on the patched tree the copy the fork series vendors (sglang.ext)
+patched = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
+activation = importlib.import_module("sglang.ext.activation" if patched else "sglang_ext.activation")
+statuses = activation.activate(eager=True)
+assert statuses["pi05_merged_linear"].state == "applied", statuses["pi05_merged_linear"]
+assert statuses["pi05_config"].state == "applied", statuses["pi05_config"]
 import sglang
 unit = os.path.join(os.path.dirname(sglang.__file__), "multimodal_gen", "test", "unit")
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", unit]

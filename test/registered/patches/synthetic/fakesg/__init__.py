@@ -1,1 +1,0 @@
-"""A stand-in for the sglang package: the generator's synthetic target (tests only)."""

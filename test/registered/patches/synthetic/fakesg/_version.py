@@ -1,1 +1,0 @@
-__version__ = version = '0.5.17'
