@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "python"))
 
+import bench_results  # noqa: E402
 from sglang_ext.testing import pi05_random  # noqa: E402
 
 MODES = {
@@ -49,6 +49,7 @@ GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
 
 
 CUDA = torch.cuda.is_available()
+ATTENTION = "torch_sdpa"
 
 
 def sync() -> None:
@@ -64,7 +65,7 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=sorted(MODES), required=True)
     ap.add_argument("--modes", default="", help="comma-separated subset of the impl's modes (default: all)")
@@ -81,6 +82,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--cpu-logic-check", action="store_true",
                     help="run the whole script on the CPU with a one-layer model (checks the script; numbers meaningless)")
+    return ap
+
+
+def parse_args() -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args()
     if args.quick:
         args.requests = min(args.requests, 20)
@@ -168,6 +174,25 @@ def make_inputs(policy, args):
 
 def one_request(policy, observation, noise, graph: bool, num_steps: int):
     return pi05_random.run_request(policy, observation, noise, graph=graph, num_steps=num_steps)
+
+
+_CACHE = bench_results.ANY  # the runner's cache_info() fields
+# Every key this script writes to --out (see bench_results.py).
+SCHEMA = {
+    **dict.fromkeys(("run_id", "impl", "sglang", "device", "torch", "attention")),
+    "kernels": bench_results.KERNELS_SCHEMA,
+    "sglang_ext": bench_results.ANY,  # patch name -> status
+    "settings": {a.dest: None for a in build_parser()._actions if a.dest not in ("help", "out")},
+    "results": [{
+        **dict.fromkeys(("impl", "mode", "requests", "p50_ms", "p90_ms", "mean_ms", "min_ms", "warmup_s",
+                         "peak_allocated_mib", "graph_pool_growth_mib", "max_relative_diff_vs_eager",
+                         "profiled_requests", "kernel_launches_per_request", "graph_launches_per_request",
+                         "device_kernels_per_request", "kernel_time_ms_per_request")),
+        "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
+                                 "prefix_entries", "action_entries", "fused_denoise")),
+        "prefix_graph_runner_cache": _CACHE, "graph_runner_cache": _CACHE,
+    }],
+}
 
 
 def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
@@ -308,7 +333,8 @@ def main() -> int:
         log(f"[bench] sglang-ext: {statuses}")
     t0 = time.perf_counter()
     policy = pi05_random.build_random_pi05(
-        device="cuda" if CUDA else "cpu", dtype=torch.bfloat16, seed=0, reduced=not CUDA, log=log
+        device="cuda" if CUDA else "cpu", dtype=torch.bfloat16, seed=0, reduced=not CUDA, log=log,
+        attention_backend=ATTENTION,
     )
     log(f"[bench] model built in {time.perf_counter() - t0:.1f} s; sglang {version}")
     inputs = make_inputs(policy, args)
@@ -318,17 +344,19 @@ def main() -> int:
         modes = ["eager"] + [m for m in modes if m != "eager"]
     results = [run_mode(policy, args.impl, mode, inputs, args, reference) for mode in modes]
     payload = {
+        "run_id": bench_results.RUN_ID,
         "impl": args.impl,
         "sglang": version,
         "device": torch.cuda.get_device_name() if CUDA else "cpu (logic check)",
         "torch": torch.__version__,
+        "kernels": bench_results.kernels(),
+        "attention": ATTENTION,
         "sglang_ext": statuses,
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "results": results,
     }
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1, default=str)
+        bench_results.write(args.out, payload, SCHEMA, default=str)
     print_table(results)
     return 0
 

@@ -28,7 +28,6 @@ These are measurements, not tests: nothing here asserts timing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -37,6 +36,8 @@ import sys
 import time
 from types import SimpleNamespace
 from unittest.mock import patch
+
+import bench_results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCH = "prefill_cp_bucket"
@@ -218,6 +219,21 @@ def render(decision_rows, rate_rows) -> str:
     return "\n".join(out)
 
 
+# Every key this script writes to --out (see bench_results.py).
+SCHEMA = {
+    **dict.fromkeys(("run_id", "bench", "sglang", "python", "machine", "cpus", "load_average_1m", "max_tokens",
+                     "align", "command", "attention")),
+    "kernels": bench_results.KERNELS_SCHEMA,
+    "decision": [dict.fromkeys(("cp", "bs", "num_tokens", "buckets", "ext_decision_us", "ext_decision_best_us",
+                                "upstream_twice_us", "upstream_twice_best_us"))],
+    "admission": [{**dict.fromkeys(("cp", "batches", "unpatched_crash_rate", "unpatched_graph_rate", "ext_graph_rate",
+                                    "ext_larger_bucket_rate", "ext_mean_padding_rows",
+                                    "unpatched_mean_padding_rows")),
+                   "unpatched": dict.fromkeys(("graph", "crash", "eager")),
+                   "ext": dict.fromkeys(("graph", "graph_larger", "eager_no_fit", "eager"))}],
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "bench", "prefill_cp.json"),
@@ -243,6 +259,7 @@ def main(argv=None) -> int:
             rate_rows.append(admission_rates(cp_size, random.Random(args.seed * 100 + cp_size + 50), args.batches))
 
     result = {
+        "run_id": bench_results.RUN_ID,
         "bench": "prefill_cp",
         "sglang": __import__("sglang").__version__,
         "python": platform.python_version(),
@@ -252,14 +269,13 @@ def main(argv=None) -> int:
         "load_average_1m": round(os.getloadavg()[0], 2),
         "max_tokens": MAX_TOKENS,
         "align": "2*cp",
+        "kernels": bench_results.kernels(),
+        "attention": "none (bucket-choice logic on the CPU; no attention runs)",
         "decision": decision_rows,
         "admission": rate_rows,
         "command": "python scripts/bench_prefill_cp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    bench_results.write(args.out, result, SCHEMA)
     print(render(decision_rows, rate_rows))
     return 0
 

@@ -40,12 +40,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "test", "registered", "vit"))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
+import bench_results  # noqa: E402
 import qwen_vit_kit as kit  # noqa: E402
+
+ATTENTION = "triton_attn"
 
 # (width px, height px, weight): Qwen2.5-VL resizes to multiples of 28 px = 2 patches.
 RESOLUTIONS = [(448, 448, 8), (640, 480, 6), (336, 336, 4), (1024, 768, 2), (800, 600, 3), (224, 224, 2),
                (560, 420, 2), (1280, 720, 1)]
 IMAGES_PER_REQUEST = ([1, 2, 3, 4], [60, 25, 10, 5])
+
+# Every key this script writes to --out (see bench_results.py).
+_CONFIG_KEYS = ("tower", "dtype", "attention", "requests", "capacity", "graph_bytes_budget_mib", "seed",
+                "unpatched_requests", "resolutions_px", "images_per_request", "device", "seconds")
+_ROW_KEYS = ("mode", "run_id", "merged_later", "kernels", "requests", "tokens", "graph_req_per_s", "eager_req_per_s",
+             "speedup_vs_eager", "wrong_outputs", "bitwise_equal", "max_abs_diff", "resident_graphs",
+             "peak_cuda_reserved_mib", "peak_graph_bytes_mib", "peak_graph_bytes_every_request", "timeline",
+             "hit_rate", "captures", "evictions", "fallbacks", "graph_bytes_resident", "counters",
+             "graph_bytes_budget_mib", "sglang_path", "padding", "crashed", "crashed_at_request")
+SCHEMA = {
+    "config": dict.fromkeys(_CONFIG_KEYS),
+    "results": [{**dict.fromkeys(_ROW_KEYS), "kernels": bench_results.KERNELS_SCHEMA, "counters": bench_results.ANY,
+                 "timeline": [dict.fromkeys(("request", "resident_graphs", "graph_bytes_resident",
+                                             "cuda_reserved_mib"))]}],
+}
 
 
 def patches_per_side(px: int) -> int:
@@ -121,6 +139,7 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         "resident_graphs": len(runner.block_graphs),
         "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
         "peak_graph_bytes_mib": round(peak_graph_bytes / 2**20, 1) if ext_cache is not None else None,
+        "peak_graph_bytes_every_request": ext_cache is not None,  # else the peak is a lower bound
         "timeline": timeline,
     }
     if "_ext_cache" in runner.__dict__:
@@ -213,7 +232,8 @@ def run_eager_only(args, config, requests, dtype) -> None:
         eager_s += dt
     result = {"mode": "eager-only", "requests": len(requests), "tokens": sum(r[0] for r in requests),
               "eager_req_per_s": len(requests) / eager_s,
-              "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
+              "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
+              "kernels": bench_results.kernels()}
     with open(args.part_out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
 
@@ -228,7 +248,7 @@ def run_one_mode(args) -> None:
     tol = 5e-2  # bf16; a stale layout is off by O(1)
     requests = list(request_stream(n, args.seed, scale=scale))
     os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1"
-    kit.publish_runtime("triton_attn")
+    kit.publish_runtime(ATTENTION)
     kit.init_single_rank_parallel_state()
     if args.mode == "eager-only":
         run_eager_only(args, config, requests, dtype)
@@ -258,6 +278,7 @@ def run_one_mode(args) -> None:
                   f"{str(exc).splitlines()[0] if str(exc) else ''}",
                   "crashed_at_request": progress.get("requests_done", 0) + 1,
                   "wrong_outputs": progress.get("wrong_outputs_so_far", 0)}
+    result["kernels"] = bench_results.kernels()
     with open(args.part_out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
 
@@ -299,7 +320,7 @@ def main() -> None:
         modes.remove("0.5.19")
     n = 100 if args.quick else args.requests
     config = {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
-              "attention": "triton_attn", "requests": n, "capacity": args.capacity,
+              "attention": ATTENTION, "requests": n, "capacity": args.capacity,
               "graph_bytes_budget_mib": round(args.max_bytes / 2**20, 1), "seed": args.seed,
               "unpatched_requests": args.unpatched_requests,
               "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
@@ -308,6 +329,10 @@ def main() -> None:
     if args.merge and os.path.exists(args.out):  # checked before any GPU time is spent
         with open(args.out, encoding="utf-8") as f:
             previous = json.load(f)
+        extra = bench_results.undeclared(previous, SCHEMA)
+        if extra:
+            raise SystemExit(f"--merge: {args.out} carries keys this script does not write ({', '.join(extra)}); "
+                             "rerun every mode without --merge")
         same = {k: previous["config"].get(k) for k in config}
         now = json.loads(json.dumps(config))  # tuples as JSON lists
         if same != now:
@@ -325,15 +350,13 @@ def main() -> None:
                     results.append(json.load(f))
             else:
                 results.append({"mode": mode, "crashed": f"exit status {proc.returncode}, no result"})
+            results[-1]["run_id"] = bench_results.RUN_ID
             if args.merge:  # measured in a later run than the results it joins
                 results[-1]["merged_later"] = True
     config.setdefault("seconds", round(time.perf_counter() - started, 1))
     report = {"config": config, "results": sorted(
         kept + results, key=lambda r: MODES.index(_mode_key(r["mode"])))}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+    bench_results.write(args.out, report, SCHEMA)
     print(table(results))
 
 

@@ -6,7 +6,11 @@ The numbers come only from the JSON the benchmark scripts wrote (never typed in)
     scripts/bench_vit.py         -> docs/bench/vit.json          (GPU)
     scripts/bench_prefill_cp.py  -> docs/bench/prefill_cp.json   (CPU)
 Each table is rendered by the benchmark script's own table function, so the doc
-and the script's console output agree. `--check` fails when the doc is stale.
+and the script's console output agree, and says which kernels and attention backend
+ran and whether its rows come from one run (the `run_id`, `kernels` and `attention`
+the scripts record; "not recorded" where a file predates them). `--check` fails when
+the doc is stale or when a results file carries keys its script's SCHEMA lacks (a
+hand edit); the doc marks such a file as pending regeneration.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "docs", "bench")
 DOC = os.path.join(REPO, "docs", "performance.md")
 sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import bench_results  # noqa: E402
 
 PI05_MEANING = """\
 One request at a time, 10 denoise steps, LIBERO-like inputs (two 224x224 cameras, state 8,
@@ -42,7 +48,7 @@ match 0.5.17's norm math within bf16 rounding (checked on the GPU by
 `test_pi05_graphs_cuda.py::test_fused_norms_change_actions_only_within_rounding`)."""
 
 VIT_MEANING = """\
-sglang's real Qwen2.5-VL vision tower (random weights, triton_attn, bf16) fed a stream of
+sglang's real Qwen2.5-VL vision tower (random weights, bf16) fed a stream of
 requests of 1-4 images at common resolutions; every request also runs eager for comparison.
 graph/eager req/s: throughput of the graph runner and of sglang's eager tower on the same
 requests, interleaved request by request in one process; `eager-only` runs sglang's eager tower
@@ -72,9 +78,60 @@ def _load(path):
         return json.load(f)
 
 
-def _target(label: str, value: float, op: str, bound: float, fmt: str = "{:.2f}") -> str:
+def _target(label: str, value: float, op: str, bound: float, fmt: str = "{:.2f}", *,
+            lower_bound: bool = False) -> str:
+    """One target row. A lower bound of the true value can show a floor met, never a ceiling."""
     met = value <= bound if op == "<=" else value >= bound
-    return f"| {label} | {fmt.format(value)} | {op} {fmt.format(bound)} | {'met' if met else 'NOT met'} |"
+    verdict = "not known (lower bound)" if lower_bound and op == "<=" else ("met" if met else "NOT met")
+    measured = ("≥ " if lower_bound else "") + fmt.format(value)
+    return f"| {label} | {measured} | {op} {fmt.format(bound)} | {verdict} |"
+
+
+def _provenance(sources) -> list:
+    """Which kernels and attention backend ran, and whether the rows are one run.
+
+    sources: [(label, record)]; a record holds the `run_id` / `kernels` / `attention` its script
+    recorded (absent in files written before the scripts recorded them)."""
+    def summary(field, fmt):
+        values = {label: fmt(record.get(field)) for label, record in sources}
+        if len(set(values.values())) == 1:
+            return next(iter(values.values()))
+        return "; ".join(f"{label}: {value}" for label, value in values.items())
+
+    kernels = summary("kernels", lambda k: ", ".join(f"{n} {v}" for n, v in k.items()) if k else "not recorded")
+    attention = summary("attention", lambda a: a or "not recorded")
+    run_ids = {record.get("run_id") for _, record in sources}
+    if len(run_ids) == 1 and None not in run_ids:
+        runs = f"one run (run id {run_ids.pop()})"
+    else:
+        runs = "not shown to be one run: " + summary("run_id", lambda r: f"run {r}" if r else "run id not recorded")
+    return [f"Kernels: {kernels}. Attention backend: {attention}. Runs: {runs}.", ""]
+
+
+SCRIPT_OF = {"pi05_*.json": "bench_pi05", "vit.json": "bench_vit", "prefill_cp.json": "bench_prefill_cp"}
+
+
+def schema_problems() -> list:
+    """"<file>: <keys>" for every results file carrying keys its script does not write."""
+    import importlib
+
+    problems = []
+    for pattern, script in SCRIPT_OF.items():
+        schema = importlib.import_module(script).SCHEMA
+        for path in sorted(glob.glob(os.path.join(BENCH_DIR, pattern))):
+            extra = bench_results.undeclared(_load(path), schema)
+            if extra:
+                problems.append(f"docs/bench/{os.path.basename(path)}: {', '.join(extra)}")
+    return problems
+
+
+def _stale(name: str, script: str) -> list:
+    extra = [p for p in schema_problems() if p.startswith(f"docs/bench/{name}:")]
+    if not extra:
+        return []
+    return [f"**Pending regeneration.** {extra[0].split(': ', 1)[0]} carries fields `scripts/{script}` does not "
+            f"write ({extra[0].split(': ', 1)[1]}): it was edited by hand, so these numbers are not the "
+            f"script's own until it rewrites the file.", ""]
 
 
 TARGET_HEAD = ["| target (issue 8) | measured | bound | |", "|---|---|---|---|"]
@@ -111,7 +168,9 @@ def _pi05_section():
     device = ", ".join(sorted({run.get("device", "?") for run in runs}))
     torch_versions = ", ".join(sorted({run.get("torch", "?") for run in runs}))
     settings = runs[0].get("settings", {})
-    lines = ["## Pi0.5 latency (`scripts/bench_pi05.py`)", "", PI05_MEANING, "",
+    stale = [line for path in paths for line in _stale(os.path.basename(path), "bench_pi05.py")]
+    lines = ["## Pi0.5 latency (`scripts/bench_pi05.py`)", "", *stale, PI05_MEANING, "",
+             *_provenance([(run["impl"], run) for run in runs]),
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
              f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
@@ -145,7 +204,8 @@ def _vit_targets(results) -> list:
                  _target(f"{r['mode']}: mismatches vs eager", r["wrong_outputs"], "<=", 0, "{:.0f}")]
         if r.get("peak_graph_bytes_mib") is not None and r.get("graph_bytes_budget_mib"):
             rows.append(_target(f"{r['mode']}: peak resident graph MiB (budget)", r["peak_graph_bytes_mib"], "<=",
-                                r["graph_bytes_budget_mib"], "{:.0f}"))
+                                r["graph_bytes_budget_mib"], "{:.0f}",
+                                lower_bound=not r.get("peak_graph_bytes_every_request")))
     return ["", *TARGET_HEAD, *rows] if rows else []
 
 
@@ -157,8 +217,10 @@ def _vit_section():
 
     run = _load(path)
     cfg = run["config"]
+    sources = [(r["mode"], {**r, "attention": cfg.get("attention")}) for r in run["results"]]
     return "\n".join([
-        "## ViT graphs (`scripts/bench_vit.py`)", "", VIT_MEANING, "",
+        "## ViT graphs (`scripts/bench_vit.py`)", "", *_stale("vit.json", "bench_vit.py"), VIT_MEANING, "",
+        *_provenance(sources),
         f"Device: {cfg.get('device')}; tower: {cfg.get('tower')}; {cfg.get('requests')} requests; "
         f"capacity {cfg.get('capacity')}; {cfg.get('seconds')} s in all.", "",
         "```", bench_vit.table(run["results"]), "```", *_vit_targets(run["results"]), "",
@@ -196,12 +258,13 @@ def _merged_note(results) -> list:
     lines = []
     merged = [r["mode"] for r in results if r.get("merged_later")]
     if merged:
-        lines += ["", f"Measured in a later run of the same session on the same machine (`--modes ... --merge`): "
-                  f"{', '.join(merged)}."]
-    sampled = [r["mode"] for r in results if r.get("peak_graph_bytes_from_samples")]
+        lines += ["", f"Merged into the file by a later invocation (`--modes ... --merge`), so not the same run as "
+                  f"the other rows: {', '.join(merged)}."]
+    sampled = [r["mode"] for r in results
+               if r.get("peak_graph_bytes_mib") is not None and not r.get("peak_graph_bytes_every_request")]
     if sampled:
-        lines += ["", f"peak_graph_bytes_mib of {', '.join(sampled)}: the largest of the memory samples below "
-                  "(measured before the benchmark tracked every request), so a lower bound of the peak."]
+        lines += ["", f"peak_graph_bytes_mib of {', '.join(sampled)}: not recorded as tracked at every request, "
+                  "so only a lower bound of the peak (≥)."]
     return lines
 
 
@@ -213,7 +276,8 @@ def _cp_section():
 
     run = _load(path)
     return "\n".join([
-        "## Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)", "", CP_MEANING, "",
+        "## Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)", "",
+        *_stale("prefill_cp.json", "bench_prefill_cp.py"), CP_MEANING, "", *_provenance([("prefill_cp", run)]),
         f"Machine: {run.get('machine')} x{run.get('cpus')} (1-min load {run.get('load_average_1m')}); "
         f"sglang {run.get('sglang')}.", "",
         "```", bench_prefill_cp.render(run["decision"], run["admission"]), "```", "", *TARGET_HEAD,
@@ -226,7 +290,7 @@ def render() -> str:
     sections = [s for s in (_pi05_section(), _vit_section(), _cp_section()) if s]
     head = ["# Performance", "",
             "Generated by `scripts/gen_performance_doc.py` from `docs/bench/*.json`; do not edit by hand.",
-            "Every table compares implementations measured in the same run on the same machine.", ""]
+            "Each table says which kernels and attention backend ran and whether its rows are one run.", ""]
     return "\n".join(head + sections).rstrip("\n") + "\n"
 
 
@@ -237,10 +301,14 @@ def main(argv=None) -> int:
     text = render()
     if args.check:
         current = open(DOC, encoding="utf-8").read() if os.path.exists(DOC) else ""
+        failed = False
+        for problem in schema_problems():
+            print(f"results file carries keys no bench script writes (hand edit?): {problem}", file=sys.stderr)
+            failed = True
         if current != text:
             print("docs/performance.md is stale: run `python scripts/gen_performance_doc.py`", file=sys.stderr)
-            return 1
-        return 0
+            failed = True
+        return 1 if failed else 0
     with open(DOC, "w", encoding="utf-8") as f:
         f.write(text)
     print(f"wrote {DOC}")

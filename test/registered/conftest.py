@@ -18,6 +18,26 @@ plugin_only = pytest.mark.skipif(
 )
 
 
+def released_source_root(version: str) -> str:
+    """Source root (the directory holding `sglang/`) of the released sglang `version` wheel.
+
+    Downloaded once into `sglang_ext.wheels`' cache (~/.cache/sglang-ext/wheels), then reused.
+    CI has network: a failed download fails the test, in one line, instead of skipping it.
+    """
+    from sglang_ext import wheels
+
+    try:
+        return wheels.ensure_unpacked(version)
+    except RuntimeError as exc:
+        pytest.fail(f"sglang {version} wheel unavailable: {str(exc).splitlines()[0]}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def released_tree():
+    """`released_tree("0.5.23")` -> source root of that release (see released_source_root)."""
+    return released_source_root
+
+
 def ext_core(name: str):
     """The sglang-ext module `name` (e.g. "graphs.stats", "activation") that the sglang under test uses.
 

@@ -30,8 +30,8 @@ How: the fields are added to the existing class in place, not by a subclass:
   pickling are unaffected (an instance's fields travel in its `__dict__`), and
   upstream's `Pi05PipelineConfig(prompt_token_buckets=[...])` and
   `update_pipeline_config({...})` work because `dataclasses.fields()` reads
-  `__dataclass_fields__`, which gets the four `Field`s (declared once below on
-  `_Pi05GraphConfigFields`), and the wrapped `__init__` accepts them.
+  `__dataclass_fields__`, which gets the four `Field`s (declared once, on
+  `sglang_ext.pi05_graph_settings.GraphConfigFields`), and the wrapped `__init__` accepts them.
   Class-level defaults cover instances that were unpickled from a process
   without the patch.
 - `__post_init__` (which 0.5.17's `update_pipeline_config` already calls) applies
@@ -61,36 +61,18 @@ from __future__ import annotations
 
 import difflib
 import numbers
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, fields
 
 from sglang_ext import knobs as _ext_knobs
+from sglang_ext import pi05_graph_settings as _ext_pi05_settings
 from sglang_ext.errors import ExtConfigError
 from sglang_ext.patching import install_module
 
 
-@dataclass
-class _Pi05GraphConfigFields:
-    """The dataclass fields upstream 0.5.19 has and 0.5.17 lacks (upstream defaults)."""
-
-    enable_prefix_cuda_graph: bool = True
-    # Opt-in prompt buckets shared by prefix and action CUDA graphs. Padding
-    # changes reduction shapes, so exact prompt lengths remain the default.
-    prompt_token_buckets: list[int] = field(default_factory=list)
-    prefix_cuda_graph_max_entries: int = 1
-    action_cuda_graph_max_entries: int = 4
-
-
-_EXT_PI05_GRAPH_FIELDS = fields(_Pi05GraphConfigFields)
+_EXT_PI05_GRAPH_FIELDS = _ext_pi05_settings.GRAPH_FIELDS
 
 # Keys a misspelling is checked against: the new fields and 0.5.17's action flag.
 _EXT_PI05_GRAPH_KEYS = tuple(f.name for f in _EXT_PI05_GRAPH_FIELDS) + ("enable_action_cuda_graph",)
-
-# config field -> knob that overrides it ("-1" / empty = keep the config value).
-_EXT_PI05_GRAPH_KNOBS = (
-    ("prefix_cuda_graph_max_entries", "pi05_prefix_graph_max_entries"),
-    ("action_cuda_graph_max_entries", "pi05_action_graph_max_entries"),
-    ("prompt_token_buckets", "pi05_prompt_token_buckets"),
-)
 
 
 def _ext_is_int(value) -> bool:
@@ -100,11 +82,11 @@ def _ext_is_int(value) -> bool:
 def _ext_apply_pi05_graph_knobs(config) -> list:
     """Apply `--ext-pi05-*` overrides; return 'field (from flag / env)' for each applied."""
     applied = []
-    for field_name, knob_name in _EXT_PI05_GRAPH_KNOBS:
-        value = _ext_knobs.current(knob_name)
-        if value == -1 or value == ():
+    for field_name, knob_name in _ext_pi05_settings.KNOB_OF.items():
+        value = _ext_pi05_settings.knob_override(field_name)
+        if value is None:
             continue
-        setattr(config, field_name, list(value) if isinstance(value, tuple) else value)
+        setattr(config, field_name, value)
         knob = _ext_knobs.knob(knob_name)
         applied.append(f"{field_name} (from {knob.flag} / {knob.env})")
     return applied
@@ -132,10 +114,8 @@ def __init__(self, *args, **kwargs):
     for graph_field in _EXT_PI05_GRAPH_FIELDS:
         if graph_field.name in kwargs:
             value = kwargs.pop(graph_field.name)
-        elif graph_field.default_factory is not MISSING:
-            value = graph_field.default_factory()
         else:
-            value = graph_field.default
+            value = _ext_pi05_settings.default(graph_field)
         setattr(self, graph_field.name, value)
     self._ext_orig___init__(*args, **kwargs)
     self.__post_init__()
@@ -191,29 +171,11 @@ def update_pipeline_config(self, source_pipeline_dict) -> None:
 
 
 def prefix_cuda_graph_available(self) -> bool:
-    return bool(
-        self.enable_prefix_cuda_graph
-        and self.prefix_cuda_graph_max_entries > 0
-        and not any(
-            (
-                self.offload_prefix_image_encoder,
-                self.offload_prefix_image_encoder_after_embed,
-                self.offload_prefix_token_embedding,
-                self.offload_prefix_language_layers,
-                self.offload_prefix_language_layers_after_prefix,
-                self.offload_prefix_language_layer_count_after_prefix > 0,
-                self.empty_cache_after_prefix,
-            )
-        )
-    )
+    return _ext_pi05_settings.prefix_graph_available(self)
 
 
 def action_cuda_graph_available(self) -> bool:
-    return bool(
-        self.enable_action_cuda_graph
-        and self.action_cuda_graph_max_entries > 0
-        and not self.offload_action_expert_after_denoise
-    )
+    return _ext_pi05_settings.action_graph_available(self)
 
 
 # ---- parts ----

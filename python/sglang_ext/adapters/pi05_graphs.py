@@ -38,7 +38,9 @@ from __future__ import annotations
 import importlib
 
 from sglang_ext import knobs
+from sglang_ext import pi05_graph_settings as _ext_pi05_settings
 from sglang_ext.patching import install_module
+from sglang_ext.upstream.multimodal_gen.runtime.vla.prompt_bucketing import effective_token_length
 
 _GRAPH_MODULE = "sglang_ext.upstream.multimodal_gen.runtime.vla.cuda_graph"
 _UPSTREAM_NAME = "sglang.multimodal_gen.runtime.vla.cuda_graph"
@@ -50,69 +52,13 @@ def _graph_module():
 
 
 # ==========================================================================
-# Settings (pipeline config fields from the pi05_config patch; knobs override)
+# Settings: sglang_ext.pi05_graph_settings (config fields, knobs override; works while
+# the pi05_config patch is off)
 # ==========================================================================
 
 
-def _ext_prefix_graph_max_entries(config) -> int:
-    override = knobs.current("pi05_prefix_graph_max_entries")
-    if override >= 0:
-        return override
-    return int(getattr(config, "prefix_cuda_graph_max_entries", 1))
-
-
-def _ext_action_graph_max_entries(config) -> int:
-    override = knobs.current("pi05_action_graph_max_entries")
-    if override >= 0:
-        return override
-    return int(getattr(config, "action_cuda_graph_max_entries", 4))
-
-
 def _ext_prompt_token_buckets(config) -> tuple:
-    override = knobs.current("pi05_prompt_token_buckets")
-    if override:
-        return tuple(override)
-    return tuple(getattr(config, "prompt_token_buckets", None) or ())
-
-
-def _ext_prefix_graph_available(config) -> bool:
-    """Config-level availability (upstream `prefix_cuda_graph_available`), with knobs."""
-    prefix_offload = (
-        getattr(config, "offload_prefix_image_encoder", False),
-        getattr(config, "offload_prefix_image_encoder_after_embed", False),
-        getattr(config, "offload_prefix_token_embedding", False),
-        getattr(config, "offload_prefix_language_layers", False),
-        getattr(config, "offload_prefix_language_layers_after_prefix", False),
-        getattr(config, "offload_prefix_language_layer_count_after_prefix", 0) > 0,
-        getattr(config, "empty_cache_after_prefix", False),
-    )
-    return bool(
-        getattr(config, "enable_prefix_cuda_graph", True)
-        and _ext_prefix_graph_max_entries(config) > 0
-        and not any(prefix_offload)
-    )
-
-
-def _ext_action_graph_available(config) -> bool:
-    return bool(
-        getattr(config, "enable_action_cuda_graph", True)
-        and _ext_action_graph_max_entries(config) > 0
-        and not getattr(config, "offload_action_expert_after_denoise", False)
-    )
-
-
-def _ext_effective_token_length(token_masks) -> int:
-    """Last visible prompt position (1-based), max over the batch; CPU masks."""
-    try:
-        from sglang.multimodal_gen.runtime.vla.prompt_bucketing import (
-            effective_token_length,
-        )
-    except ImportError:  # pi05_config patch disabled: same definition, local
-        if token_masks.shape[1] == 0:
-            return 0
-        positions = torch.arange(1, token_masks.shape[1] + 1, device=token_masks.device)
-        return int(torch.where(token_masks.to(torch.bool), positions, 0).amax().item())
-    return effective_token_length(token_masks)
+    return tuple(_ext_pi05_settings.setting(config, "prompt_token_buckets") or ())
 
 
 # ==========================================================================
@@ -389,12 +335,12 @@ def policy_init(self, config, *, model_path, device, dtype, manifest):
     evict_graphs_on_miss = self._prompt_token_bucketing_enabled()
     self.prefix_graph_runner = VLAPrefixGraphRunner(
         enabled=self._prefix_cuda_graph_enabled(),
-        max_entries=_ext_prefix_graph_max_entries(config),
+        max_entries=_ext_pi05_settings.setting(config, "prefix_cuda_graph_max_entries"),
         evict_on_miss=evict_graphs_on_miss,
     )
     self.graph_runner = VLADenoiseGraphRunner(
-        enabled=_ext_action_graph_available(config),
-        max_entries=_ext_action_graph_max_entries(config),
+        enabled=_ext_pi05_settings.action_graph_available(config),
+        max_entries=_ext_pi05_settings.setting(config, "action_cuda_graph_max_entries"),
         evict_on_miss=evict_graphs_on_miss,
     )
     logger.info(
@@ -421,7 +367,7 @@ policy_prefix_tensor_parallel_enabled.__name__ = "_prefix_tensor_parallel_enable
 
 def policy_prefix_cuda_graph_enabled(self) -> bool:
     return (
-        _ext_prefix_graph_available(self.config)
+        _ext_pi05_settings.prefix_graph_available(self.config)
         and self.device.type == "cuda"
         and self.runtime_role in ("all", "prefix")
         and not self._prefix_tensor_parallel_enabled()
@@ -432,7 +378,7 @@ policy_prefix_cuda_graph_enabled.__name__ = "_prefix_cuda_graph_enabled"
 
 
 def policy_prompt_token_bucketing_enabled(self) -> bool:
-    graph_path_available = self._prefix_cuda_graph_enabled() or _ext_action_graph_available(
+    graph_path_available = self._prefix_cuda_graph_enabled() or _ext_pi05_settings.action_graph_available(
         self.config
     )
     if (
@@ -456,7 +402,7 @@ def policy_build_prefix_cache_key(self, observation, *, bucket_prompt=False):
         name: tensor_fingerprint(observation.images[name]) for name in camera_order
     }
     masks = {name: bool(mask.item()) for name, mask in observation.image_masks.items()}
-    token_len = _ext_effective_token_length(observation.token_masks)
+    token_len = effective_token_length(observation.token_masks)
     tokens = observation.tokens[:, :token_len] if token_len > 0 else observation.tokens
     token_masks = (
         observation.token_masks[:, :token_len] if token_len > 0 else observation.token_masks
@@ -507,7 +453,7 @@ def policy_encode_prefix(self, observation, *, use_cuda_graph=True, bucket_promp
             _ext_prompt_token_buckets(self.config),
         )
     else:
-        token_len = _ext_effective_token_length(observation.token_masks)
+        token_len = effective_token_length(observation.token_masks)
         prompt_bucket = None
         if 0 < token_len < observation.tokens.shape[1]:
             tokens_cpu = observation.tokens[:, :token_len]

@@ -17,7 +17,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
 from activation_env import clean_activation  # noqa: F401  (autouse fixture)
-from released_wheels import released_tree  # noqa: F401  (fixture)
 from sglang_ext import activation, cli, doctor
 from sglang_ext.registry import PATCH_NAMES, PATCHES
 

@@ -13,7 +13,6 @@ import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
-from released_wheels import released_tree  # noqa: F401  (fixture)
 from sglang_ext import fingerprint, wheels
 from sglang_ext.registry import PATCHES
 from sglang_ext.versions import installed_sglang_version

@@ -2,9 +2,9 @@
 
 Real 0.5.17 `PiGemmaRMSNorm` modules (adaptive with a random `dense`, plain with a
 random `weight`) run through the patched forward and are compared with 0.5.17's
-math, copied as `reference_forward` / `reference_gated_residual` in
-pi05_norm_reference.py (a plugin-only test pins the copies to the installed,
-unpatched 0.5.17 code).
+own `PiGemmaRMSNorm.forward` / `gated_residual`, compiled from pristine 0.5.17 source
+by pi05_pristine.py (a plugin-only test checks they behave like the installed,
+unpatched functions).
 
 Tolerances: float32 outputs within 1e-5 (same float32 math, only the reduction
 order and multiply/add grouping differ). bf16 outputs within one bf16 ulp of the
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
-from pi05_norm_reference import reference_forward, reference_gated_residual
+from pi05_pristine import reference_forward, reference_gated_residual
 from sglang.multimodal_gen.runtime.models.vlas import pi05_core
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
@@ -197,8 +197,8 @@ def test_callers_look_gated_residual_up_in_the_module(fused):
 
 
 @plugin_only
-def test_reference_copies_are_0_5_17s_code():
-    """The reference copies behave exactly like the installed, unpatched 0.5.17 functions."""
+def test_reference_is_0_5_17s_code():
+    """The reference functions behave exactly like the installed, unpatched 0.5.17 functions."""
     from sglang_ext import activation
 
     activation.deactivate()

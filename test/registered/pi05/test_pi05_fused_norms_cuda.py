@@ -3,7 +3,7 @@
 Real 0.5.17 `PiGemmaRMSNorm` modules at Pi0.5's widths (1024: action expert, 2048:
 PaliGemma), bf16, random non-zero weights; x is [1, 50, D] (one request, horizon 50),
 the condition [1, D]. The patched forward is compared with 0.5.17's math
-(pi05_norm_reference.py) and its CUDA kernels are counted with torch.profiler.
+(0.5.17's own functions, from pi05_pristine.py) and its CUDA kernels are counted with torch.profiler.
 
 Tolerance: both compute in float32 and round to bf16 once; the fused rms_norm
 reduces in another order, so results may differ by one bf16 ulp (2^-7 relative)
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
-from pi05_norm_reference import reference_forward, reference_gated_residual
+from pi05_pristine import reference_forward, reference_gated_residual
 
 register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-small")
 

@@ -138,7 +138,7 @@ def test_fused_norms_change_actions_only_within_rounding(policy, monkeypatch):
     """pi05_fused_norms vs 0.5.17's norm and gated-residual math, whole request at real size (eager)."""
     from sglang.multimodal_gen.runtime.models.vlas import pi05_core
 
-    from pi05_norm_reference import reference_forward, reference_gated_residual
+    from pi05_pristine import reference_forward, reference_gated_residual
 
     identical = []
     for masked in (False, True):

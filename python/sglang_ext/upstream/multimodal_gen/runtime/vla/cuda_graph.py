@@ -104,7 +104,7 @@ class _CapturedDenoiseGraph:
     static_x_t: torch.Tensor
     static_timestep: torch.Tensor
     static_output: torch.Tensor
-    current_context_id: int | None = None  # kept for upstream compatibility; never trusted
+    current_context_id: int | None = None  # upstream's constructor takes it; nothing reads it
     current_context_digest: str | None = None
     current_context_generation: int | None = None
 
@@ -193,7 +193,6 @@ class _BoundedCaptureCache:
             min_hits=min_hits,
             release=self._release_and_forget,
         )
-        self._unkeyed_failures = 0
 
     @staticmethod
     def _release(entry: Any) -> None:
@@ -268,12 +267,11 @@ class _BoundedCaptureCache:
 
     def clear(self) -> None:
         self._graphs.clear()
-        self._unkeyed_failures = 0
 
     def mark_failure(self, signature: Any = None, exc: BaseException | None = None) -> None:
         """Count a failure; with a signature, also quarantine it (eager from now on)."""
         if signature is None:
-            self._unkeyed_failures += 1
+            self._graphs.failures += 1
         else:
             self._graphs.fail(signature, exc)
 
@@ -286,7 +284,7 @@ class _BoundedCaptureCache:
             misses=core.misses,
             captures=core.captures,
             evictions=core.evictions,
-            failures=core.failures + self._unkeyed_failures,
+            failures=core.failures,
             evict_on_miss=self.evict_on_miss,
             rejections=core.rejections,
             bytes_resident=core.bytes_resident,
@@ -392,7 +390,7 @@ def _denoise_graph_static_tensors(captured: _CapturedDenoiseGraph) -> dict[str, 
 class _VLAGraphRunnerBase:
     _cache_name = "graph"
 
-    def __init__(self, enabled: bool, max_entries: int, evict_on_miss: bool):
+    def __init__(self, enabled: bool = True, max_entries: int = 1, *, evict_on_miss: bool = False):
         # --ext-debug-addresses (read now, from the environment): assert before every
         # replay that no static tensor of the graph moved since its capture.
         self._address_guard = AddressGuard()
@@ -477,15 +475,6 @@ class VLAPrefixGraphRunner(_VLAGraphRunnerBase):
 
     _cache_name = "prefix"
 
-    def __init__(
-        self,
-        enabled: bool = True,
-        max_entries: int = 1,
-        *,
-        evict_on_miss: bool = False,
-    ):
-        super().__init__(enabled, max_entries, evict_on_miss)
-
     def _capture(
         self,
         signature: VLAPrefixGraphSignature,
@@ -556,15 +545,6 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
 
     _cache_name = "action-denoise"
 
-    def __init__(
-        self,
-        enabled: bool = True,
-        max_entries: int = 1,
-        *,
-        evict_on_miss: bool = False,
-    ):
-        super().__init__(enabled, max_entries, evict_on_miss)
-
     def _sync_context_if_needed(
         self,
         captured: _CapturedDenoiseGraph,
@@ -584,10 +564,8 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
             )
             if same_cache_entry or captured.current_context_generation == generation:
                 captured.current_context_generation = generation
-                captured.current_context_id = id(prefix_context.past_key_values)
                 return
         _copy_prefix_context_(captured.static_prefix_context, prefix_context)
-        captured.current_context_id = id(prefix_context.past_key_values)
         captured.current_context_digest = context_digest
         captured.current_context_generation = generation
 
@@ -618,7 +596,6 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
             static_x_t=static_x_t,
             static_timestep=static_timestep,
             static_output=static_output,
-            current_context_id=id(prefix_context.past_key_values),
             current_context_digest=prefix_context.cache_key_digest,
             current_context_generation=prefix_context_generation(prefix_context),
         )

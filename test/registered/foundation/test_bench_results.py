@@ -1,0 +1,81 @@
+"""Results files hold only what the bench scripts write (scripts/bench_results.py, issue 18)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=10, suite="base-a-test-cpu")
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import bench_results  # noqa: E402
+import gen_performance_doc  # noqa: E402
+
+SCHEMA = {"run_id": None, "config": {"a": None}, "results": [{"mode": None, "counters": bench_results.ANY}]}
+
+
+def test_undeclared_names_every_key_no_script_writes():
+    report = {"run_id": "r", "config": {"a": 1, "typed_in": 2},
+              "results": [{"mode": "x", "counters": {"anything": 1}}, {"mode": "y", "note": "by hand"},
+                          {"mode": "z", "note": "again"}]}
+    assert bench_results.undeclared(report, SCHEMA) == ["config.typed_in", "results[].note"]
+    assert bench_results.undeclared({"config": None, "results": []}, SCHEMA) == []
+    assert bench_results.undeclared({"results": {"mode": 1}}, SCHEMA) == ["results (a list in the schema)"]
+
+
+def test_write_refuses_a_report_its_schema_lacks(tmp_path):
+    path = tmp_path / "out.json"
+    with pytest.raises(SystemExit, match="keys missing from the script's SCHEMA: extra"):
+        bench_results.write(str(path), {"run_id": "r", "extra": 1}, SCHEMA)
+    assert not path.exists()
+    bench_results.write(str(path), {"run_id": bench_results.RUN_ID, "config": {"a": 1}}, SCHEMA)
+    assert json.loads(path.read_text())["run_id"] == bench_results.RUN_ID
+
+
+def test_kernels_say_which_packages_were_loaded(monkeypatch):
+    import types
+
+    stub = types.ModuleType("sgl_kernel")
+    stub.__sgl_stub__ = True
+    monkeypatch.setitem(sys.modules, "sgl_kernel", stub)
+    real = types.ModuleType("flashinfer")
+    real.__version__ = "0.9.1"
+    monkeypatch.setitem(sys.modules, "flashinfer", real)
+    assert bench_results.kernels() == {"sgl_kernel": "stand-in", "flashinfer": "0.9.1"}
+    monkeypatch.delitem(sys.modules, "flashinfer")
+    assert bench_results.kernels()["flashinfer"] == "not loaded"
+
+
+def test_one_run_only_when_every_row_shares_a_run_id():
+    same = gen_performance_doc._provenance([("a", {"run_id": "r1", "attention": "fa3"}),
+                                            ("b", {"run_id": "r1", "attention": "fa3"})])[0]
+    assert "one run (run id r1)" in same and "Attention backend: fa3." in same and "Kernels: not recorded" in same
+    mixed = gen_performance_doc._provenance([("a", {"run_id": "r1"}), ("b", {"run_id": "r2"}), ("c", {})])[0]
+    assert "not shown to be one run: a: run r1; b: run r2; c: run id not recorded" in mixed
+
+
+def test_a_lower_bound_never_meets_a_ceiling():
+    assert gen_performance_doc._target("peak", 927, "<=", 2048, "{:.0f}", lower_bound=True) == \
+        "| peak | ≥ 927 | <= 2048 | not known (lower bound) |"
+    assert gen_performance_doc._target("peak", 927, "<=", 2048, "{:.0f}").endswith("| met |")
+    assert gen_performance_doc._target("hits", 0.95, ">=", 0.9, lower_bound=True).endswith("| met |")
+
+
+def test_check_flags_a_hand_added_key_in_a_results_file(tmp_path, monkeypatch):
+    """--check's schema step: the committed pi05 file passes; the same file with a typed-in key fails."""
+    source = os.path.join(gen_performance_doc.BENCH_DIR, "pi05_0517.json")
+    run = json.load(open(source, encoding="utf-8"))
+    (tmp_path / "pi05_0517.json").write_text(json.dumps(run))
+    monkeypatch.setattr(gen_performance_doc, "BENCH_DIR", str(tmp_path))
+    assert gen_performance_doc.schema_problems() == []
+    run["results"][0]["mode_key"] = "eager"
+    run["settings"]["typed_in"] = 1
+    (tmp_path / "pi05_0517.json").write_text(json.dumps(run))
+    assert gen_performance_doc.schema_problems() == [
+        "docs/bench/pi05_0517.json: settings.typed_in, results[].mode_key"]
