@@ -8,8 +8,9 @@
 # Every part must stay <= 58 MiB (a call carries 64 MiB with the working tree). Incremental: downloads,
 # staging and compression are skipped when their outputs exist and match. Cache: .cache/gpu-carry/
 # (SGX_CARRY_CACHE). xz uses SGX_XZ_THREADS threads (default 2) under nice; the base takes xz -9 (its
-# size is what limits), FA3 takes SGX_FA3_XZ (default -3: 6x less CPU than -9, and three parts hold it
-# with room to spare). `--base-only` skips FA3.
+# size is what limits), FA3 takes SGX_FA3_XZ (-9, the default for a new build: 133.5 MB; -3: 173 MB in a
+# sixth of the CPU time; three parts either way; unset keeps parts built with either). `--base-only`
+# skips FA3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -22,7 +23,7 @@ LIMIT=$((58 * 1024 * 1024))
 SGLANG_VERSIONS="0.5.17 0.5.19"
 FA3_PARTS=3                  # at most; parts are FA3_CHUNK bytes, the last one the rest
 FA3_CHUNK=$((56 * 1024 * 1024))
-FA3_XZ="${SGX_FA3_XZ:--3}"
+FA3_XZ="${SGX_FA3_XZ:-}"     # empty: keep parts of any preset; compress with the last preset used, else -9
 PY="${PYTHON:-python3}"
 t0=$(date +%s)
 mkdir -p "$CACHE/wheels" "$CACHE/fa3" "$CARRY"
@@ -129,29 +130,35 @@ parts_ok() {
   local i n; n=$(grep -c ' fa3.xz.part' "$CARRY/fa3-1/fa3.sha256" 2>/dev/null) || return 1
   for i in $(seq 1 "$n"); do
     [ -f "$CARRY/fa3-$i/fa3.sha256" ] && (cd "$CARRY/fa3-$i" && grep " fa3.xz.part$i\$" fa3.sha256 | sha256sum -c --quiet -) \
-      && grep -q "^# $kernel_tag\$" "$CARRY/fa3-$i/fa3.sha256" || return 1
+      && grep -q "^# $kernel_tag xz ${FA3_XZ:--[0-9]e*}\$" "$CARRY/fa3-$i/fa3.sha256" || return 1
   done
 }
 if parts_ok; then
-  say "FA3 parts up to date"
+  say "FA3 parts up to date ($(head -1 "$CARRY/fa3-1/fa3.sha256" | cut -d' ' -f3-))"
 else
+  [ -n "$FA3_XZ" ] || FA3_XZ=$(cut -d' ' -f3 "$F/flash_ops.abi3.so.xz.ok" 2>/dev/null || true)
+  FA3_XZ=${FA3_XZ:--9}
   if ! { [ -f "$raw" ] && [ -f "$raw.sha256" ] && grep -q "$kernel_tag" "$raw.sha256"; }; then
     unzip -q -o -j "$KERNEL_WHL" 'sgl_kernel/flash_ops.abi3.so' -d "$F"
     (cd "$F" && { sha256sum flash_ops.abi3.so; echo "# $kernel_tag"; } > flash_ops.abi3.so.sha256)
     rm -f "$raw.xz" "$raw.xz.ok"
   fi
   raw_sha=$(head -1 "$raw.sha256" | cut -d' ' -f1)
-  # an .xz made earlier (or by hand) counts once it is proven to decompress to the raw library
-  if [ -f "$raw.xz" ] && [ "$(cat "$raw.xz.ok" 2>/dev/null)" != "$raw_sha $(stat -c %s "$raw.xz")" ]; then
+  # .xz.ok: "<raw sha> <xz size> <preset>"; another preset means compress again. An .xz left without
+  # one (made by hand with SGX_FA3_XZ's preset) counts once it is proven to decompress to the library.
+  ok=$(cat "$raw.xz.ok" 2>/dev/null || true)
+  if [ -f "$raw.xz" ] && [ -n "$ok" ] && [ "$ok" != "$raw_sha $(stat -c %s "$raw.xz") $FA3_XZ" ]; then
+    rm -f "$raw.xz" "$raw.xz.ok"
+  elif [ -f "$raw.xz" ] && [ -z "$ok" ]; then
     say "checking existing $(basename "$raw").xz"
     if [ "$(xz -dc -T"$THREADS" "$raw.xz" | sha256sum | cut -d' ' -f1)" = "$raw_sha" ]; then
-      echo "$raw_sha $(stat -c %s "$raw.xz")" > "$raw.xz.ok"
+      echo "$raw_sha $(stat -c %s "$raw.xz") $FA3_XZ" > "$raw.xz.ok"
     else rm -f "$raw.xz"; fi
   fi
   if [ ! -f "$raw.xz" ]; then
     say "compressing FA3 ($(( $(stat -c %s "$raw") / 1048576 )) MiB) with xz $FA3_XZ -T$THREADS (minutes)"
     nice -n 10 xz "$FA3_XZ" -T"$THREADS" -c "$raw" > "$raw.xz.tmp" && mv "$raw.xz.tmp" "$raw.xz"
-    echo "$raw_sha $(stat -c %s "$raw.xz")" > "$raw.xz.ok"
+    echo "$raw_sha $(stat -c %s "$raw.xz") $FA3_XZ" > "$raw.xz.ok"
   fi
   xz_size=$(stat -c %s "$raw.xz")
   n=$(( (xz_size + FA3_CHUNK - 1) / FA3_CHUNK ))
@@ -159,7 +166,7 @@ else
   rm -rf "$F/split" "$CARRY"/fa3-* && mkdir -p "$F/split"
   split -b "$FA3_CHUNK" -a 1 --numeric-suffixes=1 "$raw.xz" "$F/split/fa3.xz.part"
   manifest="$F/split/fa3.sha256"
-  { echo "# $kernel_tag"
+  { echo "# $kernel_tag xz $FA3_XZ"
     (cd "$F/split" && sha256sum fa3.xz.part*)
     echo "$(cut -d' ' -f1 <<<"$(sha256sum "$raw.xz")")  fa3.xz"
     echo "$raw_sha  flash_ops.abi3.so"; } > "$manifest"
@@ -179,5 +186,5 @@ for d in base sgl0519 $(cd "$CARRY" && ls -d fa3-* 2>/dev/null); do
   printf '%-14s %10s %10s\n' ".carry/$d" "$(mib "$b")" "$(mib $((b + tree)))"
 done
 [ -d "$CACHE/stage" ] && printf '%-14s %10s  (unpacked base: %s)\n' staged "$(du -sm "$CACHE/stage" | cut -f1)" \
-  "$(cd "$CACHE/stage" && du -sm site/sgl_kernel site/flashinfer sgl0517 sgl0519 | awk '{ printf "%s %s MB, ", $2, $1 }')"
+  "$(cd "$CACHE/stage" && du -sm site/sgl_kernel site/flashinfer sgl0517 sgl0519 | awk '{ printf "%s%s %s MB", (NR > 1 ? ", " : ""), $2, $1 }')"
 say "done in $(( $(date +%s) - t0 )) s"

@@ -53,16 +53,16 @@ _sgx_setup() {
   local want have kernel parts_here=0 parts_all=0
   if [ -f "$root/parts/fa3.sha256" ]; then
     want=$(awk '$2 == "flash_ops.abi3.so" { print $1 }' "$root/parts/fa3.sha256")
-    parts_all=$(grep -c ' fa3.xz.part' "$root/parts/fa3.sha256")
+    parts_all=$(grep -c ' fa3.xz.part' "$root/parts/fa3.sha256" || true)
     parts_here=$(ls "$root/parts"/fa3.xz.part* 2>/dev/null | wc -l)
-    have=$(cat "$root/fa3/verified" 2>/dev/null)
+    have=$(cat "$root/fa3/verified" 2>/dev/null || true)
     if [ "$parts_here" = "$parts_all" ] && [ "$have" != "$want" ]; then
       (cd "$root/parts" && grep ' fa3.xz.part' fa3.sha256 | sha256sum -c --quiet -) || { _sgx_err "FA3 parts fail sha256"; return 1; }
       rm -f "$root/fa3"/*
       for i in $(seq 1 "$parts_all"); do cat "$root/parts/fa3.xz.part$i"; done | xz -dc -T0 > "$root/fa3/flash_ops.abi3.so.tmp"
       if [ "$(sha256sum < "$root/fa3/flash_ops.abi3.so.tmp" | cut -d' ' -f1)" = "$want" ]; then
         mv "$root/fa3/flash_ops.abi3.so.tmp" "$root/fa3/flash_ops.abi3.so" && echo "$want" > "$root/fa3/verified"
-        head -1 "$root/parts/fa3.sha256" | sed 's/^# //' > "$root/fa3/kernel"
+        head -1 "$root/parts/fa3.sha256" | awk '{ print $2 }' > "$root/fa3/kernel"
         echo "sgx: joined and verified FA3 ($parts_all parts) in $(( $(date +%s) - t0 )) s"
       else rm -f "$root/fa3/flash_ops.abi3.so.tmp"; _sgx_err "joined FA3 fails its sha256"; return 1; fi
     fi
