@@ -18,6 +18,7 @@ _sgx_setup() {
   tag=${SGX_SGLANG:-0517}
   t0=$(date +%s)
   _sgx_err() { echo "sgx: ERROR: $*" >&2; }
+  _sgx_same() { [ -f "$1" ] && [ -f "$2" ] && [ "$(sha256sum < "$1")" = "$(sha256sum < "$2")" ]; }  # coreutils only
   case $tag in 0517|0519) ;; *) _sgx_err "SGX_SGLANG=$tag: allowed 0517, 0519"; return 2 ;; esac
   mkdir -p "$root/parts" "$root/fa3" "$root/cache" || return 1
 
@@ -26,7 +27,7 @@ _sgx_setup() {
   for n in base sgl0519; do
     d=$carry/$n
     [ -f "$d/$n.sha256" ] || continue
-    cmp -s "$d/$n.sha256" "$root/$n.sha256" && continue
+    _sgx_same "$d/$n.sha256" "$root/$n.sha256" && continue
     (cd "$d" && sha256sum -c --quiet "$n.sha256") || { _sgx_err ".carry/$n/$n.tar.xz fails its sha256"; return 1; }
     rm -rf "$root/unpack" "$root/$n.sha256" && mkdir -p "$root/unpack"
     xz -dc -T0 "$d/$n.tar.xz" | tar -x -C "$root/unpack" || { _sgx_err "unpacking .carry/$n failed"; return 1; }
@@ -42,10 +43,10 @@ _sgx_setup() {
   # FA3 parts: keep each verified part (carried paths are replaced by the next call)
   for d in "$carry"/fa3-*; do
     [ -f "$d/fa3.sha256" ] || continue
-    cmp -s "$d/fa3.sha256" "$root/parts/fa3.sha256" || { rm -f "$root/parts"/*; cp "$d/fa3.sha256" "$root/parts/"; }
+    _sgx_same "$d/fa3.sha256" "$root/parts/fa3.sha256" || { rm -f "$root/parts"/*; cp "$d/fa3.sha256" "$root/parts/"; }
     for f in "$d"/fa3.xz.part*; do
       [ -f "$f" ] || continue
-      cmp -s "$f" "$root/parts/${f##*/}" && continue
+      _sgx_same "$f" "$root/parts/${f##*/}" && continue
       if (cd "$d" && grep " ${f##*/}\$" fa3.sha256 | sha256sum -c --quiet -); then cp "$f" "$root/parts/"
       else _sgx_err "${f#"$repo"/} fails its sha256 (not kept)"; fi
     done
@@ -166,7 +167,7 @@ out.append(f"glibc {os.environ.get('SGX_GLIBC')}")
 out.append(f"stand-ins: {','.join(stand) if stand else 'none'}")
 print("sgx: " + " | ".join(out), flush=True)
 EOF
-  unset -f _sgx_err
+  unset -f _sgx_err _sgx_same
 }
 _sgx_setup; _sgx_rc=$?; unset -f _sgx_setup
 return $_sgx_rc 2>/dev/null || { echo "sgx: source this file (source scripts/gpu_env.sh), do not run it" >&2; exit 2; }
