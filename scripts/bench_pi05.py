@@ -16,8 +16,8 @@ Implementations (one per process; the sglang on PYTHONPATH decides):
   0517-ext  0.5.17 + sglang-ext: eager, graph (exact), graph-bucket, graph-fused
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
 
-On the GPU machine (see shared/notes/device.md):
-  source .carry/device_env.sh 0517 && python3 .carry/with_stubs.py scripts/bench_pi05.py --impl 0517-ext --out $OUT/ext.json
+On the GPU machine (docs/gpu-harness.md; SGX_SGLANG=0519 for --impl 0519):
+  source scripts/gpu_env.sh && python3 scripts/bench_pi05.py --impl 0517-ext --out $OUT/ext.json
 The table is printed last; --out writes JSON.
 """
 

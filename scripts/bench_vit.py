@@ -19,10 +19,9 @@ the outputs are compared. Modes:
 
 Each mode runs in its own process. A request is a hit when it replays a graph captured for an
 earlier request. Prints a table last and writes JSON (--out). Runs in about 6 minutes on one
-H200 (--quick: small tower, 100 requests). On the GPU machine:
+H200 (--quick: small tower, 100 requests). On the GPU machine (docs/gpu-harness.md):
 
-    source .carry/device_env.sh 0519 && source .carry/device_env.sh 0517
-    python3 .carry/with_stubs.py scripts/bench_vit.py --upstream-root .carry/run/sgl0519 --out $OUT/vit.json
+    source scripts/gpu_env.sh && python3 scripts/bench_vit.py --upstream-root $SGX_ROOT/sgl0519 --out $OUT/vit.json
 """
 
 from __future__ import annotations
@@ -205,11 +204,10 @@ def _child_env(args, mode: str) -> dict:
 
 
 def _child_command(args, mode: str, part_out: str) -> list:
-    """Re-run this script for one mode, through the CUDA-package stand-ins if they are active."""
+    """Re-run this script for one mode, through the stand-in fallback if this process runs under it."""
     cmd = [sys.executable]
-    stubs = sys.modules.get("sgl_stub_finder")
-    if stubs is not None:  # GPU machine: python3 .carry/with_stubs.py scripts/bench_vit.py ...
-        cmd.append(os.path.join(os.path.dirname(os.path.dirname(stubs.__file__)), "with_stubs.py"))
+    if any(type(f).__name__ == "StandInFinder" for f in sys.meta_path):  # python3 -m sglang_ext.testing.stand_ins
+        cmd += ["-m", "sglang_ext.testing.stand_ins"]
     cmd += [os.path.abspath(__file__), "--mode", mode, "--part-out", part_out, "--requests", str(args.requests),
             "--unpatched-requests", str(args.unpatched_requests), "--capacity", str(args.capacity),
             "--max-bytes", str(args.max_bytes), "--seed", str(args.seed)] + (["--quick"] if args.quick else [])

@@ -1,0 +1,123 @@
+"""Fallback only: import-time stand-ins for packages that a GPU-machine call does not carry.
+
+scripts/gpu_env.sh carries the real sgl_kernel (sm90 common_ops, FA3 in parts) and flashinfer, so
+normally nothing here is used. Where a package cannot be had (docs/gpu-harness.md lists what is not
+carried), name it in SGX_STANDINS and run python through this module:
+
+    SGX_STANDINS=flashinfer python3 -m sglang_ext.testing.stand_ins -m pytest -x -q test/...
+    SGX_STANDINS=sgl_kernel,flashinfer python3 -m sglang_ext.testing.stand_ins scripts/bench_vit.py ...
+
+Every module under a named package then imports as an empty package whose attributes raise
+RuntimeError("stand-in: ...") when called; names in SGX_STANDINS_REFUSE (dotted submodules) raise
+ModuleNotFoundError instead, so code guarded by try/except takes its fallback. Only this process and
+children started through this module see the stand-ins (not sglang's spawned schedulers). gpu_env.sh's
+summary line reports SGX_STANDINS, so a result says what was not real.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import runpy
+import sys
+import types
+
+
+def _names(var: str) -> frozenset:
+    return frozenset(n.strip() for n in os.environ.get(var, "").split(",") if n.strip())
+
+
+class _Missing:
+    """Any attribute is another stand-in; calling one raises."""
+
+    def __init__(self, qualname: str):
+        self.__dict__["_qualname"] = qualname
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _Missing(f"{self._qualname}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"stand-in: {self._qualname} is not available on this machine (SGX_STANDINS)")
+
+    def __mro_entries__(self, bases):  # `class X(standin.Base)` still defines a class
+        return (object,)
+
+    def __repr__(self):
+        return f"<stand-in {self._qualname}>"
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = _Missing(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages: frozenset, refuse: frozenset):
+        self.packages, self.refuse = packages, refuse
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] not in self.packages:
+            return None
+        if any(name == r or name.startswith(r + ".") for r in self.refuse):
+            raise ModuleNotFoundError(f"No module named '{name}' (refused by SGX_STANDINS_REFUSE)", name=name)
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        module = _StandInModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0+stand-in"
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def install() -> frozenset:
+    """Put the finder first on sys.meta_path for SGX_STANDINS; returns the names (empty: nothing done)."""
+    packages = _names("SGX_STANDINS")
+    if packages and not any(isinstance(f, StandInFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, StandInFinder(packages, _names("SGX_STANDINS_REFUSE")))
+    return packages
+
+
+def main(argv: list) -> int:
+    if not argv:
+        print("usage: python3 -m sglang_ext.testing.stand_ins (-m MODULE | -c CODE | SCRIPT) [ARGS...]",
+              file=sys.stderr)
+        return 2
+    install()
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c"] + argv[2:]
+        exec(compile(argv[1], "<stand_ins -c>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    # Some sglang imports leave non-daemon threads behind: flush and leave with os._exit so that a
+    # finished run never hangs the device call.
+    code = 1
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,127 @@
+"""scripts/gpu_env.sh on the CPU: unpacking a base, keeping FA3 parts across calls whose carried
+folders are replaced, refusing a corrupt part, joining + verifying once all parts are there, and
+installing this checkout so that its sglang plugin entry point is visible.
+
+The carry here is small and synthetic, in the layout scripts/gpu_carry.sh writes (base.tar.xz +
+base.sha256; fa3-N/fa3.xz.partN + fa3.sha256); the shell script under test is the real one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=90, suite="base-a-test-cpu")
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+KERNEL = "sglang_kernel-9.9.9"
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tar_xz(files: dict) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return lzma.compress(buf.getvalue())
+
+
+def build_carry():
+    """A base with an empty sgl_kernel package and its dist-info; a 'library' xz'd and split in 3."""
+    base = tar_xz({"site/sgl_kernel/__init__.py": b"", f"site/{KERNEL}.dist-info/METADATA": b"x",
+                   "sgl0517/marker.txt": b"0517"})
+    library = os.urandom(300_000)
+    packed = lzma.compress(library)
+    third = -(-len(packed) // 3)
+    parts = [packed[i * third:(i + 1) * third] for i in range(3)]
+    manifest = f"# {KERNEL}\n" + "".join(f"{sha(p)}  fa3.xz.part{i + 1}\n" for i, p in enumerate(parts)) \
+        + f"{sha(packed)}  fa3.xz\n{sha(library)}  flash_ops.abi3.so\n"
+    return base, parts, manifest, library
+
+
+def place(tree, base=None, parts=(), manifest="", sgl0519=None):
+    """What one call carries: .carry/ holds only the named parts (the others are gone)."""
+    carry = tree / ".carry"
+    shutil.rmtree(carry, ignore_errors=True)
+    for name, data in (("base", base), ("sgl0519", sgl0519)):
+        if data is not None:
+            (carry / name).mkdir(parents=True)
+            (carry / name / f"{name}.tar.xz").write_bytes(data)
+            (carry / name / f"{name}.sha256").write_text(f"{sha(data)}  {name}.tar.xz\n")
+    for i, data in parts:
+        d = carry / f"fa3-{i}"
+        d.mkdir(parents=True)
+        (d / f"fa3.xz.part{i}").write_bytes(data)
+        (d / "fa3.sha256").write_text(manifest)
+
+
+def source(tree, root, extra=""):
+    script = f"source scripts/gpu_env.sh; rc=$?; {extra} echo \"rc=$rc\"; echo \"PYTHONPATH=$PYTHONPATH\""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGX_") and k != "PYTHONPATH"}
+    env.update(SGX_ROOT=str(root), SGX_PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "-c", script], cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    t = tmp_path / "checkout"
+    (t / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, "scripts", "gpu_env.sh"), t / "scripts")
+    shutil.copy(os.path.join(REPO, "setup.py"), t)
+    shutil.copytree(os.path.join(REPO, "python"), t / "python",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return t
+
+
+def test_parts_survive_calls_and_join_verified(tree, tmp_path):
+    root = tmp_path / "sgx"
+    base, parts, manifest, library = build_carry()
+
+    place(tree, base=base, parts=[(1, parts[0])], manifest=manifest)
+    out = source(tree, root)
+    assert "rc=0" in out, out
+    assert "sgx: unpacked base" in out and (root / "sgl0517" / "marker.txt").read_text() == "0517"
+    assert "FA3=no (parts 1/3 here)" in out and "plugin=yes" in out, out
+    assert f"PYTHONPATH={root}/ext:{root}/sgl0517:{root}/site" in out
+
+    bad = bytearray(parts[2])
+    bad[10] ^= 0xFF
+    place(tree, parts=[(2, parts[1]), (3, bytes(bad))], manifest=manifest)
+    out = source(tree, root)
+    assert "rc=0" in out and ".carry/fa3-3/fa3.xz.part3 fails its sha256" in out, out
+    assert "sgx: unpacked base" not in out and "FA3=no (parts 2/3 here)" in out, out
+
+    place(tree, parts=[(3, parts[2])], manifest=manifest, sgl0519=tar_xz({"sgl0519/marker.txt": b"0519"}))
+    out = source(tree, root, extra='SGX_SGLANG=0519 source scripts/gpu_env.sh >/dev/null;')
+    assert "rc=0" in out and "sgx: joined and verified FA3 (3 parts)" in out, out
+    assert (root / "site" / "sgl_kernel" / "flash_ops.abi3.so").read_bytes() == library
+    assert (root / "sgl0519" / "marker.txt").read_text() == "0519" and (root / "sgl0517").is_dir()
+    assert "FA3=present (not loaded: no CUDA here)" in out, out
+    # a second source in the same shell rebuilds PYTHONPATH instead of growing it
+    assert f"PYTHONPATH={root}/ext:{root}/sgl0519:{root}/site\n" in out, out
+
+
+def test_bad_version_and_missing_parts(tree, tmp_path):
+    out = source(tree, tmp_path / "sgx", extra="")
+    assert "sgx: ERROR: no base in" in out and "rc=1" in out, out
+    place(tree, base=build_carry()[0])
+    out = source(tree, tmp_path / "sgx", extra='SGX_SGLANG=0519 source scripts/gpu_env.sh; echo "rc2=$?";')
+    assert "rc=0" in out and "but no sgl0519" in out and "rc2=1" in out, out
+    env_out = subprocess.run(["bash", "-c", "SGX_SGLANG=0520 source scripts/gpu_env.sh; echo rc=$?"], cwd=tree,
+                             env=dict(os.environ, SGX_ROOT=str(tmp_path / "sgx")), capture_output=True, text=True)
+    assert "SGX_SGLANG=0520: allowed 0517, 0519" in env_out.stderr and "rc=2" in env_out.stdout
