@@ -133,8 +133,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer_files(kind: str) -> Tuple[Dict[str, str], Dict[str, int]]:
-    """{file name: text} and the vocabulary (special tokens included)."""
+def train_byte_level_bpe(vocab_size: int = BPE_VOCAB, leading_special_tokens=()):
+    """A small byte-level BPE with Qwen's pre-tokenisation, trained on the built-in text
+    (deterministic); `leading_special_tokens` get ids 0, 1, ... (Gemma style)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
@@ -143,9 +144,16 @@ def _tokenizer_files(kind: str) -> Tuple[Dict[str, str], Dict[str, int]]:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, min_frequency=1, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
+                                  special_tokens=list(leading_special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    return tok
+
+
+def _tokenizer_files(kind: str) -> Tuple[Dict[str, str], Dict[str, int]]:
+    """{file name: text} and the vocabulary (special tokens included)."""
+    tok = train_byte_level_bpe()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     vocab = tok.get_vocab(with_added_tokens=True)
     assert len(vocab) <= VOCAB_SIZE, len(vocab)

@@ -1,0 +1,80 @@
+"""The Pi0.5 server test's checkpoint folder (all but the 6.7 GB of weights) and request body,
+through sglang 0.5.17's own CPU-side path: `sglang serve`'s multimodal_gen argument parsing
+(--pipeline-config-path), the checkpoint config reader, the action endpoint's request parser
+and the Pi0.5 preprocessing stage with the offline Gemma-style tokenizer.
+
+The weights half (sglang_ext.testing.pi05_checkpoint.write_random_pi05_checkpoint) needs the
+3.35 B model and runs on the GPU machine (test_pi05_server_cuda.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from sglang_ext.testing import pi05_checkpoint as pc
+
+register_cpu_ci(est_time=40, suite="base-a-test-cpu")
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def test_gemma_style_tokenizer_loads_offline(tmp_path, offline):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pc.write_tiny_gemma_tokenizer(tmp_path / "tok")))
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    ids = tok("Task: pick up the cube, State: 12 200;\nAction: ")["input_ids"]
+    assert ids[0] == 2 and 3 not in ids and len(ids) < 45
+    assert tok.decode(ids, skip_special_tokens=True) == "Task: pick up the cube, State: 12 200;\nAction: "
+
+
+def test_sglang_serve_parses_the_folder_and_preprocesses_the_request(tmp_path, offline, monkeypatch):
+    from sglang.multimodal_gen.runtime.entrypoints.cli.serve import add_multimodal_gen_serve_args
+    from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
+    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import build_action_sampling_params
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
+    from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess import (
+        Pi05Preprocessor,
+    )
+    from sglang.multimodal_gen.runtime.pipelines_core.stages.vla import VLAObservationPreprocessStage, vla_state
+    from sglang.multimodal_gen.runtime.server_args import server_args as server_args_module
+    from sglang.multimodal_gen.runtime.server_args import ServerArgs
+
+    folder = str(pc.write_pi05_assets(tmp_path / "random-pi05"))
+    argv = ["--model-path", folder, "--pipeline-config-path", f"{folder}/pipeline_config.json",
+            "--num-gpus", "1", "--warmup-mode", "off", "--host", "127.0.0.1", "--port", "30123"]
+    monkeypatch.setattr(sys, "argv", ["sglang", "serve", *argv])  # sglang reads explicit flags from it
+    parser = argparse.ArgumentParser()
+    add_multimodal_gen_serve_args(parser)
+    parsed, rest = parser.parse_known_args(argv)
+    args = ServerArgs.from_cli_args(parsed, rest, default_args={"warmup_mode": "server"})  # as `sglang serve`
+    config = args.pipeline_config
+    assert type(config).__name__ == "Pi05PipelineConfig"
+    assert config.tokenizer_name == f"{folder}/tokenizer"
+    assert args.warmup is False and config.enable_action_cuda_graph
+
+    Pi05PolicyModel._apply_checkpoint_config(folder, config)  # what the worker does before loading
+    assert config.image_keys == pc.CAMERAS and config.state_dim == pc.STATE_DIM
+    assert (config.action_horizon, config.action_dim, config.output_action_dim) == (
+        pc.ACTION_HORIZON, pc.ACTION_DIM, pc.OUTPUT_ACTION_DIM)
+
+    monkeypatch.setattr(server_args_module, "_global_server_args", args)  # set by each worker
+    params = build_action_sampling_params(pc.action_request(1), args)
+    assert (params.action_horizon, params.num_inference_steps, params.enable_cuda_graph) == (50, 10, True)
+    request = prepare_request(args, params)
+    VLAObservationPreprocessStage(Pi05Preprocessor(config)).forward(request, args)
+    batch = vla_state(request)["observation_batch"]
+    assert tuple(batch.tokens.shape) == (1, config.max_token_len)
+    assert batch.tokens[0, 0] == 2 and 20 < int(batch.token_masks.sum()) < 80
+    assert set(batch.images) == set(pc.CAMERAS) and all(bool(m) for m in batch.image_masks.values())
+    for image in batch.images.values():
+        assert tuple(image.shape) == (1, 3, 224, 224) and -1.0 <= float(image.min()) < float(image.max()) <= 1.0
+    assert tuple(batch.noise.shape) == (1, pc.ACTION_HORIZON, pc.ACTION_DIM)
+    assert tuple(batch.state.shape) == (1, pc.STATE_DIM)
