@@ -1,7 +1,8 @@
 """The Pi0.5 server test's checkpoint folder (all but the 6.7 GB of weights) and request body,
 through sglang 0.5.17's own CPU-side path: `sglang serve`'s multimodal_gen argument parsing
 (--pipeline-config-path), the checkpoint config reader, the action endpoint's request parser
-and the Pi0.5 preprocessing stage with the offline Gemma-style tokenizer.
+and the Pi0.5 preprocessing stage with the offline Gemma-style tokenizer; and the checkpoint's
+tensor names against sglang's weight-name mapping for the unpatched and the patched model.
 
 The weights half (sglang_ext.testing.pi05_checkpoint.write_random_pi05_checkpoint) needs the
 3.35 B model and runs on the GPU machine (test_pi05_server_cuda.py)."""
@@ -9,11 +10,13 @@ The weights half (sglang_ext.testing.pi05_checkpoint.write_random_pi05_checkpoin
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
+from conftest import plugin_only
 from sglang_ext.testing import pi05_checkpoint as pc
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
@@ -78,3 +81,47 @@ def test_sglang_serve_parses_the_folder_and_preprocesses_the_request(tmp_path, o
         assert tuple(image.shape) == (1, 3, 224, 224) and -1.0 <= float(image.min()) < float(image.max()) <= 1.0
     assert tuple(batch.noise.shape) == (1, pc.ACTION_HORIZON, pc.ACTION_DIM)
     assert tuple(batch.state.shape) == (1, pc.STATE_DIM)
+
+
+def _core_model_tensors() -> dict:
+    """{name: shape} of sglang's Pi05 core model (full size, meta device: no memory)."""
+    import torch
+
+    from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
+    from sglang.multimodal_gen.runtime.models.vlas import pi05_core
+
+    with torch.device("meta"):
+        model = pi05_core.Pi05CoreModel(Pi05PipelineConfig(), runtime_role="all", prefix_tensor_parallel=False)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+@plugin_only
+def test_checkpoint_names_load_into_the_unpatched_and_the_patched_model(ext_patches, monkeypatch):
+    """The checkpoint holds the unpatched model's state dict; sglang's own name mapping
+    (Pi05PolicyModel._candidate_target_weights, what _load_weights resolves with) must reach
+    every tensor of both models, or the server refuses to start ("N missing weights")."""
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
+    from sglang.multimodal_gen.runtime.server_args import server_args as server_args_module
+
+    from sglang_ext.testing.pi05_random import unit_server_args
+
+    monkeypatch.setattr(server_args_module, "_global_server_args", unit_server_args("torch_sdpa"))
+    checkpoint = _core_model_tensors()
+    assert 3.3e9 < sum(math.prod(s) for s in checkpoint.values()) < 3.4e9
+    statuses = ext_patches()
+    assert all(str(statuses[name]) == "applied" for name in ("pi05_graphs", "pi05_merged_linear")), statuses
+    patched = _core_model_tensors()
+    layer0 = "paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn."
+    assert layer0 + "q_proj.weight" in checkpoint and layer0 + "q_proj.weight" not in patched
+    assert layer0 + "qkv_proj.weight" in patched  # merged GEMMs: other names than the checkpoint's
+
+    for target in (checkpoint, patched):
+        covered = set()
+        for key, shape in checkpoint.items():
+            hit = next(((name, shard) for name, shard in Pi05PolicyModel._candidate_target_weights(key)
+                        if name in target), None)
+            assert hit is not None, f"checkpoint tensor {key} maps to nothing"
+            if hit[1] is None:
+                assert target[hit[0]] == shape, (key, hit, target[hit[0]], shape)
+            covered.add(hit[0])
+        assert sorted(set(target) - covered) == []
