@@ -13,7 +13,8 @@ process group on 127.0.0.1 (sglang_ext.testing.server_process), gets two HTTP re
 - unpatched: the same requests give the same actions within bf16 noise (relative max-abs
   difference <= 5e-2 of the largest action: merged GEMMs and graphs reorder bf16 sums).
 
-Server logs are kept next to the test's tmp folder and their tails are in every failure.
+Server logs go to SGLANG_EXT_TEST_LOG_DIR (e.g. $OUT) or the test's tmp folder; their tails
+are in every failure.
 Run the two servers in separate device calls if one call's time is short: `-k sglang_ext`
 then `-k unpatched` (the checkpoint and the sglang-ext actions stay in /tmp while the
 machine is held, so the comparison still happens).
@@ -28,6 +29,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,8 +85,6 @@ def _post(server, payload) -> dict:
 
 
 def _actions(spec, response, server):
-    import numpy as np
-
     action = response["data"][0]["action"]
     values = np.asarray(action["values"], dtype=np.float32)
     expected = [spec.ACTION_HORIZON, spec.OUTPUT_ACTION_DIM]
@@ -98,7 +98,7 @@ def _serve_two_requests(spec, argv, env, tmp_path, name):
     from sglang_ext.testing.server_process import free_port, start_server
 
     port = free_port()
-    log_path = tmp_path / f"{name}-server.log"
+    log_path = os.path.join(os.environ.get("SGLANG_EXT_TEST_LOG_DIR") or str(tmp_path), f"pi05-{name}-server.log")
     server = start_server([*argv, "--model-path", CHECKPOINT,
                            "--pipeline-config-path", os.path.join(CHECKPOINT, "pipeline_config.json"),
                            "--host", "127.0.0.1", "--port", str(port), "--num-gpus", "1",
@@ -135,8 +135,14 @@ def _read_graph_metrics(directory) -> dict:
     return values
 
 
+def _graphs_replayed(metrics) -> bool:
+    return all(metrics.get(("sglang_ext_graph_captures_total", c), 0) >= 1
+               and metrics.get(("sglang_ext_graph_hits_total", c), 0) >= 1 for c in CACHES)
+
+
 def test_pi05_server_with_sglang_ext_returns_actions_and_replays_graphs(checkpoint, tmp_path):
     from sglang_ext import doctor
+    from sglang_ext.versions import installed_sglang_version, source_tree_version
 
     if os.path.exists(EXT_ACTIONS):
         os.remove(EXT_ACTIONS)
@@ -144,8 +150,6 @@ def test_pi05_server_with_sglang_ext_returns_actions_and_replays_graphs(checkpoi
     metrics_dir, records_dir = tmp_path / "prometheus", tmp_path / "records"
     metrics_dir.mkdir()
     env = _clean_env(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), SGLANG_EXT_ACTIVATION_DIR=str(records_dir))
-    from sglang_ext.versions import installed_sglang_version, source_tree_version
-
     if installed_sglang_version() is None:  # unpacked source tree on the GPU machine
         import sglang
 
@@ -155,12 +159,15 @@ def test_pi05_server_with_sglang_ext_returns_actions_and_replays_graphs(checkpoi
     server, actions = _serve_two_requests(
         checkpoint, [sys.executable, "-m", "sglang_ext.serve", "--ext-strict"], env, tmp_path, "sglang_ext")
     try:
+        # counters are published at least every 0.5 s and on every capture: allow a few seconds
+        deadline = time.monotonic() + 5.0
         metrics = _read_graph_metrics(metrics_dir)
+        while not _graphs_replayed(metrics) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            metrics = _read_graph_metrics(metrics_dir)
         records = doctor.read_records(str(records_dir))
     finally:
         server.stop()
-    import numpy as np
-
     np.save(EXT_ACTIONS, np.stack(actions))
     print("graph metrics:", json.dumps({f"{n}{{cache={c}}}": v for (n, c), v in sorted(metrics.items())}))
     assert float(abs(actions[0] - actions[1]).max()) > 0, "actions do not depend on the inputs"
@@ -182,8 +189,6 @@ def test_pi05_server_with_sglang_ext_returns_actions_and_replays_graphs(checkpoi
 
 
 def test_pi05_server_unpatched_returns_the_same_actions(checkpoint, tmp_path):
-    import numpy as np
-
     launch = ("import sys; from sglang.cli.main import main; "
               "sys.argv = ['sglang', 'serve', *sys.argv[1:]]; main()")
     server, actions = _serve_two_requests(
