@@ -2,8 +2,9 @@
 
 For each kind: files written, weights at init scale, the same seed byte-identical (across
 processes, through the CLI), config / tokenizer / processor load offline and process
-a real image through the chat template, and sglang's own config, processor and model class
-load the checkpoint with every parameter covered (tiny_model_sglang_probe.py, own process).
+a real image through the chat template, and sglang's own config, tokenizer-manager image
+processor and model class accept it, the model loading every parameter from the checkpoint
+(tiny_model_sglang_probe.py, own process).
 Bad arguments: one line naming the field, exit status 2, nothing written.
 """
 
@@ -152,6 +153,11 @@ def test_sglang_loads_every_weight_and_same_seed_gives_same_bytes_in_another_pro
         assert rep["tokenizer"] in ("Qwen2Tokenizer", "Qwen2TokenizerFast")
         if kind in VL_KINDS:
             assert rep["processor"] == {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[kind]
+            assert rep["mm_processor"] == "QwenVLImageProcessor"
+            t, h, w = IMAGE_GRID[kind]
+            assert rep["image_grid_thw"] == [IMAGE_GRID[kind]] and rep["pixel_rows"] == t * h * w
+            assert rep["image_tokens"] == t * h * w // 4
+            assert rep["mrope_positions"] == [3, rep["input_len"]]
 
 
 def _cli(argv, capsys):
