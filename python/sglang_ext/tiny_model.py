@@ -50,7 +50,7 @@ _CORPUS = (
 
 # Hub-style config per kind; token ids are filled in from the tokenizer.
 _TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
              hidden_act="silu", initializer_range=INIT_STD, tie_word_embeddings=False)
 _VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, in_channels=3,
                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=_TEXT["hidden_size"],

@@ -149,7 +149,7 @@ def test_sglang_loads_every_weight_and_same_seed_gives_same_bytes_in_another_pro
         assert rep["parameters"] == rep["checkpoint_elements"], (kind, rep)
         assert rep["embed_equal"], kind
         assert rep["is_multimodal"] == (kind in VL_KINDS), kind
-        assert rep["dtype"] == "torch.bfloat16" and rep["head_dim"] == 64, rep
+        assert rep["dtype"] == "torch.bfloat16" and rep["head_dim"] == 64 and rep["context_len"] == 32768, rep
         assert rep["tokenizer"] in ("Qwen2Tokenizer", "Qwen2TokenizerFast")
         if kind in VL_KINDS:
             assert rep["processor"] == {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[kind]
