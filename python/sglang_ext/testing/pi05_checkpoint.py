@@ -74,7 +74,9 @@ def write_tiny_gemma_tokenizer(path) -> pathlib.Path:
 
 def action_request(seed: int, *, num_inference_steps: int = 10) -> dict:
     """A JSON body for POST /v1/actions/generations matching policy_config(): PNG cameras
-    (base64), state, explicit noise (so two servers get the same request), graphs on."""
+    (base64) and explicit noise from `seed` (so two servers get the same request), a fixed
+    prompt and state (so every request has the same prompt length, i.e. the same graph
+    layout), graphs on."""
     import base64
     import io
 
@@ -92,7 +94,7 @@ def action_request(seed: int, *, num_inference_steps: int = 10) -> dict:
         "prompt": "pick up the red block and put it in the basket",
         "images": {name: png() for name in CAMERAS},
         "camera_order": list(CAMERAS),
-        "state": rng.uniform(-1, 1, STATE_DIM).round(3).tolist(),
+        "state": [round(-0.8 + 0.2 * i, 3) for i in range(STATE_DIM)],
         "noise": rng.standard_normal((ACTION_HORIZON, ACTION_DIM)).astype("float32").tolist(),
         "num_inference_steps": num_inference_steps,
         "runtime": {"cuda_graph": True, "prefix_cache": False, "return_timing": True},

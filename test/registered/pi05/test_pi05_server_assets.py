@@ -14,6 +14,7 @@ import math
 import sys
 
 import pytest
+import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
@@ -69,11 +70,18 @@ def test_sglang_serve_parses_the_folder_and_preprocesses_the_request(tmp_path, o
         pc.ACTION_HORIZON, pc.ACTION_DIM, pc.OUTPUT_ACTION_DIM)
 
     monkeypatch.setattr(server_args_module, "_global_server_args", args)  # set by each worker
-    params = build_action_sampling_params(pc.action_request(1), args)
-    assert (params.action_horizon, params.num_inference_steps, params.enable_cuda_graph) == (50, 10, True)
-    request = prepare_request(args, params)
-    VLAObservationPreprocessStage(Pi05Preprocessor(config)).forward(request, args)
-    batch = vla_state(request)["observation_batch"]
+    batches = []
+    for seed in (1, 2):
+        params = build_action_sampling_params(pc.action_request(seed), args)
+        assert (params.action_horizon, params.num_inference_steps, params.enable_cuda_graph) == (50, 10, True)
+        request = prepare_request(args, params)
+        VLAObservationPreprocessStage(Pi05Preprocessor(config)).forward(request, args)
+        batches.append(vla_state(request)["observation_batch"])
+    batch, other = batches
+    # the server test's two requests share one graph layout (prompt tokens) and differ in content
+    assert torch.equal(batch.tokens, other.tokens) and torch.equal(batch.token_masks, other.token_masks)
+    assert not torch.equal(batch.noise, other.noise)
+    assert not torch.equal(batch.images[pc.CAMERAS[0]], other.images[pc.CAMERAS[0]])
     assert tuple(batch.tokens.shape) == (1, config.max_token_len)
     assert batch.tokens[0, 0] == 2 and 20 < int(batch.token_masks.sum()) < 80
     assert set(batch.images) == set(pc.CAMERAS) and all(bool(m) for m in batch.image_masks.values())
