@@ -1,10 +1,12 @@
 """`sglang-ext` console script (also `python -m sglang_ext`).
 
     sglang-ext doctor [--json] [--no-import] [--source-root DIR --assume-version V] [--records DIR] [--strict]
+    sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
 Exit status of `doctor`: 0 when every requested patch is applied, armed, disabled or
 not needed; 1 in strict mode (`--strict` or SGLANG_EXT_STRICT=1) when a requested patch
 failed or was skipped; 2 for a configuration error (bad SGLANG_EXT_* value).
+Exit status of `make-tiny-model`: 0 when written; 2 for a bad argument (one line on stderr).
 """
 
 from __future__ import annotations
@@ -59,13 +61,47 @@ def doctor_main(args: argparse.Namespace) -> int:
     return 1 if (problems and rep["strict"]) else 0
 
 
+def _tiny_model_parser(sub) -> None:
+    from sglang_ext.tiny_model import KINDS
+
+    p = sub.add_parser(
+        "make-tiny-model", help="write a tiny offline Qwen model folder with seeded random weights",
+        description="Write a self-contained model folder (config, tokenizer with Qwen special tokens and "
+        "a chat template, processor files, a few MB of seeded random weights) that sglang serves "
+        "without a download. The same seed writes byte-identical files.")
+    # kind and seed are checked by make_tiny_model itself, so a bad value gets its one-line error
+    p.add_argument("kind", metavar="KIND", help="one of: " + ", ".join(KINDS))
+    p.add_argument("dir", metavar="DIR", help="output folder: new or empty (or use --force)")
+    p.add_argument("--seed", default="0", help="weight seed, an integer >= 0 (default 0)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder, overwriting the model files")
+
+
+def tiny_model_main(args: argparse.Namespace) -> int:
+    from sglang_ext.tiny_model import TinyModelError, make_tiny_model
+
+    try:
+        seed = int(args.seed)
+    except ValueError:
+        seed = args.seed  # make_tiny_model names the field and the allowed values
+    try:
+        out = make_tiny_model(args.kind, args.dir, seed, force=args.force)
+    except TinyModelError as exc:
+        sys.stderr.write(f"sglang-ext: {exc}\n")
+        return 2
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="sglang-ext", description="sglang-ext tools")
     sub = ap.add_subparsers(dest="command", required=True)
     _doctor_parser(sub)
+    _tiny_model_parser(sub)
     args = ap.parse_args(argv)
     if args.command == "doctor":
         return doctor_main(args)
+    if args.command == "make-tiny-model":
+        return tiny_model_main(args)
     ap.error(f"unknown command {args.command!r}")
     return 2
 

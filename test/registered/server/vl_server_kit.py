@@ -17,7 +17,6 @@ import json
 import os
 import random
 import re
-import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from sglang_ext.testing import vl_stream as vs
-from sglang_ext.testing.server_process import ServerHandle, start_server
+from sglang_ext.testing.server_process import ServerProcess, free_port, start_server
 
 N_REQUESTS = int(os.environ.get("SGX_SERVER_REQUESTS", "200"))
 N_CHAT = 40  # /v1/chat/completions subset (output-token logprobs only)
@@ -87,12 +86,6 @@ class Run:
     unit: int = 0  # merged-patch size in pixels the stream was built with
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_env(cfg: ServerConfig) -> Dict[str, str]:
     # Each server its own sglang-ext settings and its own Prometheus folder (sglang makes one).
     env = {k: v for k, v in os.environ.items()
@@ -148,11 +141,11 @@ def concurrent_specs(unit: int) -> List[vs.RequestSpec]:
     return order
 
 
-def _generate(h: ServerHandle, spec: vs.RequestSpec) -> List[float]:
+def _generate(h: ServerProcess, spec: vs.RequestSpec) -> List[float]:
     return vs.generate_signature(h.post("/generate", vs.generate_body(spec)))
 
 
-def _metrics(h: ServerHandle) -> Dict[str, Optional[float]]:
+def _metrics(h: ServerProcess) -> Dict[str, Optional[float]]:
     out = vs.vit_graph_counters(h.get_text("/metrics"))
     out["nvidia_smi_mib"] = _nvidia_smi_mib(h.proc.pid)
     return out
@@ -178,7 +171,7 @@ def _nvidia_smi_mib(pgid: int) -> Optional[float]:
     return total if seen else None
 
 
-def drive(run: Run, h: ServerHandle, unit: int, model: str) -> None:
+def drive(run: Run, h: ServerProcess, unit: int, model: str) -> None:
     """The whole request sequence of one server; a failure ends it and is recorded in run.error."""
     stream = vs.build_stream(unit, N_REQUESTS)
     try:
@@ -201,10 +194,10 @@ def drive(run: Run, h: ServerHandle, unit: int, model: str) -> None:
     except Exception as exc:  # noqa: BLE001 - recorded (unpatched sglang may crash); tests decide
         alive = h.proc.poll() is None
         run.error = (f"{type(exc).__name__}: {exc} after {len(run.signatures)} stream requests "
-                     f"(server {'alive' if alive else f'exited {h.proc.returncode}'})\n" + h.log_tail(40))
+                     f"(server {'alive' if alive else f'exited {h.proc.returncode}'})\n" + h.log_tail())
 
 
-def _finish(run: Run, h: ServerHandle) -> None:
+def _finish(run: Run, h: ServerProcess) -> None:
     try:
         found = BACKEND_LINE.findall(h.log_text())
         run.backend_logged = found[-1] if found else None
@@ -223,7 +216,7 @@ def run_servers(kind: str, workdir: Path) -> Dict[str, Run]:
     check_sizes_kept(model_dir, unit)
     runs = {c.name: Run(c, str(workdir / f"{c.name}.log"), str(workdir / f"{c.name}-activation"), unit=unit)
             for c in CONFIGS}
-    handles: Dict[str, ServerHandle] = {}
+    handles: Dict[str, ServerProcess] = {}
     first_done = ThreadEvent()  # the first server is healthy (or failed to start)
     if not STAGGER:
         first_done.set()
