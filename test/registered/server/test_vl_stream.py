@@ -16,7 +16,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
 from sglang_ext.testing import vl_stream as vs  # noqa: E402
-from sglang_ext.testing.server_process import start_server  # noqa: E402
 
 
 @pytest.mark.parametrize("unit", [28, 32])
@@ -107,40 +106,3 @@ def test_metrics_summed_over_pids_from_real_exposition():
     m = vs.vit_graph_counters(generate_latest(reg).decode())
     assert m["hits"] == 7 and m["resident"] == 5 and m["reserved_bytes"] == 2**30
     assert m["captures"] is None and m["capacity"] is None  # absent is not zero
-
-
-def test_server_process_health_tail_and_group_stop(tmp_path):
-    # A stand-in "server": answers /health, logs, and starts a child that must die with it.
-    script = tmp_path / "srv.py"
-    script.write_text(textwrap.dedent("""
-        import http.server, subprocess, sys
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        print("child", child.pid, flush=True)
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200 if self.path == "/health" else 404); self.end_headers()
-            def log_message(self, *a): pass
-        http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-    """))
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    h = start_server([str(script), str(port)], dict(os.environ), port, str(tmp_path / "log"))
-    try:
-        assert h.wait_healthy(30) < 30
-        child = int(h.log_tail(5).split()[1])
-    finally:
-        h.stop(grace=5)
-    assert h.proc.poll() is not None
-    with pytest.raises(ProcessLookupError):
-        os.kill(child, 0)
-
-
-def test_server_process_reports_early_exit(tmp_path):
-    h = start_server(["-c", "print('boom: bad arg'); raise SystemExit(3)"], dict(os.environ), 1,
-                     str(tmp_path / "log"))
-    with pytest.raises(RuntimeError, match="exited with 3(.|\n)*boom: bad arg"):
-        h.wait_healthy(30)
-    h.stop()
