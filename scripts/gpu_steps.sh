@@ -38,8 +38,8 @@ names=()
 for step in "$@"; do
   cmd=$(step_cmd "$step") || exit 2
   mkdir -p "$work/$step"
-  # Test artefacts (server logs, activation records) under $work/$step via OUT / SGLANG_EXT_TEST_LOG_DIR.
-  ( OUT="$work/$step" SGLANG_EXT_TEST_LOG_DIR="$work/$step" timeout -k 10 "$LIMIT" bash -c "$cmd" \
+  # Test artefacts (server logs, activation records) under $work/$step via OUT / SGX_TEST_LOG_DIR.
+  ( OUT="$work/$step" SGX_TEST_LOG_DIR="$work/$step" timeout -k 10 "$LIMIT" bash -c "$cmd" \
       >"$work/$step/log.txt" 2>&1; echo "step $step rc=$?" >>"$work/$step/log.txt" ) &
   pids+=($!)
   names+=("$step")

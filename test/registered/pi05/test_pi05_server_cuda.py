@@ -13,7 +13,7 @@ process group on 127.0.0.1 (sglang_ext.testing.server_process), gets two HTTP re
 - unpatched: the same requests give the same actions within bf16 noise (relative max-abs
   difference <= 5e-2 of the largest action: merged GEMMs and graphs reorder bf16 sums).
 
-Server logs go to SGLANG_EXT_TEST_LOG_DIR (e.g. $OUT) or the test's tmp folder; their tails
+Server logs go to SGX_TEST_LOG_DIR (e.g. $OUT) or the test's tmp folder; their tails
 are in every failure.
 Run the two servers in separate device calls if one call's time is short: `-k sglang_ext`
 then `-k unpatched` (the checkpoint and the sglang-ext actions stay in /tmp while the
@@ -98,7 +98,7 @@ def _serve_two_requests(spec, argv, env, tmp_path, name):
     from sglang_ext.testing.server_process import free_port, start_server
 
     port = free_port()
-    log_path = os.path.join(os.environ.get("SGLANG_EXT_TEST_LOG_DIR") or str(tmp_path), f"pi05-{name}-server.log")
+    log_path = os.path.join(os.environ.get("SGX_TEST_LOG_DIR") or str(tmp_path), f"pi05-{name}-server.log")
     server = start_server([*argv, "--model-path", CHECKPOINT,
                            "--pipeline-config-path", os.path.join(CHECKPOINT, "pipeline_config.json"),
                            "--host", "127.0.0.1", "--port", str(port), "--num-gpus", "1",

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -97,7 +98,7 @@ def server_env(cfg: ServerConfig) -> Dict[str, str]:
 
 
 def server_argv(cfg: ServerConfig, model_dir: str, port: int, activation_dir: str) -> List[str]:
-    argv = ["-m", "sglang.launch_server" if cfg.upstream else "sglang_ext.launch_server",
+    argv = [sys.executable, "-m", "sglang.launch_server" if cfg.upstream else "sglang_ext.launch_server",
             "--model-path", model_dir, "--tokenizer-path", model_dir, "--dtype", "bfloat16",
             "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--cuda-graph-max-bs-decode", "8", "--disable-radix-cache", "--random-seed", "0",
