@@ -687,14 +687,19 @@ def test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere(vit_patch
 
     def all_reduce(flag, op=None, group=None):
         votes.append(int(flag.item()))
-        flag.fill_(0)  # the other rank failed
+        if len(votes) == 2:
+            flag.fill_(0)  # the other rank's capture failed (permanently)
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     runner = ViTCudaGraphRunner(StubTower(use_data_parallel=False))
     out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
     torch.testing.assert_close(out, want)
-    assert votes == [1]  # this rank captured fine, and said so
+    assert votes == [2, 2]  # prepared and captured fine, and said so both times
     assert runner.block_graphs == {} and runner._ext_graph_info()["failures"] == 1
+    assert fake_cuda.created[0].resets == 1  # this rank's good graph is dropped too
+    out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))  # permanent: quarantined, no more votes
+    torch.testing.assert_close(out, want)
+    assert len(votes) == 2 and runner._ext_graph_info()["fallback_quarantined"] == 1
 
 
 def test_stats_registry_reports_the_runner(vit_patch, fake_cuda):
