@@ -161,7 +161,9 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T(_VLA_STAGES, "_grouped_fingerprint", "VLAPrefixEncodingStage.forward",
             "VLAPrefixEncodingStage.run_grouped_requests", "VLAPrefixEncodingStage.get_cached_context"),
         parts=(
-            Part(f"{_MG}.vla.denoise_cuda_graph", "sglang_ext.adapters.pi05_graphs:patch_graph_module"),
+            # On the package: `vla.cuda_graph` (upstream's name, absent in 0.5.17) is importable as
+            # soon as anything under vla is, before any Pi0.5 model module was imported.
+            Part(f"{_MG}.vla", "sglang_ext.adapters.pi05_graphs:patch_graph_module"),
             Part(_PI05_CORE, "sglang_ext.adapters.pi05_graphs:patch_core"),
             Part(_PI05_POLICY, "sglang_ext.adapters.pi05_graphs:patch_policy"),
             Part(_VLA_STAGES, "sglang_ext.adapters.pi05_graphs:patch_stages"),
