@@ -831,6 +831,54 @@ def test_guarded_capture_without_a_pool_uses_a_known_private_pool(recording_cuda
     assert log[1][2] == (0, 7) and ("endpool", 0, (0, 7)) in log
 
 
+@pytest.mark.parametrize("version", ["2.10.0", "2.15.0+cu130", "3.0.0"])
+def test_undo_is_skipped_on_an_untested_torch_release(recording_cuda, monkeypatch, caplog, version):
+    """Outside the tested releases no internal is touched: the error propagates (the key is quarantined)."""
+    recorder, log = recording_cuda
+    recorder.end_fails = True
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(capture, "_warned_no_repair", [])
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING, logger="sglang_ext.graphs.capture"):
+            with pytest.raises(RuntimeError, match="previous error during capture"):
+                with capture.guarded_capture(_ResettableGraph(log), pool=(0, 3), stream="s"):
+                    pass
+    assert not any(e[0] in ("endpool", "release", "reset", "begin-raw") for e in log), log
+    assert [e[0] for e in log].count("graph") == 2  # the two captures themselves, no throwaway repair capture
+    warnings = [r.getMessage() for r in caplog.records if "not repaired" in r.getMessage()]
+    assert len(warnings) == 1 and f"torch {version} is outside" in warnings[0]
+    assert gc.isenabled() and log[-1] == ("stream-out", "s")
+
+
+def test_undo_is_skipped_when_the_torch_internals_are_missing(recording_cuda, monkeypatch, caplog):
+    """Internals removed (a tested release): no repair, no reopened capture, one warning naming them."""
+    recorder, log = recording_cuda
+    recorder.end_fails = True
+    monkeypatch.setattr(capture, "_warned_no_repair", [])
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool")
+    monkeypatch.delattr(torch._C, "_cuda_releasePool")
+    began = []
+    monkeypatch.setattr(capture, "_runtime_begin", [lambda handle, mode: began.append(handle) or 0])
+    graph = _ResettableGraph(log)  # no capture_end either: the preferred undo is out too
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.graphs.capture"):
+        with pytest.raises(RuntimeError, match="previous error during capture"):
+            with capture.guarded_capture(graph, pool=(0, 3), stream=type("S", (), {"cuda_stream": 9})()):
+                pass
+    assert began == [], "a capture was re-opened with nothing to end it"
+    assert not any(e[0] in ("endpool", "release", "reset") for e in log), log
+    [warning] = [r.getMessage() for r in caplog.records if "not repaired" in r.getMessage()]
+    assert "torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool" in warning
+    assert capture.repair_unavailable() is None  # this torch is a tested release
+
+
+def test_repair_guard_reads_torch_release():
+    assert capture._torch_release("2.11.0+cu130") == (2, 11)
+    assert capture._torch_release("2.14.1") == (2, 14)
+    assert capture._torch_release("2.12.0a0+git1234") == (2, 12)
+    low, high = capture.REPAIR_TESTED_TORCH
+    assert low <= capture._torch_release(torch.__version__) <= high, "CPU CI must run a tested torch"
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
