@@ -486,6 +486,50 @@ def test_failed_capture_quarantines_key_and_cache_keeps_working():
     )
 
 
+def _fail_with(cache, key, exc, events, graphs):
+    assert cache.admit(key).capture
+    cache.fail(key, exc)
+
+
+def test_transient_failure_is_retried_after_a_doubling_backoff(monkeypatch):
+    """Out of memory: eager for 2, 4, 8 ... misses of that key (capped), then captured again."""
+    monkeypatch.setattr(cache_module, "MAX_RETRY_BACKOFF", 8)
+    events, graphs = [], []
+    cache = BoundedGraphCache("transient", 4)
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    waits = []
+    for _ in range(4):
+        _fail_with(cache, "k", oom, events, graphs)
+        assert cache.retry_in("k") is not None
+        eager = 0
+        while not cache.admit("k").capture:
+            eager += 1
+        waits.append(eager)
+    assert waits == [2, 4, 8, 8]  # capped at MAX_RETRY_BACKOFF
+    assert cache.put("k", FakeGraph("k", events)) is True  # the retry succeeded: failures forgotten
+    assert not cache.is_quarantined("k") and cache.get("k") is not None
+    cache.discard("k")
+    _fail_with(cache, "k", MemoryError("host"), events, graphs)
+    assert cache.retry_in("k") == 2  # the backoff starts over
+    assert cache.info().failures == 5
+
+
+def test_permanent_failure_stays_quarantined_and_the_class_can_be_given():
+    events, graphs = [], []
+    cache = BoundedGraphCache("permanent", 4)
+    _fail_with(cache, "shape", RuntimeError("mat1 and mat2 shapes cannot be multiplied"), events, graphs)
+    _fail_with(cache, "backend", RuntimeError("ViT CUDA graph does not support attention backend: sdpa"),
+               events, graphs)
+    # A class agreed across ranks overrides this rank's own error (a peer ran out of memory).
+    _fail_with(cache, "agreed", ValueError("declined by a peer"), events, graphs)
+    cache.fail("agreed", ValueError("declined by a peer"), transient=True)
+    assert cache.retry_in("shape") is None and cache.retry_in("backend") is None and cache.retry_in("agreed") == 2
+    assert all(cache.admit(k) is Admission.EAGER_QUARANTINED for _ in range(100) for k in ("shape", "backend"))
+    assert cache.put("shape", FakeGraph("shape", events)) is False
+    assert cache_module.is_transient_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert not cache_module.is_transient_failure(None)
+
+
 def test_quarantine_and_warming_bookkeeping_are_bounded(monkeypatch):
     monkeypatch.setattr(cache_module, "MAX_TRACKED_KEYS", 3)
     cache = BoundedGraphCache("bounded", 2, min_hits=2)
