@@ -14,6 +14,7 @@ depends on the sequence boundaries, the rotary values and (checked) max_seqlen.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from types import SimpleNamespace
 from unittest.mock import patch
@@ -976,3 +977,41 @@ def test_evictable_captures_register_no_custom_all_reduce_buffers(vit_patch, fak
         recorder.ca.custom_all_reduce(torch.zeros(4))
     assert recorder.registered == 1
     recorder.ca._ptr = 0  # nothing to dispose (its finaliser would call the real, CPU-less ops)
+
+
+def test_device_boundaries_without_a_layout_key_run_eager_and_warn_once_per_runner(vit_patch, fake_cuda, monkeypatch,
+                                                                                  caplog):
+    """A caller passing only device cu_seqlens (no CPU layout): eager, correct, one warning per runner."""
+    vit_patch()
+    # CPU has no device tensors: the runner's device test sees the batch's cu_seqlens as "on the GPU".
+    monkeypatch.setattr(runner_module, "_ext_vit_is_device_tensor",
+                        lambda value: isinstance(value, torch.Tensor) and value.dtype == torch.int32)
+    runners = [ViTCudaGraphRunner(StubTower()), ViTCudaGraphRunner(StubTower())]
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.vit_cuda_graph"):
+        for runner in runners:
+            for step, (full, window) in enumerate((((0, 0, 4, 8), (0, 4, 8)), ((0, 0, 2, 8), (0, 2, 8))) * 2):
+                out, want = call(runner, 8, full, window, position=step, with_key=False)
+                torch.testing.assert_close(out, want)
+    warnings = [r.getMessage() for r in caplog.records if "without attention_layout_key" in r.getMessage()]
+    assert len(warnings) == 2  # once per runner, not per batch
+    assert "runs such batches eager" in warnings[0]
+    for runner in runners:
+        info = runner._ext_graph_info()
+        assert (info["fallback_no_cpu_layout"], info["captures"]) == (4, 0) and not fake_cuda.created
+
+
+def test_stats_log_interval_zero_never_logs(vit_patch, fake_cuda, monkeypatch, caplog):
+    vit_patch(stats_log_interval_s=0)
+    stats = ext_core("graphs.stats")
+    monkeypatch.setattr(stats, "_last_log", [float("-inf")])
+    runner = ViTCudaGraphRunner(StubTower())
+    with caplog.at_level(logging.DEBUG, logger="sglang_ext.vit_cuda_graph"):
+        for _ in range(3):
+            call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+    assert not [r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]
+    vit_patch(stats_log_interval_s=3600)
+    runner = ViTCudaGraphRunner(StubTower())
+    with caplog.at_level(logging.DEBUG, logger="sglang_ext.vit_cuda_graph"):
+        for _ in range(3):
+            call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+    assert len([r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]) >= 1  # the control logs
