@@ -31,7 +31,7 @@ How:
   (never a hidden sync).
 - `run()` without any CPU layout (e.g. a caller passing only CUDA cu_seqlens, as
   upstream's GPU unit test does) runs the tower EAGER: no sync, no graph, counted as
-  `fallback_no_cpu_layout`. Eager uses max_seqlen = token count, an upper bound;
+  `fallback_no_cpu_layout`, with one warning per runner. Eager uses max_seqlen = token count, an upper bound;
   the triton vision kernel (kernels/ops/attention/prefill_attention.py) uses it only
   as a grid bound (programs past a sequence's length load nothing and store
   nothing), so the output is exact (fa3 gets the same bound: correct, not claimed
@@ -63,13 +63,21 @@ How:
   path (vision.py: `if forward_metadata is not None`). Same kernels, same max_seqlen:
   the result equals the graph's. Blocks whose forward takes no `forward_metadata`
   get the graph-form arguments with a fresh `output_ws` instead.
-- A capture that raises quarantines the key (eager from then on). Non-data-parallel
-  encoders capture inside the TP custom all-reduce capture context, as 0.5.17 does;
-  the capture outcome is then agreed over the TP CPU group (one tiny gloo all-reduce
-  per capture, never per replay) so a rank-local failure (e.g. OOM on one rank) makes
-  every rank drop the graph: graph and eager all-reduces never mix across ranks.
-  (Untested residual risk: a capture raising half-way inside the custom all-reduce
-  capture context on one rank only leaves ranks with different registered buffers.)
+- Tensor parallelism (non-DP encoders): a capture runs `sglang_ext.graphs.agreement`'s
+  two-vote protocol over the TP CPU group (gloo MIN all-reduce of one int): rank-local
+  prepare (backend check first, then the graph's buffers, rotary slices and a warm-up of
+  block 0 whose TP all-reduce / all-gather are local stand-ins, so a failing rank leaves
+  no peer inside a device collective) -> vote -> capture (records collectives, executes
+  none) and its bookkeeping -> vote. Two votes per capture whatever fails where, none
+  per hit, replay or eager run; a failure on any rank makes every rank drop the graph
+  and run that batch eager, and all ranks record the same failure class.
+- Failed captures: out of memory is transient (retried after 2, 4, ... misses of that
+  key, capped; `BoundedGraphCache`), anything else (unsupported backend, shape errors)
+  keeps the key eager until the runner's cache is cleared.
+- Custom all-reduce: captures do not enter `_capture_context()` (`ca_comm.capture()`),
+  whose graph-buffer registrations are never freed and fill sglang's fixed table under
+  LRU churn; the custom all-reduce then captures its pre-registered staging-buffer path
+  (`_create_graph` says why that is capture-safe in 0.5.17).
 - Rotary sin/cos: each graph leases `[:seq_len]` slices from a `StableWorkspacePool`
   (per head_dim); growth allocates a new backing buffer, existing slices never move,
   a backing is freed once no live graph leases it. Upstream's
@@ -120,7 +128,9 @@ eager fallbacks always run the real, unpadded batch.
 Deviation from upstream: keys are `GraphKey`s, not `(S, layout)` tuples; a direct
 `_get_graph_key(x, cuda_cu_seqlens, ...)` call without a key raises instead of syncing;
 `attention_layout_key` must be `(full cu_seqlens ints, window cu_seqlens ints or None)`; `create_graph` stores device copies of
-cu_seqlens owned by the graph (upstream keeps the caller's tensors by reference).
+cu_seqlens owned by the graph (upstream keeps the caller's tensors by reference); captures run
+outside `ca_comm.capture()` and warm up without TP communication (upstream warms up with real
+all-reduces and registers every graph's buffers with the custom all-reduce).
 
 Retire when: upstream bounds the ViT graph count with eviction, frees retired rotary
 workspaces, returns owned outputs and never syncs on the key path (all still open in
