@@ -473,14 +473,34 @@ def _ext_graph_pool(self):
     return pool
 
 
+def _ext_tower_group(self):
+    """The group the tower's TP collectives run on.
+
+    0.5.17's vision linears reduce over the attention-TP group under DP attention
+    (`use_dp_attention_reduce=is_dp_attention_enabled()`, qwen3_vl.py), where each
+    attention-TP group encodes its own images; over the TP group otherwise.
+    """
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+    try:
+        dp_attention = is_dp_attention_enabled()
+    except Exception:  # noqa: BLE001 - no runtime flags published (unit tests, offline use): plain TP
+        dp_attention = False
+    if dp_attention:
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+        return get_attn_tp_group()
+    return get_tp_group()
+
+
 def _ext_vote(self):
-    """How this runner's TP ranks agree on a capture: a MIN vote over the TP CPU group (gloo).
+    """How the ranks encoding this batch agree on a capture: a MIN vote over their CPU group (gloo).
 
     DP encoders capture rank-locally, and a world of one has nobody to agree with.
     """
     if getattr(self.vit, "use_data_parallel", False):
         return local_vote
-    group = get_tp_group()
+    group = self._ext_tower_group()
     if getattr(group, "world_size", 1) <= 1:
         return local_vote
     return cpu_group_vote(group.cpu_group)
@@ -528,9 +548,16 @@ class _ExtVitLocalCollectives:
 
 
 def _ext_warm_up_context(self):
+    """Local stand-ins on the tower's group (and the TP group) for `with`; installed when called."""
     if self._ext_vote() is local_vote:
         return contextlib.nullcontext()
-    return _ExtVitLocalCollectives(get_tp_group())
+    stack = contextlib.ExitStack()
+    groups = []
+    for group in (self._ext_tower_group(), get_tp_group()):
+        if all(group is not seen for seen in groups):
+            groups.append(group)
+            stack.enter_context(_ExtVitLocalCollectives(group))
+    return stack
 
 
 def _ext_vit_rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
@@ -920,8 +947,8 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 _RUNNER_METHODS = (
     _ext_ensure_state, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
     _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_pad_to_bucket, _ext_write_layout, _get_sin_cos_ws,
-    _ext_graph_pool, _ext_vote, _ext_warm_up_context, _ext_seqlens_arg, _create_graph, _ext_prepare_graph,
-    create_graph, replay, _ext_graph_tensors,
+    _ext_graph_pool, _ext_tower_group, _ext_vote, _ext_warm_up_context, _ext_seqlens_arg, _create_graph,
+    _ext_prepare_graph, create_graph, replay, _ext_graph_tensors,
     _ext_expected_bytes, _ext_run_eager, run,
 )
 
