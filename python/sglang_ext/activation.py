@@ -220,7 +220,40 @@ def is_supported(version: Optional[str]) -> bool:
 def plan(settings: Settings, *, version: Optional[str], source_root: Optional[str] = None
          ) -> Dict[str, PatchStatus]:
     """Decide every patch's status without touching anything (doctor uses this too)."""
-    return {spec.name: _decide(spec, settings, version, source_root) for spec in PATCHES}
+    decided = {spec.name: _decide(spec, settings, version, source_root) for spec in PATCHES}
+    _check_requirements(decided, settings)
+    return decided
+
+
+_GOING = (ARMED, APPLIED, NOT_NEEDED)
+
+
+def _check_requirements(decided: Dict[str, PatchStatus], settings: Settings) -> None:
+    """Skip every going patch whose requirement is not going (transitively: registry order is not relied on)."""
+    changed = True
+    while changed:
+        changed = False
+        for spec in PATCHES:
+            st = decided[spec.name]
+            if st.state not in _GOING:
+                continue
+            for req in spec.requires:
+                needed = decided[req.patch]
+                if needed.state in _GOING:
+                    continue
+                knobs_set = [knob(k) for k in req.when_knobs if settings.values[k] != knob(k).default]
+                if req.when_knobs and not knobs_set:
+                    continue
+                why = f" while {', '.join(k.env for k in knobs_set)} is set" if knobs_set else ""
+                how = f"list {spec.name} in {knob('disable').env} too"
+                if knobs_set:
+                    how += f", or unset {', '.join(k.env for k in knobs_set)}"
+                st.state = SKIPPED
+                st.detail = (f"requires patch {req.patch}{why}, which is {needed.state}; allowed: enable "
+                             f"{req.patch}, or {how}")
+                st.parts_pending, st.parts_applied = [], []
+                changed = True
+                break
 
 
 def _release(version: str) -> str:
@@ -329,6 +362,16 @@ def _fail(spec: PatchSpec, ctx: PatchContext, st: PatchStatus, detail: str,
     _write_record()
     if _state.strict:
         raise SglangExtActivationError(f"sglang-ext strict mode: patch {spec.name} {st}") from cause
+    # Non-strict: patches that need this one go off with it (rolled back if already applied).
+    was = {name: dst.state for name, dst in _state.statuses.items()}
+    _check_requirements(_state.statuses, _state.settings)
+    for name, dst in _state.statuses.items():
+        if was[name] in (ARMED, APPLIED) and dst.state == SKIPPED:
+            dependent_ctx = _state.contexts.get(name)
+            if dependent_ctx is not None:
+                dependent_ctx.rollback()
+            logger.warning("sglang-ext: patch %s skipped, nothing of it applied: %s", name, dst.detail)
+    _write_record()
 
 
 def _part_runner(spec: PatchSpec, part, ctx: PatchContext, generation: int):

@@ -11,6 +11,9 @@ reads this table. Per patch:
 - `rebinds`: bound names the adapter must also rebind (documentation + doctor).
 - `upstream_since` / `upstream_equivalent`: where upstream has the fix; with an
   equivalent upstream, newer sglang reports `not needed (upstream has it since X)`.
+- `requires`: patches this one needs (always, or only while one of the listed knobs
+  is set). Activation checks them before arming anything: a patch whose requirement
+  is off is left off too (a warning; in strict mode a start-up error).
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Requirement:
+    patch: str
+    when_knobs: Tuple[str, ...] = ()  # needed only while one of these knobs differs from its default
+
+
+@dataclass(frozen=True)
 class PatchSpec:
     name: str
     summary: str
@@ -50,6 +59,7 @@ class PatchSpec:
     # Patches that only matter inside a subsystem (e.g. multimodal_gen) declare it,
     # so `doctor` can say which processes need them.
     process: str = "srt scheduler"
+    requires: Tuple[Requirement, ...] = ()
 
 
 def T(module: str, *qualnames: str) -> Tuple[Target, ...]:
@@ -151,7 +161,9 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T(_VLA_STAGES, "_grouped_fingerprint", "VLAPrefixEncodingStage.forward",
             "VLAPrefixEncodingStage.run_grouped_requests", "VLAPrefixEncodingStage.get_cached_context"),
         parts=(
-            Part(f"{_MG}.vla.denoise_cuda_graph", "sglang_ext.adapters.pi05_graphs:patch_graph_module"),
+            # On the package: `vla.cuda_graph` (upstream's name, absent in 0.5.17) is importable as
+            # soon as anything under vla is, before any Pi0.5 model module was imported.
+            Part(f"{_MG}.vla", "sglang_ext.adapters.pi05_graphs:patch_graph_module"),
             Part(_PI05_CORE, "sglang_ext.adapters.pi05_graphs:patch_core"),
             Part(_PI05_POLICY, "sglang_ext.adapters.pi05_graphs:patch_policy"),
             Part(_VLA_STAGES, "sglang_ext.adapters.pi05_graphs:patch_stages"),
@@ -164,6 +176,8 @@ PATCHES: Tuple[PatchSpec, ...] = (
         retire_when="upstream keys the action-graph K/V refresh on something id()-free and the minimum "
         "supported sglang has vla/cuda_graph.py (>= 0.5.19)",
         process="multimodal_gen worker",
+        # Prompt-token bucketing imports vla.prompt_bucketing, a module pi05_config installs.
+        requires=(Requirement("pi05_config", when_knobs=("pi05_prompt_token_buckets",)),),
     ),
     PatchSpec(
         name="pi05_merged_linear",

@@ -53,6 +53,18 @@ Deviations from upstream:
   already requires) and `select_bucket` rejects invalid input with ValueError
   where upstream's loop would silently return a wrong or no bucket.
 
+Known upstream hazard, not fixed here (sgl-project/sglang#37606, fix proposed in #37448, open):
+0.5.17's breakable prefill graphs keep graph-break inputs (radix attention's q/k/v/output)
+only as weak references (`runner_backend_utils/breakable_cuda_graph/breakable_cuda_graph.py`,
+`eager_on_graph`: `captured_args = tuple(_weak_ref_if_tensor(a) ...)`), and
+`PrefillCudaGraphRunner.capture` captures buckets largest first, so every bucket but the
+smallest may have had those blocks re-carved by a later capture. Choosing a larger bucket
+makes it reachable for batches 0.5.17 would have failed (they replay an earlier-captured
+bucket), but it is no new exposure: 0.5.17 replays those buckets for larger batches anyway,
+and the bucket chosen is the smallest captured one that fits. Holding the inputs strongly
+(#37448) touches every prefill graph, not only CP ones, and costs graph memory that must be
+measured on the GPU first.
+
 Retire when: upstream stores the admitted bucket with the batch instead of
 recomputing it at replay (still recomputed in 0.5.23) and the minimum supported
 sglang has the fit search (>= 0.5.18).

@@ -31,7 +31,7 @@ How:
   (never a hidden sync).
 - `run()` without any CPU layout (e.g. a caller passing only CUDA cu_seqlens, as
   upstream's GPU unit test does) runs the tower EAGER: no sync, no graph, counted as
-  `fallback_no_cpu_layout`. Eager uses max_seqlen = token count, an upper bound;
+  `fallback_no_cpu_layout`, with one warning per runner. Eager uses max_seqlen = token count, an upper bound;
   the triton vision kernel (kernels/ops/attention/prefill_attention.py) uses it only
   as a grid bound (programs past a sequence's length load nothing and store
   nothing), so the output is exact (fa3 gets the same bound: correct, not claimed
@@ -63,13 +63,21 @@ How:
   path (vision.py: `if forward_metadata is not None`). Same kernels, same max_seqlen:
   the result equals the graph's. Blocks whose forward takes no `forward_metadata`
   get the graph-form arguments with a fresh `output_ws` instead.
-- A capture that raises quarantines the key (eager from then on). Non-data-parallel
-  encoders capture inside the TP custom all-reduce capture context, as 0.5.17 does;
-  the capture outcome is then agreed over the TP CPU group (one tiny gloo all-reduce
-  per capture, never per replay) so a rank-local failure (e.g. OOM on one rank) makes
-  every rank drop the graph: graph and eager all-reduces never mix across ranks.
-  (Untested residual risk: a capture raising half-way inside the custom all-reduce
-  capture context on one rank only leaves ranks with different registered buffers.)
+- Tensor parallelism (non-DP encoders): a capture runs `sglang_ext.graphs.agreement`'s
+  two-vote protocol over the TP CPU group (gloo MIN all-reduce of one int): rank-local
+  prepare (backend check first, then the graph's buffers, rotary slices and a warm-up of
+  block 0 whose TP all-reduce / all-gather are local stand-ins, so a failing rank leaves
+  no peer inside a device collective) -> vote -> capture (records collectives, executes
+  none) and its bookkeeping -> vote. Two votes per capture whatever fails where, none
+  per hit, replay or eager run; a failure on any rank makes every rank drop the graph
+  and run that batch eager, and all ranks record the same failure class.
+- Failed captures: out of memory is transient (retried after 2, 4, ... misses of that
+  key, capped; `BoundedGraphCache`), anything else (unsupported backend, shape errors)
+  keeps the key eager until the runner's cache is cleared.
+- Custom all-reduce: captures do not enter `_capture_context()` (`ca_comm.capture()`),
+  whose graph-buffer registrations are never freed and fill sglang's fixed table under
+  LRU churn; the custom all-reduce then captures its pre-registered staging-buffer path
+  (`_create_graph` says why that is capture-safe in 0.5.17).
 - Rotary sin/cos: each graph leases `[:seq_len]` slices from a `StableWorkspacePool`
   (per head_dim); growth allocates a new backing buffer, existing slices never move,
   a backing is freed once no live graph leases it. Upstream's
@@ -120,7 +128,9 @@ eager fallbacks always run the real, unpadded batch.
 Deviation from upstream: keys are `GraphKey`s, not `(S, layout)` tuples; a direct
 `_get_graph_key(x, cuda_cu_seqlens, ...)` call without a key raises instead of syncing;
 `attention_layout_key` must be `(full cu_seqlens ints, window cu_seqlens ints or None)`; `create_graph` stores device copies of
-cu_seqlens owned by the graph (upstream keeps the caller's tensors by reference).
+cu_seqlens owned by the graph (upstream keeps the caller's tensors by reference); captures run
+outside `ca_comm.capture()` and warm up without TP communication (upstream warms up with real
+all-reduces and registers every graph's buffers with the custom all-reduce).
 
 Retire when: upstream bounds the ViT graph count with eviction, frees retired rotary
 workspaces, returns owned outputs and never syncs on the key path (all still open in
@@ -129,6 +139,7 @@ workspaces, returns owned outputs and never syncs on the key path (all still ope
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -137,6 +148,7 @@ import torch
 
 from sglang_ext import knobs as ext_knobs
 from sglang_ext.graphs import stats as ext_graph_stats
+from sglang_ext.graphs.agreement import agreed_capture, cpu_group_vote, local_vote
 from sglang_ext.graphs.buckets import geometric_buckets, select_bucket
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
@@ -461,63 +473,147 @@ def _ext_graph_pool(self):
     return pool
 
 
-def _ext_capture_agreed(self, ok):
-    """All TP ranks keep a graph only if every rank captured it (DP encoders capture rank-locally)."""
+def _ext_tower_group(self):
+    """The group the tower's TP collectives run on.
+
+    0.5.17's vision linears reduce over the attention-TP group under DP attention
+    (`use_dp_attention_reduce=is_dp_attention_enabled()`, qwen3_vl.py), where each
+    attention-TP group encodes its own images; over the TP group otherwise.
+    """
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+    try:
+        dp_attention = is_dp_attention_enabled()
+    except Exception:  # noqa: BLE001 - no runtime flags published (unit tests, offline use): plain TP
+        dp_attention = False
+    if dp_attention:
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+        return get_attn_tp_group()
+    return get_tp_group()
+
+
+def _ext_vote(self):
+    """How the ranks encoding this batch agree on a capture: a MIN vote over their CPU group (gloo).
+
+    DP encoders capture rank-locally, and a world of one has nobody to agree with.
+    """
     if getattr(self.vit, "use_data_parallel", False):
-        return ok
-    group = get_tp_group()
+        return local_vote
+    group = self._ext_tower_group()
     if getattr(group, "world_size", 1) <= 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
-    return bool(flag.item())
+        return local_vote
+    return cpu_group_vote(group.cpu_group)
+
+
+class _ExtVitLocalCollectives:
+    """The TP group's all-reduce / all-gather as local stand-ins (same shapes, no communication).
+
+    For the warm-up only: its output is thrown away, it exists to run lazy initialisation
+    (cuBLAS handles, kernel compilation) outside the capture. Without communication, a
+    rank whose warm-up fails leaves no peer inside a device collective, so the warm-up
+    belongs to the rank-local stage before the first vote. These are the collectives
+    sglang 0.5.17's vision towers call (linear layers: all_reduce; vision attention's
+    qk-norm: all_gather); the communicators themselves were initialised at start-up.
+    """
+
+    _MISSING = object()
+
+    def __init__(self, group):
+        self.group = group
+        self.saved = {}
+
+    def __enter__(self):
+        world = self.group.world_size
+
+        def all_gather(input_, dim=-1, output_tensor_list=None):
+            if output_tensor_list is not None:
+                for out in output_tensor_list:
+                    out.copy_(input_)
+                return None
+            return torch.cat([input_] * world, dim=dim)
+
+        for name, stand_in in (("all_reduce", lambda input_: input_), ("all_gather", all_gather)):
+            self.saved[name] = self.group.__dict__.get(name, self._MISSING)
+            setattr(self.group, name, stand_in)
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            if value is self._MISSING:
+                delattr(self.group, name)
+            else:
+                setattr(self.group, name, value)
+        return False
+
+
+def _ext_warm_up_context(self):
+    """Local stand-ins on the tower's group (and the TP group) for `with`; installed when called."""
+    if self._ext_vote() is local_vote:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    groups = []
+    for group in (self._ext_tower_group(), get_tp_group()):
+        if all(group is not seen for seen in groups):
+            groups.append(group)
+            stack.enter_context(_ExtVitLocalCollectives(group))
+    return stack
+
+
+def _ext_vit_rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+    if position_embeddings is not None:
+        return {"position_embeddings": position_embeddings}
+    if rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
+        return {"rotary_pos_emb_cos": rotary_pos_emb_cos, "rotary_pos_emb_sin": rotary_pos_emb_sin}
+    return {}
+
+
+def _ext_seqlens_arg(self, graph_key, layer_num):
+    """The graph-form `cu_seqlens` argument of block `layer_num`, from the graph's own buffers."""
+    full = not self._fullatt_block_indexes or layer_num in self._fullatt_block_indexes
+    max_full_len, max_window_len = self._ext_max_lens[graph_key]
+    if full:
+        cu, kk, max_len = self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key], max_full_len
+    else:
+        cu, kk, max_len = self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key], max_window_len
+    return [cu, kk, max_len] if self._attn_backend == "triton_attn" else [cu, max_len]
 
 
 def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None):
+    """Capture the tower for `graph_key` from its prepared buffers (warm-up: `create_graph`'s prepare stage).
+
+    Not inside `_capture_context()` (the TP custom all-reduce's `ca_comm.capture()`), unlike
+    0.5.17. In sglang 0.5.17 (srt/distributed/device_communicators/custom_all_reduce.py) that
+    context makes every custom all-reduce recorded in the graph use the graph's own input
+    buffers (`registered=True`) and, on exit, `register_graph_buffers()` appends their IPC
+    addresses to a table in the fixed `rank_data` buffer (8 MiB, ~131k entries) that is never
+    freed: evicted graphs keep their entries, so LRU churn fills it (~64 entries per capture
+    of a 32-block tower, full after ~2,000 captures) and every later capture fails. Outside
+    that context `_IS_CAPTURING` is False and `custom_all_reduce` takes
+    `_all_reduce_impl(registered=False)`: the kernel first copies its input into the
+    staging buffer `buffer_ptrs`, registered once at start-up, so a capture registers
+    nothing. That path is capture-safe: it is the one sglang itself captures when
+    SGLANG_MEMORY_SAVER_CUDA_GRAPH is set (`registered=not self.tms_cudagraph`), the
+    copy is an ordinary stream operation, the staging buffer's address is fixed for the
+    communicator's life and eager calls reuse it in stream order exactly as replays do.
+    Cost: one device copy of at most 8 MiB per all-reduce. Inputs above the custom
+    all-reduce's size limit fall back to NCCL with or without the context. It also drops
+    the context's exit-time CPU collective (`register_graph_buffers` broadcasts over
+    the group), which a rank that failed before entering it would never join.
+    """
     graph = torch.cuda.CUDAGraph()
     vit = self.vit
-    max_full_len, max_window_len = self._ext_max_lens[graph_key]
-    cu_full = self.cu_full_len[graph_key]
-    cu_full_kk = self.cu_full_len_kk[graph_key]
-    if self._fullatt_block_indexes:
-        cu_window = self.cu_window_len[graph_key]
-        cu_window_kk = self.cu_window_len_kk[graph_key]
-    backend = self._attn_backend
-    if backend not in ("triton_attn", "fa3"):
-        raise RuntimeError(f"ViT CUDA graph does not support attention backend: {backend}")
-
-    def seqlens_arg(full):
-        if full:
-            cu, kk, max_len = cu_full, cu_full_kk, max_full_len
-        else:
-            cu, kk, max_len = cu_window, cu_window_kk, max_window_len
-        return [cu, kk, max_len] if backend == "triton_attn" else [cu, max_len]
-
-    rotary_kwargs = {}
-    if position_embeddings is not None:
-        rotary_kwargs["position_embeddings"] = position_embeddings
-    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        rotary_kwargs["rotary_pos_emb_cos"] = rotary_pos_emb_cos
-        rotary_kwargs["rotary_pos_emb_sin"] = rotary_pos_emb_sin
-
-    def block_is_full(layer_num):
-        return not self._fullatt_block_indexes or layer_num in self._fullatt_block_indexes
-
-    with torch.no_grad():
-        vit.blocks[0](self.block_input[graph_key], cu_seqlens=seqlens_arg(block_is_full(0)),
-                      output_ws=self.block_ws[graph_key], **rotary_kwargs)
-    torch.cuda.synchronize()
-
+    rotary_kwargs = _ext_vit_rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
     self.block_graphs[graph_key] = graph  # registered before capture: a failed capture is reset too
     pool = self._ext_graph_pool()
     # guarded_capture: no GC inside the capture (a collected graph's reset() would invalidate it),
     # a failed capture leaves the pool and the CUDA generator usable; one capture stream per
     # device, so blocks of evicted graphs are reused by the next capture.
-    with self._capture_context(), guarded_capture(graph, pool=pool, stream=capture_stream()):
+    with guarded_capture(graph, pool=pool, stream=capture_stream()):
         y = self.block_input[graph_key]
         deepstack_outs = []
         for layer_num, blk in enumerate(vit.blocks):
-            y = blk(y, cu_seqlens=seqlens_arg(block_is_full(layer_num)),
+            y = blk(y, cu_seqlens=self._ext_seqlens_arg(graph_key, layer_num),
                     output_ws=self.block_ws[graph_key], **rotary_kwargs)
             if self._deepstack_visual_indexes and layer_num in self._deepstack_visual_indexes:
                 if self._deepstack_merger_list is None:
@@ -527,71 +623,93 @@ def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=
         self.block_output[graph_key] = torch.cat([main_out] + deepstack_outs, dim=1) if deepstack_outs else main_out
 
 
+def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_seqlens, rotary):
+    """Rank-local stage of a capture: backend check, buffers, rotary slices, warm-up. Returns rotary kwargs."""
+    backend = self._attn_backend
+    if backend not in ("triton_attn", "fa3"):  # before anything is allocated
+        raise RuntimeError(f"ViT CUDA graph does not support attention backend: {backend}")
+    full_layout, window_layout = layout_key.layout
+    seq_len = graph_key.num_tokens
+    device = self.device
+    attn = self.vit.blocks[0].attn
+    self.block_input[graph_key] = torch.empty_like(x_3d, device=device).contiguous()
+    self.block_ws[graph_key] = torch.empty(
+        seq_len, attn.num_attention_heads_per_partition, attn.head_size, device=device, dtype=self.dtype)
+    # Graph-owned boundary buffers: the graph reads these addresses at every replay.
+    if graph_key.variant:  # class mode: room for the class's sequence count, refreshed per replay
+        _, full_count, full_max, window_count, window_max = graph_key.variant
+        self.cu_full_len[graph_key] = torch.empty(full_count + 1, dtype=torch.int32, device=device)
+        self.cu_full_len_kk[graph_key] = torch.empty(full_count, dtype=torch.int32, device=device)
+        if self._fullatt_block_indexes:
+            self.cu_window_len[graph_key] = torch.empty(window_count + 1, dtype=torch.int32, device=device)
+            self.cu_window_len_kk[graph_key] = torch.empty(window_count, dtype=torch.int32, device=device)
+        self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),
+                               None if cu_window_seqlens is None
+                               else cu_window_seqlens.to(device=device, dtype=torch.int32))
+        self._ext_max_lens[graph_key] = (full_max, window_max)
+    else:
+        cu_full = cu_seqlens.to(device=device, dtype=torch.int32).clone()
+        self.cu_full_len[graph_key] = cu_full
+        self.cu_full_len_kk[graph_key] = cu_full[1:] - cu_full[:-1]
+        if self._fullatt_block_indexes:
+            cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32).clone()
+            self.cu_window_len[graph_key] = cu_window
+            self.cu_window_len_kk[graph_key] = cu_window[1:] - cu_window[:-1]
+        self._ext_max_lens[graph_key] = (_ext_vit_max_len(full_layout), _ext_vit_max_len(window_layout))
+    self.block_input[graph_key].copy_(x_3d)
+    position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin = rotary
+    rotary_kwargs = {}
+    if position_embeddings is not None:
+        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1])
+        cos_ws.copy_(position_embeddings[0])
+        sin_ws.copy_(position_embeddings[1])
+        rotary_kwargs["position_embeddings"] = (cos_ws, sin_ws)
+    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
+        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1])
+        cos_ws.copy_(rotary_pos_emb_cos)
+        sin_ws.copy_(rotary_pos_emb_sin)
+        rotary_kwargs["rotary_pos_emb_cos"], rotary_kwargs["rotary_pos_emb_sin"] = cos_ws, sin_ws
+    # Warm-up of block 0 (lazy initialisation outside the capture), with local stand-ins for
+    # the TP collectives; the sync surfaces this rank's asynchronous errors before the vote.
+    with torch.no_grad(), self._ext_warm_up_context():
+        self.vit.blocks[0](self.block_input[graph_key], cu_seqlens=self._ext_seqlens_arg(graph_key, 0),
+                           output_ws=self.block_ws[graph_key], **rotary_kwargs)
+    torch.cuda.synchronize()
+    return rotary_kwargs
+
+
 def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
                  rotary_pos_emb_sin=None, attention_layout_key=None):
-    """Capture one graph for this batch's key (no admission check: `run` decides). Returns the key."""
+    """Capture one graph for this batch's key, agreed by all TP ranks (no admission check: `run` decides).
+
+    Stages (graphs.agreement): prepare (rank-local) -> vote -> capture and its bookkeeping
+    -> vote; two CPU-group votes whatever fails where. A failure on any rank quarantines the
+    key on every rank (with the agreed transient/permanent class) and raises here.
+    Returns the key.
+    """
     self._ext_ensure_state()
     layout_key = self._get_graph_key(x_3d, cu_seqlens, cu_window_seqlens, attention_layout_key)
     graph_key = self._ext_graph_key_for(layout_key)
     if graph_key in self.block_graphs:
         return graph_key
-    full_layout, window_layout = layout_key.layout
-    seq_len = graph_key.num_tokens
-    device = self.device
-    attn = self.vit.blocks[0].attn
-    try:
-        self.block_input[graph_key] = torch.empty_like(x_3d, device=device).contiguous()
-        self.block_ws[graph_key] = torch.empty(
-            seq_len, attn.num_attention_heads_per_partition, attn.head_size, device=device, dtype=self.dtype)
-        # Graph-owned boundary buffers: the graph reads these addresses at every replay.
-        if graph_key.variant:  # class mode: room for the class's sequence count, refreshed per replay
-            _, full_count, full_max, window_count, window_max = graph_key.variant
-            self.cu_full_len[graph_key] = torch.empty(full_count + 1, dtype=torch.int32, device=device)
-            self.cu_full_len_kk[graph_key] = torch.empty(full_count, dtype=torch.int32, device=device)
-            if self._fullatt_block_indexes:
-                self.cu_window_len[graph_key] = torch.empty(window_count + 1, dtype=torch.int32, device=device)
-                self.cu_window_len_kk[graph_key] = torch.empty(window_count, dtype=torch.int32, device=device)
-            self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),
-                                   None if cu_window_seqlens is None
-                                   else cu_window_seqlens.to(device=device, dtype=torch.int32))
-            self._ext_max_lens[graph_key] = (full_max, window_max)
-        else:
-            cu_full = cu_seqlens.to(device=device, dtype=torch.int32).clone()
-            self.cu_full_len[graph_key] = cu_full
-            self.cu_full_len_kk[graph_key] = cu_full[1:] - cu_full[:-1]
-            if self._fullatt_block_indexes:
-                cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32).clone()
-                self.cu_window_len[graph_key] = cu_window
-                self.cu_window_len_kk[graph_key] = cu_window[1:] - cu_window[:-1]
-            self._ext_max_lens[graph_key] = (_ext_vit_max_len(full_layout), _ext_vit_max_len(window_layout))
-        self.block_input[graph_key].copy_(x_3d)
-        if position_embeddings is not None:
-            cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1])
-            cos_ws.copy_(position_embeddings[0])
-            sin_ws.copy_(position_embeddings[1])
-            self._create_graph(graph_key, position_embeddings=(cos_ws, sin_ws))
-        elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-            cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1])
-            cos_ws.copy_(rotary_pos_emb_cos)
-            sin_ws.copy_(rotary_pos_emb_sin)
-            self._create_graph(graph_key, rotary_pos_emb_cos=cos_ws, rotary_pos_emb_sin=sin_ws)
-        else:
-            self._create_graph(graph_key)
-        captured = True
-    except Exception:
-        captured = False
-        if not self._ext_capture_agreed(False):
-            self._ext_drop_graph_state(graph_key)
-            raise
-    if not self._ext_capture_agreed(captured):
-        self._ext_drop_graph_state(graph_key)
-        raise RuntimeError(f"ViT CUDA graph capture for {graph_key} failed on another TP rank")
-    tensors = self._ext_graph_tensors(graph_key)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    self._ext_address_guard.record(graph_key, tensors)
-    self._ext_graph_bytes[graph_key] = nbytes
+    prepared = {}
+
+    def prepare():
+        prepared.update(self._ext_prepare_graph(graph_key, layout_key, x_3d, cu_seqlens, cu_window_seqlens,
+                                                (position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)))
+
+    def capture():
+        self._create_graph(graph_key, **prepared)
+        tensors = self._ext_graph_tensors(graph_key)
+        self._ext_address_guard.record(graph_key, tensors)
+        self._ext_graph_bytes[graph_key] = sum(t.numel() * t.element_size() for t in tensors)
+
+    outcome = agreed_capture(self._ext_vote(), prepare, capture, lambda: self._ext_drop_graph_state(graph_key))
+    if not outcome.ok:
+        self._ext_cache.fail(graph_key, outcome.error, transient=outcome.transient)
+        raise outcome.error
     # False (exact policy, over budget): the cache has already released the entry.
-    self._ext_cache.put(graph_key, (graph_key, self.block_graphs[graph_key]), nbytes=nbytes)
+    self._ext_cache.put(graph_key, (graph_key, self.block_graphs[graph_key]), nbytes=self._ext_graph_bytes[graph_key])
     return graph_key
 
 
@@ -658,12 +776,7 @@ def _ext_run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, position_embedding
         if self._fullatt_block_indexes:
             cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32)
 
-    rotary_kwargs = {}
-    if position_embeddings is not None:
-        rotary_kwargs["position_embeddings"] = position_embeddings
-    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        rotary_kwargs["rotary_pos_emb_cos"] = rotary_pos_emb_cos
-        rotary_kwargs["rotary_pos_emb_sin"] = rotary_pos_emb_sin
+    rotary_kwargs = _ext_vit_rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
 
     y = x_3d
     deepstack_outs = []
@@ -704,6 +817,11 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
     if not isinstance(graph_key, GraphKey):
         max_full_len = max_window_len = num_tokens  # upper bound: exact for the triton kernel, no sync
         reason = "no_cpu_layout"
+        if not self._ext_fallbacks["no_cpu_layout"]:  # once per runner: it is the caller's choice, not a fault
+            _ext_vit_logger.warning("ViT CUDA graphs: cu_seqlens on %s without attention_layout_key; this runner "
+                                    "runs such batches eager (building a key would sync the device). Pass "
+                                    "attention_layout_key=(full cu_seqlens ints, window cu_seqlens ints or None) "
+                                    "to use graphs", getattr(cu_seqlens, "device", "a device"))
     else:
         max_full_len = _ext_vit_max_len(graph_key.layout[0])
         max_window_len = _ext_vit_max_len(graph_key.layout[1])
@@ -724,9 +842,12 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
                                       rotary_pos_emb_cos, rotary_pos_emb_sin,
                                       attention_layout_key=layout_key.layout)
                 except Exception as exc:  # noqa: BLE001 - the batch still gets a correct result
-                    self._ext_cache.fail(graph_key, exc)
-                    _ext_vit_logger.warning("ViT CUDA graph capture failed for %d tokens; running eager from now "
-                                            "on for this layout: %s: %s", num_tokens, type(exc).__name__, exc)
+                    # create_graph quarantined the key on every rank (transient failures are retried).
+                    retry = self._ext_cache.retry_in(graph_key)
+                    _ext_vit_logger.warning("ViT CUDA graph capture failed for %d tokens; running eager %s: %s: %s",
+                                            num_tokens, "from now on for this layout" if retry is None else
+                                            f"for this layout's next {retry} misses, then retrying",
+                                            type(exc).__name__, exc)
                     reason = "capture_failed"
                 else:
                     if graph_key not in self._ext_cache:  # exact policy: the capture did not fit the budget
@@ -826,7 +947,8 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 _RUNNER_METHODS = (
     _ext_ensure_state, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
     _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_pad_to_bucket, _ext_write_layout, _get_sin_cos_ws,
-    _ext_graph_pool, _ext_capture_agreed, _create_graph, create_graph, replay, _ext_graph_tensors,
+    _ext_graph_pool, _ext_tower_group, _ext_vote, _ext_warm_up_context, _ext_seqlens_arg, _create_graph,
+    _ext_prepare_graph, create_graph, replay, _ext_graph_tensors,
     _ext_expected_bytes, _ext_run_eager, run,
 )
 

@@ -7,8 +7,9 @@ requests decide (and capture) in lockstep.
 """
 
 from sglang_ext.graphs import stats
+from sglang_ext.graphs.agreement import Outcome, agreed_capture, cpu_group_vote, local_vote
 from sglang_ext.graphs.buckets import BucketDecision, select_bucket, validate_buckets
-from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, release_entry
+from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, is_transient_failure, release_entry
 from sglang_ext.graphs.capture import (
     capture_graph,
     capture_measured,
@@ -38,17 +39,22 @@ __all__ = [
     "DeviceSyncError",
     "GraphInputMovedError",
     "GraphKey",
+    "Outcome",
     "StableWorkspacePool",
     "WorkspaceLease",
+    "agreed_capture",
     "capture_graph",
     "capture_measured",
     "capture_stream",
+    "cpu_group_vote",
     "cpu_ints",
     "cumulative_lengths",
     "dedup_consecutive",
     "grid_thw_lengths",
     "guarded_capture",
+    "is_transient_failure",
     "largest_first",
+    "local_vote",
     "pin_graph_pool",
     "pool_reserved_bytes",
     "release_entry",

@@ -8,7 +8,7 @@ Protocol for a runner (one cache per runner, single-threaded like sglang's runne
             try:
                 entry = capture(...)
             except Exception as exc:
-                cache.fail(key, exc)                         # quarantined: eager from now on
+                cache.fail(key, exc)                         # quarantined (transient: retried later)
             else:
                 cache.put(key, entry, nbytes=...)
     run entry if there is one, else run eager
@@ -19,6 +19,13 @@ sequence of calls (keys, and the byte sizes passed in), never on free memory or
 time, so tensor-parallel ranks fed the same requests capture in lockstep. Byte
 sizes must therefore be equal on all ranks for the byte budget to stay in
 lockstep too (identical captures on identical devices measure the same).
+
+Failures: a transient one (out of memory: `is_transient_failure`) quarantines
+the key for 2, 4, 8, ... of its next misses (doubling per consecutive transient
+failure, at most `MAX_RETRY_BACKOFF` misses), then it is tried again; a
+permanent one (unsupported backend, shape errors, anything else) stays
+quarantined until `clear()`. The retry schedule counts misses of that key, not
+time, so ranks that agreed on a failure retry it at the same call.
 """
 
 from __future__ import annotations
@@ -38,6 +45,28 @@ POLICIES = ("lru", "exact")
 # Bounded bookkeeping for keys that are NOT resident (warming counts, quarantine):
 # a stream of distinct keys must not grow memory without bound.
 MAX_TRACKED_KEYS = 4096
+# Longest wait (in misses of the key) before a transiently failed key is captured again.
+MAX_RETRY_BACKOFF = 1024
+
+
+def is_transient_failure(exc: Optional[BaseException]) -> bool:
+    """Whether a failed capture may succeed later: running out of (device or host) memory.
+
+    `torch.cuda.OutOfMemoryError` is a RuntimeError subclass whose message says
+    "out of memory", as do the CUDA runtime's own errors (cudaErrorMemoryAllocation);
+    matched by message so this module needs no torch. Anything else is permanent.
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+@dataclass
+class _Quarantined:
+    reason: str
+    transient: bool
+    failures: int = 1  # consecutive failures (sets the backoff)
+    wait: int = 0  # misses left before a transient key is tried again
 
 
 def release_entry(entry: Any) -> None:
@@ -83,7 +112,7 @@ class Admission(enum.Enum):
     CAPTURE = "capture"
     EAGER_CAPACITY = "eager_capacity"  # full and the policy keeps what it has (exact), or too big for the budget
     EAGER_WARMING = "eager_warming"  # anti-thrash: not seen min_hits times yet
-    EAGER_QUARANTINED = "eager_quarantined"  # its capture failed before
+    EAGER_QUARANTINED = "eager_quarantined"  # its capture failed before (transient: until its backoff ends)
     EAGER_DISABLED = "eager_disabled"  # capacity 0
 
     @property
@@ -132,9 +161,9 @@ class BoundedGraphCache(Generic[K, E]):
         self._entries: "OrderedDict[K, E]" = OrderedDict()
         self._nbytes: Dict[K, int] = {}
         self._sightings: "OrderedDict[K, int]" = OrderedDict()
-        # Failed keys -> short reason. A string, not the exception: a traceback
-        # would keep the failed capture's frames (and their tensors) alive.
-        self._quarantine: "OrderedDict[K, str]" = OrderedDict()
+        # Failed keys -> short reason (a string, not the exception: a traceback
+        # would keep the failed capture's frames and their tensors alive) and retry state.
+        self._quarantine: "OrderedDict[K, _Quarantined]" = OrderedDict()
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -175,7 +204,13 @@ class BoundedGraphCache(Generic[K, E]):
         return key in self._quarantine
 
     def quarantine_reason(self, key: K) -> Optional[str]:
-        return self._quarantine.get(key)
+        entry = self._quarantine.get(key)
+        return None if entry is None else entry.reason
+
+    def retry_in(self, key: K) -> Optional[int]:
+        """Misses of `key` left before it is tried again; None if not quarantined or permanent."""
+        entry = self._quarantine.get(key)
+        return entry.wait if entry is not None and entry.transient else None
 
     # ---------------------------------------------------------------- admission
 
@@ -194,9 +229,13 @@ class BoundedGraphCache(Generic[K, E]):
         expected_bytes = _check_int("expected_bytes", expected_bytes, 0)
         if self.capacity == 0:
             return Admission.EAGER_DISABLED
-        if key in self._quarantine:
+        quarantined = self._quarantine.get(key)
+        if quarantined is not None:
             self._quarantine.move_to_end(key)
-            return Admission.EAGER_QUARANTINED
+            if not quarantined.transient or quarantined.wait > 0:
+                quarantined.wait -= 1
+                return Admission.EAGER_QUARANTINED
+            # Backoff over: try again (a success forgets the failures, another failure doubles the wait).
         if key in self._entries:
             return Admission.CAPTURE  # a re-capture; put() replaces (and releases) the old entry
         if self.policy == "exact" and self._over_budget(1, expected_bytes):
@@ -218,9 +257,11 @@ class BoundedGraphCache(Generic[K, E]):
     def put(self, key: K, entry: E, *, nbytes: int = 0) -> bool:
         """Store a freshly captured entry; returns False (and releases it) if it may not stay."""
         nbytes = _check_int("nbytes", nbytes, 0)
-        if self.capacity == 0 or key in self._quarantine:
+        quarantined = self._quarantine.get(key)
+        if self.capacity == 0 or (quarantined is not None and (not quarantined.transient or quarantined.wait > 0)):
             self._release(entry)
             return False
+        self._quarantine.pop(key, None)
         old = self._entries.pop(key, None)
         self._nbytes.pop(key, None)
         if old is not None:
@@ -237,11 +278,22 @@ class BoundedGraphCache(Generic[K, E]):
             self._evict_oldest()
         return True
 
-    def fail(self, key: K, exc: Optional[BaseException] = None) -> None:
-        """Quarantine `key` after a failed capture: it runs eager from now on."""
+    def fail(self, key: K, exc: Optional[BaseException] = None, *, transient: Optional[bool] = None) -> None:
+        """Quarantine `key` after a failed capture.
+
+        Transient (default: `is_transient_failure(exc)`; pass `transient=` when the
+        class was agreed across ranks): eager for the next 2**n misses of the key,
+        n = consecutive failures, at most MAX_RETRY_BACKOFF, then retried.
+        Permanent: eager until `clear()`.
+        """
         self.failures += 1
-        self._quarantine.pop(key, None)
-        self._quarantine[key] = "" if exc is None else f"{type(exc).__name__}: {exc}"[:200]
+        if transient is None:
+            transient = is_transient_failure(exc)
+        previous = self._quarantine.pop(key, None)
+        failures = previous.failures + 1 if previous is not None and previous.transient else 1
+        reason = "" if exc is None else f"{type(exc).__name__}: {exc}"[:200]
+        self._quarantine[key] = _Quarantined(reason, bool(transient), failures,
+                                             min(2 ** failures, MAX_RETRY_BACKOFF) if transient else 0)
         _trim(self._quarantine)
         self._sightings.pop(key, None)
         self.discard(key)

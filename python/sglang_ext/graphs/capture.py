@@ -36,6 +36,13 @@ adapters):
   `cudaStreamBeginCapture`) and calls the graph's `capture_end` again: now it
   runs its whole clean-up, and `reset()` returns the pool use the capture took.
   See `_undo_failed_capture` for the fallback.
+- The undo leans on torch internals (`CUDAGraph.capture_end` called a second time,
+  `torch._C._cuda_endAllocateToPool` / `_cuda_releasePool`) and on the CUDA runtime
+  found through `/proc/self/maps`. It runs only on the torch releases it was tested
+  on (`REPAIR_TESTED_TORCH`: 2.11 on the H200, 2.14 in CPU CI) and only with the
+  internals it needs present; otherwise nothing is repaired (one warning): the error
+  still propagates, so the caller's cache quarantines the key, and later captures
+  into that pool may fail the same way and run eager. Never a guess at internals.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ from sglang_ext.graphs.keys import _is_int
 T = TypeVar("T")
 
 _logger = logging.getLogger("sglang_ext.graphs.capture")
+
+# Torch releases (major, minor) whose capture internals the undo was tested on, inclusive.
+REPAIR_TESTED_TORCH = ((2, 11), (2, 14))
 
 _pools: Dict[int, Any] = {}
 _capture_streams: Dict[int, Any] = {}
@@ -219,11 +229,20 @@ def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
     """
     import torch
 
-    if _end_capture_in_place(graph, stream):
+    missing = repair_unavailable()
+    if missing is None and callable(getattr(graph, "capture_end", None)) and _end_capture_in_place(graph, stream):
         try:
             graph.reset()
         except Exception as exc:  # noqa: BLE001
             _logger.debug("reset of the failed graph raised: %s", exc)
+        return
+    if missing is None:
+        missing = _missing(torch._C, ("_cuda_endAllocateToPool", "_cuda_releasePool"), "torch._C.")
+    if missing is not None:
+        if not _warned_no_repair:
+            _warned_no_repair.append(True)
+            _logger.warning("a failed CUDA graph capture is not repaired (%s): its key runs eager, and later "
+                            "captures into the same pool may fail and run eager too", missing)
         return
     index = torch.cuda.current_device()
     try:
@@ -248,6 +267,39 @@ def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
         _logger.warning("CUDA graph state could not be restored after a failed capture: %s", exc)
     finally:
         repair.reset()
+
+
+_warned_no_repair: list = []
+
+
+def _missing(owner: Any, names: Iterable[str], prefix: str) -> Optional[str]:
+    absent = [prefix + n for n in names if not callable(getattr(owner, n, None))]
+    return f"missing torch internals: {', '.join(absent)}" if absent else None
+
+
+def _torch_release(version: str) -> Tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def repair_unavailable() -> Optional[str]:
+    """Why no failed capture is repaired with this torch (None: a tested release).
+
+    Each undo also checks the internals it calls: the preferred one `graph.capture_end`
+    (and the runtime's begin-capture), the fallback `torch._C._cuda_endAllocateToPool` /
+    `_cuda_releasePool`.
+    """
+    import torch
+
+    release = _torch_release(torch.__version__)
+    low, high = REPAIR_TESTED_TORCH
+    if not low <= release <= high:
+        return (f"torch {torch.__version__} is outside the releases the repair was tested on "
+                f"({low[0]}.{low[1]} to {high[0]}.{high[1]})")
+    return None
 
 
 _CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
@@ -286,7 +338,7 @@ def _runtime_begin_capture() -> Optional[Callable[[int, int], int]]:
     import ctypes
 
     fn = None
-    try:
+    try:  # Linux only; elsewhere the fallback undo (or none) is used
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
         for path in sorted(paths):

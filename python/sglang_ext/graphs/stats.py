@@ -82,10 +82,13 @@ def snapshot() -> Dict[str, Dict[str, Any]]:
 def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
     """Debug-log a one-line summary per cache, at most once per `interval_s`; returns whether it logged.
 
-    Time only gates logging here, never a graph decision.
+    `interval_s == 0` means never (the knob's documented meaning). Time only gates
+    logging here, never a graph decision.
     """
     if interval_s < 0:
-        raise ValueError(f"interval_s: {interval_s!r} is not allowed; allowed: numbers >= 0")
+        raise ValueError(f"interval_s: {interval_s!r} is not allowed; allowed: numbers >= 0 (0 = never)")
+    if interval_s == 0:
+        return False
     now = time.monotonic()
     if not logger.isEnabledFor(logging.DEBUG) or now - _last_log[0] < interval_s:
         return False

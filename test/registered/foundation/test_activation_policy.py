@@ -278,6 +278,42 @@ def test_valid_disable_list_on_real_registry(monkeypatch):
     assert {k: str(v) for k, v in got.items()} == {n: "disabled" for n in PATCH_NAMES}
 
 
+_BUCKETS_WITHOUT_CONFIG = {"SGLANG_EXT": "1", "SGLANG_EXT_DISABLE": "pi05_config",
+                           "SGLANG_EXT_PI05_PROMPT_TOKEN_BUCKETS": "32,64"}
+
+
+def test_a_patch_whose_requirement_is_off_is_left_off_with_a_warning(monkeypatch, caplog):
+    """pi05_graphs' prompt buckets need pi05_config's module: never 'applied' and then ImportError per request."""
+    armed = []
+    monkeypatch.setattr(activation, "_arm", lambda spec, settings: armed.append(spec.name))
+    with caplog.at_level(logging.WARNING, logger="sglang_ext"):
+        got = activation.activate(environ={**_BUCKETS_WITHOUT_CONFIG, "SGLANG_EXT_STRICT": "0"})
+    assert got["pi05_config"].state == "disabled"
+    assert got["pi05_graphs"].state == "skipped" and "pi05_graphs" not in armed
+    assert got["pi05_graphs"].detail == (
+        "requires patch pi05_config while SGLANG_EXT_PI05_PROMPT_TOKEN_BUCKETS is set, which is disabled; "
+        "allowed: enable pi05_config, or list pi05_graphs in SGLANG_EXT_DISABLE too, or unset "
+        "SGLANG_EXT_PI05_PROMPT_TOKEN_BUCKETS")
+    assert "vit_cuda_graph" in armed  # unrelated patches go ahead
+    [warning] = [r.getMessage() for r in caplog.records if "pi05_graphs" in r.getMessage()]
+    assert "\n" not in warning and "requires patch pi05_config" in warning
+
+
+def test_a_patch_whose_requirement_is_off_stops_start_up_in_strict_mode(monkeypatch):
+    monkeypatch.setattr(activation, "_arm", lambda spec, settings: None)
+    with pytest.raises(SglangExtActivationError) as err:
+        activation.activate(environ={**_BUCKETS_WITHOUT_CONFIG, "SGLANG_EXT_STRICT": "1"})
+    text = str(err.value)
+    assert "\n" not in text and "patch pi05_graphs skipped: requires patch pi05_config" in text
+
+
+def test_a_conditional_requirement_without_its_knob_does_not_apply(monkeypatch):
+    monkeypatch.setattr(activation, "_arm", lambda spec, settings: None)
+    got = activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_DISABLE": "pi05_config",
+                                       "SGLANG_EXT_STRICT": "1"})
+    assert got["pi05_graphs"].state == "armed"  # without prompt buckets it never imports prompt_bucketing
+
+
 def test_unknown_environment_variable_is_an_error():
     with pytest.raises(SglangExtActivationError) as err:
         activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS": "4"})

@@ -37,7 +37,21 @@ if os.environ.get("PROBE_IMPORT_TARGET") == "1":
     import sglang.srt.layers.cp.bcg as bcg
     ext_attrs = sorted(n for n, v in vars(bcg.PrefillCPBCGInput).items() if hasattr(v, "__sglang_ext_source__")
                        or hasattr(getattr(v, "__func__", None), "__sglang_ext_source__"))
+vla = None
+if os.environ.get("PROBE_IMPORT_VLA") == "1":
+    policy = "sglang.multimodal_gen.runtime.models.vlas.pi05_policy"
+    vla = {"policy_loaded_before": policy in sys.modules}
+    try:
+        import sglang.multimodal_gen.runtime.vla.cuda_graph as cg
+    except ImportError as exc:
+        vla["error"] = repr(exc)
+    else:
+        vla["runners"] = [n for n in ("VLAPrefixGraphRunner", "VLADenoiseGraphRunner") if hasattr(cg, n)]
+        legacy = sys.modules.get("sglang.multimodal_gen.runtime.vla.denoise_cuda_graph")
+        vla["legacy_is_alias"] = legacy is cg
+    vla["pi05_graphs"] = str(activation.statuses()["pi05_graphs"])
 print("PROBE " + json.dumps({
+    "vla": vla,
     "after_load_plugins": before,
     "after_import": {k: str(v) for k, v in activation.statuses().items()},
     "pending": patching.pending_triggers(),
@@ -52,6 +66,7 @@ SCENARIOS = {
     "unsupported_strict": {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.23"},
     "unsupported_default": {"SGLANG_EXT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.23"},
     "bad_value_default": {"SGLANG_EXT": "1", "SGLANG_EXT_VIT_GRAPH_POLICY": "fifo"},
+    "upstream_vla_name": {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "PROBE_IMPORT_VLA": "1"},
 }
 
 
@@ -119,3 +134,14 @@ def test_bad_knob_value_aborts_even_without_strict(runs):
     assert rc != 0 and probe is None
     assert "SglangExtActivationError" in stderr
     assert "--ext-vit-graph-policy / SGLANG_EXT_VIT_GRAPH_POLICY: 'fifo' is not allowed; allowed: lru, exact" in stderr
+
+
+def test_upstream_vla_cuda_graph_name_imports_right_after_load_plugins(runs):
+    """`vla.cuda_graph` (0.5.18+'s module) resolves before any Pi0.5 model module was imported."""
+    rc, probe, stderr = runs["upstream_vla_name"]
+    assert rc == 0, stderr
+    vla = probe["vla"]
+    assert vla["policy_loaded_before"] is False
+    assert "error" not in vla, vla
+    assert vla["runners"] == ["VLAPrefixGraphRunner", "VLADenoiseGraphRunner"]
+    assert vla["legacy_is_alias"] is True  # 0.5.17's vla.denoise_cuda_graph name is the same module

@@ -486,6 +486,50 @@ def test_failed_capture_quarantines_key_and_cache_keeps_working():
     )
 
 
+def _fail_with(cache, key, exc, events, graphs):
+    assert cache.admit(key).capture
+    cache.fail(key, exc)
+
+
+def test_transient_failure_is_retried_after_a_doubling_backoff(monkeypatch):
+    """Out of memory: eager for 2, 4, 8 ... misses of that key (capped), then captured again."""
+    monkeypatch.setattr(cache_module, "MAX_RETRY_BACKOFF", 8)
+    events, graphs = [], []
+    cache = BoundedGraphCache("transient", 4)
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    waits = []
+    for _ in range(4):
+        _fail_with(cache, "k", oom, events, graphs)
+        assert cache.retry_in("k") is not None
+        eager = 0
+        while not cache.admit("k").capture:
+            eager += 1
+        waits.append(eager)
+    assert waits == [2, 4, 8, 8]  # capped at MAX_RETRY_BACKOFF
+    assert cache.put("k", FakeGraph("k", events)) is True  # the retry succeeded: failures forgotten
+    assert not cache.is_quarantined("k") and cache.get("k") is not None
+    cache.discard("k")
+    _fail_with(cache, "k", MemoryError("host"), events, graphs)
+    assert cache.retry_in("k") == 2  # the backoff starts over
+    assert cache.info().failures == 5
+
+
+def test_permanent_failure_stays_quarantined_and_the_class_can_be_given():
+    events, graphs = [], []
+    cache = BoundedGraphCache("permanent", 4)
+    _fail_with(cache, "shape", RuntimeError("mat1 and mat2 shapes cannot be multiplied"), events, graphs)
+    _fail_with(cache, "backend", RuntimeError("ViT CUDA graph does not support attention backend: sdpa"),
+               events, graphs)
+    # A class agreed across ranks overrides this rank's own error (a peer ran out of memory).
+    _fail_with(cache, "agreed", ValueError("declined by a peer"), events, graphs)
+    cache.fail("agreed", ValueError("declined by a peer"), transient=True)
+    assert cache.retry_in("shape") is None and cache.retry_in("backend") is None and cache.retry_in("agreed") == 2
+    assert all(cache.admit(k) is Admission.EAGER_QUARANTINED for _ in range(100) for k in ("shape", "backend"))
+    assert cache.put("shape", FakeGraph("shape", events)) is False
+    assert cache_module.is_transient_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert not cache_module.is_transient_failure(None)
+
+
 def test_quarantine_and_warming_bookkeeping_are_bounded(monkeypatch):
     monkeypatch.setattr(cache_module, "MAX_TRACKED_KEYS", 3)
     cache = BoundedGraphCache("bounded", 2, min_hits=2)
@@ -655,9 +699,12 @@ def test_stats_maybe_log_is_rate_limited(monkeypatch, caplog):
         assert stats.maybe_log(logger, 0) is False  # debug off: nothing computed or logged
         logger.setLevel(logging.DEBUG)
         with caplog.at_level(logging.DEBUG, logger=logger.name):
+            assert stats.maybe_log(logger, 0) is False  # 0 = never, even the first time
             assert stats.maybe_log(logger, 3600) is True
             assert stats.maybe_log(logger, 3600) is False
-            assert stats.maybe_log(logger, 0) is True
+            monkeypatch.setattr(stats, "_last_log", [float("-inf")])
+            assert stats.maybe_log(logger, 0) is False
+            assert stats.maybe_log(logger, 1e-9) is True
         lines = [r.getMessage() for r in caplog.records if "stats-log" in r.getMessage()]
         assert len(lines) == 2 and "capacity=3" in lines[0]
         with pytest.raises(ValueError, match="^interval_s:"):
@@ -826,6 +873,54 @@ def test_guarded_capture_without_a_pool_uses_a_known_private_pool(recording_cuda
         with capture.guarded_capture(_ResettableGraph(log), stream="s"):
             pass
     assert log[1][2] == (0, 7) and ("endpool", 0, (0, 7)) in log
+
+
+@pytest.mark.parametrize("version", ["2.10.0", "2.15.0+cu130", "3.0.0"])
+def test_undo_is_skipped_on_an_untested_torch_release(recording_cuda, monkeypatch, caplog, version):
+    """Outside the tested releases no internal is touched: the error propagates (the key is quarantined)."""
+    recorder, log = recording_cuda
+    recorder.end_fails = True
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(capture, "_warned_no_repair", [])
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING, logger="sglang_ext.graphs.capture"):
+            with pytest.raises(RuntimeError, match="previous error during capture"):
+                with capture.guarded_capture(_ResettableGraph(log), pool=(0, 3), stream="s"):
+                    pass
+    assert not any(e[0] in ("endpool", "release", "reset", "begin-raw") for e in log), log
+    assert [e[0] for e in log].count("graph") == 2  # the two captures themselves, no throwaway repair capture
+    warnings = [r.getMessage() for r in caplog.records if "not repaired" in r.getMessage()]
+    assert len(warnings) == 1 and f"torch {version} is outside" in warnings[0]
+    assert gc.isenabled() and log[-1] == ("stream-out", "s")
+
+
+def test_undo_is_skipped_when_the_torch_internals_are_missing(recording_cuda, monkeypatch, caplog):
+    """Internals removed (a tested release): no repair, no reopened capture, one warning naming them."""
+    recorder, log = recording_cuda
+    recorder.end_fails = True
+    monkeypatch.setattr(capture, "_warned_no_repair", [])
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool")
+    monkeypatch.delattr(torch._C, "_cuda_releasePool")
+    began = []
+    monkeypatch.setattr(capture, "_runtime_begin", [lambda handle, mode: began.append(handle) or 0])
+    graph = _ResettableGraph(log)  # no capture_end either: the preferred undo is out too
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.graphs.capture"):
+        with pytest.raises(RuntimeError, match="previous error during capture"):
+            with capture.guarded_capture(graph, pool=(0, 3), stream=type("S", (), {"cuda_stream": 9})()):
+                pass
+    assert began == [], "a capture was re-opened with nothing to end it"
+    assert not any(e[0] in ("endpool", "release", "reset") for e in log), log
+    [warning] = [r.getMessage() for r in caplog.records if "not repaired" in r.getMessage()]
+    assert "torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool" in warning
+    assert capture.repair_unavailable() is None  # this torch is a tested release
+
+
+def test_repair_guard_reads_torch_release():
+    assert capture._torch_release("2.11.0+cu130") == (2, 11)
+    assert capture._torch_release("2.14.1") == (2, 14)
+    assert capture._torch_release("2.12.0a0+git1234") == (2, 12)
+    low, high = capture.REPAIR_TESTED_TORCH
+    assert low <= capture._torch_release(torch.__version__) <= high, "CPU CI must run a tested torch"
 
 
 if __name__ == "__main__":

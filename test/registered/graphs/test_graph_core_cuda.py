@@ -364,5 +364,55 @@ def test_a_failed_capture_leaves_the_pool_the_generator_and_the_stream_usable():
     assert not torch.equal(first, rand_out)
 
 
+@torch.no_grad()
+def test_evicting_gemm_graphs_keeps_the_surviving_graphs_valid():
+    """vllm-omni #6587 shape: cuBLAS allocates its per-(handle, stream) workspace lazily, so on a
+    fresh stream the first capture allocates it, from that capture's pool, and every later GEMM
+    graph on the stream uses the same workspace. Evicting (resetting) graphs, the first one
+    included, while others survive must leave the survivors' memory alone: here all graphs share
+    one pinned pool and the workspace stays owned by cuBLAS, so survivors replay exactly, also
+    after the freed blocks were reused by new captures and the cache was emptied. Run it under
+    `compute-sanitizer --tool memcheck` to see invalid accesses rather than wrong numbers."""
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    pool = shared_graph_pool()
+    stream = torch.cuda.Stream()  # fresh: cuBLAS has no workspace for it yet, the first capture makes one
+    w1 = torch.randn(256, 512, device=device) / 16
+    w2 = torch.randn(512, 256, device=device) / 16
+    cache = BoundedGraphCache("gemm-evict", 3)
+    first_key, replays = None, 0
+
+    def gemms(x):
+        return torch.relu(x @ w1) @ w2 + x
+
+    for step in range(30):
+        key = ("gemm", step, 64 * (1 + step % 5))  # a new shape every step: every step evicts
+        if cache.get(key) is None and cache.admit(key).capture:
+            static_in = torch.randn(key[2], 256, device=device)
+            graph = torch.cuda.CUDAGraph()
+            with guarded_capture(graph, pool=pool, stream=stream):  # no warm-up on this stream, on purpose
+                out = gemms(static_in)
+            entry = GraphEntry(graph, out)
+            entry.static_in = static_in
+            cache.put(key, entry)
+            first_key = first_key or key
+        # The freed blocks of evicted graphs get new contents, and unused cached blocks go back.
+        junk = torch.full((4 << 20,), float("nan"), device=device)
+        del junk
+        torch.cuda.empty_cache()
+        for survivor in cache.entries.values():
+            survivor.static_in.normal_()
+            survivor.graph.replay()
+            replays += 1
+            torch.testing.assert_close(survivor.output, gemms(survivor.static_in), rtol=1e-4, atol=1e-4)
+    torch.cuda.synchronize()
+    info = cache.info()
+    assert first_key not in cache and info.evictions == 27 and info.captures == 30
+    cache.clear()
+    _summary("gemm graphs evicted under survivors", captures=30, evictions=27, survivor_replays=replays,
+             seconds=f"{time.perf_counter() - start:.1f}")
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", "-s"]))

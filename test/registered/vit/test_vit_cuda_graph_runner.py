@@ -14,6 +14,7 @@ depends on the sequence boundaries, the rotary values and (checked) max_seqlen.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from types import SimpleNamespace
 from unittest.mock import patch
@@ -687,14 +688,19 @@ def test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere(vit_patch
 
     def all_reduce(flag, op=None, group=None):
         votes.append(int(flag.item()))
-        flag.fill_(0)  # the other rank failed
+        if len(votes) == 2:
+            flag.fill_(0)  # the other rank's capture failed (permanently)
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     runner = ViTCudaGraphRunner(StubTower(use_data_parallel=False))
     out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
     torch.testing.assert_close(out, want)
-    assert votes == [1]  # this rank captured fine, and said so
+    assert votes == [2, 2]  # prepared and captured fine, and said so both times
     assert runner.block_graphs == {} and runner._ext_graph_info()["failures"] == 1
+    assert fake_cuda.created[0].resets == 1  # this rank's good graph is dropped too
+    out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))  # permanent: quarantined, no more votes
+    torch.testing.assert_close(out, want)
+    assert len(votes) == 2 and runner._ext_graph_info()["fallback_quarantined"] == 1
 
 
 def test_stats_registry_reports_the_runner(vit_patch, fake_cuda):
@@ -875,3 +881,137 @@ def test_debug_addresses_off_by_default_costs_nothing(vit_patch, fake_cuda):
     key = next(iter(runner.block_graphs))
     runner.cu_full_len[key] = runner.cu_full_len[key].clone()
     call(runner, 4, (0, 2, 4), position=2)  # no check, no error (the default keeps replay lean)
+
+
+# ---------------------------------------------------------------------------
+# Custom all-reduce: evictable graphs register nothing
+# ---------------------------------------------------------------------------
+
+
+class CARecorder:
+    """sglang 0.5.17's real CustomAllreduce over fake kernels that count graph-buffer registrations.
+
+    The fake `ops` behave as the C++ side does: `all_reduce` with no staging buffer (reg_buffer=0,
+    "registered") during a stream capture queues the input's address; `get_graph_buffer_ipc_meta`
+    hands the queued addresses out and `register_graph_buffers` stores them for good (the 8 MiB
+    rank_data table that is never freed).
+    """
+
+    STAGING = 0x5000
+
+    def __init__(self, monkeypatch):
+        import sglang.srt.distributed.device_communicators.custom_all_reduce as ca_module
+
+        self.pending, self.registered, self.staged_in_capture, self.registered_in_capture = [], 0, 0, 0
+        ca = object.__new__(ca_module.CustomAllreduce)
+        ca.__dict__.update(_IS_CAPTURING=False, disabled=False, original_disabled=False, tms_cudagraph=False,
+                           use_amd_deterministic_impl=False, rank=0, world_size=2, full_nvlink=True,
+                           max_size=8 * 1024 * 1024, buffer_ptrs=[self.STAGING, self.STAGING + 1], _ptr=1,
+                           group=object())
+        self.ca = ca
+        ops = SimpleNamespace(all_reduce=self._all_reduce, get_graph_buffer_ipc_meta=self._meta,
+                              register_graph_buffers=self._register)
+        monkeypatch.setattr(ca_module, "ops", ops)
+        monkeypatch.setattr(ca_module, "_is_hip", False)
+        monkeypatch.setattr(ca_module, "dist", SimpleNamespace(
+            get_world_size=lambda group=None: 1, get_process_group_ranks=lambda group: [0],
+            broadcast_object_list=lambda *args, **kwargs: None))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: _CAPTURING[0] is not None)
+
+    def _all_reduce(self, ptr, inp, out, reg_buffer, reg_buffer_size):
+        if _CAPTURING[0] is not None:
+            if reg_buffer == 0:
+                self.pending.append(inp.data_ptr())
+                self.registered_in_capture += 1
+            else:
+                assert reg_buffer == self.STAGING and reg_buffer_size == self.ca.max_size
+                self.staged_in_capture += 1
+        out.copy_(inp)
+
+    def _meta(self, ptr):
+        return b"ipc-handle", list(self.pending)
+
+    def _register(self, ptr, handles, offsets):
+        self.registered += len(offsets[0])
+        self.pending.clear()
+
+
+class CABlock(LayoutBlock):
+    """A cheap block (x + 1) whose output goes through the TP group's all-reduce (the custom one here)."""
+
+    def forward(self, x, *, cu_seqlens, output_ws=None, forward_metadata=None, **rotary):
+        out = x + 1
+        reduced = runner_module.get_tp_group().all_reduce(out)
+        graph = _CAPTURING[0]
+        if graph is not None:
+            graph.thunks.append(lambda: (torch.add(x, 1, out=out), reduced.copy_(out)))
+        return reduced
+
+
+def test_evictable_captures_register_no_custom_all_reduce_buffers(vit_patch, fake_cuda, monkeypatch):
+    """5,000 LRU captures through sglang's CustomAllreduce: zero registrations, staging path captured."""
+    vit_patch(vit_graph_max_entries=2)
+    recorder = CARecorder(monkeypatch)
+    group = SimpleNamespace(world_size=2, ca_comm=recorder.ca, cpu_group=object(),
+                            all_reduce=lambda t: recorder.ca.custom_all_reduce(t))  # GroupCoordinator's "ca" route
+    monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda flag, op=None, group=None: None)  # peers agree
+    tower = StubTower(fullatt=(), use_data_parallel=False)
+    tower.blocks = nn.ModuleList([CABlock()])
+    runner = ViTCudaGraphRunner(tower)
+    layouts = [(0, a, b, 16) for a in range(1, 15) for b in range(a + 1, 16)]  # 105 distinct layouts
+    for step in range(5000):
+        full = layouts[step % len(layouts)]
+        x = torch.full((16, 1), float(step % 7))
+        out = runner.run(x=x, cu_seqlens=torch.tensor(full, dtype=torch.int32), cu_window_seqlens=None,
+                         position_embeddings=None, rotary_pos_emb_cos=torch.zeros(16, 1),
+                         rotary_pos_emb_sin=torch.zeros(16, 1), attention_layout_key=(full, None))
+        if step % 997 == 0:
+            torch.testing.assert_close(out, x + 1)
+    info = runner._ext_graph_info()
+    assert (info["captures"], info["evictions"], info["failures"]) == (5000, 4998, 0)
+    assert recorder.registered == 0 and recorder.registered_in_capture == 0 and recorder.pending == []
+    assert recorder.staged_in_capture == 5000  # the custom all-reduce ran in every graph, on its staging buffer
+    # Control: 0.5.17's capture context (ca_comm.capture()) registers one entry per captured all-reduce.
+    with runner._capture_context(), fake_capture(FakeGraph()):
+        recorder.ca.custom_all_reduce(torch.zeros(4))
+    assert recorder.registered == 1
+    recorder.ca._ptr = 0  # nothing to dispose (its finaliser would call the real, CPU-less ops)
+
+
+def test_device_boundaries_without_a_layout_key_run_eager_and_warn_once_per_runner(vit_patch, fake_cuda, monkeypatch,
+                                                                                  caplog):
+    """A caller passing only device cu_seqlens (no CPU layout): eager, correct, one warning per runner."""
+    vit_patch()
+    # CPU has no device tensors: the runner's device test sees the batch's cu_seqlens as "on the GPU".
+    monkeypatch.setattr(runner_module, "_ext_vit_is_device_tensor",
+                        lambda value: isinstance(value, torch.Tensor) and value.dtype == torch.int32)
+    runners = [ViTCudaGraphRunner(StubTower()), ViTCudaGraphRunner(StubTower())]
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.vit_cuda_graph"):
+        for runner in runners:
+            for step, (full, window) in enumerate((((0, 0, 4, 8), (0, 4, 8)), ((0, 0, 2, 8), (0, 2, 8))) * 2):
+                out, want = call(runner, 8, full, window, position=step, with_key=False)
+                torch.testing.assert_close(out, want)
+    warnings = [r.getMessage() for r in caplog.records if "without attention_layout_key" in r.getMessage()]
+    assert len(warnings) == 2  # once per runner, not per batch
+    assert "runs such batches eager" in warnings[0]
+    for runner in runners:
+        info = runner._ext_graph_info()
+        assert (info["fallback_no_cpu_layout"], info["captures"]) == (4, 0) and not fake_cuda.created
+
+
+def test_stats_log_interval_zero_never_logs(vit_patch, fake_cuda, monkeypatch, caplog):
+    vit_patch(stats_log_interval_s=0)
+    stats = ext_core("graphs.stats")
+    monkeypatch.setattr(stats, "_last_log", [float("-inf")])
+    runner = ViTCudaGraphRunner(StubTower())
+    with caplog.at_level(logging.DEBUG, logger="sglang_ext.vit_cuda_graph"):
+        for _ in range(3):
+            call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+    assert not [r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]
+    vit_patch(stats_log_interval_s=3600)
+    runner = ViTCudaGraphRunner(StubTower())
+    with caplog.at_level(logging.DEBUG, logger="sglang_ext.vit_cuda_graph"):
+        for _ in range(3):
+            call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
+    assert len([r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]) >= 1  # the control logs
