@@ -137,3 +137,35 @@ def test_sglang_metrics_route_serves_them(tmp_path, monkeypatch):
     got = samples(response.text)
     want = expected(info, info["pid"])
     assert {k: got.get(k) for k in want} == want
+
+
+def test_prefill_cp_bucket_decisions_reach_the_metrics(monkeypatch, tmp_path):
+    """The prefill CP runner's counters (real adapter code; the runner is a bare object)."""
+    import prometheus_client  # noqa: F401  (before the variable: in-memory values in this process)
+
+    from sglang_ext.adapters.prefill_cp_bucket import prefill_cp_bucket_counters, record_bucket_decision
+    from sglang_ext.graphs import stats
+    from sglang_ext.graphs.buckets import BucketDecision
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    stats._reset_metrics_for_tests()
+    try:
+        runner = type("PrefillRunner", (), {})()
+        counters = prefill_cp_bucket_counters(runner)
+        captured = [64, 128, 256]
+        record_bucket_decision(counters, BucketDecision(live_size=100, bucket=128), captured)
+        record_bucket_decision(counters, BucketDecision(live_size=100, bucket=256), captured)  # larger bucket
+        record_bucket_decision(counters, BucketDecision(live_size=300, bucket=None), captured)
+        record_bucket_decision(counters, None, captured)
+        got = {}
+        for family in stats.metrics_registry().collect():
+            for s in family.samples:
+                if not s.name.endswith("_created"):
+                    got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        label = ("cache", "prefill_cp_bucket")
+        assert got[("sglang_ext_graph_hits_total", (label,))] == counters.admitted == 2
+        assert got[("sglang_ext_graph_padding_tokens_total", (label,))] == counters.padding_rows_total == 28 + 156
+        assert got[("sglang_ext_graph_eager_fallbacks_total", (label, ("reason", "no_fit")))] == 1
+        assert got[("sglang_ext_graph_eager_fallbacks_total", (label, ("reason", "unknown_layout")))] == 1
+    finally:
+        stats._reset_metrics_for_tests()
