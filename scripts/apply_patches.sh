@@ -15,6 +15,9 @@
 # off at TREE, so a TREE nested inside another repository is still patched in place
 # (`git apply` inside a foreign work tree would silently skip the files).
 #
+# A tree that already carries the whole series (it reverse-applies) is reported as
+# "already applied" with exit status 0.
+#
 # --check: stop after `git apply --check`.
 set -euo pipefail
 
@@ -33,7 +36,7 @@ while [ $# -gt 0 ]; do
     --layout=*) layout="${1#--layout=}" ;;
     --series) shift; series_dir="${1:-}" ;;
     --series=*) series_dir="${1#--series=}" ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown option $1" ;;
     *) [ -z "$tree" ] || die "one TREE only"; tree="$1" ;;
   esac
@@ -91,16 +94,33 @@ done < "$series_dir/series"
 # applied in order to a scratch copy of the files it touches (git apply --check before
 # each): the real tree is changed only once the whole series is known to apply.
 scratch="$(mktemp -d)"
-trap 'rm -rf "$scratch"' EXIT
+trap 'rm -rf "$scratch" "$scratch.err"' EXIT
 export GIT_CEILING_DIRECTORIES="$(dirname "$tree"):$(dirname "$scratch")"
+fresh_scratch() {  # scratch := copies of the tree's files that the series touches
+  rm -rf "$scratch" && mkdir -p "$scratch"
+  for patch in "${patches[@]}"; do
+    sed -n 's|^diff --git a/\([^ ]*\) b/.*|\1|p' "$patch" | cut -d/ -f"$strip"-
+  done | sort -u | while IFS= read -r rel; do
+    if [ -f "$tree/$rel" ]; then mkdir -p "$scratch/$(dirname "$rel")"; cp "$tree/$rel" "$scratch/$rel"; fi
+  done
+}
+already_applied() {  # the whole series reverse-applies, last patch first
+  fresh_scratch
+  local i
+  for ((i = ${#patches[@]} - 1; i >= 0; i--)); do
+    (cd "$scratch" && git apply -R --check -p"$strip" "${patches[$i]}" 2>/dev/null \
+      && git apply -R -p"$strip" "${patches[$i]}") || return 1
+  done
+}
+fresh_scratch
 for patch in "${patches[@]}"; do
-  sed -n 's|^diff --git a/\([^ ]*\) b/.*|\1|p' "$patch" | cut -d/ -f"$strip"- 
-done | sort -u | while IFS= read -r rel; do
-  if [ -f "$tree/$rel" ]; then mkdir -p "$scratch/$(dirname "$rel")"; cp "$tree/$rel" "$scratch/$rel"; fi
-done
-for patch in "${patches[@]}"; do
-  if ! (cd "$scratch" && git apply --check -p"$strip" "$patch" && git apply -p"$strip" "$patch"); then
-    die "$(basename "$patch") does not apply cleanly to $tree (sglang $tree_version, $layout layout); nothing was changed"
+  if ! (cd "$scratch" && git apply --check -p"$strip" "$patch" 2>"$scratch.err" && git apply -p"$strip" "$patch"); then
+    if already_applied; then
+      echo "apply_patches: $tree (sglang $tree_version) already has every patch of $(basename "$series_dir") applied; nothing to do"
+      exit 0
+    fi
+    cat "$scratch.err" >&2
+    die "$(basename "$patch") does not apply cleanly to $tree (sglang $tree_version, $layout layout), and the series is not already applied either; nothing was changed"
   fi
 done
 echo "apply_patches: ${#patches[@]} patches apply cleanly to $tree (sglang $tree_version, $layout layout, -p$strip)"

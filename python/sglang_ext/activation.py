@@ -151,6 +151,7 @@ def activate(
         if eager:
             _import_triggers()
         _write_record()
+        _log_startup()
         return statuses()
 
 
@@ -317,29 +318,61 @@ def _pending_detail(st: PatchStatus) -> str:
 
 
 def _report_refusals(source_root: Optional[str]) -> None:
-    """One warning per skipped patch (one in total for an unsupported sglang); raise in strict mode."""
+    """One warning per skipped patch (one in total for an unsupported sglang), or in strict
+    mode one exception carrying the same text (said once: the launcher prints it)."""
     skipped = [st for st in _state.statuses.values() if st.state == SKIPPED]
     if not skipped:
         return
     version = _state.version
-    if version is not None and not is_supported(version):
+    unsupported = version is not None and not is_supported(version)
+    if unsupported:
         where = source_root or installed_sglang_path() or "?"
-        message = (
+        assume = knob("assume_sglang").env
+        if _state.settings is not None and _state.settings.assume_sglang == version:
+            advice = (f"{assume}={version} is set and names that release: unset it, or set it to a "
+                      f"supported release only for a source build of that release.")
+        else:
+            advice = (f"Install a supported sglang, set {assume}=<version> for a source build of a "
+                      f"supported release (fingerprints are still checked), or unset {MASTER_ENV}.")
+        problems = [
             f"sglang {version} ({where}) is not supported by sglang-ext; supported: "
             f"{', '.join(SUPPORTED_SGLANG)} ({SUPPORTED_RANGE}). Nothing was applied "
-            f"(skipped: {', '.join(st.name for st in skipped)}). Install a supported sglang, "
-            f"set {knob('assume_sglang').env}=<version> for a source build of a supported release "
-            f"(fingerprints are still checked), or unset {MASTER_ENV}.")
-        logger.warning("sglang-ext: %s", message)
-        problems = [message]
+            f"(skipped: {', '.join(st.name for st in skipped)}). {advice}"]
     else:
-        problems = []
-        for st in skipped:
-            logger.warning("sglang-ext: patch %s skipped, nothing of it applied: %s", st.name, st.detail)
-            problems.append(f"patch {st.name} skipped: {st.detail}")
+        problems = [f"patch {st.name} skipped: {st.detail}" for st in skipped]
     if _state.strict:
         raise SglangExtActivationError(
             "sglang-ext strict mode (" + knob("strict").env + "=1): " + "; ".join(problems))
+    if unsupported:  # one message covers every patch
+        logger.warning("sglang-ext: %s", problems[0])
+        return
+    for st in skipped:
+        logger.warning("sglang-ext: patch %s skipped, nothing of it applied: %s", st.name, st.detail)
+
+
+_STARTUP_ORDER = (APPLIED, ARMED, NOT_NEEDED, DISABLED, SKIPPED, FAILED)
+
+
+def startup_line() -> str:
+    """This process's activation in one line: role, pid, sglang version, patches by state."""
+    by_state: Dict[str, List[str]] = {}
+    for st in _state.statuses.values():
+        by_state.setdefault(st.state, []).append(st.name)
+    groups = [f"{state} {', '.join(by_state[state])}" + (" (each applies when sglang imports its module)"
+                                                          if state == ARMED else "")
+              for state in _STARTUP_ORDER if state in by_state]
+    return (f"sglang-ext: on in {process_role()} pid {os.getpid()}, sglang {_state.version or '?'}"
+            f"{', strict' if _state.strict else ''}: " + "; ".join(groups))
+
+
+def _log_startup() -> None:
+    # sglang configures logging only after load_plugins() in its schedulers: without any
+    # handler yet, this one line still goes to stderr, once.
+    if logger.hasHandlers():
+        logger.info("%s", startup_line())
+    else:
+        logging.StreamHandler(sys.stderr).handle(
+            logger.makeRecord(logger.name, logging.INFO, __file__, 0, "%s", (startup_line(),), None))
 
 
 def _arm(spec: PatchSpec, settings: Settings) -> None:

@@ -1,8 +1,10 @@
 """`sglang-ext` console script (also `python -m sglang_ext`).
 
-    sglang-ext doctor [--json] [--no-import] [--source-root DIR --assume-version V] [--records DIR] [--strict]
+    sglang-ext doctor [--verbose] [--json] [--no-import] [--source-root DIR --assume-version V] [--records DIR] [--strict]
     sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
+`doctor` opens with a one-line verdict (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`),
+then one line per patch; `--verbose` adds versions, fingerprints, upstream and graph caches.
 Exit status of `doctor`: 0 when every requested patch is applied, armed, disabled or
 not needed; 1 in strict mode (`--strict` or SGLANG_EXT_STRICT=1) when a requested patch
 failed or was skipped; 2 for a configuration error (bad SGLANG_EXT_* value).
@@ -25,6 +27,9 @@ def _doctor_parser(sub) -> None:
         "doctor activates every patch in its own process and imports every target module, so "
         "'applied' is proven (10-25 s). Settings (SGLANG_EXT_DISABLE, ...) come from the environment.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="after the verdict and the patch list: versions, fingerprints per target, upstream, "
+                        "graph caches")
     p.add_argument("--no-import", dest="import_targets", action="store_false",
                    help="only compare fingerprints; import and patch nothing ('armed' = would apply)")
     p.add_argument("--source-root", metavar="DIR",
@@ -49,13 +54,15 @@ def doctor_main(args: argparse.Namespace) -> int:
         rep["records"] = doctor.read_records(args.records)
     problems = doctor.problems(rep)
     rep["problems"] = problems
+    rep["verdict"] = doctor.verdict(rep)
     if args.json:
         json.dump(rep, sys.stdout, indent=1, sort_keys=True)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(doctor.render_text(rep))
-        for line in problems:
-            sys.stdout.write(f"PROBLEM: {line}\n")
+        sys.stdout.write(doctor.render_text(rep, verbose=args.verbose))
+        if args.verbose or len(problems) > 1:  # the verdict line already names a single one
+            for line in problems:
+                sys.stdout.write(f"PROBLEM: {line}\n")
     if rep.get("config_error"):
         return 2
     return 1 if (problems and rep["strict"]) else 0

@@ -201,9 +201,47 @@ def problems(rep: Dict[str, Any]) -> List[str]:
     return out
 
 
-def render_text(rep: Dict[str, Any]) -> str:
+def verdict(rep: Dict[str, Any]) -> str:
+    """The report in one line: `sglang-ext: OK — ...` or `sglang-ext: PROBLEM \u2014 ...`."""
     sg = rep["sglang"]
-    lines = [f"sglang-ext {rep['sglang_ext'] or '(not installed as a distribution)'} doctor"]
+    found = problems(rep)
+    if rep.get("config_error"):
+        return f"sglang-ext: PROBLEM \u2014 configuration error: {rep['config_error']}"
+    if not sg["supported"]:
+        skipped = sum(p["state"] == activation.SKIPPED for p in rep["patches"])
+        return (f"sglang-ext: PROBLEM \u2014 sglang {sg['version'] or '(not found)'} is not supported "
+                f"(supported: {', '.join(sg['supported_versions'])}); {skipped} patches skipped, nothing applied")
+    if found:
+        more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+        return f"sglang-ext: PROBLEM \u2014 {found[0]}{more}"
+    count = {state: sum(p["state"] == state for p in rep["patches"]) for state in
+             (activation.APPLIED, activation.ARMED, activation.DISABLED, activation.NOT_NEEDED)}
+    requested = count[activation.APPLIED] + count[activation.ARMED]
+    notes = [f"{count[s]} {s}" for s in (activation.DISABLED, activation.NOT_NEEDED) if count[s]]
+    if count[activation.ARMED]:
+        done = f"{count[activation.ARMED]}/{requested} patches armed"
+        if count[activation.APPLIED]:
+            done += f", {count[activation.APPLIED]} applied"
+        notes.insert(0, "fingerprints match; each applies when sglang imports its module")
+    else:
+        done = f"{count[activation.APPLIED]}/{requested} patches applied"
+    return f"sglang-ext: OK \u2014 {done} on sglang {sg['version']}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
+    """The verdict, one line per patch, and with `verbose` every detail (versions, fingerprints,
+    upstream, graph caches)."""
+    lines = [verdict(rep)]
+    if not verbose:
+        width = max(len(p["name"]) for p in rep["patches"]) if rep["patches"] else 10
+        for p in rep["patches"]:
+            check = {None: "", True: "  [verified live]", False: "  [NO LONGER LIVE]"}[p["verified_live"]]
+            lines.append(f"  {p['name']:<{width}}  {p['status']}{check}")
+        lines.extend(_record_lines(rep))
+        lines.append("details (versions, fingerprints, upstream, graph caches): sglang-ext doctor --verbose")
+        return "\n".join(lines) + "\n"
+    sg = rep["sglang"]
+    lines.append(f"sglang-ext {rep['sglang_ext'] or '(not installed as a distribution)'} doctor")
     support = "supported" if sg["supported"] else "NOT SUPPORTED"
     lines.append(f"  sglang   {sg['version'] or '(not found)'}  {sg['path'] or ''}  "
                  f"[{support}; supported: {', '.join(sg['supported_versions'])} ({sg['supported_range']})]")
@@ -224,13 +262,13 @@ def render_text(rep: Dict[str, Any]) -> str:
         lines.append(f"{'':<{width}}  {p['summary']}")
         for t in p["targets"]:
             if t["match"]:
-                verdict = "matches " + ", ".join(p["supported"])
+                match_text = "matches " + ", ".join(p["supported"])
             elif t["fingerprint"] is None:
-                verdict = "ABSENT"
+                match_text = "ABSENT"
             else:
-                verdict = "CHANGED"
+                match_text = "CHANGED"
             same = ", ".join(t["same_as_releases"]) or "no recorded release"
-            lines.append(f"{'':<{width}}    {t['target']}: {verdict} (identical in: {same})")
+            lines.append(f"{'':<{width}}    {t['target']}: {match_text} (identical in: {same})")
         up = p["upstream"]
         since = f"upstream since {up['since']}" if up["since"] else "not upstream"
         equiv = "equivalent" if up["equivalent"] else "not equivalent"
@@ -247,6 +285,12 @@ def render_text(rep: Dict[str, Any]) -> str:
         for name, info in sorted(caches.items()):
             fields = ", ".join(f"{k}={v}" for k, v in info.items() if k != "name")
             lines.append(f"  {name}: {fields}")
+    lines.extend(_record_lines(rep))
+    return "\n".join(lines) + "\n"
+
+
+def _record_lines(rep: Dict[str, Any]) -> List[str]:
+    lines = []
     for rec in rep.get("records", []):
         if "error" in rec:
             lines.append(f"record {rec['file']}: {rec['error']}")
@@ -254,4 +298,4 @@ def render_text(rep: Dict[str, Any]) -> str:
         lines.append(f"record {rec['file']}: role={rec.get('role')} pid={rec.get('pid')} sglang={rec.get('sglang')}")
         for name, st in sorted(rec.get("patches", {}).items()):
             lines.append(f"    {name}: {st.get('status')}")
-    return "\n".join(lines) + "\n"
+    return lines

@@ -8,8 +8,9 @@ in `sglang_ext.knobs.KNOBS`). They:
    is allowed),
 3. export `SGLANG_EXT=1` and `SGLANG_EXT_<NAME>=<value>`, so every child
    process (srt scheduler, spawned multimodal_gen workers) inherits them,
-4. activate sglang-ext in this process, and
-5. hand the remaining argv to sglang's own entry point, unchanged.
+4. stop with one line if torch sees no CUDA GPU (sglang would fail later, at length),
+5. activate sglang-ext in this process (one INFO line says what it applied), and
+6. hand the remaining argv to sglang's own entry point, unchanged.
 
 This module imports no sglang code: it stays cheap, and spawned children that
 re-import the launcher as `__mp_main__` pay nothing for it.
@@ -154,18 +155,55 @@ def ext_help(prog: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]]) -> int:
-    """Steps 1-5; `handover(sglang_argv)` runs sglang's entry point. Returns the exit status."""
-    if any(a in ("-h", "--help") for a in argv):
+def no_cuda_message() -> Optional[str]:
+    """Why this machine cannot serve (None when torch sees a CUDA GPU).
+
+    torch is imported here, a little before sglang imports it anyway;
+    `torch.cuda.is_available()` creates no CUDA context.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return (f"no CUDA GPU visible (torch {torch.__version__}, {build}: torch.cuda.is_available() is False); "
+            "sglang-ext serves on NVIDIA GPUs only. Without one you can run the tests: "
+            "scripts/run_suite.py --suite base-a-test-cpu")
+
+
+def _help(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]]) -> int:
+    try:
         print(ext_help(prog))
         print("sglang's own arguments follow.\n", flush=True)
         return handover([a for a in argv if not a.startswith(FLAG_PREFIX)]) or 0
+    except BrokenPipeError:
+        # `--help | head`: the reader left. Point stdout at /dev/null so the flush at exit
+        # does not raise again, and exit like other tools cut off by a closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]],
+         *, require_cuda: bool = True) -> int:
+    """Steps 1-6; `handover(sglang_argv)` runs sglang's entry point. Returns the exit status.
+
+    require_cuda: stop with one line before sglang starts when torch sees no CUDA GPU
+    (sglang would end in a long traceback); tests of the argument handling pass False.
+    """
+    if any(a in ("-h", "--help") for a in argv):
+        return _help(argv, prog, handover)
     try:
         values, rest = split_ext_args(argv)
         updates = ext_environment(values)
     except ExtConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT
+    if require_cuda:
+        problem = no_cuda_message()
+        if problem is not None:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+            return 1
     os.environ.update(updates)
     from sglang_ext.activation import activate
 

@@ -252,16 +252,16 @@ def record_bucket_decision(
 ) -> None:
     if decision is None:
         counters.rejected_unknown_layout += 1
-        return
-    if decision.bucket is None:
+    elif decision.bucket is None:
         counters.rejected_no_fit += 1
-        return
-    counters.admitted += 1
-    counters.padding_rows_total += decision.padding
-    smallest = capture_num_tokens[bisect.bisect_left(capture_num_tokens, decision.live_size)]
-    if decision.bucket > smallest:
-        counters.admitted_larger_bucket += 1
-        counters.padding_rows_added += decision.bucket - smallest
+    else:
+        counters.admitted += 1
+        counters.padding_rows_total += decision.padding
+        smallest = capture_num_tokens[bisect.bisect_left(capture_num_tokens, decision.live_size)]
+        if decision.bucket > smallest:
+            counters.admitted_larger_bucket += 1
+            counters.padding_rows_added += decision.bucket - smallest
+    ext_graph_stats.publish()  # Prometheus, when on
 
 
 def prefill_cp_bucket_counters(runner) -> PrefillCPBucketCounters:

@@ -857,12 +857,14 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
     ext_graph_stats.maybe_log(_ext_vit_logger, ext_knobs.current("stats_log_interval_s"))
     if reason is not None:
         self._ext_fallbacks[reason] += 1
+        ext_graph_stats.publish()
         return self._ext_run_eager(*eager_batch, max_full_len, max_window_len)
     if graph_key.variant and graph_key.variant[0] == "bucket":  # counted for graph runs only
         self._ext_padding["real_tokens"] += num_tokens
         if graph_key.num_tokens > num_tokens:
             self._ext_padding["padded_batches"] += 1
             self._ext_padding["padding_tokens"] += graph_key.num_tokens - num_tokens
+    ext_graph_stats.publish()
     if graph_key.variant:  # class mode: this batch's boundaries into the shared graph
         device = self.device
         self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),

@@ -31,11 +31,13 @@ time, so ranks that agreed on a failure retry it at the same call.
 from __future__ import annotations
 
 import enum
+import functools
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Generic, Hashable, Mapping, Optional, Tuple, TypeVar
 
+from sglang_ext.graphs import stats as _stats
 from sglang_ext.graphs.keys import _is_int
 
 K = TypeVar("K", bound=Hashable)
@@ -120,6 +122,18 @@ class Admission(enum.Enum):
         return self is Admission.CAPTURE
 
 
+def _publishes(method):
+    """After the step: refresh this process's Prometheus metrics (a no-op unless they are on)."""
+    @functools.wraps(method)
+    def step(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _stats.publish()
+
+    return step
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{name}: {value!r} is not allowed; allowed: integers >= {minimum}")
@@ -172,6 +186,7 @@ class BoundedGraphCache(Generic[K, E]):
 
     # ------------------------------------------------------------------ lookups
 
+    @_publishes
     def get(self, key: K) -> Optional[E]:
         entry = self._entries.get(key)
         if entry is None:
@@ -219,6 +234,7 @@ class BoundedGraphCache(Generic[K, E]):
             return True
         return self.max_bytes > 0 and self.bytes_resident + extra_bytes > self.max_bytes
 
+    @_publishes
     def admit(self, key: K, *, expected_bytes: int = 0) -> Admission:
         """Decide whether to capture `key` (call after a miss, before capturing).
 
@@ -254,6 +270,7 @@ class BoundedGraphCache(Generic[K, E]):
             self._evict_oldest()
         return Admission.CAPTURE
 
+    @_publishes
     def put(self, key: K, entry: E, *, nbytes: int = 0) -> bool:
         """Store a freshly captured entry; returns False (and releases it) if it may not stay."""
         nbytes = _check_int("nbytes", nbytes, 0)
@@ -278,6 +295,7 @@ class BoundedGraphCache(Generic[K, E]):
             self._evict_oldest()
         return True
 
+    @_publishes
     def fail(self, key: K, exc: Optional[BaseException] = None, *, transient: Optional[bool] = None) -> None:
         """Quarantine `key` after a failed capture.
 
@@ -305,6 +323,7 @@ class BoundedGraphCache(Generic[K, E]):
         self.evictions += 1
         self.discard(key)
 
+    @_publishes
     def discard(self, key: K) -> bool:
         """Drop `key` if resident (releasing it); returns whether it was."""
         if key not in self._entries:
@@ -314,6 +333,7 @@ class BoundedGraphCache(Generic[K, E]):
         self._release(entry)
         return True
 
+    @_publishes
     def clear(self) -> None:
         """Release every entry and forget all state (quarantine, counters) as if new."""
         entries = list(self._entries.values())

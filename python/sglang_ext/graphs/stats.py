@@ -1,17 +1,29 @@
-"""Process-wide registry of graph-cache counters (for `sglang-ext doctor` and debug logs).
+"""Process-wide registry of graph-cache counters (`sglang-ext doctor`, debug logs, Prometheus).
 
 Registrations are weak: a bound method (`cache.info`) is held through a
 `WeakMethod`, or pass `owner=` to tie any callable to an object's lifetime, so
 runners that die disappear from `snapshot()` without anyone unregistering them.
+
+`publish()` writes the counters as Prometheus metrics (`sglang_ext_graph_*`,
+see `_FAMILIES`) when PROMETHEUS_MULTIPROC_DIR is set in this process, which
+sglang's `--enable-metrics` does before it starts its schedulers; its HTTP
+process collects every process's files on `/metrics`. Runners call it after
+each call (the cache core after each of its own steps), so values are current
+after every call. Without the variable it costs one attribute check and
+prometheus_client is never imported; metric objects are created on the first
+publish that has a known cache to show. Counters advance by the change of each
+registration's snapshot since the last publish (a cache `clear()` restarts at 0).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 _registry: Dict[str, "_Registration"] = {}
 _last_log = [float("-inf")]
@@ -96,3 +108,175 @@ def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
     for name, values in snapshot().items():
         logger.debug("sglang-ext graphs %s: %s", name, " ".join(f"{k}={v}" for k, v in values.items() if k != "name"))
     return True
+
+
+# ---------------------------------------------------------------------------
+# Prometheus
+# ---------------------------------------------------------------------------
+
+# Registration name (before ':' / '#') -> the `cache` label (INTERFACES.md).
+CACHE_LABELS = {
+    "vit_cuda_graph": "vit_cuda_graph",
+    "vla.prefix": "pi05_prefix_graph",
+    "vla.action-denoise": "pi05_action_graph",
+    "prefill_cp_bucket": "prefill_cp_bucket",
+}
+PREFIX = "sglang_ext_"
+# family -> (type, help). Counters are exposed with the `_total` suffix.
+_FAMILIES = {
+    "graph_hits": ("counter", "Runner calls served by a resident graph"),
+    "graph_misses": ("counter", "Lookups that found no resident graph"),
+    "graph_captures": ("counter", "Graphs captured"),
+    "graph_evictions": ("counter", "Graphs evicted to make room (released with reset())"),
+    "graph_eager_fallbacks": ("counter", "Runner calls that ran eager instead of a graph, by reason"),
+    "graph_padding_tokens": ("counter", "Padding rows added to reach a graph's size"),
+    "graph_resident": ("gauge", "Graphs resident now"),
+    "graph_resident_bytes": ("gauge", "Bytes held by resident graphs' static buffers"),
+    "graph_capacity": ("gauge", "Most graphs a cache keeps (max entries)"),
+    "cuda_memory_reserved_bytes": ("gauge", "torch.cuda.memory_reserved() of this process"),
+}
+# Per-kind source fields: a cache's info (CacheInfo, VLAGraphCacheInfo, the ViT runner's dict)
+# or the prefill CP counters. Eager fallbacks: the ViT runner counts every reason itself; the
+# Pi0.5 caches know capacity rejections and failed captures; prefill CP its rejections.
+_COUNTER_FIELDS = {
+    "graph_hits": ("hits", "admitted"),
+    "graph_misses": ("misses",),
+    "graph_captures": ("captures",),
+    "graph_evictions": ("evictions",),
+    "graph_padding_tokens": ("padding_tokens", "padding_rows_total"),
+}
+_FALLBACK_FIELDS = {"rejections": "capacity", "failures": "capture_failed",
+                    "rejected_no_fit": "no_fit", "rejected_unknown_layout": "unknown_layout"}
+_GAUGE_FIELDS = {"graph_resident": ("size",), "graph_resident_bytes": ("bytes_resident",),
+                 "graph_capacity": ("capacity", "max_entries")}
+
+_prom: Dict[str, Any] = {"on": None, "metrics": None, "last": {}, "gauges": {}, "children": {}}
+
+
+def cache_label(name: str) -> Optional[str]:
+    return CACHE_LABELS.get(name.split("#")[0].split(":")[0])
+
+
+def _metric_values(values: Dict[str, Any]):
+    """(counters {(family, reason)}: int, gauges {family: int}) of one registration's snapshot."""
+    counters: Dict[Tuple[str, str], int] = {}
+    for family, fields in _COUNTER_FIELDS.items():
+        for field in fields:
+            if field in values:
+                counters[(family, "")] = int(values[field])
+                break
+    if "fallbacks" in values:  # the ViT runner: fallback_<reason> per reason
+        reasons = {k[len("fallback_"):]: v for k, v in values.items() if k.startswith("fallback_")}
+    else:
+        reasons = {reason: values[field] for field, reason in _FALLBACK_FIELDS.items() if field in values}
+    for reason, count in reasons.items():
+        counters[("graph_eager_fallbacks", reason)] = int(count)
+    gauges = {}
+    for family, fields in _GAUGE_FIELDS.items():
+        for field in fields:
+            if field in values:
+                gauges[family] = int(values[field])
+                break
+    return counters, gauges
+
+
+def _create_metrics() -> Dict[str, Any]:
+    import prometheus_client as prom  # only here: after PROMETHEUS_MULTIPROC_DIR is known to be set
+
+    registry = prom.CollectorRegistry(auto_describe=True)  # this module's own (tests read it)
+    metrics: Dict[str, Any] = {"registry": registry}
+    for family, (kind, doc) in _FAMILIES.items():
+        labels = () if family == "cuda_memory_reserved_bytes" else (
+            ("cache", "reason") if family == "graph_eager_fallbacks" else ("cache",))
+        cls = prom.Counter if kind == "counter" else prom.Gauge
+        metrics[family] = cls(PREFIX + family, doc, labels, registry=registry)
+    return metrics
+
+
+def metrics_registry():
+    """The CollectorRegistry holding this process's sglang-ext metrics (None before the first publish)."""
+    metrics = _prom["metrics"]
+    return None if metrics is None else metrics["registry"]
+
+
+def publish() -> None:
+    """Write the current counters of every registration to the Prometheus metrics (see module doc)."""
+    if _prom["on"] is False:
+        return
+    if _prom["on"] is None:
+        _prom["on"] = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        if not _prom["on"]:
+            return
+    try:
+        _publish()
+    except Exception as exc:  # noqa: BLE001 - metrics must never break a runner
+        _prom["on"] = False
+        logging.getLogger("sglang_ext").warning("sglang-ext: Prometheus metrics switched off: %s: %s",
+                                                type(exc).__name__, exc)
+
+
+def _fast_read(registration: "_Registration") -> Optional[Dict[str, Any]]:
+    """Like `_Registration.read`, without `dataclasses.asdict`'s deep copy (this runs per runner call)."""
+    fn = registration.info_fn()
+    if fn is None:
+        return None
+    info = fn()
+    return info if isinstance(info, dict) else vars(info)
+
+
+def _child(family: str, label: str, reason: str = ""):
+    key = (family, label, reason)
+    child = _prom["children"].get(key)
+    if child is None:
+        metric = _prom["metrics"][family]
+        child = metric.labels(label, reason) if reason else metric.labels(label)
+        _prom["children"][key] = child
+    return child
+
+
+def _publish() -> None:
+    snap = {}
+    for name in list(_registry):
+        if cache_label(name) is None:
+            continue
+        values = _fast_read(_registry[name])
+        if values is not None:
+            snap[name] = values
+    if not snap and _prom["metrics"] is None:
+        return  # no runner yet: create nothing
+    if _prom["metrics"] is None:
+        _prom["metrics"] = _create_metrics()
+    last, last_gauges = _prom["last"], _prom["gauges"]
+    gauges: Dict[Tuple[str, str], int] = {}
+    for name, values in snap.items():
+        label = cache_label(name)
+        counters, now_gauges = _metric_values(values)
+        before = last.get(name, {})
+        for key, value in counters.items():
+            prev = before.get(key, 0)
+            delta = value - prev if value >= prev else value  # below: the cache was cleared
+            if delta:
+                _child(key[0], label, key[1]).inc(delta)
+            elif key not in before:
+                _child(key[0], label, key[1])  # a new runner's series shows 0, not nothing
+        last[name] = counters
+        for family, value in now_gauges.items():
+            gauges[(family, label)] = gauges.get((family, label), 0) + value
+    for name in [n for n in last if n not in snap]:
+        del last[name]  # a dead runner: what it counted stays counted
+    for key in last_gauges:  # a kind whose runners all died reads 0, not its last value
+        gauges.setdefault(key, 0)
+    for key, value in gauges.items():
+        if last_gauges.get(key) != value:
+            _child(key[0], key[1]).set(value)
+            last_gauges[key] = value
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        reserved = torch.cuda.memory_reserved()
+        if last_gauges.get("cuda_memory_reserved_bytes") != reserved:
+            _prom["metrics"]["cuda_memory_reserved_bytes"].set(reserved)
+            last_gauges["cuda_memory_reserved_bytes"] = reserved
+
+
+def _reset_metrics_for_tests() -> None:
+    _prom.update(on=None, metrics=None, last={}, gauges={}, children={})

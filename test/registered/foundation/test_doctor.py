@@ -83,8 +83,9 @@ def test_other_tree_is_only_fingerprinted_and_strict_exit_is_nonzero(released_tr
 
 def test_assumed_version_reports_changed_fingerprints_per_target(released_tree):
     tree = released_tree("0.5.12")
-    rc, out = run_cli("doctor", "--source-root", tree, "--assume-version", "0.5.17")
+    rc, out = run_cli("doctor", "--verbose", "--source-root", tree, "--assume-version", "0.5.17")
     assert rc == 0
+    assert out.startswith("sglang-ext: PROBLEM \u2014 vit_cuda_graph: skipped (")
     assert "CHANGED" in out or "ABSENT" in out
     for name in PATCH_NAMES:
         assert f"\n{name}" in out and "skipped (" in out
@@ -104,6 +105,10 @@ def test_python_dash_m_route_and_a_tree_without_version(tmp_path):
 def test_configuration_error_exits_2_and_names_the_variable(monkeypatch):
     monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS", "2")
     rc, out = run_cli("doctor", "--no-import")
+    assert rc == 2
+    assert out.startswith("sglang-ext: PROBLEM \u2014 configuration error: unknown sglang-ext environment "
+                          "variable(s) SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS; allowed: ")
+    rc, out = run_cli("doctor", "--no-import", "--verbose")
     assert rc == 2
     assert "CONFIG ERROR: unknown sglang-ext environment variable(s) SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS" in out
 
@@ -154,3 +159,28 @@ def test_records_of_a_server_are_read_back(tmp_path, ext_patches, monkeypatch):
     assert {k: v["status"] for k, v in mine["patches"].items()} == {k: str(v) for k, v in statuses.items()}
     assert by_file["broken-1.json"]["error"].startswith("unreadable")
     assert rc == 0
+
+
+def test_default_text_is_a_verdict_then_one_line_per_patch(monkeypatch):
+    monkeypatch.setenv("SGLANG_EXT_DISABLE", "pi05_config")
+    rc, out = run_cli("doctor", "--no-import")
+    lines = out.splitlines()
+    assert rc == 0
+    assert lines[0] == ("sglang-ext: OK \u2014 6/6 patches armed on sglang 0.5.17 (fingerprints match; "
+                        "each applies when sglang imports its module; 1 disabled)")
+    assert [line.split()[0] for line in lines[1:-1]] == list(PATCH_NAMES)
+    assert lines[-2].split() == ["pi05_config", "disabled"]
+    assert lines[-1].endswith("sglang-ext doctor --verbose") and len(lines) == len(PATCH_NAMES) + 2
+    rc, verbose = run_cli("doctor", "--no-import", "--verbose")
+    assert verbose.splitlines()[0] == lines[0] and "matches 0.5.17" in verbose
+    assert len(verbose.splitlines()) > 4 * len(PATCH_NAMES)
+
+
+def test_verdict_counts_applied_patches_and_names_the_first_problem(ext_patches):
+    statuses = ext_patches()  # every patch applied (eager)
+    assert {st.state for st in statuses.values()} == {"applied"}
+    rep = doctor.report()
+    n = len(PATCH_NAMES)
+    assert doctor.verdict(rep) == f"sglang-ext: OK \u2014 {n}/{n} patches applied on sglang 0.5.17"
+    rep["patches"][1] = {**rep["patches"][1], "state": "failed", "status": "failed: boom"}
+    assert doctor.verdict(rep) == f"sglang-ext: PROBLEM \u2014 {rep['patches'][1]['name']}: failed: boom"

@@ -35,6 +35,11 @@ def clean_env():
     os.environ.update(saved)
 
 
+def main_without_gpu_check(argv, prog, handover):
+    """The launcher's argument handling on this CPU machine (the CUDA check is tested below)."""
+    return launcher.main(argv, prog, handover, require_cuda=False)
+
+
 class Handover:
     """Records the argv the launcher hands to sglang's entry point."""
 
@@ -82,7 +87,7 @@ def test_bare_boolean_flag_never_swallows_the_next_argument():
 ])
 def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(clean_env, capsys, argv, names):
     handover = Handover()
-    status = launcher.main(["--model-path", "m", *argv], "prog", handover)
+    status = main_without_gpu_check(["--model-path", "m", *argv], "prog", handover)
     err = capsys.readouterr().err
     assert status == 2
     assert err.startswith("prog: error: ")
@@ -94,7 +99,7 @@ def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(clean_env, capsys,
 
 def test_unknown_sglang_ext_environment_variable_is_rejected(clean_env, capsys):
     clean_env["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIE"] = "3"  # typo of a knob's env spelling
-    status = launcher.main(["--model-path", "m"], "prog", Handover())
+    status = main_without_gpu_check(["--model-path", "m"], "prog", Handover())
     err = capsys.readouterr().err
     assert status == 2 and "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIE" in err and "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES" in err
 
@@ -102,7 +107,7 @@ def test_unknown_sglang_ext_environment_variable_is_rejected(clean_env, capsys):
 @plugin_only  # activates the installed plugin, which stands aside on a patched tree
 def test_flags_are_exported_canonically_and_activation_runs_here(clean_env):
     handover = Handover()
-    status = launcher.main([
+    status = main_without_gpu_check([
         "--model-path", "m", "--ext-strict", f"--ext-disable={ALL_PATCHES}",
         "--ext-vit-graph-max-entries", "4", "--ext-pi05-prompt-token-buckets", "16, 32,64",
         "--ext-debug-addresses=off", "--port", "30001",
@@ -125,14 +130,14 @@ def test_flags_are_exported_canonically_and_activation_runs_here(clean_env):
 def test_flags_override_inherited_environment(clean_env):
     clean_env["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] = "9"
     clean_env["SGLANG_EXT_VIT_GRAPH_POLICY"] = "exact"
-    launcher.main([f"--ext-disable={ALL_PATCHES}", "--ext-vit-graph-max-entries=2"], "prog", Handover())
+    main_without_gpu_check([f"--ext-disable={ALL_PATCHES}", "--ext-vit-graph-max-entries=2"], "prog", Handover())
     assert clean_env["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] == "2"
     assert clean_env["SGLANG_EXT_VIT_GRAPH_POLICY"] == "exact"
 
 
 def test_help_lists_every_knob_then_hands_help_to_sglang(clean_env, capsys):
     handover = Handover()
-    assert launcher.main(["--help", "--ext-strict"], "python -m sglang_ext.serve", handover) == 0
+    assert main_without_gpu_check(["--help", "--ext-strict"], "python -m sglang_ext.serve", handover) == 0
     out = capsys.readouterr().out
     for k in KNOBS:
         assert k.flag in out and k.env in out, k.name
@@ -149,8 +154,11 @@ def test_help_lists_every_knob_then_hands_help_to_sglang(clean_env, capsys):
 def test_real_handover_strips_ext_flags_before_sglang_parses(tmp_path, module, extra):
     """Runs the real entry points: sglang's own parser must see every argument except --ext-*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
+    entry = {"sglang_ext.launch_server": "run_sglang_launch_server", "sglang_ext.serve": "run_sglang_serve"}[module]
+    code = (f"import sys; import {module} as m; "
+            f"sys.exit(m.main(sys.argv[1:], m.PROG, m.{entry}, require_cuda=False))")
     proc = subprocess.run(
-        [sys.executable, "-m", module, "--ext-strict", f"--ext-disable={ALL_PATCHES}",
+        [sys.executable, "-c", code, "--ext-strict", f"--ext-disable={ALL_PATCHES}",
          "--ext-activation-dir", str(tmp_path), *extra, "--model-path", "m", "--not-an-sglang-flag"],
         env=env, capture_output=True, text=True, timeout=300,
     )
@@ -164,10 +172,10 @@ def test_real_handover_strips_ext_flags_before_sglang_parses(tmp_path, module, e
 
 def test_sglang_plugin_whitelist_without_sglang_ext_is_rejected(clean_env, capsys):
     clean_env["SGLANG_PLUGINS"] = "other_plugin"
-    assert launcher.main(["--model-path", "m"], "prog", Handover()) == 2
+    assert main_without_gpu_check(["--model-path", "m"], "prog", Handover()) == 2
     assert "SGLANG_PLUGINS='other_plugin' leaves out sglang_ext" in capsys.readouterr().err
     clean_env["SGLANG_PLUGINS"] = f"other_plugin, {launcher.PLUGIN_NAME}"
-    assert launcher.main(["--model-path", "m", f"--ext-disable={ALL_PATCHES}"], "prog", Handover()) == 0
+    assert main_without_gpu_check(["--model-path", "m", f"--ext-disable={ALL_PATCHES}"], "prog", Handover()) == 0
 
 
 def test_plugin_name_is_the_registered_entry_point():
@@ -175,3 +183,74 @@ def test_plugin_name_is_the_registered_entry_point():
 
     names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert names.get(launcher.PLUGIN_NAME) == "sglang_ext.plugin:register"
+
+
+@pytest.mark.parametrize("visible", [False, True])
+def test_no_cuda_gpu_stops_before_sglang_in_one_line(clean_env, capsys, monkeypatch, visible):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible)  # the GPU is the only fake
+    handover = Handover()
+    status = launcher.main(["--model-path", "m", f"--ext-disable={ALL_PATCHES}"], "prog", handover)
+    err = capsys.readouterr().err
+    if visible:
+        assert status == 0 and handover.calls == [["--model-path", "m"]]
+        return
+    assert status == 1 and handover.calls == []  # sglang never started
+    assert err.count("\n") == 1 and err.startswith("prog: error: no CUDA GPU visible (torch ")
+    assert "NVIDIA GPUs only" in err
+    assert MASTER_ENV not in os.environ and activation.statuses() == {}  # nothing exported or applied
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_real_launcher_on_a_cpu_machine_says_so_and_exits_nonzero():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--model-path", "m"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("python -m sglang_ext.launch_server: error: no CUDA GPU visible")
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_help_into_a_closed_pipe_ends_without_a_traceback():
+    """`launch_server --help | head -5`: the reader leaves while sglang's help is being written."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext.launch_server", "--help"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `head` does after its lines
+    stderr = proc.stderr.read()
+    proc.wait(timeout=300)
+    assert first.startswith("usage: python -m sglang_ext.launch_server")
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr[-2000:]
+    assert proc.returncode == 1
+
+
+def test_strict_unsupported_assumed_version_says_it_once_without_suggesting_the_same_variable(
+        clean_env, capsys, caplog):
+    status = main_without_gpu_check(["--model-path", "m", "--ext-strict", "--ext-assume-sglang", "0.5.23"],
+                                    "prog", Handover())
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.count("sglang 0.5.23") == 1 and err.count("is not supported") == 1, err
+    assert "SGLANG_EXT_ASSUME_SGLANG=0.5.23 is set" in err
+    assert "set SGLANG_EXT_ASSUME_SGLANG=<version>" not in err
+    assert not [r for r in caplog.records if "not supported" in r.getMessage()]  # not logged as well
+
+
+def test_one_startup_line_with_role_pid_version_and_patches(clean_env, caplog):
+    caplog.set_level("INFO", logger="sglang_ext")
+    assert main_without_gpu_check(["--model-path", "m", "--ext-disable=pi05_config"], "prog", Handover()) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sglang-ext: on in ")]
+    assert len(lines) == 1 and caplog.records[-1].levelname == "INFO"
+    line = lines[0]
+    head, _, groups = line.partition(", sglang 0.5.17: ")
+    assert head == f"sglang-ext: on in MainProcess pid {os.getpid()}"
+    by_state = {}
+    for group in groups.replace(" (each applies when sglang imports its module)", "").split("; "):
+        state, _, names = group.partition(" ")
+        by_state[state] = names.split(", ")
+    # applied where an earlier test already imported the target module, armed otherwise
+    assert by_state.pop("disabled") == ["pi05_config"]
+    assert set(by_state) <= {"applied", "armed"}
+    assert sorted(sum(by_state.values(), [])) == sorted(n for n in PATCH_NAMES if n != "pi05_config")

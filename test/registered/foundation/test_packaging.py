@@ -63,3 +63,15 @@ def test_wheel_declares_entry_points(wheel):
         section = text.split(group, 1)[1].split("[", 1)[0]
         assert "sglang_ext = sglang_ext.plugin:register" in section, group
     assert "sglang-ext = sglang_ext.cli:main" in text.split("[console_scripts]", 1)[1].split("[", 1)[0]
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """A newcomer's test command (README) and CI (.ci/run) install and run the same things."""
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    ci = open(os.path.join(REPO, ".ci", "run"), encoding="utf-8").read()
+    command = "bash scripts/install_cpu_env.sh && .venv/bin/python scripts/run_suite.py --suite base-a-test-cpu"
+    assert command in readme
+    assert 'VENV="${VENV:-.venv}"' in ci and "SUITE=base-a-test-cpu" in ci
+    assert 'bash scripts/install_cpu_env.sh "$VENV"' in ci
+    assert '"$PY" scripts/run_suite.py --suite "$SUITE"' in ci
+    assert "pip install --no-deps ." in readme and "`pip install sglang-ext` does not work" in readme

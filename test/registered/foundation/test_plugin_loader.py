@@ -30,6 +30,7 @@ PROBE = r'''
 import json, os, sys
 from sglang.srt.plugins import load_plugins
 load_plugins()
+ext_modules = sorted(m for m in sys.modules if m.startswith("sglang_ext"))
 from sglang_ext import activation, patching
 before = {k: str(v) for k, v in activation.statuses().items()}
 ext_attrs = None
@@ -53,6 +54,7 @@ if os.environ.get("PROBE_IMPORT_VLA") == "1":
 print("PROBE " + json.dumps({
     "vla": vla,
     "after_load_plugins": before,
+    "ext_modules_after_load_plugins": ext_modules,
     "after_import": {k: str(v) for k, v in activation.statuses().items()},
     "pending": patching.pending_triggers(),
     "ext_attrs_on_PrefillCPBCGInput": ext_attrs,
@@ -62,6 +64,7 @@ print("PROBE " + json.dumps({
 
 SCENARIOS = {
     "unset": {"PROBE_IMPORT_TARGET": "1"},
+    "zero": {"SGLANG_EXT": "0"},
     "enabled_strict": {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "PROBE_IMPORT_TARGET": "1"},
     "unsupported_strict": {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.23"},
     "unsupported_default": {"SGLANG_EXT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.23"},
@@ -101,6 +104,22 @@ def test_switch_unset_applies_nothing(runs):
     assert probe["pending"] == {}
     assert probe["ext_attrs_on_PrefillCPBCGInput"] == []
     assert "_PostImportFinder" not in probe["finders"]
+
+
+@pytest.mark.parametrize("scenario", ["unset", "zero"])
+def test_switch_off_imports_only_the_entry_point(runs, scenario):
+    # Every sglang process pays for the off path: it must not import activation, the
+    # registry or fingerprints (scripts/measure_plugin_overhead.py times it).
+    rc, probe, stderr = runs[scenario]
+    assert rc == 0, stderr
+    assert probe["ext_modules_after_load_plugins"] == ["sglang_ext", "sglang_ext.plugin"]
+    assert probe["after_load_plugins"] == {}
+
+
+def test_switch_on_imports_activation(runs):
+    rc, probe, stderr = runs["enabled_strict"]
+    assert rc == 0, stderr
+    assert "sglang_ext.activation" in probe["ext_modules_after_load_plugins"]
 
 
 def test_enabled_load_plugins_arms_then_applies_on_import(runs):

@@ -301,9 +301,18 @@ def test_series_applies_to_a_pristine_0_5_17_tree(tmp_path, layout):
         for rel, text in _new_files(_patch_text(name)).items():
             assert (base / rel).read_text() == text, rel
 
-    again = _apply(str(tree))  # a patched tree does not take the series twice
-    assert again.returncode != 0
-    assert "does not apply cleanly" in again.stderr and "nothing was changed" in again.stderr
+    patched = {rel: (base / rel).read_text() for rel in _touched_files()}
+    again = _apply(str(tree))  # a patched tree is recognised and left as it is
+    assert again.returncode == 0, again.stderr
+    assert "already has every patch of sglang-0.5.17 applied; nothing to do" in again.stdout
+    assert {rel: (base / rel).read_text() for rel in _touched_files()} == patched
+
+    first = next(r for r in _touched_files() if os.path.exists(os.path.join(pristine, r)))  # half patched
+    shutil.copy(os.path.join(pristine, first), base / first)
+    half = _apply(str(tree))
+    assert half.returncode != 0
+    assert "does not apply cleanly" in half.stderr and "not already applied either" in half.stderr
+    assert "nothing was changed" in half.stderr
 
 
 @pytest.mark.parametrize("version", ["0.5.18", "0.5.23"])
