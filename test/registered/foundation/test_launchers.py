@@ -213,17 +213,29 @@ def test_real_launcher_on_a_cpu_machine_says_so_and_exits_nonzero():
 
 
 def test_help_into_a_closed_pipe_ends_without_a_traceback():
-    """`launch_server --help | head -5`: the reader leaves while sglang's help is being written."""
+    """`launch_server --help | head -5`: the reader is gone while the help is being written.
+
+    The read end is closed before the launcher starts, so the broken pipe is certain (a reader
+    that leaves after one line races the writer whenever the help fits the pipe buffer).
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext.launch_server", "--help"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = proc.stdout.readline()
-    proc.stdout.close()  # what `head` does after its lines
-    stderr = proc.stderr.read()
-    proc.wait(timeout=300)
-    assert first.startswith("usage: python -m sglang_ext.launch_server")
-    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr[-2000:]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--help"], env=env,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr[-2000:]
     assert proc.returncode == 1
+
+
+def test_help_starts_with_the_launchers_usage():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--help"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: python -m sglang_ext.launch_server")
 
 
 def test_strict_unsupported_assumed_version_says_it_once_without_suggesting_the_same_variable(

@@ -266,6 +266,14 @@ def _changed_files():
     return sorted(out)
 
 
+def _touched_files():
+    """Every file the series changes or creates (paths under python/)."""
+    out = set()
+    for name in _series_files():
+        out |= set(re.findall(r"^diff --git a/python/(\S+) ", _patch_text(name), re.M))
+    return sorted(out)
+
+
 def _pristine_subset(dest, prefix=""):
     root = _pristine_root()
     for rel in ["sglang/_version.py"] + _changed_files():
