@@ -160,9 +160,9 @@ KNOBS: tuple[Knob, ...] = (
          choices=("layout", "class", "bucket")),
     Knob("vit_graph_token_buckets", "int_list", (),
          "Bucket mode only: token counts (patches before merging) to pad to, each a multiple of 4 (the "
-         "spatial merge unit of the Qwen2.5-VL / Qwen3-VL towers). Empty = 256 growing by 12.5 % in "
-         "multiples of 64, up to 17792 (the first step >= 16384); larger batches are not padded, smaller "
-         "ones pad to 256."),
+         "spatial merge unit of the Qwen2.5-VL / Qwen3-VL towers). Empty = 16 sizes, 512 growing by 26 % in "
+         "multiples of 64, up to 16448 (the first step >= 16384); larger batches are not padded, smaller "
+         "ones pad to 512."),
     Knob("vit_graph_precapture", "bool", True,
          "Bucket mode on the fa3 vision attention backend: capture the token-bucket ladder (smallest first, "
          "within the capacity and byte budget) at the runner's first run, so later batches replay from the "

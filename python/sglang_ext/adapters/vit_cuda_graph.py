@@ -120,9 +120,11 @@ equal token totals). Before each capture one window and one full-attention block
 Bucket mode (opt-in, `--ext-vit-graph-mode bucket`, same backends): class mode plus token
 padding, for streams whose token totals rarely repeat (1-4 images at mixed resolutions hit
 class-mode graphs only ~70 % of the time). The token count is padded up to the next
-`--ext-vit-graph-token-buckets` size (default: 256 growing by 12.5 % in multiples of 64, up
-to 17792; ~7 % padding on a realistic stream, at most 12.5 % plus the rounding to 64, i.e. up
-to 25 % just above 256, and batches under 256 tokens pad to 256). Padding rows are zeros appended after the real tokens, forming their own
+`--ext-vit-graph-token-buckets` size (default: 16 sizes, 512 growing by 26 % in multiples of
+64, up to 16448: one graph per size on fa3, so the ladder fits a 16-graph capacity; ~10 %
+padding on the benchmark stream (scripts/sim_vit_keys.py), at most 26 % plus the rounding to
+64; batches under 512 tokens pad to 512; the 12.5 % ladder of 32 sizes padded ~7 % but needs
+32 graphs). Padding rows are zeros appended after the real tokens, forming their own
 attention sequences (one full-attention sequence; window-sized window sequences), so no real
 token attends to them; the merger's first tokens/merge-unit rows are the real output and only
 they are returned. The full-attention class is widened to >= 8 sequences with the bucket as
@@ -176,9 +178,10 @@ _ext_vit_logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 # Fallback reasons, as counted per runner.
 _EXT_VIT_FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed")
 
-# Bucket mode's default token ladder: one 224x224 image (256 patches) growing by 12.5 % until a
-# size >= 16384 patches (17792), in multiples of 64 (one Qwen2.5-VL attention window; a multiple of the merge unit).
-_EXT_VIT_DEFAULT_BUCKETS = dict(smallest=256, largest=16384, ratio=1.125, multiple=64)
+# Bucket mode's default token ladder: 16 sizes, 512 patches growing by 26 % until a size >= 16384
+# (16448), in multiples of 64 (one Qwen2.5-VL attention window; a multiple of the merge unit). Chosen
+# by scripts/sim_vit_keys.py over bench_vit.py's stream among 16-size ladders: least padding (10 %).
+_EXT_VIT_DEFAULT_BUCKETS = dict(smallest=512, largest=16384, ratio=1.26, multiple=64)
 # Bucket mode: room for this many full-attention sequences at least, so one token bucket has one class.
 _EXT_VIT_BUCKET_MIN_SEQUENCES = 8
 # Vision attention backends whose kernels read max_seqlen only as a bound (grid size / scheduling) and skip
