@@ -28,6 +28,8 @@ QWEN2_5_VL_7B_CONFIG = dict(depth=32, hidden_size=1280, intermediate_size=3420, 
 
 
 def publish_runtime(mm_attention_backend: str = "triton_attn") -> None:
+    """Server settings the tower reads (fa3 then loads sgl_kernel's FlashAttention-3: 0.5.17's default,
+    SGLANG_USE_SGL_FA3_KERNEL=1)."""
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
