@@ -116,7 +116,7 @@ def simulate(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="fa3", choices=("fa3", "triton_attn", "fa4"))
-    parser.add_argument("--mode", default="bucket", choices=("class", "bucket"))
+    parser.add_argument("--mode", default="bucket", choices=("layout", "class", "bucket"))
     parser.add_argument("--capacity", type=int, default=16)
     parser.add_argument("--buckets", default="", help="token ladder (default: the patch's default ladder)")
     parser.add_argument("--precapture", type=int, default=1)
