@@ -469,7 +469,8 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
     """Capture the bucket ladder once, at the runner's first run (knob vit_graph_precapture).
 
     Fixed-class bucket mode only (a bucket's key does not depend on the batch). Smallest
-    buckets first, while they fit the capacity and byte budget without evicting each other.
+    buckets first, while they fit the capacity and byte budget without evicting each other
+    (`--ext-vit-graph-min-hits` does not apply: these are captured before any batch asks).
     The first real batch gives dtype, hidden size and the rotary form; the captured batch is
     zeros with one full-attention sequence and window-sized windows (each replay rewrites the
     boundaries). TP: every rank runs its first batch in lockstep, sees the same ladder, budget
@@ -482,11 +483,12 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
     device = x_3d.device
     chunk = max(self._ext_window_tokens or 0, self._ext_merge_unit)
     for bucket in self._ext_token_buckets:
-        x_pad = torch.zeros((bucket,) + tuple(x_3d.shape[1:]), dtype=x_3d.dtype, device=device)
-        expected = self._ext_expected_bytes(x_pad)
+        shape = (bucket,) + tuple(x_3d.shape[1:])
+        expected = self._ext_expected_bytes(torch.empty(shape, dtype=x_3d.dtype, device="meta"))
         if len(cache) >= cache.capacity or (cache.max_bytes > 0
                                             and cache.bytes_resident + expected > cache.max_bytes):
             break
+        x_pad = torch.zeros(shape, dtype=x_3d.dtype, device=device)
         full = (0, bucket)
         window = _ext_vit_padded_layout((0,), 0, bucket, chunk) if self._fullatt_block_indexes else None
 

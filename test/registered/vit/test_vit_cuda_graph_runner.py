@@ -970,6 +970,19 @@ def test_fa3_precapture_stays_within_capacity_and_can_be_switched_off(vit_patch,
     assert [k.num_tokens for k in lazy.block_graphs] == [8] and lazy._ext_graph_info()["misses"] == 1
 
 
+def test_fa3_precapture_stops_at_the_byte_budget(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_max_bytes=0)
+    unlimited = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
+    merged_call(unlimited, *FA3_BATCHES[3], 0)
+    nbytes = {k.num_tokens: n for k, n in unlimited._ext_graph_bytes.items()}
+    # Room for the 8- and 16-token graphs, not for the 32-token one as well.
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_max_bytes=nbytes[8] + nbytes[16])
+    runner = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
+    merged_call(runner, *FA3_BATCHES[3], 0)
+    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16]
+    assert runner._ext_cache.bytes_resident <= nbytes[8] + nbytes[16] and runner._ext_graph_info()["evictions"] == 0
+
+
 @pytest.mark.parametrize("backend", ["triton_attn", "fa4"])
 def test_bucket_mode_on_other_backends_keeps_power_of_two_window_classes(vit_patch, fake_cuda, backend):
     """Their kernels launch work per (sequence, head): no fixed classes, hence no pre-capture."""
