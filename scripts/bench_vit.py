@@ -1,9 +1,10 @@
-"""ViT CUDA-graph benchmark: sglang 0.5.17's runner vs the vit_cuda_graph patch (issue 8 item 2).
+"""ViT CUDA-graph benchmark: sglang 0.5.17's runner vs the vit_cuda_graph patch (issues 8, 14).
 
-sglang's real Qwen2.5-VL vision tower (Qwen2.5-VL-7B's vision config, random weights,
-triton_attn, bf16) is fed a stream of requests of 1-4 images at common photo
-resolutions. Every request runs through the graph runner AND sglang's eager path;
-the outputs are compared. Modes:
+sglang's real Qwen2.5-VL vision tower (Qwen2.5-VL-7B's vision config, random weights, bf16)
+on the vision attention backend sglang picks on the machine (--backend auto: fa3 on SM90, the
+FlashAttention-3 of sgl_kernel's flash_ops, else triton_attn) is fed a stream of requests of
+1-4 images at common photo resolutions. Every request runs through the graph runner AND
+sglang's eager path; the outputs are compared. Modes:
 
   eager        sglang's eager tower (the baseline timings, measured on the same requests in every
                mode's process, interleaved with the graph runs)
@@ -14,14 +15,19 @@ the outputs are compared. Modes:
   ext-layout   the patch: graphs keyed by (tokens, attention layout), LRU capacity --capacity
   ext-class    the patch in layout-class mode: graphs shared by layouts with the same token
                count, sequence-count class and max-length class, boundaries refreshed per replay
-  ext-bucket   layout-class mode with token counts padded to a 12.5 % ladder (padding is its
-               own attention sequence): about one graph per token bucket
+  ext-bucket   layout-class mode with token counts padded to the default 16-size ladder (512 x
+               1.26^k; padding is its own attention sequence): on fa3 one graph per bucket, the
+               ladder captured at the runner's first run
 
-Each mode runs in its own process. A request is a hit when it replays a graph captured for an
-earlier request. Prints a table last and writes JSON (--out). Runs in about 6 minutes on one
-H200 (--quick: small tower, 100 requests). On the GPU machine (docs/gpu-harness.md):
+Each mode runs in its own process, which first runs an untimed warm-up (8 eager requests of
+another stream, then one graph-path request: kernel JIT/autotune, and the fa3 ladder capture,
+land there); counters and timings cover the timed stream only. A request is a hit when it
+replays a graph that existed before it. Each result records the kernels its process really ran
+(detected at run time) and the run id it belongs to. Prints a table last and writes JSON (--out),
+refusing keys its SCHEMA lacks. On the GPU machine (docs/gpu-harness.md):
 
     source scripts/gpu_env.sh && python3 scripts/bench_vit.py --upstream-root $SGX_ROOT/sgl0519 --out $OUT/vit.json
+    (--quick: 300 requests, 100 for 0.5.17 / 0.5.19: about 4 minutes on one H200; full: about 7)
 """
 
 from __future__ import annotations
@@ -42,24 +48,27 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import bench_results  # noqa: E402
 import qwen_vit_kit as kit  # noqa: E402
 
-ATTENTION = "triton_attn"
-
 # (width px, height px, weight): Qwen2.5-VL resizes to multiples of 28 px = 2 patches.
 RESOLUTIONS = [(448, 448, 8), (640, 480, 6), (336, 336, 4), (1024, 768, 2), (800, 600, 3), (224, 224, 2),
                (560, 420, 2), (1280, 720, 1)]
 IMAGES_PER_REQUEST = ([1, 2, 3, 4], [60, 25, 10, 5])
 
 # Every key this script writes to --out (see bench_results.py).
-_CONFIG_KEYS = ("tower", "dtype", "attention", "requests", "capacity", "graph_bytes_budget_mib", "seed",
+_CONFIG_KEYS = ("tower", "dtype", "attention", "requests", "capacity", "max_bytes_arg", "seed", "command",
                 "unpatched_requests", "resolutions_px", "images_per_request", "device", "seconds")
 _ROW_KEYS = ("mode", "run_id", "merged_later", "kernels", "requests", "tokens", "graph_req_per_s", "eager_req_per_s",
              "speedup_vs_eager", "wrong_outputs", "bitwise_equal", "max_abs_diff", "resident_graphs",
              "peak_cuda_reserved_mib", "peak_graph_bytes_mib", "peak_graph_bytes_every_request", "timeline",
-             "hit_rate", "captures", "evictions", "fallbacks", "graph_bytes_resident", "counters",
-             "graph_bytes_budget_mib", "sglang_path", "padding", "crashed", "crashed_at_request")
+             "hit_rate", "captures", "captures_before_timing", "evictions", "fallbacks", "graph_bytes_resident",
+             "counters", "timed_counters", "graph_bytes_budget_mib", "sglang_path", "padding", "crashed",
+             "crashed_at_request")
+# `kernels`: the packages loaded (bench_results.kernels(): version / stand-in / not loaded) and what the
+# tower really ran (kit.kernel_report(): attention backend, sgl_kernel ops or native torch, FA3 status).
+KERNELS_SCHEMA = {**bench_results.KERNELS_SCHEMA, "attention_backend": None, "sgl_kernel_ops": None, "fa3": None}
 SCHEMA = {
     "config": dict.fromkeys(_CONFIG_KEYS),
-    "results": [{**dict.fromkeys(_ROW_KEYS), "kernels": bench_results.KERNELS_SCHEMA, "counters": bench_results.ANY,
+    "results": [{**dict.fromkeys(_ROW_KEYS), "kernels": KERNELS_SCHEMA, "counters": bench_results.ANY,
+                 "timed_counters": bench_results.ANY,
                  "timeline": [dict.fromkeys(("request", "resident_graphs", "graph_bytes_resident",
                                              "cuda_reserved_mib"))]}],
 }
@@ -69,15 +78,15 @@ def patches_per_side(px: int) -> int:
     return max(2, round(px / 28) * 2)
 
 
-def request_stream(n: int, seed: int, *, scale: float = 1.0):
-    """n requests as CPU (pixels, grid_thw); `scale` shrinks resolutions (quick mode)."""
+def request_stream(n: int, seed: int):
+    """n requests as (tokens, grid_thw rows, pixel seed)."""
     rng = random.Random(seed)
     for _ in range(n):
         count = rng.choices(*IMAGES_PER_REQUEST)[0]
         grid = []
         for _ in range(count):
             w, h, _ = rng.choices(RESOLUTIONS, [r[2] for r in RESOLUTIONS])[0]
-            grid.append([1, patches_per_side(h * scale), patches_per_side(w * scale)])
+            grid.append([1, patches_per_side(h), patches_per_side(w)])
         tokens = sum(t * h * w for t, h, w in grid)
         yield tokens, grid, rng.randrange(2**31)
 
@@ -85,6 +94,12 @@ def request_stream(n: int, seed: int, *, scale: float = 1.0):
 def pixels_for(tokens: int, seed: int, dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(tokens, 3 * 2 * 14 * 14, generator=g).to(dtype)
+
+
+def kernels_now(backend: str) -> dict:
+    """This process's `kernels` record (see KERNELS_SCHEMA)."""
+    ran = kit.kernel_report(backend)  # first: it imports the packages it probes
+    return {**bench_results.kernels(), **ran}
 
 
 def timed(fn):
@@ -95,9 +110,25 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
+def warm_up(vit, dtype, seed: int, *, graph: bool) -> None:
+    """Untimed: eager over 8 requests of another stream, then one graph-path request."""
+    warm = list(request_stream(8, seed + 10_000))
+    for tokens, grid, pixel_seed in warm:
+        kit.forward(vit, pixels_for(tokens, pixel_seed, dtype), torch.tensor(grid, dtype=torch.int64), graph=False)
+    if graph:
+        tokens, grid, pixel_seed = warm[0]
+        kit.forward(vit, pixels_for(tokens, pixel_seed, dtype), torch.tensor(grid, dtype=torch.int64), graph=True)
+    torch.cuda.synchronize()
+
+
+_COUNTED = ("hits", "misses", "captures", "evictions", "fallbacks", "padding_tokens", "real_tokens")
+
+
 def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, progress=None):
     runner = vit.cuda_graph_runner
     progress = {} if progress is None else progress
+    # Counters after the warm-up: the timed stream's own are the differences.
+    after_warm_up = ({k: runner._ext_graph_info()[k] for k in _COUNTED} if "_ext_cache" in runner.__dict__ else {})
     graph_s = eager_s = 0.0
     tokens_total = wrong = bitwise = 0
     new_graphs = 0  # unbounded runners: a request that added a graph was a miss
@@ -143,16 +174,21 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
     }
     if "_ext_cache" in runner.__dict__:
         info = runner._ext_graph_info()
-        lookups = info["hits"] + info["misses"]
-        result.update(hit_rate=info["hits"] / lookups if lookups else 0.0, captures=info["captures"],
-                      evictions=info["evictions"], fallbacks=info["fallbacks"],
-                      graph_bytes_resident=info["bytes_resident"], counters=info)
+        timed_counts = {k: info[k] - after_warm_up.get(k, 0) for k in _COUNTED}
+        lookups = timed_counts["hits"] + timed_counts["misses"]
+        result.update(hit_rate=timed_counts["hits"] / lookups if lookups else 0.0, captures=timed_counts["captures"],
+                      captures_before_timing=info["captures"] - timed_counts["captures"],
+                      evictions=timed_counts["evictions"], fallbacks=timed_counts["fallbacks"],
+                      graph_bytes_resident=info["bytes_resident"], graph_bytes_budget_mib=round(
+                          runner._ext_max_bytes / 2**20, 1) if runner._ext_max_bytes else None,
+                      counters=info, timed_counters=timed_counts)
     else:  # unbounded runner (0.5.17 / 0.5.19): graphs are never evicted
         result.update(hit_rate=1 - new_graphs / n if n else 0.0, captures=len(runner.block_graphs))
     return result
 
 
 def activate_patch(capacity: int, mode: str, max_bytes: int) -> None:
+    """The patch, strict, alone; max_bytes -1 = its default budget (a quarter of free memory, <= 4 GiB)."""
     from sglang_ext import activation
     from sglang_ext.registry import PATCH_NAMES
     from sglang_ext.versions import installed_sglang_version
@@ -169,12 +205,23 @@ def activate_patch(capacity: int, mode: str, max_bytes: int) -> None:
 
 
 def table(results) -> str:
-    cols = ["mode", "requests", "crashed_at_request", "graph_req_per_s", "eager_req_per_s", "speedup_vs_eager", "hit_rate", "captures",
+    cols = ["mode", "attn/ops", "requests", "crashed_at_request", "graph_req_per_s", "eager_req_per_s", "speedup_vs_eager", "hit_rate", "captures",
             "resident_graphs", "peak_graph_bytes_mib", "peak_cuda_reserved_mib", "padding", "wrong_outputs",
             "bitwise_equal", "max_abs_diff"]
-    rows = [cols] + [[_fmt(r.get(c)) for c in cols] for r in results]
+    rows = [cols] + [[_fmt(r.get(c) if c != "attn/ops" else _kernels_cell(r)) for c in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _kernels_cell(result) -> str:
+    """What ran in that process: attention backend (fa3: real flash_ops or not) / sgl_kernel ops or torch."""
+    k = result.get("kernels")
+    if not k:
+        return "-"
+    attn = k.get("attention_backend", "?")
+    if attn == "fa3":
+        attn += "(flash_ops)" if "real flash_ops" in k.get("fa3", "") else "(NOT flash_ops)"
+    return f"{attn}/{'sgl_kernel' if k.get('sgl_kernel_ops') == 'real' else 'torch'}"
 
 
 def _fmt(value) -> str:
@@ -210,7 +257,7 @@ def _child_command(args, mode: str, part_out: str) -> list:
         cmd += ["-m", "sglang_ext.testing.stand_ins"]
     cmd += [os.path.abspath(__file__), "--mode", mode, "--part-out", part_out, "--requests", str(args.requests),
             "--unpatched-requests", str(args.unpatched_requests), "--capacity", str(args.capacity),
-            "--max-bytes", str(args.max_bytes), "--seed", str(args.seed)] + (["--quick"] if args.quick else [])
+            "--max-bytes", str(args.max_bytes), "--seed", str(args.seed), "--backend", args.backend]
     return cmd
 
 
@@ -223,6 +270,7 @@ def _mode_key(name: str) -> str:
 def run_eager_only(args, config, requests, dtype) -> None:
     """sglang's eager tower alone in this process, on the same requests (second eager baseline)."""
     vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1, graphs=False)
+    warm_up(vit, dtype, args.seed, graph=False)
     eager_s = 0.0
     for tokens, grid, seed in requests:
         pixels = pixels_for(tokens, seed, dtype)
@@ -231,7 +279,7 @@ def run_eager_only(args, config, requests, dtype) -> None:
     result = {"mode": "eager-only", "requests": len(requests), "tokens": sum(r[0] for r in requests),
               "eager_req_per_s": len(requests) / eager_s,
               "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
-              "kernels": bench_results.kernels()}
+              "kernels": kernels_now(args.backend)}
     with open(args.part_out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
 
@@ -239,14 +287,13 @@ def run_eager_only(args, config, requests, dtype) -> None:
 def run_one_mode(args) -> None:
     """One mode in this process. A crash (0.5.17 can replay a stale layout into an illegal
     memory access, which kills the CUDA context) is recorded instead of lost."""
-    config = kit.SMALL_CONFIG if args.quick else kit.QWEN2_5_VL_7B_CONFIG
-    n = 100 if args.quick else args.requests
-    scale = 0.5 if args.quick else 1.0
+    config = kit.QWEN2_5_VL_7B_CONFIG
+    n = args.requests
     dtype = torch.bfloat16
     tol = 5e-2  # bf16; a stale layout is off by O(1)
-    requests = list(request_stream(n, args.seed, scale=scale))
+    requests = list(request_stream(n, args.seed))
     os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1"
-    kit.publish_runtime(ATTENTION)
+    kit.publish_runtime(args.backend)
     kit.init_single_rank_parallel_state()
     if args.mode == "eager-only":
         run_eager_only(args, config, requests, dtype)
@@ -263,12 +310,13 @@ def run_one_mode(args) -> None:
     progress: dict = {}
     try:
         vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
+        assert vit.blocks[0].attn.qkv_backend_name == args.backend, vit.blocks[0].attn.qkv_backend_name
+        warm_up(vit, dtype, args.seed, graph=True)
         result = run_mode(name, vit, requests, dtype=dtype, tol=tol,
                           sample_every=max(1, len(requests) // 20), progress=progress)
-        result["graph_bytes_budget_mib"] = round(args.max_bytes / 2**20, 1) if args.mode not in MODES[:2] else None
         if sglang_path and args.mode == "0.5.19":
             result["sglang_path"] = sglang_path
-        counters = result.get("counters") or {}
+        counters = result.get("timed_counters") or {}
         if counters.get("real_tokens"):
             result["padding"] = counters["padding_tokens"] / counters["real_tokens"]
     except Exception as exc:  # noqa: BLE001 - the crash is the measurement
@@ -276,7 +324,7 @@ def run_one_mode(args) -> None:
                   f"{str(exc).splitlines()[0] if str(exc) else ''}",
                   "crashed_at_request": progress.get("requests_done", 0) + 1,
                   "wrong_outputs": progress.get("wrong_outputs_so_far", 0)}
-    result["kernels"] = bench_results.kernels()
+    result["kernels"] = kernels_now(args.backend)  # crashed runs too
     with open(args.part_out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
 
@@ -286,13 +334,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--unpatched-requests", type=int, default=300,
                         help="requests for the 0.5.17 and 0.5.19 modes (their graphs are unbounded)")
-    parser.add_argument("--capacity", type=int, default=32)
-    parser.add_argument("--max-bytes", type=int, default=2 << 30,
-                        help="ext modes: byte budget of resident graphs (--ext-vit-graph-max-bytes)")
+    parser.add_argument("--capacity", type=int, default=16)
+    parser.add_argument("--max-bytes", type=int, default=-1,
+                        help="ext modes: byte budget of resident graphs (--ext-vit-graph-max-bytes; -1 = its default, "
+                             "sized from free memory)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "fa3", "triton_attn"),
+                        help="vision attention backend; auto = what sglang picks: fa3 on SM90, else triton_attn")
     parser.add_argument("--upstream-root", help="directory holding upstream sglang 0.5.19's `sglang` package; "
                         "without it the 0.5.19 mode is skipped")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="small tower, half resolutions, 100 requests")
+    parser.add_argument("--quick", action="store_true",
+                        help="300 requests (100 for 0.5.17 / 0.5.19): about 4 minutes on one H200")
     parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "bench", "vit.json"))
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     parser.add_argument("--merge", action="store_true",
@@ -302,6 +354,13 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_vit.py needs a CUDA device")
+    if args.quick:
+        args.requests, args.unpatched_requests = 300, 100
+    if args.backend == "auto":
+        args.backend = "fa3" if torch.cuda.get_device_capability()[0] == 9 else "triton_attn"
+    if args.backend == "fa3" and not kit.fa3_loaded():
+        raise SystemExit("--backend fa3: FlashAttention-3 (sgl_kernel.flash_attn / flash_ops) does not import here; "
+                         "allowed: install sgl_kernel with flash_ops, or --backend triton_attn")
     if args.mode:
         run_one_mode(args)
         return
@@ -316,10 +375,11 @@ def main() -> None:
     if "0.5.19" in modes and not args.upstream_root:
         print("bench_vit: no --upstream-root, so the 0.5.19 mode is skipped")
         modes.remove("0.5.19")
-    n = 100 if args.quick else args.requests
-    config = {"tower": "quick-small" if args.quick else "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
-              "attention": ATTENTION, "requests": n, "capacity": args.capacity,
-              "graph_bytes_budget_mib": round(args.max_bytes / 2**20, 1), "seed": args.seed,
+    n = args.requests
+    config = {"tower": "qwen2.5-vl-7b vision", "dtype": "torch.bfloat16",
+              "attention": args.backend, "requests": n, "capacity": args.capacity,
+              "max_bytes_arg": args.max_bytes, "seed": args.seed,
+              "command": "python3 " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
               "unpatched_requests": args.unpatched_requests,
               "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
               "device": torch.cuda.get_device_name()}
@@ -331,8 +391,8 @@ def main() -> None:
         if extra:
             raise SystemExit(f"--merge: {args.out} carries keys this script does not write ({', '.join(extra)}); "
                              "rerun every mode without --merge")
-        same = {k: previous["config"].get(k) for k in config}
-        now = json.loads(json.dumps(config))  # tuples as JSON lists
+        same = {k: previous["config"].get(k) for k in config if k != "command"}
+        now = {k: v for k, v in json.loads(json.dumps(config)).items() if k != "command"}  # tuples as JSON lists
         if same != now:
             raise SystemExit(f"--merge: {args.out} was measured with {same}; this run has {now}")
         kept = [r for r in previous["results"] if _mode_key(r["mode"]) not in modes]

@@ -136,10 +136,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("vit_graph_max_entries", "int", 32,
          "Most ViT CUDA graphs resident at once (0 disables ViT graphs: every batch runs eager).",
          minimum=0),
-    Knob("vit_graph_max_bytes", "int", 0,
+    Knob("vit_graph_max_bytes", "int", -1,
          "Byte budget for resident ViT graphs, counted from each graph's static buffers (the same on "
-         "every TP rank, so ranks evict in lockstep; 0 = no byte limit).",
-         minimum=0),
+         "every TP rank, so ranks evict in lockstep). -1 = auto: a quarter of the device memory free when "
+         "the ViT first runs, at least 256 MiB and at most 4 GiB, the minimum over TP ranks; 0 = no byte "
+         "limit; N > 0 = N bytes.",
+         minimum=-1),
     Knob("vit_graph_policy", "choice", "lru",
          "When full: 'lru' evicts the least recently used graph (reset() before capture); "
          "'exact' keeps the first graphs and runs new layouts eager.",
@@ -148,18 +150,23 @@ KNOBS: tuple[Knob, ...] = (
          "Anti-thrash admission: capture a layout only once it has been seen this many times.",
          minimum=1),
     Knob("vit_graph_mode", "choice", "layout",
-         "'layout': one graph per (tokens, attention layout). 'class' (triton_attn only): graphs shared by "
-         "layouts with the same token count, sequence-count class and longest-sequence class; boundaries "
-         "are refreshed at every replay. Both are bitwise equal to eager. 'bucket' (triton_attn only): class "
-         "mode with token counts padded up to --ext-vit-graph-token-buckets (padding is its own attention "
-         "sequence and is dropped from the output): far fewer graphs; equal to eager within bf16 rounding "
-         "(GEMMs see more rows), not bitwise.",
+         "'layout': one graph per (tokens, attention layout). 'class' (vision attention triton_attn, fa3 or "
+         "fa4): graphs shared by layouts with the same token count, sequence-count class and longest-sequence "
+         "class; boundaries are refreshed at every replay. Both are bitwise equal to eager on triton_attn and "
+         "fa3 (fa4: unverified on hardware). 'bucket' (same backends): class mode with token counts padded up "
+         "to --ext-vit-graph-token-buckets (padding is its own attention sequence and is dropped from the "
+         "output): far fewer graphs; equal to eager within bf16 rounding (GEMMs see more rows), not "
+         "guaranteed bitwise.",
          choices=("layout", "class", "bucket")),
     Knob("vit_graph_token_buckets", "int_list", (),
          "Bucket mode only: token counts (patches before merging) to pad to, each a multiple of 4 (the "
-         "spatial merge unit of the Qwen2.5-VL / Qwen3-VL towers). Empty = 256 growing by 12.5 % in "
-         "multiples of 64, up to 17792 (the first step >= 16384); larger batches are not padded, smaller "
-         "ones pad to 256."),
+         "spatial merge unit of the Qwen2.5-VL / Qwen3-VL towers). Empty = 16 sizes, 512 growing by 26 % in "
+         "multiples of 64, up to 16448 (the first step >= 16384); larger batches are not padded, smaller "
+         "ones pad to 512."),
+    Knob("vit_graph_precapture", "bool", True,
+         "Bucket mode on the fa3 vision attention backend: capture the token-bucket ladder (smallest first, "
+         "within the capacity and byte budget) at the runner's first run, so later batches replay from the "
+         "start; off = capture each bucket on first use."),
     # --- Pi0.5 graphs (patches pi05_*) ---
     Knob("pi05_prefix_graph_max_entries", "int", -1,
          "Override prefix_cuda_graph_max_entries of the Pi0.5 pipeline config (-1 = keep config).",

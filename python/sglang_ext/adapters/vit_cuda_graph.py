@@ -34,11 +34,15 @@ How:
   `fallback_no_cpu_layout`, with one warning per runner. Eager uses max_seqlen = token count, an upper bound;
   the triton vision kernel (kernels/ops/attention/prefill_attention.py) uses it only
   as a grid bound (programs past a sequence's length load nothing and store
-  nothing), so the output is exact (fa3 gets the same bound: correct, not claimed
-  bitwise equal). Chosen over refusing (would break callers that
+  nothing), and fa3 only to size its scheduling (see layout-class mode), so the
+  output is exact. Chosen over refusing (would break callers that
   work on 0.5.17) and over syncing (the point of the fix).
 - Capacity: one `BoundedGraphCache` per runner (knobs vit_graph_max_entries,
-  _max_bytes, _policy, _min_hits, read when the runner is first used). LRU eviction
+  _max_bytes, _policy, _min_hits, read when the runner is first used). Byte budget
+  (vit_graph_max_bytes -1, the default): a quarter of `torch.cuda.mem_get_info()`'s free
+  memory at the runner's first run (what sglang left after its KV cache and weights),
+  clamped to [256 MiB, 4 GiB]; non-DP encoders take the MIN over the TP CPU group (one
+  gloo all-reduce, once; every rank reaches its first run in lockstep). 0 = no byte limit. LRU eviction
   resets the graph and drops its buffers before the next capture. All captures go
   into sglang's process-wide graph pool (`get_or_create_global_graph_memory_pool`),
   pinned (`sglang_ext.graphs.capture.pin_graph_pool`) so evicting the last graph never
@@ -94,36 +98,56 @@ How:
 - Counters (hits, misses, captures, evictions, fallbacks by reason, resident graphs
   and bytes) are registered with `sglang_ext.graphs.stats` per runner.
 
-Layout-class mode (opt-in, `--ext-vit-graph-mode class`, triton_attn only; other
-backends keep layout keys): key = (token count, per layout: sequence count rounded
-up to a power of two, longest sequence rounded up to a power of two (at most the
-token count)). The graph's cu_seqlens / sequence-length buffers are sized for the
-class and rewritten before every replay (device copies; unused trailing sequences
-get length 0); the captured max_seqlen is the class bound. Exact because the triton
-vision kernel (kernels/ops/attention/prefill_attention.py) reads max_seqlen only as
-its grid size and masks every load/store by the per-sequence length, so extra
-programs and zero-length sequences compute nothing; every other op sees the same
-shapes as eager. Token counts are NOT padded: padding would change GEMM shapes, so
-results would only match eager within rounding (and padded rows would need their
-own sequence); many layouts still share a graph (e.g. the same images in another
-order, or images of different shapes with equal token totals). fa3 takes
-max_seqlen into its scheduling heuristics, so it is not claimed exact there.
+Layout-class mode (opt-in, `--ext-vit-graph-mode class`; vision attention triton_attn, fa3 or
+fa4, other backends keep layout keys): key = (token count, per layout: sequence count rounded
+up to a power of two, longest sequence rounded up to a power of two (at most the token count)).
+The graph's cu_seqlens / sequence-length buffers are sized for the class and rewritten before
+every replay (device copies; unused trailing sequences get length 0); the captured max_seqlen
+is the class bound. Token counts are NOT padded, so every other op sees eager's shapes. Why a
+larger max_seqlen and empty trailing sequences leave the attention output unchanged:
+- triton_attn (kernels/ops/attention/prefill_attention.py): max_seqlen is only the grid size;
+  every load/store is masked by the per-sequence length. Bitwise equal to eager.
+- fa3 (sgl_kernel / FlashAttention-3 hopper `mha_fwd`): sglang's vision path calls
+  `flash_attn_varlen_func` with its default `num_splits=1`, so the split heuristic (the one
+  place max_seqlen changes arithmetic) never runs and PackGQA stays off (MHA). Tile sizes
+  depend on head dim only; varlen runs the persistent tile scheduler, whose prepare kernel
+  reads the real lengths from cu_seqlens, so each (sequence, m-block, head) tile does the same
+  arithmetic whatever the bound, and zero-length sequences produce no tiles (0.5.17's Qwen2.5
+  eager path already passes one: the doubled leading zero). The scheduler and split buffers
+  are allocated inside the call (captured into the graph pool); no scheduler_metadata is
+  passed. Expected bitwise; the GPU test measures it on the real kernel.
+- fa4 (flash_attn.cute, 0.5.17 vendored): `num_splits=1` as well; on SM100 max_seqlen picks
+  q_stage (2 iff max_seqlen > tile_m = 128), a power-of-two class keeps eager's choice, but it is
+  a different compiled kernel when it does not (bucket mode): within rounding. 0.5.17's fa4
+  backend has no graph-mode branch, so captures pass `forward_metadata` built on the graph's own
+  buffers. UNRUN on hardware (no Blackwell here): key and metadata logic are CPU-tested only.
+Many layouts share a graph (the same images in another order, or images of other shapes with
+equal token totals). Before each capture one window and one full-attention block run eagerly
+(kernels that compile on first use, e.g. fa4's per-variant JIT, must not compile in a capture).
 
-Bucket mode (opt-in, `--ext-vit-graph-mode bucket`, triton_attn only): class mode plus token
+Bucket mode (opt-in, `--ext-vit-graph-mode bucket`, same backends): class mode plus token
 padding, for streams whose token totals rarely repeat (1-4 images at mixed resolutions hit
 class-mode graphs only ~70 % of the time). The token count is padded up to the next
-`--ext-vit-graph-token-buckets` size (default: 256 growing by 12.5 % in multiples of 64, up
-to 17792; ~7 % padding on a realistic stream, at most 12.5 % plus the rounding to 64, i.e. up
-to 25 % just above 256, and batches under 256 tokens pad to 256). Padding rows are zeros appended after the real tokens, forming their own
+`--ext-vit-graph-token-buckets` size (default: 16 sizes, 512 growing by 26 % in multiples of
+64, up to 16448: one graph per size on fa3, so the ladder fits a 16-graph capacity; ~10 %
+padding on the benchmark stream (scripts/sim_vit_keys.py), at most 26 % plus the rounding to
+64; batches under 512 tokens pad to 512; the 12.5 % ladder of 32 sizes padded ~7 % but needs
+32 graphs). Padding rows are zeros appended after the real tokens, forming their own
 attention sequences (one full-attention sequence; window-sized window sequences), so no real
 token attends to them; the merger's first tokens/merge-unit rows are the real output and only
 they are returned. The full-attention class is widened to >= 8 sequences with the bucket as
-max_seqlen bound, so a bucket needs one graph per window-count class (power of two; about
-one per bucket: 31 graphs for 26 buckets on the benchmark stream). Cost: GEMMs see the
+max_seqlen bound. Windows: triton_attn and fa4 keep power-of-two window-count classes (about
+one graph per bucket: 31 graphs for 26 buckets on the benchmark stream); on fa3 a bucket has
+ONE key (room for bucket / merge-unit windows, which bounds any layout, and the tower's window
+size as bound; fa3's scheduler walks only real sequences), so the whole ladder is captured at
+the runner's first run (`--ext-vit-graph-precapture`, smallest buckets first, within capacity
+and budget, without evicting) and later batches replay from the start. Cost: GEMMs see the
 padding rows, and a different row count can make cuBLAS pick another kernel, so results
-equal eager within rounding (bf16), not bitwise. A padded graph over the byte budget runs
-the batch eager (an unpadded graph is not tried). Batches above the largest bucket run unpadded, as in class mode;
-eager fallbacks always run the real, unpadded batch.
+equal eager within rounding (bf16), not guaranteed bitwise. A padded graph over the byte budget runs
+the batch eager (an unpadded graph is not tried). Batches above the largest bucket (long
+videos) run unpadded, as in class mode: one graph per distinct token count, LRU-bounded;
+videos below it pad like images but their many sequences (Qwen3: one per frame) give a wider
+full-attention class, so their own key; eager fallbacks always run the real, unpadded batch.
 
 Deviation from upstream: keys are `GraphKey`s, not `(S, layout)` tuples; a direct
 `_get_graph_key(x, cuda_cu_seqlens, ...)` call without a key raises instead of syncing;
@@ -166,11 +190,24 @@ _ext_vit_logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 # Fallback reasons, as counted per runner.
 _EXT_VIT_FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed")
 
-# Bucket mode's default token ladder: one 224x224 image (256 patches) growing by 12.5 % until a
-# size >= 16384 patches (17792), in multiples of 64 (one Qwen2.5-VL attention window; a multiple of the merge unit).
-_EXT_VIT_DEFAULT_BUCKETS = dict(smallest=256, largest=16384, ratio=1.125, multiple=64)
+# Bucket mode's default token ladder: 16 sizes, 512 patches growing by 26 % until a size >= 16384
+# (16448), in multiples of 64 (one Qwen2.5-VL attention window; a multiple of the merge unit). Chosen
+# by scripts/sim_vit_keys.py over bench_vit.py's stream among 16-size ladders: least padding (10 %).
+_EXT_VIT_DEFAULT_BUCKETS = dict(smallest=512, largest=16384, ratio=1.26, multiple=64)
 # Bucket mode: room for this many full-attention sequences at least, so one token bucket has one class.
 _EXT_VIT_BUCKET_MIN_SEQUENCES = 8
+# Vision attention backends whose kernels read max_seqlen only as a bound (grid size / scheduling) and skip
+# zero-length sequences, so layout-class and bucket modes can share a graph between layouts (see the header).
+_EXT_VIT_CLASS_BACKENDS = ("triton_attn", "fa3", "fa4")
+# Bucket mode on these backends: one fixed class per token bucket (sequence-count bounds from the
+# bucket alone), so the ladder can be captured up front. fa3's varlen kernel runs a persistent
+# scheduler over a grid of about one CTA per SM and walks the real sequences, so empty trailing
+# sequences cost next to nothing; triton_attn launches programs per (sequence, head) and keeps
+# power-of-two classes.
+_EXT_VIT_FIXED_CLASS_BACKENDS = ("fa3",)
+# Default byte budget (knob -1): this fraction of the device memory free at the runner's first use,
+# clamped to [floor, cap]; the MIN over TP ranks, so every rank admits and evicts the same graphs.
+_EXT_VIT_AUTO_BUDGET = dict(fraction=0.25, floor=256 << 20, cap=4 << 30)
 
 
 # ---------------------------------------------------------------------------
@@ -233,6 +270,23 @@ def _ext_vit_is_device_tensor(value):
     return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
+def _ext_vit_window_tokens(vit):
+    """Tokens in one full attention window of a windowed tower (Qwen2.5-VL: 112 px -> 64), else None."""
+    try:
+        side = int(vit.window_size) // int(vit.spatial_merge_size) // int(vit.patch_size)
+        return side * side * int(vit.spatial_merge_unit)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _ext_vit_auto_budget(free_bytes):
+    """The default byte budget for `free_bytes` of free device memory (None: no device, no limit)."""
+    if free_bytes is None:
+        return 0
+    rule = _EXT_VIT_AUTO_BUDGET
+    return int(min(rule["cap"], max(rule["floor"], free_bytes * rule["fraction"])))
+
+
 # ---------------------------------------------------------------------------
 # ViTCudaGraphRunner methods
 # ---------------------------------------------------------------------------
@@ -243,11 +297,12 @@ def _ext_ensure_state(self):
     if "_ext_cache" in self.__dict__:
         return
     policy = ext_knobs.current("vit_graph_policy")
+    self._ext_max_bytes = self._ext_graph_budget()
     self._ext_cache = BoundedGraphCache(
         "vit_cuda_graph",
         ext_knobs.current("vit_graph_max_entries"),
         policy=policy,
-        max_bytes=ext_knobs.current("vit_graph_max_bytes"),
+        max_bytes=self._ext_max_bytes,
         min_hits=ext_knobs.current("vit_graph_min_hits"),
         release=self._ext_release_graph,
     )
@@ -256,10 +311,12 @@ def _ext_ensure_state(self):
     self._ext_merge_unit = int(getattr(self.vit, "spatial_merge_unit", 1) or 1)
     self._ext_token_buckets = _ext_vit_token_buckets(self._ext_merge_unit) if self._ext_mode == "bucket" else ()
     self._ext_padding = {"padded_batches": 0, "padding_tokens": 0, "real_tokens": 0}
-    if self._ext_mode != "layout" and self._attn_backend != "triton_attn":
-        _ext_vit_logger.warning("--ext-vit-graph-mode %s needs the triton_attn vision attention backend; this "
+    self._ext_window_tokens = _ext_vit_window_tokens(self.vit)
+    self._ext_precaptured = False
+    if self._ext_mode != "layout" and self._attn_backend not in _EXT_VIT_CLASS_BACKENDS:
+        _ext_vit_logger.warning("--ext-vit-graph-mode %s needs one of the vision attention backends %s; this "
                                 "tower uses %s, so its graphs are keyed by exact layout", self._ext_mode,
-                                self._attn_backend)
+                                "/".join(_EXT_VIT_CLASS_BACKENDS), self._attn_backend)
     elif self._ext_mode == "bucket" and not self._ext_token_buckets:
         _ext_vit_logger.warning("--ext-vit-graph-token-buckets: no size is a multiple of this tower's merge unit "
                                 "%d, so bucket mode pads nothing (class mode keys only)", self._ext_merge_unit)
@@ -283,10 +340,37 @@ def _ext_ensure_state(self):
     ext_graph_stats.register(self._ext_stats_name, self._ext_graph_info)
 
 
+def _ext_graph_budget(self):
+    """Byte budget of this runner's resident graphs: the knob, or (-1) sized from free device memory.
+
+    Read once, when the runner's state is created (its first run). Non-data-parallel encoders
+    take the MIN over the TP CPU group: every TP rank reaches its first run() with the same
+    batch, and equal budgets keep admission and eviction identical on all ranks.
+    """
+    configured = ext_knobs.current("vit_graph_max_bytes")
+    if configured >= 0:
+        return configured
+    free = None
+    device = getattr(self.vit, "device", None)
+    if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
+        free = int(torch.cuda.mem_get_info(device)[0])
+    budget = _ext_vit_auto_budget(free)
+    if not getattr(self.vit, "use_data_parallel", False):
+        group = self._ext_tower_group()
+        if getattr(group, "world_size", 1) > 1:
+            agreed = torch.tensor([budget], dtype=torch.int64)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+            budget = int(agreed.item())
+    _ext_vit_logger.info("ViT CUDA graph byte budget: %d MiB (%s)", budget >> 20,
+                         "no device: no limit" if free is None else f"{free >> 20} MiB free at first use")
+    return budget
+
+
 def _ext_graph_info(self):
     """Counters for `sglang-ext doctor` / periodic debug logs."""
     info = self._ext_cache.info().as_dict()
     info["mode"] = "bucket" if self._ext_bucket_mode() else "class" if self._ext_class_mode() else "layout"
+    info["attention_backend"] = self._attn_backend
     info.update(self._ext_padding)
     info["resident_graphs"] = len(self._ext_cache)
     info["fallbacks"] = sum(self._ext_fallbacks.values())
@@ -355,12 +439,12 @@ def _get_graph_key(self, x_3d, cu_seqlens=None, cu_window_seqlens=None, attentio
 
 
 def _ext_class_mode(self):
-    """Layout-class (and bucket) mode is exact only for the triton kernel (max_seqlen is just its grid bound)."""
-    return self._ext_mode in ("class", "bucket") and self._attn_backend == "triton_attn"
+    """Layout-class (and bucket) mode: only for backends that read max_seqlen as a mere bound (see the header)."""
+    return self._ext_mode in ("class", "bucket") and self._attn_backend in _EXT_VIT_CLASS_BACKENDS
 
 
 def _ext_bucket_mode(self):
-    return self._ext_mode == "bucket" and self._attn_backend == "triton_attn"
+    return self._ext_mode == "bucket" and self._attn_backend in _EXT_VIT_CLASS_BACKENDS
 
 
 def _ext_graph_key_for(self, layout_key):
@@ -368,7 +452,9 @@ def _ext_graph_key_for(self, layout_key):
 
     Bucket mode coarsens the full-attention class so that it does not split a token bucket: room
     for at least `_EXT_VIT_BUCKET_MIN_SEQUENCES` sequences and the token count as max_seqlen bound
-    (the kernel's extra programs find no rows and exit). Windows keep class mode's classes.
+    (the kernel's extra programs find no rows and exit). Windows keep class mode's classes, except
+    on the fixed-class backends (fa3): room for tokens / merge unit windows (every window holds at
+    least one merge unit) and the tower's window size as bound, so a bucket has exactly one key.
     """
     if not self._ext_class_mode():
         return layout_key
@@ -378,8 +464,63 @@ def _ext_graph_key_for(self, layout_key):
     if self._ext_bucket_mode():
         if full is not None:
             full_class = (max(_EXT_VIT_BUCKET_MIN_SEQUENCES, full_class[0]), max(tokens, 1))
-        return GraphKey(tokens, variant=("bucket",) + full_class + _ext_vit_layout_class(window, tokens))
+        window_class = _ext_vit_layout_class(window, tokens)
+        if window is not None and self._ext_fixed_classes():
+            window_class = (max(tokens // self._ext_merge_unit, 1),
+                            max(self._ext_window_tokens or 0, _ext_vit_max_len(window)))
+        return GraphKey(tokens, variant=("bucket",) + full_class + window_class)
     return GraphKey(tokens, variant=("class",) + full_class + _ext_vit_layout_class(window, tokens))
+
+
+def _ext_fixed_classes(self):
+    """Bucket mode with one key per bucket (fa3): what makes start-up capture of the ladder possible."""
+    return self._ext_bucket_mode() and self._attn_backend in _EXT_VIT_FIXED_CLASS_BACKENDS
+
+
+def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+    """Capture the bucket ladder once, at the runner's first run (knob vit_graph_precapture).
+
+    Fixed-class bucket mode only (a bucket's key does not depend on the batch). Smallest
+    buckets first, while they fit the capacity and byte budget without evicting each other
+    (`--ext-vit-graph-min-hits` does not apply: these are captured before any batch asks).
+    The first real batch gives dtype, hidden size and the rotary form; the captured batch is
+    zeros with one full-attention sequence and window-sized windows (each replay rewrites the
+    boundaries). TP: every rank runs its first batch in lockstep, sees the same ladder, budget
+    and capacity, and create_graph agrees every capture over the TP group.
+    """
+    self._ext_precaptured = True
+    if not (self._ext_fixed_classes() and ext_knobs.current("vit_graph_precapture")):
+        return
+    cache = self._ext_cache
+    device = x_3d.device
+    chunk = max(self._ext_window_tokens or 0, self._ext_merge_unit)
+    for bucket in self._ext_token_buckets:
+        shape = (bucket,) + tuple(x_3d.shape[1:])
+        expected = self._ext_expected_bytes(torch.empty(shape, dtype=x_3d.dtype, device="meta"))
+        if len(cache) >= cache.capacity or (cache.max_bytes > 0
+                                            and cache.bytes_resident + expected > cache.max_bytes):
+            break
+        x_pad = torch.zeros(shape, dtype=x_3d.dtype, device=device)
+        full = (0, bucket)
+        window = _ext_vit_padded_layout((0,), 0, bucket, chunk) if self._fullatt_block_indexes else None
+
+        def zeros_like_rows(t):
+            return None if t is None else torch.zeros((bucket,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+
+        pos = None if position_embeddings is None else tuple(zeros_like_rows(t) for t in position_embeddings)
+        graph_key = self._ext_graph_key_for(GraphKey(bucket, layout=(full, window)))
+        try:
+            self.create_graph(x_pad, torch.tensor(full, dtype=torch.int32),
+                              None if window is None else torch.tensor(window, dtype=torch.int32), pos,
+                              zeros_like_rows(rotary_pos_emb_cos), zeros_like_rows(rotary_pos_emb_sin),
+                              attention_layout_key=(full, window))
+        except Exception as exc:  # noqa: BLE001 - requests still run (lazy capture or eager)
+            # create_graph has quarantined the key on every rank (agreed failure class).
+            _ext_vit_logger.warning("ViT CUDA graph pre-capture of the %d-token bucket failed; later buckets are "
+                                    "captured on first use: %s: %s", bucket, type(exc).__name__, exc)
+            return
+    _ext_vit_logger.info("ViT CUDA graphs: pre-captured %d of %d token buckets", len(cache),
+                         len(self._ext_token_buckets))
 
 
 def _ext_pad_to_bucket(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
@@ -401,7 +542,10 @@ def _ext_pad_to_bucket(self, layout_key, x_3d, position_embeddings, rotary_pos_e
     bucket, pad = decision.bucket, decision.padding
     full, window = layout_key.layout
     full = _ext_vit_padded_layout(full, tokens, bucket, bucket)
-    window = _ext_vit_padded_layout(window, tokens, bucket, max(_ext_vit_max_len(window), unit))
+    chunk = max(_ext_vit_max_len(window), unit)
+    if self._ext_fixed_classes() and self._ext_window_tokens:
+        chunk = max(chunk, self._ext_window_tokens)  # the key's window bound
+    window = _ext_vit_padded_layout(window, tokens, bucket, chunk)
     device = x_3d.device
     cu_seqlens = torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True)
     cu_window_seqlens = (None if window is None
@@ -568,17 +712,6 @@ def _ext_vit_rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_e
     return {}
 
 
-def _ext_seqlens_arg(self, graph_key, layer_num):
-    """The graph-form `cu_seqlens` argument of block `layer_num`, from the graph's own buffers."""
-    full = not self._fullatt_block_indexes or layer_num in self._fullatt_block_indexes
-    max_full_len, max_window_len = self._ext_max_lens[graph_key]
-    if full:
-        cu, kk, max_len = self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key], max_full_len
-    else:
-        cu, kk, max_len = self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key], max_window_len
-    return [cu, kk, max_len] if self._attn_backend == "triton_attn" else [cu, max_len]
-
-
 def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None):
     """Capture the tower for `graph_key` from its prepared buffers (warm-up: `create_graph`'s prepare stage).
 
@@ -613,8 +746,7 @@ def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=
         y = self.block_input[graph_key]
         deepstack_outs = []
         for layer_num, blk in enumerate(vit.blocks):
-            y = blk(y, cu_seqlens=self._ext_seqlens_arg(graph_key, layer_num),
-                    output_ws=self.block_ws[graph_key], **rotary_kwargs)
+            y = blk(y, **self._ext_block_kwargs(graph_key, layer_num), **rotary_kwargs)
             if self._deepstack_visual_indexes and layer_num in self._deepstack_visual_indexes:
                 if self._deepstack_merger_list is None:
                     raise RuntimeError("deepstack_visual_indexes exists but deepstack_merger_list is missing.")
@@ -626,7 +758,7 @@ def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=
 def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_seqlens, rotary):
     """Rank-local stage of a capture: backend check, buffers, rotary slices, warm-up. Returns rotary kwargs."""
     backend = self._attn_backend
-    if backend not in ("triton_attn", "fa3"):  # before anything is allocated
+    if backend not in _EXT_VIT_CLASS_BACKENDS:  # before anything is allocated
         raise RuntimeError(f"ViT CUDA graph does not support attention backend: {backend}")
     full_layout, window_layout = layout_key.layout
     seq_len = graph_key.num_tokens
@@ -669,13 +801,50 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
         cos_ws.copy_(rotary_pos_emb_cos)
         sin_ws.copy_(rotary_pos_emb_sin)
         rotary_kwargs["rotary_pos_emb_cos"], rotary_kwargs["rotary_pos_emb_sin"] = cos_ws, sin_ws
-    # Warm-up of block 0 (lazy initialisation outside the capture), with local stand-ins for
-    # the TP collectives; the sync surfaces this rank's asynchronous errors before the vote.
+    # Warm-up (lazy initialisation outside the capture), one block per attention kind (window and
+    # full): kernels that compile on first use (triton autotune, fa4's CuTe JIT per
+    # max_seqlen-dependent variant) must not compile inside the capture. Local stand-ins for the TP
+    # collectives; the sync surfaces this rank's asynchronous errors before the vote.
+    warm_layers = {}
+    for layer_num in range(len(self.vit.blocks)):
+        warm_layers.setdefault(self._ext_block_is_full(layer_num), layer_num)
     with torch.no_grad(), self._ext_warm_up_context():
-        self.vit.blocks[0](self.block_input[graph_key], cu_seqlens=self._ext_seqlens_arg(graph_key, 0),
-                           output_ws=self.block_ws[graph_key], **rotary_kwargs)
+        for layer_num in sorted(warm_layers.values()):
+            self.vit.blocks[layer_num](self.block_input[graph_key], **self._ext_block_kwargs(graph_key, layer_num),
+                                       **rotary_kwargs)
     torch.cuda.synchronize()
     return rotary_kwargs
+
+
+def _ext_attention_kwargs(self, graph_key, cu, seq_lens, max_len):
+    """Block kwargs for one attention kind of a graph, per backend (vision.py's graph-mode contract).
+
+    triton_attn: list `[cu_seqlens, seq_lens, max_seqlen]` + `output_ws`; fa3: `[cu_seqlens,
+    max_seqlen]` (0.5.17's list form); fa4 has no graph-mode branch in 0.5.17, so it gets
+    `forward_metadata` built on the graph's own buffers (the backends prefer metadata to the list).
+    """
+    backend = self._attn_backend
+    if backend == "fa4":
+        from sglang.srt.layers.attention.vision import VisionAttentionMetadata
+
+        metadata = VisionAttentionMetadata(cu_seqlens=cu, seq_lens=seq_lens, max_seqlen=max_len)
+        return {"cu_seqlens": cu, "forward_metadata": metadata}
+    seqlens = [cu, seq_lens, max_len] if backend == "triton_attn" else [cu, max_len]
+    return {"cu_seqlens": seqlens, "output_ws": self.block_ws[graph_key]}
+
+
+def _ext_block_is_full(self, layer_num):
+    return not self._fullatt_block_indexes or layer_num in self._fullatt_block_indexes
+
+
+def _ext_block_kwargs(self, graph_key, layer_num):
+    """Attention kwargs of block `layer_num` in graph `graph_key`, from the graph's own buffers."""
+    max_full_len, max_window_len = self._ext_max_lens[graph_key]
+    if self._ext_block_is_full(layer_num):
+        return self._ext_attention_kwargs(graph_key, self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key],
+                                          max_full_len)
+    return self._ext_attention_kwargs(graph_key, self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key],
+                                      max_window_len)
 
 
 def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
@@ -832,6 +1001,8 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
             if padded is not None:  # the graph sees the padded batch; eager keeps the real one
                 (layout_key, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
                  rotary_pos_emb_sin, output_indices) = padded
+        if not self._ext_precaptured:
+            self._ext_precapture(x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
         graph_key = self._ext_graph_key_for(layout_key)
         reason = None
         if self._ext_cache.get(graph_key) is None:
@@ -947,10 +1118,11 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 # ---------------------------------------------------------------------------
 
 _RUNNER_METHODS = (
-    _ext_ensure_state, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
-    _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_pad_to_bucket, _ext_write_layout, _get_sin_cos_ws,
-    _ext_graph_pool, _ext_tower_group, _ext_vote, _ext_warm_up_context, _ext_seqlens_arg, _create_graph,
-    _ext_prepare_graph, create_graph, replay, _ext_graph_tensors,
+    _ext_ensure_state, _ext_graph_budget, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
+    _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_fixed_classes, _ext_precapture, _ext_pad_to_bucket,
+    _ext_write_layout, _get_sin_cos_ws, _ext_graph_pool, _ext_tower_group, _ext_vote, _ext_warm_up_context,
+    _create_graph, _ext_attention_kwargs, _ext_block_is_full, _ext_block_kwargs, _ext_prepare_graph, create_graph,
+    replay, _ext_graph_tensors,
     _ext_expected_bytes, _ext_run_eager, run,
 )
 

@@ -79,3 +79,17 @@ def test_check_flags_a_hand_added_key_in_a_results_file(tmp_path, monkeypatch):
     (tmp_path / "pi05_0517.json").write_text(json.dumps(run))
     assert gen_performance_doc.schema_problems() == [
         "docs/bench/pi05_0517.json: settings.typed_in, results[].mode_key"]
+
+
+@pytest.mark.parametrize("backend", ["triton_attn", "fa3"])
+def test_bench_vit_kernels_record_is_what_its_schema_declares(backend):
+    """bench_vit.py's one `kernels` record: packages loaded (bench_results.kernels) + what ran (kit.kernel_report)."""
+    import bench_vit
+
+    record = bench_vit.kernels_now(backend)
+    assert set(record) == set(bench_vit.KERNELS_SCHEMA) - ({"fa3"} if backend != "fa3" else set())
+    assert record["attention_backend"] == backend and record["sgl_kernel_ops"] in ("real", "native torch")
+    report = {"config": {"attention": backend}, "results": [{"mode": "eager-only", "kernels": record}]}
+    assert bench_results.undeclared(report, bench_vit.SCHEMA) == []
+    report["results"][0]["kernels"] = {**record, "typed_in": 1}
+    assert bench_results.undeclared(report, bench_vit.SCHEMA) == ["results[].kernels.typed_in"]

@@ -1,11 +1,12 @@
-"""Build sglang 0.5.17's real Qwen2.5-VL vision tower with random weights, outside a server.
+"""Build sglang 0.5.17's real Qwen2.5-VL / Qwen3-VL vision towers with random weights, outside a server.
 
 Shared by the GPU tests (test_vit_cuda_graph_cuda.py) and scripts/bench_vit.py. Not a
 test module. What a server would do first is done here: publish runtime settings (the
-tower reads the vision attention backend from them), and, because the GPU machine
-carries stand-ins for sgl_kernel/flashinfer, every sglang `MultiPlatformOp` (RMSNorm,
-SiluAndMul, ...) is switched to its `forward_native` torch implementation. Attention
-stays sglang's real triton kernel.
+tower reads the vision attention backend from them). Where sgl_kernel's compiled ops are
+not loaded (a machine carrying stand-ins), every sglang `MultiPlatformOp` (RMSNorm,
+SiluAndMul, ...) is switched to its `forward_native` torch implementation; with the real
+sgl_kernel they stay on it. Attention is sglang's real backend: triton_attn, or fa3
+(FlashAttention-3 from sgl_kernel's flash_ops) where it loads. `kernel_report()` says which.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ QWEN2_5_VL_7B_CONFIG = dict(depth=32, hidden_size=1280, intermediate_size=3420, 
 
 
 def publish_runtime(mm_attention_backend: str = "triton_attn") -> None:
+    """Server settings the tower reads (fa3 then loads sgl_kernel's FlashAttention-3: 0.5.17's default,
+    SGLANG_USE_SGL_FA3_KERNEL=1)."""
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
@@ -58,8 +61,42 @@ def use_native_ops(module: torch.nn.Module) -> int:
     return count
 
 
+def sgl_kernel_ops_loaded() -> bool:
+    """sgl_kernel's compiled common ops are registered (not a stand-in package, not absent)."""
+    try:
+        import sgl_kernel  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: not real
+        return False
+    return hasattr(torch.ops.sgl_kernel, "rmsnorm")
+
+
+def fa3_loaded() -> bool:
+    """FlashAttention-3 of sgl_kernel (flash_ops) imports and registered its forward op."""
+    try:
+        import sgl_kernel.flash_attn  # noqa: F401  (imports sgl_kernel.flash_ops or raises)
+    except Exception:  # noqa: BLE001
+        return False
+    import sys
+
+    return "sgl_kernel.flash_ops" in sys.modules and hasattr(torch.ops.sgl_kernel, "fwd")
+
+
+def kernel_report(backend: str) -> dict:
+    """What actually runs, detected now: the vision attention backend and its implementation, and the ops."""
+    report = {"attention_backend": backend, "sgl_kernel_ops": "real" if sgl_kernel_ops_loaded() else "native torch"}
+    if backend == "fa3":
+        try:
+            from sglang.kernels.ops.attention.flash_attention_v3 import _load_fa3_kernels
+
+            impl = _load_fa3_kernels()["flash_attn_varlen_func"]
+            report["fa3"] = f"{getattr(impl, '__module__', '?')} ({'real flash_ops' if fa3_loaded() else 'NOT flash_ops'})"
+        except Exception as exc:  # noqa: BLE001
+            report["fa3"] = f"unavailable: {type(exc).__name__}"
+    return report
+
+
 def build_qwen2_5_tower(config: dict = SMALL_CONFIG, *, dtype=torch.float32, device="cuda", seed: int = 0,
-                        graphs: bool = True):
+                        graphs: bool = True, native_ops=None):
     """sglang's Qwen2_5_VisionTransformer with random weights; `graphs` builds its ViT graph runner."""
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
@@ -83,8 +120,52 @@ def build_qwen2_5_tower(config: dict = SMALL_CONFIG, *, dtype=torch.float32, dev
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    use_native_ops(vit)
+    if native_ops if native_ops is not None else not sgl_kernel_ops_loaded():
+        use_native_ops(vit)
     return vit.to(device=device, dtype=dtype).eval()
+
+
+# A small Qwen3-VL vision tower (patch 16, merge 2, deepstack after blocks 1 and 2).
+QWEN3_SMALL_CONFIG = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=64,
+                          num_position_embeddings=2304, deepstack_visual_indexes=[1, 2], patch_size=16,
+                          spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="gelu_pytorch_tanh")
+QWEN3_PATCH_DIM = 3 * 2 * 16 * 16
+
+
+def build_qwen3_tower(config: dict = QWEN3_SMALL_CONFIG, *, dtype=torch.float32, device="cuda", seed: int = 0,
+                      native_ops=None):
+    """sglang's Qwen3VLMoeVisionModel with random weights (it builds its graph runner itself)."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    from sglang.srt.models import qwen3_vl
+
+    vit = qwen3_vl.Qwen3VLMoeVisionModel(Qwen3VLVisionConfig(**config), use_data_parallel=True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in vit.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    if native_ops if native_ops is not None else not sgl_kernel_ops_loaded():
+        use_native_ops(vit)
+    return vit.to(device=device, dtype=dtype).eval()
+
+
+def forward_qwen3(vit, pixels: torch.Tensor, grid_thw: torch.Tensor, *, graph: bool) -> torch.Tensor:
+    """Qwen3's tower picks its graph path from SGLANG_VIT_ENABLE_CUDA_GRAPH at every forward."""
+    previous = os.environ.get("SGLANG_VIT_ENABLE_CUDA_GRAPH")
+    os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1" if graph else "0"
+    try:
+        with torch.inference_mode():
+            return vit(pixels.to(vit.device), grid_thw)
+    finally:
+        if previous is None:
+            os.environ.pop("SGLANG_VIT_ENABLE_CUDA_GRAPH", None)
+        else:
+            os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = previous
 
 
 def random_batch(rng: random.Random, sides: Sequence[int], *, max_images: int = 4, patch_dim: int = 3 * 2 * 14 * 14,

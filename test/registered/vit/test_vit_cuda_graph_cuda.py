@@ -1,7 +1,10 @@
 """ViT CUDA graphs on sglang 0.5.17 with the vit_cuda_graph patch, on a real GPU.
 
 Real CUDA graphs, sglang's real `ViTCudaGraphRunner` (patched in place), and for the
-last two tests sglang's real `Qwen2_5_VisionTransformer` (random weights, triton_attn).
+tower tests sglang's real `Qwen2_5_VisionTransformer` / `Qwen3VLMoeVisionModel` (random
+weights) on triton_attn, and on fa3 (the real FlashAttention-3 of sgl_kernel's flash_ops;
+those tests skip when it does not import). The fa3 tests print max |graph - eager| and how
+many outputs were bitwise equal.
 On sglang 0.5.17 without the patch, the boundary and workspace tests fail (stale
 cu_seqlens / a freed rotary buffer) and the memory test grows without bound.
 """
@@ -328,3 +331,92 @@ def test_qwen2_5_tower_equal_token_batches_with_other_boundaries(vit_patch, qwen
         torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
     info = vit.cuda_graph_runner._ext_graph_info()
     assert (info["captures"], info["hits"]) == (2, 1)
+
+
+# ---------------------------------------------------------------------------
+# fa3 (the Hopper default): class and bucket modes on the real FlashAttention-3 kernel
+# ---------------------------------------------------------------------------
+
+
+def _fa3_or_skip():
+    import qwen_vit_kit as kit
+
+    if not kit.fa3_loaded():
+        pytest.skip("FA3 not importable (sgl_kernel.flash_attn / flash_ops)")
+    return kit
+
+
+@pytest.fixture
+def fa3_runtime():
+    kit = _fa3_or_skip()
+    from sglang.srt import runtime_context
+
+    kit.publish_runtime("fa3")
+    kit.init_single_rank_parallel_state()
+    yield kit
+    runtime_context.reset_context()
+
+
+def _compare(label, pairs, *, bitwise_expected):
+    """Max |graph - eager| over (graph, eager) pairs, printed; bitwise when the kernels allow it."""
+    worst = max((g.float() - e.float()).abs().max().item() for g, e in pairs)
+    bitwise = sum(bool(torch.equal(g, e)) for g, e in pairs)
+    print(f"\n{label}: max |graph - eager| = {worst:.3g}; bitwise equal {bitwise} / {len(pairs)}")
+    for graphed, eager in pairs:
+        assert graphed.shape == eager.shape and torch.isfinite(eager).all()
+        torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2)  # bf16 rounding
+    if bitwise_expected:
+        assert bitwise == len(pairs), f"{label}: fa3 class mode should be bitwise equal to eager"
+    return worst, bitwise
+
+
+@pytest.mark.parametrize("mode", ["class", "bucket"])
+def test_fa3_qwen2_5_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runtime, mode):
+    """Class mode: larger max_seqlen bound + empty trailing sequences -> bitwise (num_splits=1).
+    Bucket mode: padded GEMM rows -> within bf16 rounding, bitwise count printed."""
+    kit = fa3_runtime
+    vit_patch(vit_graph_max_entries=16, vit_graph_mode=mode, vit_graph_token_buckets="512,1024,2048,4096"
+              if mode == "bucket" else "")
+    vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.bfloat16, seed=1)
+    assert vit.blocks[0].attn.qkv_backend_name == "fa3"
+    print(kit.kernel_report("fa3"))
+    rng = random.Random(5)
+    sides = (4, 6, 8, 12, 16, 20, 24, 32)
+    batches = [kit.random_batch(rng, sides) for _ in range(12)]
+    pairs = []
+    for step in range(48):
+        pixels, grid = batches[rng.randrange(len(batches))] if step % 3 else kit.random_batch(rng, sides)
+        pairs.append((kit.forward(vit, pixels, grid, graph=True), kit.forward(vit, pixels, grid, graph=False)))
+    info = vit.cuda_graph_runner._ext_graph_info()
+    _compare(f"fa3 qwen2.5 bf16 {mode}", pairs, bitwise_expected=(mode == "class"))
+    print(info)
+    assert info["mode"] == mode and info["attention_backend"] == "fa3" and info["hits"] > 0
+    if mode == "bucket":  # one key per bucket, captured at the first run: every batch replays
+        assert info["captures"] == 4 and info["misses"] == 0 and info["padded_batches"] > 0
+
+
+@pytest.mark.parametrize("mode", ["class", "bucket"])
+def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runtime, monkeypatch, mode):
+    kit = fa3_runtime
+    from sglang.srt.layers.attention import vision
+
+    # sglang's graph mode applies rotary with the eager torch function; its non-graph path uses a
+    # torch.compile'd one. Same function on both sides, so only the runner is compared.
+    monkeypatch.setattr(vision, "apply_rotary_pos_emb", vision.apply_rotary_pos_emb_native_eager)
+    vit_patch(vit_graph_max_entries=16, vit_graph_mode=mode, vit_graph_token_buckets="512,1024,2048,4096"
+              if mode == "bucket" else "")
+    vit = kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2)
+    assert vit.blocks[0].attn.qkv_backend_name == "fa3"
+    rng = random.Random(6)
+    sides = (4, 8, 12, 16, 24, 32)
+    batches = [kit.random_batch(rng, sides, patch_dim=kit.QWEN3_PATCH_DIM, dtype=torch.bfloat16) for _ in range(8)]
+    pairs = []
+    for step in range(32):
+        pixels, grid = batches[rng.randrange(len(batches))] if step % 3 else kit.random_batch(
+            rng, sides, patch_dim=kit.QWEN3_PATCH_DIM, dtype=torch.bfloat16)
+        pairs.append((kit.forward_qwen3(vit, pixels, grid, graph=True).clone(),
+                      kit.forward_qwen3(vit, pixels, grid, graph=False)))
+    info = vit.graph_runners._ext_graph_info()
+    _compare(f"fa3 qwen3 bf16 {mode}", pairs, bitwise_expected=(mode == "class"))
+    print(info)
+    assert info["mode"] == mode and info["attention_backend"] == "fa3" and info["hits"] > 0

@@ -262,6 +262,7 @@ class LayoutBlock(nn.Module):
         self.attn = SimpleNamespace(num_attention_heads_per_partition=1, head_size=1, qkv_backend_name="triton_attn")
         self.fail_capture = fail_capture
         self.calls = []
+        self.forms = []  # (argument form, cu_seqlens tensor, max_seqlen) of every call
         self.rows = []  # x.shape[0] of every call
         if not accepts_metadata:
             self.forward = self._forward_without_metadata
@@ -282,10 +283,12 @@ class LayoutBlock(nn.Module):
         if forward_metadata is not None:
             cu, max_seqlen = forward_metadata.cu_seqlens, forward_metadata.max_seqlen
             self.calls.append("metadata")
+            self.forms.append(("metadata", cu, max_seqlen))
         else:
             assert isinstance(cu_seqlens, list) and output_ws is not None, "graph-mode call without graph arguments"
             cu, max_seqlen = cu_seqlens[0], cu_seqlens[-1]
             self.calls.append("capture" if graph is not None else "graph-form")
+            self.forms.append((f"list{len(cu_seqlens)}", cu, max_seqlen))
         out = _layout_compute(x, cu, max_seqlen, pos)
         if graph is not None:
             graph.thunks.append(lambda: out.copy_(_layout_compute(x, cu, max_seqlen, pos)))
@@ -519,14 +522,14 @@ def test_bucket_mode_eager_fallback_runs_the_unpadded_batch(vit_patch, fake_cuda
     assert (info["padded_batches"], info["padding_tokens"], info["real_tokens"]) == (0, 0, 0)
 
 
-def test_bucket_mode_needs_triton_attention(vit_patch, fake_cuda, caplog):
+def test_bucket_mode_needs_a_bound_only_attention_backend(vit_patch, fake_cuda, caplog):
     vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="16")
     runner = ViTCudaGraphRunner(StubTower())
-    runner._attn_backend = "fa3"
+    runner._attn_backend = "sdpa"  # reads no max_seqlen bound: class keys would not be safe to share
     with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
         runner._ext_ensure_state()
     assert not runner._ext_bucket_mode() and runner._ext_graph_info()["mode"] == "layout"
-    assert "needs the triton_attn vision attention backend" in caplog.text and "fa3" in caplog.text
+    assert "triton_attn/fa3/fa4" in caplog.text and "sdpa" in caplog.text
 
 
 def test_bucket_sizes_the_merge_unit_does_not_divide_are_skipped(vit_patch, fake_cuda, caplog):
@@ -681,7 +684,7 @@ def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_c
 
 
 def test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere(vit_patch, fake_cuda, monkeypatch):
-    vit_patch()
+    vit_patch(vit_graph_max_bytes=0)  # an explicit budget: no budget agreement, only the capture vote
     group = SimpleNamespace(ca_comm=None, world_size=2, cpu_group=object())
     monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
     votes = []
@@ -1015,3 +1018,209 @@ def test_stats_log_interval_zero_never_logs(vit_patch, fake_cuda, monkeypatch, c
         for _ in range(3):
             call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
     assert len([r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]) >= 1  # the control logs
+# Production attention backends: fa3 (Hopper default) and fa4 (Blackwell default)
+# ---------------------------------------------------------------------------
+
+
+def flash_tower(backend, tower=None):
+    tower = tower if tower is not None else StubTower()
+    for blk in tower.blocks:
+        blk.attn.qkv_backend_name = backend
+    return tower
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa4"])
+def test_class_mode_on_flash_backends_refreshes_the_graph_buffers_each_replay(vit_patch, fake_cuda, backend):
+    """fa3 gets 0.5.17's list form [cu, max_seqlen]; fa4 (no graph branch in 0.5.17) gets metadata
+    built on the graph's own buffers. Either way the kernel reads the buffers rewritten per replay."""
+    vit_patch(vit_graph_mode="class")
+    tower = flash_tower(backend)
+    runner = ViTCudaGraphRunner(tower)
+    a = ((0, 0, 6, 8), (0, 2, 4, 8))
+    b = ((0, 0, 5, 8), (0, 1, 2, 4, 8))  # same class as a
+    for step, (full, window) in enumerate((a, b, a, b)):
+        out, want = call(runner, 8, full, window, position=step)
+        torch.testing.assert_close(out, want, msg=f"step {step}")
+    assert len(fake_cuda.created) == 1 and fake_cuda.created[0].replays == 4
+    (key,) = runner.block_graphs
+    full_block, window_block = tower.blocks[1], tower.blocks[0]
+    form, cu, max_seqlen = full_block.forms[-1]  # the captured call (warm-up, then capture)
+    assert form == ("list2" if backend == "fa3" else "metadata")
+    assert cu is runner.cu_full_len[key] and max_seqlen == 8  # class bound: longest 6 -> 8
+    assert window_block.forms[-1][1] is runner.cu_window_len[key] and window_block.forms[-1][2] == 4
+    assert runner.cu_full_len[key].tolist() == [0, 0, 5, 8, 8]  # b's boundaries + one empty sequence
+    assert runner._ext_graph_info()["attention_backend"] == backend
+
+
+def windowed_merged_tower(backend, window_tokens=8):
+    """merged_tower (merge unit 2) with a window geometry: one full window = `window_tokens` tokens."""
+    tower = flash_tower(backend, merged_tower())
+    tower.patch_size, tower.spatial_merge_size = 14, 1
+    tower.window_size = 14 * int((window_tokens // 2) ** 0.5)
+    return tower
+
+
+def merged_call(runner, tokens, full, window, step):
+    x = torch.arange(tokens, dtype=torch.float32).view(tokens, 1) * 0.5 + step
+    pos = torch.full((tokens, 1), float(step))
+    order = torch.randperm(tokens // 2, generator=torch.Generator().manual_seed(step))
+    out = runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32),
+                     (pos, pos), output_indices=order, attention_layout_key=(full, window))
+    return out, merged_reference(runner.vit, x, full, window, pos).index_select(0, order)
+
+
+FA3_BATCHES = [(12, (0, 0, 4, 12), (0, 4, 6, 8, 12)), (10, (0, 0, 6, 10), (0, 2, 6, 10)),
+               (14, (0, 0, 14), (0, 4, 8, 12, 14)), (6, (0, 0, 2, 6), (0, 2, 4, 6)),
+               (16, (0, 0, 2, 16), (0, 2, 4, 6, 8, 10, 12, 14, 16)), (26, (0, 0, 20, 26), (0, 8, 16, 20, 24, 26))]
+
+
+def test_fa3_bucket_mode_captures_the_ladder_first_and_every_batch_hits(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32")
+    runner = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
+    for step, (tokens, full, window) in enumerate(FA3_BATCHES * 2):
+        out, want = merged_call(runner, tokens, full, window, step)
+        torch.testing.assert_close(out, want, msg=f"step {step}")
+    info = runner._ext_graph_info()
+    # One key per bucket (window counts 3..9 all fit the bucket's fixed class), captured up front.
+    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16, 32]
+    assert (info["captures"], info["hits"], info["misses"], info["fallbacks"]) == (3, 12, 0, 0)
+    key16 = next(k for k in runner.block_graphs if k.num_tokens == 16)
+    assert key16.variant == ("bucket", 8, 16, 8, 8)  # >= 8 full sequences; 16 / merge unit 2 windows, bound 8
+    # The last 16-token batch has 8 windows of 2 tokens: exactly the class's room (16 / merge unit 2).
+    assert runner.cu_window_len[key16].tolist() == list(range(0, 18, 2))
+
+
+def test_fa3_precapture_stays_within_capacity_and_can_be_switched_off(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_max_entries=2)
+    runner = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
+    merged_call(runner, *FA3_BATCHES[3], 0)  # 6 tokens -> the 8 bucket, pre-captured
+    info = runner._ext_graph_info()
+    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16] and info["evictions"] == 0
+    assert (info["hits"], info["misses"]) == (1, 0)
+    out, want = merged_call(runner, *FA3_BATCHES[5], 1)  # 26 -> 32: captured on use, evicting the LRU
+    torch.testing.assert_close(out, want)
+    assert runner._ext_graph_info()["evictions"] == 1
+
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_precapture=0)
+    lazy = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
+    merged_call(lazy, *FA3_BATCHES[3], 0)
+    assert [k.num_tokens for k in lazy.block_graphs] == [8] and lazy._ext_graph_info()["misses"] == 1
+
+
+def test_fa3_precapture_stops_at_the_byte_budget(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_max_bytes=0)
+    unlimited = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
+    merged_call(unlimited, *FA3_BATCHES[3], 0)
+    nbytes = {k.num_tokens: n for k, n in unlimited._ext_graph_bytes.items()}
+    # Room for the 8- and 16-token graphs, not for the 32-token one as well.
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_max_bytes=nbytes[8] + nbytes[16])
+    runner = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
+    merged_call(runner, *FA3_BATCHES[3], 0)
+    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16]
+    assert runner._ext_cache.bytes_resident <= nbytes[8] + nbytes[16] and runner._ext_graph_info()["evictions"] == 0
+
+
+@pytest.mark.parametrize("backend", ["triton_attn", "fa4"])
+def test_bucket_mode_on_other_backends_keeps_power_of_two_window_classes(vit_patch, fake_cuda, backend):
+    """Their kernels launch work per (sequence, head): no fixed classes, hence no pre-capture."""
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32")
+    runner = ViTCudaGraphRunner(windowed_merged_tower(backend))
+    out, want = merged_call(runner, *FA3_BATCHES[0], 0)  # 12 -> 16 tokens, 4 real + 1 padding windows
+    torch.testing.assert_close(out, want)
+    (key,) = runner.block_graphs
+    assert key.variant == ("bucket", 8, 16, 8, 4)  # 5 windows -> 8, longest 4 -> 4
+    assert runner._ext_graph_info()["misses"] == 1
+
+
+def test_videos_get_their_own_classes_and_past_the_ladder_run_unpadded(vit_patch, fake_cuda):
+    """A video is many sequences (Qwen3: one per frame): a wider full-attention class than images,
+    and past the largest bucket no padding at all (one graph per token count, LRU-bounded)."""
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32")
+    runner = ViTCudaGraphRunner(flash_tower("fa3", StubTower(fullatt=())))
+    image = (0, 10, 24)  # 2 images, 24 tokens -> 32
+    video = tuple(range(0, 26, 2))  # 12 frames of 2 tokens: 24 tokens -> 32, 13 sequences with the padding
+    long_video = tuple(range(0, 42, 2))  # 20 frames, 40 tokens: past the ladder
+    for full in (image, video, long_video, video, long_video):
+        out, want = call(runner, full[-1], full, qwen3=True, position=len(full))
+        torch.testing.assert_close(out, want)
+    keys = {(k.num_tokens, k.variant[1]) for k in runner.block_graphs}
+    assert {(32, 8), (32, 16), (40, 32)} <= keys  # image class, video class, unpadded long video
+    info = runner._ext_graph_info()
+    assert info["hits"] == 3 and info["fallbacks"] == 0  # image (pre-captured), second video, second long video
+
+
+# ---------------------------------------------------------------------------
+# Default byte budget
+# ---------------------------------------------------------------------------
+
+GiB = 1 << 30
+
+
+def _budget_runner(monkeypatch, free_bytes, **tower_kwargs):
+    tower = StubTower(**tower_kwargs)
+    tower.device = torch.device("cuda", 0)  # only read for the budget: nothing is allocated here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_bytes, 141 * GiB))
+    runner = ViTCudaGraphRunner(tower)
+    runner._ext_ensure_state()
+    return runner
+
+
+@pytest.mark.parametrize(("free", "budget"), [(8 * GiB, 2 * GiB), (120 * GiB, 4 * GiB), (512 << 20, 256 << 20)])
+def test_default_budget_is_a_quarter_of_free_memory_clamped(vit_patch, monkeypatch, free, budget):
+    vit_patch()
+    runner = _budget_runner(monkeypatch, free)
+    assert runner._ext_cache.max_bytes == budget and runner._ext_graph_info()["max_bytes"] == budget
+
+
+def test_budget_knob_overrides_the_default(vit_patch, monkeypatch):
+    vit_patch(vit_graph_max_bytes=0)
+    assert _budget_runner(monkeypatch, 8 * GiB)._ext_cache.max_bytes == 0  # 0 = no byte limit
+    vit_patch(vit_graph_max_bytes=12345)
+    assert _budget_runner(monkeypatch, 8 * GiB)._ext_cache.max_bytes == 12345
+
+
+def test_budget_knob_below_minus_one_is_a_one_line_error():
+    from sglang_ext.errors import ExtConfigError
+    from sglang_ext.knobs import load_settings
+
+    with pytest.raises(ExtConfigError) as bad:
+        load_settings({"SGLANG_EXT_VIT_GRAPH_MAX_BYTES": "-2"})
+    message = str(bad.value)
+    assert "\n" not in message and "--ext-vit-graph-max-bytes" in message and ">= -1" in message
+
+
+def _budget_rank(rank, init_file, free_bytes, results):
+    """One TP rank (a real process): the runner's budget agreed over a real gloo group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD, ca_comm=None)
+        runner_module.get_tp_group = lambda: group
+        tower = StubTower(use_data_parallel=False)
+        tower.device = torch.device("cuda", 0)
+        torch.cuda.is_available = lambda: True
+        torch.cuda.mem_get_info = lambda device=None: (free_bytes, 141 * GiB)
+        runner = ViTCudaGraphRunner(tower)
+        runner._ext_ensure_state()
+        results.put((rank, runner._ext_cache.max_bytes))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_default_budget_is_the_minimum_over_tp_ranks(vit_patch, tmp_path):
+    import multiprocessing
+
+    vit_patch()
+    ctx = multiprocessing.get_context("fork")  # the children inherit the activated patch
+    results = ctx.Queue()
+    free = {0: 6 * GiB, 1: 10 * GiB}  # alone: 1.5 GiB and 2.5 GiB
+    procs = [ctx.Process(target=_budget_rank, args=(rank, tmp_path / "init", free[rank], results))
+             for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert sorted(results.get(timeout=5) for _ in procs) == [(0, 3 * GiB // 2), (1, 3 * GiB // 2)]

@@ -141,18 +141,20 @@ def rank_main(rank, world, port, failing_rank, results):
                                               use_torch_symm_mem_allreduce=False, group_name="tp")
         assert runner_module.get_tp_group() is ps._TP and ps._TP.world_size == world
         cpu_group = ps._TP.cpu_group
-        votes = []
+        votes = []  # capture votes (int32 flags, graphs.agreement)
+        budgets = []  # the default byte budget's MIN agreement (int64, once per runner at its first run)
         real_all_reduce = dist.all_reduce
 
         def counting_all_reduce(tensor, *args, **kwargs):
             if kwargs.get("group") is cpu_group:
-                votes.append(int(tensor.item()))
+                (budgets if tensor.dtype == torch.int64 else votes).append(int(tensor.item()))
             return real_all_reduce(tensor, *args, **kwargs)
 
         dist.all_reduce = counting_all_reduce
         report = {}
         for stage in STAGES:
             runner = ViTCudaGraphRunner(tp_tower())
+            budgets.clear()  # arm() may create the runner's state (and agree its budget) early
             undo = arm(runner, stage) if rank == failing_rank else None
             votes.clear()
             exact = [run_batch(runner, *A, step=1)]
@@ -168,7 +170,8 @@ def rank_main(rank, world, port, failing_rank, results):
             report[stage] = dict(exact=exact, first_votes=first_votes, votes=len(votes),
                                  failed=after_failure["fallback_capture_failed"], graphs_after_failure=graphs_after_failure,
                                  graphs_with_b=graphs_with_b, quarantined=info["fallback_quarantined"],
-                                 captures=info["captures"], hits=info["hits"], failures=info["failures"])
+                                 captures=info["captures"], hits=info["hits"], failures=info["failures"],
+                                 budgets=list(budgets), budget=runner._ext_max_bytes)
         results.put((rank, report))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, traceback.format_exc()))
@@ -215,6 +218,8 @@ def test_a_failure_at_any_stage_on_one_rank_makes_every_rank_run_eager(vit_patch
         expected_votes = 1 if stage in ("allocation", "warmup") else 2
         assert {len(r["first_votes"]) for r in per_rank} == {expected_votes}, (stage, per_rank)
         assert {r["votes"] for r in per_rank} == {per_rank[0]["votes"]}, (stage, per_rank)
+        # The default byte budget (-1): agreed once per runner, before its first capture, equal on every rank.
+        assert [(len(r["budgets"]), r["budget"]) for r in per_rank] == [(1, per_rank[0]["budget"])] * world, per_rank
         assert sorted(per_rank[failing_rank]["first_votes"]) != sorted(per_rank[1 - failing_rank]["first_votes"])
         transient = stage in ("allocation", "warmup")  # injected OOMs; the others are permanent errors
         for r in per_rank:
