@@ -120,7 +120,8 @@ def build_qwen2_5_tower(config: dict = SMALL_CONFIG, *, dtype=torch.float32, dev
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    if native_ops if native_ops is not None else not sgl_kernel_ops_loaded():
+    # sgl_kernel's rmsnorm has bf16/fp16 kernels only: fp32 towers run sglang's native ops.
+    if native_ops if native_ops is not None else (dtype == torch.float32 or not sgl_kernel_ops_loaded()):
         use_native_ops(vit)
     return vit.to(device=device, dtype=dtype).eval()
 
@@ -149,7 +150,8 @@ def build_qwen3_tower(config: dict = QWEN3_SMALL_CONFIG, *, dtype=torch.float32,
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    if native_ops if native_ops is not None else not sgl_kernel_ops_loaded():
+    # sgl_kernel's rmsnorm has bf16/fp16 kernels only: fp32 towers run sglang's native ops.
+    if native_ops if native_ops is not None else (dtype == torch.float32 or not sgl_kernel_ops_loaded()):
         use_native_ops(vit)
     return vit.to(device=device, dtype=dtype).eval()
 

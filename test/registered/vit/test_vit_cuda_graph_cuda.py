@@ -420,3 +420,38 @@ def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runti
     _compare(f"fa3 qwen3 bf16 {mode}", pairs, bitwise_expected=(mode == "class"))
     print(info)
     assert info["mode"] == mode and info["attention_backend"] == "fa3" and info["hits"] > 0
+
+
+def test_qwen3_tower_graph_output_equals_unpatched_0_5_17_graph_output(ext_patches, qwen_runtime, monkeypatch):
+    """Real Qwen3-VL tower (triton_attn, bf16): where 0.5.17's own graph path is right (every batch a
+    new token count, so its token-count key cannot alias), sglang-ext's graphs give its output bit
+    for bit. sglang's graph path vs its eager `forward` is printed for both (a difference there is
+    0.5.17's, not the runner's)."""
+    kit = qwen_runtime
+    from sglang.srt.layers.attention import vision
+
+    monkeypatch.setenv("SGLANG_VIT_ENABLE_CUDA_GRAPH", "1")
+    monkeypatch.setattr(vision, "apply_rotary_pos_emb", vision.apply_rotary_pos_emb_native_eager)
+    rng = random.Random(6)
+    batches, totals = [], set()
+    while len(batches) < 6:
+        pixels, grid = kit.random_batch(rng, (4, 8, 12, 16), patch_dim=kit.QWEN3_PATCH_DIM, dtype=torch.bfloat16)
+        if pixels.shape[0] not in totals:
+            totals.add(pixels.shape[0])
+            batches.append((pixels, grid))
+
+    def outputs(vit):
+        return [(kit.forward_qwen3(vit, p, g, graph=True).clone(), kit.forward_qwen3(vit, p, g, graph=False))
+                for p, g in batches]
+
+    upstream = outputs(kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2))
+    knobs = {"disable": ",".join(n for n in PATCH_NAMES if n != THIS_PATCH), "vit_graph_max_entries": 16}
+    if installed_sglang_version() is None:
+        knobs["assume_sglang"] = "0.5.17"
+    ext_patches(**knobs)
+    ours = outputs(kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2))
+    for label, pairs in (("0.5.17 graph", upstream), ("sglang-ext graph", ours)):
+        worst = max((g.float() - e.float()).abs().max().item() for g, e in pairs)
+        print(f"\nqwen3 bf16 triton {label} vs sglang's eager forward: max |diff| = {worst:.3g}; "
+              f"bitwise {sum(bool(torch.equal(g, e)) for g, e in pairs)} / {len(pairs)}")
+    assert all(torch.equal(o[0], u[0]) for o, u in zip(ours, upstream)), "graph outputs differ from 0.5.17's"
