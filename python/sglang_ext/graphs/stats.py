@@ -150,7 +150,7 @@ _FALLBACK_FIELDS = {"rejections": "capacity", "failures": "capture_failed",
 _GAUGE_FIELDS = {"graph_resident": ("size",), "graph_resident_bytes": ("bytes_resident",),
                  "graph_capacity": ("capacity", "max_entries")}
 
-_prom: Dict[str, Any] = {"on": None, "metrics": None, "last": {}, "gauges": {}, "children": {}}
+_prom: Dict[str, Any] = {"on": None, "metrics": None, "last": {}, "gauges": {}, "children": {}, "reserved": None}
 
 
 def cache_label(name: str) -> Optional[str]:
@@ -273,10 +273,10 @@ def _publish() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         reserved = torch.cuda.memory_reserved()
-        if last_gauges.get("cuda_memory_reserved_bytes") != reserved:
+        if _prom["reserved"] != reserved:  # kept apart from last_gauges, whose keys are (family, cache)
             _prom["metrics"]["cuda_memory_reserved_bytes"].set(reserved)
-            last_gauges["cuda_memory_reserved_bytes"] = reserved
+            _prom["reserved"] = reserved
 
 
 def _reset_metrics_for_tests() -> None:
-    _prom.update(on=None, metrics=None, last={}, gauges={}, children={})
+    _prom.update(on=None, metrics=None, last={}, gauges={}, children={}, reserved=None)

@@ -169,3 +169,36 @@ def test_prefill_cp_bucket_decisions_reach_the_metrics(monkeypatch, tmp_path):
         assert got[("sglang_ext_graph_eager_fallbacks_total", (label, ("reason", "unknown_layout")))] == 1
     finally:
         stats._reset_metrics_for_tests()
+
+
+def test_reserved_memory_gauge_survives_repeated_publishes(monkeypatch, tmp_path):
+    """Found on the H200: with CUDA initialised, the second publish raised KeyError and switched the
+    metrics off for good. Here torch.cuda reports itself initialised (the GPU is the only fake)."""
+    import prometheus_client  # noqa: F401  (before the variable: in-memory values in this process)
+    import torch
+
+    from sglang_ext.graphs import stats
+    from sglang_ext.graphs.cache import BoundedGraphCache
+
+    reserved = [1 << 20]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    stats._reset_metrics_for_tests()
+    cache = BoundedGraphCache("vla.prefix", 2)
+    name = stats.register("vla.prefix", cache.info)
+    try:
+        for step in range(3):
+            reserved[0] = (step + 1) << 20
+            cache.admit(step)
+            cache.put(step, object(), nbytes=10)
+            stats.publish()
+        assert stats._prom["on"] is True, "publishing switched itself off"
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in stats.metrics_registry().collect() for s in family.samples}
+        assert got[("sglang_ext_cuda_memory_reserved_bytes", ())] == 3 << 20
+        assert got[("sglang_ext_graph_captures_total", (("cache", "pi05_prefix_graph"),))] == 3
+        assert got[("sglang_ext_graph_resident", (("cache", "pi05_prefix_graph"),))] == 2
+    finally:
+        stats.unregister(name)
+        stats._reset_metrics_for_tests()
