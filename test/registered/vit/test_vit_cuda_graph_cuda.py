@@ -395,23 +395,21 @@ def test_fa3_qwen2_5_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_run
         assert info["captures"] == 4 and info["misses"] == 0 and info["padded_batches"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the reference is sglang's eager forward, and 0.5.17's Qwen3-VL graph path differs from it on its own "
-    "(H200, 2026-12-01: 0.094 here, 0.127 unpatched on triton_attn, see "
-    "test_qwen3_tower_graph_output_equals_unpatched_0_5_17_graph_output); to do: compare with the runner's "
-    "eager fallback (same blocks) instead"))
 @pytest.mark.parametrize("mode", ["class", "bucket"])
 def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runtime, monkeypatch, mode):
+    """Reference: the same tower through the runner's eager fallback (capacity 0: the same blocks and
+    merger run eagerly). Not sglang's eager `forward`: 0.5.17's Qwen3-VL graph path differs from
+    that on its own (H200, 2026-12-01: 0.094 here, 0.127 unpatched on triton_attn; see
+    test_qwen3_tower_graph_output_equals_unpatched_0_5_17_graph_output)."""
     kit = fa3_runtime
     from sglang.srt.layers.attention import vision
 
-    # sglang's graph mode applies rotary with the eager torch function; its non-graph path uses a
-    # torch.compile'd one. Same function on both sides, so only the runner is compared.
     monkeypatch.setattr(vision, "apply_rotary_pos_emb", vision.apply_rotary_pos_emb_native_eager)
     vit_patch(vit_graph_max_entries=16, vit_graph_mode=mode, vit_graph_token_buckets="512,1024,2048,4096"
               if mode == "bucket" else "")
-    vit = kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2)
-    assert vit.blocks[0].attn.qkv_backend_name == "fa3"
+    graphed_vit = kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2)
+    eager_vit = kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2)
+    assert graphed_vit.blocks[0].attn.qkv_backend_name == "fa3"
     rng = random.Random(6)
     sides = (4, 8, 12, 16, 24, 32)
     batches = [kit.random_batch(rng, sides, patch_dim=kit.QWEN3_PATCH_DIM, dtype=torch.bfloat16) for _ in range(8)]
@@ -419,11 +417,15 @@ def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runti
     for step in range(32):
         pixels, grid = batches[rng.randrange(len(batches))] if step % 3 else kit.random_batch(
             rng, sides, patch_dim=kit.QWEN3_PATCH_DIM, dtype=torch.bfloat16)
-        pairs.append((kit.forward_qwen3(vit, pixels, grid, graph=True).clone(),
-                      kit.forward_qwen3(vit, pixels, grid, graph=False)))
-    info = vit.graph_runners._ext_graph_info()
+        graphed = kit.forward_qwen3(graphed_vit, pixels, grid, graph=True).clone()
+        monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES", "0")  # read at the runner's first run
+        pairs.append((graphed, kit.forward_qwen3(eager_vit, pixels, grid, graph=True)))
+        monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES", "16")
+    info = graphed_vit.graph_runners._ext_graph_info()
+    eager_info = eager_vit.graph_runners._ext_graph_info()
     _compare(f"fa3 qwen3 bf16 {mode}", pairs, bitwise_expected=(mode == "class"))
     print(info)
+    assert eager_info["captures"] == 0 and eager_info["fallback_disabled"] == len(pairs), eager_info
     assert info["mode"] == mode and info["attention_backend"] == "fa3" and info["hits"] > 0
 
 
