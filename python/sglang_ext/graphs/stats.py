@@ -114,7 +114,7 @@ def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
 # Prometheus
 # ---------------------------------------------------------------------------
 
-# Registration name (before ':' / '#') -> the `cache` label (INTERFACES.md).
+# Registration name (before ":" or "#") -> the `cache` label of the sglang_ext_graph_* metrics.
 CACHE_LABELS = {
     "vit_cuda_graph": "vit_cuda_graph",
     "vla.prefix": "pi05_prefix_graph",
