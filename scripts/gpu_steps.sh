@@ -26,8 +26,15 @@ step_cmd() {
     unit) echo "python3 -m pytest -q -rA -p no:cacheprovider test/registered/graphs/test_graph_core_cuda.py \
 test/registered/vit/test_vit_cuda_graph_cuda.py test/registered/pi05/test_pi05_graphs_cuda.py \
 test/registered/pi05/test_pi05_fused_norms_cuda.py test/registered/cp/test_prefill_cp_graph_1gpu.py" ;;
+    # Default subset: fits ~5 min under memcheck. Left out: the failed-capture tests (they raise CUDA
+    # API errors 900/901 on purpose, which memcheck counts) and two memory-accounting tests whose
+    # numbers memcheck's own allocations change (all pass in `unit`).
     sanitizer) echo "compute-sanitizer --tool memcheck --error-exitcode 7 --print-limit 20 python3 -m pytest -q -rA \
--p no:cacheprovider ${SANITIZER_TESTS:-test/registered/graphs/test_graph_core_cuda.py}" ;;
+-p no:cacheprovider ${SANITIZER_TESTS:-test/registered/graphs/test_graph_core_cuda.py \
+test/registered/vit/test_vit_cuda_graph_cuda.py test/registered/pi05/test_pi05_graphs_cuda.py -k \
+'(test_graph_core_cuda or replays_current or rotary_buffer or capacity_overflow or evicting_gemm \
+or (graph_mode_matches_eager and full and 17) or consecutive_requests) and not failed_capture \
+and not return_pool_memory and not workspace_growth'}" ;;
     bench-vit) echo "python3 scripts/bench_vit.py ${BENCH_VIT_ARGS:-} --out $OUT/vit.json" ;;
     *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, unit, sanitizer, bench-vit)" >&2; return 2 ;;
   esac
