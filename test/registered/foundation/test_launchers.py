@@ -238,6 +238,7 @@ def test_help_starts_with_the_launchers_usage():
     assert proc.stdout.startswith("usage: python -m sglang_ext.launch_server")
 
 
+@plugin_only  # activates the installed plugin, which stands aside on a patched tree
 def test_strict_unsupported_assumed_version_says_it_once_without_suggesting_the_same_variable(
         clean_env, capsys, caplog):
     status = main_without_gpu_check(["--model-path", "m", "--ext-strict", "--ext-assume-sglang", "0.5.23"],
@@ -250,6 +251,7 @@ def test_strict_unsupported_assumed_version_says_it_once_without_suggesting_the_
     assert not [r for r in caplog.records if "not supported" in r.getMessage()]  # not logged as well
 
 
+@plugin_only  # activates the installed plugin, which stands aside on a patched tree
 def test_one_startup_line_with_role_pid_version_and_patches(clean_env, caplog):
     caplog.set_level("INFO", logger="sglang_ext")
     assert main_without_gpu_check(["--model-path", "m", "--ext-disable=pi05_config"], "prog", Handover()) == 0

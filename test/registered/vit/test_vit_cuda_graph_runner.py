@@ -1006,15 +1006,16 @@ def test_device_boundaries_without_a_layout_key_run_eager_and_warn_once_per_runn
 def test_stats_log_interval_zero_never_logs(vit_patch, fake_cuda, monkeypatch, caplog):
     vit_patch(stats_log_interval_s=0)
     stats = ext_core("graphs.stats")
+    logger = stats.__name__.rsplit(".graphs.", 1)[0] + ".vit_cuda_graph"  # sglang_ext.* or the fork's sglang.ext.*
     monkeypatch.setattr(stats, "_last_log", [float("-inf")])
     runner = ViTCudaGraphRunner(StubTower())
-    with caplog.at_level(logging.DEBUG, logger="sglang_ext.vit_cuda_graph"):
+    with caplog.at_level(logging.DEBUG, logger=logger):
         for _ in range(3):
             call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
     assert not [r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]
     vit_patch(stats_log_interval_s=3600)
     runner = ViTCudaGraphRunner(StubTower())
-    with caplog.at_level(logging.DEBUG, logger="sglang_ext.vit_cuda_graph"):
+    with caplog.at_level(logging.DEBUG, logger=logger):
         for _ in range(3):
             call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
     assert len([r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]) >= 1  # the control logs
