@@ -96,8 +96,12 @@ def kernel_report(backend: str) -> dict:
 
 
 def build_qwen2_5_tower(config: dict = SMALL_CONFIG, *, dtype=torch.float32, device="cuda", seed: int = 0,
-                        graphs: bool = True, native_ops=None):
-    """sglang's Qwen2_5_VisionTransformer with random weights; `graphs` builds its ViT graph runner."""
+                        graphs: bool = True, native_ops=None, use_data_parallel: bool = True):
+    """sglang's Qwen2_5_VisionTransformer with random weights; `graphs` builds its ViT graph runner.
+
+    `use_data_parallel=False` shards the tower over sglang's TP group (its parallel state must exist);
+    every rank fills its own shards from the same seed.
+    """
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
     from sglang.srt.models import qwen2_5_vl
@@ -105,7 +109,8 @@ def build_qwen2_5_tower(config: dict = SMALL_CONFIG, *, dtype=torch.float32, dev
     previous = os.environ.get("SGLANG_VIT_ENABLE_CUDA_GRAPH")
     os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1" if graphs else "0"
     try:
-        vit = qwen2_5_vl.Qwen2_5_VisionTransformer(Qwen2_5_VLVisionConfig(**config), use_data_parallel=True)
+        vit = qwen2_5_vl.Qwen2_5_VisionTransformer(Qwen2_5_VLVisionConfig(**config),
+                                                     use_data_parallel=use_data_parallel)
     finally:
         if previous is None:
             os.environ.pop("SGLANG_VIT_ENABLE_CUDA_GRAPH", None)
