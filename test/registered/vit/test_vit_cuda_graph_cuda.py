@@ -399,7 +399,7 @@ def test_fa3_qwen2_5_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_run
 def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runtime, monkeypatch, mode):
     """Reference: the same tower through the runner's eager fallback (capacity 0: the same blocks and
     merger run eagerly). Not sglang's eager `forward`: 0.5.17's Qwen3-VL graph path differs from
-    that on its own (H200, 2026-12-01: 0.094 here, 0.127 unpatched on triton_attn; see
+    that on its own (H200, 2026-12-01: 0.129 here (fa3), 0.127 unpatched on triton_attn; see
     test_qwen3_tower_graph_output_equals_unpatched_0_5_17_graph_output)."""
     kit = fa3_runtime
     from sglang.srt.layers.attention import vision
