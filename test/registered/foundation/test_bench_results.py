@@ -52,6 +52,18 @@ def test_kernels_say_which_packages_were_loaded(monkeypatch):
     assert bench_results.kernels()["flashinfer"] == "not loaded"
 
 
+def test_the_in_repo_stand_ins_are_reported_as_stand_ins():
+    """A package replaced through sglang_ext.testing.stand_ins must not read as a real version."""
+    import subprocess
+
+    code = f"import sys; sys.path.insert(0, {SCRIPTS!r}); import flashinfer, bench_results; print(bench_results.kernels())"
+    env = {**os.environ, "SGX_STANDINS": "flashinfer"}
+    out = subprocess.run([sys.executable, "-m", "sglang_ext.testing.stand_ins", "-c", code], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "'flashinfer': 'stand-in'" in out.stdout, out.stdout
+
+
 def test_one_run_only_when_every_row_shares_a_run_id():
     same = gen_performance_doc._provenance([("a", {"run_id": "r1", "attention": "fa3"}),
                                             ("b", {"run_id": "r1", "attention": "fa3"})])[0]
