@@ -950,7 +950,7 @@ def _ext_run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, position_embedding
     y = x_3d
     deepstack_outs = []
     for layer_num, blk in enumerate(vit.blocks):
-        full = not self._fullatt_block_indexes or layer_num in self._fullatt_block_indexes
+        full = self._ext_block_is_full(layer_num)
         if self._ext_blk_accepts_metadata:
             md = full_md if full else window_md
             y = blk(y, cu_seqlens=md.cu_seqlens, forward_metadata=md, **rotary_kwargs)
