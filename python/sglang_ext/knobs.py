@@ -182,6 +182,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("pi05_fused_denoise", "bool", False,
          "Opt-in: capture all denoise steps of a Pi0.5 request (including the x_t update) as "
          "one CUDA graph: one replay per request instead of one per step."),
+    Knob("pi05_fast", "bool", False,
+         "Opt-in: Pi0.5 on fused kernels (adaRMS norm with its gated residual, RoPE, the time "
+         "conditioning of every denoise step computed once per step count; implies "
+         "pi05_fused_denoise). Equal to the exact path within bf16 tolerance, not bitwise."),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
