@@ -17,12 +17,15 @@ and different image boundaries replay the first batch's `cu_seqlens` and baked
 it while older graphs keep reading the old (freed, reusable) address. Upstream's fix
 keeps every layout's graph forever (each in a private pool), never frees retired
 workspaces, syncs GPU->CPU when no layout key is passed, has no eager fallback and
-returns the graph-owned output buffer for Qwen3.
+returns the graph-owned output buffer for Qwen3. Qwen3's graph inputs
+(`_prepare_graph_inputs`, unchanged up to 0.5.23) interpolate the position embedding
+by another rule than its eager `forward`, so graphs on never equalled graphs off;
+our Qwen3 graph path builds its inputs as `forward` does.
 
 How:
 - Key = `GraphKey(num_tokens, layout=(full-attention cu_seqlens, window cu_seqlens))`
   as Python ints, built by the two model methods from CPU metadata (grid_thw, the
-  window index list, the CPU cu_seqlens of `_prepare_graph_inputs`) and passed as
+  window index list, Qwen3's grid) and passed as
   upstream's `attention_layout_key`. Device tensors are then built from the same ints,
   so the key always describes the data.
 - `_get_graph_key(x_3d)` with one argument returns the token count (what 0.5.17's
@@ -1095,11 +1098,32 @@ def forward_with_cuda_graph(self, x, grid_thw):
     )
 
 
+def _ext_qwen3_graph_inputs(self, x, grid_thw):
+    """0.5.17's `_prepare_graph_inputs`, with the position embedding of the eager `forward`.
+
+    0.5.17's graph inputs interpolate the learned position embedding with its legacy rule
+    (`fast_pos_embed_interpolate`: align_corners from enable_precise_embedding_interpolation, off
+    by default) while `forward` always samples it at linspace points (align_corners=True, as HF
+    does): ViT graphs on gave other embeddings than graphs off (0.127 apart on the tiny tower, H200).
+    Returns the full-attention boundaries as Python ints (host data, no sync).
+    """
+    x = self.patch_embed(x.to(device=self.device, dtype=self.dtype, non_blocking=True))
+    grid = grid_thw if isinstance(grid_thw, list) else grid_thw.tolist()
+    if self._use_vectorized_pos_embed(len(grid)):
+        x += self.fast_pos_embed_interpolate_vectorized(grid)
+    else:
+        x += self.fast_pos_embed_interpolate_from_list(grid)
+    rotary_pos_emb_cos, rotary_pos_emb_sin = self.rot_pos_emb(grid)
+    full_layout = [0]
+    for t, h, w in grid:  # one attention sequence per frame, as eager's token_cu_seqlens
+        for _ in range(int(t)):
+            full_layout.append(full_layout[-1] + int(h) * int(w))
+    return x, tuple(full_layout), rotary_pos_emb_cos, rotary_pos_emb_sin
+
+
 def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
     """Qwen3VLMoeVisionModel.forward_with_cuda_graph (installed under that name)."""
-    x, cu_seqlens, rotary_pos_emb_cos, rotary_pos_emb_sin = self._prepare_graph_inputs(x, grid_thw)
-    # `_prepare_graph_inputs` returns host cu_seqlens (numpy -> CPU tensor): the key costs no sync.
-    full_layout = cpu_ints(cu_seqlens, field="cu_seqlens", allow_device_sync=True)
+    x, full_layout, rotary_pos_emb_cos, rotary_pos_emb_sin = _ext_qwen3_graph_inputs(self, x, grid_thw)
     cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
     return self.graph_runners.run(
         x=x,

@@ -806,19 +806,29 @@ def test_qwen3_vision_forward_passes_the_cpu_layout_key(vit_patch):
 
     grid_thw = torch.tensor([[1, 4, 6], [2, 4, 4]])
     tokens = int(grid_thw.prod(dim=1).sum())
-    host_cu = compute_cu_seqlens_from_grid_numpy(grid_thw)  # what 0.5.17's _prepare_graph_inputs returns
 
     class Tower:
         graph_runners = RecordingRunner()
+        device, dtype = torch.device("cpu"), torch.float32
 
-        def _prepare_graph_inputs(self, x, grid):
-            return x, host_cu, torch.ones(tokens, 4), torch.zeros(tokens, 4)
+        def patch_embed(self, x):
+            return x
+
+        def _use_vectorized_pos_embed(self, num_images):
+            return False
+
+        def fast_pos_embed_interpolate_from_list(self, grid):
+            return torch.zeros(tokens, 8)
+
+        def rot_pos_emb(self, grid):
+            return torch.ones(tokens, 4), torch.zeros(tokens, 4)
 
     tower = Tower()
     Qwen3VLMoeVisionModel.forward_with_cuda_graph(tower, torch.randn(tokens, 8), grid_thw)
     (kwargs,) = tower.graph_runners.calls
     full, window = kwargs["attention_layout_key"]
     assert full == (0, 24, 40, 56) and window is None  # per frame: 4*6, then 2 frames of 4*4
+    assert list(full) == compute_cu_seqlens_from_grid_numpy(grid_thw).tolist()  # 0.5.17's own boundaries
     assert kwargs["cu_seqlens"].dtype == torch.int32 and kwargs["cu_seqlens"].tolist() == list(full)
     assert kwargs["output_indices"] is None and kwargs["rotary_pos_emb_cos"] is not None
 
@@ -861,6 +871,43 @@ def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails
     info = vit.cuda_graph_runner._ext_graph_info()
     assert info["failures"] == 3 and info["fallback_capture_failed"] == 3 and info["resident_graphs"] == 0
     assert vit.cuda_graph_runner._ext_rotary_leases == {} and vit.cuda_graph_runner.block_input == {}
+
+
+def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monkeypatch):
+    """sglang's real Qwen3 tower on CPU (sdpa), captures failing: the graph path (eager fallback on its
+    graph inputs) equals sglang's eager `forward` bit for bit. 0.5.17's `_prepare_graph_inputs`
+    interpolates the position embedding by another rule, so this fails without our graph inputs."""
+    import sys
+
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    import qwen_vit_kit as kit
+    from sglang.srt import runtime_context
+    from sglang.srt.layers import linear
+    from sglang.srt.models import qwen3_vl
+
+    vit_patch()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _NoCudaGraphs)
+    monkeypatch.setattr(linear, "get_tp_group", lambda: SimpleNamespace(world_size=1))  # a world of one
+    from sglang.srt.layers.rotary_embedding import base as rotary_base
+
+    monkeypatch.setattr(qwen3_vl, "get_pp_group", lambda: SimpleNamespace(world_size=1, is_first_rank=True))
+    from sglang.srt.layers import vocab_parallel_embedding
+
+    monkeypatch.setattr(rotary_base, "_is_cpu", True)  # a CPU-only machine: the native rotary path
+    monkeypatch.setattr(vocab_parallel_embedding, "get_tp_group", lambda: SimpleNamespace(world_size=1))
+    kit.publish_runtime("sdpa")
+    try:
+        vit = kit.build_qwen3_tower(device="cpu", dtype=torch.float32)
+        vit.graph_runners = ViTCudaGraphRunner(vit)  # 0.5.17 builds it only on CUDA
+        rng = random.Random(3)
+        for _ in range(3):
+            pixels, grid = kit.random_batch(rng, (4, 6, 10), patch_dim=kit.QWEN3_PATCH_DIM)
+            graph = kit.forward_qwen3(vit, pixels, grid, graph=True)
+            eager = kit.forward_qwen3(vit, pixels, grid, graph=False)
+            assert torch.equal(graph, eager), grid.tolist()
+    finally:
+        runtime_context.reset_context()
+    assert vit.graph_runners._ext_graph_info()["fallback_capture_failed"] == 3
 
 
 def test_debug_addresses_catches_a_captured_tensor_that_moved(vit_patch, fake_cuda):
