@@ -378,10 +378,18 @@ def patch_prefill_runner(ctx, module) -> None:
 
 
 def _weak_ref_if_tensor(x):
-    """A graph-break input as `eager_on_graph` keeps it: itself inside a CP BCG capture, else 0.5.17's weak view."""
-    if _EXT_HOLD_BREAK_INPUTS.get():
-        return x
-    return _ext_orig_weak_ref_if_tensor(x)  # noqa: F821
+    """A graph-break input as `eager_on_graph` keeps it: itself inside a CP BCG capture, else 0.5.17's weak view.
+
+    Tuples and lists are copied as 0.5.17 copies them, so a container the model mutates
+    after the break never changes what the replay passes.
+    """
+    if not _EXT_HOLD_BREAK_INPUTS.get():
+        return _ext_orig_weak_ref_if_tensor(x)  # noqa: F821
+    if isinstance(x, tuple):
+        return tuple(_weak_ref_if_tensor(item) for item in x)
+    if isinstance(x, list):
+        return [_weak_ref_if_tensor(item) for item in x]
+    return x
 
 
 def patch_breakable_cuda_graph(ctx, module) -> None:

@@ -263,8 +263,36 @@ def check_held_and_replayed(runner, per_bucket, hidden):
 def test_hold_is_scoped_to_the_cp_capture(cp_patch, cpu_graphs):
     """Outside a CP BCG capture (decode, non-CP prefill, diffusion) break inputs stay 0.5.17's weak views."""
     q = torch.arange(6.0).view(2, 3)
-    view = bcg_module._weak_ref_if_tensor((q, [q], 3))
+    args = (q, [q], 3)
+    view = bcg_module._weak_ref_if_tensor(args)
     assert view[2] == 3
     assert view[0] is not q and view[1][0] is not q
     assert view[0].data_ptr() == q.data_ptr() == view[1][0].data_ptr()
 
+    token = bcg_module._EXT_HOLD_BREAK_INPUTS.set(True)  # what the patched capture_one_shape sets
+    try:
+        held = bcg_module._weak_ref_if_tensor(args)
+    finally:
+        bcg_module._EXT_HOLD_BREAK_INPUTS.reset(token)
+    assert held[0] is q and held[1][0] is q and held[2] == 3
+    assert held[1] is not args[1]  # containers copied, as 0.5.17 copies them
+
+
+def test_non_cp_breakable_capture_is_unchanged(cp_patch, cpu_graphs):
+    """A breakable prefill runner without CP BCG captures as 0.5.17 does: break inputs not held."""
+    body = ToyCPBody(LAYERS, HIDDEN, "cpu")
+    runner = make_capture_runner(body, HIDDEN, "cpu", make_backend(SimpleNamespace(synchronize=lambda: None)))
+    runner.enable_cp_v2_bcg_capture = False
+
+    def dummy_batch(num_tokens):
+        batch = make_live_batch([num_tokens])
+        batch.input_embeds = torch.randn(num_tokens, HIDDEN)
+        return batch, None
+
+    runner.capture_prepare = dummy_batch
+    with torch.no_grad():
+        runner.capture_one_shape(2048)
+    gc.collect()
+    assert ShapeKey(size=2048) in runner.backend._graphs
+    assert len(LOG.captured) == LAYERS
+    assert all(ref() is None for layer in LOG.captured for ref in layer)
