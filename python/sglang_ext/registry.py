@@ -128,7 +128,8 @@ PATCHES: Tuple[PatchSpec, ...] = (
         parts=(
             Part(_BCG, "sglang_ext.adapters.prefill_cp_bucket:patch_bcg"),
             Part(_PREFILL, "sglang_ext.adapters.prefill_cp_bucket:patch_prefill_runner"),
-            Part(_BREAKABLE, "sglang_ext.adapters.prefill_cp_bucket:patch_breakable_cuda_graph"),
+            # patches _BREAKABLE, once the prefill runner (which imports it) is imported
+            Part(_PREFILL, "sglang_ext.adapters.prefill_cp_bucket:patch_breakable_cuda_graph"),
         ),
         upstream_pr="sgl-project/sglang#33906",
         upstream_since="0.5.18",

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import importlib
 from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.layers.cp.base import get_cp_strategy
@@ -392,6 +393,16 @@ def _weak_ref_if_tensor(x):
     return x
 
 
-def patch_breakable_cuda_graph(ctx, module) -> None:
+BREAKABLE_CUDA_GRAPH_MODULE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
+
+
+def patch_breakable_cuda_graph(ctx, prefill_runner_module) -> None:
+    """Triggered by the prefill runner's import, which has imported the breakable module.
+
+    Not by the breakable module's own import: sglang imports it half-way through
+    `sglang.srt.layers.cp`'s import chain, where importing this adapter (it imports
+    `sglang.srt.layers.cp.utils`) would be circular.
+    """
+    module = importlib.import_module(BREAKABLE_CUDA_GRAPH_MODULE)
     ctx.setattr(module, "_ext_orig_weak_ref_if_tensor", module.__dict__["_weak_ref_if_tensor"])
     ctx.transplant_function(module, _weak_ref_if_tensor)
