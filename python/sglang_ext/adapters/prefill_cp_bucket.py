@@ -77,8 +77,8 @@ still weak in 0.5.23):
   about sum over buckets of layers x local rows x (q + k + v + out widths) x dtype bytes,
   where 0.5.17 reuses one layer's worth across layers and buckets. Measured on the H200 by
   test_prefill_bcg_break_inputs_cuda.py (docs/gpu-notes.md).
-- Retire with the rest, or earlier once the minimum supported sglang holds break inputs
-  strongly (#37448 merged).
+- Retire this part once the minimum supported sglang holds break inputs strongly (#37448
+  merged); the patch as a whole: below.
 
 Retire when: upstream stores the admitted bucket with the batch instead of
 recomputing it at replay (still recomputed in 0.5.23) and the minimum supported
