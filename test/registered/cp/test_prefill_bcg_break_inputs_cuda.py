@@ -104,7 +104,8 @@ def test_held_break_inputs_cost_and_replay_reads_them(cp_patch):
         static, output = check_held_and_replayed(runner, per_bucket, HIDDEN)  # alive, own memory, read
         torch.cuda.synchronize()
         # the 2304 graph (captured before 2048) computes the live rows as the eager body does
+        # (loose enough for TF32 / a different GEMM algorithm; stale inputs are off by O(1))
         eager = ToyCPBody(LAYERS, HIDDEN, "cuda").forward(static.input_embeds)
-        torch.testing.assert_close(output, eager, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(output, eager, rtol=1e-2, atol=1e-2)
         assert abs((strong_alloc - weak_alloc) - expected) <= 0.05 * expected
         release(runner)
