@@ -71,6 +71,7 @@ _QWEN25 = "sglang.srt.models.qwen2_5_vl"
 _QWEN3 = "sglang.srt.models.qwen3_vl"
 _BCG = "sglang.srt.layers.cp.bcg"
 _PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
+_BREAKABLE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
 _MG = "sglang.multimodal_gen.runtime"
 _PI05_CORE = f"{_MG}.models.vlas.pi05_core"
 _PI05_POLICY = f"{_MG}.models.vlas.pi05_policy"
@@ -108,10 +109,16 @@ PATCHES: Tuple[PatchSpec, ...] = (
     ),
     PatchSpec(
         name="prefill_cp_bucket",
-        summary="Prefill CP (zigzag) graph bucket chosen by CP-local capacity, once per batch",
+        summary="Prefill CP (zigzag) graph bucket chosen by CP-local capacity, once per batch; "
+        "CP graph-break inputs held strongly (#37606)",
         targets=T(_BCG, "PrefillCPBCGInput")
         + T(_PREFILL, "PrefillCudaGraphRunner.can_run_graph", "PrefillCudaGraphRunner.load_batch",
-            "_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR")
+            "PrefillCudaGraphRunner.capture_one_shape", "_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR")
+        # break inputs pass through _weak_ref_if_tensor, resolved as a module global at capture;
+        # the replay closures live as long as the backend's per-bucket graph
+        + T(_BREAKABLE, "_weak_ref_if_tensor", "eager_on_graph")
+        + T("sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend",
+            "BreakableCudaGraphBackend.capture_one")
         # the override of _pad_to_bucket delegates to the base staticmethod
         + T("sglang.srt.model_executor.runner.base_cuda_graph_runner", "BaseCudaGraphRunner._pad_to_bucket")
         # the closed-form requirement must equal the rows prepare() builds for the live layout
@@ -121,11 +128,14 @@ PATCHES: Tuple[PatchSpec, ...] = (
         parts=(
             Part(_BCG, "sglang_ext.adapters.prefill_cp_bucket:patch_bcg"),
             Part(_PREFILL, "sglang_ext.adapters.prefill_cp_bucket:patch_prefill_runner"),
+            # patches _BREAKABLE, once the prefill runner (which imports it) is imported
+            Part(_PREFILL, "sglang_ext.adapters.prefill_cp_bucket:patch_breakable_cuda_graph"),
         ),
         upstream_pr="sgl-project/sglang#33906",
         upstream_since="0.5.18",
         upstream_equivalent=False,  # upstream decides twice (admission and replay)
-        retire_when="upstream stores the admitted bucket with the batch instead of recomputing it at replay",
+        retire_when="upstream stores the admitted bucket with the batch instead of recomputing it at replay "
+        "and holds breakable-graph break inputs strongly (#37448)",
     ),
     PatchSpec(
         name="mg_worker_activation",

@@ -5,7 +5,10 @@ Target symbols:
         select_replay_bucket, select_replay_bucket_for_batch, replay_bucket_decision)
     sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner
         .can_run_graph (original && CP-local fit), .load_batch (pads to the admitted
-        bucket), ._pad_to_bucket (subclass override that honours the admitted bucket)
+        bucket), ._pad_to_bucket (subclass override that honours the admitted bucket),
+        .capture_one_shape (CP BCG captures hold graph-break inputs strongly)
+    sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph
+        .breakable_cuda_graph._weak_ref_if_tensor (the input itself inside that scope)
 sglang versions: 0.5.17 (fingerprint-gated; 0.5.18+ carry upstream's version of the fix).
 Upstream PR: sgl-project/sglang#33906 (first released in 0.5.18).
 
@@ -53,17 +56,29 @@ Deviations from upstream:
   already requires) and `select_bucket` rejects invalid input with ValueError
   where upstream's loop would silently return a wrong or no bucket.
 
-Known upstream hazard, not fixed here (sgl-project/sglang#37606, fix proposed in #37448, open):
-0.5.17's breakable prefill graphs keep graph-break inputs (radix attention's q/k/v/output)
-only as weak references (`runner_backend_utils/breakable_cuda_graph/breakable_cuda_graph.py`,
-`eager_on_graph`: `captured_args = tuple(_weak_ref_if_tensor(a) ...)`), and
-`PrefillCudaGraphRunner.capture` captures buckets largest first, so every bucket but the
-smallest may have had those blocks re-carved by a later capture. Choosing a larger bucket
-makes it reachable for batches 0.5.17 would have failed (they replay an earlier-captured
-bucket), but it is no new exposure: 0.5.17 replays those buckets for larger batches anyway,
-and the bucket chosen is the smallest captured one that fits. Holding the inputs strongly
-(#37448) touches every prefill graph, not only CP ones, and costs graph memory that must be
-measured on the GPU first.
+Graph-break inputs held strongly (sgl-project/sglang#37606, fix proposed in #37448, open;
+still weak in 0.5.23):
+- Why: 0.5.17's breakable graphs keep the inputs of each graph break (radix attention's
+  q/k/v/output, allocated in the graph pool by the segment before the break) only as weak
+  views (`breakable_cuda_graph.eager_on_graph`: `captured_args = tuple(_weak_ref_if_tensor(a)
+  ...)`). The pool's use count keeps the pool, not those blocks: once capture drops its Python
+  references the allocator hands them to later captures in the same (global) pool, and
+  `_capture_one_stream` captures largest first, so every bucket but the smallest replays
+  eager code over memory that another bucket's graph now owns (#37606: wrong greedy output
+  or an illegal memory access, by layout). Choosing a larger bucket makes it reachable for
+  batches 0.5.17 would have failed: they replay an earlier-captured bucket.
+- How: `capture_one_shape`, when the runner captures CP BCG, sets a ContextVar around the
+  original; the module global `_weak_ref_if_tensor` that `eager_on_graph`'s wrapper calls
+  then returns the input itself, so each captured bucket's replay closures own their inputs
+  (they live and die with that bucket's `BreakableCUDAGraph`, i.e. until backend cleanup).
+  Outside that scope (decode, non-CP prefill, diffusion) the original runs unchanged: those
+  are upstream's exposure, not made reachable by this patch.
+- Cost: per CP bucket, every break's inputs at that bucket's CP-local rows stay allocated:
+  about sum over buckets of layers x local rows x (q + k + v + out widths) x dtype bytes,
+  where 0.5.17 reuses one layer's worth across layers and buckets. Measured on the H200 by
+  test_prefill_bcg_break_inputs_cuda.py (docs/gpu-notes.md).
+- Retire this part once the minimum supported sglang holds break inputs strongly (#37448
+  merged); the patch as a whole: below.
 
 Retire when: upstream stores the admitted bucket with the batch instead of
 recomputing it at replay (still recomputed in 0.5.23) and the minimum supported
@@ -74,6 +89,7 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import importlib
 from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.layers.cp.base import get_cp_strategy
@@ -86,6 +102,11 @@ from sglang_ext.graphs.buckets import BucketDecision, select_bucket
 
 # Name under which graph-cache counters show up in `doctor` / stats snapshots.
 PREFILL_CP_BUCKET_STATS_NAME = "prefill_cp_bucket"
+
+# True while PrefillCudaGraphRunner.capture_one_shape captures a CP BCG prefill bucket.
+_EXT_HOLD_BREAK_INPUTS: contextvars.ContextVar = contextvars.ContextVar(
+    "sglang_ext_hold_break_inputs", default=False
+)
 
 # (live tokens, admitted bucket) while PrefillCudaGraphRunner.load_batch runs a CP batch.
 _EXT_ADMITTED_PREFILL_BUCKET: contextvars.ContextVar = contextvars.ContextVar(
@@ -328,11 +349,60 @@ def _pad_to_bucket(raw_size, buckets):
     return BaseCudaGraphRunner._pad_to_bucket(raw_size, buckets)
 
 
+def capture_one_shape(self, size, **kwargs):
+    # 0.5.17 sets enable_cp_v2_bcg_capture only with a BreakableCudaGraphBackend.
+    if not getattr(self, "enable_cp_v2_bcg_capture", False):
+        return self._ext_orig_capture_one_shape(size, **kwargs)
+    token = _EXT_HOLD_BREAK_INPUTS.set(True)
+    try:
+        return self._ext_orig_capture_one_shape(size, **kwargs)
+    finally:
+        _EXT_HOLD_BREAK_INPUTS.reset(token)
+
+
 def patch_prefill_runner(ctx, module) -> None:
     cls = module.PrefillCudaGraphRunner
     # The replacements call the originals under a distinct name (no closures: adapter rule 3).
-    ctx.setattr(cls, "_ext_orig_can_run_graph", cls.__dict__["can_run_graph"])
-    ctx.setattr(cls, "_ext_orig_load_batch", cls.__dict__["load_batch"])
+    for name in ("can_run_graph", "load_batch", "capture_one_shape"):
+        ctx.setattr(cls, f"_ext_orig_{name}", cls.__dict__[name])
     ctx.transplant_method(cls, can_run_graph)
     ctx.transplant_method(cls, load_batch)
+    ctx.transplant_method(cls, capture_one_shape)
     ctx.transplant_method(cls, _pad_to_bucket, kind="staticmethod")
+
+
+# --------------------------------------------------------------------------
+# sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph
+# --------------------------------------------------------------------------
+# `_ext_orig_weak_ref_if_tensor` is set on that module by the part below; the function
+# resolves it there, as the same code inside that file would.
+
+
+def _weak_ref_if_tensor(x):
+    """A graph-break input as `eager_on_graph` keeps it: itself inside a CP BCG capture, else 0.5.17's weak view.
+
+    Tuples and lists are copied as 0.5.17 copies them, so a container the model mutates
+    after the break never changes what the replay passes.
+    """
+    if not _EXT_HOLD_BREAK_INPUTS.get():
+        return _ext_orig_weak_ref_if_tensor(x)  # noqa: F821
+    if isinstance(x, tuple):
+        return tuple(_weak_ref_if_tensor(item) for item in x)
+    if isinstance(x, list):
+        return [_weak_ref_if_tensor(item) for item in x]
+    return x
+
+
+BREAKABLE_CUDA_GRAPH_MODULE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
+
+
+def patch_breakable_cuda_graph(ctx, prefill_runner_module) -> None:
+    """Triggered by the prefill runner's import, which has imported the breakable module.
+
+    Not by the breakable module's own import: sglang imports it half-way through
+    `sglang.srt.layers.cp`'s import chain, where importing this adapter (it imports
+    `sglang.srt.layers.cp.utils`) would be circular.
+    """
+    module = importlib.import_module(BREAKABLE_CUDA_GRAPH_MODULE)
+    ctx.setattr(module, "_ext_orig_weak_ref_if_tensor", module.__dict__["_weak_ref_if_tensor"])
+    ctx.transplant_function(module, _weak_ref_if_tensor)

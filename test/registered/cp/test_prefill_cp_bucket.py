@@ -449,7 +449,7 @@ def make_replay_runner(embedding, device="cpu"):
     buckets = (2048, 2304, 2560)
     runner = make_runner(buckets, {2048: 512, 2304: 576, 2560: 640})
     runner.prefill_cp_bcg_input = PrefillCPBCGInput(
-        input_embeds=torch.zeros(buckets[-1], HIDDEN, device=device),
+        input_embeds=torch.zeros(buckets[-1], embedding.embedding_dim, device=device),
         positions=torch.zeros(buckets[-1], dtype=torch.int64, device=device),
         bucket_local_tokens={2048: 512, 2304: 576, 2560: 640},  # one-request captures, align 8
     )
