@@ -31,7 +31,9 @@ graph path's own device time, padding rows included; see profile_bound and bound
 refusing keys its SCHEMA lacks. On the GPU machine (docs/gpu-harness.md):
 
     source scripts/gpu_env.sh && python3 scripts/bench_vit.py --upstream-root $SGX_ROOT/sgl0519 --out $OUT/vit.json
-    (--quick: 300 requests, 100 for 0.5.17 / 0.5.19: about 4 minutes on one H200; full: about 7)
+    (every mode, 1,000 requests: about 7 minutes on one H200 with fa3; --quick, 300 requests and 100
+    for 0.5.17 / 0.5.19: 193 s measured without 0.5.19; issue 14's modes alone, 1,000 requests:
+    --modes 0.5.17,0.5.19,eager-only,bucket, about 4 minutes, estimated from the --quick run)
 """
 
 from __future__ import annotations
@@ -482,11 +484,13 @@ def main() -> None:
     parser.add_argument("--upstream-root", help="directory holding upstream sglang 0.5.19's `sglang` package; "
                         "without it the 0.5.19 mode is skipped")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode-timeout", type=int, default=300,
+                        help="seconds one mode's process may run before it is killed and recorded as such (0 = none)")
     parser.add_argument("--profile-requests", type=int, default=50,
                         help="requests spread over the stream rerun untimed under torch.profiler for the launch-free "
                              "bound (device time per request); 0 = no profile")
     parser.add_argument("--quick", action="store_true",
-                        help="300 requests (100 for 0.5.17 / 0.5.19): about 4 minutes on one H200")
+                        help="300 requests (100 for 0.5.17 / 0.5.19): about 3.5 minutes on one H200")
     parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "bench", "vit.json"))
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     parser.add_argument("--merge", action="store_true",
@@ -545,12 +549,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:  # one process per mode: fresh CUDA context, no cross-talk
             part = os.path.join(tmp, f"{mode}.json")
-            proc = subprocess.run(_child_command(args, mode, part), env=_child_env(args, mode))
+            upstream = os.path.join(args.upstream_root or "", "sglang", "__init__.py")
+            if mode == "0.5.19" and not os.path.isfile(upstream):  # say so in the table; the other modes run
+                results.append({"mode": mode, "crashed": f"not run: no sglang package under --upstream-root "
+                                                         f"{args.upstream_root}", "run_id": bench_results.RUN_ID})
+                continue
+            try:
+                status = "exit status {}".format(subprocess.run(
+                    _child_command(args, mode, part), env=_child_env(args, mode),
+                    timeout=args.mode_timeout or None).returncode)
+            except subprocess.TimeoutExpired:  # killed; a result it wrote before its profile still counts
+                status = f"killed after --mode-timeout {args.mode_timeout} s"
             if os.path.exists(part):
                 with open(part, encoding="utf-8") as f:
                     results.append(json.load(f))
+                if status.startswith("killed"):
+                    results[-1]["profile_error"] = status
             else:
-                results.append({"mode": mode, "crashed": f"exit status {proc.returncode}, no result"})
+                results.append({"mode": mode, "crashed": f"{status}, no result"})
             results[-1]["run_id"] = bench_results.RUN_ID
             if args.merge:  # measured in a later run than the results it joins
                 results[-1]["merged_later"] = True
