@@ -205,30 +205,31 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
 def device_time(activities) -> dict:
     """Summed kernel time and device-busy time (union of kernel, memcpy and memset intervals), in ms.
 
-    activities: (name, start_us, end_us) of every device activity. Busy time is what no launch
-    overhead can hide: a launch-free run of the same work takes at least that long.
+    activities: (name, start_ns, end_ns) of every device activity (integers: epoch nanoseconds
+    would lose sub-microsecond precision as floats). Busy time is what no launch overhead can
+    hide: a launch-free run of the same work takes at least that long.
     """
-    kernel_us = busy_us = 0.0
-    reach = float("-inf")
+    kernel_ns = busy_ns = 0
+    reach = None
     for name, start, end in sorted(activities, key=lambda a: a[1]):
         if not name.startswith(("Memcpy", "Memset")):
-            kernel_us += end - start
-        if end > reach:
-            busy_us += end - max(start, reach)
+            kernel_ns += end - start
+        if reach is None or end > reach:
+            busy_ns += end - (start if reach is None else max(start, reach))
             reach = end
-    return {"kernel_ms": kernel_us / 1000.0, "device_ms": busy_us / 1000.0}
+    return {"kernel_ms": kernel_ns / 1e6, "device_ms": busy_ns / 1e6}
 
 
 def _device_activities(prof):
-    """(name, start_us, end_us) of the device activities torch.profiler recorded (kernels in graphs too)."""
+    """(name, start_ns, end_ns) of the device activities torch.profiler recorded (kernels in graphs too)."""
     from torch.autograd import DeviceType
 
     try:
         events = prof.profiler.kineto_results.events()  # raw records: fast, no FunctionEvent tree
-        return [(e.name(), e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3) for e in events
+        return [(e.name(), e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
                 if e.device_type() == DeviceType.CUDA and e.activity_type() != "gpu_user_annotation"]
-    except AttributeError:  # another torch: the parsed events
-        return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+    except AttributeError:  # another torch: the parsed events (microseconds since the profile began)
+        return [(e.name, round(e.time_range.start * 1000), round(e.time_range.end * 1000)) for e in prof.events()
                 if e.device_type == DeviceType.CUDA]
 
 
@@ -241,7 +242,10 @@ def profile_device(run_request, indices) -> dict:
         for i in indices:
             run_request(i)
         torch.cuda.synchronize()
-    return {k: v / len(indices) for k, v in device_time(_device_activities(prof)).items()}
+    activities = _device_activities(prof)
+    if not activities:
+        raise RuntimeError("the profiler recorded no device activity (CUPTI not loaded?)")
+    return {k: v / len(indices) for k, v in device_time(activities).items()}
 
 
 def _misses(vit):
