@@ -474,6 +474,26 @@ def run_one_mode(args) -> None:
         _write_part(args, result)
 
 
+def _run_child(args, mode: str, part: str) -> dict:
+    """One mode's process and its result; a crash, a kill or a missing upstream tree becomes a row."""
+    import subprocess
+
+    if mode == "0.5.19" and not os.path.isfile(os.path.join(args.upstream_root, "sglang", "__init__.py")):
+        return {"mode": mode, "crashed": f"not run: no sglang package under --upstream-root {args.upstream_root}"}
+    try:
+        status = "exit status {}".format(subprocess.run(
+            _child_command(args, mode, part), env=_child_env(args, mode), timeout=args.mode_timeout or None).returncode)
+    except subprocess.TimeoutExpired:  # killed; a result it wrote before its profile still counts
+        status = f"killed after --mode-timeout {args.mode_timeout} s"
+    if not os.path.exists(part):
+        return {"mode": mode, "crashed": f"{status}, no result"}
+    with open(part, encoding="utf-8") as f:
+        result = json.load(f)
+    if status.startswith("killed"):
+        result["profile_error"] = status
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -515,7 +535,6 @@ def main() -> None:
         run_one_mode(args)
         return
 
-    import subprocess
     import tempfile
 
     modes = [m for m in args.modes.split(",") if m]
@@ -552,32 +571,14 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:  # one process per mode: fresh CUDA context, no cross-talk
-            part = os.path.join(tmp, f"{mode}.json")
-            upstream = os.path.join(args.upstream_root or "", "sglang", "__init__.py")
-            if mode == "0.5.19" and not os.path.isfile(upstream):  # say so in the table; the other modes run
-                results.append({"mode": mode, "crashed": f"not run: no sglang package under --upstream-root "
-                                                         f"{args.upstream_root}", "run_id": bench_results.RUN_ID})
-                continue
-            try:
-                status = "exit status {}".format(subprocess.run(
-                    _child_command(args, mode, part), env=_child_env(args, mode),
-                    timeout=args.mode_timeout or None).returncode)
-            except subprocess.TimeoutExpired:  # killed; a result it wrote before its profile still counts
-                status = f"killed after --mode-timeout {args.mode_timeout} s"
-            if os.path.exists(part):
-                with open(part, encoding="utf-8") as f:
-                    results.append(json.load(f))
-                if status.startswith("killed"):
-                    results[-1]["profile_error"] = status
-            else:
-                results.append({"mode": mode, "crashed": f"{status}, no result"})
+            results.append(_run_child(args, mode, os.path.join(tmp, f"{mode}.json")))
             results[-1]["run_id"] = bench_results.RUN_ID
             if args.merge:  # measured in a later run than the results it joins
                 results[-1]["merged_later"] = True
-    config.setdefault("seconds", round(time.perf_counter() - started, 1))
-    report = {"config": config, "results": sorted(
-        kept + results, key=lambda r: MODES.index(_mode_key(r["mode"])))}
-    bench_results.write(args.out, report, SCHEMA)
+            # After every mode, so a run killed from outside keeps what it measured (seconds: so far).
+            report = {"config": {**config, "seconds": config.get("seconds", round(time.perf_counter() - started, 1))},
+                      "results": sorted(kept + results, key=lambda r: MODES.index(_mode_key(r["mode"])))}
+            bench_results.write(args.out, report, SCHEMA)
     print(table(results))
     print(bound_table(results))
 
