@@ -26,8 +26,9 @@ replays a graph that existed before it. After the timed stream, --profile-reques
 spread over it rerun untimed under torch.profiler (CUDA activity) to measure the launch-free
 bound: a graph removes launch and host overhead only, so no mode beats eager's device time
 (bound = eager wall / eager device ms per request; for modes that replayed every request, the
-graph path's own device time, padding rows included; see profile_bound and bound_table). Each result records the kernels its process really ran
-(detected at run time) and the run id it belongs to. Prints a table last and writes JSON (--out),
+graph path's own device time, padding rows included; see profile_bound and bound_table). Each
+result records the kernels its process really ran (detected at run time) and the run id it
+belongs to. Rewrites the JSON (--out) after every mode, prints the tables last,
 refusing keys its SCHEMA lacks. On the GPU machine (docs/gpu-harness.md):
 
     source scripts/gpu_env.sh && python3 scripts/bench_vit.py --upstream-root $SGX_ROOT/sgl0519 --out $OUT/vit.json
