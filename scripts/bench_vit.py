@@ -28,8 +28,8 @@ bound: a graph removes launch and host overhead only, so no mode beats eager's d
 (bound = eager wall / eager device ms per request; for modes that replayed every request, the
 graph path's own device time, padding rows included; see profile_bound and bound_table). Each
 result records the kernels its process really ran (detected at run time) and the run id it
-belongs to. Rewrites the JSON (--out) after every mode, prints the tables last,
-refusing keys its SCHEMA lacks. On the GPU machine (docs/gpu-harness.md):
+belongs to. Rewrites the JSON (--out) after every mode, refusing keys its SCHEMA lacks, and
+prints the tables last. On the GPU machine (docs/gpu-harness.md):
 
     source scripts/gpu_env.sh && python3 scripts/bench_vit.py --upstream-root $SGX_ROOT/sgl0519 --out $OUT/vit.json
     (every mode, 1,000 requests: about 7 minutes on one H200 with fa3; --quick, 300 requests and 100
