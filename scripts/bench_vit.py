@@ -22,12 +22,19 @@ sglang's eager path; the outputs are compared. Modes:
 Each mode runs in its own process, which first runs an untimed warm-up (8 eager requests of
 another stream, then one graph-path request: kernel JIT/autotune, and the fa3 ladder capture,
 land there); counters and timings cover the timed stream only. A request is a hit when it
-replays a graph that existed before it. Each result records the kernels its process really ran
-(detected at run time) and the run id it belongs to. Prints a table last and writes JSON (--out),
-refusing keys its SCHEMA lacks. On the GPU machine (docs/gpu-harness.md):
+replays a graph that existed before it. After the timed stream, --profile-requests requests
+spread over it rerun untimed under torch.profiler (CUDA activity) to measure the launch-free
+bound: a graph removes launch and host overhead only, so no mode beats eager's device time
+(bound = eager wall / eager device ms per request; for modes that replayed every request, the
+graph path's own device time, padding rows included; see profile_bound and bound_table). Each
+result records the kernels its process really ran (detected at run time) and the run id it
+belongs to. Rewrites the JSON (--out) after every mode, refusing keys its SCHEMA lacks, and
+prints the tables last. On the GPU machine (docs/gpu-harness.md):
 
     source scripts/gpu_env.sh && python3 scripts/bench_vit.py --upstream-root $SGX_ROOT/sgl0519 --out $OUT/vit.json
-    (--quick: 300 requests, 100 for 0.5.17 / 0.5.19: about 4 minutes on one H200; full: about 7)
+    (every mode, 1,000 requests: about 7 minutes on one H200 with fa3; --quick, 300 requests and 100
+    for 0.5.17 / 0.5.19: 193 s measured without 0.5.19; issue 14's modes alone, 1,000 requests:
+    --modes 0.5.17,0.5.19,eager-only,bucket, about 4 minutes, estimated from the --quick run)
 """
 
 from __future__ import annotations
@@ -55,13 +62,17 @@ IMAGES_PER_REQUEST = ([1, 2, 3, 4], [60, 25, 10, 5])
 
 # Every key this script writes to --out (see bench_results.py).
 _CONFIG_KEYS = ("tower", "dtype", "attention", "requests", "capacity", "max_bytes_arg", "seed", "command",
-                "unpatched_requests", "resolutions_px", "images_per_request", "device", "seconds")
+                "unpatched_requests", "profile_requests", "resolutions_px", "images_per_request", "device", "seconds")
 _ROW_KEYS = ("mode", "run_id", "merged_later", "kernels", "requests", "tokens", "graph_req_per_s", "eager_req_per_s",
              "speedup_vs_eager", "wrong_outputs", "bitwise_equal", "max_abs_diff", "resident_graphs",
              "peak_cuda_reserved_mib", "peak_graph_bytes_mib", "peak_graph_bytes_every_request", "timeline",
              "hit_rate", "captures", "captures_before_timing", "evictions", "fallbacks", "graph_bytes_resident",
              "counters", "timed_counters", "graph_bytes_budget_mib", "sglang_path", "padding", "crashed",
-             "crashed_at_request")
+             "crashed_at_request") + (
+             # The launch-free bound (profile_bound): device time of a sample of the stream, per request.
+             "profiled_requests", "eager_wall_ms", "eager_kernel_ms", "eager_device_ms", "eager_gpu_busy",
+             "launch_free_bound", "graph_wall_ms", "graph_kernel_ms", "graph_device_ms", "graph_gpu_busy",
+             "graph_bound", "profile_error")
 # `kernels`: the packages loaded (bench_results.kernels(): version / stand-in / not loaded) and what the
 # tower really ran (kit.kernel_report(): attention backend, sgl_kernel ops or native torch, FA3 status).
 KERNELS_SCHEMA = {**bench_results.KERNELS_SCHEMA, "attention_backend": None, "sgl_kernel_ops": None, "fa3": None}
@@ -124,9 +135,12 @@ def warm_up(vit, dtype, seed: int, *, graph: bool) -> None:
 _COUNTED = ("hits", "misses", "captures", "evictions", "fallbacks", "padding_tokens", "real_tokens")
 
 
-def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, progress=None):
+def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, progress=None, walls=None):
+    """The timed stream through the graph runner and eager; `walls` gets each request's seconds per path."""
     runner = vit.cuda_graph_runner
     progress = {} if progress is None else progress
+    walls = {} if walls is None else walls
+    walls.update(graph=[], eager=[])
     # Counters after the warm-up: the timed stream's own are the differences.
     after_warm_up = ({k: runner._ext_graph_info()[k] for k in _COUNTED} if "_ext_cache" in runner.__dict__ else {})
     graph_s = eager_s = 0.0
@@ -150,6 +164,8 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         eager, dt_eager = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=False))
         graph_s += dt_graph
         eager_s += dt_eager
+        walls["graph"].append(dt_graph)
+        walls["eager"].append(dt_eager)
         tokens_total += tokens
         diff = (graphed.float() - eager.float()).abs().max().item() if graphed.shape == eager.shape else float("inf")
         worst = max(worst, diff)
@@ -187,6 +203,99 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
     return result
 
 
+def device_time(activities) -> dict:
+    """Summed kernel time and device-busy time (union of kernel, memcpy and memset intervals), in ms.
+
+    activities: (name, start_ns, end_ns) of every device activity (integers: epoch nanoseconds
+    would lose sub-microsecond precision as floats). Busy time is what no launch overhead can
+    hide: a launch-free run of the same work takes at least that long.
+    """
+    kernel_ns = busy_ns = 0
+    reach = None
+    for name, start, end in sorted(activities, key=lambda a: a[1]):
+        if not name.startswith(("Memcpy", "Memset")):
+            kernel_ns += end - start
+        if reach is None or end > reach:
+            busy_ns += end - (start if reach is None else max(start, reach))
+            reach = end
+    return {"kernel_ms": kernel_ns / 1e6, "device_ms": busy_ns / 1e6}
+
+
+def _device_activities(prof):
+    """(name, start_ns, end_ns) of the device activities torch.profiler recorded (kernels in graphs too)."""
+    from torch.autograd import DeviceType
+
+    try:
+        events = prof.profiler.kineto_results.events()  # raw records: fast, no FunctionEvent tree
+        return [(e.name(), e.start_ns(), e.start_ns() + e.duration_ns()) for e in events
+                if e.device_type() == DeviceType.CUDA and e.activity_type() != "gpu_user_annotation"]
+    except AttributeError:  # another torch: the parsed events (microseconds since the profile began)
+        return [(e.name, round(e.time_range.start * 1000), round(e.time_range.end * 1000)) for e in prof.events()
+                if e.device_type == DeviceType.CUDA]
+
+
+def profile_device(run_request, indices) -> dict:
+    """Device time per request of `run_request(i)` over `indices` (torch.profiler, CUDA activity only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in indices:
+            run_request(i)
+        torch.cuda.synchronize()
+    activities = _device_activities(prof)
+    if not activities:
+        raise RuntimeError("the profiler recorded no device activity (CUPTI not loaded?)")
+    return {k: v / len(indices) for k, v in device_time(activities).items()}
+
+
+def _misses(vit):
+    """Graph misses of an sglang-ext runner so far (None for other runners)."""
+    runner = getattr(vit, "cuda_graph_runner", None)
+    if runner is None or "_ext_cache" not in runner.__dict__:
+        return None
+    return runner._ext_graph_info()["misses"]
+
+
+def profile_bound(vit, requests, walls, count: int, *, dtype, graph: bool) -> dict:
+    """The launch-free bound, measured on `count` requests spread over the stream (untimed reruns).
+
+    A CUDA graph removes launch and host overhead only, so no graph mode beats the eager path's
+    device-busy time: launch_free_bound = eager wall / eager device time. For the graph path
+    (`graph`: only where every replay hits, so nothing is captured under the profiler) its own
+    device time, padding rows included: graph_bound = eager wall / graph device time, and
+    graph_gpu_busy = how much of that bound the graph path reaches. Walls are the timed stream's
+    (unprofiled) seconds of the same requests.
+    """
+    count = min(count, len(requests))
+    if count <= 0:
+        return {}
+    indices = [i * len(requests) // count for i in range(count)]
+
+    def request(i, graph_path):
+        tokens, grid, seed = requests[i]
+        kit.forward(vit, pixels_for(tokens, seed, dtype), torch.tensor(grid, dtype=torch.int64), graph=graph_path)
+
+    out = {"profiled_requests": count}
+    paths = ("eager", "graph") if graph else ("eager",)
+    try:
+        for path in paths:
+            misses = _misses(vit)
+            timing = profile_device(lambda i: request(i, path == "graph"), indices)
+            if path == "graph" and _misses(vit) != misses:
+                raise RuntimeError("the graph path missed during its profile")
+            wall_ms = 1000.0 * sum(walls[path][i] for i in indices) / count
+            out.update({f"{path}_wall_ms": wall_ms, f"{path}_kernel_ms": timing["kernel_ms"],
+                        f"{path}_device_ms": timing["device_ms"], f"{path}_gpu_busy": timing["device_ms"] / wall_ms})
+    except Exception as exc:  # noqa: BLE001 - the throughput result stands without the bound
+        out["profile_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if out.get("eager_device_ms"):
+        out["launch_free_bound"] = out["eager_wall_ms"] / out["eager_device_ms"]
+        if out.get("graph_device_ms"):
+            out["graph_bound"] = out["eager_wall_ms"] / out["graph_device_ms"]
+    return out
+
+
 def activate_patch(capacity: int, mode: str, max_bytes: int) -> None:
     """The patch, strict, alone; max_bytes -1 = its default budget (a quarter of free memory, <= 4 GiB)."""
     from sglang_ext import activation
@@ -210,6 +319,29 @@ def table(results) -> str:
             "bitwise_equal", "max_abs_diff"]
     rows = [cols] + [[_fmt(r.get(c) if c != "attn/ops" else _kernels_cell(r)) for c in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+BOUND_COLUMNS = (("mode", "mode"), ("profiled_requests", "profiled"), ("eager_wall_ms", "eager wall ms"),
+                 ("eager_kernel_ms", "eager kernel ms"), ("eager_device_ms", "eager device ms"),
+                 ("eager_gpu_busy", "eager GPU busy"), ("launch_free_bound", "bound (eager wall/device)"),
+                 ("graph_wall_ms", "graph wall ms"), ("graph_kernel_ms", "graph kernel ms"),
+                 ("graph_device_ms", "graph device ms"), ("graph_gpu_busy", "graph GPU busy"),
+                 ("speedup", "speedup (sample)"), ("graph_bound", "graph bound (eager wall/graph device)"),
+                 ("profile_error", "profile error"))
+
+
+def bound_table(results) -> str:
+    """How far each mode is from the launch-free bound (per request, over the profiled sample)."""
+    rows = [[label for _, label in BOUND_COLUMNS]]
+    for r in results:
+        if not r.get("profiled_requests"):
+            continue
+        speedup = r["eager_wall_ms"] / r["graph_wall_ms"] if r.get("graph_wall_ms") and r.get("eager_wall_ms") else None
+        rows.append([_fmt(speedup if key == "speedup" else r.get(key)) for key, _ in BOUND_COLUMNS])
+    if len(rows) == 1:
+        return ""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
@@ -257,7 +389,8 @@ def _child_command(args, mode: str, part_out: str) -> list:
         cmd += ["-m", "sglang_ext.testing.stand_ins"]
     cmd += [os.path.abspath(__file__), "--mode", mode, "--part-out", part_out, "--requests", str(args.requests),
             "--unpatched-requests", str(args.unpatched_requests), "--capacity", str(args.capacity),
-            "--max-bytes", str(args.max_bytes), "--seed", str(args.seed), "--backend", args.backend]
+            "--max-bytes", str(args.max_bytes), "--seed", str(args.seed), "--backend", args.backend,
+            "--profile-requests", str(args.profile_requests)]
     return cmd
 
 
@@ -271,15 +404,22 @@ def run_eager_only(args, config, requests, dtype) -> None:
     """sglang's eager tower alone in this process, on the same requests (second eager baseline)."""
     vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1, graphs=False)
     warm_up(vit, dtype, args.seed, graph=False)
-    eager_s = 0.0
+    walls = {"eager": []}
     for tokens, grid, seed in requests:
         pixels = pixels_for(tokens, seed, dtype)
         _, dt = timed(lambda: kit.forward(vit, pixels, torch.tensor(grid, dtype=torch.int64), graph=False))
-        eager_s += dt
+        walls["eager"].append(dt)
     result = {"mode": "eager-only", "requests": len(requests), "tokens": sum(r[0] for r in requests),
-              "eager_req_per_s": len(requests) / eager_s,
+              "eager_req_per_s": len(requests) / sum(walls["eager"]),
               "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
               "kernels": kernels_now(args.backend)}
+    _write_part(args, result)
+    result.update(profile_bound(vit, requests, walls, args.profile_requests, dtype=dtype, graph=False))
+    _write_part(args, result)
+
+
+def _write_part(args, result) -> None:
+    """This mode's result for the parent; written before the profile too, so a profiler crash loses only the bound."""
     with open(args.part_out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
 
@@ -312,8 +452,9 @@ def run_one_mode(args) -> None:
         vit = kit.build_qwen2_5_tower(config, dtype=dtype, seed=1)
         assert vit.blocks[0].attn.qkv_backend_name == args.backend, vit.blocks[0].attn.qkv_backend_name
         warm_up(vit, dtype, args.seed, graph=True)
+        walls: dict = {}
         result = run_mode(name, vit, requests, dtype=dtype, tol=tol,
-                          sample_every=max(1, len(requests) // 20), progress=progress)
+                          sample_every=max(1, len(requests) // 20), progress=progress, walls=walls)
         if sglang_path and args.mode == "0.5.19":
             result["sglang_path"] = sglang_path
         counters = result.get("timed_counters") or {}
@@ -325,8 +466,33 @@ def run_one_mode(args) -> None:
                   "crashed_at_request": progress.get("requests_done", 0) + 1,
                   "wrong_outputs": progress.get("wrong_outputs_so_far", 0)}
     result["kernels"] = kernels_now(args.backend)  # crashed runs too
-    with open(args.part_out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    _write_part(args, result)
+    if "crashed" not in result:
+        # The graph path is profiled only where the timed stream replayed every request (ext runner, no
+        # capture, no fallback): nothing is then captured under the profiler.
+        all_hits = _misses(vit) is not None and result.get("captures") == 0 and result.get("fallbacks") == 0
+        result.update(profile_bound(vit, requests, walls, args.profile_requests, dtype=dtype, graph=all_hits))
+        _write_part(args, result)
+
+
+def _run_child(args, mode: str, part: str) -> dict:
+    """One mode's process and its result; a crash, a kill or a missing upstream tree becomes a row."""
+    import subprocess
+
+    if mode == "0.5.19" and not os.path.isfile(os.path.join(args.upstream_root, "sglang", "__init__.py")):
+        return {"mode": mode, "crashed": f"not run: no sglang package under --upstream-root {args.upstream_root}"}
+    try:
+        status = "exit status {}".format(subprocess.run(
+            _child_command(args, mode, part), env=_child_env(args, mode), timeout=args.mode_timeout or None).returncode)
+    except subprocess.TimeoutExpired:  # killed; a result it wrote before its profile still counts
+        status = f"killed after --mode-timeout {args.mode_timeout} s"
+    if not os.path.exists(part):
+        return {"mode": mode, "crashed": f"{status}, no result"}
+    with open(part, encoding="utf-8") as f:
+        result = json.load(f)
+    if status.startswith("killed"):
+        result["profile_error"] = status
+    return result
 
 
 def main() -> None:
@@ -343,8 +509,13 @@ def main() -> None:
     parser.add_argument("--upstream-root", help="directory holding upstream sglang 0.5.19's `sglang` package; "
                         "without it the 0.5.19 mode is skipped")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode-timeout", type=int, default=300,
+                        help="seconds one mode's process may run before it is killed and recorded as such (0 = none)")
+    parser.add_argument("--profile-requests", type=int, default=50,
+                        help="requests spread over the stream rerun untimed under torch.profiler for the launch-free "
+                             "bound (device time per request); 0 = no profile")
     parser.add_argument("--quick", action="store_true",
-                        help="300 requests (100 for 0.5.17 / 0.5.19): about 4 minutes on one H200")
+                        help="300 requests (100 for 0.5.17 / 0.5.19): about 3.5 minutes on one H200")
     parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "bench", "vit.json"))
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     parser.add_argument("--merge", action="store_true",
@@ -365,7 +536,6 @@ def main() -> None:
         run_one_mode(args)
         return
 
-    import subprocess
     import tempfile
 
     modes = [m for m in args.modes.split(",") if m]
@@ -380,7 +550,7 @@ def main() -> None:
               "attention": args.backend, "requests": n, "capacity": args.capacity,
               "max_bytes_arg": args.max_bytes, "seed": args.seed,
               "command": "python3 " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
-              "unpatched_requests": args.unpatched_requests,
+              "unpatched_requests": args.unpatched_requests, "profile_requests": args.profile_requests,
               "resolutions_px": RESOLUTIONS, "images_per_request": IMAGES_PER_REQUEST,
               "device": torch.cuda.get_device_name()}
     kept = []
@@ -391,8 +561,9 @@ def main() -> None:
         if extra:
             raise SystemExit(f"--merge: {args.out} carries keys this script does not write ({', '.join(extra)}); "
                              "rerun every mode without --merge")
-        same = {k: previous["config"].get(k) for k in config if k != "command"}
-        now = {k: v for k, v in json.loads(json.dumps(config)).items() if k != "command"}  # tuples as JSON lists
+        unrelated = ("command", "profile_requests")  # not part of the measured stream
+        same = {k: previous["config"].get(k) for k in config if k not in unrelated}
+        now = {k: v for k, v in json.loads(json.dumps(config)).items() if k not in unrelated}  # tuples as lists
         if same != now:
             raise SystemExit(f"--merge: {args.out} was measured with {same}; this run has {now}")
         kept = [r for r in previous["results"] if _mode_key(r["mode"]) not in modes]
@@ -401,21 +572,16 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:  # one process per mode: fresh CUDA context, no cross-talk
-            part = os.path.join(tmp, f"{mode}.json")
-            proc = subprocess.run(_child_command(args, mode, part), env=_child_env(args, mode))
-            if os.path.exists(part):
-                with open(part, encoding="utf-8") as f:
-                    results.append(json.load(f))
-            else:
-                results.append({"mode": mode, "crashed": f"exit status {proc.returncode}, no result"})
+            results.append(_run_child(args, mode, os.path.join(tmp, f"{mode}.json")))
             results[-1]["run_id"] = bench_results.RUN_ID
             if args.merge:  # measured in a later run than the results it joins
                 results[-1]["merged_later"] = True
-    config.setdefault("seconds", round(time.perf_counter() - started, 1))
-    report = {"config": config, "results": sorted(
-        kept + results, key=lambda r: MODES.index(_mode_key(r["mode"])))}
-    bench_results.write(args.out, report, SCHEMA)
+            # After every mode, so a run killed from outside keeps what it measured (seconds: so far).
+            report = {"config": {**config, "seconds": config.get("seconds", round(time.perf_counter() - started, 1))},
+                      "results": sorted(kept + results, key=lambda r: MODES.index(_mode_key(r["mode"])))}
+            bench_results.write(args.out, report, SCHEMA)
     print(table(results))
+    print(bound_table(results))
 
 
 if __name__ == "__main__":

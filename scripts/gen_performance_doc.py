@@ -241,12 +241,35 @@ def _vit_section():
         f"Device: {cfg.get('device')}; tower: {cfg.get('tower')}; {cfg.get('requests')} requests; "
         f"capacity {cfg.get('capacity')}; {cfg.get('seconds')} s in all.", "",
         "```", bench_vit.table(run["results"]), "```", *_vit_targets(run["results"], cfg.get("capacity") or 32), "",
-        *_vit_timeline(run["results"]),
+        *_vit_bound(run["results"]), *_vit_timeline(run["results"]),
         f"Command: `{cfg.get('command') or _VIT_LEGACY_COMMAND.format(**cfg)}` "
         "(0.5.17 and 0.5.19 run the first `--unpatched-requests` of the same stream, their graphs being "
         "unbounded; each mode in its own process). "
         "`crashed_at_request`: the request at which that implementation's process died.",
         *_merged_note(run["results"]), ""])
+
+
+VIT_BOUND_MEANING = """\
+How far each mode is from the launch-free bound. A CUDA graph removes kernel-launch and host
+overhead only, never device work, so no graph mode can beat the eager path's device time. Over
+`profiled` requests spread over the stream, rerun untimed after the timed stream under
+torch.profiler (CUDA activity; kernels inside graph replays are recorded one by one), per request:
+wall ms = the timed stream's (unprofiled) wall time of the same requests; kernel ms = summed device
+kernel time; device ms = time the device was busy (kernels, copies and memsets, overlaps counted
+once); GPU busy = device ms / wall ms. bound = eager wall / eager device ms: the speedup a
+launch-free eager would reach. graph bound = eager wall / graph device ms: the same for the graph
+path's own device work (padding rows included); the graph path's GPU busy is the share of its
+bound it reaches. The graph path is profiled only in modes that replayed every timed request
+(ext-bucket on fa3), so nothing is captured under the profiler."""
+
+
+def _vit_bound(results) -> list:
+    import bench_vit
+
+    text = bench_vit.bound_table(results)
+    if not text:
+        return []
+    return [VIT_BOUND_MEANING, "", "```", text, "```", ""]
 
 
 def _vit_timeline(results, points: int = 6) -> list:

@@ -7,7 +7,10 @@ nothing, and the tower is a one-channel stub (its layouts come from sglang's rea
 `get_window_index` at the 7B tower's geometry). Graph bytes are estimated for the 7B tower
 (input, attention workspace, rotary, output per padded token). Prints one line per setting:
 
-    python scripts/sim_vit_keys.py --backend fa3 --capacity 16 [--buckets 512,640,...]
+    python scripts/sim_vit_keys.py --backend fa3 --capacity 16 [--buckets 512,640,...] [--host 200]
+
+--host N also times run() on the first N requests once more (all replays in fa3 bucket mode):
+host microseconds and aten ops (each a launch, copy or allocation on a GPU) per call.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def simulate(args) -> dict:
     tower = _Tower(args.backend)
     runner = ViTCudaGraphRunner(tower)
     peak_bytes = 0
+    batches = []
     for tokens, grid, _ in request_stream(args.requests, args.seed):
         grid_thw = torch.tensor(grid)
         _, cu_window = Qwen2_5_VisionTransformer.get_window_index(tower, grid_thw)
@@ -101,16 +105,56 @@ def simulate(args) -> dict:
         full = (0,) + cumulative_lengths(grid_thw_lengths(grid_thw))
         x = torch.zeros(tokens, 1)
         pos = torch.zeros(tokens, 1)
-        runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32), (pos, pos),
-                   output_indices=torch.arange(tokens // 4), attention_layout_key=(full, window))
+        batch = dict(x=x, cu_seqlens=torch.tensor(full, dtype=torch.int32),
+                     cu_window_seqlens=torch.tensor(window, dtype=torch.int32), position_embeddings=(pos, pos),
+                     output_indices=torch.arange(tokens // 4), attention_layout_key=(full, window))
+        runner.run(**batch)
+        batches.append(batch)
         peak_bytes = max(peak_bytes, sum(k.num_tokens for k in runner.block_graphs) * BYTES_PER_TOKEN)
     info = runner._ext_graph_info()
     lookups = info["hits"] + info["misses"]
-    return {"backend": args.backend, "capacity": args.capacity, "buckets": len(runner._ext_token_buckets),
-            "hit_rate": round(info["hits"] / lookups, 4), "captures": info["captures"],
-            "resident_graphs": info["resident_graphs"], "evictions": info["evictions"],
-            "fallbacks": info["fallbacks"], "padding": round(info["padding_tokens"] / max(info["real_tokens"], 1), 4),
-            "est_peak_graph_buffer_mib": round(peak_bytes / 2**20)}
+    out = {"backend": args.backend, "capacity": args.capacity, "buckets": len(runner._ext_token_buckets),
+           "hit_rate": round(info["hits"] / lookups, 4), "captures": info["captures"],
+           "resident_graphs": info["resident_graphs"], "evictions": info["evictions"],
+           "fallbacks": info["fallbacks"], "padding": round(info["padding_tokens"] / max(info["real_tokens"], 1), 4),
+           "est_peak_graph_buffer_mib": round(peak_bytes / 2**20)}
+    if args.host:
+        out.update(host_cost(runner, batches[: args.host]))
+    return out
+
+
+def host_cost(runner, batches) -> dict:
+    """Host cost of run() on batches seen before (replays, when they all hit): median us per call and
+    aten ops per call (each one a kernel launch, a copy or an allocation on a real device). The
+    stub tower has one channel, so the time is dispatch and Python, not data movement."""
+    import statistics
+    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] = self.ops.get(str(func.overloadpacket), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    misses = runner._ext_graph_info()["misses"]
+    times = []
+    for _ in range(3):
+        for batch in batches:
+            start = time.perf_counter()
+            runner.run(**batch)
+            times.append(time.perf_counter() - start)
+    with _Count() as count:
+        for batch in batches:
+            runner.run(**batch)
+    return {"host_us_per_run": round(1e6 * statistics.median(times), 1),
+            "aten_ops_per_run": round(sum(count.ops.values()) / len(batches), 1),
+            "aten_ops": {k: round(v / len(batches), 1) for k, v in sorted(count.ops.items())},
+            "all_replays": runner._ext_graph_info()["misses"] == misses}
 
 
 def main() -> None:
@@ -122,6 +166,8 @@ def main() -> None:
     parser.add_argument("--precapture", type=int, default=1)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--host", type=int, default=0,
+                        help="then time run() on the first N requests again (host us and aten ops per call)")
     args = parser.parse_args()
     os.environ.update({"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "SGLANG_EXT_VIT_GRAPH_MODE": args.mode,
                        "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES": str(args.capacity),

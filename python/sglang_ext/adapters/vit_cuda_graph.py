@@ -94,6 +94,11 @@ How:
   or a clone (Qwen3: 0.5.17 returned `block_output[key]`, which mm_utils' embedding
   cache may keep while a later replay of the same key, or of any graph sharing the
   pool, overwrites it).
+- No device sync on Qwen2.5's graph path: 0.5.17's body copies the pixels and the window
+  index to the device blocking and indexes the rotary table with CPU position ids (each a
+  stream sync: the host stops queueing until the device drains). The patched forward copies
+  them non-blocking from pinned memory (up to 64 MiB per tensor) and calls `rot_pos_ids`
+  with ints (its lru_cache then hits). Same values, same kernels.
 - In-place patching: methods are replaced on the class, so runners built before
   activation, the `qwen2_5_vl` / `qwen3_vl` module globals, `qwen3_vl.graph_runners_dict`
   (whose default factory returns the same class object) and the NPU subclass all see
@@ -211,6 +216,9 @@ _EXT_VIT_FIXED_CLASS_BACKENDS = ("fa3",)
 # Default byte budget (knob -1): this fraction of the device memory free at the runner's first use,
 # clamped to [floor, cap]; the MIN over TP ranks, so every rank admits and evicts the same graphs.
 _EXT_VIT_AUTO_BUDGET = dict(fraction=0.25, floor=256 << 20, cap=4 << 30)
+# Host tensors up to this size reach the device through pinned memory without a sync (the caching host
+# allocator keeps such blocks for reuse: bounded by this); larger ones (long videos) copy blocking.
+_EXT_VIT_PIN_MAX_BYTES = 64 << 20
 
 
 # ---------------------------------------------------------------------------
@@ -1061,20 +1069,49 @@ def _ext_vit_host_grid(grid_thw):
     return grid_thw
 
 
+def _ext_vit_to_device(tensor, device, dtype=None):
+    """`tensor.to(device, dtype)` without a stream sync for host tensors bound for the GPU.
+
+    A blocking host-to-device copy waits for all queued GPU work (0.5.17's `.to(device)` and
+    indexing a device tensor with a CPU index do), so the host stops queueing while the device
+    drains. Staged through pinned memory and copied non-blocking instead: the caching host
+    allocator keeps the pinned block until the copy has run. Same values, no sync. Tensors over
+    `_EXT_VIT_PIN_MAX_BYTES` (long videos) copy as before, so cached pinned blocks stay bounded.
+    """
+    if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and torch.device(device).type == "cuda"
+            and tensor.numel() * tensor.element_size() <= _EXT_VIT_PIN_MAX_BYTES):
+        return tensor.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
+    return tensor.to(device=device, dtype=dtype)
+
+
+def _ext_vit_rot_pos_emb(vit, grid_thw):
+    """0.5.17's `rot_pos_emb`, with its CPU position ids copied to the device without a sync (and
+    plain ints as `rot_pos_ids` arguments, so its lru_cache hits: tensor scalars hash by identity)."""
+    pos_ids = []
+    for t, h, w in grid_thw.tolist():
+        base = vit.rot_pos_ids(h, w, vit.spatial_merge_size)
+        pos_ids.append(base if t == 1 else base.repeat(t, 1))
+    pos_ids = _ext_vit_to_device(torch.cat(pos_ids, dim=0), vit.device)
+    table = vit.rotary_pos_emb(torch.arange(int(grid_thw[:, 1:].max()), device=vit.device))
+    return table[pos_ids].flatten(1)
+
+
 def forward_with_cuda_graph(self, x, grid_thw):
-    """Qwen2_5_VisionTransformer: 0.5.17's body, plus the attention layout key from CPU metadata."""
-    x = x.to(device=self.device, dtype=self.dtype)
+    """Qwen2_5_VisionTransformer: 0.5.17's body, plus the attention layout key from CPU metadata,
+    and no device sync (host-to-device copies non-blocking from pinned memory)."""
+    grid_thw = _ext_vit_host_grid(grid_thw)
+    x = _ext_vit_to_device(x, self.device, self.dtype)
     x = self.patch_embed(x)
-    rotary_pos_emb = self.rot_pos_emb(grid_thw)
+    rotary_pos_emb = _ext_vit_rot_pos_emb(self, grid_thw)
 
     window_index, cu_window_list = self.get_window_index(grid_thw)
     window_layout = dedup_consecutive(int(v) for v in cu_window_list)  # == torch.unique_consecutive
     # Doubled leading zero, as 0.5.17's cu_seqlens has it.
-    full_layout = (0,) + cumulative_lengths(grid_thw_lengths(_ext_vit_host_grid(grid_thw)))
+    full_layout = (0,) + cumulative_lengths(grid_thw_lengths(grid_thw))
     cu_window_seqlens = torch.tensor(window_layout, dtype=torch.int32).to(x.device, non_blocking=True)
     cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
 
-    window_index = window_index.to(device=x.device)
+    window_index = _ext_vit_to_device(window_index, x.device)
     reverse_indices = permute_inv(window_index)
     rotary_pos_emb = rotary_pos_emb.to(device=x.device, dtype=x.dtype)
 

@@ -333,6 +333,29 @@ def test_qwen2_5_tower_equal_token_batches_with_other_boundaries(vit_patch, qwen
     assert (info["captures"], info["hits"]) == (2, 1)
 
 
+def test_qwen2_5_graph_forward_queues_a_replay_without_a_device_sync(vit_patch, qwen_runtime):
+    """A hit of the patched forward never waits for the device: its host-to-device copies (pixels,
+    window index, rotary position ids) are non-blocking from pinned memory. torch's sync debug mode
+    turns any synchronizing call into an error. 0.5.17's body syncs at least twice (window index,
+    position ids)."""
+    kit = qwen_runtime
+    vit_patch(vit_graph_max_entries=4, vit_graph_mode="bucket")
+    vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.bfloat16, seed=1)
+    pixels, grid = kit.random_batch(random.Random(7), (4, 8, 12), dtype=torch.bfloat16)
+    first = kit.forward(vit, pixels, grid, graph=True)  # captures
+    torch.cuda.synchronize()
+    hits = vit.cuda_graph_runner._ext_graph_info()["hits"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = kit.forward(vit, pixels, grid, graph=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert vit.cuda_graph_runner._ext_graph_info()["hits"] == hits + 1
+    assert torch.equal(again, first)
+    eager = kit.forward(vit, pixels, grid, graph=False)
+    torch.testing.assert_close(again, eager, rtol=2e-2, atol=2e-2)
+
+
 # ---------------------------------------------------------------------------
 # fa3 (the Hopper default): class and bucket modes on the real FlashAttention-3 kernel
 # ---------------------------------------------------------------------------
