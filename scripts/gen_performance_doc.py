@@ -187,6 +187,15 @@ def _pi05_issue17(results) -> list:
     return ["", *ISSUE17_HEAD, *rows]
 
 
+def _pi05_attention_kernels(results) -> list:
+    """The attention kernels the profiler saw per request, per row that recorded them."""
+    lines = [f"- {r['impl']} {r['mode']}: " + ", ".join(f"`{name}` x{count:g}" for name, count in
+                                                        r["attention_kernels_per_request"].items())
+             for r in results if r.get("attention_kernels_per_request")]
+    return ["", "Attention kernels per request (device kernels named like attention, torch.profiler):", *lines] \
+        if lines else []
+
+
 def _pi05_processes(runs) -> list:
     run_ids = {run.get("run_id") for run in runs}
     if len(runs) < 2 or len(run_ids) != 1 or None in run_ids:
@@ -228,7 +237,8 @@ def _pi05_section():
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
              f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
-             "", "```", out.getvalue().strip("\n"), "```", *_pi05_targets(results), *_pi05_issue17(results), "",
+             "", "```", out.getvalue().strip("\n"), "```", *_pi05_attention_kernels(results), *_pi05_targets(results),
+             *_pi05_issue17(results), "",
              *_pi05_commands(runs)]
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@
 #   bench-vit                scripts/bench_vit.py (BENCH_VIT_ARGS)
 #   bench-pi05               scripts/bench_pi05.py: 0.5.17, 0.5.19, then sglang-ext (all modes), one
 #                            process each, one after another, one run id; then docs/performance.md's
-#                            Pi0.5 section rendered from them ($OUT/performance.md). ~4-5 min on an H200.
+#                            Pi0.5 section rendered from them ($OUT/performance.md). 4.5-6 min on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT is the folder that comes back}"
@@ -31,7 +31,7 @@ bench_pi05_all() {
   local ref="$OUT/pi05_0517_eager_actions.pt" rc
   rm -f "$ref"
   echo "[bench-pi05] run id $SGX_BENCH_RUN_ID: 0517"
-  timeout -k 10 "${PI05_LIMIT_0517:-120}" python3 scripts/bench_pi05.py --impl 0517 $common \
+  timeout -k 10 "${PI05_LIMIT_0517:-140}" python3 scripts/bench_pi05.py --impl 0517 $common \
     --save-actions "$ref" --out "$OUT/pi05_0517.json"
   echo "[bench-pi05] 0517 rc=$?"
   # 0.5.19 in a subshell: its environment must not leak into the sglang-ext process
@@ -39,12 +39,12 @@ bench_pi05_all() {
     timeout -k 10 "${PI05_LIMIT_0519:-120}" python3 scripts/bench_pi05.py --impl 0519 \
       --modes "${PI05_0519_MODES:-graph}" $common --compare-actions "$ref" --out "$OUT/pi05_0519.json" )
   echo "[bench-pi05] 0519 rc=$?"
-  timeout -k 10 "${PI05_LIMIT_EXT:-240}" python3 scripts/bench_pi05.py --impl 0517-ext \
+  timeout -k 10 "${PI05_LIMIT_EXT:-250}" python3 scripts/bench_pi05.py --impl 0517-ext \
     --modes "${PI05_EXT_MODES:-eager,graph,graph-fast,graph-fused,graph-bucket}" $common \
     --compare-actions "$ref" --out "$OUT/pi05_0517-ext.json"
   echo "[bench-pi05] 0517-ext rc=$?"
   python3 scripts/gen_performance_doc.py --bench-dir "$OUT" --doc "$OUT/performance.md"; rc=$?
-  [ "$rc" = 0 ] && sed -n '/^## Pi0.5/,/^Commands/p' "$OUT/performance.md" | sed 's/^/[pi05] /'
+  [ "$rc" = 0 ] && sed -n '/^Kernels:/,/^Commands/p' "$OUT/performance.md" | sed 's/^/[pi05] /'
   echo "[bench-pi05] summary rc=$rc; copy $OUT/pi05_*.json into docs/bench/ and run scripts/gen_performance_doc.py"
 }
 export -f bench_pi05_all
