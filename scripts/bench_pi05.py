@@ -33,9 +33,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import re
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=sorted(MODES), required=True)
     ap.add_argument("--modes", default="", help="comma-separated subset of the impl's modes (default: all)")
-    ap.add_argument("--requests", type=int, default=50, help="timed requests per mode (>= 50 for the report)")
+    ap.add_argument("--requests", type=int, default=50,
+                    help="timed requests per mode (>= 32 for the accuracy claims of issue 17)")
     ap.add_argument("--warmup", type=int, default=5, help="extra warm-up requests after one of each combination")
     ap.add_argument("--prompt-lens", default="18,23,29,36,44,52,61,70")
     ap.add_argument("--layouts", default="full,masked")
@@ -417,7 +418,8 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
         "graph_launches_per_request": graph_launches / count,
         "device_kernels_per_request": kernels / count,
         "kernel_time_ms_per_request": kernel_us / 1000.0 / count,
-        "attention_kernels_per_request": {k: v / count for k, v in sorted(attention.items(), key=lambda kv: -kv[1])[:6]},
+        "attention_kernels_per_request": {k: v / count for k, v in
+                                          sorted(attention.items(), key=lambda kv: -kv[1])[:6]},
     }
 
 
@@ -552,7 +554,8 @@ def _acc(r: Dict[str, Any], name: str) -> str:
 
 def print_table(results: List[Dict[str, Any]]) -> None:
     header = ("impl", "mode", "p50 ms", "p90 ms", "prefix ms", "denoise ms", "launches/req", "graph launches/req",
-              "kernels/req", "kernel ms/req", "peak MiB", "pool +MiB", "graph buf MiB", "vs eager rel/cos", "vs graph rel/cos", "vs saved rel/cos")
+              "kernels/req", "kernel ms/req", "peak MiB", "pool +MiB", "graph buf MiB", "vs eager rel/cos",
+              "vs graph rel/cos", "vs saved rel/cos")
     rows = [header]
     notes = []
     for r in results:

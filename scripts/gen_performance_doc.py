@@ -174,7 +174,8 @@ ISSUE17_HEAD = ["| target (issue 17) | measured | bound | |", "|---|---|---|---|
 
 def _pi05_issue17(results) -> list:
     """p50 <= 15 ms and accuracy of the fast path (vs the exact path and vs 0.5.17 eager)."""
-    fast = next((r for r in results if r["impl"] == "0517-ext" and r["mode"] == "graph-fast" and "p50_ms" in r), None)
+    fast = next((r for r in results
+                 if r["impl"] == "0517-ext" and r["mode"] == "graph-fast" and "p50_ms" in r), None)
     if fast is None:
         return []
     rows = [_target("graph-fast p50 ms", fast["p50_ms"], "<=", 15.0, "{:.1f}")]
@@ -237,8 +238,8 @@ def _pi05_section():
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
              f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
-             "", "```", out.getvalue().strip("\n"), "```", *_pi05_attention_kernels(results), *_pi05_targets(results),
-             *_pi05_issue17(results), "",
+             "", "```", out.getvalue().strip("\n"), "```", *_pi05_attention_kernels(results),
+             *_pi05_targets(results), *_pi05_issue17(results), "",
              *_pi05_commands(runs)]
     return "\n".join(lines)
 

@@ -35,7 +35,7 @@ bench_pi05_all() {
     --save-actions "$ref" --out "$OUT/pi05_0517.json"
   echo "[bench-pi05] 0517 rc=$?"
   # 0.5.19 in a subshell: its environment must not leak into the sglang-ext process
-  ( SGX_SGLANG=0519 source scripts/gpu_env.sh || exit 3
+  ( SGX_SGLANG=0519 source scripts/gpu_env.sh || { echo "[bench-pi05] 0519: gpu_env.sh failed (see its sgx: line)"; exit 3; }
     timeout -k 10 "${PI05_LIMIT_0519:-120}" python3 scripts/bench_pi05.py --impl 0519 \
       --modes "${PI05_0519_MODES:-graph}" $common --compare-actions "$ref" --out "$OUT/pi05_0519.json" )
   echo "[bench-pi05] 0519 rc=$?"
