@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -266,9 +267,13 @@ def test_gpu_step_runs_every_implementation_even_after_failures(tmp_path):
     (bin_dir / "python3").chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
+    repo = tmp_path / "repo"  # the two scripts alone: no .carry/ for gpu_env.sh to unpack
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("gpu_steps.sh", "gpu_env.sh"):
+        shutil.copy(os.path.join(REPO, "scripts", name), repo / "scripts" / name)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "SGX_STEP_STAGGER": "0",
            "SGX_ROOT": str(tmp_path / "sgx"), "SGX_BENCH_RUN_ID": "r42"}
-    done = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_steps.sh"), "bench-pi05"], env=env,
+    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_steps.sh"), "bench-pi05"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
