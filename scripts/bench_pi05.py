@@ -9,14 +9,21 @@ prefixes (empty second camera), prompts of mixed lengths (round-robin).
 Per mode: p50/p90 latency over --requests timed requests after warm-up (every
 (layout, prompt length) combination once, then --warmup more), CUDA API launches
 per request (kernel launches and graph launches, torch.profiler), device kernels
-per request and their summed time, peak allocated memory, graph-pool growth.
+per request and their summed time, peak allocated memory, graph-pool growth, prefix and
+denoise time (CUDA events), and accuracy over the timed requests (every mode sees the same
+observations and noise): max|action - ref| / max|ref| and cosine against this process's
+`eager` and `graph` modes, and against actions another process saved (--save-actions in the
+0.5.17 process, --compare-actions here: 0.5.17 eager is the reference of every implementation).
 
 Implementations (one per process; the sglang on PYTHONPATH decides):
   0517      sglang 0.5.17 as released: eager, graph (action graph, full prefixes only)
-  0517-ext  0.5.17 + sglang-ext: eager, graph (exact), graph-bucket, graph-fused
+  0517-ext  0.5.17 + sglang-ext: eager, graph (exact), graph-bucket, graph-fused,
+            graph-fast (knob pi05_fast: fused kernels + the fused denoise loop; skipped, with
+            the reason, where this tree has no fast path)
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
 
-On the GPU machine (docs/gpu-harness.md; SGX_SGLANG=0519 for --impl 0519):
+On the GPU machine (docs/gpu-harness.md): `bash scripts/gpu_steps.sh bench-pi05` runs the three
+implementations one after another in one run (shared run id) with a reference file; one alone:
   source scripts/gpu_env.sh && python3 scripts/bench_pi05.py --impl 0517-ext --out $OUT/ext.json
 The table is printed last; --out writes JSON.
 """
@@ -25,7 +32,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -35,21 +45,25 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, os.path.join(REPO, "test", "registered", "vit"))  # qwen_vit_kit: sgl_kernel / FA3 probes
 
 import bench_results  # noqa: E402
 from sglang_ext.testing import pi05_random  # noqa: E402
 
 MODES = {
     "0517": ("eager", "graph"),
-    "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused"),
+    "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast"),
     "0519": ("eager", "graph", "graph-bucket"),
 }
+REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared with them
+ACTIONS_FORMAT = "bench_pi05 actions v1"
+# Device kernels that are attention (SDPA's flash / memory-efficient / cuDNN kernels, FA3, Triton).
+ATTENTION_KERNEL = re.compile(r"attn|attention|fmha|flash|sdpa|cudnn", re.IGNORECASE)
 LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 GRAPH_LAUNCH_APIS = ("cudaGraphLaunch", "cuGraphLaunch")
 
 
 CUDA = torch.cuda.is_available()
-ATTENTION = "torch_sdpa"
 
 
 def sync() -> None:
@@ -69,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=sorted(MODES), required=True)
     ap.add_argument("--modes", default="", help="comma-separated subset of the impl's modes (default: all)")
-    ap.add_argument("--requests", type=int, default=50, help="timed requests per mode (>= 50 for the report)")
+    ap.add_argument("--requests", type=int, default=50,
+                    help="timed requests per mode (>= 32 for the accuracy claims of issue 17)")
     ap.add_argument("--warmup", type=int, default=5, help="extra warm-up requests after one of each combination")
     ap.add_argument("--prompt-lens", default="18,23,29,36,44,52,61,70")
     ap.add_argument("--layouts", default="full,masked")
@@ -79,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--action-entries", type=int, default=8, help="action graph capacity (0519 / ext)")
     ap.add_argument("--profile-requests", type=int, default=4, help="requests profiled per mode (0 = none)")
     ap.add_argument("--quick", action="store_true", help="20 timed requests, 3 prompt lengths, 2 profiled")
+    ap.add_argument("--attention", choices=("torch_sdpa", "fa", "default"), default="torch_sdpa",
+                    help="multimodal_gen attention backend requested (fa: FlashAttention, sgl_kernel's FA3 on Hopper; "
+                         "default: the platform's own choice, as a server without --attention-backend); the record "
+                         "says what each attention module resolved to and ran")
+    ap.add_argument("--custom-ops", choices=("auto", "native", "dispatch"), default="auto",
+                    help="sglang custom ops (norms, activations): plain-torch forward_native, or sglang's own "
+                         "dispatch (sgl_kernel); auto = dispatch where sgl_kernel's compiled ops are loaded")
+    ap.add_argument("--save-actions", default="", help="write the timed requests' actions of --save-mode here")
+    ap.add_argument("--save-mode", default="eager", help="the mode whose actions --save-actions writes")
+    ap.add_argument("--compare-actions", default="",
+                    help="compare every mode with the actions another process saved here (--save-actions)")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--cpu-logic-check", action="store_true",
                     help="run the whole script on the CPU with a one-layer model (checks the script; numbers meaningless)")
@@ -100,6 +126,8 @@ def parse_args() -> argparse.Namespace:
     unknown = [m for m in modes if m not in MODES[args.impl]]
     if unknown:
         ap.error(f"--modes: {unknown} not available for --impl {args.impl}; allowed: {', '.join(MODES[args.impl])}")
+    if args.save_actions and args.save_mode not in modes:
+        ap.error(f"--save-mode: {args.save_mode!r} is not among the modes run; allowed: {', '.join(modes)}")
     args.modes = modes
     return args
 
@@ -133,8 +161,10 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
     config.prompt_token_buckets = list(args.buckets) if mode == "graph-bucket" else []
     config.prefix_cuda_graph_max_entries = args.prefix_entries
     config.action_cuda_graph_max_entries = args.action_entries
-    if impl == "0517-ext":
-        os.environ["SGLANG_EXT_PI05_FUSED_DENOISE"] = "1" if mode == "graph-fused" else "0"
+    if impl == "0517-ext":  # both knobs are read per request
+        os.environ["SGLANG_EXT_PI05_FUSED_DENOISE"] = "1" if mode in ("graph-fused", "graph-fast") else "0"
+        if _has_fast_knob():  # an unknown SGLANG_EXT_* variable would fail sglang-ext's settings check
+            os.environ["SGLANG_EXT_PI05_FAST"] = "1" if mode == "graph-fast" else "0"
     evict = policy._prompt_token_bucketing_enabled()
     available = getattr(config, "action_cuda_graph_available", None)
     action_enabled = available() if callable(available) else bool(config.enable_action_cuda_graph)
@@ -154,8 +184,26 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "prompt_token_buckets": list(config.prompt_token_buckets),
         "prefix_entries": args.prefix_entries,
         "action_entries": args.action_entries,
-        "fused_denoise": mode == "graph-fused",
+        "fused_denoise": mode in ("graph-fused", "graph-fast"),
+        "fast": mode == "graph-fast",
     }
+
+
+def _has_fast_knob() -> bool:
+    from sglang_ext import knobs
+
+    return "pi05_fast" in {k.name for k in knobs.KNOBS}
+
+
+def unavailable(impl: str, mode: str) -> str:
+    """Why this tree cannot run the mode ("" when it can)."""
+    if mode != "graph-fast":
+        return ""
+    if not _has_fast_knob():
+        return "knob pi05_fast is not in this tree's sglang_ext.knobs"
+    if importlib.util.find_spec("sglang_ext.kernels") is None:
+        return "the fast path is not in this tree (no package sglang_ext.kernels)"
+    return ""
 
 
 def combos(args) -> List[tuple]:
@@ -172,27 +220,170 @@ def make_inputs(policy, args):
     return inputs
 
 
-def one_request(policy, observation, noise, graph: bool, num_steps: int):
-    return pi05_random.run_request(policy, observation, noise, graph=graph, num_steps=num_steps)
+def one_request(policy, observation, noise, graph: bool, num_steps: int, stamps=None):
+    return pi05_random.run_request(policy, observation, noise, graph=graph, num_steps=num_steps, stamps=stamps)
+
+
+class _Stamp:
+    """A CUDA event where there is a GPU, a clock reading otherwise (--cpu-logic-check)."""
+
+    def __init__(self):
+        self.event = torch.cuda.Event(enable_timing=True) if CUDA else None
+        self.t = 0.0
+
+    def record(self):
+        if self.event is not None:
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms_until(self, later: "_Stamp") -> float:
+        if self.event is not None:
+            return self.event.elapsed_time(later.event)
+        return (later.t - self.t) * 1000.0
+
+
+def inputs_signature(args) -> Dict[str, Any]:
+    """What decides the timed requests' inputs: equal signatures mean the same observations and noise
+    per request (make_inputs' seeds), so actions of two processes compare request by request."""
+    return {"prompt_lens": list(args.prompt_lens), "layouts": list(args.layouts), "num_steps": args.num_steps,
+            "requests": args.requests, "seeds": "model 0, observation 1000+i, noise 2000+i"}
+
+
+def timed_keys(inputs, args) -> List[str]:
+    return [f"{layout}/{prompt_len}" for (layout, prompt_len), _, _ in
+            (inputs[i % len(inputs)] for i in range(args.requests))]
+
+
+def accuracy(actions: List[torch.Tensor], reference: List[torch.Tensor]) -> Dict[str, Any]:
+    """Worst request: largest max|a - ref| / max|ref| and smallest cosine, over paired requests."""
+    if len(actions) != len(reference) or not actions:
+        raise ValueError(f"accuracy: {len(actions)} requests against {len(reference)} reference requests")
+    return {"requests": len(actions),
+            "max_rel_diff": max(pi05_random.relative_diff(a, r) for a, r in zip(actions, reference)),
+            "min_cosine": min(pi05_random.cosine(a, r) for a, r in zip(actions, reference))}
+
+
+def save_actions(path: str, *, impl: str, mode: str, version: str, signature, keys, digest, actions) -> None:
+    """The timed requests' actions of one mode, for --compare-actions in another process."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save({"format": ACTIONS_FORMAT, "impl": impl, "mode": mode, "sglang": version,
+                "run_id": bench_results.RUN_ID, "inputs": signature, "keys": list(keys),
+                "weights_digest": list(digest), "actions": [a.detach().float().cpu() for a in actions]}, path)
+    log(f"[bench] saved {len(actions)} {impl} {mode} actions to {path}")
+
+
+def load_actions(path: str, *, signature, keys, digest):
+    """(saved record, "") when `path` holds actions of the same inputs and weights; (None, reason) otherwise."""
+    where = f"--compare-actions {path}"
+    if not os.path.exists(path):
+        return None, f"{where}: no such file (the reference process failed or did not run)"
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: the bench goes on
+        return None, f"{where}: unreadable ({type(exc).__name__}: {exc})"[:300]
+    if not isinstance(saved, dict) or saved.get("format") != ACTIONS_FORMAT:
+        return None, f"{where}: not a bench_pi05 actions file (format {ACTIONS_FORMAT!r} expected)"
+    for field, here in signature.items():
+        if saved["inputs"].get(field) != here:
+            return None, f"{where}: inputs differ: {field} saved {saved['inputs'].get(field)!r}, here {here!r}"
+    if list(saved["keys"]) != list(keys) or len(saved["actions"]) != len(keys):
+        return None, f"{where}: the saved requests are not this run's requests"
+    count, total, squares = saved["weights_digest"]
+    if count != digest[0] or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+                                     for a, b in ((total, digest[1]), (squares, digest[2]))):
+        return None, (f"{where}: the model's weights differ from the saved run's (digest {saved['weights_digest']} "
+                      f"vs {list(digest)})")
+    return saved, ""
 
 
 _CACHE = bench_results.ANY  # the runner's cache_info() fields
+_ACCURACY = dict.fromkeys(("reference", "requests", "max_rel_diff", "min_cosine", "skipped"))
+# `kernels`: the packages loaded (bench_results.kernels()), whether sgl_kernel's compiled ops and FA3
+# are really there, and what Pi0.5's custom ops ran (forward_native, or sglang's dispatch).
+KERNELS_SCHEMA = {**bench_results.KERNELS_SCHEMA, "sgl_kernel_ops": None, "fa3": None, "custom_ops": None}
 # Every key this script writes to --out (see bench_results.py).
 SCHEMA = {
-    **dict.fromkeys(("run_id", "impl", "sglang", "device", "torch", "attention")),
-    "kernels": bench_results.KERNELS_SCHEMA,
+    **dict.fromkeys(("run_id", "impl", "sglang", "device", "torch", "attention", "command")),
+    "kernels": KERNELS_SCHEMA,
+    # requested backend; per attention module kind (backend:impl class) how many; per request how many
+    # calls took LocalAttention's masked path (torch SDPA whatever the backend) or the backend's own
+    "attention_ran": {"requested": None, "modules": bench_results.ANY, "calls_per_request": bench_results.ANY,
+                      "error": None},
     "sglang_ext": bench_results.ANY,  # patch name -> status
     "settings": {a.dest: None for a in build_parser()._actions if a.dest not in ("help", "out")},
+    "reference_actions": dict.fromkeys(("saved_to", "saved_mode", "compared_with", "status")),
     "results": [{
         **dict.fromkeys(("impl", "mode", "requests", "p50_ms", "p90_ms", "mean_ms", "min_ms", "warmup_s",
-                         "peak_allocated_mib", "graph_pool_growth_mib", "max_relative_diff_vs_eager",
+                         "prefix_p50_ms", "denoise_p50_ms",
+                         "peak_allocated_mib", "graph_pool_growth_mib",
+                         "max_relative_diff_vs_eager",  # files from before `accuracy`
                          "profiled_requests", "kernel_launches_per_request", "graph_launches_per_request",
-                         "device_kernels_per_request", "kernel_time_ms_per_request")),
+                         "device_kernels_per_request", "kernel_time_ms_per_request", "skipped", "error", "note")),
         "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
-                                 "prefix_entries", "action_entries", "fused_denoise")),
+                                 "prefix_entries", "action_entries", "fused_denoise", "fast")),
+        "accuracy": {"vs_eager": _ACCURACY, "vs_graph": _ACCURACY, "vs_saved": _ACCURACY},
+        "attention_kernels_per_request": bench_results.ANY,  # device kernel name -> count
         "prefix_graph_runner_cache": _CACHE, "graph_runner_cache": _CACHE,
     }],
 }
+
+
+def kernels_record(custom_ops: str) -> Dict[str, Any]:
+    """This process's `kernels` record (KERNELS_SCHEMA)."""
+    from qwen_vit_kit import fa3_loaded, sgl_kernel_ops_loaded
+
+    ops = sgl_kernel_ops_loaded()
+    return {**bench_results.kernels(), "sgl_kernel_ops": "real" if ops else "absent or stand-in",
+            "fa3": "real flash_ops loads" if fa3_loaded() else "not available", "custom_ops": custom_ops}
+
+
+def resolve_custom_ops(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    from qwen_vit_kit import sgl_kernel_ops_loaded
+
+    return "dispatch" if sgl_kernel_ops_loaded() else "native"
+
+
+def attention_ran(policy, observation, noise, args) -> Dict[str, Any]:
+    """Which attention the model's LocalAttention modules hold, and which path one eager request takes
+    (the masked path is torch SDPA whatever the backend; unmasked calls run the backend's impl)."""
+    record: Dict[str, Any] = {"requested": args.attention}
+    try:
+        layers = [(n, m) for n, m in policy.named_modules() if hasattr(m, "attn_impl") and hasattr(m, "backend")]
+        kinds = {n: f"{getattr(m.backend, 'name', m.backend)}:{type(m.attn_impl).__name__}".lower() for n, m in layers}
+        modules: Dict[str, int] = {}
+        for kind in kinds.values():
+            modules[kind] = modules.get(kind, 0) + 1
+        calls: Dict[str, int] = {}
+
+        def hook(name):
+            def count(_module, call_args, call_kwargs):
+                mask = call_kwargs.get("attn_mask", call_args[3] if len(call_args) > 3 else None)
+                key = "masked: torch sdpa" if mask is not None else f"unmasked: {kinds[name]}"
+                calls[key] = calls.get(key, 0) + 1
+            return count
+
+        handles = [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in layers]
+        try:
+            one_request(policy, observation, noise, False, args.num_steps)
+            sync()
+        finally:
+            for handle in handles:
+                handle.remove()
+        record.update(modules=modules, calls_per_request=calls)
+    except Exception as exc:  # noqa: BLE001 - reported in the record
+        record["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return record
+
+
+def attention_summary(record: Dict[str, Any]) -> str:
+    """One line for the `attention` field: requested backend and what the calls ran."""
+    if not record.get("calls_per_request"):
+        return f"{record.get('requested')} requested; what ran not recorded ({record.get('error', 'no calls seen')})"
+    calls = ", ".join(f"{k} x{v}" for k, v in record["calls_per_request"].items())
+    return f"{record['requested']} requested; ran per eager request: {calls}"
 
 
 def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
@@ -209,6 +400,7 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
         sync()
     kernel_launches = graph_launches = kernels = 0
     kernel_us = 0.0
+    attention: Dict[str, int] = {}
     for event in prof.events():
         name = event.name
         if name in LAUNCH_APIS:
@@ -218,12 +410,16 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
         if event.device_type == DeviceType.CUDA and not name.startswith(("Memcpy", "Memset")):
             kernels += 1
             kernel_us += float(event.device_time_total)
+            if ATTENTION_KERNEL.search(name):
+                attention[name[:120]] = attention.get(name[:120], 0) + 1
     return {
         "profiled_requests": count,
         "kernel_launches_per_request": kernel_launches / count,
         "graph_launches_per_request": graph_launches / count,
         "device_kernels_per_request": kernels / count,
         "kernel_time_ms_per_request": kernel_us / 1000.0 / count,
+        "attention_kernels_per_request": {k: v / count for k, v in
+                                          sorted(attention.items(), key=lambda kv: -kv[1])[:6]},
     }
 
 
@@ -233,20 +429,18 @@ def percentile(values: List[float], q: float) -> float:
     return ordered[index]
 
 
-def run_mode(policy, impl: str, mode: str, inputs, args, reference: Dict[tuple, torch.Tensor]) -> Dict[str, Any]:
+def run_mode(policy, impl: str, mode: str, inputs, args, timed: Dict[str, List[torch.Tensor]],
+             saved=None) -> Dict[str, Any]:
+    """Warm up, time, profile one mode. `timed`: the timed requests' actions of the modes run so far
+    (this one is added); `saved`: (record, reason) of --compare-actions."""
     graph = mode != "eager"
     description = configure(policy, impl, mode, args)
     log(f"[bench] {impl} {mode}: {description}")
     sync()
     reserved_before = reserved_bytes()
     start = time.perf_counter()
-    max_diff = 0.0
-    for key, observation, noise in inputs:  # every combination once (captures)
-        actions = one_request(policy, observation, noise, graph, args.num_steps)
-        if key in reference:
-            max_diff = max(max_diff, pi05_random.relative_diff(actions, reference[key]))
-        else:
-            reference[key] = actions.clone()
+    for _, observation, noise in inputs:  # every combination once (captures)
+        one_request(policy, observation, noise, graph, args.num_steps)
     for index in range(args.warmup):
         _, observation, noise = inputs[index % len(inputs)]
         one_request(policy, observation, noise, graph, args.num_steps)
@@ -255,15 +449,20 @@ def run_mode(policy, impl: str, mode: str, inputs, args, reference: Dict[tuple, 
     graph_pool_growth = reserved_bytes() - reserved_before
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
-    latencies = []
+    latencies, prefix_ms, denoise_ms, actions = [], [], [], []
     for index in range(args.requests):
         _, observation, noise = inputs[index % len(inputs)]
+        stamps = (_Stamp(), _Stamp(), _Stamp())
         sync()
         t0 = time.perf_counter()
-        one_request(policy, observation, noise, graph, args.num_steps)
+        out = one_request(policy, observation, noise, graph, args.num_steps, stamps)
         sync()
         latencies.append((time.perf_counter() - t0) * 1000.0)
+        prefix_ms.append(stamps[0].ms_until(stamps[1]))
+        denoise_ms.append(stamps[1].ms_until(stamps[2]))
+        actions.append(out.detach().float().clone())  # outside the timing: graph outputs are reused
     peak_allocated = torch.cuda.max_memory_allocated() if CUDA else 0
+    timed[mode] = actions
     result: Dict[str, Any] = {
         "impl": impl,
         "mode": mode,
@@ -273,10 +472,12 @@ def run_mode(policy, impl: str, mode: str, inputs, args, reference: Dict[tuple, 
         "p90_ms": percentile(latencies, 0.9),
         "mean_ms": statistics.fmean(latencies),
         "min_ms": min(latencies),
+        "prefix_p50_ms": statistics.median(prefix_ms),
+        "denoise_p50_ms": statistics.median(denoise_ms),
         "warmup_s": warmup_s,
         "peak_allocated_mib": peak_allocated / 2**20,
         "graph_pool_growth_mib": graph_pool_growth / 2**20,
-        "max_relative_diff_vs_eager": max_diff,
+        "accuracy": compare(mode, actions, timed, saved),
     }
     for name in ("prefix_graph_runner", "graph_runner"):
         runner = getattr(policy, name, None)
@@ -285,11 +486,44 @@ def run_mode(policy, impl: str, mode: str, inputs, args, reference: Dict[tuple, 
             cache = info()
             result[name + "_cache"] = cache.as_dict() if hasattr(cache, "as_dict") else vars(cache)
     result.update(profile(policy, inputs, graph, args))
-    log(f"[bench] {impl} {mode}: p50 {result['p50_ms']:.1f} ms p90 {result['p90_ms']:.1f} ms "
+    log(f"[bench] {impl} {mode}: p50 {result['p50_ms']:.1f} ms (prefix {result['prefix_p50_ms']:.1f}, denoise "
+        f"{result['denoise_p50_ms']:.1f}) p90 {result['p90_ms']:.1f} ms "
         f"launches {result.get('kernel_launches_per_request', float('nan')):.0f} "
-        f"graphs {result.get('graph_launches_per_request', float('nan')):.1f} "
-        f"diff {max_diff:.2e}")
+        f"graphs {result.get('graph_launches_per_request', float('nan')):.1f} accuracy {result['accuracy']}")
     return result
+
+
+def compare(mode: str, actions, timed: Dict[str, List[torch.Tensor]], saved) -> Dict[str, Any]:
+    """Accuracy against this process's eager and graph modes and against the saved actions."""
+    out: Dict[str, Any] = {}
+    for name, reference in (("vs_eager", "eager"), ("vs_graph", "graph")):
+        if reference != mode and reference in timed:
+            out[name] = {"reference": f"this process's {reference}", **accuracy(actions, timed[reference])}
+    if saved is not None:
+        record, reason = saved
+        if record is None:
+            out["vs_saved"] = {"skipped": reason}
+        else:
+            out["vs_saved"] = {"reference": f"{record['impl']} {record['mode']} (run id {record['run_id']})",
+                               **accuracy(actions, [a.to(actions[0].device) for a in record["actions"]])}
+    return out
+
+
+def run_or_report(policy, impl: str, mode: str, inputs, args, timed, saved) -> Dict[str, Any]:
+    """One mode; a mode this tree lacks or one that fails becomes a row saying why, and the bench goes on."""
+    reason = unavailable(impl, mode)
+    if reason:
+        log(f"[bench] {impl} {mode}: skipped: {reason}")
+        return {"impl": impl, "mode": mode, "skipped": reason}
+    try:
+        return run_mode(policy, impl, mode, inputs, args, timed, saved)
+    except Exception as exc:  # noqa: BLE001 - one mode's failure must not cost the others
+        import traceback
+
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"[:400]
+        log(f"[bench] {impl} {mode}: FAILED: {error}")
+        return {"impl": impl, "mode": mode, "error": error}
 
 
 def _graph_buffer_mib(result: Dict[str, Any]) -> str:
@@ -300,26 +534,58 @@ def _graph_buffer_mib(result: Dict[str, Any]) -> str:
     return f"{sum(counted) / 2**20:.0f}" if counted else "-"
 
 
+def _num(r: Dict[str, Any], key: str, fmt: str) -> str:
+    value = r.get(key)
+    return "-" if value is None else fmt.format(value)
+
+
+def _acc(r: Dict[str, Any], name: str) -> str:
+    """max rel diff / cosine against one reference ("-": not measured; "skip": see the notes)."""
+    entry = (r.get("accuracy") or {}).get(name)
+    if entry is None and name == "vs_eager" and "accuracy" not in r and r.get("mode") != "eager":
+        legacy = r.get("max_relative_diff_vs_eager")  # files from before accuracy was recorded
+        return "-" if legacy is None else f"{legacy:.1e}/-"
+    if entry is None:
+        return "-"
+    if "skipped" in entry:
+        return "skip"
+    return f"{entry['max_rel_diff']:.1e}/{entry['min_cosine']:.6f}"
+
+
 def print_table(results: List[Dict[str, Any]]) -> None:
-    header = ("impl", "mode", "p50 ms", "p90 ms", "launches/req", "graph launches/req", "kernels/req",
-              "kernel ms/req", "peak MiB", "pool +MiB", "graph buf MiB", "max rel diff")
+    header = ("impl", "mode", "p50 ms", "p90 ms", "prefix ms", "denoise ms", "launches/req", "graph launches/req",
+              "kernels/req", "kernel ms/req", "peak MiB", "pool +MiB", "graph buf MiB", "vs eager rel/cos",
+              "vs graph rel/cos", "vs saved rel/cos")
     rows = [header]
+    notes = []
     for r in results:
+        if "p50_ms" not in r:
+            notes.append(f"{r['impl']} {r['mode']}: " + (f"skipped: {r['skipped']}" if "skipped" in r
+                                                         else f"FAILED: {r.get('error')}"))
+            continue
         rows.append((
             r["impl"], r["mode"], f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}",
-            f"{r.get('kernel_launches_per_request', float('nan')):.0f}",
-            f"{r.get('graph_launches_per_request', float('nan')):.1f}",
-            f"{r.get('device_kernels_per_request', float('nan')):.0f}",
-            f"{r.get('kernel_time_ms_per_request', float('nan')):.1f}",
+            _num(r, "prefix_p50_ms", "{:.1f}"), _num(r, "denoise_p50_ms", "{:.1f}"),
+            _num(r, "kernel_launches_per_request", "{:.0f}"), _num(r, "graph_launches_per_request", "{:.1f}"),
+            _num(r, "device_kernels_per_request", "{:.0f}"), _num(r, "kernel_time_ms_per_request", "{:.1f}"),
             f"{r['peak_allocated_mib']:.0f}", f"{r['graph_pool_growth_mib']:.0f}", _graph_buffer_mib(r),
-            f"{r['max_relative_diff_vs_eager']:.1e}",
+            _acc(r, "vs_eager"), _acc(r, "vs_graph"), _acc(r, "vs_saved"),
         ))
+        saved = (r.get("accuracy") or {}).get("vs_saved") or {}
+        if saved.get("skipped"):
+            notes.append(f"{r['impl']} {r['mode']}: vs saved skipped: {saved['skipped']}")
+        elif saved.get("reference"):
+            notes.append(f"{r['impl']} {r['mode']}: vs saved = {saved['reference']}")
+        if r.get("note"):
+            notes.append(f"{r['impl']} {r['mode']}: {r['note']}")
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     print()
     for index, row in enumerate(rows):
-        print(" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)))
+        print(" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
         if index == 0:
             print("-+-".join("-" * w for w in widths))
+    for note in dict.fromkeys(notes):
+        print(note)
 
 
 def main() -> int:
@@ -331,32 +597,64 @@ def main() -> int:
     if args.impl == "0517-ext":
         statuses = {name: str(s) for name, s in pi05_random.activate_sglang_ext().items()}
         log(f"[bench] sglang-ext: {statuses}")
+    custom_ops = resolve_custom_ops(args.custom_ops)
     t0 = time.perf_counter()
     policy = pi05_random.build_random_pi05(
         device="cuda" if CUDA else "cpu", dtype=torch.bfloat16, seed=0, reduced=not CUDA, log=log,
-        attention_backend=ATTENTION,
+        attention_backend=None if args.attention == "default" else args.attention,
+        native_custom_ops=custom_ops == "native",
     )
-    log(f"[bench] model built in {time.perf_counter() - t0:.1f} s; sglang {version}")
+    log(f"[bench] model built in {time.perf_counter() - t0:.1f} s; sglang {version}; custom ops {custom_ops}")
     inputs = make_inputs(policy, args)
-    reference: Dict[tuple, torch.Tensor] = {}
-    modes = args.modes
-    if "eager" in modes:  # eager first: graph modes are compared with it
-        modes = ["eager"] + [m for m in modes if m != "eager"]
-    results = [run_mode(policy, args.impl, mode, inputs, args, reference) for mode in modes]
-    payload = {
-        "run_id": bench_results.RUN_ID,
-        "impl": args.impl,
-        "sglang": version,
-        "device": torch.cuda.get_device_name() if CUDA else "cpu (logic check)",
-        "torch": torch.__version__,
-        "kernels": bench_results.kernels(),
-        "attention": ATTENTION,
-        "sglang_ext": statuses,
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "results": results,
-    }
-    if args.out:
-        bench_results.write(args.out, payload, SCHEMA, default=str)
+    signature, keys = inputs_signature(args), timed_keys(inputs, args)
+    digest = pi05_random.weights_digest(policy) if args.save_actions or args.compare_actions else None
+    saved = load_actions(args.compare_actions, signature=signature, keys=keys, digest=digest) \
+        if args.compare_actions else None
+    if saved is not None:
+        log(f"[bench] compare with {args.compare_actions}: {saved[1] or 'inputs and weights match'}")
+    attention = attention_ran(policy, inputs[0][1], inputs[0][2], args)
+    log(f"[bench] attention: {attention_summary(attention)}")
+    kernels = kernels_record(custom_ops)
+    log(f"[bench] kernels: {kernels}")
+    modes = [m for m in REFERENCE_MODES if m in args.modes] + [m for m in args.modes if m not in REFERENCE_MODES]
+    timed: Dict[str, List[torch.Tensor]] = {}
+    reference = {"saved_to": None, "saved_mode": args.save_mode if args.save_actions else None,
+                 "compared_with": args.compare_actions or None,
+                 "status": None if saved is None else (saved[1] or "compared")}
+    results: List[Dict[str, Any]] = []
+
+    def report() -> Dict[str, Any]:
+        return {
+            "run_id": bench_results.RUN_ID,
+            "impl": args.impl,
+            "sglang": version,
+            "device": torch.cuda.get_device_name() if CUDA else "cpu (logic check)",
+            "torch": torch.__version__,
+            "kernels": kernels,
+            "attention": attention_summary(attention),
+            "attention_ran": attention,
+            "command": " ".join(["python3", *sys.argv]) + (f"  (SGX_SGLANG={os.environ['SGX_SGLANG']})"
+                                                           if os.environ.get("SGX_SGLANG") else ""),
+            "sglang_ext": statuses,
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "reference_actions": reference,
+            "results": results,
+        }
+
+    for mode in modes:
+        results.append(run_or_report(policy, args.impl, mode, inputs, args, timed, saved))
+        if args.save_actions and mode == args.save_mode and mode in timed:  # now: a later crash keeps it
+            save_actions(args.save_actions, impl=args.impl, mode=mode, version=version,
+                         signature=signature, keys=keys, digest=digest, actions=timed[mode])
+            reference["saved_to"] = args.save_actions
+        if args.out:  # after every mode: a process killed later keeps what it measured
+            bench_results.write(args.out, report(), SCHEMA, default=str)
+    fast = next((r for r in results if r["mode"] == "graph-fast" and "p50_ms" in r), None)
+    if fast is not None and "graph-fused" in timed and all(
+            torch.equal(a, b) for a, b in zip(timed["graph-fast"], timed["graph-fused"])):
+        fast["note"] = "actions bit-identical to graph-fused on every timed request: the fast path did not engage"
+        if args.out:
+            bench_results.write(args.out, report(), SCHEMA, default=str)
     print_table(results)
     return 0
 

@@ -6,8 +6,9 @@ keys are data (patch names, counter names). `write()` refuses a report with keys
 lacks, so the schema is the one the script really uses; `gen_performance_doc.py --check` fails
 on a committed file carrying keys no script writes (a hand edit).
 
-Every file records where its numbers come from: `run_id` (one per invocation of the script:
-rows sharing it were measured in one run), `kernels` (the CUDA kernel packages the measuring
+Every file records where its numbers come from: `run_id` (one per invocation of the script, or
+the SGX_BENCH_RUN_ID a driver such as `gpu_steps.sh bench-pi05` gives the processes it runs one
+after another: rows sharing it were measured in one run), `kernels` (the CUDA kernel packages the measuring
 process loaded) and `attention` (the attention backend).
 """
 
@@ -19,7 +20,7 @@ import sys
 import time
 
 ANY = "any"
-RUN_ID = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+RUN_ID = os.environ.get("SGX_BENCH_RUN_ID") or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
 KERNELS_SCHEMA = {"sgl_kernel": None, "flashinfer": None}
 
 

@@ -39,10 +39,15 @@ latency per request after warm-up. launches/req: CUDA kernel launch API calls pe
 ms/req: device kernels executed and their summed time. peak MiB: peak allocated memory.
 pool +MiB: growth of reserved memory while graph modes ran (graph intermediates included).
 graph buf MiB: static buffers of the resident graphs, as sglang-ext's bounded caches count them
-(upstream's caches do not report it). max rel diff: largest
-|action - eager action| / max |eager action| over the timed requests (0 = bit-identical).
+(upstream's caches do not report it). prefix / denoise ms: p50 of the two phases (CUDA events).
+vs eager / vs graph / vs saved rel/cos: the worst timed request's max|action - ref| / max|ref|
+(0 = bit-identical) and smallest cosine against the same process's eager and exact graph modes,
+and against the actions another process saved (0.5.17 eager; the note under the table names
+it), on the same observations, noise and weights ("-": not measured; `x/-`: a file from before
+cosines were recorded, its difference taken over the warm-up pass).
 Modes: `graph` = exact mode (first N signatures captured, later ones eager), `graph-bucket` =
-prompt buckets + LRU, `graph-fused` = one graph for all denoise steps (sglang-ext only).
+prompt buckets + LRU, `graph-fused` = one graph for all denoise steps, `graph-fast` = knob
+`pi05_fast` (fused kernels inside the fused denoise graph; sglang-ext only).
 `0517-ext` includes `pi05_fused_norms` (fewer, fused norm kernels in every mode); its actions
 match 0.5.17's norm math within bf16 rounding (checked on the GPU by
 `test_pi05_graphs_cuda.py::test_fused_norms_change_actions_only_within_rounding`)."""
@@ -146,6 +151,7 @@ TARGET_HEAD = ["| target (issue 8) | measured | bound | |", "|---|---|---|---|"]
 
 
 def _pi05_targets(results) -> list:
+    results = [r for r in results if "p50_ms" in r]  # skipped or failed modes have no numbers
     by = {(r["impl"], r["mode"]): r for r in results}
     ext_graph = [r for r in results if r["impl"] == "0517-ext" and r["mode"].startswith("graph")]
     if not ext_graph or ("0519", "graph") not in by or ("0517", "eager") not in by:
@@ -155,11 +161,60 @@ def _pi05_targets(results) -> list:
                     best["p50_ms"] / by[("0519", "graph")]["p50_ms"], "<=", 0.90),
             _target(f"best ext graph p50 ({best['mode']}) / 0.5.17 eager p50",
                     best["p50_ms"] / by[("0517", "eager")]["p50_ms"], "<=", 0.17)]
-    if ("0517-ext", "eager") in by:
+    if ("0517-ext", "eager") in by and all("kernel_launches_per_request" in by[(impl, "eager")]
+                                           for impl in ("0517", "0517-ext")):
         rows.append(_target("ext eager launches / 0.5.17 eager launches",
                             by[("0517-ext", "eager")]["kernel_launches_per_request"]
                             / by[("0517", "eager")]["kernel_launches_per_request"], "<=", 0.85))
     return ["", *TARGET_HEAD, *rows]
+
+
+ISSUE17_HEAD = ["| target (issue 17) | measured | bound | |", "|---|---|---|---|"]
+
+
+def _pi05_issue17(results) -> list:
+    """p50 <= 15 ms and accuracy of the fast path (vs the exact path and vs 0.5.17 eager)."""
+    fast = next((r for r in results
+                 if r["impl"] == "0517-ext" and r["mode"] == "graph-fast" and "p50_ms" in r), None)
+    if fast is None:
+        return []
+    rows = [_target("graph-fast p50 ms", fast["p50_ms"], "<=", 15.0, "{:.1f}")]
+    for name, label in (("vs_graph", "exact graph path"), ("vs_saved", "saved reference")):
+        entry = (fast.get("accuracy") or {}).get(name) or {}
+        if "max_rel_diff" in entry:
+            where = f"{label}: {entry['reference']}, {entry['requests']} requests"
+            rows += [_target(f"graph-fast max rel diff vs {where}", entry["max_rel_diff"], "<=", 1e-2, "{:.1e}"),
+                     _target(f"graph-fast min cosine vs {where}", entry["min_cosine"], ">=", 0.9999, "{:.6f}")]
+    return ["", *ISSUE17_HEAD, *rows]
+
+
+def _pi05_attention_kernels(results) -> list:
+    """The attention kernels the profiler saw per request, per row that recorded them."""
+    lines = [f"- {r['impl']} {r['mode']}: " + ", ".join(f"`{name}` x{count:g}" for name, count in
+                                                        r["attention_kernels_per_request"].items())
+             for r in results if r.get("attention_kernels_per_request")]
+    return ["", "Attention kernels per request (device kernels named like attention, torch.profiler):", *lines] \
+        if lines else []
+
+
+def _pi05_processes(runs) -> list:
+    run_ids = {run.get("run_id") for run in runs}
+    if len(runs) < 2 or len(run_ids) != 1 or None in run_ids:
+        return []
+    return [f"One process per implementation ({', '.join(run['impl'] for run in runs)}), one after another on "
+            "the same GPU in one invocation of `scripts/gpu_steps.sh bench-pi05`, which gives them its run id.", ""]
+
+
+def _pi05_commands(runs) -> list:
+    lines = ["Commands (GPU machine, one process per implementation, run one after another):", "", "```"]
+    for run in runs:
+        if run.get("command"):
+            lines.append(run["command"])
+            continue
+        tag = "0519" if run["impl"] == "0519" else "0517"  # runs from before the script recorded it
+        lines.append(f"source .carry/device_env.sh {tag} && python3 .carry/with_stubs.py scripts/bench_pi05.py "
+                     f"--impl {run['impl']} --out docs/bench/pi05_{run['impl']}.json")
+    return lines + ["```", ""]
 
 
 def _pi05_section():
@@ -168,7 +223,8 @@ def _pi05_section():
         return None
     import bench_pi05
 
-    runs = [_load(p) for p in paths]
+    order = {"0517": 0, "0519": 1, "0517-ext": 2}  # the baselines first, as gpu_steps.sh bench-pi05 runs them
+    runs = sorted((_load(p) for p in paths), key=lambda run: order.get(run.get("impl"), 3))
     results = [r for run in runs for r in run["results"]]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -178,17 +234,13 @@ def _pi05_section():
     settings = runs[0].get("settings", {})
     stale = [line for path in paths for line in _stale(os.path.basename(path), "bench_pi05.py")]
     lines = ["## Pi0.5 latency (`scripts/bench_pi05.py`)", "", *stale, PI05_MEANING, "",
-             *_provenance([(run["impl"], run) for run in runs]),
+             *_provenance([(run["impl"], run) for run in runs]), *_pi05_processes(runs),
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
              f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
-             "", "```", out.getvalue().strip("\n"), "```", *_pi05_targets(results), "",
-             "Commands (GPU machine, one process per implementation, run one after another):", "", "```"]
-    for run in runs:
-        tag = "0519" if run["impl"] == "0519" else "0517"
-        lines.append(f"source .carry/device_env.sh {tag} && python3 .carry/with_stubs.py scripts/bench_pi05.py "
-                     f"--impl {run['impl']} --out docs/bench/pi05_{run['impl']}.json")
-    lines += ["```", ""]
+             "", "```", out.getvalue().strip("\n"), "```", *_pi05_attention_kernels(results),
+             *_pi05_targets(results), *_pi05_issue17(results), "",
+             *_pi05_commands(runs)]
     return "\n".join(lines)
 
 
@@ -335,7 +387,10 @@ def render() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="fail if docs/performance.md is stale")
+    ap.add_argument("--bench-dir", default=BENCH_DIR, help="results files to render (default docs/bench)")
+    ap.add_argument("--doc", default=DOC, help="where to write the doc (default docs/performance.md)")
     args = ap.parse_args(argv)
+    globals().update(BENCH_DIR=os.path.abspath(args.bench_dir), DOC=os.path.abspath(args.doc))
     text = render()
     if args.check:
         current = open(DOC, encoding="utf-8").read() if os.path.exists(DOC) else ""

@@ -10,6 +10,9 @@
 #   unit                     the module-level GPU tests (graph core, ViT, Pi0.5, prefill CP) on real kernels
 #   sanitizer                graph-core, ViT and Pi0.5 GPU tests under compute-sanitizer memcheck
 #   bench-vit                scripts/bench_vit.py (BENCH_VIT_ARGS)
+#   bench-pi05               scripts/bench_pi05.py: 0.5.17, 0.5.19, then sglang-ext (all modes), one
+#                            process each, one after another, one run id; then docs/performance.md's
+#                            Pi0.5 section rendered from them ($OUT/performance.md). 4.5-6 min on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT is the folder that comes back}"
@@ -17,6 +20,34 @@ export PYTHONUNBUFFERED=1
 LIMIT="${SGX_STEP_TIMEOUT:-540}"
 work=/tmp/sgx-steps
 mkdir -p "$work"
+
+# bench-pi05. 0.5.17 saves its eager actions; 0.5.19 and sglang-ext compare every mode with them
+# (same inputs and weights, checked). Each process has its own time limit and writes its JSON after
+# every mode, so a failure or a kill costs only the rest of that process. BENCH_PI05_ARGS is added
+# to every process (e.g. "--attention fa"); PI05_REQUESTS >= 32 for the accuracy claims.
+bench_pi05_all() {
+  export SGX_BENCH_RUN_ID="${SGX_BENCH_RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)-bench-pi05}"
+  local common="--requests ${PI05_REQUESTS:-32} --warmup ${PI05_WARMUP:-2} --profile-requests ${PI05_PROFILE:-2} ${BENCH_PI05_ARGS:-}"
+  local ref="$OUT/pi05_0517_eager_actions.pt" rc
+  rm -f "$ref"
+  echo "[bench-pi05] run id $SGX_BENCH_RUN_ID: 0517"
+  timeout -k 10 "${PI05_LIMIT_0517:-140}" python3 scripts/bench_pi05.py --impl 0517 $common \
+    --save-actions "$ref" --out "$OUT/pi05_0517.json"
+  echo "[bench-pi05] 0517 rc=$?"
+  # 0.5.19 in a subshell: its environment must not leak into the sglang-ext process
+  ( SGX_SGLANG=0519 source scripts/gpu_env.sh || { echo "[bench-pi05] 0519: gpu_env.sh failed (see its sgx: line)"; exit 3; }
+    timeout -k 10 "${PI05_LIMIT_0519:-120}" python3 scripts/bench_pi05.py --impl 0519 \
+      --modes "${PI05_0519_MODES:-graph}" $common --compare-actions "$ref" --out "$OUT/pi05_0519.json" )
+  echo "[bench-pi05] 0519 rc=$?"
+  timeout -k 10 "${PI05_LIMIT_EXT:-250}" python3 scripts/bench_pi05.py --impl 0517-ext \
+    --modes "${PI05_EXT_MODES:-eager,graph,graph-fast,graph-fused,graph-bucket}" $common \
+    --compare-actions "$ref" --out "$OUT/pi05_0517-ext.json"
+  echo "[bench-pi05] 0517-ext rc=$?"
+  python3 scripts/gen_performance_doc.py --bench-dir "$OUT" --doc "$OUT/performance.md"; rc=$?
+  [ "$rc" = 0 ] && sed -n '/^Kernels:/,/^Commands/p' "$OUT/performance.md" | sed 's/^/[pi05] /'
+  echo "[bench-pi05] summary rc=$rc; copy $OUT/pi05_*.json into docs/bench/ and run scripts/gen_performance_doc.py"
+}
+export -f bench_pi05_all
 
 step_cmd() {
   case "$1" in
@@ -37,7 +68,8 @@ test/registered/vit/test_vit_cuda_graph_cuda.py test/registered/pi05/test_pi05_g
 or (graph_mode_matches_eager and full and 17) or consecutive_requests) and not failed_capture \
 and not return_pool_memory and not workspace_growth'}" ;;
     bench-vit) echo "python3 scripts/bench_vit.py ${BENCH_VIT_ARGS:-} --out $OUT/vit.json" ;;
-    *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, unit, sanitizer, bench-vit)" >&2; return 2 ;;
+    bench-pi05) echo "bench_pi05_all" ;;
+    *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, unit, sanitizer, bench-vit, bench-pi05)" >&2; return 2 ;;
   esac
 }
 

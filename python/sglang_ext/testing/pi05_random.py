@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import zlib
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -106,13 +107,32 @@ def use_native_custom_ops(model: torch.nn.Module) -> int:
     return swapped
 
 
-def _random_fill(core_model: torch.nn.Module, seed: int, std: float) -> None:
-    generator_by_device: Dict[torch.device, torch.Generator] = {}
+def _name_seed(seed: int, name: str) -> int:
+    return (zlib.crc32(name.encode()) + seed * 0x9E3779B1) % 2**63
 
-    def generator(device):
-        if device not in generator_by_device:
-            generator_by_device[device] = torch.Generator(device=device).manual_seed(seed)
-        return generator_by_device[device]
+
+def _packed_shards(name: str, module: torch.nn.Module, fused_mappings) -> list:
+    """[(checkpoint name, rows)] of a packed weight (one GEMM for q/k/v or gate/up), in output
+    order, through the model's own checkpoint mapping; [] for an ordinary parameter."""
+    sizes = list(getattr(module, "output_sizes", None) or ())
+    shards = [(name.replace(target, source), shard) for target, source, shard in fused_mappings if target in name]
+    if len(sizes) < 2 or len(shards) != len(sizes):
+        return []
+    order = {"q": 0, "k": 1, "v": 2}
+    shards.sort(key=lambda item: order.get(item[1], item[1]))
+    return [(shard_name, rows) for (shard_name, _), rows in zip(shards, sizes)]
+
+
+def _random_fill(core_model: torch.nn.Module, seed: int, std: float, fused_mappings=()) -> None:
+    """Seeded random weights that do not depend on how projections are packed: every checkpoint
+    tensor (q_proj, k_proj, ... as a real checkpoint names them) draws from its own generator,
+    seeded from its name, so 0.5.17 (separate q/k/v) and sglang-ext / 0.5.19 (one packed qkv_proj)
+    get the same weights and their actions can be compared across processes."""
+    owners = {name: module for name, module in core_model.named_modules()}
+
+    def normal(name: str, shape, like: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator(device=like.device).manual_seed(_name_seed(seed, name))
+        return torch.empty(shape, device=like.device, dtype=like.dtype).normal_(0.0, std, generator=generator)
 
     with torch.no_grad():
         layer_norm_params = set()
@@ -129,8 +149,29 @@ def _random_fill(core_model: torch.nn.Module, seed: int, std: float) -> None:
                 continue
             if name.endswith("bias"):
                 parameter.zero_()
-            else:
-                parameter.normal_(0.0, std, generator=generator(parameter.device))
+                continue
+            shards = _packed_shards(name, owners.get(name.rpartition(".")[0]), fused_mappings)
+            if not shards:
+                parameter.copy_(normal(name, parameter.shape, parameter))
+                continue
+            offset = 0
+            for shard_name, rows in shards:
+                parameter.narrow(0, offset, rows).copy_(normal(shard_name, (rows, *parameter.shape[1:]), parameter))
+                offset += rows
+
+
+def weights_digest(model: torch.nn.Module) -> list:
+    """[count, sum, sum of squares] of every parameter value, in float64: equal for models holding
+    the same values however their projections are packed."""
+    count, total, squares = 0, 0.0, 0.0
+    with torch.no_grad():
+        for parameter in model.parameters():
+            count += parameter.numel()
+            for chunk in parameter.detach().reshape(-1).split(2**24):
+                chunk = chunk.double()
+                total += float(chunk.sum())
+                squares += float(chunk.square().sum())
+    return [count, total, squares]
 
 
 def build_random_pi05(
@@ -170,7 +211,7 @@ def build_random_pi05(
     original_load = policy_cls.__dict__["_load_weights"]
 
     def random_weights(self):
-        _random_fill(self.core_model, seed, std)
+        _random_fill(self.core_model, seed, std, getattr(policy_cls, "_FUSED_WEIGHT_MAPPINGS", ()))
 
     policy_cls._load_weights = random_weights  # restored below
     original_variants = pi05_core.get_gemma_variant_config
@@ -257,20 +298,27 @@ def encode_prefix_accepts_graph_flag(policy) -> bool:
     return "use_cuda_graph" in inspect.signature(policy.encode_prefix).parameters
 
 
-def run_request(policy, observation, noise: torch.Tensor, *, graph: bool, num_steps: int = 10):
-    """One Pi0.5 request as the pipeline stages run it: prefix, then action denoise."""
+def run_request(policy, observation, noise: torch.Tensor, *, graph: bool, num_steps: int = 10, stamps=None):
+    """One Pi0.5 request as the pipeline stages run it: prefix, then action denoise.
+    `stamps`: three objects with .record() (CUDA events), recorded before the prefix, between the
+    phases and after the denoise loop."""
+    record = (lambda i: stamps[i].record()) if stamps else (lambda i: None)
     with torch.inference_mode():
+        record(0)
         if encode_prefix_accepts_graph_flag(policy):
             prefix_context = policy.encode_prefix(observation, use_cuda_graph=graph)
         else:  # 0.5.17: no prefix graph
             prefix_context = policy.encode_prefix(observation)
-        return policy.sample_actions(
+        record(1)
+        actions = policy.sample_actions(
             observation,
             prefix_context,
             noise=noise,
             num_steps=num_steps,
             use_cuda_graph=graph,
         )
+        record(2)
+        return actions
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -280,6 +328,15 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = float(b.float().abs().max())
     return max_abs_diff(a, b) / max(scale, 1e-6)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of the two tensors flattened, in float64 (1.0 for two zero tensors)."""
+    x, y = a.double().reshape(-1), b.double().reshape(-1)
+    norms = float(x.norm() * y.norm())
+    if norms == 0.0:
+        return 1.0 if float(x.norm()) == float(y.norm()) else 0.0
+    return max(-1.0, min(1.0, float(x @ y) / norms))
 
 
 def finite(t: torch.Tensor) -> bool:
