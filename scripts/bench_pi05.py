@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=50,
                     help="timed requests per mode (>= 32 for the accuracy claims of issue 17)")
     ap.add_argument("--warmup", type=int, default=5, help="extra warm-up requests after one of each combination")
-    ap.add_argument("--prompt-lens", default="18,23,29,36,44,52,61,70")
+    ap.add_argument("--prompt-lens", default="17,29,48,64,80,96,111")  # issue 17: 17-111
     ap.add_argument("--layouts", default="full,masked")
     ap.add_argument("--num-steps", type=int, default=10)
     ap.add_argument("--buckets", default="32,64,128,200", help="prompt_token_buckets of graph-bucket mode")
