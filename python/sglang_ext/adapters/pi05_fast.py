@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 TIME_TABLE_ENTRIES = 4
 _TABLE_ATTR = "_ext_pi05_time_conditioning"
 _REASON_ATTR = "_ext_pi05_fast_unsupported"
+_VERIFIED_ATTR = "_ext_pi05_fast_verified"
 _MASK_ALIGN = 16  # torch SDPA's memory-efficient kernel wants mask rows 16-element aligned
 
 
@@ -82,6 +83,22 @@ def unsupported_reason(core):
     if reason:
         logger.info("Pi05 fast denoise path not used (%s): requests take the exact path", reason)
     return reason
+
+
+def verified(core) -> bool:
+    """True once the fast loop ran on this model (its kernels build and run here)."""
+    return bool(core.__dict__.get(_VERIFIED_ATTR))
+
+
+def mark_verified(core) -> None:
+    core.__dict__[_VERIFIED_ATTR] = True
+
+
+def mark_failed(core, exc: BaseException) -> None:
+    """The fast loop raised on its first use: this model takes the exact path from now on."""
+    reason = f"fast loop failed on first use: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    core.__dict__[_REASON_ATTR] = reason
+    logger.warning("Pi05 fast denoise path disabled (%s): requests take the exact path", reason, exc_info=exc)
 
 
 def _find_unsupported(core):

@@ -637,7 +637,8 @@ def _ext_fast_denoise(
     self, prefix_context, x_t, num_steps, dt, full_attention, action_position_offset, graph_enabled
 ):
     """Knob pi05_fast: the fused-kernel loop (sglang_ext.adapters.pi05_fast), one graph
-    per request when graphs are on, the same code eagerly when they are off."""
+    per request when graphs are on, the same code eagerly when they are off. Returns
+    the denoised x_t, or None when the loop failed on its first use (exact path then)."""
     core = self.core_model
     table = _ext_pi05_fast.time_conditioning(core, num_steps, x_t.shape[0], x_t.device)
 
@@ -652,10 +653,23 @@ def _ext_fast_denoise(
             action_position_offset=action_position_offset,
         )
 
-    if not graph_enabled:
-        return loop_fn(prefix_context, x_t, table)
-    # The table goes in as the loop's step input: the graph keeps its own copy.
-    return _ext_fused_denoise(self, prefix_context, x_t, table, loop_fn, action_position_offset, "fast")
+    def run(state):
+        if not graph_enabled:
+            return loop_fn(prefix_context, state, table)
+        # The table goes in as the loop's step input: the graph keeps its own copy.
+        return _ext_fused_denoise(self, prefix_context, state, table, loop_fn, action_position_offset, "fast")
+
+    if _ext_pi05_fast.verified(core):
+        return run(x_t)
+    # First use on this model: a kernel that does not build here (e.g. another triton)
+    # must cost the exact path, not the request. x_t is only replaced on success.
+    try:
+        result = run(x_t.clone())
+    except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
+        _ext_pi05_fast.mark_failed(core, exc)
+        return None
+    _ext_pi05_fast.mark_verified(core)
+    return x_t.copy_(result)
 
 
 def policy_sample_actions(
@@ -713,10 +727,13 @@ def policy_sample_actions(
         and not action_sp_enabled
         and _ext_pi05_fast.unsupported_reason(self.core_model) is None
     )
+    denoised = None
     if fast:
-        x_t = _ext_fast_denoise(
+        denoised = _ext_fast_denoise(
             self, prefix_context, x_t, num_steps, dt, full_attention, action_position_offset, graph_enabled
         )
+    if denoised is not None:
+        x_t = denoised
     elif graph_enabled and not action_sp_enabled and knobs.current("pi05_fused_denoise"):
         x_t = _ext_fused_denoise(
             self,

@@ -159,6 +159,29 @@ def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch):
     assert not torch.equal(fast, fallback)
 
 
+def test_a_failing_first_fast_run_costs_the_exact_path_not_the_request(pi05, monkeypatch):
+    m = pi05(pi05_fast=1)
+    fast_module = _fast_module()
+    model = _tiny_policy(m, _tiny_core(m))
+    context = _random_prefix(m, seed=65, masked=True)
+    noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(65))
+    attempts = []
+
+    def failing(core, prefix_context, state, table, **kwargs):
+        attempts.append(1)
+        state.fill_(float("nan"))  # a half-done loop must not leak into the request
+        raise RuntimeError("kernel does not build here")
+
+    monkeypatch.setattr(fast_module, "denoise", failing)
+    first = _sample(model, context, noise, use_cuda_graph=False)
+    second = _sample(model, context, noise, use_cuda_graph=False)
+    assert attempts == [1]
+    assert "kernel does not build here" in fast_module.unsupported_reason(model.core_model)
+    monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "0")
+    exact = _sample(model, context, noise, use_cuda_graph=False)
+    assert torch.equal(first, exact) and torch.equal(second, exact)
+
+
 _INTERPRETED = r"""
 import json, os, sys
 import torch

@@ -182,6 +182,8 @@ def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
         eager_relative, eager_cosine = _agreement(fast_eager, exact)
         print(f"[{label}] fast-graph vs exact relative={fast_vs_exact[-1][0]:.3e} cosine={fast_vs_exact[-1][1]:.7f}; "
               f"fast-eager vs exact relative={eager_relative:.3e}; graph vs eager relative={graph_vs_eager[-1][0]:.3e}")
+    reason = fast_module.unsupported_reason(policy.core_model)
+    assert reason is None, f"the fast path fell back to the exact path: {reason}"
     loop_signatures = [s for s in policy.graph_runner._cache.entries if getattr(s, "kernels", "") == "fast"]
     worst_graph = max(graph_vs_eager)
     worst_relative = max(fast_vs_exact)
