@@ -27,8 +27,10 @@ How: methods ported as module-level defs and transplanted into sglang's modules;
     overridable by --ext-pi05-* knobs read at construction time. Beyond upstream:
     generation-keyed refresh, no host sync after a prefix replay, owned prefix contexts
     when several requests run stage by stage, fused denoise loop (opt-in knob
-    pi05_fused_denoise), --ext-debug-addresses checks every static tensor (inputs,
-    K/V, outputs) of each graph before its replays.
+    pi05_fused_denoise), the fused-kernel loop of knob pi05_fast (pi05_fast.py: graph
+    with signature kernels="fast", or eager with graphs off; action SP and layouts it
+    does not cover take the exact path), --ext-debug-addresses checks every static
+    tensor (inputs, K/V, outputs) of each graph before its replays.
 Retire when: the minimum supported sglang has vla/cuda_graph.py with bounded caches
     (>= 0.5.19) AND keys the K/V refresh on something other than id() (open in 0.5.23).
 """
