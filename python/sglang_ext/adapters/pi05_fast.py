@@ -29,9 +29,10 @@ How:
        (copied once, not concatenated in every step and layer).
     3. Per step and layer (sglang_ext.kernels): adaRMS norm (layer 0); packed qkv GEMM;
        RoPE of q and k writing k / v into the K/V buffer's suffix rows (one kernel);
-       attention (full prefix: the layer's own attention module, FA3 on the H200;
-       masked: torch SDPA with the precomputed mask, the single K/V head read by all
-       query heads as one head of S * heads queries); o_proj; gated residual fused
+       attention (full prefix: the layer's own attention module, e.g. FA3; masked
+       prefix, or full on the torch SDPA backend: torch SDPA with the precomputed mask
+       (None when full), the single K/V head read by all query heads as one head of
+       S * heads queries, output contiguous); o_proj; gated residual fused
        with the next adaRMS norm; gate_up GEMM; gelu-tanh-and-mul; down; gated
        residual fused with the next layer's (or the final) norm.
     Equal to the exact path within bf16 rounding, not bitwise: float32 cos/sin (the
@@ -213,7 +214,14 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
     return cos_sin, mask, kv
 
 
-def _masked_attention(q, keys, values, mask, scale):
+def _uses_torch_sdpa(attn) -> bool:
+    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
+
+    return getattr(attn.attn, "backend", None) == AttentionBackendEnum.TORCH_SDPA
+
+
+def _sdpa(q, keys, values, mask, scale):
+    """Bidirectional attention of q [B, S, H, D] over keys / values [B, T, KV, D] -> [B, S, H, D]."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
     if kv_heads == 1:
@@ -248,6 +256,9 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     batch, seq = state.shape[:2]
     prefix_len = prefix_context.prefix_pad_masks.shape[1]
     norms = _adaptive_norms(expert)
+    # On the torch SDPA backend the layer's module returns [B, S, H, D] transposed (one more
+    # copy per layer); the single-K/V-head form below returns it contiguous: same math.
+    sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
     with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
         cos_sin, mask, kv = _request_layout(
             core, expert, prefix_context, state, full_attention, action_position_offset, dtype
@@ -265,10 +276,10 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
                     qkv, cos_sin, q, keys, values,
                     num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=prefix_len,
                 )
-                if mask is None:
-                    out = attn.attn(q, keys, values)
+                if mask is None and not sdpa_full:
+                    out = attn.attn(q, keys, values)  # the layer's backend (FA3 on Hopper)
                 else:
-                    out = _masked_attention(q, keys, values, mask, attn.scaling)
+                    out = _sdpa(q, keys, values, mask, attn.scaling)
                 out = linear_forward(attn.o_proj, out.reshape(batch, seq, heads * head_dim))
                 post = 2 * index + 1
                 normed = ada_rms_norm(

@@ -89,6 +89,29 @@ def test_fast_path_matches_exact_path_graph_and_eager(pi05, fake_graphs, monkeyp
     assert sum(graph.replays for graph in graphs.graphs) == 2
 
 
+def test_full_prefix_attention_through_the_layer_module_or_sdpa_agree(pi05, monkeypatch):
+    """Full prefixes: the layer's attention module (FA3 on a GPU server) or, on the torch
+    SDPA backend, one SDPA head of S * heads queries; both against the exact path."""
+    m = pi05(pi05_fast=1)
+    fast_module = _fast_module()
+    model = _tiny_policy(m, _tiny_core(m))
+    context = _random_prefix(m, seed=35, masked=False)
+    noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(35))
+    assert fast_module._uses_torch_sdpa(model.core_model.paligemma_with_expert.gemma_expert.model.layers[0].self_attn)
+    through_sdpa = _sample(model, context, noise, use_cuda_graph=False)
+    module_calls = _count_calls(monkeypatch, type(model.core_model.paligemma_with_expert.gemma_expert.model.layers[0]
+                                                   .self_attn.attn), "forward")
+    monkeypatch.setattr(fast_module, "_uses_torch_sdpa", lambda attn: False)
+    through_module = _sample(model, context, noise, use_cuda_graph=False)
+    assert len(module_calls) == 2 * 3  # layers x steps
+    monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "0")
+    exact = _sample(model, context, noise, use_cuda_graph=False)
+    for fast in (through_sdpa, through_module):
+        relative, cosine = _agreement(fast, exact)
+        assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR, (relative, cosine)
+    torch.testing.assert_close(through_sdpa, through_module, rtol=1e-3, atol=1e-4)
+
+
 def test_fast_and_exact_fused_loops_get_separate_graphs(pi05, fake_graphs, monkeypatch):
     m = pi05(pi05_fused_denoise=1)
     fake_graphs(m.cg)
