@@ -185,9 +185,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("pi05_fast", "bool", False,
          "Opt-in: Pi0.5's denoise steps on fused Triton kernels (adaRMS norm with its gated residual, "
          "RoPE into a per-request K/V buffer, gelu-and-mul; the time conditioning of every step "
-         "computed once per step count; implies pi05_fused_denoise; the prefix is unchanged). Equal "
-         "to the exact path within bf16 tolerance, not bitwise. Action sequence parallelism takes "
-         "the exact path."),
+         "computed once per step count; implies pi05_fused_denoise), and the prefix language model's "
+         "layers on the same kernels (its last layer's unused attention output and MLP skipped). Equal "
+         "to the exact path within bf16 tolerance, not bitwise. Action sequence parallelism and a "
+         "tensor-parallel prefix take the exact path."),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

@@ -2,7 +2,8 @@
 with a third of the kernels of the exact path.
 
 Target symbol(s): none replaced. Called by pi05_graphs' Pi05PolicyModel.sample_actions
-    (the fused denoise loop) when the knob is on; reads, as the exact path does,
+    (the fused denoise loop) and Pi05CoreModel.encode_prefix (the prefix language
+    model's layers) when the knob is on; reads, as the exact path does,
     sglang.multimodal_gen.runtime.models.vlas.pi05_core: Pi05CoreModel.{embed_suffix,
     action_in_proj, action_out_proj}, PiGemmaModel.{layers, norm, rotary_emb},
     PiGemmaRMSNorm.{dense, eps}, PiGemmaAttention.{qkv_proj (packed, patch
@@ -35,11 +36,18 @@ How:
        S * heads queries, output contiguous); o_proj; gated residual fused
        with the next adaRMS norm; gate_up GEMM; gelu-tanh-and-mul; down; gated
        residual fused with the next layer's (or the final) norm.
+    4. Prefix (encode_prefix, same knob): the prefix language model's layers (Gemma
+       RMSNorm weight as the norm's scale, no shift or gate) on the same kernels; the
+       last layer stops after its K/V, since the prefix returns K/V only (0.5.17 runs
+       that layer's attention output, MLP and the final norm for nothing).
     Equal to the exact path within bf16 rounding, not bitwise: float32 cos/sin (the
     exact path rounds them to bf16), one rounding per fused op, GEMMs with other
     shapes for the time table. Action sequence parallelism, Ulysses action attention,
     layerwise CPU offload of the action expert and unpacked q/k/v or gate/up layers
-    are not covered: those requests take the exact path (`unsupported_reason`).
+    are not covered: those requests take the exact path (`unsupported_reason`; for the
+    prefix `prefix_unsupported_reason`, which adds a tensor-parallel prefix). A fast
+    loop or prefix that raises on its first use is switched off for that model and
+    the request runs the exact path.
 Retire when: upstream Pi0.5 has a fused action-expert step (or a torch.compile'd one
     captured in its graphs) at least as fast.
 """
@@ -52,6 +60,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from sglang_ext import knobs
+
 logger = logging.getLogger(__name__)
 
 # (steps, batch, device, dtype) entries kept per core model; a server uses one.
@@ -59,6 +69,8 @@ TIME_TABLE_ENTRIES = 4
 _TABLE_ATTR = "_ext_pi05_time_conditioning"
 _REASON_ATTR = "_ext_pi05_fast_unsupported"
 _VERIFIED_ATTR = "_ext_pi05_fast_verified"
+_PREFIX_REASON_ATTR = "_ext_pi05_fast_prefix_unsupported"
+_PREFIX_VERIFIED_ATTR = "_ext_pi05_fast_prefix_verified"
 _MASK_ALIGN = 16  # torch SDPA's memory-efficient kernel wants mask rows 16-element aligned
 
 
@@ -220,8 +232,20 @@ def _uses_torch_sdpa(attn) -> bool:
     return getattr(attn.attn, "backend", None) == AttentionBackendEnum.TORCH_SDPA
 
 
+def _aligned_mask(mask):
+    """`mask` in storage whose rows are 16-element aligned (SDPA would pad it in every call)."""
+    total = mask.shape[-1]
+    padded = -(-total // _MASK_ALIGN) * _MASK_ALIGN
+    storage = torch.zeros(*mask.shape[:-1], padded, dtype=mask.dtype, device=mask.device)
+    storage[..., :total] = mask
+    return storage[..., :total]
+
+
 def _sdpa(q, keys, values, mask, scale):
-    """Bidirectional attention of q [B, S, H, D] over keys / values [B, T, KV, D] -> [B, S, H, D]."""
+    """Bidirectional attention of q [B, S, H, D] over keys / values [B, T, KV, D] -> [B, S, H, D].
+
+    mask: additive, [B, 1, 1, T] (one row for every query), or per query: [B, 1, S, T]
+    (several K/V heads) / [B, 1, S * H, T] (one K/V head, rows repeated per head)."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
     if kv_heads == 1:
@@ -239,6 +263,124 @@ def _sdpa(q, keys, values, mask, scale):
         attn_mask=mask, scale=scale, enable_gqa=True,
     )
     return out.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------
+# Stretch: the prefix language model's layers (Gemma RMSNorm, no conditioning)
+# --------------------------------------------------------------------------
+
+
+def _prefix_language_model(core):
+    paligemma = core.paligemma_with_expert.paligemma
+    return None if paligemma is None else paligemma.model.language_model
+
+
+def prefix_unsupported_reason(core):
+    """None when the prefix layers can run on the fast kernels, else why not (cached)."""
+    cached = core.__dict__.get(_PREFIX_REASON_ATTR)
+    if cached is not None:
+        return cached or None
+    reason = _find_prefix_unsupported(core)
+    core.__dict__[_PREFIX_REASON_ATTR] = reason or ""
+    if reason:
+        logger.info("Pi05 fast prefix layers not used (%s): the prefix takes the exact path", reason)
+    return reason
+
+
+def _find_prefix_unsupported(core):
+    model = _prefix_language_model(core)
+    if model is None:
+        return "no prefix model on this rank"
+    if model.tensor_parallel:
+        return "tensor-parallel prefix"
+    if getattr(model, "layerwise_cpu_offload_enabled", False):
+        return "layerwise CPU offload of the prefix"
+    if not model.layers:
+        return "prefix model without layers"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
+            return "unpacked q/k/v or gate/up projections (patch pi05_merged_linear is off)"
+        if attn.tensor_parallel or mlp.tensor_parallel:
+            return "tensor-parallel prefix layers"
+        if layer.input_layernorm.dense is not None or layer.post_attention_layernorm.dense is not None:
+            return "adaRMS-conditioned prefix layers"
+    return None
+
+
+def prefix_enabled(core) -> bool:
+    """Knob pi05_fast on and the prefix layers covered (and not failed on this model)."""
+    return bool(knobs.current("pi05_fast")) and prefix_unsupported_reason(core) is None
+
+
+def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids):
+    """The prefix K/V (VLADensePrefixCache, per layer [B, KV, P, D]) from the prefix embeddings.
+
+    On a first use that raises, the prefix takes the exact path from then on (None is
+    returned for this call: the caller runs the exact forward)."""
+    if core.__dict__.get(_PREFIX_VERIFIED_ATTR):
+        return _prefix_layers(core, inputs_embeds, attention_mask, position_ids)
+    try:
+        result = _prefix_layers(core, inputs_embeds, attention_mask, position_ids)
+    except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
+        reason = f"fast prefix failed on first use: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        core.__dict__[_PREFIX_REASON_ATTR] = reason
+        logger.warning("Pi05 fast prefix layers disabled (%s)", reason, exc_info=exc)
+        return None
+    core.__dict__[_PREFIX_VERIFIED_ATTR] = True
+    return result
+
+
+def _prefix_layers(core, inputs_embeds, attention_mask, position_ids):
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
+    from sglang.multimodal_gen.runtime.vla.prefix_cache import VLADensePrefixCache
+
+    from sglang_ext.kernels import ada_rms_norm, gelu_tanh_and_mul, rope_qkv
+
+    model = _prefix_language_model(core)
+    layers = model.layers
+    attn0 = layers[0].self_attn
+    heads, kv_heads, head_dim = attn0.num_heads, attn0.num_key_value_heads, attn0.head_dim
+    dtype = attn0.projection_dtype
+    hidden = inputs_embeds.to(dtype)
+    hidden = hidden.clone() if hidden is inputs_embeds else hidden.contiguous()  # updated in place
+    batch, seq = hidden.shape[:2]
+    with torch.no_grad():
+        model.rotary_emb._ensure_cache(hidden)
+        cos_sin = model.rotary_emb.rope.cos_sin_cache.index_select(0, position_ids.reshape(-1))
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.to(dtype)
+            if kv_heads == 1:
+                mask = mask.repeat_interleave(heads, dim=2)  # rows of the one-head form
+            mask = _aligned_mask(mask)
+        sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
+        q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=hidden.device)
+        cache = []
+        normed = ada_rms_norm(hidden, layers[0].input_layernorm.weight, eps=layers[0].input_layernorm.eps)
+        for index, layer in enumerate(layers):
+            attn = layer.self_attn
+            keys = torch.empty(batch, seq, kv_heads, head_dim, dtype=dtype, device=hidden.device)
+            values = torch.empty_like(keys)
+            rope_qkv(
+                linear_forward(attn.qkv_proj, normed), cos_sin, q, keys, values,
+                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=0,
+            )
+            cache.append((keys.transpose(1, 2), values.transpose(1, 2), None))
+            if index == len(layers) - 1:
+                break  # the prefix returns K/V only: the last layer's output and the final norm feed nothing
+            if mask is None and not sdpa_full:
+                out = attn.attn(q, keys, values)
+            else:
+                out = _sdpa(q, keys, values, mask, attn.scaling)
+            out = linear_forward(attn.o_proj, out.reshape(batch, seq, heads * head_dim))
+            post = layer.post_attention_layernorm
+            normed = ada_rms_norm(hidden, post.weight, eps=post.eps, add=out)
+            mlp = layer.mlp
+            out = linear_forward(mlp.down_proj, gelu_tanh_and_mul(linear_forward(mlp.gate_up_proj, normed)))
+            following = layers[index + 1].input_layernorm
+            normed = ada_rms_norm(hidden, following.weight, eps=following.eps, add=out)
+    return VLADensePrefixCache(tuple(cache))
 
 
 def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0):

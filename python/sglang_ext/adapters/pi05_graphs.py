@@ -29,7 +29,8 @@ How: methods ported as module-level defs and transplanted into sglang's modules;
     when several requests run stage by stage, fused denoise loop (opt-in knob
     pi05_fused_denoise), the fused-kernel loop of knob pi05_fast (pi05_fast.py: graph
     with signature kernels="fast", or eager with graphs off; action SP and layouts it
-    does not cover take the exact path), --ext-debug-addresses checks every static
+    does not cover take the exact path) and its prefix layers (encode_prefix; prefix
+    graph signatures get a "fast" layout entry), --ext-debug-addresses checks every static
     tensor (inputs, K/V, outputs) of each graph before its replays.
 Retire when: the minimum supported sglang has vla/cuda_graph.py with bounded caches
     (>= 0.5.19) AND keys the K/V refresh on something other than id() (open in 0.5.23).
@@ -226,13 +227,19 @@ def core_encode_prefix(
             )
         self._prepare_prefix_language_layers_for_forward()
         with set_forward_context(current_timestep=0, attn_metadata=None):
-            _, past_key_values = self.paligemma_with_expert.forward(
-                attention_mask=attention_mask,
-                position_ids=prefix_position_ids,
-                past_key_values=None,
-                inputs_embeds=[prefix_embs, None],
-                use_cache=True,
-            )
+            past_key_values = None
+            if _ext_pi05_fast.prefix_enabled(self):  # knob pi05_fast: the same K/V on fused kernels
+                past_key_values = _ext_pi05_fast.encode_prefix_layers(
+                    self, prefix_embs, attention_mask, prefix_position_ids
+                )
+            if past_key_values is None:
+                _, past_key_values = self.paligemma_with_expert.forward(
+                    attention_mask=attention_mask,
+                    position_ids=prefix_position_ids,
+                    past_key_values=None,
+                    inputs_embeds=[prefix_embs, None],
+                    use_cache=True,
+                )
         self._offload_prefix_language_layers_after_prefix()
         return past_key_values, prefix_pad_masks, prefix_full_attention
 
@@ -524,7 +531,8 @@ def policy_encode_prefix(self, observation, *, use_cuda_graph=True, bucket_promp
         batch_size=observation.batch_size,
         input_shapes=tuple(tuple(tensor.shape) for tensor in graph_inputs),
         input_dtypes=tuple(str(tensor.dtype).replace("torch.", "") for tensor in graph_inputs),
-        static_layout=(image_count, prefix_full_attention_hint, prompt_bucket),
+        static_layout=(image_count, prefix_full_attention_hint, prompt_bucket)
+        + (("fast",) if _ext_pi05_fast.prefix_enabled(self.core_model) else ()),
         parallel_layout=self.config.parallel_layout_version,
     )
     return prefix_graph_runner.capture_or_run(signature, encode, graph_inputs)

@@ -205,6 +205,63 @@ def test_a_failing_first_fast_run_costs_the_exact_path_not_the_request(pi05, mon
     assert torch.equal(first, exact) and torch.equal(second, exact)
 
 
+def _tiny_prefix_language_model(m, core):
+    """sglang's PiGemmaModel as the prefix language model (no adaRMS), at the tiny width,
+    in the dtypes Pi05CoreModel gives it (bf16, norms float32), attached to `core`."""
+    import copy
+    from types import SimpleNamespace
+
+    config = copy.deepcopy(core.paligemma_with_expert.gemma_expert.model.config)
+    config.use_adarms, config.adarms_cond_dim = False, None
+    torch.manual_seed(81)
+    language_model = m.core.PiGemmaModel(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, parameter in language_model.named_parameters():
+            if "layernorm" in name or name.startswith("norm"):
+                parameter.data = parameter.data.float()
+            parameter.normal_(0.0, 0.05)
+    core.paligemma_with_expert.paligemma = SimpleNamespace(model=SimpleNamespace(language_model=language_model))
+    return language_model.eval()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
+def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked):
+    """Stretch: the prefix language model's layers on the fused kernels vs sglang's forward."""
+    m = pi05(pi05_fast=1)
+    fast_module = _fast_module()
+    core = _tiny_core(m)
+    language_model = _tiny_prefix_language_model(m, core)
+    assert fast_module.prefix_unsupported_reason(core) is None
+    generator = torch.Generator().manual_seed(80)
+    embeds = torch.randn(1, 23, 64, generator=generator)
+    pad = torch.ones(1, 23, dtype=torch.bool)
+    if masked:
+        pad[:, 9:14] = False  # an empty camera / padded prompt
+    positions = torch.cumsum(pad, dim=1) - 1
+    mask = None
+    if masked:
+        mask = core.prepare_attention_masks_4d(
+            m.core.make_att_2d_masks(pad, torch.zeros_like(pad)), full_attention=False
+        )
+    with torch.inference_mode(), m.core.set_forward_context(current_timestep=0, attn_metadata=None):
+        fast = fast_module.encode_prefix_layers(core, embeds, mask, positions)
+        # what PaliGemmaWithExpertModel.forward runs for a prefix
+        exact = language_model.forward(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=None, use_cache=True
+        ).past_key_values
+    assert len(fast) == len(exact) == 2
+    valid = pad[0]
+    for (fast_k, fast_v, _), (exact_k, exact_v, _) in zip(fast, exact):
+        assert fast_k.shape == exact_k.shape and fast_v.shape == exact_v.shape
+        for got, want in ((fast_k, exact_k), (fast_v, exact_v)):
+            got, want = got[:, :, valid], want[:, :, valid]  # padded positions are masked everywhere
+            relative, cosine = _agreement(got, want)
+            assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR, (relative, cosine)
+    # Off: the exact forward, bit for bit (encode_prefix does not call the fast layers).
+    monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "0")
+    assert not fast_module.prefix_enabled(core)
+
+
 _INTERPRETED = r"""
 import json, os, sys
 import torch

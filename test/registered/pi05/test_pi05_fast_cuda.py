@@ -14,6 +14,8 @@ Checks, one summary line each:
 - fast graph vs fast eager: the same kernels on the same inputs, so bitwise equality
   is expected (asserted: relative <= 1e-3; the line says how many were bitwise);
 - fast vs exact path: max|d| / max|exact| <= 1e-2 and cosine >= 0.9999 (issue 17);
+- fast prefix K/V vs exact prefix K/V (every layer, valid positions), and the whole
+  request on graphs (prefix graph + loop graph) fast vs exact;
 - an informational line: device kernels per request of both paths (eager, profiler)
   and the median replay time of both fused loop graphs (not asserted; the bench
   script owns speed claims).
@@ -224,6 +226,34 @@ def test_fast_end_to_end_with_prefix_graph_matches_exact_graph(policy):
               f"relative={relative:.3e} cosine={cosine:.7f} replay bitwise={torch.equal(fast, fast_again)}")
         assert torch.equal(fast, fast_again)
         assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR
+
+
+def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
+    """The prefix language model's layers on the fused kernels: K/V of every layer (valid positions)."""
+    from sglang_ext.testing.pi05_random import make_observation
+
+    fast_module = _ext("adapters.pi05_fast")
+    worst = (0.0, 1.0)
+    for prompt_len, masked in ((17, False), (48, True), (111, False), (111, True)):
+        observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=prompt_len)
+        contexts = {}
+        for fast in (False, True):
+            os.environ["SGLANG_EXT_PI05_FAST"] = "1" if fast else "0"
+            try:
+                with torch.inference_mode():
+                    contexts[fast] = policy.encode_prefix(observation, use_cuda_graph=False)
+            finally:
+                os.environ.pop("SGLANG_EXT_PI05_FAST", None)
+        valid = contexts[False].prefix_pad_masks[0]
+        for (fast_k, fast_v, _), (exact_k, exact_v, _) in zip(contexts[True].past_key_values, contexts[False].past_key_values):
+            for got, want in ((fast_k, exact_k), (fast_v, exact_v)):
+                relative, cosine = _agreement(got[:, :, valid], want[:, :, valid])
+                worst = (max(worst[0], relative), min(worst[1], cosine))
+    reason = fast_module.prefix_unsupported_reason(policy.core_model)
+    print(f"[summary fast prefix K/V vs exact] 4 prompts x 18 layers x K,V: max relative={worst[0]:.3e} "
+          f"min cosine={worst[1]:.7f}; fast prefix reason={reason}")
+    assert reason is None, reason
+    assert worst[0] <= 5e-2 and worst[1] >= 0.999, worst  # K/V elements: bf16 ulps, not actions
 
 
 def test_kernel_counts_and_replay_times_informational(policy):
