@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import weakref
 
 from sglang_ext import knobs
 from sglang_ext import pi05_graph_settings as _ext_pi05_settings
@@ -355,9 +356,7 @@ def policy_init(self, config, *, model_path, device, dtype, manifest):
         evict_on_miss=evict_graphs_on_miss,
     )
     # The fast path's time-conditioning tables go with the action graphs.
-    self.graph_runner.add_clear_hook(
-        functools.partial(_ext_pi05_fast.reset_time_conditioning, self.core_model)
-    )
+    self.graph_runner.add_clear_hook(functools.partial(_ext_reset_time_tables, weakref.ref(self)))
     logger.info(
         "Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s fused_denoise=%s fast=%s",
         self.prefix_graph_runner.enabled,
@@ -371,6 +370,12 @@ def policy_init(self, config, *, model_path, device, dtype, manifest):
 
 
 policy_init.__name__ = "__init__"
+
+
+def _ext_reset_time_tables(policy_ref) -> None:
+    core = getattr(policy_ref(), "core_model", None)
+    if core is not None:
+        _ext_pi05_fast.reset_time_conditioning(core)
 
 
 def policy_prefix_tensor_parallel_enabled(self) -> bool:
@@ -532,7 +537,11 @@ def policy_encode_prefix(self, observation, *, use_cuda_graph=True, bucket_promp
         input_shapes=tuple(tuple(tensor.shape) for tensor in graph_inputs),
         input_dtypes=tuple(str(tensor.dtype).replace("torch.", "") for tensor in graph_inputs),
         static_layout=(image_count, prefix_full_attention_hint, prompt_bucket)
-        + (("fast",) if _ext_pi05_fast.prefix_enabled(self.core_model) else ()),
+        + (
+            ("fast",)
+            if knobs.current("pi05_fast") and _ext_pi05_fast.prefix_enabled(self.core_model)
+            else ()
+        ),
         parallel_layout=self.config.parallel_layout_version,
     )
     return prefix_graph_runner.capture_or_run(signature, encode, graph_inputs)
