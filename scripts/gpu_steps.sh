@@ -7,6 +7,7 @@
 # Steps:
 #   server-q25 / server-q3   real-server ViT tests (tiny Qwen2.5-VL / Qwen3-VL), SGX_BACKENDS selects backends
 #   pi05-server              Pi0.5 through sglang_ext.serve and unpatched sglang serve
+#   pi05-fast                the pi05_fast path (Triton kernels, 32 requests vs the exact path), real-size model
 #   unit                     the module-level GPU tests (graph core, ViT, Pi0.5, prefill CP) on real kernels
 #   sanitizer                graph-core, ViT and Pi0.5 GPU tests under compute-sanitizer memcheck
 #   bench-vit                scripts/bench_vit.py (BENCH_VIT_ARGS)
@@ -54,6 +55,7 @@ step_cmd() {
     server-q25) echo "python3 -m pytest -s -v -p no:cacheprovider test/registered/server/test_qwen2_5_vl_server_cuda.py" ;;
     server-q3) echo "python3 -m pytest -s -v -p no:cacheprovider test/registered/server/test_qwen3_vl_server_cuda.py" ;;
     pi05-server) echo "python3 -m pytest -x -q -s -p no:cacheprovider test/registered/pi05/test_pi05_server_cuda.py" ;;
+    pi05-fast) echo "python3 -m pytest -q -s -rA -p no:cacheprovider test/registered/pi05/test_pi05_fast_cuda.py" ;;
     unit) echo "python3 -m pytest -q -rA -p no:cacheprovider test/registered/graphs/test_graph_core_cuda.py \
 test/registered/vit/test_vit_cuda_graph_cuda.py test/registered/pi05/test_pi05_graphs_cuda.py \
 test/registered/pi05/test_pi05_fused_norms_cuda.py test/registered/cp/test_prefill_cp_graph_1gpu.py \
@@ -69,7 +71,7 @@ or (graph_mode_matches_eager and full and 17) or consecutive_requests) and not f
 and not return_pool_memory and not workspace_growth'}" ;;
     bench-vit) echo "python3 scripts/bench_vit.py ${BENCH_VIT_ARGS:-} --out $OUT/vit.json" ;;
     bench-pi05) echo "bench_pi05_all" ;;
-    *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, unit, sanitizer, bench-vit, bench-pi05)" >&2; return 2 ;;
+    *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, pi05-fast, unit, sanitizer, bench-vit, bench-pi05)" >&2; return 2 ;;
   esac
 }
 

@@ -157,7 +157,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         name="pi05_graphs",
         summary="Pi0.5 prefix and action-denoise CUDA graphs with bounded caches (exact / bucket LRU), "
         "denoise layout hoisted, capturable masked prefixes, K/V refresh keyed by context generation, "
-        "opt-in fused denoise loop",
+        "opt-in fused denoise loop, opt-in fused-kernel denoise (pi05_fast)",
         targets=T(f"{_MG}.vla.denoise_cuda_graph", "VLADenoiseGraphRunner", "VLADenoiseGraphSignature",
                   "_CapturedDenoiseGraph", "_copy_prefix_context_")
         + T(f"{_MG}.vla.prefix_cache", "PrefixContext", "VLADensePrefixCache")

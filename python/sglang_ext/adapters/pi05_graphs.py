@@ -27,18 +27,24 @@ How: methods ported as module-level defs and transplanted into sglang's modules;
     overridable by --ext-pi05-* knobs read at construction time. Beyond upstream:
     generation-keyed refresh, no host sync after a prefix replay, owned prefix contexts
     when several requests run stage by stage, fused denoise loop (opt-in knob
-    pi05_fused_denoise), --ext-debug-addresses checks every static tensor (inputs,
-    K/V, outputs) of each graph before its replays.
+    pi05_fused_denoise), the fused-kernel loop of knob pi05_fast (pi05_fast.py: graph
+    with signature kernels="fast", or eager with graphs off; action SP and layouts it
+    does not cover take the exact path) and its prefix layers (encode_prefix; prefix
+    graph signatures get a "fast" layout entry), --ext-debug-addresses checks every static
+    tensor (inputs, K/V, outputs) of each graph before its replays.
 Retire when: the minimum supported sglang has vla/cuda_graph.py with bounded caches
     (>= 0.5.19) AND keys the K/V refresh on something other than id() (open in 0.5.23).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import weakref
 
 from sglang_ext import knobs
 from sglang_ext import pi05_graph_settings as _ext_pi05_settings
+from sglang_ext.adapters import pi05_fast as _ext_pi05_fast
 from sglang_ext.patching import install_module
 from sglang_ext.upstream.multimodal_gen.runtime.vla.prompt_bucketing import effective_token_length
 
@@ -222,13 +228,19 @@ def core_encode_prefix(
             )
         self._prepare_prefix_language_layers_for_forward()
         with set_forward_context(current_timestep=0, attn_metadata=None):
-            _, past_key_values = self.paligemma_with_expert.forward(
-                attention_mask=attention_mask,
-                position_ids=prefix_position_ids,
-                past_key_values=None,
-                inputs_embeds=[prefix_embs, None],
-                use_cache=True,
-            )
+            past_key_values = None
+            if _ext_pi05_fast.prefix_enabled(self):  # knob pi05_fast: the same K/V on fused kernels
+                past_key_values = _ext_pi05_fast.encode_prefix_layers(
+                    self, prefix_embs, attention_mask, prefix_position_ids
+                )
+            if past_key_values is None:
+                _, past_key_values = self.paligemma_with_expert.forward(
+                    attention_mask=attention_mask,
+                    position_ids=prefix_position_ids,
+                    past_key_values=None,
+                    inputs_embeds=[prefix_embs, None],
+                    use_cache=True,
+                )
         self._offload_prefix_language_layers_after_prefix()
         return past_key_values, prefix_pad_masks, prefix_full_attention
 
@@ -343,18 +355,27 @@ def policy_init(self, config, *, model_path, device, dtype, manifest):
         max_entries=_ext_pi05_settings.setting(config, "action_cuda_graph_max_entries"),
         evict_on_miss=evict_graphs_on_miss,
     )
+    # The fast path's time-conditioning tables go with the action graphs.
+    self.graph_runner.add_clear_hook(functools.partial(_ext_reset_time_tables, weakref.ref(self)))
     logger.info(
-        "Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s fused_denoise=%s",
+        "Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s fused_denoise=%s fast=%s",
         self.prefix_graph_runner.enabled,
         self.prefix_graph_runner.max_entries,
         self.graph_runner.enabled,
         self.graph_runner.max_entries,
         "bucket" if evict_graphs_on_miss else "exact",
         bool(knobs.current("pi05_fused_denoise")),
+        bool(knobs.current("pi05_fast")),
     )
 
 
 policy_init.__name__ = "__init__"
+
+
+def _ext_reset_time_tables(policy_ref) -> None:
+    core = getattr(policy_ref(), "core_model", None)
+    if core is not None:
+        _ext_pi05_fast.reset_time_conditioning(core)
 
 
 def policy_prefix_tensor_parallel_enabled(self) -> bool:
@@ -515,7 +536,12 @@ def policy_encode_prefix(self, observation, *, use_cuda_graph=True, bucket_promp
         batch_size=observation.batch_size,
         input_shapes=tuple(tuple(tensor.shape) for tensor in graph_inputs),
         input_dtypes=tuple(str(tensor.dtype).replace("torch.", "") for tensor in graph_inputs),
-        static_layout=(image_count, prefix_full_attention_hint, prompt_bucket),
+        static_layout=(image_count, prefix_full_attention_hint, prompt_bucket)
+        + (
+            ("fast",)
+            if knobs.current("pi05_fast") and _ext_pi05_fast.prefix_enabled(self.core_model)
+            else ()
+        ),
         parallel_layout=self.config.parallel_layout_version,
     )
     return prefix_graph_runner.capture_or_run(signature, encode, graph_inputs)
@@ -582,27 +608,28 @@ def policy_denoise_step(
 policy_denoise_step.__name__ = "denoise_step"
 
 
-def _ext_fused_denoise(self, prefix_context, x_t, timesteps, dt, action_position_offset):
-    """All denoise steps of one request as one graph replay (knob pi05_fused_denoise).
-
-    The loop computes the denoise layout once (inside the graph) and applies the
-    same kernels as the per-step path, so the result equals the eager loop.
-    """
-    full_attention = bool(prefix_context.layout.get("full_attention", False))
-    num_steps = int(timesteps.shape[0])
-    batch_size = x_t.shape[0]
+def _ext_fused_denoise(self, prefix_context, x_t, steps, loop_fn, action_position_offset, kernels="exact"):
+    """All denoise steps of one request as one graph replay (knob pi05_fused_denoise,
+    or pi05_fast with kernels="fast"); `loop_fn(context, x_t, steps)` runs them."""
     signature = VLADenoiseLoopGraphSignature(
         step=VLADenoiseGraphSignature(
-            batch_size=batch_size,
+            batch_size=x_t.shape[0],
             prefix_len=prefix_context.prefix_len,
-            prefix_full_attention=full_attention,
+            prefix_full_attention=bool(prefix_context.layout.get("full_attention", False)),
             action_horizon=x_t.shape[1],
             action_dim=x_t.shape[2],
             dtype=str(x_t.dtype).replace("torch.", ""),
             parallel_layout=_ext_denoise_parallel_layout(self, action_position_offset, False),
         ),
-        num_steps=num_steps,
+        num_steps=int(steps.shape[0]),
+        kernels=kernels,
     )
+    return self.graph_runner.capture_or_run_loop(signature, loop_fn, prefix_context, x_t, steps)
+
+
+def _ext_exact_denoise_loop(self, full_attention, dt, action_position_offset):
+    """The exact loop: the same kernels as the per-step path, the layout computed once
+    (inside the graph, from the static prefix masks), so it equals the eager loop."""
 
     def loop_fn(current_prefix_context, state, steps):
         denoise_layout = self.core_model.prepare_denoise_layout(
@@ -611,20 +638,57 @@ def _ext_fused_denoise(self, prefix_context, x_t, timesteps, dt, action_position
             full_attention,
             action_position_offset=action_position_offset,
         )
-        for index in range(num_steps):
+        for index in range(int(steps.shape[0])):
             velocity = self.action_expert(
                 current_prefix_context,
                 state,
-                steps[index].expand(batch_size),
+                steps[index].expand(state.shape[0]),
                 action_position_offset=action_position_offset,
                 denoise_layout=denoise_layout,
             )
             state.add_(velocity, alpha=dt)
         return state
 
-    return self.graph_runner.capture_or_run_loop(
-        signature, loop_fn, prefix_context, x_t, timesteps
-    )
+    return loop_fn
+
+
+def _ext_fast_denoise(
+    self, prefix_context, x_t, num_steps, dt, full_attention, action_position_offset, graph_enabled
+):
+    """Knob pi05_fast: the fused-kernel loop (sglang_ext.adapters.pi05_fast), one graph
+    per request when graphs are on, the same code eagerly when they are off. Returns
+    the denoised x_t, or None when the loop failed on its first use (exact path then)."""
+    core = self.core_model
+    table = _ext_pi05_fast.time_conditioning(core, num_steps, x_t.shape[0], x_t.device)
+
+    def loop_fn(current_prefix_context, state, current_table):
+        return _ext_pi05_fast.denoise(
+            core,
+            current_prefix_context,
+            state,
+            current_table,
+            dt=dt,
+            full_attention=full_attention,
+            action_position_offset=action_position_offset,
+        )
+
+    def run(state):
+        if not graph_enabled:
+            return loop_fn(prefix_context, state, table)
+        # The table goes in as the loop's step input: the graph keeps its own copy.
+        return _ext_fused_denoise(self, prefix_context, state, table, loop_fn, action_position_offset, "fast")
+
+    if _ext_pi05_fast.verified(core):
+        return run(x_t)
+    # First use on this model: a kernel that does not build here (e.g. another triton)
+    # must cost the exact path, not the request. x_t is only replaced on success.
+    try:
+        result = run(x_t.clone())
+    except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
+        _ext_pi05_fast.mark_failed(core, exc)
+        return None
+    _ext_pi05_fast.mark_verified(core)
+    return x_t.copy_(result)
 
 
 def policy_sample_actions(
@@ -677,8 +741,27 @@ def policy_sample_actions(
         dtype=torch.float32,
         device=self.device,
     )
-    if graph_enabled and not action_sp_enabled and knobs.current("pi05_fused_denoise"):
-        x_t = _ext_fused_denoise(self, prefix_context, x_t, timesteps, dt, action_position_offset)
+    fast = (
+        knobs.current("pi05_fast")
+        and not action_sp_enabled
+        and _ext_pi05_fast.unsupported_reason(self.core_model) is None
+    )
+    denoised = None
+    if fast:
+        denoised = _ext_fast_denoise(
+            self, prefix_context, x_t, num_steps, dt, full_attention, action_position_offset, graph_enabled
+        )
+    if denoised is not None:
+        x_t = denoised
+    elif graph_enabled and not action_sp_enabled and knobs.current("pi05_fused_denoise"):
+        x_t = _ext_fused_denoise(
+            self,
+            prefix_context,
+            x_t,
+            timesteps,
+            _ext_exact_denoise_loop(self, full_attention, dt, action_position_offset),
+            action_position_offset,
+        )
     else:
         # Eager steps share one layout; graph steps derive it inside the graph.
         denoise_layout = None

@@ -22,7 +22,8 @@ capture). Differences from upstream, each a fix:
   previous request's K/V.
 - No host synchronisation after a prefix replay (consumers run on the same stream).
 - `VLADenoiseGraphRunner.capture_or_run_loop`: one graph for every denoise step
-  including the `x_t` update (opt-in, `--ext-pi05-fused-denoise`).
+  including the `x_t` update (opt-in, `--ext-pi05-fused-denoise`; with
+  `--ext-pi05-fast` the fused-kernel loop, signature `kernels="fast"`).
 - `--ext-debug-addresses`: each runner's `AddressGuard` records the addresses of
   every static tensor a graph reads or writes at capture, asserts them before
   each replay, and forgets them when the graph is released.
@@ -95,6 +96,7 @@ class VLADenoiseLoopGraphSignature:
 
     step: VLADenoiseGraphSignature
     num_steps: int
+    kernels: str = "exact"  # "fast": the fused-kernel loop of knob pi05_fast
 
 
 @dataclass
@@ -406,15 +408,22 @@ class _VLAGraphRunnerBase:
         self._capture_stream: Any = None
         self._graph_pool: Any = None
         self._capacity_warning_emitted = False
+        self._clear_hooks: list[Callable[[], None]] = []
         graph_stats.register(f"vla.{self._cache_name}", self.cache_info)
 
     def cache_info(self) -> VLAGraphCacheInfo:
         return self._cache.info()
 
     def clear(self) -> None:
-        """Release every graph (reset()) and forget failures."""
+        """Release every graph (reset()) and forget failures; then run the clear hooks."""
         self._cache.clear()
         self._capacity_warning_emitted = False
+        for hook in self._clear_hooks:
+            hook()
+
+    def add_clear_hook(self, hook: Callable[[], None]) -> None:
+        """`hook()` runs after every clear(): state kept beside the graphs goes with them."""
+        self._clear_hooks.append(hook)
 
     @staticmethod
     def _graph_device(tensor: Any) -> bool:

@@ -1,0 +1,440 @@
+"""Pi0.5 denoise loop on fused kernels (knob pi05_fast): the action expert's step
+with a third of the kernels of the exact path.
+
+Target symbol(s): none replaced. Called by pi05_graphs' Pi05PolicyModel.sample_actions
+    (the fused denoise loop) and Pi05CoreModel.encode_prefix (the prefix language
+    model's layers) when the knob is on; reads, as the exact path does,
+    sglang.multimodal_gen.runtime.models.vlas.pi05_core: Pi05CoreModel.{embed_suffix,
+    action_in_proj, action_out_proj}, PiGemmaModel.{layers, norm, rotary_emb},
+    PiGemmaRMSNorm.{dense, eps}, PiGemmaAttention.{qkv_proj (packed, patch
+    pi05_merged_linear), o_proj, attn, scaling}, PiGemmaMLP.{gate_up_proj, down_proj},
+    OPENPI_ATTENTION_MASK_VALUE, linear_forward.
+sglang versions: 0.5.17 (the pi05_graphs fingerprints cover these definitions).
+Upstream PR: none (sglang-ext only).
+
+Why: with every denoise step in one CUDA graph (pi05_fused_denoise), the time left is
+    the kernels themselves: ~5,800 of ~4 us per request, most of them tiny
+    elementwise ops and M=1 GEMMs on 50 action tokens (issue 17).
+How:
+    1. Time conditioning: the timesteps of a request depend only on the step count
+       (linspace(1, 1/n, n)), so the time MLP's output and every adaRMS norm's
+       (scale, shift, gate) for every step (2 per layer + the final norm) are
+       computed once per (steps, batch, device, dtype), outside any graph, with the
+       model's own modules, and kept in a small cache on the core model (dropped with
+       the action graphs: `reset_time_conditioning`). The graph gets its own copy of
+       the table through the fused loop's step input, so a rebuilt table can never
+       leave a graph reading freed memory.
+    2. Per request, once, inside the loop graph: the 50 action positions' float32
+       cos/sin, the additive attention mask (masked prefixes; None when full), and per
+       layer a K/V buffer [B, P + 50, kv_heads, head_dim] holding the prefix K/V
+       (copied once, not concatenated in every step and layer).
+    3. Per step and layer (sglang_ext.kernels): adaRMS norm (layer 0); packed qkv GEMM;
+       RoPE of q and k writing k / v into the K/V buffer's suffix rows (one kernel);
+       attention (full prefix: the layer's own attention module, e.g. FA3; masked
+       prefix, or full on the torch SDPA backend: torch SDPA with the precomputed mask
+       (None when full), the single K/V head read by all query heads as one head of
+       S * heads queries, output contiguous); o_proj; gated residual fused
+       with the next adaRMS norm; gate_up GEMM; gelu-tanh-and-mul; down; gated
+       residual fused with the next layer's (or the final) norm.
+    4. Prefix (encode_prefix, same knob): the prefix language model's layers (Gemma
+       RMSNorm weight as the norm's scale, no shift or gate) on the same kernels; the
+       last layer stops after its K/V, since the prefix returns K/V only (0.5.17 runs
+       that layer's attention output, MLP and the final norm for nothing).
+    Equal to the exact path within bf16 rounding, not bitwise: float32 cos/sin (the
+    exact path rounds them to bf16), one rounding per fused op, GEMMs with other
+    shapes for the time table. Action sequence parallelism, Ulysses action attention,
+    layerwise CPU offload of the action expert and unpacked q/k/v or gate/up layers
+    are not covered: those requests take the exact path (`unsupported_reason`; for the
+    prefix `prefix_unsupported_reason`, which adds a tensor-parallel prefix). A fast
+    loop or prefix that raises on its first use is switched off for that model and
+    the request runs the exact path.
+Retire when: upstream Pi0.5 has a fused action-expert step (or a torch.compile'd one
+    captured in its graphs) at least as fast.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from sglang_ext import knobs
+
+logger = logging.getLogger(__name__)
+
+# (steps, batch, device, dtype) entries kept per core model; a server uses one.
+TIME_TABLE_ENTRIES = 4
+_TABLE_ATTR = "_ext_pi05_time_conditioning"
+_REASON_ATTR = "_ext_pi05_fast_unsupported"
+_VERIFIED_ATTR = "_ext_pi05_fast_verified"
+_PREFIX_REASON_ATTR = "_ext_pi05_fast_prefix_unsupported"
+_PREFIX_VERIFIED_ATTR = "_ext_pi05_fast_prefix_verified"
+_MASK_ALIGN = 16  # torch SDPA's memory-efficient kernel wants mask rows 16-element aligned
+
+
+def _expert(core):
+    return core.paligemma_with_expert.gemma_expert.model
+
+
+def _adaptive_norms(expert) -> list:
+    """Every adaRMS norm in the order the table stores them: per layer input, post; final."""
+    norms = []
+    for layer in expert.layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    return norms + [expert.norm]
+
+
+def unsupported_reason(core):
+    """None when the fast step can run this core model, else why not (cached per model)."""
+    cached = core.__dict__.get(_REASON_ATTR)
+    if cached is not None:
+        return cached or None
+    reason = _find_unsupported(core)
+    core.__dict__[_REASON_ATTR] = reason or ""
+    if reason:
+        logger.info("Pi05 fast denoise path not used (%s): requests take the exact path", reason)
+    return reason
+
+
+def verified(core) -> bool:
+    """True once the fast loop ran on this model (its kernels build and run here)."""
+    return bool(core.__dict__.get(_VERIFIED_ATTR))
+
+
+def mark_verified(core) -> None:
+    core.__dict__[_VERIFIED_ATTR] = True
+
+
+def mark_failed(core, exc: BaseException) -> None:
+    """The fast loop raised on its first use: this model takes the exact path from now on."""
+    reason = f"fast loop failed on first use: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    core.__dict__[_REASON_ATTR] = reason
+    logger.warning("Pi05 fast denoise path disabled (%s): requests take the exact path", reason, exc_info=exc)
+
+
+def _find_unsupported(core):
+    if getattr(core, "action_in_proj", None) is None or core.paligemma_with_expert.gemma_expert is None:
+        return "no action expert on this rank"
+    expert = _expert(core)
+    if getattr(expert, "layerwise_cpu_offload_enabled", False):
+        return "layerwise CPU offload of the action expert"
+    if not expert.layers:
+        return "action expert without layers"
+    for layer in expert.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
+            return "unpacked q/k/v or gate/up projections (patch pi05_merged_linear is off)"
+        if attn.tensor_parallel or mlp.tensor_parallel:
+            return "tensor-parallel action expert"
+        if getattr(attn, "sp_attn", None) is not None:
+            return "Ulysses sequence-parallel action attention"
+    if any(norm.dense is None for norm in _adaptive_norms(expert)):
+        return "action expert without adaRMS conditioning"
+    return None
+
+
+# --------------------------------------------------------------------------
+# 1. Time conditioning table
+# --------------------------------------------------------------------------
+
+
+def time_conditioning(core, num_steps: int, batch_size: int, device) -> torch.Tensor:
+    """[steps, norms, 3 (scale, shift, gate), batch, width] float32, cached on `core`.
+
+    Built with the model's own time embedding and norm `dense` layers from the
+    timesteps sample_actions uses; gate is rounded to the activation dtype first,
+    as the exact path's `gate.to(dtype)`.
+    """
+    expert = _expert(core)
+    dtype = expert.layers[0].self_attn.projection_dtype
+    key = (int(num_steps), int(batch_size), str(torch.device(device)), str(dtype))
+    tables = core.__dict__.setdefault(_TABLE_ATTR, OrderedDict())
+    table = tables.get(key)
+    if table is not None:
+        tables.move_to_end(key)
+        return table
+    table = _build_time_conditioning(core, expert, num_steps, batch_size, torch.device(device), dtype)
+    tables[key] = table
+    while len(tables) > TIME_TABLE_ENTRIES:
+        tables.popitem(last=False)
+    return table
+
+
+def _build_time_conditioning(core, expert, num_steps, batch_size, device, dtype):
+    timesteps = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float32, device=device)
+    steps = timesteps.repeat_interleave(batch_size)
+    no_actions = torch.zeros(steps.shape[0], 1, core.config.action_dim, dtype=torch.float32, device=device)
+    norms = _adaptive_norms(expert)
+    width = norms[0].dim
+    table = torch.empty(num_steps, len(norms), 3, batch_size, width, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        _, adarms_cond = core.embed_suffix(no_actions, steps)
+        for index, norm in enumerate(norms):
+            modulation = norm.dense(adarms_cond.to(dtype=norm.dense.weight.dtype))
+            scale, shift, gate = modulation.chunk(3, dim=-1)
+            for slot, value in enumerate((scale.float(), shift.float(), gate.to(dtype).float())):
+                table[:, index, slot] = value.reshape(num_steps, batch_size, width)
+    return table
+
+
+def reset_time_conditioning(core) -> None:
+    """Drop the cached tables (with the action graphs, or after new weights)."""
+    core.__dict__.pop(_TABLE_ATTR, None)
+
+
+# --------------------------------------------------------------------------
+# 2. + 3. The denoise loop
+# --------------------------------------------------------------------------
+
+
+def _request_layout(core, expert, prefix_context, state, full_attention, action_position_offset, dtype):
+    """cos/sin of the action positions, additive mask (or None), K/V buffers with the prefix."""
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_core import OPENPI_ATTENTION_MASK_VALUE
+
+    batch, seq = state.shape[:2]
+    prefix_masks = prefix_context.prefix_pad_masks
+    prefix_len = prefix_masks.shape[1]
+    positions = (
+        prefix_masks.sum(dim=-1, keepdim=True)
+        + action_position_offset
+        + torch.arange(seq, device=state.device)[None, :]
+    )
+    rotary = expert.rotary_emb
+    rotary._ensure_cache(state)
+    cos_sin = rotary.rope.cos_sin_cache.index_select(0, positions.reshape(-1))
+
+    mask = None
+    total = prefix_len + seq
+    if not full_attention:
+        padded = -(-total // _MASK_ALIGN) * _MASK_ALIGN
+        storage = torch.zeros(batch, 1, 1, padded, dtype=dtype, device=state.device)
+        storage[:, 0, 0, :prefix_len].masked_fill_(~prefix_masks, OPENPI_ATTENTION_MASK_VALUE)
+        mask = storage[..., :total]  # every action token sees the same keys
+
+    attn = expert.layers[0].self_attn
+    kv = torch.empty(
+        len(expert.layers), 2, batch, total, attn.num_key_value_heads, attn.head_dim,
+        dtype=dtype, device=state.device,
+    )
+    for index, (keys, values, _) in enumerate(prefix_context.past_key_values):
+        if index >= len(expert.layers):
+            break
+        kv[index, 0, :, :prefix_len].copy_(keys.transpose(1, 2))
+        kv[index, 1, :, :prefix_len].copy_(values.transpose(1, 2))
+    return cos_sin, mask, kv
+
+
+def _uses_torch_sdpa(attn) -> bool:
+    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
+
+    return getattr(attn.attn, "backend", None) == AttentionBackendEnum.TORCH_SDPA
+
+
+def _aligned_mask(mask):
+    """`mask` in storage whose rows are 16-element aligned (SDPA would pad it in every call)."""
+    total = mask.shape[-1]
+    padded = -(-total // _MASK_ALIGN) * _MASK_ALIGN
+    storage = torch.zeros(*mask.shape[:-1], padded, dtype=mask.dtype, device=mask.device)
+    storage[..., :total] = mask
+    return storage[..., :total]
+
+
+def _sdpa(q, keys, values, mask, scale):
+    """Bidirectional attention of q [B, S, H, D] over keys / values [B, T, KV, D] -> [B, S, H, D].
+
+    mask: additive, [B, 1, 1, T] (one row for every query), or per query: [B, 1, S, T]
+    (several K/V heads) / [B, 1, S * H, T] (one K/V head, rows repeated per head)."""
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = keys.shape[2]
+    if kv_heads == 1:
+        # All heads read the one K/V head: one head of seq * heads queries.
+        out = F.scaled_dot_product_attention(
+            q.view(batch, 1, seq * heads, head_dim),
+            keys.view(batch, 1, -1, head_dim),
+            values.view(batch, 1, -1, head_dim),
+            attn_mask=mask,
+            scale=scale,
+        )
+        return out.view(batch, seq, heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------
+# Stretch: the prefix language model's layers (Gemma RMSNorm, no conditioning)
+# --------------------------------------------------------------------------
+
+
+def _prefix_language_model(core):
+    paligemma = core.paligemma_with_expert.paligemma
+    return None if paligemma is None else paligemma.model.language_model
+
+
+def prefix_unsupported_reason(core):
+    """None when the prefix layers can run on the fast kernels, else why not (cached)."""
+    cached = core.__dict__.get(_PREFIX_REASON_ATTR)
+    if cached is not None:
+        return cached or None
+    reason = _find_prefix_unsupported(core)
+    core.__dict__[_PREFIX_REASON_ATTR] = reason or ""
+    if reason:
+        logger.info("Pi05 fast prefix layers not used (%s): the prefix takes the exact path", reason)
+    return reason
+
+
+def _find_prefix_unsupported(core):
+    model = _prefix_language_model(core)
+    if model is None:
+        return "no prefix model on this rank"
+    if model.tensor_parallel:
+        return "tensor-parallel prefix"
+    if getattr(model, "layerwise_cpu_offload_enabled", False):
+        return "layerwise CPU offload of the prefix"
+    if not model.layers:
+        return "prefix model without layers"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
+            return "unpacked q/k/v or gate/up projections (patch pi05_merged_linear is off)"
+        if attn.tensor_parallel or mlp.tensor_parallel:
+            return "tensor-parallel prefix layers"
+        if layer.input_layernorm.dense is not None or layer.post_attention_layernorm.dense is not None:
+            return "adaRMS-conditioned prefix layers"
+    return None
+
+
+def prefix_enabled(core) -> bool:
+    """Knob pi05_fast on and the prefix layers covered (and not failed on this model)."""
+    return bool(knobs.current("pi05_fast")) and prefix_unsupported_reason(core) is None
+
+
+def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids):
+    """The prefix K/V (VLADensePrefixCache, per layer [B, KV, P, D]) from the prefix embeddings.
+
+    On a first use that raises, the prefix takes the exact path from then on (None is
+    returned for this call: the caller runs the exact forward)."""
+    if core.__dict__.get(_PREFIX_VERIFIED_ATTR):
+        return _prefix_layers(core, inputs_embeds, attention_mask, position_ids)
+    try:
+        result = _prefix_layers(core, inputs_embeds, attention_mask, position_ids)
+    except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
+        reason = f"fast prefix failed on first use: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        core.__dict__[_PREFIX_REASON_ATTR] = reason
+        logger.warning("Pi05 fast prefix layers disabled (%s)", reason, exc_info=exc)
+        return None
+    core.__dict__[_PREFIX_VERIFIED_ATTR] = True
+    return result
+
+
+def _prefix_layers(core, inputs_embeds, attention_mask, position_ids):
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
+    from sglang.multimodal_gen.runtime.vla.prefix_cache import VLADensePrefixCache
+
+    from sglang_ext.kernels import ada_rms_norm, gelu_tanh_and_mul, rope_qkv
+
+    model = _prefix_language_model(core)
+    layers = model.layers
+    attn0 = layers[0].self_attn
+    heads, kv_heads, head_dim = attn0.num_heads, attn0.num_key_value_heads, attn0.head_dim
+    dtype = attn0.projection_dtype
+    hidden = inputs_embeds.to(dtype)
+    hidden = hidden.clone() if hidden is inputs_embeds else hidden.contiguous()  # updated in place
+    batch, seq = hidden.shape[:2]
+    with torch.no_grad():
+        model.rotary_emb._ensure_cache(hidden)
+        cos_sin = model.rotary_emb.rope.cos_sin_cache.index_select(0, position_ids.reshape(-1))
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.to(dtype)
+            if kv_heads == 1:
+                mask = mask.repeat_interleave(heads, dim=2)  # rows of the one-head form
+            mask = _aligned_mask(mask)
+        sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
+        q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=hidden.device)
+        cache = []
+        normed = ada_rms_norm(hidden, layers[0].input_layernorm.weight, eps=layers[0].input_layernorm.eps)
+        for index, layer in enumerate(layers):
+            attn = layer.self_attn
+            keys = torch.empty(batch, seq, kv_heads, head_dim, dtype=dtype, device=hidden.device)
+            values = torch.empty_like(keys)
+            rope_qkv(
+                linear_forward(attn.qkv_proj, normed), cos_sin, q, keys, values,
+                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=0,
+            )
+            cache.append((keys.transpose(1, 2), values.transpose(1, 2), None))
+            if index == len(layers) - 1:
+                break  # the prefix returns K/V only: the last layer's output and the final norm feed nothing
+            if mask is None and not sdpa_full:
+                out = attn.attn(q, keys, values)
+            else:
+                out = _sdpa(q, keys, values, mask, attn.scaling)
+            out = linear_forward(attn.o_proj, out.reshape(batch, seq, heads * head_dim))
+            post = layer.post_attention_layernorm
+            normed = ada_rms_norm(hidden, post.weight, eps=post.eps, add=out)
+            mlp = layer.mlp
+            out = linear_forward(mlp.down_proj, gelu_tanh_and_mul(linear_forward(mlp.gate_up_proj, normed)))
+            following = layers[index + 1].input_layernorm
+            normed = ada_rms_norm(hidden, following.weight, eps=following.eps, add=out)
+    return VLADensePrefixCache(tuple(cache))
+
+
+def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0):
+    """Every denoise step of one request; `state` (x_t, float32) is updated in place."""
+    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
+
+    from sglang_ext.kernels import ada_rms_norm, gelu_tanh_and_mul, rope_qkv
+
+    expert = _expert(core)
+    layers = expert.layers
+    attn0 = layers[0].self_attn
+    heads, kv_heads, head_dim = attn0.num_heads, attn0.num_key_value_heads, attn0.head_dim
+    dtype = attn0.projection_dtype
+    batch, seq = state.shape[:2]
+    prefix_len = prefix_context.prefix_pad_masks.shape[1]
+    norms = _adaptive_norms(expert)
+    # On the torch SDPA backend the layer's module returns [B, S, H, D] transposed (one more
+    # copy per layer); the single-K/V-head form below returns it contiguous: same math.
+    sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
+    with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
+        cos_sin, mask, kv = _request_layout(
+            core, expert, prefix_context, state, full_attention, action_position_offset, dtype
+        )
+        q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
+        for step in range(table.shape[0]):
+            cond = table[step]  # [norms, 3, batch, width]
+            hidden = core.action_in_proj(state.to(core.action_in_proj.weight.dtype)).to(dtype).contiguous()
+            normed = ada_rms_norm(hidden, cond[0, 0], cond[0, 1], eps=norms[0].eps)
+            for index, layer in enumerate(layers):
+                attn = layer.self_attn
+                keys, values = kv[index, 0], kv[index, 1]
+                qkv = linear_forward(attn.qkv_proj, normed)
+                rope_qkv(
+                    qkv, cos_sin, q, keys, values,
+                    num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=prefix_len,
+                )
+                if mask is None and not sdpa_full:
+                    out = attn.attn(q, keys, values)  # the layer's backend (FA3 on Hopper)
+                else:
+                    out = _sdpa(q, keys, values, mask, attn.scaling)
+                out = linear_forward(attn.o_proj, out.reshape(batch, seq, heads * head_dim))
+                post = 2 * index + 1
+                normed = ada_rms_norm(
+                    hidden, cond[post, 0], cond[post, 1], eps=norms[post].eps,
+                    add=out, gate=cond[post - 1, 2],
+                )
+                mlp = layer.mlp
+                out = linear_forward(mlp.down_proj, gelu_tanh_and_mul(linear_forward(mlp.gate_up_proj, normed)))
+                following = post + 1  # next layer's input norm, or the final norm
+                normed = ada_rms_norm(
+                    hidden, cond[following, 0], cond[following, 1], eps=norms[following].eps,
+                    add=out, gate=cond[post, 2],
+                )
+            velocity = core.action_out_proj(normed.to(core.action_out_proj.weight.dtype))
+            state.add_(velocity.to(torch.float32), alpha=dt)
+    return state

@@ -1,0 +1,31 @@
+"""Fused Triton kernels for small-batch transformer steps (Pi0.5's action expert).
+
+Knows nothing of sglang. Each public function runs its Triton kernel on CUDA
+tensors and its torch reference (`*_reference`, same signature, same float32
+math) elsewhere; with `TRITON_INTERPRET=1` in the environment before triton is
+imported, CPU tensors take the Triton kernel too (through triton's interpreter:
+how the CPU tests check the kernels). The kernels use plain loads, stores,
+arithmetic and reductions with power-of-two blocks and masks (triton >= 3.0).
+
+Note on the interpreter: it truncates float32 -> bfloat16 instead of rounding
+to nearest even (the GPU rounds), so interpreted bf16 outputs differ from the
+reference by up to one bf16 ulp; float32 outputs are exact comparisons.
+"""
+
+from __future__ import annotations
+
+from sglang_ext.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference
+from sglang_ext.kernels.rms_norm import ada_rms_norm, ada_rms_norm_reference
+from sglang_ext.kernels.backend import runs_triton
+from sglang_ext.kernels.rope import rope_qkv, rope_qkv_reference
+
+
+__all__ = [
+    "ada_rms_norm",
+    "ada_rms_norm_reference",
+    "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_reference",
+    "rope_qkv",
+    "rope_qkv_reference",
+    "runs_triton",
+]

@@ -1,0 +1,59 @@
+"""gelu(tanh approximation)(gate) * up of a packed [gate, up] projection, in one kernel.
+
+x: [..., 2 * I] with the gate in the first I columns and up in the last I (a
+packed gate_up projection); returns [..., I]. Math in float32, one rounding:
+
+    gelu(g) = 0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g^3)))
+
+tanh(u) is computed as 1 - 2 / (1 + exp(2u)) (plain exp: no libdevice needed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sglang_ext.kernels.backend import block_size, runs_triton, tl, triton
+
+_BLOCK = 1024
+
+
+def _check(x):
+    if x.shape[-1] % 2:
+        raise ValueError(f"gelu_tanh_and_mul: last dim {x.shape[-1]}; allowed: even sizes ([gate, up])")
+    return x.shape[-1] // 2
+
+
+def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """torch version of `gelu_tanh_and_mul` (float32 math, one rounding)."""
+    inner = _check(x)
+    gate, up = x.float().split(inner, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu_tanh_and_mul_kernel(X, OUT, n_inner, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_inner
+        gate = tl.load(X + row * 2 * n_inner + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + row * 2 * n_inner + n_inner + cols, mask=mask, other=0.0).to(tl.float32)
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * u))
+        out = 0.5 * gate * (1.0 + tanh) * up
+        tl.store(OUT + row * n_inner + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x[..., :I]) * x[..., I:] as a new [..., I] tensor in x's dtype."""
+    if not runs_triton(x):
+        return gelu_tanh_and_mul_reference(x)
+    inner = _check(x)
+    x = x.contiguous()
+    rows = x.numel() // (2 * inner)
+    out = torch.empty((*x.shape[:-1], inner), dtype=x.dtype, device=x.device)
+    block = min(_BLOCK, block_size(inner))
+    _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inner, block))](x, out, inner, BLOCK=block, num_warps=4)
+    return out

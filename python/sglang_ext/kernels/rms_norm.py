@@ -1,0 +1,144 @@
+"""Modulated RMS norm, optionally after a gated residual add, in one kernel.
+
+    x <- x + add * gate          (only with `add`; written back to x, in x's dtype)
+    out = rms(x) * (1 + scale) + shift
+
+rms(x) = x / sqrt(mean(x^2) + eps) in float32, from x as stored (after the
+residual add's rounding). scale / shift / gate hold one row per group of rows of
+x: a [C, N] conditioning for x of R = C * G rows applies its row c to rows
+c*G .. c*G + G - 1 (adaRMS: C = batch, G = tokens; a Gemma RMSNorm weight w is
+scale = w with C = 1). Math in float32, one rounding per output.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sglang_ext.kernels.backend import block_size, runs_triton, tl, triton
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.reshape(-1, n)
+
+
+def _check(x, scale, shift, add, gate):
+    n = x.shape[-1]
+    rows = x.numel() // n
+    conds = scale.numel() // n
+    if scale.numel() != conds * n or conds == 0 or rows % conds:
+        raise ValueError(
+            f"ada_rms_norm: scale of shape {tuple(scale.shape)} does not give one row per group of "
+            f"the {rows} rows of x (width {n})"
+        )
+    for name, t in (("shift", shift), ("gate", gate)):
+        if t is not None and t.numel() != conds * n:
+            raise ValueError(f"ada_rms_norm: {name} has {t.numel()} elements; allowed: {conds * n} (like scale)")
+    if add is not None and add.shape != x.shape:
+        raise ValueError(f"ada_rms_norm: add of shape {tuple(add.shape)}; allowed: x's {tuple(x.shape)}")
+    if gate is not None and add is None:
+        raise ValueError("ada_rms_norm: gate without add; allowed: gate only with add")
+    return n, rows, rows // conds
+
+
+def ada_rms_norm_reference(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: Optional[torch.Tensor] = None,
+    *,
+    eps: float,
+    add: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """torch version of `ada_rms_norm` (same float32 math)."""
+    n, _, group = _check(x, scale, shift, add, gate)
+
+    def per_row(t):
+        return _rows(t, n).float().repeat_interleave(group, dim=0)
+
+    rows = _rows(x, n)
+    if add is not None:
+        branch = _rows(add, n).float()
+        if gate is not None:
+            branch = branch * per_row(gate)
+        rows.copy_((rows.float() + branch).to(x.dtype))
+    value = rows.float()
+    normed = value * torch.rsqrt(value.square().mean(dim=-1, keepdim=True) + eps)
+    normed = normed * (1.0 + per_row(scale))
+    if shift is not None:
+        normed = normed + per_row(shift)
+    return normed.to(out_dtype or x.dtype).reshape(x.shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _ada_rms_norm_kernel(
+        X, ADD, GATE, SCALE, SHIFT, OUT,
+        n_cols, group, eps,
+        HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        cond = (row // group) * n_cols
+        x_ptrs = X + row * n_cols + cols
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            branch = tl.load(ADD + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_GATE:
+                branch = branch * tl.load(GATE + cond + cols, mask=mask, other=0.0).to(tl.float32)
+            stored = (x + branch).to(X.dtype.element_ty)
+            tl.store(x_ptrs, stored, mask=mask)
+            x = stored.to(tl.float32)
+        mean_square = tl.sum(x * x, axis=0) / n_cols
+        normed = x / tl.sqrt(mean_square + eps)
+        scale = tl.load(SCALE + cond + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = normed * (1.0 + scale)
+        if HAS_SHIFT:
+            normed = normed + tl.load(SHIFT + cond + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + row * n_cols + cols, normed.to(OUT.dtype.element_ty), mask=mask)
+
+
+def ada_rms_norm(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: Optional[torch.Tensor] = None,
+    *,
+    eps: float,
+    add: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """rms(x [+ add * gate]) * (1 + scale) + shift; with `add`, x is updated in place.
+
+    x: [..., N] contiguous; scale / shift / gate: [C, N] (or any shape of C * N
+    elements); returns a new tensor of x's shape in `out_dtype` (default x.dtype).
+    """
+    if not runs_triton(x):
+        return ada_rms_norm_reference(x, scale, shift, eps=eps, add=add, gate=gate, out_dtype=out_dtype)
+    n, rows, group = _check(x, scale, shift, add, gate)
+    if not x.is_contiguous():
+        raise ValueError("ada_rms_norm: x must be contiguous (it may be updated in place)")
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    block = block_size(n)
+    scale = scale.contiguous()
+    _ada_rms_norm_kernel[(rows,)](
+        x,
+        add.contiguous() if add is not None else x,
+        gate.contiguous() if gate is not None else scale,
+        scale,
+        shift.contiguous() if shift is not None else scale,
+        out,
+        n,
+        group,
+        float(eps),
+        HAS_ADD=add is not None,
+        HAS_GATE=gate is not None,
+        HAS_SHIFT=shift is not None,
+        BLOCK=block,
+        num_warps=4 if block <= 2048 else 8,
+    )
+    return out

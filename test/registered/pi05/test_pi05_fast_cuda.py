@@ -1,0 +1,293 @@
+"""Pi0.5 fast denoise path (knob pi05_fast) on the GPU: Triton kernels, real-size model.
+
+Pi05PolicyModel at its real size with random weights (sglang_ext.testing.pi05_random,
+as test_pi05_graphs_cuda.py: gemma_2b + SigLIP + gemma_300m, bf16), two 224x224
+cameras, 10 denoise steps, horizon 50, action dim 32; 32 requests: full prefixes (both
+cameras) and masked prefixes (empty second camera), prompt lengths 17..111.
+
+Per request the prefix is encoded once (eager), then the actions are sampled four
+ways from that same prefix context: exact path eager (knob off: the reference),
+fast eager (knob on, graphs off), fast graph (capture) and fast graph (replay).
+
+Checks, one summary line each:
+- each Triton kernel (compiled by the GPU's triton) against its torch reference;
+- fast graph vs fast eager: the same kernels on the same inputs, so bitwise equality
+  is expected (asserted: relative <= 1e-3; the line says how many were bitwise);
+- fast vs exact path: max|d| / max|exact| <= 1e-2 and cosine >= 0.9999 (issue 17);
+- fast prefix K/V vs exact prefix K/V (every layer, valid positions), and the whole
+  request on graphs (prefix graph + loop graph) fast vs exact;
+- an informational line: device kernels per request of both paths (eager, profiler)
+  and the median replay time of both fused loop graphs (not asserted; the bench
+  script owns speed claims).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import statistics
+
+import pytest
+import torch
+
+from sglang.test.ci.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=300, stage="base-b", runner_config="1-gpu-small")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
+NUM_STEPS = 10
+PROMPT_LENS = (17, 23, 29, 34, 40, 46, 48, 53, 59, 65, 72, 80, 88, 95, 103, 111)
+RELATIVE_TOLERANCE = 1e-2
+COSINE_FLOOR = 0.9999
+GRAPH_VS_EAGER_TOLERANCE = 1e-3
+
+
+def _ext(name):
+    return importlib.import_module(("sglang.ext." if PATCHED_TREE else "sglang_ext.") + name)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from sglang_ext.testing.pi05_random import build_random_pi05, unrelated_patches
+    from sglang_ext.versions import installed_sglang_version, source_tree_version
+
+    env = {
+        "SGLANG_EXT": "1",
+        "SGLANG_EXT_STRICT": "1",
+        "SGLANG_EXT_DISABLE": ",".join(unrelated_patches()),
+        "SGLANG_EXT_PI05_ACTION_GRAPH_MAX_ENTRIES": "64",  # every signature of this file gets its graph
+        "SGLANG_EXT_PI05_GRAPH_MIN_HITS": "1",  # captured at the first sighting
+    }
+    if installed_sglang_version() is None:  # unpacked source tree (GPU machine)
+        import sglang
+
+        version = source_tree_version(os.path.dirname(os.path.dirname(sglang.__file__)))
+        if version:
+            env["SGLANG_EXT_ASSUME_SGLANG"] = version
+    activation = _ext("activation")
+    patch = pytest.MonkeyPatch()
+    for key, value in env.items():
+        patch.setenv(key, value)
+    patch.delenv("SGLANG_EXT_PI05_FAST", raising=False)
+    activation.deactivate()
+    statuses = activation.activate(eager=True)
+    print("sglang-ext:", {name: str(status) for name, status in statuses.items()})
+    model = build_random_pi05(device="cuda", dtype=torch.bfloat16, seed=0)
+    expert = model.core_model.paligemma_with_expert.gemma_expert.model
+    print("action attention backend:", expert.layers[0].self_attn.attn.backend)
+    yield model
+    model.prefix_graph_runner.clear()
+    model.graph_runner.clear()
+    del model
+    torch.cuda.empty_cache()
+    activation.deactivate()
+    patch.undo()
+
+
+def _agreement(got, want):
+    got, want = got.double().flatten(), want.double().flatten()
+    relative = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    cosine = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
+    return relative, cosine
+
+
+def _sample(policy, observation, context, noise, *, fast, graph):
+    os.environ["SGLANG_EXT_PI05_FAST"] = "1" if fast else "0"
+    try:
+        with torch.inference_mode():
+            return policy.sample_actions(
+                observation, context, noise=noise, num_steps=NUM_STEPS, use_cuda_graph=graph
+            ).clone()
+    finally:
+        os.environ.pop("SGLANG_EXT_PI05_FAST", None)
+
+
+def _requests():
+    return [(prompt_len, masked) for masked in (False, True) for prompt_len in PROMPT_LENS]
+
+
+def test_triton_kernels_match_references_on_gpu():
+    kernels = _ext("kernels")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=generator, device="cuda") * scale).to(dtype)
+
+    worst = {}
+
+    def check(name, got, want, dtype):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        diff = float((got.float() - want.float()).abs().max())
+        largest = float(want.float().abs().max())
+        bound = (2 * 2.0**-7 if dtype == torch.bfloat16 else 1e-5) * max(largest, 1.0)
+        worst[name] = max(worst.get(name, 0.0), diff / max(largest, 1e-12))
+        assert diff <= bound, f"{name}: max|kernel-reference| {diff:.3e} > {bound:.3e}"
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for width, batch, tokens in ((1024, 1, 50), (2048, 1, 300), (1000, 2, 7)):
+            x = rnd(batch, tokens, width, dtype=dtype, scale=3.0)
+            add = rnd(batch, tokens, width, dtype=dtype)
+            scale, shift, gate = (rnd(batch, width, dtype=torch.float32, scale=0.5) for _ in range(3))
+            for label, kwargs in (("ada", {}), ("gated", {"add": add, "gate": gate}), ("residual", {"add": add})):
+                got_x, want_x = x.clone(), x.clone()
+                got = kernels.ada_rms_norm(got_x, scale, shift, eps=1e-6, **kwargs)
+                want = kernels.ada_rms_norm_reference(want_x, scale, shift, eps=1e-6, **kwargs)
+                check(f"norm-{label}", got, want, dtype)
+                check(f"norm-{label}-stream", got_x, want_x, dtype)
+            gemma = kernels.ada_rms_norm(x, scale[:1], eps=1e-6)
+            check("norm-gemma", gemma, kernels.ada_rms_norm_reference(x, scale[:1], eps=1e-6), dtype)
+        for rows, inner in ((50, 4096), (300, 16384), (3, 1000)):
+            gate_up = rnd(rows, 2 * inner, dtype=dtype, scale=3.0)
+            check("gelu", kernels.gelu_tanh_and_mul(gate_up), kernels.gelu_tanh_and_mul_reference(gate_up), dtype)
+        for heads, kv_heads, head_dim, prefix in ((8, 1, 256, 600), (3, 2, 20, 5)):
+            batch, seq = 1, 50
+            qkv = rnd(batch, seq, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+            cos_sin = rnd(batch * seq, head_dim, dtype=torch.float32)
+            outs = []
+            for fn in (kernels.rope_qkv, kernels.rope_qkv_reference):
+                q = torch.zeros(batch, seq, heads, head_dim, dtype=dtype, device="cuda")
+                k = torch.ones(batch, prefix + seq, kv_heads, head_dim, dtype=dtype, device="cuda")
+                v = torch.ones_like(k)
+                fn(qkv, cos_sin, q, k, v, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=prefix)
+                outs.append((q, k, v))
+            for name, got, want in zip(("rope-q", "rope-k", "rope-v"), *outs):
+                check(name, got, want, dtype)
+    torch.cuda.synchronize()
+    print("[kernels] worst max|kernel-reference|/max|reference| per kernel:",
+          {k: f"{v:.2e}" for k, v in sorted(worst.items())})
+
+
+def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
+    from sglang_ext.testing.pi05_random import finite, make_noise, make_observation
+
+    fast_module = _ext("adapters.pi05_fast")
+    assert fast_module.unsupported_reason(policy.core_model) is None
+    graph_vs_eager, fast_vs_exact, replay_vs_capture = [], [], []
+    bitwise = 0
+    for index, (prompt_len, masked) in enumerate(_requests()):
+        observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=100 + index)
+        noise = make_noise(policy, 100 + index)
+        with torch.inference_mode():
+            context = policy.encode_prefix(observation, use_cuda_graph=False)
+        exact = _sample(policy, observation, context, noise, fast=False, graph=False)
+        fast_eager = _sample(policy, observation, context, noise, fast=True, graph=False)
+        captured = _sample(policy, observation, context, noise, fast=True, graph=True)
+        replayed = _sample(policy, observation, context, noise, fast=True, graph=True)
+        label = f"{'masked' if masked else 'full'} prompt={prompt_len}"
+        assert finite(exact) and finite(fast_eager) and finite(captured) and finite(replayed), label
+        graph_vs_eager.append((_agreement(replayed, fast_eager)[0], label))
+        replay_vs_capture.append(torch.equal(replayed, captured))
+        bitwise += int(torch.equal(replayed, fast_eager))
+        fast_vs_exact.append((*_agreement(replayed, exact), label))
+        eager_relative, eager_cosine = _agreement(fast_eager, exact)
+        print(f"[{label}] fast-graph vs exact relative={fast_vs_exact[-1][0]:.3e} cosine={fast_vs_exact[-1][1]:.7f}; "
+              f"fast-eager vs exact relative={eager_relative:.3e}; graph vs eager relative={graph_vs_eager[-1][0]:.3e}")
+    reason = fast_module.unsupported_reason(policy.core_model)
+    assert reason is None, f"the fast path fell back to the exact path: {reason}"
+    loop_signatures = [s for s in policy.graph_runner._cache.entries if getattr(s, "kernels", "") == "fast"]
+    worst_graph = max(graph_vs_eager)
+    worst_relative = max(fast_vs_exact)
+    worst_cosine = min(fast_vs_exact, key=lambda item: item[1])
+    print(f"[summary fast graph vs fast eager] {len(graph_vs_eager)} requests: max relative={worst_graph[0]:.3e} "
+          f"({worst_graph[1]}), bitwise equal {bitwise}/{len(graph_vs_eager)}, replay==capture "
+          f"{sum(replay_vs_capture)}/{len(replay_vs_capture)}")
+    print(f"[summary fast vs exact] {len(fast_vs_exact)} requests: max relative={worst_relative[0]:.3e} "
+          f"({worst_relative[2]}), min cosine={worst_cosine[1]:.7f} ({worst_cosine[2]}); "
+          f"bounds {RELATIVE_TOLERANCE} / {COSINE_FLOOR}")
+    print(f"[summary graphs] fast loop graphs captured: {len(loop_signatures)}; action cache "
+          f"{policy.graph_runner.cache_info()}")
+    assert len(loop_signatures) == len(_requests())  # one signature (prefix length, layout) per request
+    assert all(replay_vs_capture)
+    assert worst_graph[0] <= GRAPH_VS_EAGER_TOLERANCE, worst_graph
+    assert worst_relative[0] <= RELATIVE_TOLERANCE, worst_relative
+    assert worst_cosine[1] >= COSINE_FLOOR, worst_cosine
+
+
+def test_fast_end_to_end_with_prefix_graph_matches_exact_graph(policy):
+    """The whole request on graphs (prefix graph + fused loop graph), fast vs exact."""
+    from sglang_ext.testing.pi05_random import make_noise, make_observation, run_request
+
+    for masked in (False, True):
+        observation = make_observation(policy, prompt_len=48, masked_camera=masked, seed=7)
+        noise = make_noise(policy, 7)
+        os.environ["SGLANG_EXT_PI05_FUSED_DENOISE"] = "1"
+        try:
+            exact = run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
+            os.environ["SGLANG_EXT_PI05_FAST"] = "1"
+            fast = run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
+            fast_again = run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
+        finally:
+            os.environ.pop("SGLANG_EXT_PI05_FAST", None)
+            os.environ.pop("SGLANG_EXT_PI05_FUSED_DENOISE", None)
+        relative, cosine = _agreement(fast, exact)
+        print(f"[summary end-to-end graphs {'masked' if masked else 'full'} prompt=48] fast vs exact "
+              f"relative={relative:.3e} cosine={cosine:.7f} replay bitwise={torch.equal(fast, fast_again)}")
+        assert torch.equal(fast, fast_again)
+        assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR
+
+
+def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
+    """The prefix language model's layers on the fused kernels: K/V of every layer (valid positions)."""
+    from sglang_ext.testing.pi05_random import make_observation
+
+    fast_module = _ext("adapters.pi05_fast")
+    worst = (0.0, 1.0)
+    for prompt_len, masked in ((17, False), (48, True), (111, False), (111, True)):
+        observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=prompt_len)
+        contexts = {}
+        for fast in (False, True):
+            os.environ["SGLANG_EXT_PI05_FAST"] = "1" if fast else "0"
+            try:
+                with torch.inference_mode():
+                    contexts[fast] = policy.encode_prefix(observation, use_cuda_graph=False)
+            finally:
+                os.environ.pop("SGLANG_EXT_PI05_FAST", None)
+        valid = contexts[False].prefix_pad_masks[0]
+        for (fast_k, fast_v, _), (exact_k, exact_v, _) in zip(contexts[True].past_key_values, contexts[False].past_key_values):
+            for got, want in ((fast_k, exact_k), (fast_v, exact_v)):
+                relative, cosine = _agreement(got[:, :, valid], want[:, :, valid])
+                worst = (max(worst[0], relative), min(worst[1], cosine))
+    reason = fast_module.prefix_unsupported_reason(policy.core_model)
+    print(f"[summary fast prefix K/V vs exact] 4 prompts x 18 layers x K,V: max relative={worst[0]:.3e} "
+          f"min cosine={worst[1]:.7f}; fast prefix reason={reason}")
+    assert reason is None, reason
+    assert worst[0] <= 5e-2 and worst[1] >= 0.999, worst  # K/V elements: bf16 ulps, not actions
+
+
+def test_kernel_counts_and_replay_times_informational(policy):
+    """Not a speed claim (scripts/bench_pi05.py makes those): a line for the notes."""
+    from sglang_ext.testing.pi05_random import make_noise, make_observation
+
+    observation = make_observation(policy, prompt_len=48, seed=5)
+    noise = make_noise(policy, 5)
+    with torch.inference_mode():
+        context = policy.encode_prefix(observation, use_cuda_graph=False)
+    counts, times = {}, {}
+    for fast in (False, True):
+        name = "fast" if fast else "exact"
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                _sample(policy, observation, context, noise, fast=fast, graph=False)
+                torch.cuda.synchronize()
+            counts[name] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        except Exception as exc:  # noqa: BLE001 - informational only
+            counts[name] = f"profiler failed: {type(exc).__name__}"
+        os.environ["SGLANG_EXT_PI05_FUSED_DENOISE"] = "1"
+        try:
+            _sample(policy, observation, context, noise, fast=fast, graph=True)  # capture
+            samples = []
+            for _ in range(10):
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                _sample(policy, observation, context, noise, fast=fast, graph=True)
+                stop.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(stop))
+            times[name] = statistics.median(samples)
+        finally:
+            os.environ.pop("SGLANG_EXT_PI05_FUSED_DENOISE", None)
+    print(f"[info denoise, 10 steps, prompt=48 full] device kernels per request (eager): {counts}; "
+          f"median fused-loop graph request ms: " + ", ".join(f"{k}={v:.2f}" for k, v in times.items()))
+    assert set(times) == {"exact", "fast"}
