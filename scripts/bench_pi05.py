@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layouts", default="full,masked")
     ap.add_argument("--num-steps", type=int, default=10)
     ap.add_argument("--buckets", default="32,64,128,200", help="prompt_token_buckets of graph-bucket mode")
-    ap.add_argument("--prefix-entries", type=int, default=8, help="prefix graph capacity (0519 / ext)")
-    ap.add_argument("--action-entries", type=int, default=8, help="action graph capacity (0519 / ext)")
+    ap.add_argument("--prefix-entries", type=int, default=16, help="prefix graph capacity (0519 / ext; >= the 14 timed combinations)")
+    ap.add_argument("--action-entries", type=int, default=16, help="action graph capacity (0519 / ext)")
     ap.add_argument("--profile-requests", type=int, default=4, help="requests profiled per mode (0 = none)")
     ap.add_argument("--quick", action="store_true", help="20 timed requests, 3 prompt lengths, 2 profiled")
     ap.add_argument("--attention", choices=("torch_sdpa", "fa", "default"), default="torch_sdpa",
@@ -324,6 +324,7 @@ SCHEMA = {
                                  "prefix_entries", "action_entries", "fused_denoise", "fast")),
         "accuracy": {"vs_eager": _ACCURACY, "vs_graph": _ACCURACY, "vs_saved": _ACCURACY},
         "attention_kernels_per_request": bench_results.ANY,  # device kernel name -> count
+        "top_kernels_per_request": bench_results.ANY,  # device kernel name -> [count, us], by time
         "prefix_graph_runner_cache": _CACHE, "graph_runner_cache": _CACHE,
     }],
 }
@@ -401,6 +402,7 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
     kernel_launches = graph_launches = kernels = 0
     kernel_us = 0.0
     attention: Dict[str, int] = {}
+    by_name: Dict[str, List[float]] = {}  # where the device time goes (issue 17: measure first)
     for event in prof.events():
         name = event.name
         if name in LAUNCH_APIS:
@@ -410,6 +412,9 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
         if event.device_type == DeviceType.CUDA and not name.startswith(("Memcpy", "Memset")):
             kernels += 1
             kernel_us += float(event.device_time_total)
+            entry = by_name.setdefault(name[:100], [0.0, 0.0])
+            entry[0] += 1
+            entry[1] += float(event.device_time_total)
             if ATTENTION_KERNEL.search(name):
                 attention[name[:120]] = attention.get(name[:120], 0) + 1
     return {
@@ -420,6 +425,8 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
         "kernel_time_ms_per_request": kernel_us / 1000.0 / count,
         "attention_kernels_per_request": {k: v / count for k, v in
                                           sorted(attention.items(), key=lambda kv: -kv[1])[:6]},
+        "top_kernels_per_request": {k: [n / count, round(us / count, 1)] for k, (n, us) in
+                                    sorted(by_name.items(), key=lambda kv: -kv[1][1])[:20]},
     }
 
 

@@ -238,23 +238,23 @@ def test_cp_capture_holds_break_inputs_and_replay_reads_them(cp_patch, cpu_graph
     assert all(ref() is None for refs, _ in per_bucket.values() for layer in refs for ref in layer)
 
 
-def check_held_and_replayed(runner, per_bucket, hidden):
+def check_held_and_replayed(runner, per_bucket, hidden, layers_count=LAYERS):
     """Every bucket's break inputs alive, in memory of their own; the 2304 replay reads exactly them."""
     assert runner.prefill_cp_bcg_input.bucket_local_tokens == {2048: 512, 2304: 576, 2560: 640}
     held = {b: [[ref() for ref in layer] for layer in refs] for b, (refs, _) in per_bucket.items()}
     for bucket, layers in held.items():
-        assert len(layers) == LAYERS
+        assert len(layers) == layers_count
         assert all(t is not None for layer in layers for t in layer), f"bucket {bucket} lost its break inputs"
         rows = runner.prefill_cp_bcg_input.bucket_local_tokens[bucket]
         assert all(t.shape == (rows, hidden) for layer in layers for t in layer)
     # no block is shared between buckets: each bucket's inputs are its own memory
     ptrs = [p for _, pointers in per_bucket.values() for layer in pointers for p in layer]
-    assert len(set(ptrs)) == len(ptrs) == len(BUCKETS) * LAYERS * 4
+    assert len(set(ptrs)) == len(ptrs) == len(BUCKETS) * layers_count * 4
 
     # the overflow batch replays 2304, captured before 2048
     bucket, static, output, reads = replay_overflow_batch(runner, runner.prefill_cp_bcg_input.input_embeds.device)
     assert bucket == 2304
-    assert len(reads) == LAYERS
+    assert len(reads) == layers_count
     for read, captured in zip(reads, held[2304]):
         assert all(r is c for r, c in zip(read, captured))  # the held tensors themselves
     return static, output

@@ -101,7 +101,7 @@ def test_held_break_inputs_cost_and_replay_reads_them(cp_patch):
               f"break-input addresses are an earlier bucket's", flush=True)
 
         assert dead == len(BUCKETS) * LAYERS * 4  # 0.5.17: no capture keeps its break inputs
-        static, output = check_held_and_replayed(runner, per_bucket, HIDDEN)  # alive, own memory, read
+        static, output = check_held_and_replayed(runner, per_bucket, HIDDEN, LAYERS)  # alive, own memory, read
         torch.cuda.synchronize()
         # the 2304 graph (captured before 2048) computes the live rows as the eager body does
         # (loose enough for TF32 / a different GEMM algorithm; stale inputs are off by O(1))
