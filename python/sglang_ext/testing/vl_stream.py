@@ -126,7 +126,9 @@ def generate_signature(response: dict) -> List[float]:
         entry[0] for entry in meta["output_token_logprobs"]]
     out = [float(v) for v in values if v is not None]
     if not out:
-        raise ValueError("response carries no logprobs (was return_logprob honoured?)")
+        # e.g. a request the server aborted still answers 200: say why it finished
+        raise ValueError("response carries no logprobs (was return_logprob honoured?); finish_reason: "
+                         f"{meta.get('finish_reason')!r}")
     return out
 
 

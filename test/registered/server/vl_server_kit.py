@@ -87,13 +87,22 @@ class Run:
     unit: int = 0  # merged-patch size in pixels the stream was built with
 
 
-def server_env(cfg: ServerConfig) -> Dict[str, str]:
+# Per model, for every server of the module. Qwen3-VL's vision attention rotates q/k with a
+# torch.compile'd function when ViT graphs are off and with its eager twin when they are on (sglang
+# 0.5.17 `VisionAttention`, so nothing is compiled during a capture): 1-ulp differences that the tiny
+# model's logprobs amplify (H200, 2026-12-01: 0 of 200 bitwise, 10 beyond 1e-2, max 0.39, while the
+# tower itself is bitwise equal to `forward` with the eager rotary). With dynamo off both run the eager
+# math, so (d) and (e) measure the graph runner alone.
+MODEL_ENV = {"qwen3_vl": {"TORCHDYNAMO_DISABLE": "1"}}
+
+
+def server_env(cfg: ServerConfig, kind: str = "") -> Dict[str, str]:
     # Each server its own sglang-ext settings and its own Prometheus folder (sglang makes one).
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("SGLANG_EXT") and k != "PROMETHEUS_MULTIPROC_DIR"}
     env.update(SGLANG_VIT_ENABLE_CUDA_GRAPH="1" if cfg.graphs else "0",
                SGLANG_VLM_CACHE_SIZE_MB="256",  # sglang's mm embedding cache, on (its default is 100)
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **MODEL_ENV.get(kind, {}))
     return env
 
 
@@ -228,7 +237,7 @@ def run_servers(kind: str, workdir: Path) -> Dict[str, Run]:
             first_done.wait(HEALTH_TIMEOUT)
         port = free_port()
         h = handles[name] = start_server(server_argv(run.config, str(model_dir), port, run.activation_dir),
-                                         server_env(run.config), port, run.log_path)
+                                         server_env(run.config, kind), port, run.log_path)
         print(f"[{kind}] started {name} on port {port}, log {run.log_path}", flush=True)
         try:
             run.startup_s = h.wait_healthy(HEALTH_TIMEOUT)

@@ -271,7 +271,7 @@ def test_failed_capture_runs_eager_and_leaves_the_shared_pool_usable(vit_patch):
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test: fa3_runtime's teardown resets the published context
 def qwen_runtime():
     import qwen_vit_kit as kit
     from sglang.srt import runtime_context
