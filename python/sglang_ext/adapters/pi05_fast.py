@@ -89,16 +89,21 @@ def _adaptive_norms(expert) -> list:
     return norms + [expert.norm]
 
 
-def unsupported_reason(core):
-    """None when the fast step can run this core model, else why not (cached per model)."""
-    cached = core.__dict__.get(_REASON_ATTR)
+def _cached_reason(core, attr, find, what):
+    """None when `find(core)` finds nothing against the fast kernels, else why not (cached per model)."""
+    cached = core.__dict__.get(attr)
     if cached is not None:
         return cached or None
-    reason = _find_unsupported(core)
-    core.__dict__[_REASON_ATTR] = reason or ""
+    reason = find(core)
+    core.__dict__[attr] = reason or ""
     if reason:
-        logger.info("Pi05 fast denoise path not used (%s): requests take the exact path", reason)
+        logger.info("Pi05 fast %s not used (%s): the exact path runs", what, reason)
     return reason
+
+
+def unsupported_reason(core):
+    """None when the fast step can run this core model, else why not (cached per model)."""
+    return _cached_reason(core, _REASON_ATTR, _find_unsupported, "denoise path")
 
 
 def verified(core) -> bool:
@@ -313,14 +318,7 @@ def _prefix_language_model(core):
 
 def prefix_unsupported_reason(core):
     """None when the prefix layers can run on the fast kernels, else why not (cached)."""
-    cached = core.__dict__.get(_PREFIX_REASON_ATTR)
-    if cached is not None:
-        return cached or None
-    reason = _find_prefix_unsupported(core)
-    core.__dict__[_PREFIX_REASON_ATTR] = reason or ""
-    if reason:
-        logger.info("Pi05 fast prefix layers not used (%s): the prefix takes the exact path", reason)
-    return reason
+    return _cached_reason(core, _PREFIX_REASON_ATTR, _find_prefix_unsupported, "prefix layers")
 
 
 def _find_prefix_unsupported(core):
