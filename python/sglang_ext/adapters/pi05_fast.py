@@ -122,22 +122,31 @@ def mark_failed(core, exc: BaseException) -> None:
     logger.warning("Pi05 fast denoise path disabled (%s): requests take the exact path", reason, exc_info=exc)
 
 
-def _find_unsupported(core):
-    if getattr(core, "action_in_proj", None) is None or core.paligemma_with_expert.gemma_expert is None:
-        return "no action expert on this rank"
-    expert = _expert(core)
-    if getattr(expert, "layerwise_cpu_offload_enabled", False):
-        return "layerwise CPU offload of the action expert"
-    if not expert.layers:
-        return "action expert without layers"
-    for layer in expert.layers:
+def _stack_unsupported(model, what: str, tp_what: str = ""):
+    """What keeps a Gemma layer stack off the fast kernels (offload, no layers, unpacked or
+    tensor-parallel projections), or None."""
+    if getattr(model, "layerwise_cpu_offload_enabled", False):
+        return f"layerwise CPU offload of the {what}"
+    if not model.layers:
+        return f"{what} without layers"
+    for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
             return "unpacked q/k/v or gate/up projections (patch pi05_merged_linear is off)"
         if attn.tensor_parallel or mlp.tensor_parallel:
-            return "tensor-parallel action expert"
-        if getattr(attn, "sp_attn", None) is not None:
-            return "Ulysses sequence-parallel action attention"
+            return f"tensor-parallel {tp_what or what}"
+    return None
+
+
+def _find_unsupported(core):
+    if getattr(core, "action_in_proj", None) is None or core.paligemma_with_expert.gemma_expert is None:
+        return "no action expert on this rank"
+    expert = _expert(core)
+    reason = _stack_unsupported(expert, "action expert")
+    if reason:
+        return reason
+    if any(getattr(layer.self_attn, "sp_attn", None) is not None for layer in expert.layers):
+        return "Ulysses sequence-parallel action attention"
     if any(norm.dense is None for norm in _adaptive_norms(expert)):
         return "action expert without adaRMS conditioning"
     return None
@@ -327,18 +336,12 @@ def _find_prefix_unsupported(core):
         return "no prefix model on this rank"
     if model.tensor_parallel:
         return "tensor-parallel prefix"
-    if getattr(model, "layerwise_cpu_offload_enabled", False):
-        return "layerwise CPU offload of the prefix"
-    if not model.layers:
-        return "prefix model without layers"
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
-            return "unpacked q/k/v or gate/up projections (patch pi05_merged_linear is off)"
-        if attn.tensor_parallel or mlp.tensor_parallel:
-            return "tensor-parallel prefix layers"
-        if layer.input_layernorm.dense is not None or layer.post_attention_layernorm.dense is not None:
-            return "adaRMS-conditioned prefix layers"
+    reason = _stack_unsupported(model, "prefix", "prefix layers")
+    if reason:
+        return reason
+    if any(layer.input_layernorm.dense is not None or layer.post_attention_layernorm.dense is not None
+           for layer in model.layers):
+        return "adaRMS-conditioned prefix layers"
     return None
 
 
