@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -212,7 +213,8 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
     Full prefix: [prefix | actions], every row read. Masked prefix: its mask hides key rows only
     (every action token sees the same keys), so the rows are [actions | visible prefix | hidden
     prefix] and attention reads the first `used[b]` rows of batch row b: no mask at all.
-    Returns (cos_sin, kv, kv_start, used); used is None for a full prefix.
+    Returns (cos_sin, kv, kv_start, rows); rows (FirstRows, the same for every layer and step) is
+    None for a full prefix.
     """
     batch, seq = state.shape[:2]
     prefix_masks = prefix_context.prefix_pad_masks
@@ -233,10 +235,13 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
         dtype=dtype, device=state.device,
     )
     if full_attention:
-        kv_start, used, order = prefix_len, None, None
+        kv_start, rows, order = prefix_len, None, None
     else:
         kv_start = 0
         used = (prefix_masks.sum(dim=-1) + seq).to(torch.int32)
+        offsets = torch.arange(batch + 1, dtype=torch.int32, device=state.device)
+        visible = torch.arange(total, device=state.device)[None, :] < used[:, None]
+        rows = FirstRows(used, offsets * seq, offsets * total, visible[:, None, None, :])
         order = torch.argsort((~prefix_masks).to(torch.int8), dim=1, stable=True)  # visible first
     for index, (keys, values, _) in enumerate(prefix_context.past_key_values):
         if index >= len(expert.layers):
@@ -247,7 +252,7 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
             else:
                 gather = order[:, :, None, None].expand(-1, -1, *prefix.shape[2:])
                 kv[index, slot, :, seq:].copy_(torch.gather(prefix, 1, gather))
-    return cos_sin, kv, kv_start, used
+    return cos_sin, kv, kv_start, rows
 
 
 def _uses_torch_sdpa(attn) -> bool:
@@ -256,8 +261,17 @@ def _uses_torch_sdpa(attn) -> bool:
     return getattr(attn.attn, "backend", None) == AttentionBackendEnum.TORCH_SDPA
 
 
-def _attend_first_rows(q, keys, values, used, scale):
-    """q [B, S, H, D] over the first used[b] rows of keys / values [B, T, KV, D] -> [B, S, H, D].
+class FirstRows(NamedTuple):
+    """Which key rows a masked prefix's action tokens read, per request (see _request_layout)."""
+
+    used: torch.Tensor  # [B] int32: rows read in batch row b
+    cu_q: torch.Tensor  # [B + 1] int32: query offsets of the packed (varlen) form
+    cu_k: torch.Tensor  # [B + 1] int32: key offsets (rows of the padded buffer)
+    mask: torch.Tensor  # [B, 1, 1, T] bool: the same rows as an SDPA mask
+
+
+def _attend_first_rows(q, keys, values, rows: FirstRows, scale):
+    """q [B, S, H, D] over the first rows.used[b] rows of keys / values [B, T, KV, D] -> [B, S, H, D].
 
     CUDA: FlashAttention's varlen kernel (torch's), rows per batch from device `used` (no sync,
     capturable); elsewhere, and if that kernel is refused, SDPA with the equivalent mask."""
@@ -266,20 +280,18 @@ def _attend_first_rows(q, keys, values, used, scale):
     total, kv_heads = keys.shape[1], keys.shape[2]
     if q.is_cuda and _FLASH_VARLEN:
         try:
-            offsets = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
             out = torch.ops.aten._flash_attention_forward(
                 q.view(batch * seq, heads, head_dim),
                 keys.view(batch * total, kv_heads, head_dim),
                 values.view(batch * total, kv_heads, head_dim),
-                offsets * seq, offsets * total, seq, total, 0.0, False, False,
-                scale=scale, seqused_k=used,
+                rows.cu_q, rows.cu_k, seq, total, 0.0, False, False,
+                scale=scale, seqused_k=rows.used,
             )[0]
             return out.view(batch, seq, heads, head_dim)
         except RuntimeError as exc:  # e.g. a build without seqused_k: the masked form below
             _FLASH_VARLEN = False
             logger.warning("pi05_fast: FlashAttention varlen refused (%s); masked SDPA instead", exc)
-    visible = torch.arange(total, device=q.device)[None, :] < used[:, None]
-    return _sdpa(q, keys, values, visible[:, None, None, :], scale)
+    return _sdpa(q, keys, values, rows.mask, scale)
 
 
 def _aligned_mask(mask):
@@ -439,7 +451,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     # copy per layer); the single-K/V-head form below returns it contiguous: same math.
     sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
     with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
-        cos_sin, kv, kv_start, used = _request_layout(
+        cos_sin, kv, kv_start, rows = _request_layout(
             core, expert, prefix_context, state, full_attention, action_position_offset, dtype
         )
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
@@ -455,8 +467,8 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
                     qkv, cos_sin, q, keys, values,
                     num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start,
                 )
-                if used is not None:
-                    out = _attend_first_rows(q, keys, values, used, attn.scaling)
+                if rows is not None:
+                    out = _attend_first_rows(q, keys, values, rows, attn.scaling)
                 elif not sdpa_full:
                     out = attn.attn(q, keys, values)  # the layer's backend (FA3 on Hopper)
                 else:
