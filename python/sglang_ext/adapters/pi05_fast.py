@@ -75,7 +75,6 @@ _VERIFIED_ATTR = "_ext_pi05_fast_verified"
 _PREFIX_REASON_ATTR = "_ext_pi05_fast_prefix_unsupported"
 _PREFIX_VERIFIED_ATTR = "_ext_pi05_fast_prefix_verified"
 _MASK_ALIGN = 16  # torch SDPA's memory-efficient kernel wants mask rows 16-element aligned
-_FLASH_VARLEN = True  # cleared if torch's FlashAttention varlen kernel refuses the masked layout
 
 
 def _expert(core):
@@ -213,8 +212,8 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
     Full prefix: [prefix | actions], every row read. Masked prefix: its mask hides key rows only
     (every action token sees the same keys), so the rows are [actions | visible prefix | hidden
     prefix] and attention reads the first `used[b]` rows of batch row b: no mask at all.
-    Returns (cos_sin, kv, kv_start, rows); rows (FirstRows, the same for every layer and step) is
-    None for a full prefix.
+    Returns (cos_sin, kv, kv_start, used); used ([B] int32, the same for every layer and step)
+    is None for a full prefix.
     """
     batch, seq = state.shape[:2]
     prefix_masks = prefix_context.prefix_pad_masks
@@ -228,20 +227,16 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
     rotary._ensure_cache(state)
     cos_sin = rotary.rope.cos_sin_cache.index_select(0, positions.reshape(-1))
 
-    total = prefix_len + seq
     attn = expert.layers[0].self_attn
     kv = torch.empty(
-        len(expert.layers), 2, batch, total, attn.num_key_value_heads, attn.head_dim,
+        len(expert.layers), 2, batch, prefix_len + seq, attn.num_key_value_heads, attn.head_dim,
         dtype=dtype, device=state.device,
     )
     if full_attention:
-        kv_start, rows, order = prefix_len, None, None
+        kv_start, used, order = prefix_len, None, None
     else:
         kv_start = 0
         used = (prefix_masks.sum(dim=-1) + seq).to(torch.int32)
-        offsets = torch.arange(batch + 1, dtype=torch.int32, device=state.device)
-        visible = torch.arange(total, device=state.device)[None, :] < used[:, None]
-        rows = FirstRows(used, offsets * seq, offsets * total, visible[:, None, None, :])
         order = torch.argsort((~prefix_masks).to(torch.int8), dim=1, stable=True)  # visible first
     for index, (keys, values, _) in enumerate(prefix_context.past_key_values):
         if index >= len(expert.layers):
@@ -252,46 +247,7 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
             else:
                 gather = order[:, :, None, None].expand(-1, -1, *prefix.shape[2:])
                 kv[index, slot, :, seq:].copy_(torch.gather(prefix, 1, gather))
-    return cos_sin, kv, kv_start, rows
-
-
-def _uses_torch_sdpa(attn) -> bool:
-    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
-
-    return getattr(attn.attn, "backend", None) == AttentionBackendEnum.TORCH_SDPA
-
-
-class FirstRows(NamedTuple):
-    """Which key rows a masked prefix's action tokens read, per request (see _request_layout)."""
-
-    used: torch.Tensor  # [B] int32: rows read in batch row b
-    cu_q: torch.Tensor  # [B + 1] int32: query offsets of the packed (varlen) form
-    cu_k: torch.Tensor  # [B + 1] int32: key offsets (rows of the padded buffer)
-    mask: torch.Tensor  # [B, 1, 1, T] bool: the same rows as an SDPA mask
-
-
-def _attend_first_rows(q, keys, values, rows: FirstRows, scale):
-    """q [B, S, H, D] over the first rows.used[b] rows of keys / values [B, T, KV, D] -> [B, S, H, D].
-
-    CUDA: FlashAttention's varlen kernel (torch's), rows per batch from device `used` (no sync,
-    capturable); elsewhere, and if that kernel is refused, SDPA with the equivalent mask."""
-    global _FLASH_VARLEN
-    batch, seq, heads, head_dim = q.shape
-    total, kv_heads = keys.shape[1], keys.shape[2]
-    if q.is_cuda and _FLASH_VARLEN:
-        try:
-            out = torch.ops.aten._flash_attention_forward(
-                q.view(batch * seq, heads, head_dim),
-                keys.view(batch * total, kv_heads, head_dim),
-                values.view(batch * total, kv_heads, head_dim),
-                rows.cu_q, rows.cu_k, seq, total, 0.0, False, False,
-                scale=scale, seqused_k=rows.used,
-            )[0]
-            return out.view(batch, seq, heads, head_dim)
-        except RuntimeError as exc:  # e.g. a build without seqused_k: the masked form below
-            _FLASH_VARLEN = False
-            logger.warning("pi05_fast: FlashAttention varlen refused (%s); masked SDPA instead", exc)
-    return _sdpa(q, keys, values, rows.mask, scale)
+    return cos_sin, kv, kv_start, used
 
 
 def _aligned_mask(mask):
@@ -325,6 +281,92 @@ def _sdpa(q, keys, values, mask, scale):
         attn_mask=mask, scale=scale, enable_gqa=True,
     )
     return out.transpose(1, 2)
+
+
+def _uses_torch_sdpa(attn) -> bool:
+    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
+
+    return getattr(attn.attn, "backend", None) == AttentionBackendEnum.TORCH_SDPA
+
+
+class _Projections(NamedTuple):
+    """One expert layer's (weight [N, K], parts, block_k) per GEMM (see _skinny_plan)."""
+
+    qkv: tuple
+    o: tuple
+    gate_up: tuple
+    down: tuple
+
+
+def _plain_weight(module, dtype):
+    """The weight when `module` is a plain bias-free GEMM in `dtype` (what skinny_linear computes)."""
+    method = getattr(module, "quant_method", None)
+    if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
+        return None
+    weight = getattr(module, "weight", None)
+    if getattr(module, "bias", None) is not None or weight is None or weight.dtype != dtype or weight.dim() != 2:
+        return None
+    return weight if weight.is_contiguous() else None
+
+
+_MAX_PARTS = 8  # partial products cost their consumer a read each
+
+
+def _skinny_plan(weight, sms, *, splittable=True):
+    """(weight, parts, block_k) for skinny_linear, or None (K has no power-of-two block >= 16):
+    enough programs (N / 64 * parts) to cover the GPU's SMs, each part at least two K blocks;
+    parts = 1 when the consumer cannot sum parts."""
+    n, k = weight.shape
+    block_k = 128
+    while k % block_k:
+        block_k //= 2
+    if block_k < 16:
+        return None
+    parts = 1
+    if splittable:
+        while (parts < _MAX_PARTS and k % (parts * 2 * block_k) == 0 and k // (parts * 2) >= 2 * block_k
+               and -(-n // 64) * parts < sms):
+            parts *= 2
+    return weight, parts, block_k
+
+
+def _expert_projections(expert, rows, device, dtype):
+    """Per layer _Projections for skinny_linear, or None (a layer that is not plain bf16 GEMMs,
+    too many rows, or no Triton here: linear_forward serves it)."""
+    from sglang_ext.kernels import runs_triton
+    from sglang_ext.kernels.skinny_gemm import MAX_ROWS
+
+    if rows > MAX_ROWS or not runs_triton(torch.empty(0, device=device)):
+        return None
+    sms = _sm_count(device)
+    plans = []
+    for layer in expert.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights = [_plain_weight(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(w is None for w in weights):
+            return None
+        qkv, o, gate_up, down = weights
+        plan = _Projections(
+            _skinny_plan(qkv, sms), _skinny_plan(o, sms),
+            _skinny_plan(gate_up, sms, splittable=False), _skinny_plan(down, sms),
+        )
+        if None in plan:
+            return None
+        plans.append(plan)
+    return plans
+
+
+def _sm_count(device) -> int:
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def _attention_splits(batch, seq, heads, kv_heads, total, sms):
+    """Key splits for first_rows_attention: fill the SMs, at least one 64-row key block each."""
+    from sglang_ext.kernels.attention import _BLOCK_M, _BLOCK_N
+
+    programs = batch * kv_heads * -(-seq * (heads // kv_heads) // _BLOCK_M)
+    return max(1, min(sms // programs, -(-total // _BLOCK_N)))
 
 
 # --------------------------------------------------------------------------
@@ -437,7 +479,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
 
-    from sglang_ext.kernels import ada_rms_norm, gelu_tanh_and_mul, rope_qkv
+    from sglang_ext.kernels import ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, rope_qkv, skinny_linear
 
     expert = _expert(core)
     layers = expert.layers
@@ -445,15 +487,20 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     heads, kv_heads, head_dim = attn0.num_heads, attn0.num_key_value_heads, attn0.head_dim
     dtype = attn0.projection_dtype
     batch, seq = state.shape[:2]
-    prefix_len = prefix_context.prefix_pad_masks.shape[1]
     norms = _adaptive_norms(expert)
-    # On the torch SDPA backend the layer's module returns [B, S, H, D] transposed (one more
-    # copy per layer); the single-K/V-head form below returns it contiguous: same math.
-    sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
+    projections = _expert_projections(expert, batch * seq, state.device, dtype)
+
+    def gemm(index, name, module, x):
+        if projections is None:
+            return linear_forward(module, x)
+        weight, parts, block_k = getattr(projections[index], name)
+        return skinny_linear(x, weight, parts=parts, block_k=block_k)
+
     with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
-        cos_sin, kv, kv_start, rows = _request_layout(
+        cos_sin, kv, kv_start, used = _request_layout(
             core, expert, prefix_context, state, full_attention, action_position_offset, dtype
         )
+        splits = _attention_splits(batch, seq, heads, kv_heads, kv.shape[3], _sm_count(state.device))
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
         for step in range(table.shape[0]):
             cond = table[step]  # [norms, 3, batch, width]
@@ -462,25 +509,19 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
             for index, layer in enumerate(layers):
                 attn = layer.self_attn
                 keys, values = kv[index, 0], kv[index, 1]
-                qkv = linear_forward(attn.qkv_proj, normed)
                 rope_qkv(
-                    qkv, cos_sin, q, keys, values,
+                    gemm(index, "qkv", attn.qkv_proj, normed), cos_sin, q, keys, values,
                     num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start,
                 )
-                if rows is not None:
-                    out = _attend_first_rows(q, keys, values, rows, attn.scaling)
-                elif not sdpa_full:
-                    out = attn.attn(q, keys, values)  # the layer's backend (FA3 on Hopper)
-                else:
-                    out = _sdpa(q, keys, values, None, attn.scaling)
-                out = linear_forward(attn.o_proj, out.reshape(batch, seq, heads * head_dim))
+                out = first_rows_attention(q, keys, values, used, scale=attn.scaling, splits=splits)
+                out = gemm(index, "o", attn.o_proj, out.view(batch, seq, heads * head_dim))
                 post = 2 * index + 1
                 normed = ada_rms_norm(
                     hidden, cond[post, 0], cond[post, 1], eps=norms[post].eps,
                     add=out, gate=cond[post - 1, 2],
                 )
                 mlp = layer.mlp
-                out = linear_forward(mlp.down_proj, gelu_tanh_and_mul(linear_forward(mlp.gate_up_proj, normed)))
+                out = gemm(index, "down", mlp.down_proj, gelu_tanh_and_mul(gemm(index, "gate_up", mlp.gate_up_proj, normed)))
                 following = post + 1  # next layer's input norm, or the final norm
                 normed = ada_rms_norm(
                     hidden, cond[following, 0], cond[following, 1], eps=norms[following].eps,

@@ -14,18 +14,25 @@ reference by up to one bf16 ulp; float32 outputs are exact comparisons.
 
 from __future__ import annotations
 
+from sglang_ext.kernels.attention import first_rows_attention, first_rows_attention_reference
 from sglang_ext.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference
 from sglang_ext.kernels.rms_norm import ada_rms_norm, ada_rms_norm_reference
 from sglang_ext.kernels.backend import runs_triton
 from sglang_ext.kernels.rope import rope_qkv, rope_qkv_reference
+from sglang_ext.kernels.skinny_gemm import Partials, skinny_linear, skinny_linear_reference
 
 
 __all__ = [
+    "Partials",
     "ada_rms_norm",
     "ada_rms_norm_reference",
+    "first_rows_attention",
+    "first_rows_attention_reference",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_reference",
     "rope_qkv",
     "rope_qkv_reference",
     "runs_triton",
+    "skinny_linear",
+    "skinny_linear_reference",
 ]

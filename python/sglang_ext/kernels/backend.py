@@ -17,6 +17,9 @@ except ImportError:  # CPU-only installs without triton: references only
     tl = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# triton's interpreter multiplies bfloat16 tl.dot operands wrongly (3.8: ~1e11 off); under it the
+# kernels upcast dot operands to float32 first (a constexpr: the GPU kernels are unchanged).
+DOT_UPCAST = INTERPRET
 
 
 def runs_triton(tensor) -> bool:

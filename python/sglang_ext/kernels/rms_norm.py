@@ -4,7 +4,8 @@
     out = rms(x) * (1 + scale) + shift
 
 rms(x) = x / sqrt(mean(x^2) + eps) in float32, from x as stored (after the
-residual add's rounding). scale / shift / gate hold one row per group of rows of
+residual add's rounding). `add` may be a skinny_linear `Partials` (summed here, in
+float32, before the gate: no reduce kernel and no rounding of the GEMM output). scale / shift / gate hold one row per group of rows of
 x: a [C, N] conditioning for x of R = C * G rows applies its row c to rows
 c*G .. c*G + G - 1 (adaRMS: C = batch, G = tokens; a Gemma RMSNorm weight w is
 scale = w with C = 1). Math in float32, one rounding per output.
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 
 from sglang_ext.kernels.backend import block_size, runs_triton, tl, triton
+from sglang_ext.kernels.skinny_gemm import Partials
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -35,7 +37,7 @@ def _check(x, scale, shift, add, gate):
     for name, t in (("shift", shift), ("gate", gate)):
         if t is not None and t.numel() != conds * n:
             raise ValueError(f"ada_rms_norm: {name} has {t.numel()} elements; allowed: {conds * n} (like scale)")
-    if add is not None and add.shape != x.shape:
+    if add is not None and tuple(add.shape) != tuple(x.shape):
         raise ValueError(f"ada_rms_norm: add of shape {tuple(add.shape)}; allowed: x's {tuple(x.shape)}")
     if gate is not None and add is None:
         raise ValueError("ada_rms_norm: gate without add; allowed: gate only with add")
@@ -60,7 +62,7 @@ def ada_rms_norm_reference(
 
     rows = _rows(x, n)
     if add is not None:
-        branch = _rows(add, n).float()
+        branch = _rows(add.total() if isinstance(add, Partials) else add, n).float()
         if gate is not None:
             branch = branch * per_row(gate)
         rows.copy_((rows.float() + branch).to(x.dtype))
@@ -77,8 +79,8 @@ if triton is not None:
     @triton.jit
     def _ada_rms_norm_kernel(
         X, ADD, GATE, SCALE, SHIFT, OUT,
-        n_cols, group, eps,
-        HAS_ADD: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+        n_cols, group, eps, part_stride,
+        HAS_ADD: tl.constexpr, ADD_PARTS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -88,6 +90,8 @@ if triton is not None:
         x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         if HAS_ADD:
             branch = tl.load(ADD + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            for part in tl.static_range(1, ADD_PARTS):
+                branch += tl.load(ADD + part * part_stride + row * n_cols + cols, mask=mask, other=0.0)
             if HAS_GATE:
                 branch = branch * tl.load(GATE + cond + cols, mask=mask, other=0.0).to(tl.float32)
             stored = (x + branch).to(X.dtype.element_ty)
@@ -115,7 +119,8 @@ def ada_rms_norm(
     """rms(x [+ add * gate]) * (1 + scale) + shift; with `add`, x is updated in place.
 
     x: [..., N] contiguous; scale / shift / gate: [C, N] (or any shape of C * N
-    elements); returns a new tensor of x's shape in `out_dtype` (default x.dtype).
+    elements); add: like x, or Partials of x's shape; returns a new tensor of x's
+    shape in `out_dtype` (default x.dtype).
     """
     if not runs_triton(x):
         return ada_rms_norm_reference(x, scale, shift, eps=eps, add=add, gate=gate, out_dtype=out_dtype)
@@ -125,6 +130,9 @@ def ada_rms_norm(
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     block = block_size(n)
     scale = scale.contiguous()
+    parts = 1
+    if isinstance(add, Partials):
+        add, parts = add.parts, add.parts.shape[0]
     _ada_rms_norm_kernel[(rows,)](
         x,
         add.contiguous() if add is not None else x,
@@ -135,7 +143,9 @@ def ada_rms_norm(
         n,
         group,
         float(eps),
+        rows * n,
         HAS_ADD=add is not None,
+        ADD_PARTS=parts,
         HAS_GATE=gate is not None,
         HAS_SHIFT=shift is not None,
         BLOCK=block,

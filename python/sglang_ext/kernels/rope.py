@@ -10,6 +10,7 @@ buffer whose first rows hold a cached prefix). Rotation (neox: halves, not pairs
 
 cos_sin: [B * S, D] float32, cos in the first D/2 columns and sin in the last D/2
 (the layout of an sglang RotaryEmbedding cos_sin_cache row). Math in float32.
+qkv may be a skinny_linear `Partials` of that shape (summed here in float32).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import torch
 
 from sglang_ext.kernels.backend import block_size, runs_triton, tl, triton
+from sglang_ext.kernels.skinny_gemm import Partials
 
 
 def _check(qkv, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start):
     batch, seq = qkv.shape[0], qkv.shape[1]
     expected = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 3 or qkv.shape[2] != expected:
+    if len(qkv.shape) != 3 or qkv.shape[2] != expected:
         raise ValueError(f"rope_qkv: qkv of shape {tuple(qkv.shape)}; allowed: [B, S, {expected}]")
     if head_dim % 2:
         raise ValueError(f"rope_qkv: head_dim={head_dim}; allowed: even sizes")
@@ -41,6 +43,7 @@ def _check(qkv, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim,
 def rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start):
     """torch version of `rope_qkv` (same float32 math)."""
     batch, seq = _check(qkv, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
+    qkv = qkv.total() if isinstance(qkv, Partials) else qkv
     q, k, v = qkv.float().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     cos, sin = cos_sin.float().view(batch, seq, 1, head_dim).chunk(2, dim=-1)
 
@@ -59,8 +62,8 @@ if triton is not None:
     @triton.jit
     def _rope_qkv_kernel(
         QKV, COS_SIN, Q_OUT, K_OUT, V_OUT,
-        seq_len, kv_len, kv_start,
-        NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        seq_len, kv_len, kv_start, part_stride,
+        PARTS: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     ):
         token = tl.program_id(0)
         head = tl.program_id(1)
@@ -70,6 +73,9 @@ if triton is not None:
         src = QKV + token * ((NUM_HEADS + 2 * NUM_KV) * HEAD_DIM) + head * HEAD_DIM
         first = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
         second = tl.load(src + half + cols, mask=mask, other=0.0).to(tl.float32)
+        for part in tl.static_range(1, PARTS):
+            first += tl.load(src + part * part_stride + cols, mask=mask, other=0.0)
+            second += tl.load(src + part * part_stride + half + cols, mask=mask, other=0.0)
         cos = tl.load(COS_SIN + token * HEAD_DIM + cols, mask=mask, other=1.0)
         sin = tl.load(COS_SIN + token * HEAD_DIM + half + cols, mask=mask, other=0.0)
         rotate = head < NUM_HEADS + NUM_KV  # v heads pass through: cos 1, sin 0 (exact)
@@ -90,12 +96,15 @@ if triton is not None:
 
 def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start):
     """Rotate q and k of `qkv`; q -> q_out, k / v -> rows kv_start.. of k_out / v_out."""
-    if not runs_triton(qkv):
+    if not runs_triton(q_out):
         return rope_qkv_reference(
             qkv, cos_sin, q_out, k_out, v_out,
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, kv_start=kv_start,
         )
     batch, seq = _check(qkv, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
+    parts = 1
+    if isinstance(qkv, Partials):
+        qkv, parts = qkv.parts, qkv.parts.shape[0]
     for name, t in (("qkv", qkv), ("cos_sin", cos_sin), ("q_out", q_out), ("k_out", k_out), ("v_out", v_out)):
         if not t.is_contiguous():
             raise ValueError(f"rope_qkv: {name} must be contiguous")
@@ -105,7 +114,7 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
         raise ValueError(f"rope_qkv: cos_sin dtype {cos_sin.dtype}; allowed: torch.float32")
     _rope_qkv_kernel[(batch * seq, num_heads + 2 * num_kv_heads)](
         qkv, cos_sin, q_out, k_out, v_out,
-        seq, k_out.shape[1], int(kv_start),
-        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2),
+        seq, k_out.shape[1], int(kv_start), qkv[0].numel(),
+        PARTS=parts, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2),
         num_warps=1 if head_dim <= 256 else 2,
     )
