@@ -290,49 +290,57 @@ def _uses_torch_sdpa(attn) -> bool:
 
 
 class _Projections(NamedTuple):
-    """One expert layer's (weight [N, K], parts, block_k) per GEMM (see _skinny_plan)."""
+    """One expert layer's skinny_linear plan per GEMM: (weight [N, K], parts, block_n, block_k)."""
 
     qkv: tuple
     o: tuple
-    gate_up: tuple
+    gate_up: tuple  # gated: gelu-and-mul in the GEMM's epilogue
     down: tuple
 
 
-def _plain_weight(module, dtype):
-    """The weight when `module` is a plain bias-free GEMM in `dtype` (what skinny_linear computes)."""
+def _plain_weight(module, dtype, *, bias_ok=False):
+    """(weight, bias) when `module` is a plain unquantized GEMM in `dtype` (what skinny_linear
+    computes; a bias only with bias_ok), else None."""
     method = getattr(module, "quant_method", None)
     if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
         return None
-    weight = getattr(module, "weight", None)
-    if getattr(module, "bias", None) is not None or weight is None or weight.dtype != dtype or weight.dim() != 2:
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if weight is None or weight.dtype != dtype or weight.dim() != 2 or not weight.is_contiguous():
         return None
-    return weight if weight.is_contiguous() else None
+    if bias is not None and (not bias_ok or bias.dtype != dtype or not bias.is_contiguous()):
+        return None
+    return weight, bias
 
 
 _MAX_PARTS = 8  # partial products cost their consumer a read each
 
 
-def _skinny_plan(weight, sms, *, splittable=True):
-    """(weight, parts, block_k) for skinny_linear, or None (K has no power-of-two block >= 16):
-    enough programs (N / 64 * parts) to cover the GPU's SMs, each part at least two K blocks;
-    parts = 1 when the consumer cannot sum parts."""
+def _skinny_plan(weight, sms, *, splittable=True, gated=False):
+    """(weight, parts, block_n, block_k) for skinny_linear, or None (K has no power-of-two block
+    >= 16). The H200 probe (docs/gpu-notes.md): one wave is best, so the most programs
+    (N / block_n * parts) that fit the SMs, then the fewest parts; each part >= two K blocks;
+    parts = 1 when the consumer cannot sum parts (gated: the epilogue needs the whole sum)."""
     n, k = weight.shape
-    block_k = 128
-    while k % block_k:
-        block_k //= 2
+    width = n // 2 if gated else n
+    block_k = min(128, _pow2_divisor(k))
     if block_k < 16:
         return None
-    parts = 1
-    if splittable:
-        while (parts < _MAX_PARTS and k % (parts * 2 * block_k) == 0 and k // (parts * 2) >= 2 * block_k
-               and -(-n // 64) * parts < sms):
+    best = None
+    for block_n in (32, 64):
+        parts = 1
+        while (splittable and parts < _MAX_PARTS and k % (parts * 2 * block_k) == 0
+               and k // (parts * 2) >= 2 * block_k and -(-width // block_n) * parts * 2 <= sms):
             parts *= 2
-    return weight, parts, block_k
+        programs = -(-width // block_n) * parts
+        score = (programs <= sms, programs if programs <= sms else -programs, -parts)
+        if best is None or score > best[0]:
+            best = (score, (weight, parts, block_n, block_k))
+    return best[1]
 
 
 def _expert_projections(expert, rows, device, dtype):
-    """Per layer _Projections for skinny_linear, or None (a layer that is not plain bf16 GEMMs,
-    too many rows, or no Triton here: linear_forward serves it)."""
+    """Per layer _Projections for skinny_linear, or None (a layer that is not plain bias-free
+    GEMMs in `dtype`, too many rows, or no Triton here: linear_forward serves it)."""
     from sglang_ext.kernels import runs_triton
     from sglang_ext.kernels.skinny_gemm import MAX_ROWS
 
@@ -342,18 +350,35 @@ def _expert_projections(expert, rows, device, dtype):
     plans = []
     for layer in expert.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        weights = [_plain_weight(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(w is None for w in weights):
+        plain = [_plain_weight(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None or p[1] is not None for p in plain):
             return None
-        qkv, o, gate_up, down = weights
+        qkv, o, gate_up, down = (p[0] for p in plain)
         plan = _Projections(
             _skinny_plan(qkv, sms), _skinny_plan(o, sms),
-            _skinny_plan(gate_up, sms, splittable=False), _skinny_plan(down, sms),
+            _skinny_plan(gate_up, sms, splittable=False, gated=True), _skinny_plan(down, sms),
         )
         if None in plan:
             return None
         plans.append(plan)
     return plans
+
+
+def _action_projections(core, device):
+    """((w_in, b_in), (w_out, b_out)) of float32 action in/out projections for skinny_linear
+    (its K has a block >= 16), else None: the modules run as they are."""
+    from sglang_ext.kernels import runs_triton
+
+    if not runs_triton(torch.empty(0, device=device)):
+        return None
+    pair = [_plain_weight(m, torch.float32, bias_ok=True) for m in (core.action_in_proj, core.action_out_proj)]
+    if any(p is None or p[0].shape[1] % 16 for p in pair):
+        return None
+    return pair
+
+
+def _pow2_divisor(k: int) -> int:
+    return k & -k
 
 
 def _sm_count(device) -> int:
@@ -489,12 +514,28 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     batch, seq = state.shape[:2]
     norms = _adaptive_norms(expert)
     projections = _expert_projections(expert, batch * seq, state.device, dtype)
+    actions = _action_projections(core, state.device) if projections is not None else None
 
     def gemm(index, name, module, x):
         if projections is None:
-            return linear_forward(module, x)
-        weight, parts, block_k = getattr(projections[index], name)
-        return skinny_linear(x, weight, parts=parts, block_k=block_k)
+            out = linear_forward(module, x)
+            return gelu_tanh_and_mul(out) if name == "gate_up" else out
+        weight, parts, block_n, block_k = getattr(projections[index], name)
+        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
+
+    def action_in(x_t):
+        if actions is None:
+            return core.action_in_proj(x_t.to(core.action_in_proj.weight.dtype)).to(dtype).contiguous()
+        (weight, bias), _ = actions
+        return skinny_linear(x_t, weight, bias=bias, out_dtype=dtype, block_k=min(128, _pow2_divisor(weight.shape[1])))
+
+    def action_out(normed, x_t):  # x_t += dt * velocity
+        if actions is None:
+            velocity = core.action_out_proj(normed.to(core.action_out_proj.weight.dtype))
+            return x_t.add_(velocity.to(torch.float32), alpha=dt)
+        _, (weight, bias) = actions
+        return skinny_linear(normed, weight, bias=bias, add_to=x_t, alpha=dt, block_n=16,
+                             block_k=min(128, _pow2_divisor(weight.shape[1])))
 
     with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
         cos_sin, kv, kv_start, used = _request_layout(
@@ -504,7 +545,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
         for step in range(table.shape[0]):
             cond = table[step]  # [norms, 3, batch, width]
-            hidden = core.action_in_proj(state.to(core.action_in_proj.weight.dtype)).to(dtype).contiguous()
+            hidden = action_in(state)
             normed = ada_rms_norm(hidden, cond[0, 0], cond[0, 1], eps=norms[0].eps)
             for index, layer in enumerate(layers):
                 attn = layer.self_attn
@@ -521,12 +562,14 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
                     add=out, gate=cond[post - 1, 2],
                 )
                 mlp = layer.mlp
-                out = gemm(index, "down", mlp.down_proj, gelu_tanh_and_mul(gemm(index, "gate_up", mlp.gate_up_proj, normed)))
+                out = gemm(index, "down", mlp.down_proj, gemm(index, "gate_up", mlp.gate_up_proj, normed))
                 following = post + 1  # next layer's input norm, or the final norm
+                final = following == len(norms) - 1
                 normed = ada_rms_norm(
                     hidden, cond[following, 0], cond[following, 1], eps=norms[following].eps,
                     add=out, gate=cond[post, 2],
+                    # the float32 action_out_proj reads the final norm unrounded
+                    out_dtype=torch.float32 if final and actions is not None else None,
                 )
-            velocity = core.action_out_proj(normed.to(core.action_out_proj.weight.dtype))
-            state.add_(velocity.to(torch.float32), alpha=dt)
+            action_out(normed, state)
     return state

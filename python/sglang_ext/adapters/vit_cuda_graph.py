@@ -587,21 +587,28 @@ def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
         torch.sub(buffer[1:], buffer[:-1], out=lengths)
 
 
-def _get_sin_cos_ws(self, graph_key, seq_len, head_dim):
-    """Return the stable rotary buffers captured by one graph (leased until the graph is released)."""
+def _get_sin_cos_ws(self, graph_key, seq_len, head_dim, dtype=None):
+    """Return the stable rotary buffers captured by one graph (leased until the graph is released).
+
+    dtype: that of the cos/sin the tower computed (default the tower's). Qwen3-VL's rotary table
+    is float32 on CUDA and its eager path rotates with float32 cos/sin; 0.5.17's bf16 buffers
+    round them, so its graphs never equal graphs off (every request differed on the H200)."""
     self._ext_ensure_state()
     cached = self._sin_cos_ws_by_graph.get(graph_key)
     if cached is not None:
         return cached
-    pool = self._ext_rotary_pools.get(head_dim)
+    dtype = dtype or self.dtype
+    pool_key = (head_dim, dtype)
+    pool = self._ext_rotary_pools.get(pool_key)
     if pool is None:
-        pool = StableWorkspacePool(f"vit_rotary_hd{head_dim}", dtype=self.dtype, device=self.device)
-        self._ext_rotary_pools[head_dim] = pool
+        name = f"vit_rotary_hd{head_dim}" + ("" if dtype == self.dtype else f"_{str(dtype).split('.')[-1]}")
+        pool = StableWorkspacePool(name, dtype=dtype, device=self.device)
+        self._ext_rotary_pools[pool_key] = pool
     lease = pool.lease(graph_key, seq_len, (head_dim,), count=2)
     self._ext_rotary_leases[graph_key] = lease
     self._sin_cos_ws_by_graph[graph_key] = tuple(lease.tensors)
     # A lease always comes from the pool's current buffer: remember which one that is.
-    self._ext_rotary_current[head_dim] = lease.tensors[0].untyped_storage().data_ptr()
+    self._ext_rotary_current[pool_key] = lease.tensors[0].untyped_storage().data_ptr()
     self.sin_cos_ws = self._sin_cos_ws_by_graph[graph_key]  # 0.5.17's name: the newest slices
     return self._sin_cos_ws_by_graph[graph_key]
 
@@ -614,7 +621,7 @@ def _retired_sin_cos_ws(self):
     for lease in leases.values():
         cos, sin = lease.tensors
         backing = cos.untyped_storage().data_ptr()
-        if current.get(cos.shape[-1]) != backing:
+        if current.get((cos.shape[-1], cos.dtype)) != backing:
             retired.setdefault(backing, (cos, sin))
     return list(retired.values())
 
@@ -803,12 +810,12 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
     position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin = rotary
     rotary_kwargs = {}
     if position_embeddings is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1])
+        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1], position_embeddings[0].dtype)
         cos_ws.copy_(position_embeddings[0])
         sin_ws.copy_(position_embeddings[1])
         rotary_kwargs["position_embeddings"] = (cos_ws, sin_ws)
     elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1])
+        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1], rotary_pos_emb_cos.dtype)
         cos_ws.copy_(rotary_pos_emb_cos)
         sin_ws.copy_(rotary_pos_emb_sin)
         rotary_kwargs["rotary_pos_emb_cos"], rotary_kwargs["rotary_pos_emb_sin"] = cos_ws, sin_ws
@@ -897,11 +904,11 @@ def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=N
            output_indices=None):
     seq_len = graph_key.num_tokens if isinstance(graph_key, GraphKey) else int(graph_key)
     if position_embeddings is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1])
+        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1], position_embeddings[0].dtype)
         cos_ws.copy_(position_embeddings[0])
         sin_ws.copy_(position_embeddings[1])
     elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1])
+        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1], rotary_pos_emb_cos.dtype)
         cos_ws.copy_(rotary_pos_emb_cos)
         sin_ws.copy_(rotary_pos_emb_sin)
     self.block_input[graph_key].copy_(x_3d)

@@ -34,15 +34,20 @@ def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def gelu_tanh(gate):
+        """gelu (tanh approximation) of float32 `gate` (also skinny_linear's gated epilogue)."""
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * u))
+        return 0.5 * gate * (1.0 + tanh)
+
+    @triton.jit
     def _gelu_tanh_and_mul_kernel(X, OUT, n_inner, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_inner
         gate = tl.load(X + row * 2 * n_inner + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(X + row * 2 * n_inner + n_inner + cols, mask=mask, other=0.0).to(tl.float32)
-        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        tanh = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * u))
-        out = 0.5 * gate * (1.0 + tanh) * up
+        out = gelu_tanh(gate) * up
         tl.store(OUT + row * n_inner + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 

@@ -24,7 +24,6 @@ from sglang_ext.kernels.backend import DOT_UPCAST, block_size, runs_triton, tl, 
 
 _BLOCK_M = 64
 _BLOCK_N = 64
-_NEG = -1.0e30  # finite row-max start: an empty split gives weight exp(-1e30 - m) = 0, never NaN
 
 
 def _check(q, keys, values, used):
@@ -63,6 +62,8 @@ def first_rows_attention_reference(q, keys, values, used=None, *, scale, splits=
 
 
 if triton is not None:
+    # finite row-max start: an empty split gives weight exp(-1e30 - m) = 0, never NaN
+    _NEG = tl.constexpr(-1.0e30)
 
     @triton.jit
     def _split_attention_kernel(

@@ -7,9 +7,16 @@ once, with all rows of x in one tile, so a launch of N / BLOCK_N * parts program
 streams the weight exactly once.
 
 parts > 1 splits K: the result is `Partials` (float32 [parts, ..., N], summed in a fixed
-order by whoever consumes it: ada_rms_norm's `add`, rope_qkv's `qkv`, gelu_tanh_and_mul),
-so the split costs no reduce kernel and stays deterministic (no atomics). parts == 1
-returns [..., N] in x's dtype, rounded once.
+order by whoever consumes it: ada_rms_norm's `add`, rope_qkv's `qkv`), so the split costs
+no reduce kernel and stays deterministic (no atomics). parts == 1 returns [..., N],
+rounded once, after an optional epilogue:
+    gated:  weight is a packed [gate; up] [2I, K]; returns gelu_tanh(gate) * up [..., I]
+            (the float32 products, not rounded before the activation)
+    bias:   [N] added in float32
+    add_to: float32 [..., N] updated in place, add_to += alpha * result (returned)
+float32 x and weight multiply as three TF32 products (tf32x3: float32-level accuracy on
+tensor cores, where IEEE float32 would run on one SM's FMA units for N = 32): the Pi0.5
+action in/out projections, which sglang keeps in float32.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+from sglang_ext.kernels.activation import gelu_tanh
 from sglang_ext.kernels.backend import DOT_UPCAST, block_size, runs_triton, tl, triton
 
 MAX_ROWS = 128
@@ -41,7 +50,7 @@ class Partials(NamedTuple):
         return total
 
 
-def _check(x, weight, parts, block_n, block_k):
+def _check(x, weight, parts, block_n, block_k, epilogue):
     rows = x.numel() // x.shape[-1]
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -52,26 +61,43 @@ def _check(x, weight, parts, block_n, block_k):
         raise ValueError(f"skinny_linear: parts={parts}, block_k={block_k}; allowed: parts * block_k dividing K={k}")
     if block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"skinny_linear: block_n={block_n}, block_k={block_k}; allowed: powers of two")
+    if parts > 1 and epilogue:
+        raise ValueError(f"skinny_linear: parts={parts} with {', '.join(epilogue)}; allowed: parts=1 with an epilogue")
     return rows, n, k
 
 
-def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128):
-    """torch version of `skinny_linear` (float32 accumulation per part)."""
-    rows, n, k = _check(x, weight, parts, block_n, block_k)
+def _epilogue(gated, bias, add_to):
+    return [name for name, on in (("gated", gated), ("bias", bias is not None), ("add_to", add_to is not None)) if on]
+
+
+def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None,
+                            out_dtype=None, add_to=None, alpha=1.0):
+    """torch version of `skinny_linear` (float32 accumulation per part, same epilogue)."""
+    rows, n, k = _check(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     xs = x.reshape(rows, k).float().chunk(parts, dim=1)
     ws = weight.float().chunk(parts, dim=1)
     products = torch.stack([a @ w.t() for a, w in zip(xs, ws)]).reshape(parts, *x.shape[:-1], n)
-    if parts == 1:
-        return products[0].to(x.dtype)
-    return Partials(products)
+    if parts > 1:
+        return Partials(products)
+    out = products[0]
+    if gated:
+        gate, up = out.chunk(2, dim=-1)
+        out = F.gelu(gate, approximate="tanh") * up
+    if bias is not None:
+        out = out + bias.float()
+    if add_to is not None:
+        return add_to.add_(out, alpha=alpha)
+    return out.to(out_dtype or x.dtype)
 
 
 if triton is not None:
 
     @triton.jit
     def _skinny_gemm_kernel(
-        X, W, OUT, rows, n_cols, k_dim, k_per_part,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+        X, W, OUT, BIAS, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+        GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_TO: tl.constexpr, F32: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         part = tl.program_id(1)
@@ -83,38 +109,68 @@ if triton is not None:
         row_mask = rm[:, None] < rows
         col_mask = rn[None, :] < n_cols
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for _ in range(0, k_per_part, BLOCK_K):
             a = tl.load(x_ptrs, mask=row_mask, other=0.0)
             b = tl.load(w_ptrs, mask=col_mask, other=0.0)
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
-            acc += tl.dot(a, b)
+            if F32:
+                acc += tl.dot(a, b, input_precision="tf32x3")
+            else:
+                acc += tl.dot(a, b)
+            if GATED:  # the up rows sit gate_offset rows below the gate rows
+                b_up = tl.load(w_ptrs + gate_offset * k_dim, mask=col_mask, other=0.0)
+                if UPCAST:
+                    b_up = b_up.to(tl.float32)
+                up += tl.dot(a, b_up)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        mask = row_mask & col_mask
         out_ptrs = OUT + part * rows * n_cols + rm[:, None] * n_cols + rn[None, :]
         if PARTIAL:
-            tl.store(out_ptrs, acc, mask=row_mask & col_mask)
+            tl.store(out_ptrs, acc, mask=mask)
         else:
-            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_mask & col_mask)
+            if GATED:
+                acc = gelu_tanh(acc) * up
+            if HAS_BIAS:
+                acc += tl.load(BIAS + rn, mask=rn < n_cols, other=0.0).to(tl.float32)[None, :]
+            if ADD_TO:
+                acc = tl.load(out_ptrs, mask=mask, other=0.0) + alpha * acc
+            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
-def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, num_stages=4):
-    """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows of x.
+def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None, out_dtype=None,
+                  add_to=None, alpha=1.0, num_stages=4):
+    """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows of x (see the module docstring).
 
-    parts == 1: [..., N] in x's dtype; parts > 1: Partials (see the module docstring).
+    parts == 1: [..., N] (gated: [..., N / 2]) in out_dtype (default x's), or add_to updated;
+    parts > 1: Partials.
     """
     if not runs_triton(x):
-        return skinny_linear_reference(x, weight, parts=parts, block_n=block_n, block_k=block_k)
-    rows, n, k = _check(x, weight, parts, block_n, block_k)
+        return skinny_linear_reference(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=gated,
+                                       bias=bias, out_dtype=out_dtype, add_to=add_to, alpha=alpha)
+    rows, n, k = _check(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     if not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError("skinny_linear: x and weight must be contiguous")
-    if parts == 1:
-        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if x.dtype != weight.dtype:
+        raise ValueError(f"skinny_linear: x {x.dtype}, weight {weight.dtype}; allowed: one dtype")
+    width = n // 2 if gated else n
+    if gated and n % 2:
+        raise ValueError(f"skinny_linear: gated with N={n}; allowed: even N ([gate; up])")
+    if add_to is not None:
+        if tuple(add_to.shape) != (*x.shape[:-1], width) or add_to.dtype != torch.float32 or not add_to.is_contiguous():
+            raise ValueError(f"skinny_linear: add_to {tuple(add_to.shape)} {add_to.dtype}; "
+                             f"allowed: contiguous float32 {(*x.shape[:-1], width)}")
+        out = add_to
+    elif parts == 1:
+        out = torch.empty((*x.shape[:-1], width), dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty((parts, *x.shape[:-1], n), dtype=torch.float32, device=x.device)
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n), parts)](
-        x, weight, out, rows, n, k, k // parts,
-        BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=parts > 1, UPCAST=DOT_UPCAST,
-        num_warps=4, num_stages=num_stages,
+    _skinny_gemm_kernel[(triton.cdiv(width, block_n), parts)](
+        x, weight, out, bias if bias is not None else weight, rows, width, k, k // parts, width, float(alpha),
+        BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=parts > 1,
+        GATED=gated, HAS_BIAS=bias is not None, ADD_TO=add_to is not None, F32=x.dtype == torch.float32,
+        UPCAST=DOT_UPCAST, num_warps=4, num_stages=num_stages,
     )
     return out if parts == 1 else Partials(out)

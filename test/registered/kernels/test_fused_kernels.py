@@ -23,7 +23,14 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
-from sglang_ext.kernels import ada_rms_norm_reference, gelu_tanh_and_mul_reference, rope_qkv_reference  # noqa: E402
+from sglang_ext.kernels import (  # noqa: E402
+    Partials,
+    ada_rms_norm_reference,
+    first_rows_attention_reference,
+    gelu_tanh_and_mul_reference,
+    rope_qkv_reference,
+    skinny_linear_reference,
+)
 
 DTYPES = (torch.float32, torch.bfloat16)
 BF16_ULP = 2.0**-7
@@ -44,6 +51,11 @@ for case in cases:
     elif kind == "rope":
         kernels.rope_qkv(**a)
         outputs.append({"q": a["q_out"], "k": a["k_out"], "v": a["v_out"]})
+    elif kind == "gemm":
+        out = kernels.skinny_linear(a.pop("x"), a.pop("weight"), **a)
+        outputs.append({"out": out.total() if isinstance(out, kernels.Partials) else out})
+    elif kind == "attn":
+        outputs.append({"out": kernels.first_rows_attention(a.pop("q"), a.pop("keys"), a.pop("values"), **a)})
     else:
         outputs.append({"out": kernels.gelu_tanh_and_mul(a["x"])})
 torch.save(outputs, sys.argv[2])
@@ -104,11 +116,56 @@ def _gelu_cases(generator):
     ]
 
 
+def _gemm_cases(generator):
+    cases = []
+    for dtype in DTYPES:
+        for rows, n, k, parts, block_n in ((50, 96, 256, 1, 32), (50, 96, 256, 2, 64), (3, 40, 128, 4, 32), (128, 64, 64, 1, 64)):
+            args = {
+                "x": torch.randn(rows, k, generator=generator).to(dtype),
+                "weight": (torch.randn(n, k, generator=generator) * 0.1).to(dtype),
+                "parts": parts, "block_n": block_n, "block_k": 32,
+            }
+            cases.append({"kind": "gemm", "name": f"gemm {dtype} {rows}x{k}->{n} parts={parts}", "args": args})
+        x = torch.randn(2, 25, 64, generator=generator).to(dtype)
+        gate_up = (torch.randn(2 * 48, 64, generator=generator) * 0.2).to(dtype)
+        cases.append({"kind": "gemm", "name": f"gemm gated {dtype}",
+                      "args": {"x": x, "weight": gate_up, "gated": True, "block_n": 16, "block_k": 32}})
+    # float32 action projections: bias + bf16 output; and x_t += dt * (x @ w.T + b) in place
+    state = torch.randn(1, 50, 32, generator=generator)
+    w_in, b_in = torch.randn(64, 32, generator=generator) * 0.2, torch.randn(64, generator=generator)
+    cases.append({"kind": "gemm", "name": "gemm f32 bias -> bf16",
+                  "args": {"x": state, "weight": w_in, "bias": b_in, "out_dtype": torch.bfloat16, "block_k": 32}})
+    normed, w_out = torch.randn(1, 50, 64, generator=generator), torch.randn(32, 64, generator=generator) * 0.2
+    cases.append({"kind": "gemm", "name": "gemm f32 add_to",
+                  "args": {"x": normed, "weight": w_out, "bias": torch.randn(32, generator=generator), "add_to": state.clone(),
+                           "alpha": -0.1, "block_n": 16, "block_k": 32}})
+    return cases
+
+
+def _attention_cases(generator):
+    cases = []
+    for dtype in DTYPES:
+        for batch, seq, heads, kv_heads, total, used, splits in (
+            (1, 50, 8, 1, 37, None, 1), (2, 5, 4, 1, 70, (70, 20), 3), (2, 7, 4, 2, 33, (9, 33), 2), (1, 3, 2, 1, 200, (1,), 4),
+        ):
+            args = {
+                "q": torch.randn(batch, seq, heads, 32, generator=generator).to(dtype),
+                "keys": torch.randn(batch, total, kv_heads, 32, generator=generator).to(dtype),
+                "values": torch.randn(batch, total, kv_heads, 32, generator=generator).to(dtype),
+                "used": None if used is None else torch.tensor(used, dtype=torch.int32),
+                "scale": 32 ** -0.5, "splits": splits,
+            }
+            cases.append({"kind": "attn", "name": f"attn {dtype} b={batch} s={seq} h={heads}/{kv_heads} t={total} "
+                                                  f"used={used} splits={splits}", "args": args})
+    return cases
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
     generator = torch.Generator().manual_seed(0)
-    cases = _norm_cases(generator) + _rope_cases(generator) + _gelu_cases(generator)
+    cases = (_norm_cases(generator) + _rope_cases(generator) + _gelu_cases(generator) + _gemm_cases(generator)
+             + _attention_cases(generator))
     folder = tmp_path_factory.mktemp("kernels")
     torch.save(cases, folder / "cases.pt")
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -141,10 +198,15 @@ def _reference(case):
     if case["kind"] == "rope":
         rope_qkv_reference(**a)
         return {"q": a["q_out"], "k": a["k_out"], "v": a["v_out"]}
+    if case["kind"] == "gemm":
+        out = skinny_linear_reference(a.pop("x"), a.pop("weight"), **a)
+        return {"out": out.total() if isinstance(out, Partials) else out}
+    if case["kind"] == "attn":
+        return {"out": first_rows_attention_reference(a.pop("q"), a.pop("keys"), a.pop("values"), **a)}
     return {"out": gelu_tanh_and_mul_reference(a["x"])}
 
 
-@pytest.mark.parametrize("kind", ["norm", "rope", "gelu"])
+@pytest.mark.parametrize("kind", ["norm", "rope", "gelu", "gemm", "attn"])
 def test_kernel_matches_reference(interpreted, kind):
     cases, outputs = interpreted
     checked = 0
@@ -214,3 +276,54 @@ def test_bad_shapes_raise_one_line_errors():
             torch.zeros(1, 2, 3 * 4), torch.zeros(2, 4), torch.zeros(1, 2, 1, 4), torch.zeros(1, 3, 1, 4),
             torch.zeros(1, 3, 1, 4), num_heads=1, num_kv_heads=1, head_dim=4, kv_start=2,
         )
+
+
+# Hopper builds of every kernel variant the fast path launches: the interpreter runs kernels as
+# Python and misses what only the compiler refuses (a non-constexpr global, an unsupported dot
+# shape), which otherwise first shows on the GPU machine. ptxas ships with triton's wheel.
+_HOPPER_BUILDS = [
+    ("skinny_gemm", "_skinny_gemm_kernel",
+     {"X": "*bf16", "W": "*bf16", "OUT": "*fp32", "BIAS": "*bf16", "rows": "i32", "n_cols": "i32", "k_dim": "i32",
+      "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
+     [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=partial, GATED=gated, HAS_BIAS=False, ADD_TO=False, F32=False,
+           UPCAST=False) for partial, gated in ((True, False), (False, False), (False, True))]),
+    ("skinny_gemm", "_skinny_gemm_kernel",
+     {"X": "*fp32", "W": "*fp32", "OUT": "*fp32", "BIAS": "*fp32", "rows": "i32", "n_cols": "i32", "k_dim": "i32",
+      "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
+     [dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32, PARTIAL=False, GATED=False, HAS_BIAS=True, ADD_TO=add_to, F32=True,
+           UPCAST=False) for block_n, add_to in ((64, False), (16, True))]),
+    ("attention", "_split_attention_kernel",
+     {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "USED": "*i32", "OUT": "*bf16", "ACC": "*fp32", "STATS": "*fp32",
+      "seq": "i32", "total": "i32", "keys_per_split": "i32", "scale": "fp32"},
+     [dict(HEADS=8, KV_HEADS=1, HEAD_DIM=256, Q_BLOCKS=7, HAS_USED=used, DIRECT=direct, UPCAST=False, BLOCK_M=64,
+           BLOCK_N=64) for used in (False, True) for direct in (False, True)]),
+    ("attention", "_combine_kernel",
+     {"ACC": "*fp32", "STATS": "*fp32", "OUT": "*bf16", "seq": "i32", "all_rows": "i32"},
+     [dict(HEADS=8, KV_HEADS=1, HEAD_DIM=256, SPLITS=10, SPLITS_BLOCK=16)]),
+    ("rms_norm", "_ada_rms_norm_kernel",
+     {"X": "*bf16", "ADD": "*fp32", "GATE": "*fp32", "SCALE": "*fp32", "SHIFT": "*fp32", "OUT": "*fp32",
+      "n_cols": "i32", "group": "i32", "eps": "fp32", "part_stride": "i32"},
+     [dict(HAS_ADD=True, ADD_PARTS=4, HAS_GATE=True, HAS_SHIFT=True, BLOCK=1024)]),
+    ("rope", "_rope_qkv_kernel",
+     {"QKV": "*fp32", "COS_SIN": "*fp32", "Q_OUT": "*bf16", "K_OUT": "*bf16", "V_OUT": "*bf16", "seq_len": "i32",
+      "kv_len": "i32", "kv_start": "i32", "part_stride": "i32"},
+     [dict(PARTS=2, NUM_HEADS=8, NUM_KV=1, HEAD_DIM=256, BLOCK=128)]),
+    ("activation", "_gelu_tanh_and_mul_kernel", {"X": "*bf16", "OUT": "*bf16", "n_inner": "i32"}, [dict(BLOCK=1024)]),
+]
+
+
+@pytest.mark.parametrize("module,kernel,types,variants", _HOPPER_BUILDS, ids=[f"{m}.{k}" for m, k, _, _ in _HOPPER_BUILDS])
+def test_kernels_build_for_hopper(module, kernel, types, variants):
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(f"sglang_ext.kernels.{module}"), kernel)
+    for constexprs in variants:
+        signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm.get("cubin"), (kernel, constexprs)

@@ -90,25 +90,27 @@ def test_fast_path_matches_exact_path_graph_and_eager(pi05, fake_graphs, monkeyp
 
 
 def test_skinny_gemm_and_attention_plans_fill_the_gpu():
-    """The K splits and key splits for Pi0.5's real action-expert shapes on a 132-SM H200: each
-    launch covers the SMs (or reaches the split cap), every part reads >= two 128-wide K blocks,
-    and a GEMM whose consumer cannot sum parts (gate_up -> gelu) is never split."""
+    """The GEMM plans for Pi0.5's real action-expert shapes on a 132-SM H200: one wave (at most
+    one program per SM), no other block width / K split with more programs in one wave, each
+    part >= two 128-wide K blocks, and the gated gate_up (gelu in the epilogue) never split."""
     fast_module = _fast_module()
     sms = 132
     shapes = {"qkv": (2560, 1024), "o": (1024, 2048), "gate_up": (8192, 1024), "down": (1024, 4096)}
     for name, (n, k) in shapes.items():
-        weight = torch.empty(n, k)
-        _, parts, block_k = fast_module._skinny_plan(weight, sms, splittable=name != "gate_up")
-        programs = -(-n // 64) * parts
-        print(f"[plan] {name} N={n} K={k}: parts={parts} block_k={block_k} programs={programs}")
+        gated = name == "gate_up"
+        _, parts, block_n, block_k = fast_module._skinny_plan(torch.empty(n, k), sms, splittable=not gated, gated=gated)
+        width = n // 2 if gated else n
+        programs = -(-width // block_n) * parts
+        print(f"[plan] {name} N={n} K={k}: parts={parts} block_n={block_n} block_k={block_k} programs={programs}")
         assert block_k == 128 and k % (parts * 128) == 0 and k // parts >= 256
-        if name == "gate_up":
+        assert programs <= sms
+        candidates = [-(-width // bn) * p for bn in (32, 64) for p in (1, 2, 4, 8)
+                      if (p == 1 or not gated) and k // p >= 256 and -(-width // bn) * p <= sms]
+        assert programs == max(candidates), (name, programs, candidates)
+        if gated:
             assert parts == 1
-            continue
-        assert parts > 1
-        assert programs >= sms or parts == fast_module._MAX_PARTS or k // (2 * parts) < 256
     # The tiny test model's K = 64: one 64-wide block, no split; K = 24 has no block >= 16.
-    assert fast_module._skinny_plan(torch.empty(128, 64), sms)[1:] == (1, 64)
+    assert fast_module._skinny_plan(torch.empty(128, 64), sms)[1:] == (1, 32, 64)
     assert fast_module._skinny_plan(torch.empty(128, 24), sms) is None
     # 50 action tokens x 8 heads over one K/V head: 7 query blocks; keys 560 prefix + 50.
     splits = fast_module._attention_splits(1, 50, 8, 1, 610, sms)
@@ -330,7 +332,8 @@ def test_fast_path_with_interpreted_triton_kernels_matches_exact_path():
     print("[interpreted triton] fast vs exact (relative, cosine):", results)
     assert results.pop("fallback") is None  # the fast loop ran to the end on the kernels
     calls = results.pop("calls")
-    # 2 layouts x 2 steps x 2 layers: 4 skinny GEMMs and one attention per layer and step
-    assert calls == {"skinny_linear": 2 * 2 * 2 * 4, "first_rows_attention": 2 * 2 * 2}, calls
+    # 2 layouts x 2 steps: per layer 4 skinny GEMMs (qkv, o, gated gate_up, down) and one
+    # attention, per step the action in / out projections
+    assert calls == {"skinny_linear": 2 * 2 * (2 * 4 + 2), "first_rows_attention": 2 * 2 * 2}, calls
     for layout, (relative, cosine) in results.items():
         assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR, (layout, relative, cosine)

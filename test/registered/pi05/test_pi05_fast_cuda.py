@@ -117,11 +117,11 @@ def test_triton_kernels_match_references_on_gpu():
 
     worst = {}
 
-    def check(name, got, want, dtype):
+    def check(name, got, want, dtype, f32_bound=1e-5):
         assert got.dtype == want.dtype and got.shape == want.shape, name
         diff = float((got.float() - want.float()).abs().max())
         largest = float(want.float().abs().max())
-        bound = (2 * 2.0**-7 if dtype == torch.bfloat16 else 1e-5) * max(largest, 1.0)
+        bound = (2 * 2.0**-7 if dtype == torch.bfloat16 else f32_bound) * max(largest, 1.0)
         worst[name] = max(worst.get(name, 0.0), diff / max(largest, 1e-12))
         assert diff <= bound, f"{name}: max|kernel-reference| {diff:.3e} > {bound:.3e}"
 
@@ -154,6 +154,34 @@ def test_triton_kernels_match_references_on_gpu():
                 outs.append((q, k, v))
             for name, got, want in zip(("rope-q", "rope-k", "rope-v"), *outs):
                 check(name, got, want, dtype)
+    # The action expert's GEMMs at their real shapes and plans (M = 50), float32 sums of parts
+    # (tensor-core order vs cuBLAS float32: 1e-4), gelu epilogue, float32 projections (tf32x3).
+    x = rnd(1, 50, 4096, scale=0.5)
+    for n, k, parts, block_n, gated in ((2560, 1024, 1, 32, False), (1024, 2048, 4, 32, False),
+                                        (8192, 1024, 1, 32, True), (1024, 4096, 4, 32, False)):
+        a, w = x[..., :k].contiguous(), rnd(n, k, scale=0.02)
+        got = kernels.skinny_linear(a, w, parts=parts, block_n=block_n, gated=gated)
+        want = kernels.skinny_linear_reference(a, w, parts=parts, block_n=block_n, gated=gated)
+        if parts > 1:
+            check(f"skinny-{n}x{k}-parts{parts}", got.total(), want.total(), torch.float32, f32_bound=1e-4)
+        else:
+            check(f"skinny-{n}x{k}{'-gated' if gated else ''}", got, want, torch.bfloat16)
+    state = rnd(1, 50, 32, dtype=torch.float32)
+    w_in, b_in = rnd(1024, 32, dtype=torch.float32, scale=0.2), rnd(1024, dtype=torch.float32)
+    check("skinny-action-in", kernels.skinny_linear(state, w_in, bias=b_in, out_dtype=torch.bfloat16, block_k=32),
+          kernels.skinny_linear_reference(state, w_in, bias=b_in, out_dtype=torch.bfloat16, block_k=32), torch.bfloat16)
+    normed, w_out, b_out = rnd(1, 50, 1024, dtype=torch.float32), rnd(32, 1024, dtype=torch.float32, scale=0.03), rnd(32, dtype=torch.float32)
+    got, want = state.clone(), state.clone()
+    kernels.skinny_linear(normed, w_out, bias=b_out, add_to=got, alpha=-0.1, block_n=16)
+    kernels.skinny_linear_reference(normed, w_out, bias=b_out, add_to=want, alpha=-0.1, block_n=16)
+    check("skinny-action-out", got, want, torch.float32, f32_bound=1e-4)
+    # Attention of 50 tokens x 8 heads over one K/V head: full and first-rows, empty splits too.
+    q = rnd(1, 50, 8, 256)
+    for total, used, splits in ((610, None, 10), (690, 650, 11), (690, 51, 16), (610, None, 1)):
+        keys, values = rnd(1, total, 1, 256), rnd(1, total, 1, 256)
+        used_t = None if used is None else torch.tensor([used], dtype=torch.int32, device="cuda")
+        check(f"attention-t{total}-splits{splits}", kernels.first_rows_attention(q, keys, values, used_t, scale=0.0625, splits=splits),
+              kernels.first_rows_attention_reference(q, keys, values, used_t, scale=0.0625), torch.bfloat16)
     torch.cuda.synchronize()
     print("[kernels] worst max|kernel-reference|/max|reference| per kernel:",
           {k: f"{v:.2e}" for k, v in sorted(worst.items())})

@@ -910,6 +910,78 @@ def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monke
     assert vit.graph_runners._ext_graph_info()["fallback_capture_failed"] == 3
 
 
+class _RerunGraph:
+    """A CUDA graph whose replay runs the captured blocks again on the captured tensors."""
+
+    rerun = None
+
+    def replay(self):
+        self.rerun()
+
+    def reset(self):
+        pass
+
+
+def _context_attention_cpu(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is_causal=True, sm_scale=None):
+    """CPU stand-in for triton_attn's kernel, the same in both paths: float32 softmax per sequence."""
+    assert max_input_len >= int(b_seq_len.max())
+    scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
+    starts = b_start_loc[:-1] if b_start_loc.numel() == b_seq_len.numel() + 1 else b_start_loc
+    for start, length in zip(starts.tolist(), b_seq_len.tolist()):
+        qs, ks, vs = (t[start:start + length].float().transpose(0, 1) for t in (q, k, v))
+        probs = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
+        o[start:start + length] = (probs @ vs).transpose(0, 1).to(o.dtype)
+
+
+def test_real_qwen3_tower_graph_rotates_with_the_float32_cos_sin_of_eager(vit_patch, fake_cuda, monkeypatch):
+    """A bf16 Qwen3 tower whose rotary table is float32, as on a CUDA server (sglang keeps the
+    vision rotary cache in fp32 there): graph replays equal sglang's eager `forward` bit for bit.
+    With 0.5.17's bf16 rotary buffers every batch differed (0.0156 here; 0 of 200 requests
+    bitwise on the H200 server)."""
+    import sys
+
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    import qwen_vit_kit as kit
+    from sglang.srt import runtime_context
+    from sglang.srt.layers import linear, vocab_parallel_embedding
+    from sglang.srt.layers.attention import vision
+    from sglang.srt.layers.rotary_embedding import base as rotary_base
+    from sglang.srt.models import qwen3_vl
+
+    vit_patch()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RerunGraph)
+    monkeypatch.setattr(rotary_base, "_is_cpu", True)
+    monkeypatch.setattr(linear, "get_tp_group", lambda: SimpleNamespace(world_size=1))
+    monkeypatch.setattr(vocab_parallel_embedding, "get_tp_group", lambda: SimpleNamespace(world_size=1))
+    monkeypatch.setattr(qwen3_vl, "get_pp_group", lambda: SimpleNamespace(world_size=1, is_first_rank=True))
+    monkeypatch.setattr(vision, "context_attention_fwd", _context_attention_cpu)
+    kit.publish_runtime("triton_attn")
+    try:
+        vit = kit.build_qwen3_tower(device="cpu", dtype=torch.bfloat16, native_ops=True)
+        vit.rotary_pos_emb.cos_sin_cache = vit.rotary_pos_emb._compute_cos_sin_cache().float()
+        runner = ViTCudaGraphRunner(vit)
+        vit.graph_runners = runner
+        capture = type(runner)._create_graph
+
+        def create(graph_key, **kwargs):
+            capture(runner, graph_key, **kwargs)
+            runner.block_graphs[graph_key].rerun = lambda: create(graph_key, **kwargs)
+
+        runner._create_graph = create
+        rng = random.Random(5)
+        for _ in range(4):
+            pixels, grid = kit.random_batch(rng, (4, 6, 8, 10), patch_dim=kit.QWEN3_PATCH_DIM, dtype=torch.bfloat16)
+            eager = kit.forward_qwen3(vit, pixels, grid, graph=False)
+            for _replay in range(2):  # the capture's run, then a replay of the cached graph
+                graph = kit.forward_qwen3(vit, pixels, grid, graph=True)
+                assert torch.equal(graph, eager), (grid.tolist(), float((graph.float() - eager.float()).abs().max()))
+        info = runner._ext_graph_info()
+        assert info["captures"] >= 1 and info["hits"] >= 4 and info["fallbacks"] == 0, info
+        assert {ws.dtype for ws in runner.sin_cos_ws} == {torch.float32}
+    finally:
+        runtime_context.reset_context()
+
+
 def test_debug_addresses_catches_a_captured_tensor_that_moved(vit_patch, fake_cuda):
     """--ext-debug-addresses: a replay whose captured buffer was replaced fails loudly, not silently."""
     vit_patch(vit_graph_max_entries=2, debug_addresses=1)
