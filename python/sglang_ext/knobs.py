@@ -183,8 +183,10 @@ KNOBS: tuple[Knob, ...] = (
          "Opt-in: capture all denoise steps of a Pi0.5 request (including the x_t update) as "
          "one CUDA graph: one replay per request instead of one per step."),
     Knob("pi05_fast", "bool", False,
-         "Opt-in: Pi0.5's denoise steps on fused Triton kernels (adaRMS norm with its gated residual, "
-         "RoPE into a per-request K/V buffer, gelu-and-mul; the time conditioning of every step "
+         "Opt-in: Pi0.5's denoise steps on fused Triton kernels (skinny split-K GEMMs for the 50 "
+         "action rows, attention over the prefix K/V split across the SMs, adaRMS norm with its gated "
+         "residual, RoPE into a per-request K/V buffer, gelu-and-mul in the gate_up GEMM; the time "
+         "conditioning of every step "
          "computed once per step count; implies pi05_fused_denoise), and the prefix language model's "
          "layers on the same kernels (its last layer's unused attention output and MLP skipped). Equal "
          "to the exact path within bf16 tolerance, not bitwise. Action sequence parallelism and a "

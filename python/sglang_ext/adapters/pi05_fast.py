@@ -14,7 +14,8 @@ Upstream PR: none (sglang-ext only).
 
 Why: with every denoise step in one CUDA graph (pi05_fused_denoise), the time left is
     the kernels themselves: ~5,800 of ~4 us per request, most of them tiny
-    elementwise ops and M=1 GEMMs on 50 action tokens (issue 17).
+    elementwise ops and M=1 GEMMs on 50 action tokens (issue 17); then cuBLAS at M = 50
+    (a third of HBM bandwidth) and FlashAttention's 8 programs for 50 tokens.
 How:
     1. Time conditioning: the timesteps of a request depend only on the step count
        (linspace(1, 1/n, n)), so the time MLP's output and every adaRMS norm's
@@ -31,20 +32,23 @@ How:
        rows and attention reads the first `used[b]` rows: FlashAttention's varlen kernel
        with seqused_k, no mask (the masked SDPA kernel cost ~41 us per layer and step on
        the H200, 4x the full prefix's flash kernel).
-    3. Per step and layer (sglang_ext.kernels): adaRMS norm (layer 0); packed qkv GEMM;
-       RoPE of q and k writing k / v into the K/V buffer's suffix rows (one kernel);
-       attention (full prefix: the layer's own attention module, e.g. FA3, or on the
-       torch SDPA backend SDPA with the single K/V head read by all query heads as one
-       head of S * heads queries, output contiguous; masked prefix: see 2.); o_proj; gated residual fused
-       with the next adaRMS norm; gate_up GEMM; gelu-tanh-and-mul; down; gated
-       residual fused with the next layer's (or the final) norm.
+    3. Per step and layer (sglang_ext.kernels): adaRMS norm (layer 0); qkv GEMM; RoPE of q
+       and k writing k / v into the K/V buffer's suffix rows (one kernel); attention of the
+       50 tokens over the first used[b] rows (first_rows_attention: the query heads of the
+       one K/V head as one block of rows, keys split over the SMs; full and masked prefixes
+       alike, whatever the layer's backend); o_proj; gated residual fused with the next
+       adaRMS norm; gate_up with gelu-and-mul in its epilogue; down; gated residual fused
+       with the next layer's (or the final) norm. The GEMMs (M = 50) run skinny_linear with
+       one-wave plans; split-K parts are summed by the consuming norm / RoPE kernel. The
+       float32 action in / out projections run skinny_linear too (tf32x3), the out
+       projection adding dt * velocity to x_t in place.
     4. Prefix (encode_prefix, same knob): the prefix language model's layers (Gemma
        RMSNorm weight as the norm's scale, no shift or gate) on the same kernels; the
        last layer stops after its K/V, since the prefix returns K/V only (0.5.17 runs
        that layer's attention output, MLP and the final norm for nothing).
     Equal to the exact path within bf16 rounding, not bitwise: float32 cos/sin (the
-    exact path rounds them to bf16), one rounding per fused op, GEMMs with other
-    shapes for the time table. Action sequence parallelism, Ulysses action attention,
+    exact path rounds them to bf16), one rounding per fused op (GEMM outputs feed their
+    consumers unrounded), GEMMs with other shapes for the time table. Action sequence parallelism, Ulysses action attention,
     layerwise CPU offload of the action expert and unpacked q/k/v or gate/up layers
     are not covered: those requests take the exact path (`unsupported_reason`; for the
     prefix `prefix_unsupported_reason`, which adds a tensor-parallel prefix). A fast
@@ -350,7 +354,8 @@ def _expert_projections(expert, rows, device, dtype):
     plans = []
     for layer in expert.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        plain = [_plain_weight(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        plain = [_plain_weight(m, dtype) for m in modules]
         if any(p is None or p[1] is not None for p in plain):
             return None
         qkv, o, gate_up, down = (p[0] for p in plain)
@@ -521,13 +526,16 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
             out = linear_forward(module, x)
             return gelu_tanh_and_mul(out) if name == "gate_up" else out
         weight, parts, block_n, block_k = getattr(projections[index], name)
-        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
+        return skinny_linear(
+            x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up"
+        )
 
     def action_in(x_t):
         if actions is None:
             return core.action_in_proj(x_t.to(core.action_in_proj.weight.dtype)).to(dtype).contiguous()
         (weight, bias), _ = actions
-        return skinny_linear(x_t, weight, bias=bias, out_dtype=dtype, block_k=min(128, _pow2_divisor(weight.shape[1])))
+        block_k = min(128, _pow2_divisor(weight.shape[1]))
+        return skinny_linear(x_t, weight, bias=bias, out_dtype=dtype, block_k=block_k)
 
     def action_out(normed, x_t):  # x_t += dt * velocity
         if actions is None:

@@ -88,7 +88,7 @@ How:
 - Rotary sin/cos: each graph leases `[:seq_len]` slices from a `StableWorkspacePool`
   (per head_dim); growth allocates a new backing buffer, existing slices never move,
   a backing is freed once no live graph leases it. Upstream's
-  `_get_sin_cos_ws(graph_key, seq_len, head_dim)` returns the key's stable slices;
+  `_get_sin_cos_ws(graph_key, seq_len, head_dim[, dtype])` returns the key's stable slices;
   `_retired_sin_cos_ws` lists the retired backings still leased (freed ones vanish).
 - Ownership: `replay()` returns an owned tensor: `index_select` (Qwen2.5, as 0.5.17)
   or a clone (Qwen3: 0.5.17 returned `block_output[key]`, which mm_utils' embedding
@@ -810,12 +810,16 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
     position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin = rotary
     rotary_kwargs = {}
     if position_embeddings is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1], position_embeddings[0].dtype)
+        cos_ws, sin_ws = self._get_sin_cos_ws(
+            graph_key, seq_len, position_embeddings[0].shape[1], position_embeddings[0].dtype
+        )
         cos_ws.copy_(position_embeddings[0])
         sin_ws.copy_(position_embeddings[1])
         rotary_kwargs["position_embeddings"] = (cos_ws, sin_ws)
     elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1], rotary_pos_emb_cos.dtype)
+        cos_ws, sin_ws = self._get_sin_cos_ws(
+            graph_key, seq_len, rotary_pos_emb_cos.shape[1], rotary_pos_emb_cos.dtype
+        )
         cos_ws.copy_(rotary_pos_emb_cos)
         sin_ws.copy_(rotary_pos_emb_sin)
         rotary_kwargs["rotary_pos_emb_cos"], rotary_kwargs["rotary_pos_emb_sin"] = cos_ws, sin_ws
@@ -904,11 +908,15 @@ def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=N
            output_indices=None):
     seq_len = graph_key.num_tokens if isinstance(graph_key, GraphKey) else int(graph_key)
     if position_embeddings is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, position_embeddings[0].shape[1], position_embeddings[0].dtype)
+        cos_ws, sin_ws = self._get_sin_cos_ws(
+            graph_key, seq_len, position_embeddings[0].shape[1], position_embeddings[0].dtype
+        )
         cos_ws.copy_(position_embeddings[0])
         sin_ws.copy_(position_embeddings[1])
     elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, rotary_pos_emb_cos.shape[1], rotary_pos_emb_cos.dtype)
+        cos_ws, sin_ws = self._get_sin_cos_ws(
+            graph_key, seq_len, rotary_pos_emb_cos.shape[1], rotary_pos_emb_cos.dtype
+        )
         cos_ws.copy_(rotary_pos_emb_cos)
         sin_ws.copy_(rotary_pos_emb_sin)
     self.block_input[graph_key].copy_(x_3d)

@@ -34,9 +34,10 @@ def kind():
     return "qwen3_vl"
 
 
-# Qwen3-VL, H200 2026-12-01: with our graph inputs built as the eager forward builds them (0.5.17's
-# `_prepare_graph_inputs` interpolates the position embedding otherwise) the tower is bitwise equal
-# to `forward`, and (h) passed; (d) still had 10 of 200 beyond 1e-2 from sglang's compiled-vs-eager
-# rotary switch, which vl_server_kit.MODEL_ENV now takes out of the comparison (not re-run yet).
+# Qwen3-VL, H200 2026-12-01: our graph inputs are built as the eager forward builds them (0.5.17's
+# `_prepare_graph_inputs` interpolates the position embedding otherwise), and the graph rotates
+# with the float32 cos/sin the tower computes (0.5.17's bf16 buffers made every request differ):
+# 8 / 8 passed on fa3 and triton_attn, (d) 200 / 200 and 40 / 40 bitwise, with dynamo off
+# (vl_server_kit.MODEL_ENV).
 def test_h_concurrent_requests_with_mm_embedding_cache(kind, run_all):
     check_concurrent_with_mm_cache(kind, run_all)

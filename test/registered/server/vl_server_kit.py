@@ -89,10 +89,10 @@ class Run:
 
 # Per model, for every server of the module. Qwen3-VL's vision attention rotates q/k with a
 # torch.compile'd function when ViT graphs are off and with its eager twin when they are on (sglang
-# 0.5.17 `VisionAttention`, so nothing is compiled during a capture): 1-ulp differences that the tiny
-# model's logprobs amplify (H200, 2026-12-01: 0 of 200 bitwise, 10 beyond 1e-2, max 0.39, while the
-# tower itself is bitwise equal to `forward` with the eager rotary). With dynamo off both run the eager
-# math, so (d) and (e) measure the graph runner alone.
+# 0.5.17 `VisionAttention`, so nothing is compiled during a capture). With dynamo off both run the
+# same eager math, so (d) and (e) measure the graph runner alone. Dynamo off did not explain the
+# H200's mismatch (still 0 of 200 bitwise): the graph's bf16 rotary buffers did (fixed, see
+# vit_cuda_graph._get_sin_cos_ws); with dynamo on, not measured.
 MODEL_ENV = {"qwen3_vl": {"TORCHDYNAMO_DISABLE": "1"}}
 
 
