@@ -29,9 +29,9 @@ How:
        cos/sin and per layer a K/V buffer [B, P + 50, kv_heads, head_dim] holding the
        prefix K/V (copied once, not concatenated in every step and layer). A masked
        prefix hides key rows only, so its visible rows are gathered behind the action
-       rows and attention reads the first `used[b]` rows: FlashAttention's varlen kernel
-       with seqused_k, no mask (the masked SDPA kernel cost ~41 us per layer and step on
-       the H200, 4x the full prefix's flash kernel).
+       rows and attention reads the first `used[b]` rows, with no mask (the masked SDPA
+       kernel cost ~41 us per layer and step on the H200, 4x the full prefix's flash
+       kernel).
     3. Per step and layer (sglang_ext.kernels): adaRMS norm (layer 0); qkv GEMM; RoPE of q
        and k writing k / v into the K/V buffer's suffix rows (one kernel); attention of the
        50 tokens over the first used[b] rows (first_rows_attention: the query heads of the
@@ -326,7 +326,7 @@ def _skinny_plan(weight, sms, *, splittable=True, gated=False):
     parts = 1 when the consumer cannot sum parts (gated: the epilogue needs the whole sum)."""
     n, k = weight.shape
     width = n // 2 if gated else n
-    block_k = min(128, _pow2_divisor(k))
+    block_k = _block_k(k)
     if block_k < 16:
         return None
     best = None
@@ -342,15 +342,20 @@ def _skinny_plan(weight, sms, *, splittable=True, gated=False):
     return best[1]
 
 
-def _expert_projections(expert, rows, device, dtype):
-    """Per layer _Projections for skinny_linear, or None (a layer that is not plain bias-free
-    GEMMs in `dtype`, too many rows, or no Triton here: linear_forward serves it)."""
+def _skinny_serves(state) -> bool:
+    """skinny_linear can take the action rows of `state` ([B, S, ...]): Triton here, few rows."""
     from sglang_ext.kernels import runs_triton
     from sglang_ext.kernels.skinny_gemm import MAX_ROWS
 
-    if rows > MAX_ROWS or not runs_triton(torch.empty(0, device=device)):
+    return runs_triton(state) and state.shape[0] * state.shape[1] <= MAX_ROWS
+
+
+def _expert_projections(expert, state, dtype):
+    """Per layer _Projections for skinny_linear, or None (a layer that is not plain bias-free
+    GEMMs in `dtype`, too many rows, or no Triton here: linear_forward serves it)."""
+    if not _skinny_serves(state):
         return None
-    sms = _sm_count(device)
+    sms = _sm_count(state.device)
     plans = []
     for layer in expert.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -369,34 +374,29 @@ def _expert_projections(expert, rows, device, dtype):
     return plans
 
 
-def _action_projections(core, device):
-    """((w_in, b_in), (w_out, b_out)) of float32 action in/out projections for skinny_linear
-    (its K has a block >= 16), else None: the modules run as they are."""
-    from sglang_ext.kernels import runs_triton
-
-    if not runs_triton(torch.empty(0, device=device)):
+def _action_projections(core, state):
+    """((weight, bias, block_k) of action_in_proj, the same of action_out_proj) when both are
+    plain float32 GEMMs that skinny_linear can take (K with a power-of-two block >= 16), else
+    None: the modules run as they are."""
+    if not _skinny_serves(state):
         return None
-    pair = [_plain_weight(m, torch.float32, bias_ok=True) for m in (core.action_in_proj, core.action_out_proj)]
-    if any(p is None or p[0].shape[1] % 16 for p in pair):
-        return None
-    return pair
+    pair = []
+    for module in (core.action_in_proj, core.action_out_proj):
+        plain = _plain_weight(module, torch.float32, bias_ok=True)
+        if plain is None or _block_k(plain[0].shape[1]) < 16:
+            return None
+        pair.append((*plain, _block_k(plain[0].shape[1])))
+    return tuple(pair)
 
 
-def _pow2_divisor(k: int) -> int:
-    return k & -k
+def _block_k(k: int) -> int:
+    """The widest power-of-two K block (at most 128) that divides K."""
+    return min(128, k & -k)
 
 
 def _sm_count(device) -> int:
     device = torch.device(device)
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-def _attention_splits(batch, seq, heads, kv_heads, total, sms):
-    """Key splits for first_rows_attention: fill the SMs, at least one 64-row key block each."""
-    from sglang_ext.kernels.attention import _BLOCK_M, _BLOCK_N
-
-    programs = batch * kv_heads * -(-seq * (heads // kv_heads) // _BLOCK_M)
-    return max(1, min(sms // programs, -(-total // _BLOCK_N)))
 
 
 # --------------------------------------------------------------------------
@@ -510,6 +510,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
 
     from sglang_ext.kernels import ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, rope_qkv, skinny_linear
+    from sglang_ext.kernels.attention import key_splits
 
     expert = _expert(core)
     layers = expert.layers
@@ -518,8 +519,8 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     dtype = attn0.projection_dtype
     batch, seq = state.shape[:2]
     norms = _adaptive_norms(expert)
-    projections = _expert_projections(expert, batch * seq, state.device, dtype)
-    actions = _action_projections(core, state.device) if projections is not None else None
+    projections = _expert_projections(expert, state, dtype)
+    actions = _action_projections(core, state) if projections is not None else None
 
     def gemm(index, name, module, x):
         if projections is None:
@@ -533,23 +534,21 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     def action_in(x_t):
         if actions is None:
             return core.action_in_proj(x_t.to(core.action_in_proj.weight.dtype)).to(dtype).contiguous()
-        (weight, bias), _ = actions
-        block_k = min(128, _pow2_divisor(weight.shape[1]))
+        (weight, bias, block_k), _ = actions
         return skinny_linear(x_t, weight, bias=bias, out_dtype=dtype, block_k=block_k)
 
     def action_out(normed, x_t):  # x_t += dt * velocity
         if actions is None:
             velocity = core.action_out_proj(normed.to(core.action_out_proj.weight.dtype))
             return x_t.add_(velocity.to(torch.float32), alpha=dt)
-        _, (weight, bias) = actions
-        return skinny_linear(normed, weight, bias=bias, add_to=x_t, alpha=dt, block_n=16,
-                             block_k=min(128, _pow2_divisor(weight.shape[1])))
+        _, (weight, bias, block_k) = actions
+        return skinny_linear(normed, weight, bias=bias, add_to=x_t, alpha=dt, block_n=16, block_k=block_k)
 
     with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
         cos_sin, kv, kv_start, used = _request_layout(
             core, expert, prefix_context, state, full_attention, action_position_offset, dtype
         )
-        splits = _attention_splits(batch, seq, heads, kv_heads, kv.shape[3], _sm_count(state.device))
+        splits = key_splits(batch, seq, heads, kv_heads, kv.shape[3], _sm_count(state.device))
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
         for step in range(table.shape[0]):
             cond = table[step]  # [norms, 3, batch, width]

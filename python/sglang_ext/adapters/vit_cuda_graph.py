@@ -613,6 +613,23 @@ def _get_sin_cos_ws(self, graph_key, seq_len, head_dim, dtype=None):
     return self._sin_cos_ws_by_graph[graph_key]
 
 
+def _ext_fill_rotary(self, graph_key, seq_len, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+    """Copy this call's cos/sin into the graph's stable rotary buffers; the block kwargs that
+    pass those buffers (empty for a tower without rotary inputs)."""
+    if position_embeddings is not None:
+        cos, sin = position_embeddings
+    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
+        cos, sin = rotary_pos_emb_cos, rotary_pos_emb_sin
+    else:
+        return {}
+    cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, cos.shape[1], cos.dtype)
+    cos_ws.copy_(cos)
+    sin_ws.copy_(sin)
+    if position_embeddings is not None:
+        return {"position_embeddings": (cos_ws, sin_ws)}
+    return {"rotary_pos_emb_cos": cos_ws, "rotary_pos_emb_sin": sin_ws}
+
+
 def _retired_sin_cos_ws(self):
     """Retired rotary backings still leased by a live graph, one (cos, sin) each; freed ones drop out."""
     leases = self.__dict__.get("_ext_rotary_leases") or {}
@@ -807,22 +824,7 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
             self.cu_window_len_kk[graph_key] = cu_window[1:] - cu_window[:-1]
         self._ext_max_lens[graph_key] = (_ext_vit_max_len(full_layout), _ext_vit_max_len(window_layout))
     self.block_input[graph_key].copy_(x_3d)
-    position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin = rotary
-    rotary_kwargs = {}
-    if position_embeddings is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(
-            graph_key, seq_len, position_embeddings[0].shape[1], position_embeddings[0].dtype
-        )
-        cos_ws.copy_(position_embeddings[0])
-        sin_ws.copy_(position_embeddings[1])
-        rotary_kwargs["position_embeddings"] = (cos_ws, sin_ws)
-    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(
-            graph_key, seq_len, rotary_pos_emb_cos.shape[1], rotary_pos_emb_cos.dtype
-        )
-        cos_ws.copy_(rotary_pos_emb_cos)
-        sin_ws.copy_(rotary_pos_emb_sin)
-        rotary_kwargs["rotary_pos_emb_cos"], rotary_kwargs["rotary_pos_emb_sin"] = cos_ws, sin_ws
+    rotary_kwargs = self._ext_fill_rotary(graph_key, seq_len, *rotary)
     # Warm-up (lazy initialisation outside the capture), one block per attention kind (window and
     # full): kernels that compile on first use (triton autotune, fa4's CuTe JIT per
     # max_seqlen-dependent variant) must not compile inside the capture. Local stand-ins for the TP
@@ -907,18 +909,7 @@ def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings,
 def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None,
            output_indices=None):
     seq_len = graph_key.num_tokens if isinstance(graph_key, GraphKey) else int(graph_key)
-    if position_embeddings is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(
-            graph_key, seq_len, position_embeddings[0].shape[1], position_embeddings[0].dtype
-        )
-        cos_ws.copy_(position_embeddings[0])
-        sin_ws.copy_(position_embeddings[1])
-    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        cos_ws, sin_ws = self._get_sin_cos_ws(
-            graph_key, seq_len, rotary_pos_emb_cos.shape[1], rotary_pos_emb_cos.dtype
-        )
-        cos_ws.copy_(rotary_pos_emb_cos)
-        sin_ws.copy_(rotary_pos_emb_sin)
+    self._ext_fill_rotary(graph_key, seq_len, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
     self.block_input[graph_key].copy_(x_3d)
     guard = self.__dict__.get("_ext_address_guard")
     if guard is not None and guard.enabled:
@@ -1196,7 +1187,7 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 _RUNNER_METHODS = (
     _ext_ensure_state, _ext_graph_budget, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
     _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_fixed_classes, _ext_precapture, _ext_pad_to_bucket,
-    _ext_write_layout, _get_sin_cos_ws, _ext_graph_pool, _ext_tower_group, _ext_vote, _ext_warm_up_context,
+    _ext_write_layout, _get_sin_cos_ws, _ext_fill_rotary, _ext_graph_pool, _ext_tower_group, _ext_vote, _ext_warm_up_context,
     _create_graph, _ext_attention_kwargs, _ext_block_is_full, _ext_block_kwargs, _ext_prepare_graph, create_graph,
     replay, _ext_graph_tensors,
     _ext_expected_bytes, _ext_run_eager, run,

@@ -44,6 +44,12 @@ def _check(q, keys, values, used):
     return batch, seq, heads, head_dim, keys.shape[1], kv_heads
 
 
+def key_splits(batch, seq, heads, kv_heads, total, sms):
+    """A `splits` for first_rows_attention: fill the `sms` SMs, at least one key block each."""
+    programs = batch * kv_heads * -(-seq * (heads // kv_heads) // _BLOCK_M)
+    return max(1, min(sms // programs, -(-total // _BLOCK_N)))
+
+
 def first_rows_attention_reference(q, keys, values, used=None, *, scale, splits=1):
     """torch version of `first_rows_attention` (float32 math, probabilities in q's dtype)."""
     batch, seq, heads, head_dim, total, kv_heads = _check(q, keys, values, used)

@@ -113,10 +113,12 @@ def test_skinny_gemm_and_attention_plans_fill_the_gpu():
     assert fast_module._skinny_plan(torch.empty(128, 64), sms)[1:] == (1, 32, 64)
     assert fast_module._skinny_plan(torch.empty(128, 24), sms) is None
     # 50 action tokens x 8 heads over one K/V head: 7 query blocks; keys 560 prefix + 50.
-    splits = fast_module._attention_splits(1, 50, 8, 1, 610, sms)
+    from sglang_ext.kernels.attention import key_splits
+
+    splits = key_splits(1, 50, 8, 1, 610, sms)
     print(f"[plan] attention: {splits} key splits x 7 query blocks")
     assert splits == -(-610 // 64)  # one 64-row key block per program: 70 programs
-    assert fast_module._attention_splits(1, 50, 8, 1, 8000, sms) == sms // 7  # long K/V: capped by the SMs
+    assert key_splits(1, 50, 8, 1, 8000, sms) == sms // 7  # long K/V: capped by the SMs
 
 
 def test_fast_and_exact_fused_loops_get_separate_graphs(pi05, fake_graphs, monkeypatch):

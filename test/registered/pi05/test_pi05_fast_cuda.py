@@ -32,6 +32,8 @@ import torch
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
+from test_pi05_graphs_cuda import _ext_environment, random_policy  # noqa: E402  (same folder)
+
 register_cuda_ci(est_time=300, stage="base-b", runner_config="1-gpu-small")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -50,40 +52,14 @@ def _ext(name):
 
 @pytest.fixture(scope="module")
 def policy():
-    from sglang_ext.testing.pi05_random import build_random_pi05, unrelated_patches
-    from sglang_ext.versions import installed_sglang_version, source_tree_version
-
-    env = {
-        "SGLANG_EXT": "1",
-        "SGLANG_EXT_STRICT": "1",
-        "SGLANG_EXT_DISABLE": ",".join(unrelated_patches()),
-        "SGLANG_EXT_PI05_ACTION_GRAPH_MAX_ENTRIES": "64",  # every signature of this file gets its graph
-        "SGLANG_EXT_PI05_GRAPH_MIN_HITS": "1",  # captured at the first sighting
-    }
-    if installed_sglang_version() is None:  # unpacked source tree (GPU machine)
-        import sglang
-
-        version = source_tree_version(os.path.dirname(os.path.dirname(sglang.__file__)))
-        if version:
-            env["SGLANG_EXT_ASSUME_SGLANG"] = version
-    activation = _ext("activation")
-    patch = pytest.MonkeyPatch()
-    for key, value in env.items():
-        patch.setenv(key, value)
-    patch.delenv("SGLANG_EXT_PI05_FAST", raising=False)
-    activation.deactivate()
-    statuses = activation.activate(eager=True)
-    print("sglang-ext:", {name: str(status) for name, status in statuses.items()})
-    model = build_random_pi05(device="cuda", dtype=torch.bfloat16, seed=0)
-    expert = model.core_model.paligemma_with_expert.gemma_expert.model
-    print("action attention backend:", expert.layers[0].self_attn.attn.backend)
-    yield model
-    model.prefix_graph_runner.clear()
-    model.graph_runner.clear()
-    del model
-    torch.cuda.empty_cache()
-    activation.deactivate()
-    patch.undo()
+    env = _ext_environment(
+        PI05_ACTION_GRAPH_MAX_ENTRIES="64",  # every signature of this file gets its graph
+        PI05_GRAPH_MIN_HITS="1",  # captured at the first sighting
+    )
+    with random_policy(env, unset=("SGLANG_EXT_PI05_FAST",)) as model:
+        expert = model.core_model.paligemma_with_expert.gemma_expert.model
+        print("action attention backend:", expert.layers[0].self_attn.attn.backend)
+        yield model
 
 
 def _agreement(got, want):

@@ -13,6 +13,7 @@ roundings of headroom). Every case prints its max abs / relative difference.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -30,7 +31,8 @@ NUM_STEPS = 10
 PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
 
 
-def _ext_environment():
+def _ext_environment(**knobs):
+    """Strict activation with the patches unrelated to Pi0.5 off, plus `knobs` (SGLANG_EXT_<name>)."""
     from sglang_ext.versions import installed_sglang_version, source_tree_version
 
     from sglang_ext.testing.pi05_random import unrelated_patches
@@ -39,8 +41,7 @@ def _ext_environment():
         "SGLANG_EXT": "1",
         "SGLANG_EXT_STRICT": "1",
         "SGLANG_EXT_DISABLE": ",".join(unrelated_patches()),
-        "SGLANG_EXT_PI05_PREFIX_GRAPH_MAX_ENTRIES": "16",
-        "SGLANG_EXT_PI05_ACTION_GRAPH_MAX_ENTRIES": "16",
+        **{f"SGLANG_EXT_{name}": value for name, value in knobs.items()},
     }
     if installed_sglang_version() is None:  # unpacked source tree (GPU machine)
         import sglang
@@ -51,26 +52,23 @@ def _ext_environment():
     return env
 
 
-@pytest.fixture(scope="module")
-def policy():
+@contextlib.contextmanager
+def random_policy(env, unset=()):
+    """The real-size random Pi0.5 (bf16, seed 0) built under `env`'s activation (`unset`: names
+    removed from the environment); its graphs, memory and the activation released after."""
     from sglang_ext.testing.pi05_random import build_random_pi05
-
-    import importlib
 
     # the plugin, or on the patched tree the copy the fork series vendors (sglang.ext)
     activation = importlib.import_module("sglang.ext.activation" if PATCHED_TREE else "sglang_ext.activation")
     patch = pytest.MonkeyPatch()
-    for key, value in _ext_environment().items():
+    for key, value in env.items():
         patch.setenv(key, value)
+    for key in unset:
+        patch.delenv(key, raising=False)
     activation.deactivate()
     statuses = activation.activate(eager=True)
     print("sglang-ext:", {name: str(status) for name, status in statuses.items()})
     model = build_random_pi05(device="cuda", dtype=torch.bfloat16, seed=0)
-    print(
-        "graph runners:",
-        "prefix", model.prefix_graph_runner.enabled, model.prefix_graph_runner.max_entries,
-        "action", model.graph_runner.enabled, model.graph_runner.max_entries,
-    )
     yield model
     model.prefix_graph_runner.clear()
     model.graph_runner.clear()
@@ -78,6 +76,18 @@ def policy():
     torch.cuda.empty_cache()
     activation.deactivate()
     patch.undo()
+
+
+@pytest.fixture(scope="module")
+def policy():
+    env = _ext_environment(PI05_PREFIX_GRAPH_MAX_ENTRIES="16", PI05_ACTION_GRAPH_MAX_ENTRIES="16")
+    with random_policy(env) as model:
+        print(
+            "graph runners:",
+            "prefix", model.prefix_graph_runner.enabled, model.prefix_graph_runner.max_entries,
+            "action", model.graph_runner.enabled, model.graph_runner.max_entries,
+        )
+        yield model
 
 
 def _compare(label, graph_actions, eager_actions):
