@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_ext.kernels.backend import block_size, runs_triton, tl, triton
+from sglang_ext.kernels.backend import after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl
 
 _BLOCK = 1024
 
@@ -41,7 +41,8 @@ if triton is not None:
         return 0.5 * gate * (1.0 + tanh)
 
     @triton.jit
-    def _gelu_tanh_and_mul_kernel(X, OUT, n_inner, BLOCK: tl.constexpr):
+    def _gelu_tanh_and_mul_kernel(X, OUT, n_inner, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        after_previous_kernel(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_inner
@@ -60,5 +61,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // (2 * inner)
     out = torch.empty((*x.shape[:-1], inner), dtype=x.dtype, device=x.device)
     block = min(_BLOCK, block_size(inner))
-    _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inner, block))](x, out, inner, BLOCK=block, num_warps=4)
+    _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inner, block))](
+        x, out, inner, BLOCK=block, PDL=uses_pdl(x), launch_pdl=uses_pdl(x), num_warps=4
+    )
     return out

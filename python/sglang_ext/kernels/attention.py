@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from sglang_ext.kernels.backend import DOT_UPCAST, block_size, runs_triton, tl, triton
+from sglang_ext.kernels.backend import DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl
 
 _BLOCK_M = 64
 _BLOCK_N = 64
@@ -77,7 +77,9 @@ if triton is not None:
         seq, total, keys_per_split, scale,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_BLOCKS: tl.constexpr,
         HAS_USED: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        after_previous_kernel(PDL)
         group: tl.constexpr = HEADS // KV_HEADS
         program = tl.program_id(0)
         split = tl.program_id(1)
@@ -133,8 +135,9 @@ if triton is not None:
     def _combine_kernel(
         ACC, STATS, OUT, seq, all_rows,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        SPLITS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        after_previous_kernel(PDL)
         group: tl.constexpr = HEADS // KV_HEADS
         row = tl.program_id(0)  # over (b * KV + g) * S * G + r
         rows = seq * group
@@ -179,17 +182,18 @@ def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *
     all_rows = batch * kv_heads * rows
     acc = out if direct else torch.empty(splits * all_rows, head_dim, dtype=torch.float32, device=q.device)
     stats = out if direct else torch.empty(splits * all_rows, 2, dtype=torch.float32, device=q.device)
+    pdl = uses_pdl(q)
     _split_attention_kernel[(batch * kv_heads * q_blocks, splits)](
         q, keys, values, used if used is not None else out, out, acc, stats,
         seq, total, keys_per_split, float(scale),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, Q_BLOCKS=q_blocks,
         HAS_USED=used is not None, DIRECT=direct, UPCAST=DOT_UPCAST, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        num_warps=8 if head_dim >= 128 else 4, num_stages=2,
+        PDL=pdl, launch_pdl=pdl, num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )
     if not direct:
         _combine_kernel[(all_rows,)](
             acc, stats, out, seq, all_rows,
             HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, SPLITS=splits, SPLITS_BLOCK=block_size(splits),
-            num_warps=4,
+            PDL=pdl, launch_pdl=pdl, num_warps=4,
         )
     return out

@@ -8,10 +8,12 @@ environment before that import for CPU tensors to run the kernels.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs without triton: references only
     triton = None
     tl = None
@@ -20,6 +22,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # triton's interpreter multiplies bfloat16 tl.dot operands wrongly (3.8: ~1e11 off); under it the
 # kernels upcast dot operands to float32 first (a constexpr: the GPU kernels are unchanged).
 DOT_UPCAST = INTERPRET
+
+
+# Programmatic dependent launch (sm90+): a kernel launched with it is scheduled while the kernel
+# before it in the stream (or CUDA graph) still runs, and waits in `after_previous_kernel` until
+# that kernel has finished and its writes are visible; only what cannot depend on it (constant
+# weights prefetched to L2) comes before. Off with SGLANG_EXT_PDL=0.
+PDL_ENABLED = os.environ.get("SGLANG_EXT_PDL", "1") != "0"
 
 
 def runs_triton(tensor) -> bool:
@@ -32,3 +41,31 @@ def runs_triton(tensor) -> bool:
 def block_size(n: int) -> int:
     """Smallest power of two >= n (Triton blocks are powers of two; masks cut the rest)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def uses_pdl(tensor) -> bool:
+    """True: kernels on `tensor`'s device launch with programmatic dependent launch."""
+    return PDL_ENABLED and not INTERPRET and tensor.is_cuda and _sm_major(tensor.device.index) >= 9
+
+
+@lru_cache(maxsize=None)
+def _sm_major(index) -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0]
+
+
+if triton is not None:
+
+    @triton.jit
+    def after_previous_kernel(PDL: tl.constexpr):
+        """Under PDL: wait for the previous kernel's completion, then let the next one launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_to_l2(ptrs):
+        """Start loading the 128-byte lines at `ptrs` into L2 (no registers, no wait)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)

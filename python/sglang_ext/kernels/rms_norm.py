@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from sglang_ext.kernels.backend import block_size, runs_triton, tl, triton
+from sglang_ext.kernels.backend import after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl
 from sglang_ext.kernels.skinny_gemm import Partials
 
 
@@ -81,7 +81,9 @@ if triton is not None:
         X, ADD, GATE, SCALE, SHIFT, OUT,
         n_cols, group, eps, part_stride,
         HAS_ADD: tl.constexpr, ADD_PARTS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        after_previous_kernel(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -149,6 +151,8 @@ def ada_rms_norm(
         HAS_GATE=gate is not None,
         HAS_SHIFT=shift is not None,
         BLOCK=block,
+        PDL=uses_pdl(x),
+        launch_pdl=uses_pdl(x),
         num_warps=4 if block <= 2048 else 8,
     )
     return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_ext.kernels.backend import block_size, runs_triton, tl, triton
+from sglang_ext.kernels.backend import after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl
 from sglang_ext.kernels.skinny_gemm import Partials
 
 
@@ -64,7 +64,9 @@ if triton is not None:
         QKV, COS_SIN, Q_OUT, K_OUT, V_OUT,
         seq_len, kv_len, kv_start, part_stride,
         PARTS: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        after_previous_kernel(PDL)
         token = tl.program_id(0)
         head = tl.program_id(1)
         half = HEAD_DIM // 2
@@ -116,5 +118,5 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
         qkv, cos_sin, q_out, k_out, v_out,
         seq, k_out.shape[1], int(kv_start), qkv[0].numel(),
         PARTS=parts, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2),
-        num_warps=1 if head_dim <= 256 else 2,
+        PDL=uses_pdl(q_out), launch_pdl=uses_pdl(q_out), num_warps=1 if head_dim <= 256 else 2,
     )

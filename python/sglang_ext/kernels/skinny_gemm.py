@@ -21,15 +21,19 @@ action in/out projections, which sglang keeps in float32.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from sglang_ext.kernels.activation import gelu_tanh
-from sglang_ext.kernels.backend import DOT_UPCAST, block_size, runs_triton, tl, triton
+from sglang_ext.kernels.backend import (
+    DOT_UPCAST, after_previous_kernel, block_size, prefetch_to_l2, runs_triton, tl, triton, uses_pdl,
+)
 
 MAX_ROWS = 128
+_PREFETCH = os.environ.get("SGLANG_EXT_L2_PREFETCH", "1") != "0"  # A/B of session 6; to go
 
 
 class Partials(NamedTuple):
@@ -97,13 +101,21 @@ if triton is not None:
         X, W, OUT, BIAS, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
         GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_TO: tl.constexpr, F32: tl.constexpr,
-        UPCAST: tl.constexpr,
+        UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         part = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = part * k_per_part + tl.arange(0, BLOCK_K)
+        if PREFETCH:  # the weight slice does not depend on the previous kernel: to L2 meanwhile
+            lines = tl.minimum(rn, n_cols - 1)[:, None] * k_dim + tl.arange(0, BLOCK_K // LINE)[None, :] * LINE
+            lines = W + part * k_per_part + lines
+            for kk in range(0, k_per_part, BLOCK_K):
+                prefetch_to_l2(lines + kk)
+                if GATED:
+                    prefetch_to_l2(lines + gate_offset * k_dim + kk)
+        after_previous_kernel(PDL)
         x_ptrs = X + rm[:, None] * k_dim + rk[None, :]
         w_ptrs = W + rn[None, :] * k_dim + rk[:, None]  # [BLOCK_K, BLOCK_N] view of weight rows
         row_mask = rm[:, None] < rows
@@ -167,10 +179,12 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
         out = torch.empty((*x.shape[:-1], width), dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty((parts, *x.shape[:-1], n), dtype=torch.float32, device=x.device)
+    pdl = uses_pdl(x)
     _skinny_gemm_kernel[(triton.cdiv(width, block_n), parts)](
         x, weight, out, bias if bias is not None else weight, rows, width, k, k // parts, width, float(alpha),
         BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=parts > 1,
         GATED=gated, HAS_BIAS=bias is not None, ADD_TO=add_to is not None, F32=x.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, num_warps=4, num_stages=num_stages,
+        UPCAST=DOT_UPCAST, PDL=pdl, PREFETCH=pdl and _PREFETCH, LINE=128 // x.element_size(), launch_pdl=pdl,
+        num_warps=4, num_stages=num_stages,
     )
     return out if parts == 1 else Partials(out)

@@ -286,29 +286,30 @@ _HOPPER_BUILDS = [
      {"X": "*bf16", "W": "*bf16", "OUT": "*fp32", "BIAS": "*bf16", "rows": "i32", "n_cols": "i32", "k_dim": "i32",
       "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
      [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=partial, GATED=gated, HAS_BIAS=False, ADD_TO=False, F32=False,
-           UPCAST=False) for partial, gated in ((True, False), (False, False), (False, True))]),
+           UPCAST=False, PDL=pdl, PREFETCH=pdl, LINE=64)
+      for partial, gated in ((True, False), (False, False), (False, True)) for pdl in (False, True)]),
     ("skinny_gemm", "_skinny_gemm_kernel",
      {"X": "*fp32", "W": "*fp32", "OUT": "*fp32", "BIAS": "*fp32", "rows": "i32", "n_cols": "i32", "k_dim": "i32",
       "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
      [dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32, PARTIAL=False, GATED=False, HAS_BIAS=True, ADD_TO=add_to, F32=True,
-           UPCAST=False) for block_n, add_to in ((64, False), (16, True))]),
+           UPCAST=False, PDL=True, PREFETCH=True, LINE=32) for block_n, add_to in ((64, False), (16, True))]),
     ("attention", "_split_attention_kernel",
      {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "USED": "*i32", "OUT": "*bf16", "ACC": "*fp32", "STATS": "*fp32",
       "seq": "i32", "total": "i32", "keys_per_split": "i32", "scale": "fp32"},
      [dict(HEADS=8, KV_HEADS=1, HEAD_DIM=256, Q_BLOCKS=7, HAS_USED=used, DIRECT=direct, UPCAST=False, BLOCK_M=64,
-           BLOCK_N=64) for used in (False, True) for direct in (False, True)]),
+           BLOCK_N=64, PDL=True) for used in (False, True) for direct in (False, True)]),
     ("attention", "_combine_kernel",
      {"ACC": "*fp32", "STATS": "*fp32", "OUT": "*bf16", "seq": "i32", "all_rows": "i32"},
-     [dict(HEADS=8, KV_HEADS=1, HEAD_DIM=256, SPLITS=10, SPLITS_BLOCK=16)]),
+     [dict(HEADS=8, KV_HEADS=1, HEAD_DIM=256, SPLITS=10, SPLITS_BLOCK=16, PDL=True)]),
     ("rms_norm", "_ada_rms_norm_kernel",
      {"X": "*bf16", "ADD": "*fp32", "GATE": "*fp32", "SCALE": "*fp32", "SHIFT": "*fp32", "OUT": "*fp32",
       "n_cols": "i32", "group": "i32", "eps": "fp32", "part_stride": "i32"},
-     [dict(HAS_ADD=True, ADD_PARTS=4, HAS_GATE=True, HAS_SHIFT=True, BLOCK=1024)]),
+     [dict(HAS_ADD=True, ADD_PARTS=4, HAS_GATE=True, HAS_SHIFT=True, BLOCK=1024, PDL=True)]),
     ("rope", "_rope_qkv_kernel",
      {"QKV": "*fp32", "COS_SIN": "*fp32", "Q_OUT": "*bf16", "K_OUT": "*bf16", "V_OUT": "*bf16", "seq_len": "i32",
       "kv_len": "i32", "kv_start": "i32", "part_stride": "i32"},
-     [dict(PARTS=2, NUM_HEADS=8, NUM_KV=1, HEAD_DIM=256, BLOCK=128)]),
-    ("activation", "_gelu_tanh_and_mul_kernel", {"X": "*bf16", "OUT": "*bf16", "n_inner": "i32"}, [dict(BLOCK=1024)]),
+     [dict(PARTS=2, NUM_HEADS=8, NUM_KV=1, HEAD_DIM=256, BLOCK=128, PDL=True)]),
+    ("activation", "_gelu_tanh_and_mul_kernel", {"X": "*bf16", "OUT": "*bf16", "n_inner": "i32"}, [dict(BLOCK=1024, PDL=True)]),
 ]
 
 
@@ -327,3 +328,10 @@ def test_kernels_build_for_hopper(module, kernel, types, variants):
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32))
         assert compiled.asm.get("cubin"), (kernel, constexprs)
+        ptx = compiled.asm["ptx"]
+        # under PDL nothing may load before the wait but the L2 prefetch of constant weights
+        assert ("griddepcontrol.wait" in ptx) == bool(constexprs.get("PDL")), (kernel, constexprs)
+        assert ("prefetch.global.L2" in ptx) == bool(constexprs.get("PREFETCH")), (kernel, constexprs)
+        if constexprs.get("PDL"):
+            before_wait = ptx[: ptx.index("griddepcontrol.wait")]
+            assert "ld.global" not in before_wait and "cp.async" not in before_wait, (kernel, constexprs)
