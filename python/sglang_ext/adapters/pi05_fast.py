@@ -32,8 +32,9 @@ How:
        rows and attention reads the first `used[b]` rows, with no mask (the masked SDPA
        kernel cost ~41 us per layer and step on the H200, 4x the full prefix's flash
        kernel).
-    3. Per step and layer (sglang_ext.kernels): adaRMS norm (layer 0); qkv GEMM; RoPE of q
-       and k writing k / v into the K/V buffer's suffix rows (one kernel); attention of the
+    3. Per step and layer (sglang_ext.kernels): adaRMS norm (layer 0); qkv GEMM with RoPE of
+       q and k in its epilogue, writing k / v into the K/V buffer's suffix rows (one kernel,
+       linear_rope_qkv; the prefix runs cuBLAS then rope_qkv); attention of the
        50 tokens over the first used[b] rows (first_rows_attention: the query heads of the
        one K/V head as one block of rows, keys split over the SMs; full and masked prefixes
        alike, whatever the layer's backend); o_proj; gated residual fused with the next
@@ -294,7 +295,8 @@ def _uses_torch_sdpa(attn) -> bool:
 
 
 class _Projections(NamedTuple):
-    """One expert layer's skinny_linear plan per GEMM: (weight [N, K], parts, block_n, block_k)."""
+    """One expert layer's skinny_linear plan per GEMM: (weight [N, K], parts, block_n, block_k); for
+    qkv, linear_rope_qkv's (weight, block_n, block_k)."""
 
     qkv: tuple
     o: tuple
@@ -342,6 +344,17 @@ def _skinny_plan(weight, sms, *, splittable=True, gated=False):
     return best[1]
 
 
+def _rope_plan(weight, head_dim, sms):
+    """(weight, block_n, block_k) for linear_rope_qkv, or None: the narrowest column-pair block
+    (most programs) that fits one wave, else the widest that divides head_dim / 2."""
+    block_k = _block_k(weight.shape[1])
+    fitting = [b for b in (16, 32, 64) if (head_dim // 2) % b == 0]
+    if block_k < 16 or not fitting:
+        return None
+    one_wave = [b for b in fitting if weight.shape[0] // 2 // b <= sms]
+    return weight, (one_wave or fitting[::-1])[0], block_k
+
+
 def _skinny_serves(state) -> bool:
     """skinny_linear can take the action rows of `state` ([B, S, ...]): Triton here, few rows."""
     from sglang_ext.kernels import runs_triton
@@ -365,7 +378,7 @@ def _expert_projections(expert, state, dtype):
             return None
         qkv, o, gate_up, down = (p[0] for p in plain)
         plan = _Projections(
-            _skinny_plan(qkv, sms), _skinny_plan(o, sms),
+            _rope_plan(qkv, attn.head_dim, sms), _skinny_plan(o, sms),
             _skinny_plan(gate_up, sms, splittable=False, gated=True), _skinny_plan(down, sms),
         )
         if None in plan:
@@ -509,7 +522,9 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
 
-    from sglang_ext.kernels import ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, rope_qkv, skinny_linear
+    from sglang_ext.kernels import (
+        ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, linear_rope_qkv, rope_qkv, skinny_linear,
+    )
     from sglang_ext.kernels.attention import key_splits
 
     expert = _expert(core)
@@ -530,6 +545,13 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
         return skinny_linear(
             x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up"
         )
+
+    def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
+        shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start)
+        if projections is None:
+            return rope_qkv(linear_forward(module, x), cos_sin, q, keys, values, **shape)
+        weight, block_n, block_k = projections[index].qkv
+        return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k, **shape)
 
     def action_in(x_t):
         if actions is None:
@@ -557,10 +579,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
             for index, layer in enumerate(layers):
                 attn = layer.self_attn
                 keys, values = kv[index, 0], kv[index, 1]
-                rope_qkv(
-                    gemm(index, "qkv", attn.qkv_proj, normed), cos_sin, q, keys, values,
-                    num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start,
-                )
+                qkv_rope(index, attn.qkv_proj, normed, keys, values)
                 out = first_rows_attention(q, keys, values, used, scale=attn.scaling, splits=splits)
                 out = gemm(index, "o", attn.o_proj, out.view(batch, seq, heads * head_dim))
                 post = 2 * index + 1

@@ -18,7 +18,7 @@ from sglang_ext.kernels.attention import first_rows_attention, first_rows_attent
 from sglang_ext.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference
 from sglang_ext.kernels.rms_norm import ada_rms_norm, ada_rms_norm_reference
 from sglang_ext.kernels.backend import runs_triton
-from sglang_ext.kernels.rope import rope_qkv, rope_qkv_reference
+from sglang_ext.kernels.rope import linear_rope_qkv, linear_rope_qkv_reference, rope_qkv, rope_qkv_reference
 from sglang_ext.kernels.skinny_gemm import Partials, skinny_linear, skinny_linear_reference
 
 
@@ -30,6 +30,8 @@ __all__ = [
     "first_rows_attention_reference",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_reference",
+    "linear_rope_qkv",
+    "linear_rope_qkv_reference",
     "rope_qkv",
     "rope_qkv_reference",
     "runs_triton",

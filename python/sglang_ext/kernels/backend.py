@@ -24,11 +24,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_UPCAST = INTERPRET
 
 
-# Programmatic dependent launch (sm90+): a kernel launched with it is scheduled while the kernel
-# before it in the stream (or CUDA graph) still runs, and waits in `after_previous_kernel` until
-# that kernel has finished and its writes are visible; only what cannot depend on it (constant
-# weights prefetched to L2) comes before. Off with SGLANG_EXT_PDL=0.
-PDL_ENABLED = os.environ.get("SGLANG_EXT_PDL", "1") != "0"
+# Programmatic dependent launch (sm90+): every kernel here lets the next kernel in the stream (or
+# CUDA graph) launch as soon as it starts, and before its first load waits until the kernel
+# before it has finished and its writes are visible (`after_previous_kernel`). So a kernel's
+# programs are resident when its predecessor ends, and the dependency chain stays intact: a
+# kernel finishes only after its predecessor did. False: plain launches (tests, A/B runs).
+PDL_ENABLED = True
 
 
 def runs_triton(tensor) -> bool:
@@ -59,13 +60,7 @@ if triton is not None:
 
     @triton.jit
     def after_previous_kernel(PDL: tl.constexpr):
-        """Under PDL: wait for the previous kernel's completion, then let the next one launch."""
+        """Under PDL: let the next kernel launch, then wait for the previous kernel's completion."""
         if PDL:
-            gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_to_l2(ptrs):
-        """Start loading the 128-byte lines at `ptrs` into L2 (no registers, no wait)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+            gdc_wait()

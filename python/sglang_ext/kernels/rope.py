@@ -11,21 +11,28 @@ buffer whose first rows hold a cached prefix). Rotation (neox: halves, not pairs
 cos_sin: [B * S, D] float32, cos in the first D/2 columns and sin in the last D/2
 (the layout of an sglang RotaryEmbedding cos_sin_cache row). Math in float32.
 qkv may be a skinny_linear `Partials` of that shape (summed here in float32).
+
+`linear_rope_qkv` fuses the qkv projection of a few rows (skinny_linear's M <= 128) into the
+same kernel: each program computes BLOCK_N column pairs (c, c + D/2) of one head and rotates
+them unrounded, so the projection output never goes to memory.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sglang_ext.kernels.backend import after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl
-from sglang_ext.kernels.skinny_gemm import Partials
+from sglang_ext.kernels.backend import (
+    DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl,
+)
+from sglang_ext.kernels.skinny_gemm import MAX_ROWS, Partials, slice_products
 
 
-def _check(qkv, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start):
-    batch, seq = qkv.shape[0], qkv.shape[1]
+def _check(shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start):
+    """(B, S) of a qkv projection of `shape`, after checking the outputs against it."""
+    batch, seq = shape[0], shape[1]
     expected = (num_heads + 2 * num_kv_heads) * head_dim
-    if len(qkv.shape) != 3 or qkv.shape[2] != expected:
-        raise ValueError(f"rope_qkv: qkv of shape {tuple(qkv.shape)}; allowed: [B, S, {expected}]")
+    if len(shape) != 3 or shape[2] != expected:
+        raise ValueError(f"rope_qkv: qkv of shape {tuple(shape)}; allowed: [B, S, {expected}]")
     if head_dim % 2:
         raise ValueError(f"rope_qkv: head_dim={head_dim}; allowed: even sizes")
     if tuple(cos_sin.shape) != (batch * seq, head_dim):
@@ -42,7 +49,7 @@ def _check(qkv, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim,
 
 def rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start):
     """torch version of `rope_qkv` (same float32 math)."""
-    batch, seq = _check(qkv, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
+    batch, seq = _check(qkv.shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
     qkv = qkv.total() if isinstance(qkv, Partials) else qkv
     q, k, v = qkv.float().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     cos, sin = cos_sin.float().view(batch, seq, 1, head_dim).chunk(2, dim=-1)
@@ -103,7 +110,7 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
             qkv, cos_sin, q_out, k_out, v_out,
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, kv_start=kv_start,
         )
-    batch, seq = _check(qkv, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
+    batch, seq = _check(qkv.shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
     parts = 1
     if isinstance(qkv, Partials):
         qkv, parts = qkv.parts, qkv.parts.shape[0]
@@ -119,4 +126,93 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
         seq, k_out.shape[1], int(kv_start), qkv[0].numel(),
         PARTS=parts, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2),
         PDL=uses_pdl(q_out), launch_pdl=uses_pdl(q_out), num_warps=1 if head_dim <= 256 else 2,
+    )
+
+
+def linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim,
+                              kv_start, block_n=16, block_k=128):
+    """torch version of `linear_rope_qkv`: the float32 product, then rope_qkv's float32 math."""
+    _check_linear(x, weight, head_dim, block_n, block_k)
+    _check((*x.shape[:-1], weight.shape[0]), cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
+    qkv = (x.float() @ weight.float().t()).reshape(*x.shape[:-1], weight.shape[0])
+    rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, kv_start=kv_start)
+
+
+def _check_linear(x, weight, head_dim, block_n, block_k):
+    rows = x.numel() // x.shape[-1]
+    if x.dim() != 3 or x.shape[-1] != weight.shape[1] or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"linear_rope_qkv: x {tuple(x.shape)}; allowed: [B, S, K={weight.shape[1]}], "
+                         f"B * S <= {MAX_ROWS}")
+    if (head_dim // 2) % block_n or weight.shape[1] % block_k or block_n & (block_n - 1) or block_k & (block_k - 1):
+        raise ValueError(f"linear_rope_qkv: block_n={block_n}, block_k={block_k}; allowed: powers of two "
+                         f"dividing head_dim / 2={head_dim // 2} and K={weight.shape[1]}")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _linear_rope_qkv_kernel(
+        X, W, COS_SIN, Q_OUT, K_OUT, V_OUT,
+        rows, k_dim, seq_len, kv_len, kv_start,
+        NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        after_previous_kernel(PDL)
+        half: tl.constexpr = HEAD_DIM // 2
+        blocks: tl.constexpr = half // BLOCK_N
+        head = tl.program_id(0) // blocks
+        c = (tl.program_id(0) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the first half
+        rm = tl.arange(0, BLOCK_M)
+        first, second = slice_products(
+            X, W, rm, head * HEAD_DIM + c, rows, (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM, k_dim, 0, k_dim, half,
+            BLOCK_M, BLOCK_N, BLOCK_K, True, F32, UPCAST,
+        )
+        row_ok = (rm < rows)[:, None]
+        table = COS_SIN + rm[:, None] * HEAD_DIM + c[None, :]
+        cos = tl.load(table, mask=row_ok, other=1.0)
+        sin = tl.load(table + half, mask=row_ok, other=0.0)
+        rotate = head < NUM_HEADS + NUM_KV  # v heads pass through: cos 1, sin 0 (exact)
+        cos = tl.where(rotate, cos, 1.0)
+        sin = tl.where(rotate, sin, 0.0)
+        out_first = first * cos - second * sin
+        out_second = second * cos + first * sin
+        kv_row = (rm // seq_len) * kv_len + kv_start + rm % seq_len
+        if head < NUM_HEADS:
+            dst = Q_OUT + (rm * NUM_HEADS + head) * HEAD_DIM
+        elif head < NUM_HEADS + NUM_KV:
+            dst = K_OUT + (kv_row * NUM_KV + head - NUM_HEADS) * HEAD_DIM
+        else:
+            dst = V_OUT + (kv_row * NUM_KV + head - NUM_HEADS - NUM_KV) * HEAD_DIM
+        dst = dst[:, None] + c[None, :]
+        tl.store(dst, out_first.to(Q_OUT.dtype.element_ty), mask=row_ok)
+        tl.store(dst + half, out_second.to(Q_OUT.dtype.element_ty), mask=row_ok)
+
+
+def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start,
+                    block_n=16, block_k=128):
+    """rope_qkv of the projection x [B, S, K] @ weight [(H + 2 KV) * D, K].T, in one kernel.
+
+    block_n column pairs per program ((H + 2 KV) * D / 2 / block_n programs), block_k the K step."""
+    if not runs_triton(q_out):
+        return linear_rope_qkv_reference(
+            x, weight, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, kv_start=kv_start, block_n=block_n, block_k=block_k,
+        )
+    _check_linear(x, weight, head_dim, block_n, block_k)
+    batch, seq = _check((*x.shape[:-1], weight.shape[0]), cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads,
+                        head_dim, kv_start)
+    for name, t in (("x", x), ("weight", weight), ("cos_sin", cos_sin), ("q_out", q_out), ("k_out", k_out),
+                    ("v_out", v_out)):
+        if not t.is_contiguous():
+            raise ValueError(f"linear_rope_qkv: {name} must be contiguous")
+    if x.dtype != weight.dtype or not (q_out.dtype == k_out.dtype == v_out.dtype) or cos_sin.dtype != torch.float32:
+        raise ValueError("linear_rope_qkv: x and weight share one dtype, q/k/v_out another, cos_sin is float32")
+    pdl = uses_pdl(x)
+    _linear_rope_qkv_kernel[((num_heads + 2 * num_kv_heads) * (head_dim // 2 // block_n),)](
+        x, weight, cos_sin, q_out, k_out, v_out,
+        batch * seq, x.shape[-1], seq, k_out.shape[1], int(kv_start),
+        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=max(16, block_size(batch * seq)),
+        BLOCK_N=block_n, BLOCK_K=block_k, F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=4,
     )

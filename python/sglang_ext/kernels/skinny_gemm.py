@@ -21,7 +21,6 @@ action in/out projections, which sglang keeps in float32.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -29,11 +28,10 @@ import torch.nn.functional as F
 
 from sglang_ext.kernels.activation import gelu_tanh
 from sglang_ext.kernels.backend import (
-    DOT_UPCAST, after_previous_kernel, block_size, prefetch_to_l2, runs_triton, tl, triton, uses_pdl,
+    DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl,
 )
 
 MAX_ROWS = 128
-_PREFETCH = os.environ.get("SGLANG_EXT_L2_PREFETCH", "1") != "0"  # A/B of session 6; to go
 
 
 class Partials(NamedTuple):
@@ -97,32 +95,21 @@ def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gate
 if triton is not None:
 
     @triton.jit
-    def _skinny_gemm_kernel(
-        X, W, OUT, BIAS, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-        GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_TO: tl.constexpr, F32: tl.constexpr,
-        UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+    def slice_products(
+        X, W, rm, rn, rows, n_cols, k_dim, k_start, k_len, second_offset,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SECOND: tl.constexpr,
+        F32: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        pid_n = tl.program_id(0)
-        part = tl.program_id(1)
-        rm = tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = part * k_per_part + tl.arange(0, BLOCK_K)
-        if PREFETCH:  # the weight slice does not depend on the previous kernel: to L2 meanwhile
-            lines = tl.minimum(rn, n_cols - 1)[:, None] * k_dim + tl.arange(0, BLOCK_K // LINE)[None, :] * LINE
-            lines = W + part * k_per_part + lines
-            for kk in range(0, k_per_part, BLOCK_K):
-                prefetch_to_l2(lines + kk)
-                if GATED:
-                    prefetch_to_l2(lines + gate_offset * k_dim + kk)
-        after_previous_kernel(PDL)
+        """float32 x[rm, k_start:k_start + k_len] @ W[rn, same].T ([BLOCK_M, BLOCK_N]) and, with
+        SECOND, the same product for weight rows rn + second_offset (else zeros)."""
+        rk = k_start + tl.arange(0, BLOCK_K)
         x_ptrs = X + rm[:, None] * k_dim + rk[None, :]
         w_ptrs = W + rn[None, :] * k_dim + rk[:, None]  # [BLOCK_K, BLOCK_N] view of weight rows
         row_mask = rm[:, None] < rows
         col_mask = rn[None, :] < n_cols
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, k_per_part, BLOCK_K):
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, k_len, BLOCK_K):
             a = tl.load(x_ptrs, mask=row_mask, other=0.0)
             b = tl.load(w_ptrs, mask=col_mask, other=0.0)
             if UPCAST:
@@ -131,13 +118,32 @@ if triton is not None:
                 acc += tl.dot(a, b, input_precision="tf32x3")
             else:
                 acc += tl.dot(a, b)
-            if GATED:  # the up rows sit gate_offset rows below the gate rows
-                b_up = tl.load(w_ptrs + gate_offset * k_dim, mask=col_mask, other=0.0)
+            if SECOND:
+                b2 = tl.load(w_ptrs + second_offset * k_dim, mask=col_mask, other=0.0)
                 if UPCAST:
-                    b_up = b_up.to(tl.float32)
-                up += tl.dot(a, b_up)
+                    b2 = b2.to(tl.float32)
+                acc2 += tl.dot(a, b2)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        return acc, acc2
+
+    @triton.jit
+    def _skinny_gemm_kernel(
+        X, W, OUT, BIAS, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+        GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_TO: tl.constexpr, F32: tl.constexpr,
+        UPCAST: tl.constexpr, PDL: tl.constexpr,
+    ):
+        after_previous_kernel(PDL)
+        part = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc, up = slice_products(  # with GATED the up rows sit gate_offset rows below the gate rows
+            X, W, rm, rn, rows, n_cols, k_dim, part * k_per_part, k_per_part, gate_offset,
+            BLOCK_M, BLOCK_N, BLOCK_K, GATED, F32, UPCAST,
+        )
+        row_mask = rm[:, None] < rows
+        col_mask = rn[None, :] < n_cols
         mask = row_mask & col_mask
         out_ptrs = OUT + part * rows * n_cols + rm[:, None] * n_cols + rn[None, :]
         if PARTIAL:
@@ -184,7 +190,7 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
         x, weight, out, bias if bias is not None else weight, rows, width, k, k // parts, width, float(alpha),
         BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=parts > 1,
         GATED=gated, HAS_BIAS=bias is not None, ADD_TO=add_to is not None, F32=x.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, PDL=pdl, PREFETCH=pdl and _PREFETCH, LINE=128 // x.element_size(), launch_pdl=pdl,
+        UPCAST=DOT_UPCAST, PDL=pdl, launch_pdl=pdl,
         num_warps=4, num_stages=num_stages,
     )
     return out if parts == 1 else Partials(out)

@@ -28,6 +28,7 @@ from sglang_ext.kernels import (  # noqa: E402
     ada_rms_norm_reference,
     first_rows_attention_reference,
     gelu_tanh_and_mul_reference,
+    linear_rope_qkv_reference,
     rope_qkv_reference,
     skinny_linear_reference,
 )
@@ -48,8 +49,8 @@ for case in cases:
         x = a.pop("x")
         out = kernels.ada_rms_norm(x, **a)
         outputs.append({"out": out, "x": x})
-    elif kind == "rope":
-        kernels.rope_qkv(**a)
+    elif kind in ("rope", "linear_rope"):
+        (kernels.rope_qkv if kind == "rope" else kernels.linear_rope_qkv)(**a)
         outputs.append({"q": a["q_out"], "k": a["k_out"], "v": a["v_out"]})
     elif kind == "gemm":
         out = kernels.skinny_linear(a.pop("x"), a.pop("weight"), **a)
@@ -101,6 +102,28 @@ def _rope_cases(generator):
                 "kv_start": prefix,
             }
             cases.append({"kind": "rope", "name": f"rope {dtype} h={heads}/{kv_heads} d={head_dim} p={prefix}", "args": args})
+    return cases
+
+
+def _linear_rope_cases(generator):
+    cases = []
+    for dtype in DTYPES:
+        for heads, kv_heads, head_dim, batch, seq, prefix, k, block_n in (
+            (2, 1, 32, 1, 50, 9, 64, 16), (3, 1, 64, 2, 5, 0, 96, 32), (8, 2, 64, 1, 4, 7, 128, 16),
+        ):
+            total = prefix + seq
+            args = {
+                "x": torch.randn(batch, seq, k, generator=generator).to(dtype),
+                "weight": (torch.randn((heads + 2 * kv_heads) * head_dim, k, generator=generator) * 0.2).to(dtype),
+                "cos_sin": torch.randn(batch * seq, head_dim, generator=generator),
+                "q_out": torch.zeros(batch, seq, heads, head_dim, dtype=dtype),
+                "k_out": torch.randn(batch, total, kv_heads, head_dim, generator=generator).to(dtype),
+                "v_out": torch.randn(batch, total, kv_heads, head_dim, generator=generator).to(dtype),
+                "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "kv_start": prefix,
+                "block_n": block_n, "block_k": 32,
+            }
+            cases.append({"kind": "linear_rope", "args": args,
+                          "name": f"linear_rope {dtype} h={heads}/{kv_heads} d={head_dim} p={prefix} n={block_n}"})
     return cases
 
 
@@ -164,8 +187,8 @@ def _attention_cases(generator):
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
     generator = torch.Generator().manual_seed(0)
-    cases = (_norm_cases(generator) + _rope_cases(generator) + _gelu_cases(generator) + _gemm_cases(generator)
-             + _attention_cases(generator))
+    cases = (_norm_cases(generator) + _rope_cases(generator) + _linear_rope_cases(generator) + _gelu_cases(generator)
+             + _gemm_cases(generator) + _attention_cases(generator))
     folder = tmp_path_factory.mktemp("kernels")
     torch.save(cases, folder / "cases.pt")
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -195,8 +218,8 @@ def _reference(case):
         x = a.pop("x")
         out = ada_rms_norm_reference(x, **a)
         return {"out": out, "x": x}
-    if case["kind"] == "rope":
-        rope_qkv_reference(**a)
+    if case["kind"] in ("rope", "linear_rope"):
+        (rope_qkv_reference if case["kind"] == "rope" else linear_rope_qkv_reference)(**a)
         return {"q": a["q_out"], "k": a["k_out"], "v": a["v_out"]}
     if case["kind"] == "gemm":
         out = skinny_linear_reference(a.pop("x"), a.pop("weight"), **a)
@@ -206,7 +229,7 @@ def _reference(case):
     return {"out": gelu_tanh_and_mul_reference(a["x"])}
 
 
-@pytest.mark.parametrize("kind", ["norm", "rope", "gelu", "gemm", "attn"])
+@pytest.mark.parametrize("kind", ["norm", "rope", "linear_rope", "gelu", "gemm", "attn"])
 def test_kernel_matches_reference(interpreted, kind):
     cases, outputs = interpreted
     checked = 0
@@ -217,10 +240,13 @@ def test_kernel_matches_reference(interpreted, kind):
         assert set(got) == set(want)
         for field in want:
             _close(f"{case['name']} {field}", got[field], want[field])
-        if kind == "rope":
+        if kind in ("rope", "linear_rope"):
             # Rows outside the suffix keep the prefix the buffer held.
             prefix = case["args"]["kv_start"]
             assert torch.equal(got["k"][:, :prefix], case["args"]["k_out"][:, :prefix])
+            assert torch.equal(got["v"][:, :prefix], case["args"]["v_out"][:, :prefix])
+        if kind == "rope":  # v passes through unrotated (and unrounded: same dtype)
+            prefix = case["args"]["kv_start"]
             assert torch.equal(got["v"][:, prefix:], case["args"]["qkv"].unflatten(-1, (-1, case["args"]["head_dim"]))[
                 :, :, case["args"]["num_heads"] + case["args"]["num_kv_heads"]:])
         checked += 1
@@ -286,13 +312,13 @@ _HOPPER_BUILDS = [
      {"X": "*bf16", "W": "*bf16", "OUT": "*fp32", "BIAS": "*bf16", "rows": "i32", "n_cols": "i32", "k_dim": "i32",
       "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
      [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=partial, GATED=gated, HAS_BIAS=False, ADD_TO=False, F32=False,
-           UPCAST=False, PDL=pdl, PREFETCH=pdl, LINE=64)
+           UPCAST=False, PDL=pdl)
       for partial, gated in ((True, False), (False, False), (False, True)) for pdl in (False, True)]),
     ("skinny_gemm", "_skinny_gemm_kernel",
      {"X": "*fp32", "W": "*fp32", "OUT": "*fp32", "BIAS": "*fp32", "rows": "i32", "n_cols": "i32", "k_dim": "i32",
       "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
      [dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32, PARTIAL=False, GATED=False, HAS_BIAS=True, ADD_TO=add_to, F32=True,
-           UPCAST=False, PDL=True, PREFETCH=True, LINE=32) for block_n, add_to in ((64, False), (16, True))]),
+           UPCAST=False, PDL=True) for block_n, add_to in ((64, False), (16, True))]),
     ("attention", "_split_attention_kernel",
      {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "USED": "*i32", "OUT": "*bf16", "ACC": "*fp32", "STATS": "*fp32",
       "seq": "i32", "total": "i32", "keys_per_split": "i32", "scale": "fp32"},
@@ -309,6 +335,11 @@ _HOPPER_BUILDS = [
      {"QKV": "*fp32", "COS_SIN": "*fp32", "Q_OUT": "*bf16", "K_OUT": "*bf16", "V_OUT": "*bf16", "seq_len": "i32",
       "kv_len": "i32", "kv_start": "i32", "part_stride": "i32"},
      [dict(PARTS=2, NUM_HEADS=8, NUM_KV=1, HEAD_DIM=256, BLOCK=128, PDL=True)]),
+    ("rope", "_linear_rope_qkv_kernel",
+     {"X": "*bf16", "W": "*bf16", "COS_SIN": "*fp32", "Q_OUT": "*bf16", "K_OUT": "*bf16", "V_OUT": "*bf16",
+      "rows": "i32", "k_dim": "i32", "seq_len": "i32", "kv_len": "i32", "kv_start": "i32"},
+     [dict(NUM_HEADS=8, NUM_KV=1, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, F32=False, UPCAST=False,
+           PDL=True)]),
     ("activation", "_gelu_tanh_and_mul_kernel", {"X": "*bf16", "OUT": "*bf16", "n_inner": "i32"}, [dict(BLOCK=1024, PDL=True)]),
 ]
 
@@ -329,9 +360,8 @@ def test_kernels_build_for_hopper(module, kernel, types, variants):
                                   target=GPUTarget("cuda", 90, 32))
         assert compiled.asm.get("cubin"), (kernel, constexprs)
         ptx = compiled.asm["ptx"]
-        # under PDL nothing may load before the wait but the L2 prefetch of constant weights
+        # under PDL nothing may touch memory before the wait
         assert ("griddepcontrol.wait" in ptx) == bool(constexprs.get("PDL")), (kernel, constexprs)
-        assert ("prefetch.global.L2" in ptx) == bool(constexprs.get("PREFETCH")), (kernel, constexprs)
         if constexprs.get("PDL"):
             before_wait = ptx[: ptx.index("griddepcontrol.wait")]
-            assert "ld.global" not in before_wait and "cp.async" not in before_wait, (kernel, constexprs)
+            assert not any(op in before_wait for op in ("ld.global", "st.global", "cp.async", "atom.")), (kernel, constexprs)

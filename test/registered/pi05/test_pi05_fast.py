@@ -294,7 +294,7 @@ m = SimpleNamespace(
 )
 model = _tiny_policy(m, _tiny_core(m))
 from sglang_ext import kernels
-calls = {"skinny_linear": 0, "first_rows_attention": 0}
+calls = {"skinny_linear": 0, "linear_rope_qkv": 0, "first_rows_attention": 0}
 for name in calls:
     def counting(*args, _name=name, _original=getattr(kernels, name), **kwargs):
         calls[_name] += 1
@@ -334,8 +334,9 @@ def test_fast_path_with_interpreted_triton_kernels_matches_exact_path():
     print("[interpreted triton] fast vs exact (relative, cosine):", results)
     assert results.pop("fallback") is None  # the fast loop ran to the end on the kernels
     calls = results.pop("calls")
-    # 2 layouts x 2 steps: per layer 4 skinny GEMMs (qkv, o, gated gate_up, down) and one
-    # attention, per step the action in / out projections
-    assert calls == {"skinny_linear": 2 * 2 * (2 * 4 + 2), "first_rows_attention": 2 * 2 * 2}, calls
+    # 2 layouts x 2 steps x 2 layers: qkv with RoPE, 3 skinny GEMMs (o, gated gate_up, down) and
+    # one attention; per step the action in / out projections
+    assert calls == {"skinny_linear": 2 * 2 * (2 * 3 + 2), "linear_rope_qkv": 2 * 2 * 2,
+                     "first_rows_attention": 2 * 2 * 2}, calls
     for layout, (relative, cosine) in results.items():
         assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR, (layout, relative, cosine)

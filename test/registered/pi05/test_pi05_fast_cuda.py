@@ -142,6 +142,17 @@ def test_triton_kernels_match_references_on_gpu():
             check(f"skinny-{n}x{k}-parts{parts}", got.total(), want.total(), torch.float32, f32_bound=1e-4)
         else:
             check(f"skinny-{n}x{k}{'-gated' if gated else ''}", got, want, torch.bfloat16)
+    # qkv with RoPE in the epilogue (the expert's plan: 16 column pairs per program), prefix rows kept
+    w_qkv, cos_sin = rnd(2560, 1024, scale=0.02), rnd(50, 256, dtype=torch.float32)
+    outs = []
+    for fn in (kernels.linear_rope_qkv, kernels.linear_rope_qkv_reference):
+        q = torch.zeros(1, 50, 8, 256, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.ones(1, 650, 1, 256, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        fn(x[..., :1024].contiguous(), w_qkv, cos_sin, q, k, v, num_heads=8, num_kv_heads=1, head_dim=256,
+           kv_start=600, block_n=16)
+        outs.append((q, k, v))
+    for name, got, want in zip(("linear-rope-q", "linear-rope-k", "linear-rope-v"), *outs):
+        check(name, got, want, torch.bfloat16)
     state = rnd(1, 50, 32, dtype=torch.float32)
     w_in, b_in = rnd(1024, 32, dtype=torch.float32, scale=0.2), rnd(1024, dtype=torch.float32)
     check("skinny-action-in", kernels.skinny_linear(state, w_in, bias=b_in, out_dtype=torch.bfloat16, block_k=32),
@@ -166,10 +177,10 @@ def test_triton_kernels_match_references_on_gpu():
 def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
     from sglang_ext.testing.pi05_random import finite, make_noise, make_observation
 
-    fast_module = _ext("adapters.pi05_fast")
+    fast_module, backend = _ext("adapters.pi05_fast"), _ext("kernels.backend")
     assert fast_module.unsupported_reason(policy.core_model) is None
     graph_vs_eager, fast_vs_exact, replay_vs_capture = [], [], []
-    bitwise = 0
+    bitwise = plain_equal = 0
     for index, (prompt_len, masked) in enumerate(_requests()):
         observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=100 + index)
         noise = make_noise(policy, 100 + index)
@@ -177,6 +188,11 @@ def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
             context = policy.encode_prefix(observation, use_cuda_graph=False)
         exact = _sample(policy, observation, context, noise, fast=False, graph=False)
         fast_eager = _sample(policy, observation, context, noise, fast=True, graph=False)
+        backend.PDL_ENABLED = False  # programmatic dependent launch only schedules: same bits without it
+        try:
+            plain_equal += int(torch.equal(_sample(policy, observation, context, noise, fast=True, graph=False), fast_eager))
+        finally:
+            backend.PDL_ENABLED = True
         captured = _sample(policy, observation, context, noise, fast=True, graph=True)
         replayed = _sample(policy, observation, context, noise, fast=True, graph=True)
         label = f"{'masked' if masked else 'full'} prompt={prompt_len}"
@@ -200,10 +216,13 @@ def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
     print(f"[summary fast vs exact] {len(fast_vs_exact)} requests: max relative={worst_relative[0]:.3e} "
           f"({worst_relative[2]}), min cosine={worst_cosine[1]:.7f} ({worst_cosine[2]}); "
           f"bounds {RELATIVE_TOLERANCE} / {COSINE_FLOOR}")
+    print(f"[summary PDL] fast eager with vs without programmatic dependent launch: bitwise equal "
+          f"{plain_equal}/{len(graph_vs_eager)}")
     print(f"[summary graphs] fast loop graphs captured: {len(loop_signatures)}; action cache "
           f"{policy.graph_runner.cache_info()}")
     assert len(loop_signatures) == len(_requests())  # one signature (prefix length, layout) per request
     assert all(replay_vs_capture)
+    assert plain_equal == len(graph_vs_eager)
     assert worst_graph[0] <= GRAPH_VS_EAGER_TOLERANCE, worst_graph
     assert worst_relative[0] <= RELATIVE_TOLERANCE, worst_relative
     assert worst_cosine[1] >= COSINE_FLOOR, worst_cosine
