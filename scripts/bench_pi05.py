@@ -323,6 +323,7 @@ SCHEMA = {
         "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
                                  "prefix_entries", "action_entries", "fused_denoise", "fast")),
         "accuracy": {"vs_eager": _ACCURACY, "vs_graph": _ACCURACY, "vs_saved": _ACCURACY},
+        "p50_ms_by_layout": bench_results.ANY,  # layout (full, masked) -> p50 of its timed requests
         "attention_kernels_per_request": bench_results.ANY,  # device kernel name -> count
         "top_kernels_per_request": bench_results.ANY,  # device kernel name -> [count, us], by time
         "prefix_graph_runner_cache": _CACHE, "graph_runner_cache": _CACHE,
@@ -456,15 +457,16 @@ def run_mode(policy, impl: str, mode: str, inputs, args, timed: Dict[str, List[t
     graph_pool_growth = reserved_bytes() - reserved_before
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
-    latencies, prefix_ms, denoise_ms, actions = [], [], [], []
+    latencies, prefix_ms, denoise_ms, actions, by_layout = [], [], [], [], {}
     for index in range(args.requests):
-        _, observation, noise = inputs[index % len(inputs)]
+        (layout, _), observation, noise = inputs[index % len(inputs)]
         stamps = (_Stamp(), _Stamp(), _Stamp())
         sync()
         t0 = time.perf_counter()
         out = one_request(policy, observation, noise, graph, args.num_steps, stamps)
         sync()
         latencies.append((time.perf_counter() - t0) * 1000.0)
+        by_layout.setdefault(layout, []).append(latencies[-1])
         prefix_ms.append(stamps[0].ms_until(stamps[1]))
         denoise_ms.append(stamps[1].ms_until(stamps[2]))
         actions.append(out.detach().float().clone())  # outside the timing: graph outputs are reused
@@ -479,6 +481,7 @@ def run_mode(policy, impl: str, mode: str, inputs, args, timed: Dict[str, List[t
         "p90_ms": percentile(latencies, 0.9),
         "mean_ms": statistics.fmean(latencies),
         "min_ms": min(latencies),
+        "p50_ms_by_layout": {layout: statistics.median(ms) for layout, ms in by_layout.items()},
         "prefix_p50_ms": statistics.median(prefix_ms),
         "denoise_p50_ms": statistics.median(denoise_ms),
         "warmup_s": warmup_s,
@@ -494,7 +497,8 @@ def run_mode(policy, impl: str, mode: str, inputs, args, timed: Dict[str, List[t
             result[name + "_cache"] = cache.as_dict() if hasattr(cache, "as_dict") else vars(cache)
     result.update(profile(policy, inputs, graph, args))
     log(f"[bench] {impl} {mode}: p50 {result['p50_ms']:.1f} ms (prefix {result['prefix_p50_ms']:.1f}, denoise "
-        f"{result['denoise_p50_ms']:.1f}) p90 {result['p90_ms']:.1f} ms "
+        f"{result['denoise_p50_ms']:.1f}) p90 {result['p90_ms']:.1f} ms by layout "
+        f"{ {k: round(v, 2) for k, v in result['p50_ms_by_layout'].items()} } "
         f"launches {result.get('kernel_launches_per_request', float('nan')):.0f} "
         f"graphs {result.get('graph_launches_per_request', float('nan')):.1f} accuracy {result['accuracy']}")
     return result

@@ -80,6 +80,9 @@ _VERIFIED_ATTR = "_ext_pi05_fast_verified"
 _PREFIX_REASON_ATTR = "_ext_pi05_fast_prefix_unsupported"
 _PREFIX_VERIFIED_ATTR = "_ext_pi05_fast_prefix_verified"
 _MASK_ALIGN = 16  # torch SDPA's memory-efficient kernel wants mask rows 16-element aligned
+import os  # noqa: E402  session-6 A/B switches, to go
+_AB_PREFIX_ATTN = os.environ.get("SGX_AB_PREFIX_ATTN", "1") != "0"
+_AB_ROPE = os.environ.get("SGX_AB_ROPE", "1") != "0"
 
 
 def _expert(core):
@@ -447,15 +450,21 @@ def prefix_enabled(core) -> bool:
     return bool(knobs.current("pi05_fast")) and prefix_unsupported_reason(core) is None
 
 
-def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids):
+def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks=None):
     """The prefix K/V (VLADensePrefixCache, per layer [B, KV, P, D]) from the prefix embeddings.
 
+    pad_masks ([B, P] bool) with a mask: the mask is pad_masks[i] & pad_masks[j] (a bidirectional
+    prefix, as embed_prefix builds it), so every visible row attends the same visible keys and
+    attention reads just those (first_rows_attention over key_rows), no mask. Padded rows then
+    attend the visible keys too, where the exact path gives them uniform weights over all keys:
+    they differ, and nothing reads them (hidden keys to every query, here and in the denoise).
     On a first use that raises, the prefix takes the exact path from then on (None is
     returned for this call: the caller runs the exact forward)."""
+    args = (core, inputs_embeds, attention_mask, position_ids, pad_masks)
     if core.__dict__.get(_PREFIX_VERIFIED_ATTR):
-        return _prefix_layers(core, inputs_embeds, attention_mask, position_ids)
+        return _prefix_layers(*args)
     try:
-        result = _prefix_layers(core, inputs_embeds, attention_mask, position_ids)
+        result = _prefix_layers(*args)
     except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
         reason = f"fast prefix failed on first use: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         core.__dict__[_PREFIX_REASON_ATTR] = reason
@@ -465,11 +474,12 @@ def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids):
     return result
 
 
-def _prefix_layers(core, inputs_embeds, attention_mask, position_ids):
+def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks):
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
     from sglang.multimodal_gen.runtime.vla.prefix_cache import VLADensePrefixCache
 
-    from sglang_ext.kernels import ada_rms_norm, gelu_tanh_and_mul, rope_qkv
+    from sglang_ext.kernels import ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, rope_qkv
+    from sglang_ext.kernels.attention import key_splits
 
     model = _prefix_language_model(core)
     layers = model.layers
@@ -482,8 +492,14 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids):
     with torch.no_grad():
         model.rotary_emb._ensure_cache(hidden)
         cos_sin = model.rotary_emb.rope.cos_sin_cache.index_select(0, position_ids.reshape(-1))
-        mask = None
-        if attention_mask is not None:
+        mask = visible = None
+        if attention_mask is not None and pad_masks is not None and _AB_PREFIX_ATTN:
+            visible = (  # (used, key_rows, splits): the visible rows first
+                pad_masks.sum(dim=-1).clamp_min(1).to(torch.int32),
+                torch.argsort((~pad_masks).to(torch.int8), dim=1, stable=True).to(torch.int32),
+                key_splits(batch, seq, heads, kv_heads, seq, _sm_count(hidden.device)),
+            )
+        elif attention_mask is not None:
             mask = attention_mask.to(dtype)
             if kv_heads == 1:
                 mask = mask.repeat_interleave(heads, dim=2)  # rows of the one-head form
@@ -503,7 +519,10 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids):
             cache.append((keys.transpose(1, 2), values.transpose(1, 2), None))
             if index == len(layers) - 1:
                 break  # the prefix returns K/V only: the last layer's output and the final norm feed nothing
-            if mask is None and not sdpa_full:
+            if visible is not None:
+                used, key_rows, splits = visible
+                out = first_rows_attention(q, keys, values, used, scale=attn.scaling, splits=splits, key_rows=key_rows)
+            elif mask is None and not sdpa_full:
                 out = attn.attn(q, keys, values)
             else:
                 out = _sdpa(q, keys, values, mask, attn.scaling)
@@ -548,7 +567,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
 
     def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
         shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start)
-        if projections is None:
+        if projections is None or not _AB_ROPE:
             return rope_qkv(linear_forward(module, x), cos_sin, q, keys, values, **shape)
         weight, block_n, block_k = projections[index].qkv
         return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k, **shape)

@@ -230,8 +230,8 @@ def core_encode_prefix(
         with set_forward_context(current_timestep=0, attn_metadata=None):
             past_key_values = None
             if _ext_pi05_fast.prefix_enabled(self):  # knob pi05_fast: the same K/V on fused kernels
-                past_key_values = _ext_pi05_fast.encode_prefix_layers(
-                    self, prefix_embs, attention_mask, prefix_position_ids
+                past_key_values = _ext_pi05_fast.encode_prefix_layers(  # core_embed_prefix: pad-only masks
+                    self, prefix_embs, attention_mask, prefix_position_ids, prefix_pad_masks
                 )
             if past_key_values is None:
                 _, past_key_values = self.paligemma_with_expert.forward(

@@ -10,6 +10,9 @@ is (token, head)), and the key rows are split over `splits` programs per block
 and a second kernel combines the splits in a fixed order (deterministic). splits == 1
 normalises in the first kernel and skips the second.
 
+With `key_rows` ([B, T] int32) the keys are rows key_rows[b, 0 .. used[b] - 1] instead: any
+subset in any order (a masked Pi0.5 prefix attends its visible rows without a mask).
+
 Math: float32 scores and softmax, probabilities rounded to q's dtype for the P @ V
 product (as FlashAttention does), float32 accumulation, one rounding of the output.
 """
@@ -26,7 +29,7 @@ _BLOCK_M = 64
 _BLOCK_N = 64
 
 
-def _check(q, keys, values, used):
+def _check(q, keys, values, used, key_rows=None):
     if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
         raise ValueError(
             f"first_rows_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}; "
@@ -41,6 +44,9 @@ def _check(q, keys, values, used):
         )
     if used is not None and (used.shape != (batch,) or used.dtype != torch.int32):
         raise ValueError(f"first_rows_attention: used {tuple(used.shape)} {used.dtype}; allowed: [{batch}] int32")
+    if key_rows is not None and (used is None or key_rows.shape != keys.shape[:2] or key_rows.dtype != torch.int32):
+        raise ValueError(f"first_rows_attention: key_rows {tuple(key_rows.shape)} {key_rows.dtype}; allowed: "
+                         f"[{batch}, {keys.shape[1]}] int32, with used")
     return batch, seq, heads, head_dim, keys.shape[1], kv_heads
 
 
@@ -50,9 +56,12 @@ def key_splits(batch, seq, heads, kv_heads, total, sms):
     return max(1, min(sms // programs, -(-total // _BLOCK_N)))
 
 
-def first_rows_attention_reference(q, keys, values, used=None, *, scale, splits=1):
+def first_rows_attention_reference(q, keys, values, used=None, *, scale, splits=1, key_rows=None):
     """torch version of `first_rows_attention` (float32 math, probabilities in q's dtype)."""
-    batch, seq, heads, head_dim, total, kv_heads = _check(q, keys, values, used)
+    batch, seq, heads, head_dim, total, kv_heads = _check(q, keys, values, used, key_rows)
+    if key_rows is not None:
+        index = key_rows.long()[:, :, None, None].expand(-1, -1, kv_heads, head_dim)
+        keys, values = keys.gather(1, index), values.gather(1, index)
     group = heads // kv_heads
     k = keys.float().repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, T, D]
     v = values.float().repeat_interleave(group, dim=2).transpose(1, 2)
@@ -73,10 +82,10 @@ if triton is not None:
 
     @triton.jit
     def _split_attention_kernel(
-        Q, K, V, USED, OUT, ACC, STATS,
+        Q, K, V, USED, ROWS, OUT, ACC, STATS,
         seq, total, keys_per_split, scale,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_BLOCKS: tl.constexpr,
-        HAS_USED: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_USED: tl.constexpr, HAS_ROWS: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PDL: tl.constexpr,
     ):
         after_previous_kernel(PDL)
@@ -106,7 +115,10 @@ if triton is not None:
         for j in range(start, stop, BLOCK_N):
             n = j + tl.arange(0, BLOCK_N)
             n_ok = n < stop
-            kv_index = (b * total + n) * KV_HEADS + g
+            if HAS_ROWS:
+                kv_index = (b * total + tl.load(ROWS + b * total + n, mask=n_ok, other=0)) * KV_HEADS + g
+            else:
+                kv_index = (b * total + n) * KV_HEADS + g
             k = tl.load(K + kv_index[:, None] * HEAD_DIM + d[None, :], mask=n_ok[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
@@ -158,18 +170,22 @@ if triton is not None:
         tl.store(OUT + q_index * HEAD_DIM + d, out.to(OUT.dtype.element_ty))
 
 
-def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *, scale: float, splits: int = 1):
+def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *, scale: float, splits: int = 1,
+                         key_rows: Optional[torch.Tensor] = None):
     """Attention of q [B, S, H, D] over the first used[b] rows of keys / values [B, T, KV, D].
 
     Returns [B, S, H, D] in q's dtype. used: [B] int32 on q's device (all T rows if None);
     every batch row must read at least one row. splits: key-row splits per query block.
+    key_rows: [B, T] int32, the rows to read (the first used[b] of them), or None: rows 0...
     """
     if not runs_triton(q):
-        return first_rows_attention_reference(q, keys, values, used, scale=scale, splits=splits)
-    batch, seq, heads, head_dim, total, kv_heads = _check(q, keys, values, used)
+        return first_rows_attention_reference(q, keys, values, used, scale=scale, splits=splits, key_rows=key_rows)
+    batch, seq, heads, head_dim, total, kv_heads = _check(q, keys, values, used, key_rows)
     if head_dim != block_size(head_dim) or head_dim < 16:
         raise ValueError(f"first_rows_attention: head_dim={head_dim}; allowed: powers of two >= 16")
-    for name, t in (("q", q), ("keys", keys), ("values", values)):
+    for name, t in (("q", q), ("keys", keys), ("values", values), ("key_rows", key_rows)):
+        if t is None:
+            continue
         if not t.is_contiguous():
             raise ValueError(f"first_rows_attention: {name} must be contiguous")
     if splits < 1:
@@ -184,10 +200,10 @@ def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *
     stats = out if direct else torch.empty(splits * all_rows, 2, dtype=torch.float32, device=q.device)
     pdl = uses_pdl(q)
     _split_attention_kernel[(batch * kv_heads * q_blocks, splits)](
-        q, keys, values, used if used is not None else out, out, acc, stats,
+        q, keys, values, used if used is not None else out, key_rows if key_rows is not None else out, out, acc, stats,
         seq, total, keys_per_split, float(scale),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, Q_BLOCKS=q_blocks,
-        HAS_USED=used is not None, DIRECT=direct, UPCAST=DOT_UPCAST, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        HAS_USED=used is not None, HAS_ROWS=key_rows is not None, DIRECT=direct, UPCAST=DOT_UPCAST, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
         PDL=pdl, launch_pdl=pdl, num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )
     if not direct:

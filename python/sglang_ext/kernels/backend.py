@@ -24,11 +24,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_UPCAST = INTERPRET
 
 
-# Programmatic dependent launch (sm90+): every kernel here lets the next kernel in the stream (or
-# CUDA graph) launch as soon as it starts, and before its first load waits until the kernel
-# before it has finished and its writes are visible (`after_previous_kernel`). So a kernel's
-# programs are resident when its predecessor ends, and the dependency chain stays intact: a
-# kernel finishes only after its predecessor did. False: plain launches (tests, A/B runs).
+# Programmatic dependent launch (sm90+): every kernel here, before its first memory access, waits
+# until the kernel before it in the stream (or CUDA graph) has finished and its writes are
+# visible, then lets the next kernel launch (`after_previous_kernel`). The next kernel's launch
+# and start overlap this one's work; the chain of dependencies stays intact. False: plain
+# launches (tests, A/B runs).
 PDL_ENABLED = True
 
 
@@ -58,9 +58,13 @@ def _sm_major(index) -> int:
 
 if triton is not None:
 
+    _AB_TRIGGER_FIRST = tl.constexpr(os.environ.get("SGX_AB_TRIGGER_FIRST") == "1")  # session-6 A/B, to go
+
     @triton.jit
     def after_previous_kernel(PDL: tl.constexpr):
-        """Under PDL: let the next kernel launch, then wait for the previous kernel's completion."""
+        """Under PDL: wait for the previous kernel's completion, then let the next one launch."""
         if PDL:
-            gdc_launch_dependents()
+            if _AB_TRIGGER_FIRST:
+                gdc_launch_dependents()
             gdc_wait()
+            gdc_launch_dependents()

@@ -180,6 +180,11 @@ def _attention_cases(generator):
             }
             cases.append({"kind": "attn", "name": f"attn {dtype} b={batch} s={seq} h={heads}/{kv_heads} t={total} "
                                                   f"used={used} splits={splits}", "args": args})
+            if used is not None:  # the same keys read through a permutation: used[b] of them, any order
+                rows = torch.stack([torch.randperm(total, generator=generator) for _ in range(batch)]).to(torch.int32)
+                permuted = {**args, "key_rows": rows}
+                cases.append({"kind": "attn", "args": permuted, "name": f"attn {dtype} b={batch} s={seq} "
+                              f"h={heads}/{kv_heads} t={total} used={used} splits={splits} key_rows"})
     return cases
 
 
@@ -320,10 +325,11 @@ _HOPPER_BUILDS = [
      [dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32, PARTIAL=False, GATED=False, HAS_BIAS=True, ADD_TO=add_to, F32=True,
            UPCAST=False, PDL=True) for block_n, add_to in ((64, False), (16, True))]),
     ("attention", "_split_attention_kernel",
-     {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "USED": "*i32", "OUT": "*bf16", "ACC": "*fp32", "STATS": "*fp32",
-      "seq": "i32", "total": "i32", "keys_per_split": "i32", "scale": "fp32"},
-     [dict(HEADS=8, KV_HEADS=1, HEAD_DIM=256, Q_BLOCKS=7, HAS_USED=used, DIRECT=direct, UPCAST=False, BLOCK_M=64,
-           BLOCK_N=64, PDL=True) for used in (False, True) for direct in (False, True)]),
+     {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "USED": "*i32", "ROWS": "*i32", "OUT": "*bf16", "ACC": "*fp32",
+      "STATS": "*fp32", "seq": "i32", "total": "i32", "keys_per_split": "i32", "scale": "fp32"},
+     [dict(HEADS=8, KV_HEADS=1, HEAD_DIM=256, Q_BLOCKS=7, HAS_USED=used, HAS_ROWS=rows, DIRECT=direct, UPCAST=False,
+           BLOCK_M=64, BLOCK_N=64, PDL=True)
+      for used, rows in ((False, False), (True, False), (True, True)) for direct in (False, True)]),
     ("attention", "_combine_kernel",
      {"ACC": "*fp32", "STATS": "*fp32", "OUT": "*bf16", "seq": "i32", "all_rows": "i32"},
      [dict(HEADS=8, KV_HEADS=1, HEAD_DIM=256, SPLITS=10, SPLITS_BLOCK=16, PDL=True)]),

@@ -253,7 +253,7 @@ def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked):
             m.core.make_att_2d_masks(pad, torch.zeros_like(pad)), full_attention=False
         )
     with torch.inference_mode(), m.core.set_forward_context(current_timestep=0, attn_metadata=None):
-        fast = fast_module.encode_prefix_layers(core, embeds, mask, positions)
+        fast = fast_module.encode_prefix_layers(core, embeds, mask, positions, pad if masked else None)
         # what PaliGemmaWithExpertModel.forward runs for a prefix
         exact = language_model.forward(
             inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=None, use_cache=True
