@@ -169,6 +169,14 @@ def test_triton_kernels_match_references_on_gpu():
         used_t = None if used is None else torch.tensor([used], dtype=torch.int32, device="cuda")
         check(f"attention-t{total}-splits{splits}", kernels.first_rows_attention(q, keys, values, used_t, scale=0.0625, splits=splits),
               kernels.first_rows_attention_reference(q, keys, values, used_t, scale=0.0625), torch.bfloat16)
+    # A masked prefix: 560 rows attend the visible 300 of them through key_rows (one split: 70 programs).
+    prefix_q, keys, values = rnd(1, 560, 8, 256), rnd(1, 560, 1, 256), rnd(1, 560, 1, 256)
+    used_t = torch.tensor([300], dtype=torch.int32, device="cuda")
+    rows = torch.randperm(560, device="cuda", generator=generator).to(torch.int32)[None]
+    check("attention-prefix-key-rows",
+          kernels.first_rows_attention(prefix_q, keys, values, used_t, scale=0.0625, key_rows=rows),
+          kernels.first_rows_attention_reference(prefix_q, keys, values, used_t, scale=0.0625, key_rows=rows),
+          torch.bfloat16)
     torch.cuda.synchronize()
     print("[kernels] worst max|kernel-reference|/max|reference| per kernel:",
           {k: f"{v:.2e}" for k, v in sorted(worst.items())})
