@@ -46,10 +46,13 @@ How:
     4. Prefix (encode_prefix, same knob): the prefix language model's layers (Gemma
        RMSNorm weight as the norm's scale, no shift or gate) on the same kernels; the
        last layer stops after its K/V, since the prefix returns K/V only (0.5.17 runs
-       that layer's attention output, MLP and the final norm for nothing).
+       that layer's attention output, MLP and the final norm for nothing). A masked prefix
+       (pad rows only: embed_prefix's masks) attends its visible keys through
+       first_rows_attention's key_rows, no mask (torch's masked kernel: ~47 us per layer).
     Equal to the exact path within bf16 rounding, not bitwise: float32 cos/sin (the
     exact path rounds them to bf16), one rounding per fused op (GEMM outputs feed their
-    consumers unrounded), GEMMs with other shapes for the time table. Action sequence parallelism, Ulysses action attention,
+    consumers unrounded), GEMMs with other shapes for the time table; a masked prefix's
+    padded rows (read by nobody) differ. Action sequence parallelism, Ulysses action attention,
     layerwise CPU offload of the action expert and unpacked q/k/v or gate/up layers
     are not covered: those requests take the exact path (`unsupported_reason`; for the
     prefix `prefix_unsupported_reason`, which adds a tensor-parallel prefix). A fast
@@ -79,10 +82,6 @@ _REASON_ATTR = "_ext_pi05_fast_unsupported"
 _VERIFIED_ATTR = "_ext_pi05_fast_verified"
 _PREFIX_REASON_ATTR = "_ext_pi05_fast_prefix_unsupported"
 _PREFIX_VERIFIED_ATTR = "_ext_pi05_fast_prefix_verified"
-_MASK_ALIGN = 16  # torch SDPA's memory-efficient kernel wants mask rows 16-element aligned
-import os  # noqa: E402  session-6 A/B switches, to go
-_AB_PREFIX_ATTN = os.environ.get("SGX_AB_PREFIX_ATTN", "1") != "0"
-_AB_ROPE = os.environ.get("SGX_AB_ROPE", "1") != "0"
 
 
 def _expert(core):
@@ -258,37 +257,15 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
     return cos_sin, kv, kv_start, used
 
 
-def _aligned_mask(mask):
-    """`mask` in storage whose rows are 16-element aligned (SDPA would pad it in every call)."""
-    total = mask.shape[-1]
-    padded = -(-total // _MASK_ALIGN) * _MASK_ALIGN
-    storage = torch.zeros(*mask.shape[:-1], padded, dtype=mask.dtype, device=mask.device)
-    storage[..., :total] = mask
-    return storage[..., :total]
-
-
-def _sdpa(q, keys, values, mask, scale):
-    """Bidirectional attention of q [B, S, H, D] over keys / values [B, T, KV, D] -> [B, S, H, D].
-
-    mask: None; additive or boolean (True: attend), [B, 1, 1, T] (one row for every query), or per
-    query: [B, 1, S, T] (several K/V heads) / [B, 1, S * H, T] (one K/V head, rows repeated per head)."""
+def _one_head_sdpa(q, keys, values, scale):
+    """Unmasked attention of q [B, S, H, D] over one K/V head [B, T, 1, D] as torch SDPA of one head
+    of S * H queries (its flash kernel; the GQA form would take the math path)."""
     batch, seq, heads, head_dim = q.shape
-    kv_heads = keys.shape[2]
-    if kv_heads == 1:
-        # All heads read the one K/V head: one head of seq * heads queries.
-        out = F.scaled_dot_product_attention(
-            q.view(batch, 1, seq * heads, head_dim),
-            keys.view(batch, 1, -1, head_dim),
-            values.view(batch, 1, -1, head_dim),
-            attn_mask=mask,
-            scale=scale,
-        )
-        return out.view(batch, seq, heads, head_dim)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=True,
+        q.view(batch, 1, seq * heads, head_dim), keys.view(batch, 1, -1, head_dim),
+        values.view(batch, 1, -1, head_dim), scale=scale,
     )
-    return out.transpose(1, 2)
+    return out.view(batch, seq, heads, head_dim)
 
 
 def _uses_torch_sdpa(attn) -> bool:
@@ -450,7 +427,7 @@ def prefix_enabled(core) -> bool:
     return bool(knobs.current("pi05_fast")) and prefix_unsupported_reason(core) is None
 
 
-def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks=None):
+def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks):
     """The prefix K/V (VLADensePrefixCache, per layer [B, KV, P, D]) from the prefix embeddings.
 
     pad_masks ([B, P] bool) with a mask: the mask is pad_masks[i] & pad_masks[j] (a bidirectional
@@ -492,18 +469,15 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
     with torch.no_grad():
         model.rotary_emb._ensure_cache(hidden)
         cos_sin = model.rotary_emb.rope.cos_sin_cache.index_select(0, position_ids.reshape(-1))
-        mask = visible = None
-        if attention_mask is not None and pad_masks is not None and _AB_PREFIX_ATTN:
-            visible = (  # (used, key_rows, splits): the visible rows first
+        visible = None  # masked: (used, key_rows, splits), the visible rows first
+        if attention_mask is not None:
+            if pad_masks is None:
+                raise ValueError("encode_prefix_layers: attention_mask without pad_masks; allowed: both or neither")
+            visible = (
                 pad_masks.sum(dim=-1).clamp_min(1).to(torch.int32),
                 torch.argsort((~pad_masks).to(torch.int8), dim=1, stable=True).to(torch.int32),
                 key_splits(batch, seq, heads, kv_heads, seq, _sm_count(hidden.device)),
             )
-        elif attention_mask is not None:
-            mask = attention_mask.to(dtype)
-            if kv_heads == 1:
-                mask = mask.repeat_interleave(heads, dim=2)  # rows of the one-head form
-            mask = _aligned_mask(mask)
         sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=hidden.device)
         cache = []
@@ -522,10 +496,10 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
             if visible is not None:
                 used, key_rows, splits = visible
                 out = first_rows_attention(q, keys, values, used, scale=attn.scaling, splits=splits, key_rows=key_rows)
-            elif mask is None and not sdpa_full:
-                out = attn.attn(q, keys, values)
+            elif sdpa_full:
+                out = _one_head_sdpa(q, keys, values, attn.scaling)
             else:
-                out = _sdpa(q, keys, values, mask, attn.scaling)
+                out = attn.attn(q, keys, values)
             out = linear_forward(attn.o_proj, out.reshape(batch, seq, heads * head_dim))
             post = layer.post_attention_layernorm
             normed = ada_rms_norm(hidden, post.weight, eps=post.eps, add=out)
@@ -567,7 +541,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
 
     def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
         shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start)
-        if projections is None or not _AB_ROPE:
+        if projections is None:
             return rope_qkv(linear_forward(module, x), cos_sin, q, keys, values, **shape)
         weight, block_n, block_k = projections[index].qkv
         return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k, **shape)

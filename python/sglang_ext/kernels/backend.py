@@ -58,13 +58,9 @@ def _sm_major(index) -> int:
 
 if triton is not None:
 
-    _AB_TRIGGER_FIRST = tl.constexpr(os.environ.get("SGX_AB_TRIGGER_FIRST") == "1")  # session-6 A/B, to go
-
     @triton.jit
     def after_previous_kernel(PDL: tl.constexpr):
         """Under PDL: wait for the previous kernel's completion, then let the next one launch."""
-        if PDL:
-            if _AB_TRIGGER_FIRST:
-                gdc_launch_dependents()
+        if PDL:  # triggering first measured slower (the successor's programs crowd the SMs)
             gdc_wait()
             gdc_launch_dependents()
