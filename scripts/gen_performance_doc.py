@@ -179,6 +179,8 @@ def _pi05_issue17(results) -> list:
     if fast is None:
         return []
     rows = [_target("graph-fast p50 ms", fast["p50_ms"], "<=", 15.0, "{:.1f}")]
+    rows += [_target(f"graph-fast p50 ms, {layout} prefixes", ms, "<=", 15.0, "{:.1f}")
+             for layout, ms in (fast.get("p50_ms_by_layout") or {}).items()]  # files from before: none
     for name, label in (("vs_graph", "exact graph path"), ("vs_saved", "saved reference")):
         entry = (fast.get("accuracy") or {}).get(name) or {}
         if "max_rel_diff" in entry:

@@ -184,11 +184,12 @@ KNOBS: tuple[Knob, ...] = (
          "one CUDA graph: one replay per request instead of one per step."),
     Knob("pi05_fast", "bool", False,
          "Opt-in: Pi0.5's denoise steps on fused Triton kernels (skinny split-K GEMMs for the 50 "
-         "action rows, attention over the prefix K/V split across the SMs, adaRMS norm with its gated "
-         "residual, RoPE into a per-request K/V buffer, gelu-and-mul in the gate_up GEMM; the time "
-         "conditioning of every step "
-         "computed once per step count; implies pi05_fused_denoise), and the prefix language model's "
-         "layers on the same kernels (its last layer's unused attention output and MLP skipped). Equal "
+         "action rows, the qkv GEMM with RoPE in its epilogue writing a per-request K/V buffer, "
+         "attention over the prefix K/V split across the SMs, adaRMS norm with its gated residual, "
+         "gelu-and-mul in the gate_up GEMM, programmatic dependent launch on sm90+; the time "
+         "conditioning of every step computed once per step count; implies pi05_fused_denoise), and "
+         "the prefix language model's layers on the same kernels (a masked prefix attends its visible "
+         "keys without a mask; the last layer's unused attention output and MLP skipped). Equal "
          "to the exact path within bf16 tolerance, not bitwise. Action sequence parallelism and a "
          "tensor-parallel prefix take the exact path."),
 )
