@@ -124,9 +124,14 @@ def mark_verified(core) -> None:
 
 def mark_failed(core, exc: BaseException) -> None:
     """The fast loop raised on its first use: this model takes the exact path from now on."""
-    reason = f"fast loop failed on first use: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    reason = f"fast loop failed on first use: {_one_line(exc)}"
     core.__dict__[_REASON_ATTR] = reason
     logger.warning("Pi05 fast denoise path disabled (%s): requests take the exact path", reason, exc_info=exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _stack_unsupported(model, what: str, tp_what: str = ""):
@@ -443,7 +448,7 @@ def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_
     try:
         result = _prefix_layers(*args)
     except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
-        reason = f"fast prefix failed on first use: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        reason = f"fast prefix failed on first use: {_one_line(exc)}"
         core.__dict__[_PREFIX_REASON_ATTR] = reason
         logger.warning("Pi05 fast prefix layers disabled (%s)", reason, exc_info=exc)
         return None

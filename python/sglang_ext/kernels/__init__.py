@@ -7,6 +7,9 @@ imported, CPU tensors take the Triton kernel too (through triton's interpreter:
 how the CPU tests check the kernels). The kernels use plain loads, stores,
 arithmetic and reductions with power-of-two blocks and masks (triton >= 3.0).
 
+On sm90+ every kernel launches with programmatic dependent launch (backend.PDL_ENABLED):
+it waits for the kernel before it, then lets the next one launch, so launches overlap work.
+
 Note on the interpreter: it truncates float32 -> bfloat16 instead of rounding
 to nearest even (the GPU rounds), so interpreted bf16 outputs differ from the
 reference by up to one bf16 ulp; float32 outputs are exact comparisons.

@@ -60,8 +60,8 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     rows = x.numel() // (2 * inner)
     out = torch.empty((*x.shape[:-1], inner), dtype=x.dtype, device=x.device)
-    block = min(_BLOCK, block_size(inner))
+    block, pdl = min(_BLOCK, block_size(inner)), uses_pdl(x)
     _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inner, block))](
-        x, out, inner, BLOCK=block, PDL=uses_pdl(x), launch_pdl=uses_pdl(x), num_warps=4
+        x, out, inner, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4
     )
     return out

@@ -23,7 +23,9 @@ from typing import Optional
 
 import torch
 
-from sglang_ext.kernels.backend import DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl
+from sglang_ext.kernels.backend import (
+    DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl,
+)
 
 _BLOCK_M = 64
 _BLOCK_N = 64
@@ -85,8 +87,8 @@ if triton is not None:
         Q, K, V, USED, ROWS, OUT, ACC, STATS,
         seq, total, keys_per_split, scale,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_BLOCKS: tl.constexpr,
-        HAS_USED: tl.constexpr, HAS_ROWS: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PDL: tl.constexpr,
+        HAS_USED: tl.constexpr, HAS_ROWS: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
         after_previous_kernel(PDL)
         group: tl.constexpr = HEADS // KV_HEADS
@@ -200,11 +202,11 @@ def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *
     stats = out if direct else torch.empty(splits * all_rows, 2, dtype=torch.float32, device=q.device)
     pdl = uses_pdl(q)
     _split_attention_kernel[(batch * kv_heads * q_blocks, splits)](
-        q, keys, values, used if used is not None else out, key_rows if key_rows is not None else out, out, acc, stats,
+        q, keys, values, out if used is None else used, out if key_rows is None else key_rows, out, acc, stats,
         seq, total, keys_per_split, float(scale),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, Q_BLOCKS=q_blocks,
-        HAS_USED=used is not None, HAS_ROWS=key_rows is not None, DIRECT=direct, UPCAST=DOT_UPCAST, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        PDL=pdl, launch_pdl=pdl, num_warps=8 if head_dim >= 128 else 4, num_stages=2,
+        HAS_USED=used is not None, HAS_ROWS=key_rows is not None, DIRECT=direct, UPCAST=DOT_UPCAST,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, PDL=pdl, launch_pdl=pdl, num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )
     if not direct:
         _combine_kernel[(all_rows,)](

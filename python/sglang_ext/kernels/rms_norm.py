@@ -5,8 +5,8 @@
 
 rms(x) = x / sqrt(mean(x^2) + eps) in float32, from x as stored (after the
 residual add's rounding). `add` may be a skinny_linear `Partials` (summed here, in
-float32, before the gate: no reduce kernel and no rounding of the GEMM output). scale / shift / gate hold one row per group of rows of
-x: a [C, N] conditioning for x of R = C * G rows applies its row c to rows
+float32, before the gate: no reduce kernel and no rounding of the GEMM output).
+scale / shift / gate hold one row per group of rows of x: a [C, N] conditioning for x of R = C * G rows applies its row c to rows
 c*G .. c*G + G - 1 (adaRMS: C = batch, G = tokens; a Gemma RMSNorm weight w is
 scale = w with C = 1). Math in float32, one rounding per output.
 """
@@ -80,8 +80,8 @@ if triton is not None:
     def _ada_rms_norm_kernel(
         X, ADD, GATE, SCALE, SHIFT, OUT,
         n_cols, group, eps, part_stride,
-        HAS_ADD: tl.constexpr, ADD_PARTS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
-        PDL: tl.constexpr,
+        HAS_ADD: tl.constexpr, ADD_PARTS: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
         after_previous_kernel(PDL)
         row = tl.program_id(0)
@@ -132,7 +132,7 @@ def ada_rms_norm(
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     block = block_size(n)
     scale = scale.contiguous()
-    parts = 1
+    parts, pdl = 1, uses_pdl(x)
     if isinstance(add, Partials):
         add, parts = add.parts, add.parts.shape[0]
     _ada_rms_norm_kernel[(rows,)](
@@ -151,8 +151,8 @@ def ada_rms_norm(
         HAS_GATE=gate is not None,
         HAS_SHIFT=shift is not None,
         BLOCK=block,
-        PDL=uses_pdl(x),
-        launch_pdl=uses_pdl(x),
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=4 if block <= 2048 else 8,
     )
     return out

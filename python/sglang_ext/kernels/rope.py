@@ -41,9 +41,13 @@ def _check(shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_di
         raise ValueError(f"rope_qkv: q_out of shape {tuple(q_out.shape)}; allowed: {(batch, seq, num_heads, head_dim)}")
     for name, t in (("k_out", k_out), ("v_out", v_out)):
         if t.dim() != 4 or t.shape[0] != batch or tuple(t.shape[2:]) != (num_kv_heads, head_dim):
-            raise ValueError(f"rope_qkv: {name} of shape {tuple(t.shape)}; allowed: [{batch}, T, {num_kv_heads}, {head_dim}]")
+            raise ValueError(
+                f"rope_qkv: {name} of shape {tuple(t.shape)}; allowed: [{batch}, T, {num_kv_heads}, {head_dim}]"
+            )
         if not 0 <= kv_start <= t.shape[1] - seq:
-            raise ValueError(f"rope_qkv: kv_start={kv_start}; allowed: 0..{t.shape[1] - seq} for {name} {tuple(t.shape)}")
+            raise ValueError(
+                f"rope_qkv: kv_start={kv_start}; allowed: 0..{t.shape[1] - seq} for {name} {tuple(t.shape)}"
+            )
     return batch, seq
 
 
@@ -111,7 +115,7 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, kv_start=kv_start,
         )
     batch, seq = _check(qkv.shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
-    parts = 1
+    parts, pdl = 1, uses_pdl(q_out)
     if isinstance(qkv, Partials):
         qkv, parts = qkv.parts, qkv.parts.shape[0]
     for name, t in (("qkv", qkv), ("cos_sin", cos_sin), ("q_out", q_out), ("k_out", k_out), ("v_out", v_out)):
@@ -125,7 +129,7 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
         qkv, cos_sin, q_out, k_out, v_out,
         seq, k_out.shape[1], int(kv_start), qkv[0].numel(),
         PARTS=parts, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2),
-        PDL=uses_pdl(q_out), launch_pdl=uses_pdl(q_out), num_warps=1 if head_dim <= 256 else 2,
+        PDL=pdl, launch_pdl=pdl, num_warps=1 if head_dim <= 256 else 2,
     )
 
 
@@ -214,5 +218,6 @@ def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_k
         x, weight, cos_sin, q_out, k_out, v_out,
         batch * seq, x.shape[-1], seq, k_out.shape[1], int(kv_start),
         NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=max(16, block_size(batch * seq)),
-        BLOCK_N=block_n, BLOCK_K=block_k, F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, PDL=pdl,
+        launch_pdl=pdl, num_warps=4, num_stages=4,
     )
