@@ -71,6 +71,27 @@ def rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_h
 if triton is not None:
 
     @triton.jit
+    def _rotate_and_store(first, second, cos, sin, head, token, cols, mask, Q_OUT, K_OUT, V_OUT,
+                          seq_len, kv_len, kv_start,
+                          NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Rotate columns (cols, cols + D/2) of `head` for `token` (v heads pass through) and store
+        them to q_out's row of the token or to the token's row of the K/V buffer."""
+        rotate = head < NUM_HEADS + NUM_KV  # v heads: cos 1, sin 0 (exact)
+        cos = tl.where(rotate, cos, 1.0)
+        sin = tl.where(rotate, sin, 0.0)
+        out_first = first * cos - second * sin
+        out_second = second * cos + first * sin
+        kv_row = (token // seq_len) * kv_len + kv_start + token % seq_len
+        if head < NUM_HEADS:
+            dst = Q_OUT + (token * NUM_HEADS + head) * HEAD_DIM + cols
+        elif head < NUM_HEADS + NUM_KV:
+            dst = K_OUT + (kv_row * NUM_KV + head - NUM_HEADS) * HEAD_DIM + cols
+        else:
+            dst = V_OUT + (kv_row * NUM_KV + head - NUM_HEADS - NUM_KV) * HEAD_DIM + cols
+        tl.store(dst, out_first.to(Q_OUT.dtype.element_ty), mask=mask)
+        tl.store(dst + HEAD_DIM // 2, out_second.to(Q_OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rope_qkv_kernel(
         QKV, COS_SIN, Q_OUT, K_OUT, V_OUT,
         seq_len, kv_len, kv_start, part_stride,
@@ -91,20 +112,8 @@ if triton is not None:
             second += tl.load(src + part * part_stride + half + cols, mask=mask, other=0.0)
         cos = tl.load(COS_SIN + token * HEAD_DIM + cols, mask=mask, other=1.0)
         sin = tl.load(COS_SIN + token * HEAD_DIM + half + cols, mask=mask, other=0.0)
-        rotate = head < NUM_HEADS + NUM_KV  # v heads pass through: cos 1, sin 0 (exact)
-        cos = tl.where(rotate, cos, 1.0)
-        sin = tl.where(rotate, sin, 0.0)
-        out_first = first * cos - second * sin
-        out_second = second * cos + first * sin
-        kv_row = (token // seq_len) * kv_len + kv_start + token % seq_len
-        if head < NUM_HEADS:
-            dst = Q_OUT + (token * NUM_HEADS + head) * HEAD_DIM
-        elif head < NUM_HEADS + NUM_KV:
-            dst = K_OUT + (kv_row * NUM_KV + head - NUM_HEADS) * HEAD_DIM
-        else:
-            dst = V_OUT + (kv_row * NUM_KV + head - NUM_HEADS - NUM_KV) * HEAD_DIM
-        tl.store(dst + cols, out_first.to(Q_OUT.dtype.element_ty), mask=mask)
-        tl.store(dst + half + cols, out_second.to(Q_OUT.dtype.element_ty), mask=mask)
+        _rotate_and_store(first, second, cos, sin, head, token, cols, mask, Q_OUT, K_OUT, V_OUT,
+                          seq_len, kv_len, kv_start, NUM_HEADS, NUM_KV, HEAD_DIM)
 
 
 def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start):
@@ -177,21 +186,8 @@ if triton is not None:
         table = COS_SIN + rm[:, None] * HEAD_DIM + c[None, :]
         cos = tl.load(table, mask=row_ok, other=1.0)
         sin = tl.load(table + half, mask=row_ok, other=0.0)
-        rotate = head < NUM_HEADS + NUM_KV  # v heads pass through: cos 1, sin 0 (exact)
-        cos = tl.where(rotate, cos, 1.0)
-        sin = tl.where(rotate, sin, 0.0)
-        out_first = first * cos - second * sin
-        out_second = second * cos + first * sin
-        kv_row = (rm // seq_len) * kv_len + kv_start + rm % seq_len
-        if head < NUM_HEADS:
-            dst = Q_OUT + (rm * NUM_HEADS + head) * HEAD_DIM
-        elif head < NUM_HEADS + NUM_KV:
-            dst = K_OUT + (kv_row * NUM_KV + head - NUM_HEADS) * HEAD_DIM
-        else:
-            dst = V_OUT + (kv_row * NUM_KV + head - NUM_HEADS - NUM_KV) * HEAD_DIM
-        dst = dst[:, None] + c[None, :]
-        tl.store(dst, out_first.to(Q_OUT.dtype.element_ty), mask=row_ok)
-        tl.store(dst + half, out_second.to(Q_OUT.dtype.element_ty), mask=row_ok)
+        _rotate_and_store(first, second, cos, sin, head, rm[:, None], c[None, :], row_ok, Q_OUT, K_OUT, V_OUT,
+                          seq_len, kv_len, kv_start, NUM_HEADS, NUM_KV, HEAD_DIM)
 
 
 def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start,
