@@ -1,6 +1,7 @@
 """`sglang-ext` console script (also `python -m sglang_ext`).
 
-    sglang-ext doctor [--verbose] [--json] [--no-import] [--source-root DIR --assume-version V] [--records DIR] [--strict]
+    sglang-ext doctor [--verbose] [--json] [--no-import] [--source-root DIR --assume-version V]
+                      [--records DIR] [--strict]
     sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
 `doctor` opens with a one-line verdict (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`),

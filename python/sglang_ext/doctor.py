@@ -257,7 +257,8 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
     lines.append("")
     width = max(len(p["name"]) for p in rep["patches"]) if rep["patches"] else 10
     for p in rep["patches"]:
-        check = {None: "", True: "  [verified live]", False: "  [NO LONGER LIVE: " + "; ".join(p["live_problems"]) + "]"}
+        problems = "; ".join(p["live_problems"])
+        check = {None: "", True: "  [verified live]", False: f"  [NO LONGER LIVE: {problems}]"}
         lines.append(f"{p['name']:<{width}}  {p['status']}{check[p['verified_live']]}")
         lines.append(f"{'':<{width}}  {p['summary']}")
         for t in p["targets"]:

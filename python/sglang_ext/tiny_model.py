@@ -267,7 +267,8 @@ def make_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) -> p
 
 def written_files(kind: str) -> List[str]:
     """Names of the files make_tiny_model writes for `kind`."""
-    names = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    names = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+             "tokenizer_config.json"]
     if kind != "qwen2":
         names += ["preprocessor_config.json", "video_preprocessor_config.json"]
     return sorted(names)

@@ -159,10 +159,11 @@ full-attention class, so their own key; eager fallbacks always run the real, unp
 
 Deviation from upstream: keys are `GraphKey`s, not `(S, layout)` tuples; a direct
 `_get_graph_key(x, cuda_cu_seqlens, ...)` call without a key raises instead of syncing;
-`attention_layout_key` must be `(full cu_seqlens ints, window cu_seqlens ints or None)`; `create_graph` stores device copies of
-cu_seqlens owned by the graph (upstream keeps the caller's tensors by reference); captures run
-outside `ca_comm.capture()` and warm up without TP communication (upstream warms up with real
-all-reduces and registers every graph's buffers with the custom all-reduce).
+`attention_layout_key` must be `(full cu_seqlens ints, window cu_seqlens ints or None)`;
+`create_graph` stores device copies of cu_seqlens owned by the graph (upstream keeps the
+caller's tensors by reference); captures run outside `ca_comm.capture()` and warm up without
+TP communication (upstream warms up with real all-reduces and registers every graph's buffers
+with the custom all-reduce).
 
 Retire when: upstream bounds the ViT graph count with eviction, frees retired rotary
 workspaces, returns owned outputs and never syncs on the key path (all still open in
@@ -1185,12 +1186,11 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 # ---------------------------------------------------------------------------
 
 _RUNNER_METHODS = (
-    _ext_ensure_state, _ext_graph_budget, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state, _get_graph_key,
-    _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_fixed_classes, _ext_precapture, _ext_pad_to_bucket,
-    _ext_write_layout, _get_sin_cos_ws, _ext_fill_rotary, _ext_graph_pool, _ext_tower_group, _ext_vote, _ext_warm_up_context,
-    _create_graph, _ext_attention_kwargs, _ext_block_is_full, _ext_block_kwargs, _ext_prepare_graph, create_graph,
-    replay, _ext_graph_tensors,
-    _ext_expected_bytes, _ext_run_eager, run,
+    _ext_ensure_state, _ext_graph_budget, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state,
+    _get_graph_key, _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_fixed_classes, _ext_precapture,
+    _ext_pad_to_bucket, _ext_write_layout, _get_sin_cos_ws, _ext_fill_rotary, _ext_graph_pool, _ext_tower_group,
+    _ext_vote, _ext_warm_up_context, _create_graph, _ext_attention_kwargs, _ext_block_is_full, _ext_block_kwargs,
+    _ext_prepare_graph, create_graph, replay, _ext_graph_tensors, _ext_expected_bytes, _ext_run_eager, run,
 )
 
 

@@ -6,9 +6,9 @@
 rms(x) = x / sqrt(mean(x^2) + eps) in float32, from x as stored (after the
 residual add's rounding). `add` may be a skinny_linear `Partials` (summed here, in
 float32, before the gate: no reduce kernel and no rounding of the GEMM output).
-scale / shift / gate hold one row per group of rows of x: a [C, N] conditioning for x of R = C * G rows applies its row c to rows
-c*G .. c*G + G - 1 (adaRMS: C = batch, G = tokens; a Gemma RMSNorm weight w is
-scale = w with C = 1). Math in float32, one rounding per output.
+scale / shift / gate hold one row per group of rows of x: a [C, N] conditioning for x
+of R = C * G rows applies its row c to rows c*G .. c*G + G - 1 (adaRMS: C = batch,
+G = tokens; a Gemma RMSNorm weight w is scale = w with C = 1). Math in float32, one rounding per output.
 """
 
 from __future__ import annotations
