@@ -13,10 +13,13 @@ from functools import lru_cache
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs without triton: references only
     triton = None
     tl = None
+try:  # grid dependency control: triton >= 3.3; without it kernels launch plainly
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # triton's interpreter multiplies bfloat16 tl.dot operands wrongly (3.8: ~1e11 off); under it the
@@ -46,7 +49,8 @@ def block_size(n: int) -> int:
 
 def uses_pdl(tensor) -> bool:
     """True: kernels on `tensor`'s device launch with programmatic dependent launch."""
-    return PDL_ENABLED and not INTERPRET and tensor.is_cuda and _sm_major(tensor.device.index) >= 9
+    return (PDL_ENABLED and gdc_wait is not None and not INTERPRET and tensor.is_cuda
+            and _sm_major(tensor.device.index) >= 9)
 
 
 @lru_cache(maxsize=None)

@@ -371,3 +371,24 @@ def test_kernels_build_for_hopper(module, kernel, types, variants):
         if constexprs.get("PDL"):
             before_wait = ptx[: ptx.index("griddepcontrol.wait")]
             assert not any(op in before_wait for op in ("ld.global", "st.global", "cp.async", "atom.")), (kernel, constexprs)
+
+
+def test_kernels_build_without_grid_dependency_control(monkeypatch):
+    """triton < 3.3 has no gdc_wait: PDL is off there and the kernels still build."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang_ext.kernels import backend
+    from sglang_ext.kernels.activation import _gelu_tanh_and_mul_kernel
+
+    monkeypatch.setattr(backend, "gdc_wait", None)
+    monkeypatch.setattr(backend, "gdc_launch_dependents", None)
+    assert not backend.uses_pdl(torch.zeros(1))
+    constexprs = dict(BLOCK=1024, PDL=False)
+    types = {"X": "*bf16", "OUT": "*bf16", "n_inner": "i32"}
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in _gelu_tanh_and_mul_kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=_gelu_tanh_and_mul_kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm.get("cubin") and "griddepcontrol" not in compiled.asm["ptx"]
