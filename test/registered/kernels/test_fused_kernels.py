@@ -380,12 +380,18 @@ def test_kernels_build_without_grid_dependency_control(monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    import types as types_ns
+
     from sglang_ext.kernels import backend
     from sglang_ext.kernels.activation import _gelu_tanh_and_mul_kernel
 
+    hopper_tensor = types_ns.SimpleNamespace(is_cuda=True, device=types_ns.SimpleNamespace(index=0))
+    monkeypatch.setattr(backend, "_sm_major", lambda index: 9)
+    monkeypatch.setattr(backend, "INTERPRET", False)
+    assert backend.uses_pdl(hopper_tensor)
     monkeypatch.setattr(backend, "gdc_wait", None)
     monkeypatch.setattr(backend, "gdc_launch_dependents", None)
-    assert not backend.uses_pdl(torch.zeros(1))
+    assert not backend.uses_pdl(hopper_tensor)
     constexprs = dict(BLOCK=1024, PDL=False)
     types = {"X": "*bf16", "OUT": "*bf16", "n_inner": "i32"}
     signature = {name: "constexpr" if name in constexprs else types[name] for name in _gelu_tanh_and_mul_kernel.arg_names}
