@@ -249,7 +249,7 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
     else:
         kv_start = 0
         used = (prefix_masks.sum(dim=-1) + seq).to(torch.int32)
-        order = torch.argsort((~prefix_masks).to(torch.int8), dim=1, stable=True)  # visible first
+        order = _visible_first(prefix_masks)
     for index, (keys, values, _) in enumerate(prefix_context.past_key_values):
         if index >= len(expert.layers):
             break
@@ -260,6 +260,11 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
                 gather = order[:, :, None, None].expand(-1, -1, *prefix.shape[2:])
                 kv[index, slot, :, seq:].copy_(torch.gather(prefix, 1, gather))
     return cos_sin, kv, kv_start, used
+
+
+def _visible_first(pad_masks):
+    """[B, P] row order with each batch row's visible positions first (in order), hidden last."""
+    return torch.argsort((~pad_masks).to(torch.int8), dim=1, stable=True)
 
 
 def _one_head_sdpa(q, keys, values, scale):
@@ -480,7 +485,7 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
                 raise ValueError("encode_prefix_layers: attention_mask without pad_masks; allowed: both or neither")
             visible = (
                 pad_masks.sum(dim=-1).clamp_min(1).to(torch.int32),
-                torch.argsort((~pad_masks).to(torch.int8), dim=1, stable=True).to(torch.int32),
+                _visible_first(pad_masks).to(torch.int32),
                 key_splits(batch, seq, heads, kv_heads, seq, _sm_count(hidden.device)),
             )
         sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)

@@ -24,7 +24,7 @@ import torch
 from sglang_ext.kernels.backend import (
     DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl,
 )
-from sglang_ext.kernels.skinny_gemm import MAX_ROWS, Partials, slice_products
+from sglang_ext.kernels.skinny_gemm import Partials, check_rows_and_blocks, slice_products
 
 
 def _check(shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start):
@@ -146,20 +146,17 @@ def linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, *, num_he
                               kv_start, block_n=16, block_k=128):
     """torch version of `linear_rope_qkv`: the float32 product, then rope_qkv's float32 math."""
     _check_linear(x, weight, head_dim, block_n, block_k)
-    _check((*x.shape[:-1], weight.shape[0]), cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
     qkv = (x.float() @ weight.float().t()).reshape(*x.shape[:-1], weight.shape[0])
     rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, kv_start=kv_start)
 
 
 def _check_linear(x, weight, head_dim, block_n, block_k):
-    rows = x.numel() // x.shape[-1]
-    if x.dim() != 3 or x.shape[-1] != weight.shape[1] or not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"linear_rope_qkv: x {tuple(x.shape)}; allowed: [B, S, K={weight.shape[1]}], "
-                         f"B * S <= {MAX_ROWS}")
-    if (head_dim // 2) % block_n or weight.shape[1] % block_k or block_n & (block_n - 1) or block_k & (block_k - 1):
-        raise ValueError(f"linear_rope_qkv: block_n={block_n}, block_k={block_k}; allowed: powers of two "
-                         f"dividing head_dim / 2={head_dim // 2} and K={weight.shape[1]}")
+    if x.dim() != 3:
+        raise ValueError(f"linear_rope_qkv: x {tuple(x.shape)}; allowed: [B, S, K]")
+    check_rows_and_blocks(x, weight, 1, block_n, block_k, what="linear_rope_qkv")
+    if (head_dim // 2) % block_n:
+        raise ValueError(f"linear_rope_qkv: block_n={block_n}; allowed: dividing head_dim / 2={head_dim // 2}")
 
 
 if triton is not None:

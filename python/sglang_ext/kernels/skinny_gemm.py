@@ -52,19 +52,20 @@ class Partials(NamedTuple):
         return total
 
 
-def _check(x, weight, parts, block_n, block_k, epilogue):
+def check_rows_and_blocks(x, weight, parts, block_n, block_k, epilogue=(), what="skinny_linear"):
+    """(rows, N, K) of x @ weight.T after the checks every skinny GEMM kernel needs (`what`: the caller)."""
     rows = x.numel() // x.shape[-1]
     n, k = weight.shape
     if x.shape[-1] != k:
-        raise ValueError(f"skinny_linear: x width {x.shape[-1]}; allowed: the weight's K={k}")
+        raise ValueError(f"{what}: x width {x.shape[-1]}; allowed: the weight's K={k}")
     if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"skinny_linear: {rows} rows; allowed: 1..{MAX_ROWS}")
+        raise ValueError(f"{what}: {rows} rows; allowed: 1..{MAX_ROWS}")
     if parts < 1 or k % (parts * block_k):
-        raise ValueError(f"skinny_linear: parts={parts}, block_k={block_k}; allowed: parts * block_k dividing K={k}")
+        raise ValueError(f"{what}: parts={parts}, block_k={block_k}; allowed: parts * block_k dividing K={k}")
     if block_n & (block_n - 1) or block_k & (block_k - 1):
-        raise ValueError(f"skinny_linear: block_n={block_n}, block_k={block_k}; allowed: powers of two")
+        raise ValueError(f"{what}: block_n={block_n}, block_k={block_k}; allowed: powers of two")
     if parts > 1 and epilogue:
-        raise ValueError(f"skinny_linear: parts={parts} with {', '.join(epilogue)}; allowed: parts=1 with an epilogue")
+        raise ValueError(f"{what}: parts={parts} with {', '.join(epilogue)}; allowed: parts=1 with an epilogue")
     return rows, n, k
 
 
@@ -75,7 +76,7 @@ def _epilogue(gated, bias, add_to):
 def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None,
                             out_dtype=None, add_to=None, alpha=1.0):
     """torch version of `skinny_linear` (float32 accumulation per part, same epilogue)."""
-    rows, n, k = _check(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
+    rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     xs = x.reshape(rows, k).float().chunk(parts, dim=1)
     ws = weight.float().chunk(parts, dim=1)
     products = torch.stack([a @ w.t() for a, w in zip(xs, ws)]).reshape(parts, *x.shape[:-1], n)
@@ -168,7 +169,7 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
     if not runs_triton(x):
         return skinny_linear_reference(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=gated,
                                        bias=bias, out_dtype=out_dtype, add_to=add_to, alpha=alpha)
-    rows, n, k = _check(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
+    rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     if not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError("skinny_linear: x and weight must be contiguous")
     if x.dtype != weight.dtype:

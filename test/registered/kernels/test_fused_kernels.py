@@ -307,6 +307,13 @@ def test_bad_shapes_raise_one_line_errors():
             torch.zeros(1, 2, 3 * 4), torch.zeros(2, 4), torch.zeros(1, 2, 1, 4), torch.zeros(1, 3, 1, 4),
             torch.zeros(1, 3, 1, 4), num_heads=1, num_kv_heads=1, head_dim=4, kv_start=2,
         )
+    outs = (torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32))
+    with pytest.raises(ValueError, match="linear_rope_qkv: block_n=32; allowed: dividing head_dim / 2=16"):
+        linear_rope_qkv_reference(torch.zeros(1, 2, 64), torch.zeros(96, 64), torch.zeros(2, 32), *outs,
+                                  num_heads=1, num_kv_heads=1, head_dim=32, kv_start=0, block_n=32, block_k=32)
+    with pytest.raises(ValueError, match="linear_rope_qkv: 129 rows; allowed: 1..128"):
+        linear_rope_qkv_reference(torch.zeros(1, 129, 64), torch.zeros(96, 64), torch.zeros(129, 32), *outs,
+                                  num_heads=1, num_kv_heads=1, head_dim=32, kv_start=0, block_k=32)
 
 
 # Hopper builds of every kernel variant the fast path launches: the interpreter runs kernels as
