@@ -149,24 +149,30 @@ KNOBS: tuple[Knob, ...] = (
     Knob("vit_graph_min_hits", "int", 1,
          "Anti-thrash admission: capture a layout only once it has been seen this many times.",
          minimum=1),
-    Knob("vit_graph_mode", "choice", "layout",
-         "'layout': one graph per (tokens, attention layout). 'class' (vision attention triton_attn, fa3 or "
-         "fa4): graphs shared by layouts with the same token count, sequence-count class and longest-sequence "
-         "class; boundaries are refreshed at every replay. Both are bitwise equal to eager on triton_attn and "
-         "fa3 (fa4: unverified on hardware). 'bucket' (same backends): class mode with token counts padded up "
-         "to --ext-vit-graph-token-buckets (padding is its own attention sequence and is dropped from the "
-         "output): far fewer graphs; equal to eager within bf16 rounding (GEMMs see more rows), not "
-         "guaranteed bitwise.",
+    Knob("vit_graph_mode", "choice", "bucket",
+         "'bucket' (vision attention triton_attn, fa3 or fa4; the default): one graph per token budget, all "
+         "captured when the model loads, none while serving. A call is padded to the smallest budget that fits "
+         "(padding forms its own attention sequences and is dropped from the output); a call above the largest "
+         "budget is split into chunks of whole images; calls whose graph would lose to eager (measured at load, "
+         "--ext-vit-graph-replay-max-tokens) run eager. Equal to eager within bf16 rounding (GEMMs see more "
+         "rows), not guaranteed bitwise. 'class' (same backends): graphs shared by layouts with the same token "
+         "count, sequence-count class and longest-sequence class, captured on first use; 'layout': one graph per "
+         "(tokens, attention layout), captured on first use. Both are bitwise equal to eager on triton_attn and "
+         "fa3 (fa4: unverified on hardware). Other backends (sdpa) always run eager.",
          choices=("layout", "class", "bucket")),
     Knob("vit_graph_token_buckets", "int_list", (),
-         "Bucket mode only: token counts (patches before merging) to pad to, each a multiple of 4 (the "
-         "spatial merge unit of the Qwen2.5-VL / Qwen3-VL towers). Empty = 16 sizes, 512 growing by 26 % in "
-         "multiples of 64, up to 16448 (the first step >= 16384); larger batches are not padded, smaller "
-         "ones pad to 512."),
+         "Bucket mode only: token budgets (patches before merging) to capture, each a multiple of 4 (the "
+         "spatial merge unit of the Qwen2.5-VL / Qwen3-VL towers). Empty = 512 growing by 26 % in multiples of "
+         "64 up to the largest call the server's prefill limits allow (chunked prefill size times the merge "
+         "unit; 16384 without a server)."),
+    Knob("vit_graph_replay_max_tokens", "int", -1,
+         "Bucket mode only: the largest call (tokens) that replays a graph. -1 = measured at load: budgets are "
+         "probed smallest first and the ladder ends at the first whose graph is slower than eager on this GPU "
+         "and model (agreed by every TP rank); N = the budgets up to N tokens, no probe.",
+         minimum=-1),
     Knob("vit_graph_precapture", "bool", True,
-         "Bucket mode on the fa3 vision attention backend: capture the token-bucket ladder (smallest first, "
-         "within the capacity and byte budget) at the runner's first run, so later batches replay from the "
-         "start; off = capture each bucket on first use."),
+         "Bucket mode: capture the budget ladder when the model loads (after sglang's own CUDA graphs, before "
+         "the server reports healthy); off = at the tower's first call."),
     # --- Pi0.5 graphs (patches pi05_*) ---
     Knob("pi05_prefix_graph_max_entries", "int", -1,
          "Override prefix_cuda_graph_max_entries of the Pi0.5 pipeline config (-1 = keep config).",

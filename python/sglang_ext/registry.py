@@ -69,6 +69,7 @@ def T(module: str, *qualnames: str) -> Tuple[Target, ...]:
 _VIT_RUNNER = "sglang.srt.multimodal.vit_cuda_graph_runner"
 _QWEN25 = "sglang.srt.models.qwen2_5_vl"
 _QWEN3 = "sglang.srt.models.qwen3_vl"
+_MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 _BCG = "sglang.srt.layers.cp.bcg"
 _PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 _BREAKABLE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
@@ -95,11 +96,14 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T("sglang.srt.layers.attention.vision", "prepare_vision_attention_metadata",
             "VisionTritonAttention.forward")
         + T("sglang.kernels.ops.attention.prefill_attention", "context_attention_fwd", "_fwd_kernel")
-        + T("sglang.srt.model_executor.runner_utils.pool", "get_or_create_global_graph_memory_pool"),
+        + T("sglang.srt.model_executor.runner_utils.pool", "get_or_create_global_graph_memory_pool")
+        + T(_MODEL_RUNNER, "ModelRunner.init_cuda_graphs"),
         parts=(
             Part(_VIT_RUNNER, "sglang_ext.adapters.vit_cuda_graph:patch_runner"),
             Part(_QWEN25, "sglang_ext.adapters.vit_cuda_graph:patch_qwen2_5_vl"),
             Part(_QWEN3, "sglang_ext.adapters.vit_cuda_graph:patch_qwen3_vl"),
+            # bucket mode: capture the ladder when the model loads, after sglang's own graphs
+            Part(_MODEL_RUNNER, "sglang_ext.adapters.vit_cuda_graph:patch_model_runner"),
         ),
         rebinds=(f"{_QWEN3}.graph_runners_dict", f"{_QWEN25}.ViTCudaGraphRunner", f"{_QWEN3}.ViTCudaGraphRunner"),
         upstream_pr="sgl-project/sglang#37043",

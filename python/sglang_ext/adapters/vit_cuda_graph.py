@@ -185,6 +185,7 @@ from sglang_ext.graphs.agreement import agreed_capture, cpu_group_vote, local_vo
 from sglang_ext.graphs.buckets import geometric_buckets, select_bucket
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
+from sglang_ext.graphs.packing import median_wall_ms, sequences_between, whole_sequence_chunks
 from sglang_ext.graphs.keys import (
     GraphKey,
     cpu_ints,
@@ -197,23 +198,29 @@ from sglang_ext.graphs.workspace import AddressGuard, StableWorkspacePool
 _ext_vit_logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
 # Fallback reasons, as counted per runner.
-_EXT_VIT_FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed")
+_EXT_VIT_FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed",
+                             "no_fit", "gate")
 
-# Bucket mode's default token ladder: 16 sizes, 512 patches growing by 26 % until a size >= 16384
-# (16448), in multiples of 64 (one Qwen2.5-VL attention window; a multiple of the merge unit). Chosen
-# by scripts/sim_vit_keys.py over bench_vit.py's stream among 16-size ladders: least padding (10 %).
-_EXT_VIT_DEFAULT_BUCKETS = dict(smallest=512, largest=16384, ratio=1.26, multiple=64)
-# Bucket mode: room for this many full-attention sequences at least, so one token bucket has one class.
-_EXT_VIT_BUCKET_MIN_SEQUENCES = 8
+# Bucket mode's default token ladder: 512 patches growing by 26 % up to the largest call the server
+# can send (16384 -> 16 sizes when unknown), in multiples of 64 (one Qwen2.5-VL attention window; a
+# multiple of the merge unit). Chosen by scripts/sim_vit_keys.py over bench_vit.py's stream among
+# 16-size ladders: least padding (10 %).
+_EXT_VIT_DEFAULT_BUCKETS = dict(smallest=512, ratio=1.26, multiple=64)
+# Bucket mode: full-attention sequence slots of every budget graph (images or frames, Qwen2.5's empty
+# leading sequence and the padding); a call with more is split into chunks that fit.
+_EXT_VIT_BUCKET_SEQUENCES = 36
+# Bucket mode: window slots per budget token, 1 / (this * merge unit): a window holds at least 4 merge
+# units for images of the processors' minimum size (56 px), and padding windows are window-sized.
+_EXT_VIT_BUCKET_TOKENS_PER_WINDOW_UNIT = 4
+# Bucket mode: the ladder's top when nothing says how large a call can be (no server limits known).
+_EXT_VIT_BUCKET_DEFAULT_LARGEST = 16384
+# Bucket mode, load-time gate: wall time of this many runs (median, after one warm-up) per side.
+_EXT_VIT_GATE_REPEATS = 5
+# The synthetic image that takes the tower's own graph path at load: grid (1, 16, 16), 256 patches.
+_EXT_VIT_SAMPLE_GRID = (1, 16, 16)
 # Vision attention backends whose kernels read max_seqlen only as a bound (grid size / scheduling) and skip
 # zero-length sequences, so layout-class and bucket modes can share a graph between layouts (see the header).
 _EXT_VIT_CLASS_BACKENDS = ("triton_attn", "fa3", "fa4")
-# Bucket mode on these backends: one fixed class per token bucket (sequence-count bounds from the
-# bucket alone), so the ladder can be captured up front. fa3's varlen kernel runs a persistent
-# scheduler over a grid of about one CTA per SM and walks the real sequences, so empty trailing
-# sequences cost next to nothing; triton_attn launches programs per (sequence, head) and keeps
-# power-of-two classes.
-_EXT_VIT_FIXED_CLASS_BACKENDS = ("fa3",)
 # Default byte budget (knob -1): this fraction of the device memory free at the runner's first use,
 # clamped to [floor, cap]; the MIN over TP ranks, so every rank admits and evicts the same graphs.
 _EXT_VIT_AUTO_BUDGET = dict(fraction=0.25, floor=256 << 20, cap=4 << 30)
@@ -253,10 +260,18 @@ def _ext_vit_layout_class(layout, num_tokens):
             min(_ext_vit_pow2(max(_ext_vit_max_len(layout), 1)), max(num_tokens, 1)))
 
 
-def _ext_vit_token_buckets(unit):
-    """Bucket mode's token ladder (knob or default), keeping sizes the merge unit divides."""
-    buckets = ext_knobs.current("vit_graph_token_buckets") or geometric_buckets(**_EXT_VIT_DEFAULT_BUCKETS)
+def _ext_vit_token_buckets(unit, largest=None):
+    """Bucket mode's candidate ladder (knob, or the default up to `largest` tokens), sizes the merge unit divides."""
+    buckets = ext_knobs.current("vit_graph_token_buckets") or geometric_buckets(
+        largest=max(largest or _EXT_VIT_BUCKET_DEFAULT_LARGEST, _EXT_VIT_DEFAULT_BUCKETS["smallest"]),
+        **_EXT_VIT_DEFAULT_BUCKETS)
     return tuple(b for b in buckets if b % unit == 0)
+
+
+def _ext_vit_window_slots(budget, unit, window_tokens):
+    """Window-sequence slots of a `budget`-token graph (see _EXT_VIT_BUCKET_TOKENS_PER_WINDOW_UNIT)."""
+    smallest = min(_EXT_VIT_BUCKET_TOKENS_PER_WINDOW_UNIT * unit, window_tokens or unit)
+    return budget // max(smallest, unit) + 2
 
 
 def _ext_vit_padded_layout(layout, real_tokens, bucket, chunk):
@@ -321,7 +336,13 @@ def _ext_ensure_state(self):
     self._ext_mode = ext_knobs.current("vit_graph_mode")
     # Merger rows: `spatial_merge_unit` input tokens make one output row (1 for towers without merging).
     self._ext_merge_unit = int(getattr(self.vit, "spatial_merge_unit", 1) or 1)
-    self._ext_token_buckets = _ext_vit_token_buckets(self._ext_merge_unit) if self._ext_mode == "bucket" else ()
+    self._ext_token_buckets = (_ext_vit_token_buckets(self._ext_merge_unit, self.__dict__.get("_ext_server_tokens"))
+                               if self._ext_mode == "bucket" else ())
+    # Bucket mode: calls up to this many tokens replay (decided at pre-capture; the ladder's top until then).
+    self._ext_replay_limit = self._ext_token_buckets[-1] if self._ext_token_buckets else 0
+    self._ext_gate = []  # load-time probe: one row per budget measured
+    self._ext_precapture_info = {"precapture_graphs": 0, "precapture_ms": 0, "precapture_reserved_bytes": 0}
+    self._ext_chunking = {"chunked_calls": 0, "chunks": 0}
     self._ext_padding = {"padded_batches": 0, "padding_tokens": 0, "real_tokens": 0}
     self._ext_window_tokens = _ext_vit_window_tokens(self.vit)
     self._ext_precaptured = False
@@ -334,6 +355,8 @@ def _ext_ensure_state(self):
                                 "%d, so bucket mode pads nothing (class mode keys only)", self._ext_merge_unit)
     self._ext_rotary_pools = {}
     self._ext_rotary_leases = {}
+    self._ext_buffer_pools = {}  # bucket mode: input and attention workspace shared by the budget graphs
+    self._ext_buffer_leases = {}
     self._ext_rotary_current = {}
     self._sin_cos_ws_by_graph = {}
     self._ext_graph_bytes = {}
@@ -390,6 +413,12 @@ def _ext_graph_info(self):
         info[f"fallback_{reason}"] = count
     info["rotary_backing_buffers"] = sum(p.backing_buffers for p in self._ext_rotary_pools.values())
     info["rotary_bytes"] = sum(p.bytes_allocated for p in self._ext_rotary_pools.values())
+    info["shared_buffer_bytes"] = sum(p.bytes_allocated for p in self._ext_buffer_pools.values())
+    info["bytes_resident"] += info["shared_buffer_bytes"]
+    info["replay_limit_tokens"] = self._ext_replay_limit
+    info["budgets"] = len(self._ext_token_buckets)
+    info.update(self._ext_precapture_info)
+    info.update(self._ext_chunking)
     return info
 
 
@@ -423,6 +452,8 @@ def _ext_drop_graph_state(self, graph_key):
     self._sin_cos_ws_by_graph.pop(graph_key, None)
     lease = self._ext_rotary_leases.pop(graph_key, None)
     if lease is not None:
+        lease.release()
+    for lease in self._ext_buffer_leases.pop(graph_key, ()):
         lease.release()
 
 
@@ -462,113 +493,302 @@ def _ext_bucket_mode(self):
 def _ext_graph_key_for(self, layout_key):
     """The cache key of a batch: its layout key, or in class mode its (tokens, class) key.
 
-    Bucket mode coarsens the full-attention class so that it does not split a token bucket: room
-    for at least `_EXT_VIT_BUCKET_MIN_SEQUENCES` sequences and the token count as max_seqlen bound
-    (the kernel's extra programs find no rows and exit). Windows keep class mode's classes, except
-    on the fixed-class backends (fa3): room for tokens / merge unit windows (every window holds at
-    least one merge unit) and the tower's window size as bound, so a bucket has exactly one key.
+    Bucket mode: the key depends on the token budget only (fixed full-attention and window slots,
+    the budget and the tower's window size as max_seqlen bounds), so the ladder is captured before
+    any call and one graph serves any mix of images that fits it (`_ext_budget_fits`).
     """
     if not self._ext_class_mode():
         return layout_key
     full, window = layout_key.layout
     tokens = layout_key.num_tokens
-    full_class = _ext_vit_layout_class(full, tokens)
     if self._ext_bucket_mode():
-        if full is not None:
-            full_class = (max(_EXT_VIT_BUCKET_MIN_SEQUENCES, full_class[0]), max(tokens, 1))
-        window_class = _ext_vit_layout_class(window, tokens)
-        if window is not None and self._ext_fixed_classes():
-            window_class = (max(tokens // self._ext_merge_unit, 1),
-                            max(self._ext_window_tokens or 0, _ext_vit_max_len(window)))
-        return GraphKey(tokens, variant=("bucket",) + full_class + window_class)
-    return GraphKey(tokens, variant=("class",) + full_class + _ext_vit_layout_class(window, tokens))
+        window_class = (None, None)
+        if window is not None:
+            window_class = (_ext_vit_window_slots(tokens, self._ext_merge_unit, self._ext_window_tokens),
+                            max(self._ext_window_tokens or 0, self._ext_merge_unit))
+        return GraphKey(tokens, variant=("bucket", _EXT_VIT_BUCKET_SEQUENCES, max(tokens, 1)) + window_class)
+    return GraphKey(tokens, variant=("class",) + _ext_vit_layout_class(full, tokens)
+                    + _ext_vit_layout_class(window, tokens))
 
 
-def _ext_fixed_classes(self):
-    """Bucket mode with one key per bucket (fa3): what makes start-up capture of the ladder possible."""
-    return self._ext_bucket_mode() and self._attn_backend in _EXT_VIT_FIXED_CLASS_BACKENDS
+def _ext_budget_fits(self, padded_key, graph_key):
+    """Whether a padded layout fits its budget graph's sequence slots and window bound."""
+    _, full_slots, _, window_slots, window_bound = graph_key.variant
+    full, window = padded_key.layout
+    if full is None or len(full) - 1 > full_slots:
+        return False
+    return window is None or (len(window) - 1 <= window_slots and _ext_vit_max_len(window) <= window_bound)
+
+
+def _ext_sample_rows(tensor, rows):
+    """Zeros shaped like `tensor` with `rows` rows (None stays None)."""
+    if tensor is None:
+        return None
+    return torch.zeros((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+
+def _ext_synthetic_call(self, sample, tokens):
+    """A call of `tokens` zero rows shaped like `sample`: one image, window-sized windows."""
+    x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin = sample
+    chunk = max(self._ext_window_tokens or 0, self._ext_merge_unit)
+    window = _ext_vit_padded_layout((0,), 0, tokens, chunk) if self._fullatt_block_indexes else None
+    pos = None if position_embeddings is None else tuple(_ext_sample_rows(t, tokens) for t in position_embeddings)
+    return (GraphKey(tokens, layout=((0, tokens), window)), _ext_sample_rows(x_3d, tokens), pos,
+            _ext_sample_rows(rotary_pos_emb_cos, tokens), _ext_sample_rows(rotary_pos_emb_sin, tokens))
+
+
+def _ext_capture_budget(self, sample, budget):
+    """Capture the graph of one budget (agreed by every TP rank: raises on all of them or none)."""
+    layout_key, x, pos, cos, sin = self._ext_synthetic_call(sample, budget)
+    full, window = layout_key.layout
+    return self.create_graph(x, torch.tensor(full, dtype=torch.int32),
+                             None if window is None else torch.tensor(window, dtype=torch.int32), pos, cos, sin,
+                             attention_layout_key=(full, window))
+
+
+def _ext_probe_ladder(self, sample, ladder):
+    """The budgets whose graph beats eager, measured on this GPU and model, agreed by every rank.
+
+    For each budget, smallest first: capture its graph, time a replay of the smallest call it
+    serves (the most padding) against the sync-free eager run of that call, drop the graph. The
+    ladder ends at the first budget where eager wins on any rank (a MIN vote), or whose capture
+    fails: larger calls are device-bound, where padding only adds work. Probe graphs are captured
+    and timed with the TP collectives as local stand-ins (both sides alike), so a rank that fails
+    half-way through its timing leaves no peer inside a device collective.
+    """
+    from sglang_ext.graphs.agreement import OK, PERMANENT
+
+    on_cuda = self.device.type == "cuda" if isinstance(self.device, torch.device) else False
+    sync = torch.cuda.synchronize if on_cuda else None
+    kept, previous = [], 0
+    for budget in ladder:
+        try:
+            with self._ext_warm_up_context():
+                graph_key = self._ext_capture_budget(sample, budget)
+        except Exception:  # noqa: BLE001 - agreed on every rank; create_graph logged nothing, so say it here
+            _ext_vit_logger.warning("ViT CUDA graph probe: capture of the %d-token budget failed; the ladder "
+                                    "ends below it", budget, exc_info=True)
+            break
+        tokens = previous + self._ext_merge_unit
+        call = self._ext_synthetic_call(sample, tokens)
+        error = None
+        try:
+            with torch.no_grad(), self._ext_warm_up_context():
+                graph_ms = median_wall_ms(lambda: self._ext_replay_budget(*call, counted=False),
+                                          repeats=_EXT_VIT_GATE_REPEATS, synchronize=sync)
+                eager_ms = median_wall_ms(lambda: self._ext_run_eager_call(*call), repeats=_EXT_VIT_GATE_REPEATS,
+                                          synchronize=sync)
+        except Exception as exc:  # noqa: BLE001 - voted on below
+            error, graph_ms, eager_ms = exc, math.inf, 0.0
+        self._ext_cache.discard(graph_key)
+        wins = self._ext_vote()(OK if error is None and graph_ms < eager_ms else PERMANENT) == OK
+        self._ext_gate.append({"budget": budget, "tokens": tokens, "graph_ms": round(graph_ms, 3),
+                               "eager_ms": round(eager_ms, 3), "replay": wins})
+        if error is not None:
+            _ext_vit_logger.warning("ViT CUDA graph probe of the %d-token budget failed: %s: %s", budget,
+                                    type(error).__name__, error)
+        if not wins:
+            break
+        kept.append(budget)
+        previous = budget
+    return kept
 
 
 def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
-    """Capture the bucket ladder once, at the runner's first run (knob vit_graph_precapture).
+    """Bucket mode: decide the replay ladder and capture it, before serving (knob vit_graph_precapture).
 
-    Fixed-class bucket mode only (a bucket's key does not depend on the batch). Smallest
-    buckets first, while they fit the capacity and byte budget without evicting each other
-    (`--ext-vit-graph-min-hits` does not apply: these are captured before any batch asks).
-    The first real batch gives dtype, hidden size and the rotary form; the captured batch is
-    zeros with one full-attention sequence and window-sized windows (each replay rewrites the
-    boundaries). TP: every rank runs its first batch in lockstep, sees the same ladder, budget
-    and capacity, and create_graph agrees every capture over the TP group.
+    Runs at load (`_ext_precapture_at_load`) or, without a server or with the knob off, at the
+    runner's first run. The
+    ladder: the knob's budgets up to --ext-vit-graph-replay-max-tokens, or (-1) the budgets the
+    load-time probe found faster than eager; then cut to the capacity and byte budget, both the
+    same on every rank. Captured largest first: every graph's input, attention workspace and
+    rotary slices lie in the largest one's buffers and its intermediates in the shared pool, so
+    the ladder costs about one graph's memory. A failure on any rank (agreed) leaves the runner
+    eager on every rank. After this, bucket mode never captures.
     """
     self._ext_precaptured = True
-    if not (self._ext_fixed_classes() and ext_knobs.current("vit_graph_precapture")):
+    if not self._ext_bucket_mode():
         return
+    started = _ext_vit_now()
+    reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+    sample = (x_3d[:1], position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+    limit = ext_knobs.current("vit_graph_replay_max_tokens")
+    ladder = self._ext_token_buckets
+    kept = [b for b in ladder if b <= limit] if limit >= 0 else self._ext_probe_ladder(sample, ladder)
     cache = self._ext_cache
-    device = x_3d.device
-    chunk = max(self._ext_window_tokens or 0, self._ext_merge_unit)
-    for bucket in self._ext_token_buckets:
-        shape = (bucket,) + tuple(x_3d.shape[1:])
-        expected = self._ext_expected_bytes(torch.empty(shape, dtype=x_3d.dtype, device="meta"))
-        if len(cache) >= cache.capacity or (cache.max_bytes > 0
-                                            and cache.bytes_resident + expected > cache.max_bytes):
-            break
-        x_pad = torch.zeros(shape, dtype=x_3d.dtype, device=device)
-        full = (0, bucket)
-        window = _ext_vit_padded_layout((0,), 0, bucket, chunk) if self._fullatt_block_indexes else None
-
-        def zeros_like_rows(t):
-            return None if t is None else torch.zeros((bucket,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-
-        pos = None if position_embeddings is None else tuple(zeros_like_rows(t) for t in position_embeddings)
-        graph_key = self._ext_graph_key_for(GraphKey(bucket, layout=(full, window)))
+    kept = kept[:cache.capacity]
+    while kept and cache.max_bytes > 0 and self._ext_expected_bytes(
+            torch.empty((kept[-1],) + tuple(x_3d.shape[1:]), dtype=x_3d.dtype, device="meta")) > cache.max_bytes:
+        kept.pop()
+    captured = []
+    for budget in reversed(kept):
         try:
-            self.create_graph(x_pad, torch.tensor(full, dtype=torch.int32),
-                              None if window is None else torch.tensor(window, dtype=torch.int32), pos,
-                              zeros_like_rows(rotary_pos_emb_cos), zeros_like_rows(rotary_pos_emb_sin),
-                              attention_layout_key=(full, window))
-        except Exception as exc:  # noqa: BLE001 - requests still run (lazy capture or eager)
-            # create_graph has quarantined the key on every rank (agreed failure class).
-            _ext_vit_logger.warning("ViT CUDA graph pre-capture of the %d-token bucket failed; later buckets are "
-                                    "captured on first use: %s: %s", bucket, type(exc).__name__, exc)
-            return
-    _ext_vit_logger.info("ViT CUDA graphs: pre-captured %d of %d token buckets", len(cache),
-                         len(self._ext_token_buckets))
+            captured.append(self._ext_capture_budget(sample, budget))
+        except Exception as exc:  # noqa: BLE001 - agreed on every rank: all stay eager
+            _ext_vit_logger.warning("ViT CUDA graph pre-capture of the %d-token budget failed, so ViT graphs stay "
+                                    "off: %s: %s", budget, type(exc).__name__, exc)
+            for graph_key in captured:
+                cache.discard(graph_key)
+            captured = []
+            break
+    self._ext_token_buckets = tuple(sorted(k.num_tokens for k in captured))
+    self._ext_replay_limit = self._ext_token_buckets[-1] if captured else 0
+    info = self._ext_precapture_info
+    info["precapture_graphs"] = len(captured)
+    info["precapture_ms"] = int(_ext_vit_now() - started)
+    if torch.cuda.is_available():
+        info["precapture_reserved_bytes"] = int(torch.cuda.memory_reserved() - reserved)
+    _ext_vit_logger.info("ViT CUDA graphs: captured %d budgets (%s tokens) in %d ms, %d MiB reserved; calls up to "
+                         "%d tokens replay; probe: %s", len(captured), ",".join(map(str, self._ext_token_buckets)),
+                         info["precapture_ms"], info["precapture_reserved_bytes"] >> 20, self._ext_replay_limit,
+                         self._ext_gate or "skipped (--ext-vit-graph-replay-max-tokens)")
 
 
-def _ext_pad_to_bucket(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
-                       output_indices):
-    """Bucket mode: the batch padded to its token bucket, or None (no bucket, or already a bucket size).
+def _ext_vit_now():
+    """Milliseconds on a monotonic clock."""
+    import time
+
+    return time.perf_counter() * 1e3
+
+
+def _ext_precapture_at_load(self, vit, server_tokens):
+    """Bucket mode at server start: run a synthetic image through the tower's own graph path up to
+    the runner, keep what reaches it as the sample, and pre-capture from it.
+
+    `server_tokens` bounds the ladder (the largest call the server's prefill limits allow). The
+    sample stage is rank-local and voted on before any capture, so a rank that fails it (say, out
+    of memory) leaves every rank eager and none waiting.
+    """
+    from sglang_ext.graphs.agreement import OK, failure_vote
+
+    self._ext_server_tokens = server_tokens
+    self._ext_ensure_state()
+    if self._ext_precaptured or not (self._ext_bucket_mode() and ext_knobs.current("vit_graph_precapture")):
+        return
+    error = None
+    self._ext_sample = None  # run() keeps the sample here while this attribute exists
+    try:
+        t, h, w = _EXT_VIT_SAMPLE_GRID
+        proj = vit.patch_embed.proj.weight
+        pixels = torch.zeros(t * h * w, proj[0].numel(), dtype=vit.dtype, device=vit.device)
+        with torch.no_grad():
+            vit.forward_with_cuda_graph(pixels, torch.tensor([[t, h, w]], dtype=torch.int64))
+        if self._ext_sample is None:
+            raise RuntimeError("the tower's graph path did not reach the runner")
+    except Exception as exc:  # noqa: BLE001 - voted on below
+        error = exc
+    finally:
+        sample = self.__dict__.pop("_ext_sample", None)
+    if self._ext_vote()(failure_vote(error)) != OK:
+        self._ext_precaptured = True
+        self._ext_replay_limit = 0
+        _ext_vit_logger.warning("ViT CUDA graphs stay off: the load-time sample failed on %s: %s",
+                                "this rank" if error else "another rank", error)
+        return
+    with torch.no_grad():
+        self._ext_precapture(*sample)
+
+
+def _ext_budget_batch(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+    """Bucket mode: (graph key, padded key, padded tensors...) of the captured budget this call fits, or None.
 
     Padding rows are zeros and form their own attention sequences (one for full attention,
     window-sized ones for window attention), so no real token attends to them; they come after
-    the real tokens, so the merger's first `tokens / merge unit` rows are the real output, and
-    `output_indices` (given, or built here) selects only those.
+    the real tokens, so the merger's first `tokens / merge unit` rows are the real output.
     """
     tokens = layout_key.num_tokens
     unit = self._ext_merge_unit
-    if tokens % unit:
+    if tokens % unit or tokens > self._ext_replay_limit:
         return None
     decision = select_bucket(tokens, self._ext_token_buckets, max_padding_factor=math.inf)
-    if decision.bucket is None or decision.padding == 0:
+    if decision.bucket is None:
         return None
     bucket, pad = decision.bucket, decision.padding
     full, window = layout_key.layout
     full = _ext_vit_padded_layout(full, tokens, bucket, bucket)
-    chunk = max(_ext_vit_max_len(window), unit)
-    if self._ext_fixed_classes() and self._ext_window_tokens:
-        chunk = max(chunk, self._ext_window_tokens)  # the key's window bound
-    window = _ext_vit_padded_layout(window, tokens, bucket, chunk)
-    device = x_3d.device
-    cu_seqlens = torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True)
-    cu_window_seqlens = (None if window is None
-                         else torch.tensor(window, dtype=torch.int32).to(device, non_blocking=True))
+    window = _ext_vit_padded_layout(window, tokens, bucket, max(self._ext_window_tokens or 0, unit))
+    padded_key = GraphKey(bucket, layout=(full, window))
+    graph_key = self._ext_graph_key_for(padded_key)
+    if not self._ext_budget_fits(padded_key, graph_key):
+        return None
     if position_embeddings is not None:
         position_embeddings = tuple(_ext_vit_pad_rows(t, pad) for t in position_embeddings)
-    if output_indices is None:
-        output_indices = torch.arange(tokens // unit, device=device)
-    return (GraphKey(bucket, layout=(full, window)), _ext_vit_pad_rows(x_3d, pad), cu_seqlens, cu_window_seqlens,
-            position_embeddings, _ext_vit_pad_rows(rotary_pos_emb_cos, pad),
-            _ext_vit_pad_rows(rotary_pos_emb_sin, pad), output_indices)
+    return (graph_key, padded_key, _ext_vit_pad_rows(x_3d, pad), position_embeddings,
+            _ext_vit_pad_rows(rotary_pos_emb_cos, pad), _ext_vit_pad_rows(rotary_pos_emb_sin, pad))
+
+
+def _ext_replay_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
+                       counted=True):
+    """Bucket mode: the call's merger rows from its budget graph (owned), or None when no graph serves it.
+
+    counted=False (the load-time probe): no hit, miss or padding is counted.
+    """
+    batch = self._ext_budget_batch(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+    if batch is None:
+        return None
+    graph_key, padded_key, x_pad, pos, cos, sin = batch
+    if (self._ext_cache.get(graph_key) if counted else self._ext_cache.entries.get(graph_key)) is None:
+        return None
+    tokens = layout_key.num_tokens
+    if counted:
+        self._ext_padding["real_tokens"] += tokens
+        if graph_key.num_tokens > tokens:
+            self._ext_padding["padded_batches"] += 1
+            self._ext_padding["padding_tokens"] += graph_key.num_tokens - tokens
+    device = self.device
+    full, window = padded_key.layout
+    self._ext_write_layout(graph_key, torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True),
+                           None if window is None
+                           else torch.tensor(window, dtype=torch.int32).to(device, non_blocking=True))
+    rows = torch.arange(tokens // self._ext_merge_unit, device=device)
+    return self.replay(graph_key, x_pad, position_embeddings=pos, rotary_pos_emb_cos=cos, rotary_pos_emb_sin=sin,
+                       output_indices=rows)
+
+
+def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+    """The sync-free eager run of one call given by its CPU layout."""
+    device = x_3d.device
+    full, window = layout_key.layout
+    cu_window = None if window is None else torch.tensor(window, dtype=torch.int32).to(device, non_blocking=True)
+    return self._ext_run_eager(x_3d, torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True), cu_window,
+                               position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin, None,
+                               _ext_vit_max_len(full), _ext_vit_max_len(window))
+
+
+def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
+                    output_indices):
+    """Bucket mode: replay the call, or its whole-image chunks, where a captured budget serves them; else eager.
+
+    A call above the replay limit is split at boundaries of every attention layout into chunks
+    of at most the limit (`whole_sequence_chunks`); each chunk replays its budget graph, or runs
+    eager unpadded when none serves it (one image above the limit, too many windows). The rows
+    of the chunks, in order, are the rows of the call.
+    """
+    tokens = layout_key.num_tokens
+    full, window = layout_key.layout
+    limit = self._ext_replay_limit
+    ranges = [(0, tokens)]
+    if limit and tokens > limit:
+        ranges = whole_sequence_chunks((full, window), tokens, limit, _EXT_VIT_BUCKET_SEQUENCES - 1)
+        self._ext_chunking["chunked_calls"] += 1
+        self._ext_chunking["chunks"] += len(ranges)
+    parts = []
+    for start, end in ranges:
+        call = (layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+        if (start, end) != (0, tokens):
+            call = (GraphKey(end - start, layout=(sequences_between(full, start, end),
+                                                  None if window is None else sequences_between(window, start, end))),
+                    x_3d[start:end],
+                    None if position_embeddings is None else tuple(t[start:end] for t in position_embeddings),
+                    None if rotary_pos_emb_cos is None else rotary_pos_emb_cos[start:end],
+                    None if rotary_pos_emb_sin is None else rotary_pos_emb_sin[start:end])
+        out = self._ext_replay_budget(*call) if limit else None
+        if out is None:
+            self._ext_fallbacks["gate" if not limit or end - start > limit else "no_fit"] += 1
+            out = self._ext_run_eager_call(*call)
+        parts.append(out)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return out if output_indices is None else out.index_select(0, output_indices)
 
 
 def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
@@ -800,9 +1020,13 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
     seq_len = graph_key.num_tokens
     device = self.device
     attn = self.vit.blocks[0].attn
-    self.block_input[graph_key] = torch.empty_like(x_3d, device=device).contiguous()
-    self.block_ws[graph_key] = torch.empty(
-        seq_len, attn.num_attention_heads_per_partition, attn.head_size, device=device, dtype=self.dtype)
+    ws_row = (attn.num_attention_heads_per_partition, attn.head_size)
+    if graph_key.variant and graph_key.variant[0] == "bucket":  # slices of buffers all budget graphs share
+        self.block_input[graph_key] = self._ext_shared_rows("input", graph_key, seq_len, x_3d.shape[1:], x_3d.dtype)
+        self.block_ws[graph_key] = self._ext_shared_rows("attention_ws", graph_key, seq_len, ws_row, self.dtype)
+    else:
+        self.block_input[graph_key] = torch.empty_like(x_3d, device=device).contiguous()
+        self.block_ws[graph_key] = torch.empty((seq_len,) + ws_row, device=device, dtype=self.dtype)
     # Graph-owned boundary buffers: the graph reads these addresses at every replay.
     if graph_key.variant:  # class mode: room for the class's sequence count, refreshed per replay
         _, full_count, full_max, window_count, window_max = graph_key.variant
@@ -839,6 +1063,22 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
                                        **rotary_kwargs)
     torch.cuda.synchronize()
     return rotary_kwargs
+
+
+def _ext_shared_rows(self, name, graph_key, rows, row_shape, dtype):
+    """`rows` rows of the runner's shared `name` buffer, leased by `graph_key` until its release.
+
+    Budget graphs are captured largest first, so every later lease slices the first backing buffer:
+    the ladder's inputs and workspaces cost one graph's. Graphs never replay concurrently and each
+    replay rewrites its rows first, so sharing is safe (graphs.workspace).
+    """
+    pool_key = (name, tuple(row_shape), dtype)
+    pool = self._ext_buffer_pools.get(pool_key)
+    if pool is None:
+        pool = self._ext_buffer_pools[pool_key] = StableWorkspacePool(f"vit_{name}", dtype=dtype, device=self.device)
+    lease = pool.lease(graph_key, rows, tuple(row_shape))
+    self._ext_buffer_leases.setdefault(graph_key, []).append(lease)
+    return lease.tensor
 
 
 def _ext_attention_kwargs(self, graph_key, cu, seq_lens, max_len):
@@ -896,7 +1136,8 @@ def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings,
         self._create_graph(graph_key, **prepared)
         tensors = self._ext_graph_tensors(graph_key)
         self._ext_address_guard.record(graph_key, tensors)
-        self._ext_graph_bytes[graph_key] = sum(t.numel() * t.element_size() for t in tensors)
+        shared = {id(lease.tensor) for lease in self._ext_buffer_leases.get(graph_key, ())}  # counted once, below
+        self._ext_graph_bytes[graph_key] = sum(t.numel() * t.element_size() for t in tensors if id(t) not in shared)
 
     outcome = agreed_capture(self._ext_vote(), prepare, capture, lambda: self._ext_drop_graph_state(graph_key))
     if not outcome.ok:
@@ -1014,13 +1255,16 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
         max_window_len = _ext_vit_max_len(graph_key.layout[1])
         layout_key = graph_key
         if self._ext_bucket_mode():
-            padded = self._ext_pad_to_bucket(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos,
-                                             rotary_pos_emb_sin, output_indices)
-            if padded is not None:  # the graph sees the padded batch; eager keeps the real one
-                (layout_key, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
-                 rotary_pos_emb_sin, output_indices) = padded
-        if not self._ext_precaptured:
-            self._ext_precapture(x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+            if "_ext_sample" in self.__dict__:  # the load-time sample (_ext_precapture_at_load): keep, run nothing
+                self._ext_sample = (x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+                return None
+            if not self._ext_precaptured:
+                self._ext_precapture(x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+            out = self._ext_run_budget(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos,
+                                       rotary_pos_emb_sin, output_indices)
+            ext_graph_stats.maybe_log(_ext_vit_logger, ext_knobs.current("stats_log_interval_s"))
+            ext_graph_stats.publish()
+            return out
         graph_key = self._ext_graph_key_for(layout_key)
         reason = None
         if self._ext_cache.get(graph_key) is None:
@@ -1048,11 +1292,6 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
         self._ext_fallbacks[reason] += 1
         ext_graph_stats.publish()
         return self._ext_run_eager(*eager_batch, max_full_len, max_window_len)
-    if graph_key.variant and graph_key.variant[0] == "bucket":  # counted for graph runs only
-        self._ext_padding["real_tokens"] += num_tokens
-        if graph_key.num_tokens > num_tokens:
-            self._ext_padding["padded_batches"] += 1
-            self._ext_padding["padding_tokens"] += graph_key.num_tokens - num_tokens
     ext_graph_stats.publish()
     if graph_key.variant:  # class mode: this batch's boundaries into the shared graph
         device = self.device
@@ -1187,8 +1426,9 @@ def _ext_qwen3_forward_with_cuda_graph(self, x, grid_thw):
 
 _RUNNER_METHODS = (
     _ext_ensure_state, _ext_graph_budget, _ext_graph_info, _ext_release_graph, _ext_drop_graph_state,
-    _get_graph_key, _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_fixed_classes, _ext_precapture,
-    _ext_pad_to_bucket, _ext_write_layout, _get_sin_cos_ws, _ext_fill_rotary, _ext_graph_pool, _ext_tower_group,
+    _get_graph_key, _ext_class_mode, _ext_bucket_mode, _ext_graph_key_for, _ext_budget_fits, _ext_synthetic_call,
+    _ext_capture_budget, _ext_probe_ladder, _ext_precapture, _ext_precapture_at_load, _ext_budget_batch,
+    _ext_replay_budget, _ext_run_eager_call, _ext_run_budget, _ext_shared_rows, _ext_write_layout, _get_sin_cos_ws, _ext_fill_rotary, _ext_graph_pool, _ext_tower_group,
     _ext_vote, _ext_warm_up_context, _create_graph, _ext_attention_kwargs, _ext_block_is_full, _ext_block_kwargs,
     _ext_prepare_graph, create_graph, replay, _ext_graph_tensors, _ext_expected_bytes, _ext_run_eager, run,
 )
@@ -1215,6 +1455,39 @@ def _check_runner_bindings(module) -> None:
 def patch_qwen2_5_vl(ctx, module) -> None:
     _check_runner_bindings(module)
     ctx.transplant_method(module.Qwen2_5_VisionTransformer, forward_with_cuda_graph)
+
+
+def _ext_vit_precapture_model(model_runner):
+    """Pre-capture the bucket-mode ladder of every ViT graph runner in the loaded model (TP ranks in lockstep).
+
+    The ladder's top is the largest call the server's prefill limits let one ViT call carry: the
+    images of one prefill chunk (chunked prefill size, else max prefill tokens, in LLM tokens) times
+    the tower's merge unit.
+    """
+    from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+    args = getattr(model_runner, "server_args", None)
+    chunk = getattr(args, "chunked_prefill_size", None) or 0
+    prefill = chunk if chunk > 0 else (getattr(args, "max_prefill_tokens", None) or 0)
+    for tower in model_runner.model.modules():
+        for name in ("cuda_graph_runner", "graph_runners"):  # Qwen2.5-VL's attribute, Qwen3-VL's
+            runner = tower.__dict__.get(name)
+            if isinstance(runner, ViTCudaGraphRunner):
+                unit = int(getattr(tower, "spatial_merge_unit", 1) or 1)
+                runner._ext_precapture_at_load(tower, prefill * unit if prefill > 0 else None)
+
+
+def init_cuda_graphs(self, *args, **kwargs):
+    """ModelRunner.init_cuda_graphs: sglang's own captures, then the ViT graphs (before the server is healthy)."""
+    result = self._ext_orig_init_cuda_graphs(*args, **kwargs)
+    _ext_vit_precapture_model(self)
+    return result
+
+
+def patch_model_runner(ctx, module) -> None:
+    cls = module.ModelRunner
+    ctx.setattr(cls, "_ext_orig_init_cuda_graphs", cls.__dict__["init_cuda_graphs"])
+    ctx.transplant_method(cls, init_cuda_graphs)
 
 
 def patch_qwen3_vl(ctx, module) -> None:

@@ -46,6 +46,7 @@ def vit_patch(ext_patches):
     """Activate only this patch (strict, real activation path); returns activate(**knobs)."""
 
     def activate(**knobs):
+        knobs.setdefault("vit_graph_mode", "layout")  # the tests of the per-layout machinery; bucket tests say so
         statuses = ext_patches(disable=",".join(n for n in PATCH_NAMES if n != THIS_PATCH), **knobs)
         if statuses:  # plugin mode (the patched tree returns {})
             assert statuses[THIS_PATCH].state == "applied", statuses[THIS_PATCH]
@@ -457,120 +458,6 @@ def merged_tower(**kwargs):
 def merged_reference(tower, x, full, window, pos):
     y = reference(tower, x, full, window, pos)
     return y.view(-1, 2, y.shape[-1]).sum(1)
-
-
-def test_bucket_mode_pads_to_the_bucket_and_returns_only_real_rows(vit_patch, fake_cuda):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32")
-    runner = ViTCudaGraphRunner(merged_tower())
-    # Windows of at most 4 tokens; with their padding windows, 5 to 8 window sequences: one class.
-    batches = [(12, (0, 0, 4, 12), (0, 4, 6, 8, 12)), (10, (0, 0, 6, 10), (0, 2, 6, 10)),
-               (14, (0, 0, 14), (0, 4, 8, 12, 14)), (12, (0, 0, 2, 12), (0, 2, 4, 8, 12))]
-    for step, (tokens, full, window) in enumerate(batches * 2):
-        x = torch.arange(tokens, dtype=torch.float32).view(tokens, 1) * 0.5 + step
-        pos = torch.full((tokens, 1), float(step))
-        order = torch.randperm(tokens // 2, generator=torch.Generator().manual_seed(step))
-        out = runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32),
-                         (pos, pos), output_indices=order, attention_layout_key=(full, window))
-        want = merged_reference(runner.vit, x, full, window, pos).index_select(0, order)
-        torch.testing.assert_close(out, want, msg=f"step {step}")
-    (key,) = runner.block_graphs  # 10, 12 and 14 tokens all run the 16-token graph
-    assert key.num_tokens == 16 and key.variant[0] == "bucket"
-    assert runner.block_input[key].shape[0] == 16
-    # The last batch's boundaries plus padding sequences: one for full attention, window-sized ones.
-    assert runner.cu_full_len[key].tolist()[:4] == [0, 0, 2, 12] and runner.cu_full_len[key].tolist()[4] == 16
-    assert runner.cu_window_len[key].tolist() == [0, 2, 4, 8, 12, 16, 16, 16, 16]
-    info = runner._ext_graph_info()
-    assert (info["mode"], info["captures"], info["hits"]) == ("bucket", 1, 7)
-    assert (info["padded_batches"], info["padding_tokens"], info["real_tokens"]) == (8, 2 * (4 + 6 + 2 + 4), 96)
-
-
-def test_bucket_mode_qwen3_output_is_the_real_rows(vit_patch, fake_cuda):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16")
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
-    for tokens, full in ((5, (0, 2, 5)), (7, (0, 3, 4, 7)), (8, (0, 8)), (6, (0, 6))):
-        out, want = call(runner, tokens, full, qwen3=True, position=tokens)
-        assert out.shape == want.shape
-        torch.testing.assert_close(out, want)
-    # 5, 6 and 7 tokens share the padded 8-token graph with the unpadded 8-token batch.
-    assert [k.num_tokens for k in runner.block_graphs] == [8]
-    assert runner._ext_graph_info()["hits"] == 3
-
-
-def test_bucket_mode_leaves_batches_above_the_largest_bucket_unpadded(vit_patch, fake_cuda):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8")
-    runner = ViTCudaGraphRunner(StubTower())
-    out, want = call(runner, 12, (0, 0, 5, 12), (0, 4, 12))
-    torch.testing.assert_close(out, want)
-    (key,) = runner.block_graphs
-    assert key.num_tokens == 12 and runner._ext_graph_info()["padded_batches"] == 0
-
-
-def test_bucket_mode_eager_fallback_runs_the_unpadded_batch(vit_patch, fake_cuda):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="16", vit_graph_min_hits=2)
-    tower = merged_tower()
-    runner = ViTCudaGraphRunner(tower)
-    x = torch.arange(10, dtype=torch.float32).view(10, 1)
-    pos = torch.zeros(10, 1)
-    full, window = (0, 0, 4, 10), (0, 4, 10)
-    out = runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32),
-                     (pos, pos), output_indices=torch.arange(5), attention_layout_key=(full, window))
-    torch.testing.assert_close(out, merged_reference(tower, x, full, window, pos))
-    info = runner._ext_graph_info()
-    assert not runner.block_graphs and info["fallback_warming"] == 1
-    # The eager run saw 10 rows (the real batch), not the 16-row bucket; nothing counts as padded.
-    assert tower.blocks[0].calls == ["metadata"] and tower.blocks[0].rows == [10] and tower.blocks[1].rows == [10]
-    assert (info["padded_batches"], info["padding_tokens"], info["real_tokens"]) == (0, 0, 0)
-
-
-def test_bucket_mode_needs_a_bound_only_attention_backend(vit_patch, fake_cuda, caplog):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="16")
-    runner = ViTCudaGraphRunner(StubTower())
-    runner._attn_backend = "sdpa"  # reads no max_seqlen bound: class keys would not be safe to share
-    with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
-        runner._ext_ensure_state()
-    assert not runner._ext_bucket_mode() and runner._ext_graph_info()["mode"] == "layout"
-    assert "triton_attn/fa3/fa4" in caplog.text and "sdpa" in caplog.text
-
-
-def test_bucket_sizes_the_merge_unit_does_not_divide_are_skipped(vit_patch, fake_cuda, caplog):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="4,12")
-    tower = merged_tower()
-    tower.spatial_merge_unit = 8  # a tower merging 8 patches: neither size keeps merge groups whole
-    runner = ViTCudaGraphRunner(tower)
-    with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
-        runner._ext_ensure_state()
-    assert runner._ext_token_buckets == () and "merge unit 8" in caplog.text
-
-
-def test_bucket_mode_qwen3_deepstack_rows_are_the_real_ones(vit_patch, fake_cuda, monkeypatch):
-    """Qwen3's deepstack mergers' outputs are joined along dim 1: padding rows must drop from both."""
-    real_cat = torch.cat
-
-    def recording_cat(tensors, dim=0):  # the captured torch.cat is a kernel too: replay it
-        out = real_cat(tensors, dim=dim)
-        graph = _CAPTURING[0]
-        if graph is not None:
-            parts = list(tensors)
-            graph.thunks.append(lambda: out.copy_(real_cat(parts, dim=dim)))
-        return out
-
-    monkeypatch.setattr(torch, "cat", recording_cat)
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16")
-    tower = StubTower(fullatt=())
-    tower.deepstack_visual_indexes = [0]
-    tower.deepstack_merger_list = nn.ModuleList([SqueezeMerger()])
-    runner = ViTCudaGraphRunner(tower)
-    for tokens, full in ((5, (0, 2, 5)), (7, (0, 3, 4, 7)), (6, (0, 6))):
-        x = torch.arange(tokens, dtype=torch.float32).view(tokens, 1) * 0.5
-        pos = torch.full((tokens, 1), float(tokens))
-        out = runner.run(x=x, cu_seqlens=torch.tensor(full, dtype=torch.int32), cu_window_seqlens=None,
-                         position_embeddings=None, rotary_pos_emb_cos=pos, rotary_pos_emb_sin=pos,
-                         output_indices=None, attention_layout_key=(tuple(full), None))
-        after_block0 = _layout_compute(x.unsqueeze(1), torch.tensor(full), 10**9, pos).squeeze(1)
-        want = torch.cat([reference(tower, x, full, None, pos), after_block0], dim=1)
-        torch.testing.assert_close(out, want)
-    assert [k.num_tokens for k in runner.block_graphs] == [8]
-    assert runner._ext_graph_info()["padded_batches"] == 3
 
 
 # ---------------------------------------------------------------------------
@@ -1187,86 +1074,6 @@ def merged_call(runner, tokens, full, window, step):
     out = runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32),
                      (pos, pos), output_indices=order, attention_layout_key=(full, window))
     return out, merged_reference(runner.vit, x, full, window, pos).index_select(0, order)
-
-
-FA3_BATCHES = [(12, (0, 0, 4, 12), (0, 4, 6, 8, 12)), (10, (0, 0, 6, 10), (0, 2, 6, 10)),
-               (14, (0, 0, 14), (0, 4, 8, 12, 14)), (6, (0, 0, 2, 6), (0, 2, 4, 6)),
-               (16, (0, 0, 2, 16), (0, 2, 4, 6, 8, 10, 12, 14, 16)), (26, (0, 0, 20, 26), (0, 8, 16, 20, 24, 26))]
-
-
-def test_fa3_bucket_mode_captures_the_ladder_first_and_every_batch_hits(vit_patch, fake_cuda):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32")
-    runner = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
-    for step, (tokens, full, window) in enumerate(FA3_BATCHES * 2):
-        out, want = merged_call(runner, tokens, full, window, step)
-        torch.testing.assert_close(out, want, msg=f"step {step}")
-    info = runner._ext_graph_info()
-    # One key per bucket (window counts 3..9 all fit the bucket's fixed class), captured up front.
-    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16, 32]
-    assert (info["captures"], info["hits"], info["misses"], info["fallbacks"]) == (3, 12, 0, 0)
-    key16 = next(k for k in runner.block_graphs if k.num_tokens == 16)
-    assert key16.variant == ("bucket", 8, 16, 8, 8)  # >= 8 full sequences; 16 / merge unit 2 windows, bound 8
-    # The last 16-token batch has 8 windows of 2 tokens: exactly the class's room (16 / merge unit 2).
-    assert runner.cu_window_len[key16].tolist() == list(range(0, 18, 2))
-
-
-def test_fa3_precapture_stays_within_capacity_and_can_be_switched_off(vit_patch, fake_cuda):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_max_entries=2)
-    runner = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
-    merged_call(runner, *FA3_BATCHES[3], 0)  # 6 tokens -> the 8 bucket, pre-captured
-    info = runner._ext_graph_info()
-    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16] and info["evictions"] == 0
-    assert (info["hits"], info["misses"]) == (1, 0)
-    out, want = merged_call(runner, *FA3_BATCHES[5], 1)  # 26 -> 32: captured on use, evicting the LRU
-    torch.testing.assert_close(out, want)
-    assert runner._ext_graph_info()["evictions"] == 1
-
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_precapture=0)
-    lazy = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
-    merged_call(lazy, *FA3_BATCHES[3], 0)
-    assert [k.num_tokens for k in lazy.block_graphs] == [8] and lazy._ext_graph_info()["misses"] == 1
-
-
-def test_fa3_precapture_stops_at_the_byte_budget(vit_patch, fake_cuda):
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_max_bytes=0)
-    unlimited = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
-    merged_call(unlimited, *FA3_BATCHES[3], 0)
-    nbytes = {k.num_tokens: n for k, n in unlimited._ext_graph_bytes.items()}
-    # Room for the 8- and 16-token graphs, not for the 32-token one as well.
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32", vit_graph_max_bytes=nbytes[8] + nbytes[16])
-    runner = ViTCudaGraphRunner(windowed_merged_tower("fa3"))
-    merged_call(runner, *FA3_BATCHES[3], 0)
-    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16]
-    assert runner._ext_cache.bytes_resident <= nbytes[8] + nbytes[16] and runner._ext_graph_info()["evictions"] == 0
-
-
-@pytest.mark.parametrize("backend", ["triton_attn", "fa4"])
-def test_bucket_mode_on_other_backends_keeps_power_of_two_window_classes(vit_patch, fake_cuda, backend):
-    """Their kernels launch work per (sequence, head): no fixed classes, hence no pre-capture."""
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32")
-    runner = ViTCudaGraphRunner(windowed_merged_tower(backend))
-    out, want = merged_call(runner, *FA3_BATCHES[0], 0)  # 12 -> 16 tokens, 4 real + 1 padding windows
-    torch.testing.assert_close(out, want)
-    (key,) = runner.block_graphs
-    assert key.variant == ("bucket", 8, 16, 8, 4)  # 5 windows -> 8, longest 4 -> 4
-    assert runner._ext_graph_info()["misses"] == 1
-
-
-def test_videos_get_their_own_classes_and_past_the_ladder_run_unpadded(vit_patch, fake_cuda):
-    """A video is many sequences (Qwen3: one per frame): a wider full-attention class than images,
-    and past the largest bucket no padding at all (one graph per token count, LRU-bounded)."""
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16,32")
-    runner = ViTCudaGraphRunner(flash_tower("fa3", StubTower(fullatt=())))
-    image = (0, 10, 24)  # 2 images, 24 tokens -> 32
-    video = tuple(range(0, 26, 2))  # 12 frames of 2 tokens: 24 tokens -> 32, 13 sequences with the padding
-    long_video = tuple(range(0, 42, 2))  # 20 frames, 40 tokens: past the ladder
-    for full in (image, video, long_video, video, long_video):
-        out, want = call(runner, full[-1], full, qwen3=True, position=len(full))
-        torch.testing.assert_close(out, want)
-    keys = {(k.num_tokens, k.variant[1]) for k in runner.block_graphs}
-    assert {(32, 8), (32, 16), (40, 32)} <= keys  # image class, video class, unpadded long video
-    info = runner._ext_graph_info()
-    assert info["hits"] == 3 and info["fallbacks"] == 0  # image (pre-captured), second video, second long video
 
 
 # ---------------------------------------------------------------------------

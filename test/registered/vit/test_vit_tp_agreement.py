@@ -227,3 +227,139 @@ def test_a_failure_at_any_stage_on_one_rank_makes_every_rank_run_eager(vit_patch
                 assert (r["quarantined"], r["captures"], r["failures"]) == (2, 2, 1), (stage, r)
             else:  # A stays eager, no more votes for it
                 assert (r["quarantined"], r["captures"], r["failures"]) == (4, 1, 1), (stage, r)
+
+
+# ---------------------------------------------------------------------------
+# Bucket mode: the load-time pre-capture under TP
+# ---------------------------------------------------------------------------
+
+BUDGET_STAGES = ("sample", "allocation", "warmup", "capture", "probe")
+
+
+class SampledTPTower(torch.nn.Module):
+    """tp_tower() behind a graph path that hands the runner batch A (what _ext_precapture_at_load samples)."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.tower = tp_tower()
+        self.patch_embed = SimpleNamespace(proj=SimpleNamespace(weight=torch.zeros(4, 3)))
+        self.runner = ViTCudaGraphRunner(self.tower)
+        self.fail_sample = False
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def forward_with_cuda_graph(self, pixels, grid_thw):
+        if self.fail_sample:
+            raise torch.OutOfMemoryError(OOM)
+        tokens, full, window = A
+        x = torch.zeros(tokens, 1)
+        return self.runner.run(x, torch.tensor(full, dtype=torch.int32), torch.tensor(window, dtype=torch.int32),
+                               (x, x), attention_layout_key=(full, window))
+
+
+def arm_budget(tower, stage, rank):
+    """Make this rank fail at `stage` of the pre-capture; returns the undo."""
+    runner = tower.runner
+    if stage == "sample":
+        tower.fail_sample = True
+        return lambda: setattr(tower, "fail_sample", False)
+    if stage == "allocation":  # the shared input buffer of the first (largest) budget graph
+        cls = type(runner)
+        real = cls._ext_shared_rows
+
+        def shared_rows(self, *args, **kwargs):
+            raise torch.OutOfMemoryError(OOM)
+
+        cls._ext_shared_rows = shared_rows
+        return lambda: setattr(cls, "_ext_shared_rows", real)
+    if stage == "probe":  # scripted timings: the graph wins everywhere, except from 16 tokens on this rank
+        return script_probe(lose_from=16)
+    return arm(runner, stage)
+
+
+def script_probe(lose_from):
+    """median_wall_ms answers (graph 1 ms, eager 2 ms) per budget, or (3, 2) from budget `lose_from` on."""
+    real_median = runner_module.median_wall_ms
+    answers = []
+
+    def median(run, *, repeats, synchronize=None):
+        run()
+        budget = (8, 16)[len(answers) // 2]  # the probe times graph then eager, budget after budget
+        graph_ms, eager_ms = (3.0, 2.0) if budget >= lose_from else (1.0, 2.0)
+        answers.append(graph_ms if len(answers) % 2 == 0 else eager_ms)
+        return answers[-1]
+
+    runner_module.median_wall_ms = median
+    return lambda: setattr(runner_module, "median_wall_ms", real_median)
+
+
+def budget_rank_main(rank, world, port, failing_rank, results):
+    try:
+        from sglang.srt.distributed import parallel_state as ps
+
+        torch.set_num_threads(1)
+        ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=GLOO_TIMEOUT_S)
+        ps._TP = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
+                                              use_custom_allreduce=False, use_mscclpp_allreduce=False,
+                                              use_torch_symm_mem_allreduce=False, group_name="tp")
+        report = {}
+        for stage in BUDGET_STAGES:
+            os.environ["SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS"] = "-1" if stage == "probe" else "16"
+            tower = SampledTPTower()
+            runner = tower.runner
+            undo = arm_budget(tower, stage, rank) if rank == failing_rank else None
+            if stage == "probe" and undo is None:
+                undo = script_probe(lose_from=10**9)
+            runner._ext_precapture_at_load(tower, None)
+            if undo is not None:
+                undo()
+            graphs = sorted(k.num_tokens for k in runner.block_graphs)
+            exact = [run_batch(runner, *A, step=s) for s in (1, 2)] + [run_batch(runner, *B, step=3)]
+            info = runner._ext_graph_info()
+            report[stage] = dict(graphs=graphs, exact=exact, limit=info["replay_limit_tokens"],
+                                 hits=info["hits"], captures=info["captures"],
+                                 gate=[(r["budget"], r["replay"]) for r in runner._ext_gate])
+        results.put((rank, report))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def test_bucket_precapture_failing_on_one_rank_leaves_every_rank_eager(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16", vit_graph_max_entries=4)
+    world, failing_rank = 2, 1
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=budget_rank_main, args=(rank, world, port, failing_rank, results))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    reports = {}
+    try:
+        for _ in range(world):
+            rank, report = results.get(timeout=TEST_TIMEOUT_S)  # queue.Empty here = a rank hangs
+            reports[rank] = report
+        for rank, report in sorted(reports.items()):
+            assert not isinstance(report, str), f"rank {rank} raised:\n{report}"
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    for stage in BUDGET_STAGES:
+        per_rank = [reports[rank][stage] for rank in range(world)]
+        assert per_rank[0] == per_rank[1], (stage, per_rank)  # the same decisions and counters on both ranks
+        r = per_rank[0]
+        assert all(r["exact"]), (stage, r)
+        if stage == "probe":  # one rank's eager won at 16 tokens: both keep only the 8-token budget
+            assert (r["graphs"], r["limit"], r["gate"]) == ([8], 8, [(8, True), (16, False)]), r
+        else:  # any failure: no graph on any rank, nothing captured later
+            assert (r["graphs"], r["limit"], r["hits"]) == ([], 0, 0), (stage, r)

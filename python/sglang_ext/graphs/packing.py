@@ -1,0 +1,89 @@
+"""Split one encoder call into chunks of whole attention sequences, and time graph against eager.
+
+A vision tower attends within sequences (images, frames, windows), so a call can be cut at a
+boundary that every attention layout shares and each piece encoded on its own: the rows of the
+pieces, concatenated in order, are the rows of the whole. `whole_sequence_chunks` plans those
+cuts so that each piece fits a captured graph; `median_wall_ms` is the load-time measurement
+behind the rule of which calls a graph may serve at all (a graph that loses to eager is never
+replayed).
+
+No torch at import.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+
+def shared_boundaries(layouts: Sequence[Optional[Sequence[int]]]) -> Tuple[int, ...]:
+    """Cumulative boundaries present in every non-None layout, ascending."""
+    present = [set(int(v) for v in layout) for layout in layouts if layout is not None]
+    if not present:
+        return ()
+    return tuple(sorted(set.intersection(*present)))
+
+
+def sequences_between(layout: Sequence[int], start: int, end: int) -> Tuple[int, ...]:
+    """The boundaries of `layout` within [start, end], shifted so the piece starts at 0."""
+    return tuple(int(v) - start for v in layout if start <= int(v) <= end)
+
+
+def whole_sequence_chunks(layouts: Sequence[Optional[Sequence[int]]], total: int, max_tokens: int,
+                          max_sequences: int) -> List[Tuple[int, int]]:
+    """Token ranges [start, end) covering [0, total), cut only at boundaries all `layouts` share.
+
+    Greedy: each range takes as many whole sequences as fit `max_tokens` tokens and
+    `max_sequences` sequences of the first layout (the full-attention one). A single sequence
+    larger than that is a range of its own (its caller runs it eager).
+    """
+    if max_tokens < 1 or max_sequences < 1:
+        raise ValueError(f"max_tokens/max_sequences: {max_tokens}/{max_sequences}; allowed: integers >= 1")
+    cuts = [c for c in shared_boundaries(layouts) if 0 < c < total] + [total]
+    full = layouts[0]
+
+    def fits(start: int, end: int) -> bool:
+        return end - start <= max_tokens and (full is None or _count(full, start, end) <= max_sequences)
+
+    ranges: List[Tuple[int, int]] = []
+    start, last_fit = 0, None
+    for cut in cuts:
+        if fits(start, cut):
+            last_fit = cut
+            continue
+        if last_fit is not None:  # close the range at the last cut that fit, then try again from there
+            ranges.append((start, last_fit))
+            start, last_fit = last_fit, None
+            if fits(start, cut):
+                last_fit = cut
+                continue
+        ranges.append((start, cut))  # one sequence alone is too large
+        start = cut
+    if start < total:
+        ranges.append((start, total))
+    return ranges
+
+
+def _count(layout: Sequence[int], start: int, end: int) -> int:
+    """Sequences of `layout` inside [start, end) (empty ones included)."""
+    return max(len(sequences_between(layout, start, end)) - 1, 0)
+
+
+def median_wall_ms(run: Callable[[], Any], *, repeats: int = 5, synchronize: Optional[Callable[[], Any]] = None
+                   ) -> float:
+    """Median wall time of `run()` in ms, each call from an idle device to its end (one warm-up first).
+
+    Wall time, not device time: a call whose host cannot launch kernels as fast as the device
+    runs them takes as long as its launches, which is exactly what a graph saves.
+    """
+    sync = synchronize or (lambda: None)
+    times = []
+    for i in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

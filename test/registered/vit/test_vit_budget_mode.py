@@ -1,0 +1,263 @@
+"""ViT bucket (token-budget) mode on sglang 0.5.17's real runner, on CPU with the CUDA-graph recorder.
+
+Bucket mode is the default: the budget ladder is captured before serving (at load, or at the
+tower's first call without a server), calls are padded to the smallest budget that fits, calls
+above the replay limit are split into whole-image chunks, and nothing is captured afterwards.
+The recorder (test_vit_cuda_graph_runner.FakeGraph) replays what a CUDA graph would: the captured
+tensor objects, whatever they now hold.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=15, suite="base-a-test-cpu")
+
+import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
+from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the recording fake)
+    _CAPTURING,
+    LayoutBlock,
+    SqueezeMerger,
+    StubTower,
+    _layout_compute,
+    fake_cuda,
+    merged_call,
+    reference,
+    vit_patch,
+    windowed_merged_tower,
+)
+
+
+def budget_runner(vit_patch, buckets="8,16,32", replay=32, backend="triton_attn", **knobs):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets=buckets, vit_graph_replay_max_tokens=replay, **knobs)
+    return ViTCudaGraphRunner(windowed_merged_tower(backend))  # merge unit 2, windows of 8 tokens
+
+
+# Images with windows of at most 8 tokens (each image's windows inside it).
+CALLS = [(12, (0, 0, 4, 12), (0, 4, 12)), (10, (0, 0, 6, 10), (0, 6, 10)), (14, (0, 0, 14), (0, 8, 14)),
+         (6, (0, 0, 2, 6), (0, 2, 6)), (26, (0, 0, 20, 26), (0, 8, 16, 20, 26)), (16, (0, 0, 8, 16), (0, 8, 16))]
+
+
+@pytest.mark.parametrize("backend", ["triton_attn", "fa3", "fa4"])
+def test_the_ladder_is_captured_first_and_every_call_replays_its_budget(vit_patch, fake_cuda, backend):
+    runner = budget_runner(vit_patch, backend=backend)
+    for step, (tokens, full, window) in enumerate(CALLS * 2):
+        out, want = merged_call(runner, tokens, full, window, step)
+        torch.testing.assert_close(out, want, msg=f"step {step}")
+    info = runner._ext_graph_info()
+    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16, 32]
+    # All three at the first call, none later: every call hit, none fell back, none was captured for.
+    assert (info["captures"], info["hits"], info["misses"], info["fallbacks"]) == (3, 12, 0, 0)
+    assert info["precapture_graphs"] == 3 and info["replay_limit_tokens"] == 32
+    # The key is the budget alone: 36 full-attention slots, window slots for 1 window per 8 tokens.
+    assert {k.variant for k in runner.block_graphs} == {("bucket", 36, b, b // 8 + 2, 8) for b in (8, 16, 32)}
+    # One input and one attention workspace for the whole ladder: the 32-token graph's (captured first).
+    inputs = {runner.block_input[k].untyped_storage().data_ptr() for k in runner.block_graphs}
+    workspaces = {runner.block_ws[k].untyped_storage().data_ptr() for k in runner.block_graphs}
+    assert len(inputs) == len(workspaces) == 1
+    assert info["shared_buffer_bytes"] == (32 + 32) * 4  # fp32 rows of one element: input + workspace
+    want_padding = 2 * sum(min(b for b in (8, 16, 32) if b >= t) - t for t, *_ in CALLS)
+    assert (info["padding_tokens"], info["real_tokens"]) == (want_padding, 2 * sum(t for t, *_ in CALLS))
+
+
+def test_the_last_call_boundaries_are_what_the_graph_read(vit_patch, fake_cuda):
+    runner = budget_runner(vit_patch)
+    merged_call(runner, *CALLS[0], 0)  # 12 tokens -> 16: full (0, 0, 4, 12) + padding, windows + one padding
+    key = next(k for k in runner.block_graphs if k.num_tokens == 16)
+    assert runner.cu_full_len[key].tolist()[:5] == [0, 0, 4, 12, 16] and set(runner.cu_full_len[key].tolist()[5:]) == {16}
+    assert runner.cu_window_len[key].tolist() == [0, 4, 12, 16, 16]  # 16 // 8 + 2 window slots
+
+
+def test_a_call_above_the_replay_limit_replays_whole_image_chunks(vit_patch, fake_cuda):
+    runner = budget_runner(vit_patch, replay=16)
+    tokens, full, window = 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26)  # 4 images: chunks [0, 12) [12, 26)
+    for step in range(2):
+        out, want = merged_call(runner, tokens, full, window, step)
+        torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16]  # 32 is above the limit: not captured
+    assert (info["chunked_calls"], info["chunks"], info["hits"], info["fallbacks"]) == (2, 4, 4, 0)
+    assert runner.cu_full_len[next(k for k in runner.block_graphs if k.num_tokens == 16)].tolist()[:4] == [0, 8, 14, 16]  # the second chunk, shifted
+
+
+def test_one_image_above_the_limit_runs_eager_unpadded(vit_patch, fake_cuda):
+    runner = budget_runner(vit_patch, replay=16)
+    tower = runner.vit
+    merged_call(runner, *CALLS[3], 0)  # pre-capture
+    rows_before = len(tower.blocks[0].rows)
+    out, want = merged_call(runner, 20, (0, 0, 20), (0, 8, 16, 20), 1)
+    torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert info["fallback_gate"] == 1 and info["captures"] == 2  # nothing captured for it
+    assert tower.blocks[0].rows[rows_before:] == [20] and tower.blocks[0].calls[-1] == "metadata"
+
+
+def test_a_call_with_more_windows_than_slots_runs_eager(vit_patch, fake_cuda):
+    runner = budget_runner(vit_patch)
+    window = tuple(range(0, 17, 2))  # 8 windows of 2 tokens: the 16-token graph has room for 4
+    out, want = merged_call(runner, 16, (0, 0, 16), window, 0)
+    torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert info["fallback_no_fit"] == 1 and info["hits"] == 0 and info["captures"] == 3
+
+
+def test_qwen3_rows_and_deepstack_rows_are_the_real_ones(vit_patch, fake_cuda, monkeypatch):
+    real_cat = torch.cat
+
+    def recording_cat(tensors, dim=0):  # the captured torch.cat is a kernel too: replay it
+        out = real_cat(tensors, dim=dim)
+        graph = _CAPTURING[0]
+        if graph is not None:
+            parts = list(tensors)
+            graph.thunks.append(lambda: out.copy_(real_cat(parts, dim=dim)))
+        return out
+
+    monkeypatch.setattr(torch, "cat", recording_cat)
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16", vit_graph_replay_max_tokens=8)
+    tower = StubTower(fullatt=())
+    tower.deepstack_visual_indexes = [0]
+    tower.deepstack_merger_list = nn.ModuleList([SqueezeMerger()])
+    runner = ViTCudaGraphRunner(tower)
+    for tokens, full in ((5, (0, 2, 5)), (7, (0, 3, 4, 7)), (6, (0, 6)), (13, (0, 3, 7, 13))):  # 13: two chunks
+        x = torch.arange(tokens, dtype=torch.float32).view(tokens, 1) * 0.5
+        pos = torch.full((tokens, 1), float(tokens))
+        out = runner.run(x=x, cu_seqlens=torch.tensor(full, dtype=torch.int32), cu_window_seqlens=None,
+                         position_embeddings=None, rotary_pos_emb_cos=pos, rotary_pos_emb_sin=pos,
+                         output_indices=None, attention_layout_key=(tuple(full), None))
+        after_block0 = _layout_compute(x.unsqueeze(1), torch.tensor(full), 10**9, pos).squeeze(1)
+        torch.testing.assert_close(out, torch.cat([reference(tower, x, full, None, pos), after_block0], dim=1))
+    assert [k.num_tokens for k in runner.block_graphs] == [8]
+    info = runner._ext_graph_info()
+    assert (info["hits"], info["chunks"], info["padded_batches"]) == (5, 2, 5)
+
+
+def test_the_probe_ends_the_ladder_at_the_first_budget_eager_wins(vit_patch, fake_cuda, monkeypatch):
+    runner = budget_runner(vit_patch, replay=-1)
+    times = {8: (1.0, 2.0), 16: (1.5, 2.0), 32: (3.0, 2.5)}
+    calls = []
+    capture = runner_module.ViTCudaGraphRunner._ext_capture_budget
+
+    def tracking_capture(self, sample, budget):
+        calls.append(budget)
+        key = capture(self, sample, budget)
+        calls.append(budget)  # the graph side is timed after this capture, the eager side after that
+        return key
+
+    def fake_median_by_side(run, *, repeats, synchronize=None):
+        run()
+        budget = calls[-1]
+        side = fake_median_by_side.sides.setdefault(budget, 0)
+        fake_median_by_side.sides[budget] += 1
+        return times[budget][side]
+
+    fake_median_by_side.sides = {}
+    monkeypatch.setattr(runner_module, "median_wall_ms", fake_median_by_side)
+    monkeypatch.setattr(runner_module.ViTCudaGraphRunner, "_ext_capture_budget", tracking_capture)
+    out, want = merged_call(runner, *CALLS[0], 0)
+    torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert [(r["budget"], r["replay"]) for r in runner._ext_gate] == [(8, True), (16, True), (32, False)]
+    assert [r["tokens"] for r in runner._ext_gate] == [2, 10, 18]  # the smallest call of each budget
+    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16] and info["replay_limit_tokens"] == 16
+    # Three probe graphs (dropped after timing), then the two that won, captured again largest first.
+    assert info["captures"] == 5 and info["resident_graphs"] == 2
+    assert [g.resets for g in fake_cuda.created[:3]] == [1, 1, 1]
+
+
+def test_a_failed_precapture_leaves_the_runner_eager_for_good(vit_patch, fake_cuda):
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16", vit_graph_replay_max_tokens=16)
+    tower = windowed_merged_tower("triton_attn")
+    tower.blocks[1].fail_capture = True
+    runner = ViTCudaGraphRunner(tower)
+    for step in range(3):
+        out, want = merged_call(runner, *CALLS[1], step)
+        torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert not runner.block_graphs and info["replay_limit_tokens"] == 0
+    assert len(fake_cuda.created) == 1 and info["fallback_gate"] == 3  # one failed capture, never retried
+
+
+def test_the_ladder_is_cut_to_the_capacity(vit_patch, fake_cuda):
+    runner = budget_runner(vit_patch, vit_graph_max_entries=2)
+    merged_call(runner, *CALLS[3], 0)
+    info = runner._ext_graph_info()
+    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16] and info["replay_limit_tokens"] == 16
+    out, want = merged_call(runner, *CALLS[4], 1)  # 26 tokens: chunks, no capture, no eviction
+    torch.testing.assert_close(out, want)
+    assert (runner._ext_graph_info()["captures"], runner._ext_graph_info()["evictions"]) == (2, 0)
+
+
+def test_sdpa_runs_eager_and_never_captures(vit_patch, fake_cuda, caplog):
+    runner = budget_runner(vit_patch, backend="sdpa")
+    with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
+        out, want = merged_call(runner, *CALLS[0], 0)
+    torch.testing.assert_close(out, want)
+    assert not runner.block_graphs and "sdpa" in caplog.text
+
+
+class SampledTower(nn.Module):
+    """A tower whose graph path hands the runner a fixed batch, as Qwen2.5-VL's forward_with_cuda_graph does."""
+
+    def __init__(self, runner_tower):
+        super().__init__()
+        self.tower = runner_tower
+        self.spatial_merge_unit = 2
+        self.patch_embed = SimpleNamespace(proj=SimpleNamespace(weight=torch.zeros(4, 3)))
+        self.cuda_graph_runner = ViTCudaGraphRunner(runner_tower)
+        self.sample_grids = []
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def forward_with_cuda_graph(self, pixels, grid_thw):
+        self.sample_grids.append((tuple(pixels.shape), grid_thw.tolist()))
+        tokens, full, window = CALLS[0]
+        x = torch.zeros(tokens, 1)
+        return self.cuda_graph_runner.run(x, torch.tensor(full, dtype=torch.int32),
+                                          torch.tensor(window, dtype=torch.int32), (x, x),
+                                          attention_layout_key=(full, window))
+
+
+def test_model_runner_captures_the_ladder_after_its_own_graphs(vit_patch, fake_cuda):
+    import sglang.srt.model_executor.model_runner as model_runner_module
+
+    vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=4096)
+    model = nn.Module()
+    model.visual = SampledTower(windowed_merged_tower("triton_attn", window_tokens=64))
+    events = []
+    fake_runner = SimpleNamespace(model=model, server_args=SimpleNamespace(chunked_prefill_size=1024,
+                                                                           max_prefill_tokens=16384))
+    fake_runner._ext_orig_init_cuda_graphs = lambda *a, **k: events.append(("sglang graphs", len(fake_cuda.created)))
+    model_runner_module.ModelRunner.init_cuda_graphs(fake_runner)
+    runner = model.visual.cuda_graph_runner
+    # sglang's captures first; then the ladder, up to the largest call the prefill chunk allows:
+    # 1024 LLM tokens x merge unit 2 = 2048 patches (512 growing by 26 % in multiples of 64).
+    assert events == [("sglang graphs", 0)]
+    assert runner._ext_token_buckets == (512, 704, 832, 1088, 1344, 1664, 2112)  # the default ladder's first 7
+    assert model.visual.sample_grids == [((256, 3), [[1, 16, 16]])]  # the synthetic image, not served
+    info = runner._ext_graph_info()
+    assert info["captures"] == 7 and info["hits"] == 0 and info["replay_limit_tokens"] == 2112
+    out, want = merged_call(runner, *CALLS[0], 0)  # the first real call replays, captures nothing
+    torch.testing.assert_close(out, want)
+    assert (runner._ext_graph_info()["captures"], runner._ext_graph_info()["hits"]) == (7, 1)
+
+
+def test_a_sample_that_fails_leaves_graphs_off(vit_patch, fake_cuda, caplog):
+    vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=4096)
+    tower = SampledTower(windowed_merged_tower("triton_attn", window_tokens=64))
+    tower.patch_embed = None  # the synthetic image cannot be built
+    runner = tower.cuda_graph_runner
+    with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
+        runner._ext_precapture_at_load(tower, 2048)
+    assert "stay off" in caplog.text and runner._ext_replay_limit == 0 and not fake_cuda.created
+    out, want = merged_call(runner, *CALLS[0], 0)
+    torch.testing.assert_close(out, want)
+    assert "_ext_sample" not in runner.__dict__ and not runner.block_graphs
