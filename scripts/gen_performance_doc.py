@@ -4,6 +4,7 @@
 The numbers come only from the JSON the benchmark scripts wrote (never typed in):
     scripts/bench_pi05.py        -> docs/bench/pi05_<impl>.json  (GPU; one file per implementation)
     scripts/bench_vit.py         -> docs/bench/vit.json          (GPU)
+    scripts/bench_vit_server.py  -> docs/bench/vit_server.json   (GPU, real launch_server processes)
     scripts/bench_prefill_cp.py  -> docs/bench/prefill_cp.json   (CPU)
 Each table is rendered by the benchmark script's own table function, so the doc
 and the script's console output agree, and says which kernels and attention backend
@@ -21,6 +22,7 @@ import glob
 import io
 import json
 import os
+import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,7 +123,8 @@ def _provenance(sources) -> list:
     return [f"Kernels: {kernels}. Attention backend: {attention}. Runs: {runs}.", ""]
 
 
-SCRIPT_OF = {"pi05_*.json": "bench_pi05", "vit.json": "bench_vit", "prefill_cp.json": "bench_prefill_cp"}
+SCRIPT_OF = {"pi05_*.json": "bench_pi05", "vit.json": "bench_vit", "vit_server.json": "bench_vit_server",
+             "prefill_cp.json": "bench_prefill_cp"}
 
 
 def schema_problems() -> list:
@@ -360,6 +363,63 @@ def _merged_note(results) -> list:
     return lines
 
 
+VIT_SERVER_MEANING = """\
+Real `launch_server` processes on one GPU, all configurations resident at once and measured in
+interleaved passes (`sglang.bench_serving`, image dataset, random images, 32 input / 8 output
+tokens; a varied warm-up pass first). req/s: median over passes (min-max); vs off: the median's
+ratio to graphs-off in the same slot; TTFT p50 / p99: medians over passes (ms). `ext` is
+sglang-ext's default ViT graph mode (bucket: ladder captured at load, probed against eager, calls
+above it split into whole-image chunks); `0517-graphs-on` is unpatched sglang with its own ViT
+graphs. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
+eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end. Accuracy:
+input-token logprobs of a mixed-size stream against graphs-off at concurrency 1, and at 16 next
+to graphs-off against itself in another pass (batch composition alone moves logprobs)."""
+
+
+def _vit_server_targets(run) -> list:
+    medians = {}
+    for row in run["passes"]:
+        if row["req_s"] is not None:
+            medians.setdefault((row["backend"], row["concurrency"], row["images"], row["config"]), []).append(
+                row["req_s"])
+    lines = ["| target (issue 31) | measured | bound | |", "|---|---|---|---|"]
+    floors = {1: 1.3, 8: 1.15, 32: 1.3, 64: 1.3}
+    for (backend, c, images, config), values in sorted(medians.items()):
+        off = medians.get((backend, c, images, "graphs-off"))
+        if config != "ext" or not off:
+            continue
+        ratio = statistics.median(values) / statistics.median(off)
+        lines.append(_target(f"{backend} c={c} img={images}: ext / graphs-off req/s", ratio, ">=",
+                             floors.get(c, 1.0)))
+    for server in run["servers"]:
+        if server["config"] == "ext" and server.get("captures_after_start") is not None:
+            lines.append(_target(f"{server['backend']}: ViT captures after start-up", server["captures_after_start"],
+                                 "<=", 0, "{:.0f}"))
+    for row in run.get("accuracy") or []:
+        if row["config"] == "ext" and row["concurrency"] == 1 and row.get("beyond_0_05") is not None:
+            lines.append(_target(f"{row['backend']} c=1: requests beyond 0.05 of graphs-off", row["beyond_0_05"],
+                                 "<=", 0, "{:.0f}"))
+    return lines + [""]
+
+
+def _vit_server_section():
+    path = os.path.join(BENCH_DIR, "vit_server.json")
+    if not os.path.exists(path):
+        return None
+    import bench_vit_server
+
+    run = _load(path)
+    cfg = run["config"]
+    return "\n".join([
+        "## ViT graphs in the server (`scripts/bench_vit_server.py`)", "",
+        *_stale("vit_server.json", "bench_vit_server.py"), VIT_SERVER_MEANING, "", *_provenance([("vit_server", run)]),
+        f"Device: {cfg.get('device')}; model: {cfg.get('model')} ({cfg.get('parameters_b')} B parameters); "
+        f"sglang {cfg.get('sglang')}; {cfg.get('passes')} passes of {cfg.get('requests')} requests "
+        f"(concurrency 1: a quarter); images {cfg.get('resolution')}; {cfg.get('seconds')} s in all.", "",
+        "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
+        f"Command: `{cfg.get('command')}`", ""])
+
+
 def _cp_section():
     path = os.path.join(BENCH_DIR, "prefill_cp.json")
     if not os.path.exists(path):
@@ -379,7 +439,7 @@ def _cp_section():
 
 
 def render() -> str:
-    sections = [s for s in (_pi05_section(), _vit_section(), _cp_section()) if s]
+    sections = [s for s in (_pi05_section(), _vit_server_section(), _vit_section(), _cp_section()) if s]
     head = ["# Performance", "",
             "Generated by `scripts/gen_performance_doc.py` from `docs/bench/*.json`; do not edit by hand.",
             "Each table says which kernels and attention backend ran and whether its rows are one run.", ""]

@@ -11,6 +11,8 @@
 #   unit                     the module-level GPU tests (graph core, ViT, Pi0.5, prefill CP) on real kernels
 #   sanitizer                graph-core, ViT and Pi0.5 GPU tests under compute-sanitizer memcheck
 #   bench-vit                scripts/bench_vit.py (BENCH_VIT_ARGS)
+#   bench-vit-server         scripts/bench_vit_server.py (BENCH_VIT_SERVER_ARGS; the real-scale checkpoint is
+#                            kept in /tmp/sgx/models while the machine is held)
 #   bench-pi05               scripts/bench_pi05.py: 0.5.17, 0.5.19, then sglang-ext (all modes), one
 #                            process each, one after another, one run id; then docs/performance.md's
 #                            Pi0.5 section rendered from them ($OUT/performance.md). 4.5-6 min on an H200.
@@ -70,8 +72,11 @@ test/registered/vit/test_vit_cuda_graph_cuda.py test/registered/pi05/test_pi05_g
 or (graph_mode_matches_eager and full and 17) or consecutive_requests) and not failed_capture \
 and not return_pool_memory and not workspace_growth'}" ;;
     bench-vit) echo "python3 scripts/bench_vit.py ${BENCH_VIT_ARGS:-} --out $OUT/vit.json" ;;
+    bench-vit-server) echo "python3 scripts/bench_vit_server.py ${BENCH_VIT_SERVER_ARGS:-} --workdir /tmp/sgx/vit-server \
+--model-dir /tmp/sgx/models/${VIT_SERVER_MODEL:-qwen2_5_vl}-real --model ${VIT_SERVER_MODEL:-qwen2_5_vl} \
+--out $OUT/vit_server.json" ;;
     bench-pi05) echo "bench_pi05_all" ;;
-    *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, pi05-fast, unit, sanitizer, bench-vit, bench-pi05)" >&2; return 2 ;;
+    *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, pi05-fast, unit, sanitizer, bench-vit, bench-vit-server, bench-pi05)" >&2; return 2 ;;
   esac
 }
 

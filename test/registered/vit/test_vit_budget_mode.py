@@ -24,7 +24,6 @@ from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
 
 from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the recording fake)
     _CAPTURING,
-    LayoutBlock,
     SqueezeMerger,
     StubTower,
     _layout_compute,

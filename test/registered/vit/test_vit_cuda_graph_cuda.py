@@ -39,6 +39,7 @@ def vit_patch(ext_patches, monkeypatch):
     monkeypatch.setenv("SGLANG_VIT_ENABLE_CUDA_GRAPH", "1")
 
     def activate(**knobs):
+        knobs.setdefault("vit_graph_mode", "layout")  # tests of the per-layout machinery; bucket tests say so
         if installed_sglang_version() is None:  # unpacked source tree (GPU machine): no dist metadata
             knobs.setdefault("assume_sglang", "0.5.17")
         statuses = ext_patches(disable=",".join(n for n in PATCH_NAMES if n != THIS_PATCH), **knobs)
@@ -380,6 +381,9 @@ def fa3_runtime():
     runtime_context.reset_context()
 
 
+BUCKET_KNOBS = dict(vit_graph_token_buckets="512,1024,2048,4096", vit_graph_replay_max_tokens=4096)
+
+
 def _compare(label, pairs, *, bitwise_expected):
     """Max |graph - eager| over (graph, eager) pairs, printed; bitwise when the kernels allow it."""
     worst = max((g.float() - e.float()).abs().max().item() for g, e in pairs)
@@ -398,8 +402,7 @@ def test_fa3_qwen2_5_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_run
     """Class mode: larger max_seqlen bound + empty trailing sequences -> bitwise (num_splits=1).
     Bucket mode: padded GEMM rows -> within bf16 rounding, bitwise count printed."""
     kit = fa3_runtime
-    vit_patch(vit_graph_max_entries=16, vit_graph_mode=mode, vit_graph_token_buckets="512,1024,2048,4096"
-              if mode == "bucket" else "")
+    vit_patch(vit_graph_max_entries=16, vit_graph_mode=mode, **BUCKET_KNOBS if mode == "bucket" else {})
     vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.bfloat16, seed=1)
     assert vit.blocks[0].attn.qkv_backend_name == "fa3"
     print(kit.kernel_report("fa3"))
@@ -428,8 +431,7 @@ def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runti
     from sglang.srt.layers.attention import vision
 
     monkeypatch.setattr(vision, "apply_rotary_pos_emb", vision.apply_rotary_pos_emb_native_eager)
-    vit_patch(vit_graph_max_entries=16, vit_graph_mode=mode, vit_graph_token_buckets="512,1024,2048,4096"
-              if mode == "bucket" else "")
+    vit_patch(vit_graph_max_entries=16, vit_graph_mode=mode, **BUCKET_KNOBS if mode == "bucket" else {})
     graphed_vit = kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2)
     eager_vit = kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2)
     assert graphed_vit.blocks[0].attn.qkv_backend_name == "fa3"
@@ -486,3 +488,80 @@ def test_qwen3_tower_graph_output_equals_sglang_eager_forward(ext_patches, qwen_
         print(f"\nqwen3 bf16 triton {label} vs sglang's eager forward: max |diff| = {worst:.3g}; "
               f"bitwise {sum(bool(torch.equal(g, e)) for g, e in pairs)} / {len(pairs)}")
     assert all(torch.equal(g, e) for g, e in ours), "sglang-ext graph outputs differ from sglang's eager forward"
+
+
+# ---------------------------------------------------------------------------
+# Bucket mode in a server's life: captured at load, probed, packed, never captured while serving
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["triton_attn", "fa3"])
+def any_backend(request):
+    """The runtime of each vision attention backend bucket mode serves on Hopper (fa4 is Blackwell-only).
+
+    fa3 was asked for: when FA3 does not import, that is a failure, not a skip."""
+    import qwen_vit_kit as kit
+    from sglang.srt import runtime_context
+
+    if request.param == "fa3":
+        assert kit.fa3_loaded(), "fa3 requested but sgl_kernel's FlashAttention-3 (flash_ops) does not import"
+    kit.publish_runtime(request.param)
+    kit.init_single_rank_parallel_state()
+    yield kit, request.param
+    runtime_context.reset_context()
+
+
+def test_bucket_ladder_is_captured_at_load_and_serving_never_captures(vit_patch, any_backend):
+    """The load hook's path (a synthetic image through the tower, then the ladder), then a stream of
+    mixed batches: every output within bf16 rounding of eager, no capture after load, one shared
+    input / workspace buffer for the whole ladder, calls above the limit replayed as chunks."""
+    kit, backend = any_backend
+    vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=1024)
+    vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.bfloat16, seed=1)
+    runner = vit.cuda_graph_runner
+    runner._ext_precapture_at_load(vit, 4096)  # what ModelRunner.init_cuda_graphs calls
+    info = runner._ext_graph_info()
+    print(f"\n{backend}: after load {info}")
+    assert runner._ext_token_buckets == (512, 704, 832) and info["captures"] == 3  # the budgets <= 1024
+    assert len({runner.block_input[k].untyped_storage().data_ptr() for k in runner.block_graphs}) == 1
+    rng = random.Random(11)
+    pairs = []
+    for _ in range(24):  # 1-4 images of up to 32 x 32 patches: many calls above 1024 tokens
+        pixels, grid = kit.random_batch(rng, (4, 8, 12, 16, 24, 32), dtype=torch.bfloat16)
+        pairs.append((kit.forward(vit, pixels, grid, graph=True), kit.forward(vit, pixels, grid, graph=False)))
+    after = runner._ext_graph_info()
+    _compare(f"{backend} qwen2.5 bf16 bucket (load-time ladder)", pairs, bitwise_expected=False)
+    print(after)
+    assert after["captures"] == 3, "a graph was captured while serving"
+    assert after["chunked_calls"] > 0 and after["hits"] >= 24
+
+
+def test_bucket_probe_keeps_only_budgets_that_beat_eager(vit_patch, any_backend):
+    """The load-time probe on Qwen2.5-VL-7B's real tower: the ladder ends where eager wins, and a
+    fresh measurement after the probe confirms each kept budget's graph beats eager at its worst
+    (smallest) call."""
+    kit, backend = any_backend
+    vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=-1)
+    vit = kit.build_qwen2_5_tower(kit.QWEN2_5_VL_7B_CONFIG, dtype=torch.bfloat16, seed=1)
+    runner = vit.cuda_graph_runner
+    runner._ext_precapture_at_load(vit, 16384)
+    gate = runner._ext_gate
+    print(f"\n{backend} probe: " + "; ".join(f"{r['budget']}: graph {r['graph_ms']} / eager {r['eager_ms']} ms"
+                                         for r in gate))
+    kept = runner._ext_token_buckets
+    assert kept and kept[0] == 512, f"a 7B tower at 512 tokens is launch-bound: the graph must win ({gate})"
+    assert [r["budget"] for r in gate if r["replay"]] == list(kept)
+    sample = (torch.zeros(1, 1, 1280, dtype=torch.bfloat16, device="cuda"),
+              tuple(torch.zeros(1, 80, dtype=torch.bfloat16, device="cuda") for _ in range(2)), None, None)
+    from sglang_ext.graphs.packing import median_wall_ms
+
+    previous = 0
+    for budget in kept:
+        call = runner._ext_synthetic_call(sample, previous + 4)
+        with torch.inference_mode():
+            graph_ms = median_wall_ms(lambda: runner._ext_replay_budget(*call, counted=False),
+                                      synchronize=torch.cuda.synchronize)
+            eager_ms = median_wall_ms(lambda: runner._ext_run_eager_call(*call), synchronize=torch.cuda.synchronize)
+        print(f"{backend} re-measured {budget}: graph {graph_ms:.3f} / eager {eager_ms:.3f} ms")
+        assert graph_ms < eager_ms * 1.1, f"budget {budget} kept but its graph does not beat eager"
+        previous = budget

@@ -1,0 +1,444 @@
+#!/usr/bin/env python3
+"""ViT CUDA graphs in the server users run: real `launch_server` processes under load, same run.
+
+    python scripts/bench_vit_server.py --backends fa3,triton_attn --out docs/bench/vit_server.json
+
+Per vision attention backend, one process per configuration, all resident on the GPU at once and
+measured in interleaved passes (the machine is shared and noisy: medians and spread are reported):
+  graphs-off       `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=0 (the baseline)
+  ext              `python -m sglang_ext.launch_server` with sglang-ext's default ViT graph mode
+  0517-graphs-on   `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=1 (unpatched)
+The model is a random-weight checkpoint at real scale, written on the machine itself
+(`--model qwen2_5_vl`: the 7B vision tower, a 3B-shaped text model; `qwen3_vl`: the 4B tower with
+deepstack, a 4B-shaped text model). Load: `sglang.bench_serving`'s image dataset (random images of
+random:224x224-896x896, 32 input / 8 output tokens), after a warm-up pass of the same dataset with
+another seed (varied, not copies of one request). Per pass, concurrency and image count (`1` =
+one image per request, `1-4` = one to four): req/s, TTFT p50/p99. From `/metrics` at start and at
+the end: ViT graph captures (after start-up: must be 0), hits, misses, eager fallbacks, padding,
+resident graph bytes and reserved memory. `--accuracy`: input-token logprobs of a mixed-size
+stream at concurrency 1 (each server against graphs-off) and at 16 (against graphs-off, next to
+the floor of graphs-off against itself in another pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "python"))
+
+import bench_results  # noqa: E402
+
+CONFIGS = {  # name -> (launcher module, ViT graphs on)
+    "graphs-off": ("sglang.launch_server", False),
+    "ext": ("sglang_ext.launch_server", True),
+    "0517-graphs-on": ("sglang.launch_server", True),
+}
+# Real-scale shapes over the tiny model's folder (tokenizer, processor, chat template).
+REAL_SCALE = {
+    "qwen2_5_vl": dict(
+        top=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                 intermediate_size=11008, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+        vision=dict(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, out_hidden_size=2048,
+                    fullatt_block_indexes=[7, 15, 23, 31], window_size=112)),
+    "qwen3_vl": dict(
+        text=dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=9728,
+                  rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+        vision=dict(depth=24, hidden_size=1024, num_heads=16, intermediate_size=4096, out_hidden_size=2560,
+                    deepstack_visual_indexes=[5, 11, 17])),
+}
+COUNTERS = ("graph_captures_total", "graph_hits_total", "graph_misses_total", "graph_padding_tokens_total")
+SCHEMA = {
+    "run_id": None, "kernels": bench_results.KERNELS_SCHEMA, "attention": None,
+    "config": {"device": None, "model": None, "parameters_b": None, "requests": None, "passes": None,
+               "concurrencies": None, "image_counts": None, "resolution": None, "command": None, "seconds": None,
+               "sglang": None},
+    "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": bench_results.ANY,
+                 "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None}],
+    "passes": [{"backend": None, "config": None, "pass": None, "concurrency": None, "images": None,
+                "req_s": None, "ttft_p50_ms": None, "ttft_p99_ms": None, "completed": None, "error": None}],
+    "accuracy": [{"backend": None, "config": None, "concurrency": None, "requests": None, "max_abs": None,
+                  "beyond_0_05": None, "floor_max_abs": None, "error": None}],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench_vit_server {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------
+
+
+def build_model(kind: str, path: str, seed: int = 0) -> float:
+    """The tiny model's folder at real scale with normal(0, 0.02) bf16 weights drawn on the GPU; billions of params."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sglang_ext import tiny_model
+
+    done = os.path.join(path, ".real-scale")
+    if os.path.exists(done):
+        return float(open(done).read())
+    tiny_model.make_tiny_model(kind, path, seed=seed, force=True)
+    cfg_path = os.path.join(path, "config.json")
+    config = json.load(open(cfg_path))
+    shapes = REAL_SCALE[kind]
+    config.update(shapes.get("top", {}))
+    if "text" in shapes:
+        config["text_config"].update(shapes["text"])
+    config["vision_config"].update(shapes["vision"])
+    json.dump(config, open(cfg_path, "w"), indent=2)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tensors, count = {}, 0
+    for name, shape in sorted(tiny_model.parameter_shapes(kind, config).items()):
+        if name.endswith(".bias"):
+            value = torch.zeros(shape, dtype=torch.bfloat16)
+        elif len(shape) == 1:
+            value = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            value = torch.empty(shape, device="cuda").normal_(0.0, 0.02, generator=gen).to(torch.bfloat16).cpu()
+        tensors[name] = value.contiguous()
+        count += value.numel()
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    billions = round(count / 1e9, 3)
+    open(done, "w").write(str(billions))
+    return billions
+
+
+# ---------------------------------------------------------------------------
+# Servers
+# ---------------------------------------------------------------------------
+
+
+def server_env(name: str, workdir: str) -> Dict[str, str]:
+    env = dict(os.environ)
+    module, graphs = CONFIGS[name]
+    env["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1" if graphs else "0"
+    for key in [k for k in env if k.startswith("SGLANG_EXT")]:
+        del env[key]
+    if module.startswith("sglang_ext"):
+        env["SGLANG_EXT_ACTIVATION_DIR"] = os.path.join(workdir, f"activation-{name}")
+    env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"prom-{name}-", dir=workdir)
+    return env
+
+
+def start(name: str, backend: str, model: str, workdir: str, args):
+    from sglang_ext.testing.server_process import free_port, start_server
+
+    module, _ = CONFIGS[name]
+    port = free_port()
+    argv = [sys.executable, "-m", module, "--model-path", model, "--port", str(port), "--host", "127.0.0.1",
+            "--mm-attention-backend", backend, "--mem-fraction-static", str(args.mem_fraction),
+            "--enable-metrics", "--disable-radix-cache", "--log-level", "warning"] + args.server_arg
+    log_path = os.path.join(workdir, f"{backend}-{name}.log")
+    return start_server(argv, server_env(name, workdir), port, log_path)
+
+
+def metrics(server) -> Dict[str, float]:
+    """sglang-ext's ViT graph counters and the process's reserved memory from /metrics (0 where absent)."""
+    from sglang_ext.testing import vl_stream as vs
+
+    text = server.get_text("/metrics")
+    out = {}
+    for name in COUNTERS:
+        out[name] = vs.metric_sum(text, "sglang_ext_" + name, cache="vit_cuda_graph") or 0.0
+    out["graph_eager_fallbacks_total"] = vs.metric_sum(text, "sglang_ext_graph_eager_fallbacks_total",
+                                                       cache="vit_cuda_graph") or 0.0
+    out["graph_resident_bytes"] = vs.metric_sum(text, "sglang_ext_graph_resident_bytes", cache="vit_cuda_graph") or 0.0
+    out["cuda_memory_reserved_bytes"] = vs.metric_sum(text, "sglang_ext_cuda_memory_reserved_bytes") or 0.0
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Load: sglang.bench_serving
+# ---------------------------------------------------------------------------
+
+
+def _serving_module(workdir: str):
+    """sglang.benchmark.serving, imported once (it imports `datasets`, which the image dataset never
+    uses and the GPU machine lacks: a stub stands in when it is missing)."""
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is None:
+        stub = os.path.join(workdir, "stubs")
+        os.makedirs(os.path.join(stub, "datasets"), exist_ok=True)
+        with open(os.path.join(stub, "datasets", "__init__.py"), "w") as f:
+            f.write("def load_dataset(*args, **kwargs):\n    raise RuntimeError('datasets is not installed here')\n")
+        sys.path.insert(0, stub)
+    import sglang.benchmark.serving as serving
+
+    return serving
+
+
+def bench_serving(server, model: str, concurrency: int, images: str, requests: int, seed: int, workdir: str,
+                  resolution: str) -> dict:
+    """One `sglang.bench_serving` run (its own command line, in this process: no import per run)."""
+    serving = _serving_module(workdir)
+    out = os.path.join(workdir, f"bs-{server.port}-{concurrency}-{images}-{seed}.jsonl")
+    argv = ["bench_serving", "--backend", "sglang-oai-chat", "--host", "127.0.0.1",
+            "--port", str(server.port), "--model", model, "--tokenizer", model, "--dataset-name", "image",
+            "--image-count", images.split("-")[-1], "--image-resolution", resolution, "--image-content", "random",
+            "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", str(requests),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(seed),
+            "--warmup-requests", "1", "--disable-tqdm", "--output-file", out]
+    if "-" in images:
+        argv.append("--random-image-count")
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        serving.cli_main()
+    except SystemExit as exc:  # it exits on an unready server: a failed run, not the end of the benchmark
+        raise RuntimeError(f"bench_serving exited with {exc.code}") from None
+    finally:
+        sys.argv = saved
+    with open(out) as f:
+        row = json.loads(f.read().strip().splitlines()[-1])
+    if not row.get("completed"):
+        raise RuntimeError(f"bench_serving completed no request ({out})")
+    return dict(req_s=round(row["request_throughput"], 3), ttft_p50_ms=round(row["median_ttft_ms"], 2),
+                ttft_p99_ms=round(row["p99_ttft_ms"], 2), completed=row.get("completed"))
+
+
+# ---------------------------------------------------------------------------
+# Accuracy: input-token logprobs of a mixed-size stream
+# ---------------------------------------------------------------------------
+
+
+def signatures(server, specs, concurrency: int) -> List[List[float]]:
+    from sglang_ext.testing import vl_stream as vs
+
+    def one(spec):
+        body = vs.generate_body(spec, max_new_tokens=1)
+        return vs.generate_signature(server.post("/generate", body, timeout=300))
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(one, specs))
+
+
+def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> List[dict]:
+    from sglang_ext.testing import vl_stream as vs
+
+    specs = vs.build_stream(unit, n, seed=7)
+    rows = []
+    for concurrency in (1, 16):
+        try:
+            reference = signatures(servers["graphs-off"], specs, concurrency)
+            floor = None
+            if concurrency > 1:
+                floor = max(vs.max_abs_diff(a, b) for a, b in zip(signatures(servers["graphs-off"], specs,
+                                                                             concurrency), reference))
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            rows.append(dict(backend=backend, config="graphs-off", concurrency=concurrency, requests=n, max_abs=None,
+                             beyond_0_05=None, floor_max_abs=None, error=f"{type(exc).__name__}: {exc}"[:300]))
+            continue
+        for name in ("ext", "0517-graphs-on"):
+            row = dict(backend=backend, config=name, concurrency=concurrency, requests=n, max_abs=None,
+                       beyond_0_05=None, floor_max_abs=None if floor is None else round(floor, 4), error=None)
+            try:
+                diffs = [vs.max_abs_diff(a, b) for a, b in zip(signatures(servers[name], specs, concurrency),
+                                                               reference)]
+                row.update(max_abs=round(max(diffs), 4), beyond_0_05=sum(d > 0.05 for d in diffs))
+            except Exception as exc:  # noqa: BLE001 - a crash is a result (0.5.17 graphs on)
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Table
+# ---------------------------------------------------------------------------
+
+
+def _spread(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None, None
+    return statistics.median(values), min(values), max(values)
+
+
+def table(report: dict) -> str:
+    """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off."""
+    lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'req/s median (min-max)':>26} {'vs off':>7} "
+             f"{'TTFT p50':>9} {'TTFT p99':>9}"]
+    groups = {}
+    for row in report["passes"]:
+        groups.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(row["config"], []).append(row)
+    for (backend, c, images), by_config in sorted(groups.items()):
+        off = _spread(r["req_s"] for r in by_config.get("graphs-off", []))[0]
+        for name in CONFIGS:
+            rows = by_config.get(name, [])
+            med, lo, hi = _spread(r["req_s"] for r in rows)
+            if med is None:
+                lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<15} {'failed':>26}")
+                continue
+            p50 = _spread(r["ttft_p50_ms"] for r in rows)[0]
+            p99 = _spread(r["ttft_p99_ms"] for r in rows)[0]
+            ratio = f"{med / off:.2f}x" if off else "-"
+            lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<15} {f'{med:.2f} ({lo:.2f}-{hi:.2f})':>26} "
+                         f"{ratio:>7} {p50:>9.1f} {p99:>9.1f}")
+    lines.append("")
+    lines.append(f"{'backend':<12} {'config':<15} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
+                 f"{'hits':>6} {'fallbacks':>9} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12}")
+    for s in report["servers"]:
+        end, start_m = s.get("metrics_end") or {}, s.get("metrics_start") or {}
+        if s.get("error"):
+            lines.append(f"{s['backend']:<12} {s['config']:<15} error: {s['error'][:80]}")
+            continue
+        lines.append(f"{s['backend']:<12} {s['config']:<15} {s['startup_s'] or 0:>8.0f} {s['vit_calls'] or 0:>9.0f} "
+                     f"{s['captures_after_start'] or 0:>21.0f} {end.get('graph_hits_total', 0):>6.0f} "
+                     f"{end.get('graph_eager_fallbacks_total', 0) - start_m.get('graph_eager_fallbacks_total', 0):>9.0f}"
+                     f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
+                     f"{end.get('graph_resident_bytes', 0) / 2**20:>9.1f} "
+                     f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f}")
+    if report.get("accuracy"):
+        lines.append("")
+        lines.append(f"{'backend':<12} {'config':<15} {'c':>3} {'requests':>8} {'max |dlogprob|':>15} "
+                     f"{'> 0.05':>7} {'floor (off vs off)':>19}")
+        for a in report["accuracy"]:
+            if a.get("error"):
+                lines.append(f"{a['backend']:<12} {a['config']:<15} {a['concurrency']:>3} error: {a['error'][:70]}")
+                continue
+            floor = "-" if a["floor_max_abs"] is None else f"{a['floor_max_abs']:.4f}"
+            lines.append(f"{a['backend']:<12} {a['config']:<15} {a['concurrency']:>3} {a['requests']:>8} "
+                         f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(REAL_SCALE), default="qwen2_5_vl")
+    ap.add_argument("--model-dir", default=None, help="where the real-scale checkpoint is (written if absent)")
+    ap.add_argument("--backends", default="fa3,triton_attn")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--concurrencies", default="1,8,32,64")
+    ap.add_argument("--image-counts", default="1,1-4", help="per request: N, or 1-N (random)")
+    ap.add_argument("--requests", type=int, default=128, help="per pass (concurrency 1: a quarter)")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--resolution", default="random:224x224-896x896")
+    ap.add_argument("--accuracy", type=int, default=0, help="requests of the logprob comparison (0: none)")
+    ap.add_argument("--mem-fraction", type=float, default=0.15)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "bench", "vit_server.json"))
+    ap.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeatable)")
+    ap.add_argument("--mixed-at", default="8", help="concurrencies that also run the 1-N image count")
+    args = ap.parse_args(argv)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit still stops the servers (finally)
+    t0 = time.time()
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench-vit-server-")
+    os.makedirs(workdir, exist_ok=True)
+    model = args.model_dir or os.path.join(workdir, f"{args.model}-real")
+    import torch
+
+    params = build_model(args.model, model)
+    log(f"model {model}: {params} B parameters")
+    configs = [c for c in args.configs.split(",") if c]
+    concurrencies = [int(c) for c in args.concurrencies.split(",")]
+    image_counts = args.image_counts.split(",")
+    mixed_at = {int(c) for c in args.mixed_at.split(",") if c}
+    report = {"run_id": bench_results.RUN_ID, "kernels": None, "attention": args.backends,
+              "config": dict(device=torch.cuda.get_device_name(0), model=f"{args.model} real-scale random",
+                             parameters_b=params, requests=args.requests, passes=args.passes,
+                             concurrencies=concurrencies, image_counts=image_counts, resolution=args.resolution,
+                             command="python scripts/bench_vit_server.py " + " ".join(argv or sys.argv[1:]),
+                             seconds=None, sglang=None),
+              "servers": [], "passes": [], "accuracy": []}
+    import importlib.metadata as md
+
+    try:
+        report["config"]["sglang"] = md.version("sglang")
+    except md.PackageNotFoundError:
+        import sglang
+
+        report["config"]["sglang"] = getattr(sglang, "__version__", None)
+    report["kernels"] = {n: _package_version(n) for n in bench_results.KERNELS_SCHEMA}
+
+    def save():
+        report["config"]["seconds"] = round(time.time() - t0)
+        bench_results.write(args.out, report, SCHEMA)
+
+    for backend in args.backends.split(","):
+        servers, records = {}, {}
+        for name in configs:  # all configurations resident at once, started together
+            servers[name] = start(name, backend, model, workdir, args)
+        for name, server in servers.items():
+            rec = dict(backend=backend, config=name, startup_s=None, error=None, metrics_start=None,
+                       metrics_end=None, vit_calls=None, captures_after_start=None)
+            try:
+                rec["startup_s"] = round(server.wait_healthy(timeout=900), 1)
+                rec["metrics_start"] = metrics(server)
+            except Exception as exc:  # noqa: BLE001 - reported
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+            records[name] = rec
+            log(f"{backend} {name}: " + (rec["error"] or f"healthy after {rec['startup_s']} s"))
+        live = {n: s for n, s in servers.items() if not records[n]["error"]}
+        try:
+            for name, server in live.items():  # warm-up: a varied stream (another seed), not timed
+                try:
+                    bench_serving(server, model, 8, image_counts[-1], 64, 999, workdir, args.resolution)
+                except Exception as exc:  # noqa: BLE001
+                    records[name]["error"] = f"warm-up: {exc}"[:400]
+            for p in range(args.passes):
+                for c in concurrencies:
+                    for images in [i for i in image_counts if "-" not in i or c in mixed_at]:
+                        for name, server in live.items():  # interleaved: every config in every slot
+                            row = dict(backend=backend, config=name, concurrency=c, images=images,
+                                       error=None, req_s=None, ttft_p50_ms=None, ttft_p99_ms=None, completed=None)
+                            row["pass"] = p
+                            try:
+                                n = max(args.requests // 4, 16) if c == 1 else args.requests
+                                row.update(bench_serving(server, model, c, images, n, 100 * p + c, workdir,
+                                                         args.resolution))
+                            except Exception as exc:  # noqa: BLE001 - reported
+                                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                            report["passes"].append(row)
+                            log(f"{backend} pass {p} c={c} img={images} {name}: {row['req_s']} req/s "
+                                f"{row['error'] or ''}")
+                save()
+            if args.accuracy and "graphs-off" in live:
+                unit = 28 if args.model == "qwen2_5_vl" else 32
+                report["accuracy"] += accuracy(live, backend, unit, args.accuracy)
+            for name, server in live.items():
+                try:
+                    end = records[name]["metrics_end"] = metrics(server)
+                    start_m = records[name]["metrics_start"]
+                    # every ViT call (each chunk of a split call) replays or falls back to eager
+                    records[name]["vit_calls"] = end["graph_hits_total"] + end["graph_eager_fallbacks_total"]
+                    records[name]["captures_after_start"] = end["graph_captures_total"] - start_m["graph_captures_total"]
+                except Exception as exc:  # noqa: BLE001
+                    records[name]["error"] = f"metrics: {exc}"[:400]
+        finally:
+            for server in servers.values():
+                server.stop()
+            report["servers"] += list(records.values())
+            save()
+    print(table(report))
+    return 0
+
+
+def _package_version(name: str) -> str:
+    try:
+        module = __import__(name)
+    except Exception:  # noqa: BLE001
+        return "not loaded"
+    return str(getattr(module, "__version__", "version unknown"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
