@@ -761,8 +761,8 @@ def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_
 
     A call above the replay limit is split at boundaries of every attention layout into chunks
     of at most the limit (`whole_sequence_chunks`); each chunk replays its budget graph, or runs
-    eager unpadded when none serves it (one image above the limit, too many windows). The rows
-    of the chunks, in order, are the rows of the call.
+    eager unpadded when none serves it (one image above the limit, too many windows); adjacent
+    such chunks run as one eager call. The rows of the chunks, in order, are the rows of the call.
     """
     tokens = layout_key.num_tokens
     full, window = layout_key.layout
@@ -772,21 +772,32 @@ def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_
         ranges = whole_sequence_chunks((full, window), tokens, limit, _EXT_VIT_BUCKET_SEQUENCES - 1)
         self._ext_chunking["chunked_calls"] += 1
         self._ext_chunking["chunks"] += len(ranges)
-    parts = []
+
+    def call_of(start, end):
+        if (start, end) == (0, tokens):
+            return layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin
+        return (GraphKey(end - start, layout=(sequences_between(full, start, end),
+                                              None if window is None else sequences_between(window, start, end))),
+                x_3d[start:end],
+                None if position_embeddings is None else tuple(t[start:end] for t in position_embeddings),
+                None if rotary_pos_emb_cos is None else rotary_pos_emb_cos[start:end],
+                None if rotary_pos_emb_sin is None else rotary_pos_emb_sin[start:end])
+
+    # Adjacent chunks no graph serves run as ONE eager call: eager costs about the same host time
+    # whatever its size, so splitting it would multiply that cost.
+    parts, eager_from = [], None
     for start, end in ranges:
-        call = (layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
-        if (start, end) != (0, tokens):
-            call = (GraphKey(end - start, layout=(sequences_between(full, start, end),
-                                                  None if window is None else sequences_between(window, start, end))),
-                    x_3d[start:end],
-                    None if position_embeddings is None else tuple(t[start:end] for t in position_embeddings),
-                    None if rotary_pos_emb_cos is None else rotary_pos_emb_cos[start:end],
-                    None if rotary_pos_emb_sin is None else rotary_pos_emb_sin[start:end])
-        out = self._ext_replay_budget(*call) if limit else None
+        out = self._ext_replay_budget(*call_of(start, end)) if limit else None
         if out is None:
             self._ext_fallbacks["gate" if not limit or end - start > limit else "no_fit"] += 1
-            out = self._ext_run_eager_call(*call)
+            eager_from = start if eager_from is None else eager_from
+            continue
+        if eager_from is not None:
+            parts.append(self._ext_run_eager_call(*call_of(eager_from, start)))
+            eager_from = None
         parts.append(out)
+    if eager_from is not None:
+        parts.append(self._ext_run_eager_call(*call_of(eager_from, tokens)))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out if output_indices is None else out.index_select(0, output_indices)
 

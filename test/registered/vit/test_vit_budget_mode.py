@@ -99,6 +99,20 @@ def test_one_image_above_the_limit_runs_eager_unpadded(vit_patch, fake_cuda):
     assert tower.blocks[0].rows[rows_before:] == [20] and tower.blocks[0].calls[-1] == "metadata"
 
 
+def test_adjacent_chunks_no_graph_serves_run_as_one_eager_call(vit_patch, fake_cuda):
+    runner = budget_runner(vit_patch, replay=16)
+    tower = runner.vit
+    merged_call(runner, *CALLS[3], 0)  # pre-capture
+    rows_before = len(tower.blocks[0].rows)
+    # Two images above the limit, then one that fits: eager once for [0, 40), a replay for [40, 46).
+    full, window = (0, 0, 20, 40, 46), (0, 8, 16, 20, 28, 36, 40, 46)
+    out, want = merged_call(runner, 46, full, window, 1)
+    torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert tower.blocks[0].rows[rows_before:] == [40]  # one eager call of 40 rows (the 6 replay)
+    assert (info["fallback_gate"], info["hits"], info["chunks"]) == (2, 2, 3)
+
+
 def test_a_call_with_more_windows_than_slots_runs_eager(vit_patch, fake_cuda):
     runner = budget_runner(vit_patch)
     window = tuple(range(0, 17, 2))  # 8 windows of 2 tokens: the 16-token graph has room for 4
