@@ -414,7 +414,8 @@ def _vit_server_section():
         "## ViT graphs in the server (`scripts/bench_vit_server.py`)", "",
         *_stale("vit_server.json", "bench_vit_server.py"), VIT_SERVER_MEANING, "", *_provenance([("vit_server", run)]),
         f"Device: {cfg.get('device')}; model: {cfg.get('model')} ({cfg.get('parameters_b')} B parameters); "
-        f"sglang {cfg.get('sglang')}; {cfg.get('passes')} passes of {cfg.get('requests')} requests "
+        f"sglang {cfg.get('sglang')}; {len({r['pass'] for r in run['passes']})} of {cfg.get('passes')} passes "
+        f"completed, {cfg.get('requests')} requests each "
         f"(concurrency 1: a quarter); images {cfg.get('resolution')}; {cfg.get('seconds')} s in all.", "",
         "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
         f"Command: `{cfg.get('command')}`", ""])
