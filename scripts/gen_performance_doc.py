@@ -123,7 +123,7 @@ def _provenance(sources) -> list:
     return [f"Kernels: {kernels}. Attention backend: {attention}. Runs: {runs}.", ""]
 
 
-SCRIPT_OF = {"pi05_*.json": "bench_pi05", "vit.json": "bench_vit", "vit_server.json": "bench_vit_server",
+SCRIPT_OF = {"pi05_*.json": "bench_pi05", "vit.json": "bench_vit", "vit_server*.json": "bench_vit_server",
              "prefill_cp.json": "bench_prefill_cp"}
 
 
