@@ -450,7 +450,11 @@ def classify(result: Optional[dict], seconds: float, log: str, timed_out: bool, 
 
 def preload(modules: Sequence[str], package: str) -> None:
     for name in modules:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise SystemExit(f"mutation_smoke: --preload {name}: {exc}; allowed: importable modules "
+                             "(PRELOAD in scripts/mutation_smoke.py)") from None
     leaked = sorted(n for n in sys.modules if n == package or n.startswith(package + "."))
     if leaked:
         raise SystemExit(f"mutation_smoke: preloading {', '.join(modules)} imported {', '.join(leaked[:3])}: "
