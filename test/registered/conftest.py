@@ -7,15 +7,31 @@ vendors sglang-ext as `sglang.ext`; the installed plugin stands aside there, and
 `ext_patches` drives the fork's own copy (`sglang.ext.activation`) the same way.
 """
 
+import importlib
 import os
 
 import pytest
 
 PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
+# Set by .ci/run: the Triton kernel checks must run there, so a missing triton fails them instead of skipping.
+REQUIRE_TRITON_ENV = "EXT_CI_REQUIRE_TRITON"
 
 plugin_only = pytest.mark.skipif(
     PATCHED_TREE, reason="tests the installed plugin itself; on the patched tree it stands aside for sglang.ext"
 )
+
+
+def import_triton(module: str = "triton"):
+    """`module` (triton, or a part such as triton.backends.nvidia), imported.
+
+    Without it the test skips, except where EXT_CI_REQUIRE_TRITON is set (CI): there it fails.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if os.environ.get(REQUIRE_TRITON_ENV):
+            pytest.fail(f"{REQUIRE_TRITON_ENV} is set but {module} does not import: {exc}", pytrace=False)
+        pytest.skip(f"{module} does not import ({exc}); {REQUIRE_TRITON_ENV} unset")
 
 
 def released_source_root(version: str) -> str:

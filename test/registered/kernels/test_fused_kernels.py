@@ -23,6 +23,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
+from conftest import REQUIRE_TRITON_ENV, import_triton  # noqa: E402  (test/registered/conftest.py)
 from sglang_ext.kernels import (  # noqa: E402
     Partials,
     ada_rms_norm_reference,
@@ -35,6 +36,17 @@ from sglang_ext.kernels import (  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16)
 BF16_ULP = 2.0**-7
+
+def test_a_missing_triton_fails_where_ci_requires_it(monkeypatch):
+    """The Triton checks below skip without triton on a developer machine, but fail in CI (.ci/run sets
+    EXT_CI_REQUIRE_TRITON=1), so CI can never pass them by skipping."""
+    monkeypatch.setenv(REQUIRE_TRITON_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="EXT_CI_REQUIRE_TRITON is set but triton_not_installed"):
+        import_triton("triton_not_installed")
+    monkeypatch.delenv(REQUIRE_TRITON_ENV)
+    with pytest.raises(pytest.skip.Exception, match="triton_not_installed does not import"):
+        import_triton("triton_not_installed")
+
 
 _RUN_KERNELS = r"""
 import sys
@@ -190,7 +202,7 @@ def _attention_cases(generator):
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    pytest.importorskip("triton")
+    import_triton()
     generator = torch.Generator().manual_seed(0)
     cases = (_norm_cases(generator) + _rope_cases(generator) + _linear_rope_cases(generator) + _gelu_cases(generator)
              + _gemm_cases(generator) + _attention_cases(generator))
@@ -359,8 +371,8 @@ _HOPPER_BUILDS = [
 
 @pytest.mark.parametrize("module,kernel,types,variants", _HOPPER_BUILDS, ids=[f"{m}.{k}" for m, k, _, _ in _HOPPER_BUILDS])
 def test_kernels_build_for_hopper(module, kernel, types, variants):
-    triton = pytest.importorskip("triton")
-    pytest.importorskip("triton.backends.nvidia")
+    triton = import_triton()
+    import_triton("triton.backends.nvidia")
     import importlib
 
     from triton.backends.compiler import GPUTarget
@@ -382,8 +394,8 @@ def test_kernels_build_for_hopper(module, kernel, types, variants):
 
 def test_kernels_build_without_grid_dependency_control(monkeypatch):
     """triton < 3.3 has no gdc_wait: PDL is off there and the kernels still build."""
-    triton = pytest.importorskip("triton")
-    pytest.importorskip("triton.backends.nvidia")
+    triton = import_triton()
+    import_triton("triton.backends.nvidia")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

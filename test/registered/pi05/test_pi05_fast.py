@@ -26,6 +26,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
+from conftest import import_triton  # noqa: E402  (test/registered/conftest.py)
 from test_pi05_graphs import _random_prefix, _sample, _tiny_core, _tiny_policy, fake_graphs, pi05  # noqa: E402,F401
 
 RELATIVE_TOLERANCE = 1e-2
@@ -321,7 +322,7 @@ print("RESULTS " + json.dumps(results))
 
 @pytest.mark.skipif(os.environ.get("EXT_TEST_TREE", "plugin") == "patched", reason="runs the plugin in a subprocess")
 def test_fast_path_with_interpreted_triton_kernels_matches_exact_path():
-    pytest.importorskip("triton")
+    import_triton()
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)

@@ -16,9 +16,9 @@ Checks, one summary line each:
 - fast vs exact path: max|d| / max|exact| <= 1e-2 and cosine >= 0.9999 (issue 17);
 - fast prefix K/V vs exact prefix K/V (every layer, valid positions), and the whole
   request on graphs (prefix graph + loop graph) fast vs exact;
-- an informational line: device kernels per request of both paths (eager, profiler)
-  and the median replay time of both fused loop graphs (not asserted; the bench
-  script owns speed claims).
+- device kernels per request of both paths (eager, profiler): fewer on the fast path
+  (asserted), and the median replay time of both fused loop graphs (printed only; the
+  bench script owns speed claims).
 """
 
 from __future__ import annotations
@@ -287,8 +287,10 @@ def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
     assert worst[0] <= 5e-2 and worst[1] >= 0.999, worst  # K/V elements: bf16 ulps, not actions
 
 
-def test_kernel_counts_and_replay_times_informational(policy):
-    """Not a speed claim (scripts/bench_pi05.py makes those): a line for the notes."""
+def test_kernel_counts_and_replay_times(policy):
+    """Device kernels per request: the fused loop launches fewer than the exact path (asserted; the
+    profiler must work). Replay times: a line for the notes, not a speed claim (scripts/bench_pi05.py
+    makes those)."""
     from sglang_ext.testing.pi05_random import make_noise, make_observation
 
     observation = make_observation(policy, prompt_len=48, seed=5)
@@ -298,13 +300,10 @@ def test_kernel_counts_and_replay_times_informational(policy):
     counts, times = {}, {}
     for fast in (False, True):
         name = "fast" if fast else "exact"
-        try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                _sample(policy, observation, context, noise, fast=fast, graph=False)
-                torch.cuda.synchronize()
-            counts[name] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        except Exception as exc:  # noqa: BLE001 - informational only
-            counts[name] = f"profiler failed: {type(exc).__name__}"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _sample(policy, observation, context, noise, fast=fast, graph=False)
+            torch.cuda.synchronize()
+        counts[name] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
         os.environ["SGLANG_EXT_PI05_FUSED_DENOISE"] = "1"
         try:
             _sample(policy, observation, context, noise, fast=fast, graph=True)  # capture
@@ -321,4 +320,8 @@ def test_kernel_counts_and_replay_times_informational(policy):
             os.environ.pop("SGLANG_EXT_PI05_FUSED_DENOISE", None)
     print(f"[info denoise, 10 steps, prompt=48 full] device kernels per request (eager): {counts}; "
           f"median fused-loop graph request ms: " + ", ".join(f"{k}={v:.2f}" for k, v in times.items()))
-    assert set(times) == {"exact", "fast"}
+    assert set(times) == {"exact", "fast"} and all(t > 0 for t in times.values()), times
+    # The profiler saw the exact path's kernels, and the fused kernels replace several each (norm and
+    # residual, GEMM and RoPE, gelu and mul, ...); bench_pi05.py on the H200 counted 5,897 -> 2,586 per
+    # whole request (docs/gpu-notes.md). Here: the denoise loop, eager.
+    assert counts["exact"] > 0 and 0 < counts["fast"] < counts["exact"], counts

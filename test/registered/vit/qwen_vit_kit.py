@@ -81,6 +81,39 @@ def fa3_loaded() -> bool:
     return "sgl_kernel.flash_ops" in sys.modules and hasattr(torch.ops.sgl_kernel, "fwd")
 
 
+# SGX_BACKENDS: the vision attention backends a GPU run covers, read as the real-server tests read it
+# (test/registered/server/vl_server_kit.py): comma-separated, default "default,triton_attn"; "default" is
+# sglang's default, which is fa3 on SM90. A GPU call made before FA3 has arrived sets SGX_BACKENDS=triton_attn.
+DEFAULT_SGX_BACKENDS = "default,triton_attn"
+
+
+def requested_backends() -> Tuple[str, ...]:
+    raw = os.environ.get("SGX_BACKENDS", DEFAULT_SGX_BACKENDS)
+    return tuple(name.strip() for name in raw.split(",") if name.strip())
+
+
+def fa3_requested() -> bool:
+    """Whether this run asked for fa3: by name, or as sglang's default on an SM90 GPU."""
+    names = requested_backends()
+    if "fa3" in names:
+        return True
+    return "default" in names and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def require_fa3() -> None:
+    """In an fa3 test: skip when this run did not ask for fa3; FAIL when it did and FA3 does not import
+    (a requested backend that cannot load is an error of the run, not a reason to skip)."""
+    import pytest
+
+    requested = os.environ.get("SGX_BACKENDS", DEFAULT_SGX_BACKENDS)
+    if not fa3_requested():
+        pytest.skip(f"SGX_BACKENDS={requested!r} does not ask for fa3")
+    if not fa3_loaded():
+        pytest.fail(f"fa3 requested (SGX_BACKENDS={requested!r}) but FA3 does not import (sgl_kernel.flash_attn / "
+                    "flash_ops): carry .carry/fa3-* (scripts/gpu_carry.sh), or set SGX_BACKENDS=triton_attn",
+                    pytrace=False)
+
+
 def kernel_report(backend: str) -> dict:
     """What actually runs, detected now: the vision attention backend and its implementation, and the ops."""
     report = {"attention_backend": backend, "sgl_kernel_ops": "real" if sgl_kernel_ops_loaded() else "native torch"}

@@ -27,6 +27,7 @@ from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the record
     SqueezeMerger,
     StubTower,
     _layout_compute,
+    call,
     fake_cuda,
     merged_call,
     reference,
@@ -65,6 +66,27 @@ def test_the_ladder_is_captured_first_and_every_call_replays_its_budget(vit_patc
     assert info["shared_buffer_bytes"] == (32 + 32) * 4  # fp32 rows of one element: input + workspace
     want_padding = 2 * sum(min(b for b in (8, 16, 32) if b >= t) - t for t, *_ in CALLS)
     assert (info["padding_tokens"], info["real_tokens"]) == (want_padding, 2 * sum(t for t, *_ in CALLS))
+
+
+# The documented default ladder without a server (knob vit_graph_token_buckets empty): 16 sizes, 512
+# growing by 26 % in multiples of 64, up to 16448, written out so that a change of the default shows here.
+DEFAULT_VIT_TOKEN_BUCKETS = (512, 704, 832, 1088, 1344, 1664, 2112, 2624, 3264, 4160, 5184, 6528, 8256, 10368,
+                             13056, 16448)
+
+
+def test_bucket_mode_default_ladder_is_the_documented_one(vit_patch, fake_cuda):
+    """No vit_graph_token_buckets: the ladder captured is the documented one, a call just above each
+    budget replays the next one, and past the largest a single image runs eager."""
+    vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=10**6)
+    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    sizes = [1] + [bucket + 1 for bucket in DEFAULT_VIT_TOKEN_BUCKETS]  # 1 pads to 512, 513 to 704, ...
+    for tokens in sizes:
+        out, want = call(runner, tokens, (0, tokens), qwen3=True, position=1)
+        torch.testing.assert_close(out, want)
+    assert runner._ext_token_buckets == DEFAULT_VIT_TOKEN_BUCKETS
+    assert sorted(key.num_tokens for key in runner.block_graphs) == list(DEFAULT_VIT_TOKEN_BUCKETS)
+    info = runner._ext_graph_info()
+    assert (info["padded_batches"], info["hits"], info["fallback_gate"]) == (16, 16, 1)
 
 
 def test_the_last_call_boundaries_are_what_the_graph_read(vit_patch, fake_cuda):

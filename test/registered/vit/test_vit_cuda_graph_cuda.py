@@ -2,9 +2,10 @@
 
 Real CUDA graphs, sglang's real `ViTCudaGraphRunner` (patched in place), and for the
 tower tests sglang's real `Qwen2_5_VisionTransformer` / `Qwen3VLMoeVisionModel` (random
-weights) on triton_attn, and on fa3 (the real FlashAttention-3 of sgl_kernel's flash_ops;
-those tests skip when it does not import). The fa3 tests print max |graph - eager| and how
-many outputs were bitwise equal.
+weights) on triton_attn, and on fa3 (the real FlashAttention-3 of sgl_kernel's flash_ops). The
+fa3 tests run when the run asks for fa3 (SGX_BACKENDS, default "default,triton_attn": sglang's
+default is fa3 on SM90) and then FAIL if FA3 does not import; SGX_BACKENDS=triton_attn skips
+them. They print max |graph - eager| and how many outputs were bitwise equal.
 On sglang 0.5.17 without the patch, the boundary and workspace tests fail (stale
 cu_seqlens / a freed rotary buffer) and the memory test grows without bound.
 """
@@ -362,17 +363,11 @@ def test_qwen2_5_graph_forward_queues_a_replay_without_a_device_sync(vit_patch, 
 # ---------------------------------------------------------------------------
 
 
-def _fa3_or_skip():
-    import qwen_vit_kit as kit
-
-    if not kit.fa3_loaded():
-        pytest.skip("FA3 not importable (sgl_kernel.flash_attn / flash_ops)")
-    return kit
-
-
 @pytest.fixture
 def fa3_runtime():
-    kit = _fa3_or_skip()
+    import qwen_vit_kit as kit
+
+    kit.require_fa3()  # asked for (SGX_BACKENDS, default on SM90) and not importable: fails, never skips
     from sglang.srt import runtime_context
 
     kit.publish_runtime("fa3")

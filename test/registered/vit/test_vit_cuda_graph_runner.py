@@ -1,8 +1,11 @@
 """ViT CUDA-graph runner on sglang 0.5.17 (patch vit_cuda_graph), on CPU.
 
-The first five tests port upstream's `test/registered/unit/multimodal/
-test_vit_cuda_graph_runner.py` (sgl-project/sglang#37043) unchanged in substance:
-they use sglang's real `ViTCudaGraphRunner`. The rest drive the real runner's
+Of upstream's unit test (`test/registered/unit/multimodal/test_vit_cuda_graph_runner.py`,
+sgl-project/sglang#37043) the key and rotary-workspace cases run here on the patched methods;
+its TP capture-context cases tested 0.5.17's `_capture_context()`, which the patch never enters,
+and are replaced by what the patch does instead (DP: no TP communication at all; TP: two CPU-group
+votes, outside that context); its backend-name case tested upstream's untouched `__init__` and is
+left out. Everything uses sglang's real `ViTCudaGraphRunner`. Most tests drive the real runner's
 capture/replay code with a recording fake of `torch.cuda.CUDAGraph` /
 `torch.cuda.graph`: a stub block registers a "kernel" (a thunk that recomputes its
 output IN PLACE from the tensors it was captured with) on the graph being captured,
@@ -17,7 +20,6 @@ import contextlib
 import logging
 import random
 from types import SimpleNamespace
-from unittest.mock import patch
 
 import pytest
 import torch
@@ -56,7 +58,7 @@ def vit_patch(ext_patches):
 
 
 # ---------------------------------------------------------------------------
-# Upstream's tests (ported)
+# Keys and the rotary workspace (upstream's cases, on the patched methods)
 # ---------------------------------------------------------------------------
 
 
@@ -75,56 +77,15 @@ def _runner(*, use_data_parallel: bool) -> ViTCudaGraphRunner:
     return ViTCudaGraphRunner(vit)
 
 
-def test_dp_vit_graph_capture_does_not_enter_tp_communication_capture(vit_patch):
-    vit_patch()
-    runner = _runner(use_data_parallel=True)
-    with patch(
-        "sglang.srt.multimodal.vit_cuda_graph_runner.get_tp_group",
-        side_effect=AssertionError("DP capture must be rank-local"),
-    ):
-        with runner._capture_context():
-            pass
-
-
-def test_non_dp_vit_graph_capture_uses_tp_communication_capture(vit_patch):
-    vit_patch()
-    entered = []
-
-    class Capture:
-        def __enter__(self):
-            entered.append(True)
-
-        def __exit__(self, *args):
-            return False
-
-    group = SimpleNamespace(ca_comm=SimpleNamespace(capture=lambda: Capture()))
-    runner = _runner(use_data_parallel=False)
-    with patch("sglang.srt.multimodal.vit_cuda_graph_runner.get_tp_group", return_value=group):
-        with runner._capture_context():
-            pass
-    assert entered == [True]
-
-
-def test_vit_graph_runner_caches_resolved_backend_name(vit_patch):
-    vit_patch()
-
-    class Block:
-        attn = SimpleNamespace(qkv_backend_name="fa3", qkv_backend=object())
-
-        def forward(self, x, output_ws=None):
-            return x
-
-    runner = ViTCudaGraphRunner(SimpleNamespace(blocks=[Block()]))
-    assert runner._attn_backend == "fa3"
-
-
-def test_vit_graph_key_includes_full_and_window_attention_boundaries(vit_patch):
+def test_graph_key_tells_full_and_window_boundaries_apart(vit_patch):
+    """From CPU tensors (no attention_layout_key) as from the key: each part of the layout counts."""
     vit_patch()
     runner = _runner(use_data_parallel=True)
     x = torch.empty(8, 1, 4)
-    first = runner._get_graph_key(x, torch.tensor([0, 4, 8]), torch.tensor([0, 2, 4, 8]))
-    second = runner._get_graph_key(x, torch.tensor([0, 2, 8]), torch.tensor([0, 4, 6, 8]))
-    assert first != second
+    key = runner._get_graph_key(x, torch.tensor([0, 4, 8]), torch.tensor([0, 2, 4, 8]))
+    assert key != runner._get_graph_key(x, torch.tensor([0, 4, 8]), torch.tensor([0, 4, 6, 8]))  # other windows
+    assert key != runner._get_graph_key(x, torch.tensor([0, 2, 8]), torch.tensor([0, 2, 4, 8]))  # other full
+    assert key == runner._get_graph_key(x, None, None, attention_layout_key=((0, 4, 8), (0, 2, 4, 8)))
 
 
 def test_vit_graph_keeps_rotary_workspace_address_after_growth(vit_patch):
@@ -372,6 +333,32 @@ def test_equal_token_count_with_other_boundaries_gets_its_own_graph(vit_patch, f
     assert all(g.pool is POOL for g in fake_cuda.created), "captures must share sglang's global graph pool"
 
 
+def _qwen2_5_window_layout(grid_thw):
+    """sglang 0.5.17's own Qwen2.5-VL window boundaries for `grid_thw` (its `get_window_index`, on
+    the attributes it reads: 112 px windows, 14 px patches, 2x2 merge), deduplicated as the tower does."""
+    from sglang.srt.models.qwen2_5_vl import Qwen2_5_VisionTransformer
+
+    geometry = SimpleNamespace(window_size=112, spatial_merge_size=2, patch_size=14, spatial_merge_unit=4)
+    _, cu_window = Qwen2_5_VisionTransformer.get_window_index(geometry, torch.tensor(grid_thw))
+    return tuple(torch.unique_consecutive(torch.tensor(cu_window)).tolist())
+
+
+def test_layout_mode_same_full_layout_other_windows_gets_its_own_graph(vit_patch, fake_cuda):
+    """One image with height and width swapped: equal token count and full-attention layout, other
+    windows. Layout mode must key on the windows too, else the second replays the first's boundaries."""
+    vit_patch(vit_graph_mode="layout")
+    runner = ViTCudaGraphRunner(StubTower())
+    full = (0, 0, 240)  # one 12 x 20 (or 20 x 12) patch image; 0.5.17's doubled leading zero
+    wide, tall = _qwen2_5_window_layout([[1, 12, 20]]), _qwen2_5_window_layout([[1, 20, 12]])
+    assert wide != tall and wide[-1] == tall[-1] == 240
+    for step, window in enumerate((wide, tall, wide, tall)):
+        out, want = call(runner, 240, full, window, position=step)
+        torch.testing.assert_close(out, want, msg=f"step {step}")
+    assert len(fake_cuda.created) == 2 and [g.replays for g in fake_cuda.created] == [2, 2]
+    assert sorted(runner.cu_window_len[key].tolist() for key in runner.block_graphs) == sorted(
+        [list(wide), list(tall)])
+
+
 def test_small_graph_sees_new_positions_after_workspace_growth(vit_patch, fake_cuda):
     """Upstream's metadata scenario: 4 tokens, grow to 8, replay 4 with new positions."""
     vit_patch()
@@ -591,6 +578,47 @@ def test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere(vit_patch
     out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))  # permanent: quarantined, no more votes
     torch.testing.assert_close(out, want)
     assert len(votes) == 2 and runner._ext_graph_info()["fallback_quarantined"] == 1
+
+
+def test_dp_encoder_captures_without_any_tp_communication(vit_patch, fake_cuda, monkeypatch):
+    """A data-parallel encoder captures rank-locally: no TP group, no vote, no byte-budget agreement
+    (the default budget, -1, is agreed over the TP group by non-DP encoders)."""
+    vit_patch()
+    touched = []
+    monkeypatch.setattr(runner_module, "get_tp_group", lambda: touched.append("get_tp_group"))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: touched.append("all_reduce"))
+    runner = ViTCudaGraphRunner(StubTower(use_data_parallel=True))
+    for step in range(2):  # capture, then replay
+        out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8), position=step)
+        torch.testing.assert_close(out, want)
+    assert touched == []
+    assert runner._ext_graph_info()["captures"] == 1 and fake_cuda.created[0].replays == 2
+
+
+def test_tp_encoder_capture_is_voted_and_never_enters_the_tp_capture_context(vit_patch, fake_cuda, monkeypatch):
+    """Upstream's case asserted that non-DP captures enter 0.5.17's `_capture_context()` (the custom
+    all-reduce's `ca_comm.capture()`, whose buffer registrations are never freed); the patch captures
+    outside it, agreed by two CPU-group votes, and replays vote never."""
+    vit_patch(vit_graph_max_bytes=0)  # an explicit budget: only the capture votes reach all_reduce
+    entered, votes = [], []
+
+    @contextlib.contextmanager
+    def ca_capture():
+        entered.append(True)
+        yield
+
+    group = SimpleNamespace(world_size=2, cpu_group=object(), ca_comm=SimpleNamespace(capture=ca_capture))
+    monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda flag, op=None, group=None: votes.append(int(flag)))
+    runner = ViTCudaGraphRunner(StubTower(use_data_parallel=False))
+    for step in range(3):  # capture, then two replays
+        out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8), position=step)
+        torch.testing.assert_close(out, want)
+    assert entered == [] and votes == [2, 2]
+    assert runner._ext_graph_info()["captures"] == 1 and fake_cuda.created[0].replays == 3
+    with runner._capture_context():  # control: the context is there, and records when entered
+        pass
+    assert entered == [True]
 
 
 def test_stats_registry_reports_the_runner(vit_patch, fake_cuda):
