@@ -86,8 +86,8 @@ def test_bare_boolean_flag_never_swallows_the_next_argument():
      ["--ext-vit-graph-token-buckets", "'512,512'", "strictly increasing and unique"]),
     (["--ext-vit-graph-mode=bucket", "--ext-vit-graph-token-buckets=256,1001"],
      ["--ext-vit-graph-token-buckets", "1001 not a multiple of 4", "allowed: comma-separated positive multiples"]),
-    (["--ext-vit-graph-token-buckets=256,512"], ["--ext-vit-graph-token-buckets", "only used with",
-                                                 "--ext-vit-graph-mode bucket", "'layout'"]),
+    (["--ext-vit-graph-mode=layout", "--ext-vit-graph-token-buckets=256,512"],
+     ["--ext-vit-graph-token-buckets", "only used with", "--ext-vit-graph-mode bucket", "'layout'"]),
 ])
 def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(clean_env, capsys, argv, names):
     handover = Handover()
