@@ -127,18 +127,48 @@ def arm(runner, stage):
     return lambda: delattr(guard, "record")
 
 
+def init_tp_group(rank, world, port):
+    """This process's rank of a gloo world with sglang's real TP GroupCoordinator as the TP group."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    torch.set_num_threads(1)
+    ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=GLOO_TIMEOUT_S)
+    ps._TP = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
+                                          use_custom_allreduce=False, use_mscclpp_allreduce=False,
+                                          use_torch_symm_mem_allreduce=False, group_name="tp")
+
+
+def run_ranks(target, world, failing_rank):
+    """Fork `world` ranks running target(rank, world, port, failing_rank, results); their reports by rank."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(rank, world, port, failing_rank, results)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    reports = {}
+    try:
+        for _ in range(world):
+            rank, report = results.get(timeout=TEST_TIMEOUT_S)  # queue.Empty here = a rank hangs
+            reports[rank] = report
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    for rank, report in sorted(reports.items()):
+        assert not isinstance(report, str), f"rank {rank} raised:\n{report}"
+    return reports
+
+
 def rank_main(rank, world, port, failing_rank, results):
     try:
         import torch.distributed as dist
 
         from sglang.srt.distributed import parallel_state as ps
 
-        torch.set_num_threads(1)
-        ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=GLOO_TIMEOUT_S)
-        ps._TP = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
-                                              use_custom_allreduce=False, use_mscclpp_allreduce=False,
-                                              use_torch_symm_mem_allreduce=False, group_name="tp")
+        init_tp_group(rank, world, port)
         assert runner_module.get_tp_group() is ps._TP and ps._TP.world_size == world
         cpu_group = ps._TP.cpu_group
         votes = []  # capture votes (int32 flags, graphs.agreement)
@@ -190,23 +220,7 @@ def free_port():
 @pytest.mark.parametrize("world,failing_rank", [(2, 1), (4, 2)])
 def test_a_failure_at_any_stage_on_one_rank_makes_every_rank_run_eager(vit_patch, fake_cuda, world, failing_rank):
     vit_patch(vit_graph_max_entries=4)
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(rank, world, port, failing_rank, results)) for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    reports = {}
-    try:
-        for _ in range(world):
-            rank, report = results.get(timeout=TEST_TIMEOUT_S)  # queue.Empty here = a rank hangs
-            assert not isinstance(report, str), f"rank {rank} raised:\n{report}"
-            reports[rank] = report
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+    reports = run_ranks(rank_main, world, failing_rank)
     for stage in STAGES:
         per_rank = [reports[rank][stage] for rank in range(world)]
         for rank, r in enumerate(per_rank):
@@ -298,14 +312,7 @@ def script_probe(lose_from):
 
 def budget_rank_main(rank, world, port, failing_rank, results):
     try:
-        from sglang.srt.distributed import parallel_state as ps
-
-        torch.set_num_threads(1)
-        ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=GLOO_TIMEOUT_S)
-        ps._TP = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
-                                              use_custom_allreduce=False, use_mscclpp_allreduce=False,
-                                              use_torch_symm_mem_allreduce=False, group_name="tp")
+        init_tp_group(rank, world, port)
         report = {}
         for stage in BUDGET_STAGES:
             os.environ["SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS"] = "-1" if stage == "probe" else "16"
@@ -334,28 +341,9 @@ def budget_rank_main(rank, world, port, failing_rank, results):
 
 def test_bucket_precapture_failing_on_one_rank_leaves_every_rank_eager(vit_patch, fake_cuda):
     vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16", vit_graph_max_entries=4)
-    world, failing_rank = 2, 1
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=budget_rank_main, args=(rank, world, port, failing_rank, results))
-             for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    reports = {}
-    try:
-        for _ in range(world):
-            rank, report = results.get(timeout=TEST_TIMEOUT_S)  # queue.Empty here = a rank hangs
-            reports[rank] = report
-        for rank, report in sorted(reports.items()):
-            assert not isinstance(report, str), f"rank {rank} raised:\n{report}"
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+    reports = run_ranks(budget_rank_main, 2, 1)
     for stage in BUDGET_STAGES:
-        per_rank = [reports[rank][stage] for rank in range(world)]
+        per_rank = [reports[rank][stage] for rank in range(2)]
         assert per_rank[0] == per_rank[1], (stage, per_rank)  # the same decisions and counters on both ranks
         r = per_rank[0]
         assert all(r["exact"]), (stage, r)
