@@ -133,29 +133,27 @@ Many layouts share a graph (the same images in another order, or images of other
 equal token totals). Before each capture one window and one full-attention block run eagerly
 (kernels that compile on first use, e.g. fa4's per-variant JIT, must not compile in a capture).
 
-Bucket mode (opt-in, `--ext-vit-graph-mode bucket`, same backends): class mode plus token
-padding, for streams whose token totals rarely repeat (1-4 images at mixed resolutions hit
-class-mode graphs only ~70 % of the time). The token count is padded up to the next
-`--ext-vit-graph-token-buckets` size (default: 16 sizes, 512 growing by 26 % in multiples of
-64, up to 16448: one graph per size on fa3, so the ladder fits a 16-graph capacity; ~10 %
-padding on the benchmark stream (scripts/sim_vit_keys.py), at most 26 % plus the rounding to
-64; batches under 512 tokens pad to 512; the 12.5 % ladder of 32 sizes padded ~7 % but needs
-32 graphs). Padding rows are zeros appended after the real tokens, forming their own
-attention sequences (one full-attention sequence; window-sized window sequences), so no real
-token attends to them; the merger's first tokens/merge-unit rows are the real output and only
-they are returned. The full-attention class is widened to >= 8 sequences with the bucket as
-max_seqlen bound. Windows: triton_attn and fa4 keep power-of-two window-count classes (about
-one graph per bucket: 31 graphs for 26 buckets on the benchmark stream); on fa3 a bucket has
-ONE key (room for bucket / merge-unit windows, which bounds any layout, and the tower's window
-size as bound; fa3's scheduler walks only real sequences), so the whole ladder is captured at
-the runner's first run (`--ext-vit-graph-precapture`, smallest buckets first, within capacity
-and budget, without evicting) and later batches replay from the start. Cost: GEMMs see the
-padding rows, and a different row count can make cuBLAS pick another kernel, so results
-equal eager within rounding (bf16), not guaranteed bitwise. A padded graph over the byte budget runs
-the batch eager (an unpadded graph is not tried). Batches above the largest bucket (long
-videos) run unpadded, as in class mode: one graph per distinct token count, LRU-bounded;
-videos below it pad like images but their many sequences (Qwen3: one per frame) give a wider
-full-attention class, so their own key; eager fallbacks always run the real, unpadded batch.
+Bucket mode (the default, `--ext-vit-graph-mode bucket`; same backends; others run eager): one
+graph per token budget, keyed by the budget alone (36 full-attention sequence slots, budget / 16
+window slots, the budget and the tower's window size as max_seqlen bounds), so any mix of images
+that fits replays it and the ladder is known before any call. When the model loads
+(`ModelRunner.init_cuda_graphs`, after sglang's own graphs, before the server reports healthy) a
+synthetic image takes the tower's own graph path up to the runner (the sample: dtypes, widths,
+rotary form), then the ladder is captured: 512 tokens growing by 26 % up to the largest call the
+prefill limits allow (chunked prefill size x merge unit), ended by a probe that times each
+budget's replay against the sync-free eager run of its smallest call and stops at the first loss
+(`--ext-vit-graph-replay-max-tokens` fixes the limit instead), then cut to the capacity and byte
+budget. Captured largest first: every graph's input, attention workspace and rotary slices lie in
+the largest one's buffers. Every stage is voted over the TP CPU group; a failure anywhere leaves
+every rank eager. After that nothing is captured. A call is padded to the smallest budget that
+fits: padding rows are zeros after the real tokens, forming their own sequences (one for full
+attention, window-sized ones for windows), so no real token attends to them and the merger's
+first `tokens / merge unit` rows are the real output. A call above the limit is split where every
+layout has a boundary into chunks of whole images, each replayed; adjacent chunks no graph serves
+(one image above the limit, too many windows) run as one eager call. Cost: GEMMs see the padding
+rows and another row count can pick another cuBLAS kernel, so results equal eager within bf16
+rounding, not bitwise. Measured (docs/gpu-notes.md): it wins where the host bounds the server
+(concurrency 1) and costs its padding where the device does.
 
 Deviation from upstream: keys are `GraphKey`s, not `(S, layout)` tuples; a direct
 `_get_graph_key(x, cuda_cu_seqlens, ...)` call without a key raises instead of syncing;
