@@ -298,8 +298,8 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
     versions, fingerprints, upstream, graph caches, what sglang and torch printed on import."""
     lines = [verdict(rep)]
     if not verbose:
-        if has_problem(rep) and not rep.get("missing_prerequisites"):
-            lines[0] += f" ({VERBOSE_HINT})"
+        if has_problem(rep) and not (rep.get("config_error") or rep.get("missing_prerequisites")):
+            lines[0] += f" ({VERBOSE_HINT})"  # those two name everything in the line already
         lines.extend(_record_lines(rep))
         return "\n".join(lines) + "\n"
     sg = rep["sglang"]

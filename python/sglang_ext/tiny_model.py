@@ -64,6 +64,10 @@ _VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, in_
 _MROPE_SECTION = [8, 12, 12]  # sums to head_dim / 2 = 32
 
 
+ALLOWED_FOLDERS = ("allowed: a new or empty folder, one holding this same model, or --force to overwrite "
+                   "the model files")
+
+
 class TinyModelError(ValueError):
     """Bad argument to make_tiny_model; the message is one line naming the field."""
 
@@ -244,15 +248,12 @@ def _check_args(kind, path, seed, force) -> pathlib.Path:
                                      "folder; allowed: a path whose existing parts are folders")
             break
     if out.exists() and not out.is_dir():
-        raise TinyModelError(f"make-tiny-model: DIR must be a folder (new, empty, or with --force); "
-                             f"{str(out)!r} is a file")
+        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} is a file, not a folder; {ALLOWED_FOLDERS}")
     if out.is_dir() and not force:
         foreign = sorted(set(os.listdir(out)) - set(written_files(kind)))
         if foreign:  # known at once; a folder of only our names is compared after generating
             raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} exists and holds other files "
-                                 f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); allowed: a new "
-                                 "or empty folder, one holding this same model, or --force to overwrite the "
-                                 "model files")
+                                 f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); {ALLOWED_FOLDERS}")
     return out
 
 
@@ -325,9 +326,9 @@ def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
 def ensure_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) -> Tuple[pathlib.Path, bool]:
     """Make `path` hold the `kind` model of `seed`; returns (the folder, whether anything was written).
 
-    A new or empty folder is written; one that already holds exactly these files is left as it
-    is (so the same command can run again); any other non-empty folder needs `force`, which
-    overwrites the files this writes and leaves others alone. Raises TinyModelError, with
+    A new or empty folder is written; one that already holds these files is left as it is (so
+    the same command can run again; files missing from it are added); any other non-empty folder
+    needs `force`, which overwrites the files this writes and leaves others alone. Raises TinyModelError, with
     nothing written, for an unknown kind, a bad seed, a folder that cannot be written, a
     folder holding something else without `force`, or missing torch / transformers /
     tokenizers / safetensors.
@@ -339,15 +340,17 @@ def ensure_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) ->
     created = _create_folder(out)  # before the seconds of generating, so a bad place fails at once
     try:
         files = _model_files(kind, seed)
-        present = {name: (out / name) for name in os.listdir(out)}
-        if present and not force:
-            differ = sorted(name for name, data in files.items()
-                            if name not in present or not present[name].is_file() or present[name].read_bytes() != data)
-            if not differ:
+        if not force:
+            present = {name: out / name for name in os.listdir(out)}  # only names of ours (_check_args)
+            differ = sorted(name for name, path in present.items() if not path.is_file()
+                            or path.read_bytes() != files[name])
+            if differ:
+                raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} holds another model (differs in "
+                                     f"{', '.join(differ)}); {ALLOWED_FOLDERS}")
+            # what is there is this model: write only what is missing (an interrupted run), if anything
+            files = {name: data for name, data in files.items() if name not in present}
+            if not files:
                 return out, False
-            raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} holds another model (differs in "
-                                 f"{', '.join(differ)}); allowed: a new or empty folder, one holding this same "
-                                 "model, or --force to overwrite the model files")
         _write_files(out, files)
     except BaseException:
         _remove_folders(created)
