@@ -8,8 +8,9 @@ in `sglang_ext.knobs.KNOBS`). They:
    is allowed),
 3. export `SGLANG_EXT=1` and `SGLANG_EXT_<NAME>=<value>`, so every child
    process (srt scheduler, spawned multimodal_gen workers) inherits them,
-4. stop with one line (exit 2) if sglang or torch is not installed in this Python, and with one
-   line (exit 1) if torch sees no CUDA GPU (sglang would fail later, at length),
+4. stop with one line (exit 2) if sglang or torch is not installed in this Python, with one
+   line (exit 1) if torch sees no CUDA GPU (sglang would fail later, at length), and with one
+   line (exit 2) if the `--ext-activation-dir` folder cannot be created or written,
 5. activate sglang-ext in this process (one INFO line says what it applied), and
 6. hand the remaining argv to sglang's own entry point, unchanged.
 

@@ -12,8 +12,6 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-USAGE_EXIT = 2  # missing prerequisites exit like a bad command line: the user has to change something
-
 # How to get an environment that has them (README, Quick start).
 HOW_TO_INSTALL = ("install sglang-ext into the environment that has sglang 0.5.17 and its torch "
                   "(pip install --no-deps .), or build the test environment from the sglang-ext clone: "
