@@ -301,7 +301,8 @@ def _model_files(kind: str, seed: int) -> Dict[str, bytes]:
 
 
 def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
-    """Every file whole or none changed: each is written beside its place, then renamed over it.
+    """Each file is written whole beside its place, then renamed over it, so a failure while
+    writing (no room, a read-only folder) changes none of them and leaves no partial file.
 
     Plain open(): the files get the umask's mode (0644 by default), the same for every file.
     """
