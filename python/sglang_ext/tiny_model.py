@@ -249,6 +249,9 @@ def _check_args(kind, path, seed, force) -> pathlib.Path:
             break
     if out.exists() and not out.is_dir():
         raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} is a file, not a folder; {ALLOWED_FOLDERS}")
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):  # say so before seconds of generating
+        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} is not writable by this user; "
+                             "allowed: a folder this user can write")
     if out.is_dir() and not force:
         foreign = sorted(set(os.listdir(out)) - set(written_files(kind)))
         if foreign:  # known at once; a folder of only our names is compared after generating
