@@ -30,6 +30,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "docs", "bench")
 DOC = os.path.join(REPO, "docs", "performance.md")
+COMMITTED = (BENCH_DIR, DOC)  # main() repoints BENCH_DIR / DOC; these stay what the repository holds
 README = os.path.join(REPO, "README.md")
 README_BEGIN, README_END = "<!-- what-you-get:begin -->", "<!-- what-you-get:end -->"
 PI05_HEADING = "Pi0.5 latency (`scripts/bench_pi05.py`)"
@@ -493,13 +494,18 @@ def readme_text(current: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="fail if docs/performance.md is stale")
-    ap.add_argument("--bench-dir", default=BENCH_DIR, help="results files to render (default docs/bench)")
-    ap.add_argument("--doc", default=DOC, help="where to write the doc (default docs/performance.md)")
-    ap.add_argument("--readme", default=README, help="whose what-you-get lines to write (default README.md)")
+    ap.add_argument("--bench-dir", default=COMMITTED[0], help="results files to render (default docs/bench)")
+    ap.add_argument("--doc", default=COMMITTED[1], help="where to write the doc (default docs/performance.md)")
+    ap.add_argument("--readme", help="whose what-you-get lines to write (default: README.md, but only when "
+                                     "--bench-dir and --doc are the defaults: other results never reach it)")
     args = ap.parse_args(argv)
+    readme = args.readme
+    if readme is None and (os.path.abspath(args.bench_dir), os.path.abspath(args.doc)) == COMMITTED:
+        readme = README
     globals().update(BENCH_DIR=os.path.abspath(args.bench_dir), DOC=os.path.abspath(args.doc))
-    readme_now = open(args.readme, encoding="utf-8").read()
-    wanted = {DOC: render(), os.path.abspath(args.readme): readme_text(readme_now)}
+    wanted = {DOC: render()}
+    if readme is not None:
+        wanted[os.path.abspath(readme)] = readme_text(open(readme, encoding="utf-8").read())
     if args.check:
         failed = False
         for problem in schema_problems():

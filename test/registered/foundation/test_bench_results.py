@@ -132,3 +132,8 @@ def test_readme_headlines_are_the_results_files_numbers_and_link_their_tables(tm
     stale.write_text(readme.replace(block, block.replace(f"{fast['p50_ms']:.1f} ms", "9.9 ms")))
     assert gen_performance_doc.main(["--check", "--readme", str(stale)]) == 1
     assert gen_performance_doc.main(["--check"]) == 0
+    # results from elsewhere (a GPU run's folder) write their doc there and leave README.md alone
+    (tmp_path / "bench").mkdir()
+    gen_performance_doc.main(["--bench-dir", str(tmp_path / "bench"), "--doc", str(tmp_path / "perf.md")])
+    assert (tmp_path / "perf.md").exists()
+    assert open(gen_performance_doc.README, encoding="utf-8").read() == readme
