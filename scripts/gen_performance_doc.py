@@ -12,6 +12,10 @@ ran and whether its rows come from one run (the `run_id`, `kernels` and `attenti
 the scripts record; "not recorded" where a file predates them). `--check` fails when
 the doc is stale or when a results file carries keys its script's SCHEMA lacks (a
 hand edit); the doc marks such a file as pending regeneration.
+
+It also writes README.md's "what you get" lines (between `<!-- what-you-get:begin -->` and
+`<!-- what-you-get:end -->`): a few headline numbers from the same files, each linking its
+table here, so the README never carries a typed-in measurement.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "docs", "bench")
 DOC = os.path.join(REPO, "docs", "performance.md")
+COMMITTED = (BENCH_DIR, DOC)  # main() repoints BENCH_DIR / DOC; these stay what the repository holds
+README = os.path.join(REPO, "README.md")
+README_BEGIN, README_END = "<!-- what-you-get:begin -->", "<!-- what-you-get:end -->"
+PI05_HEADING = "Pi0.5 latency (`scripts/bench_pi05.py`)"
+VIT_HEADING = "ViT graphs (`scripts/bench_vit.py`)"
+CP_HEADING = "Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)"
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bench_results  # noqa: E402
@@ -238,7 +248,7 @@ def _pi05_section():
     torch_versions = ", ".join(sorted({run.get("torch", "?") for run in runs}))
     settings = runs[0].get("settings", {})
     stale = [line for path in paths for line in _stale(os.path.basename(path), "bench_pi05.py")]
-    lines = ["## Pi0.5 latency (`scripts/bench_pi05.py`)", "", *stale, PI05_MEANING, "",
+    lines = [f"## {PI05_HEADING}", "", *stale, PI05_MEANING, "",
              *_provenance([(run["impl"], run) for run in runs]), *_pi05_processes(runs),
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
@@ -293,7 +303,7 @@ def _vit_section():
     cfg = run["config"]
     sources = [(r["mode"], {**r, "attention": cfg.get("attention")}) for r in run["results"]]
     return "\n".join([
-        "## ViT graphs (`scripts/bench_vit.py`)", "", *_stale("vit.json", "bench_vit.py"), VIT_MEANING, "",
+        f"## {VIT_HEADING}", "", *_stale("vit.json", "bench_vit.py"), VIT_MEANING, "",
         *_provenance(sources),
         f"Device: {cfg.get('device')}; tower: {cfg.get('tower')}; {cfg.get('requests')} requests; "
         f"capacity {cfg.get('capacity')}; {cfg.get('seconds')} s in all.", "",
@@ -429,7 +439,7 @@ def _cp_section():
 
     run = _load(path)
     return "\n".join([
-        "## Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)", "",
+        f"## {CP_HEADING}", "",
         *_stale("prefill_cp.json", "bench_prefill_cp.py"), CP_MEANING, "", *_provenance([("prefill_cp", run)]),
         f"Machine: {run.get('machine')} x{run.get('cpus')} (1-min load {run.get('load_average_1m')}); "
         f"sglang {run.get('sglang')}.", "",
@@ -447,27 +457,158 @@ def render() -> str:
     return "\n".join(head + sections).rstrip("\n") + "\n"
 
 
+def _anchor(heading: str) -> str:
+    """The link to a heading of docs/performance.md, as GitHub renders its anchor."""
+    slug = "".join(c for c in heading.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+    return f"docs/performance.md#{slug}"
+
+
+def _pi05_headline():
+    runs = [_load(p) for p in sorted(glob.glob(os.path.join(BENCH_DIR, "pi05_*.json")))]
+    rows = {(r["impl"], r["mode"]): r for run in runs for r in run["results"] if "p50_ms" in r}
+    ext = [r for (impl, mode), r in rows.items() if impl == "0517-ext" and mode.startswith("graph")]
+    if not ext or ("0517", "eager") not in rows:
+        return None
+    best = min(ext, key=lambda r: r["p50_ms"])
+    flag = {"graph-fast": " (`--ext-pi05-fast`)", "graph-fused": " (`--ext-pi05-fused-denoise`)"}.get(best["mode"], "")
+    before = [f"{rows[('0517', 'eager')]['p50_ms']:.1f} ms on sglang 0.5.17 without graphs"]
+    if ("0517", "graph") in rows:
+        graph = rows[("0517", "graph")]
+        before.append(f"{graph['p50_ms']:.1f} ms with its graphs (p90 {graph['p90_ms']:.1f} ms)")
+    if ("0519", "graph") in rows:
+        before.append(f"{rows[('0519', 'graph')]['p50_ms']:.1f} ms on 0.5.19")
+    accuracy = ((best.get("accuracy") or {}).get("vs_graph") or {}).get("max_rel_diff")
+    close = f", its actions within {accuracy:.1e} (relative) of the exact graph path" if accuracy else ""
+    device = ", ".join(sorted({run.get("device", "?") for run in runs}))
+    return (f"- **Pi0.5** (one request at a time, {device}): median latency {', '.join(before)}; "
+            f"{best['p50_ms']:.1f} ms with sglang-ext{flag}{close}. [Table]({_anchor(PI05_HEADING)})")
+
+
+def _vit_server_headline():
+    path = os.path.join(BENCH_DIR, "vit_server.json")
+    if not os.path.exists(path):
+        return None
+    run = _load(path)
+    medians = {}
+    for row in run["passes"]:
+        if row["req_s"] is not None and row["images"] == "1":
+            medians.setdefault((row["concurrency"], row["config"]), []).append(row["req_s"])
+    ratios = []
+    for (c, config), values in sorted(medians.items()):
+        off = medians.get((c, "graphs-off"))
+        if config == "ext" and off:
+            ratios.append(f"{statistics.median(values) / statistics.median(off):.2f}x at concurrency {c}")
+    if not ratios:
+        return None
+    cfg = run["config"]
+    captures = [s["captures_after_start"] for s in run["servers"] if s["config"] == "ext"]
+    return (f"- **Qwen2.5-VL in a real server** ({cfg.get('model')}, {cfg.get('parameters_b')} B, "
+            f"{run.get('attention')} vision attention, {cfg.get('device')}): requests per second with "
+            f"sglang-ext's ViT graphs against ViT graphs off: {', '.join(ratios)}; "
+            f"{'no' if captures and not any(captures) else 'some'} graph captured while serving. Under load "
+            "the graphs do not pay yet: keep ViT graphs off on a loaded server. "
+            "[Table](docs/performance.md#vit-graphs-in-the-server-scriptsbench_vit_serverpy)")
+
+
+def _vit_headline():
+    path = os.path.join(BENCH_DIR, "vit.json")
+    if not os.path.exists(path):
+        return None
+    from bench_vit import _mode_key
+
+    run = _load(path)
+    by_mode = {r["mode"]: r for r in run["results"]}
+    ext = [r for r in run["results"] if r["mode"].startswith("ext-") and r.get("graph_req_per_s")]
+    if not ext:
+        return None
+    best = max(ext, key=lambda r: r["graph_req_per_s"])
+    mode = _mode_key(best["mode"])
+    flag = "" if mode == "layout" else f" (`--ext-vit-graph-mode {mode}`)"
+    before = []
+    old = by_mode.get("0.5.17", {})
+    if old.get("crashed_at_request") is not None:
+        before.append(f"sglang 0.5.17 with ViT graphs died at request {old['crashed_at_request']} "
+                      f"({old['crashed'].split(': ', 1)[-1]})")
+    elif old.get("wrong_outputs"):
+        before.append(f"sglang 0.5.17 with ViT graphs answered {old['wrong_outputs']} of {old['requests']} wrong")
+    upstream = by_mode.get("0.5.19", {})
+    if upstream.get("resident_graphs") is not None:
+        before.append(f"0.5.19 held {upstream['resident_graphs']} graphs after {upstream['requests']} requests "
+                      "(its cache has no bound)")
+    cfg = run["config"]
+    return (f"- **Qwen2.5-VL image encoder** ({cfg.get('tower')}, a stream of mixed image sizes on "
+            f"{cfg.get('device')}): {'; '.join(before) or 'no baseline recorded'}. With sglang-ext{flag}: "
+            f"{best['bitwise_equal']} of {best['requests']} requests bit for bit equal to eager, "
+            f"{best['resident_graphs']} graphs resident (at most {cfg.get('capacity')}, "
+            f"{best['peak_graph_bytes_mib']:.0f} MiB), {best['speedup_vs_eager']:.2f}x the requests per second of "
+            "eager (no graphs). "
+            f"[Table]({_anchor(VIT_HEADING)})")
+
+
+def _cp_headline():
+    path = os.path.join(BENCH_DIR, "prefill_cp.json")
+    if not os.path.exists(path):
+        return None
+    rows = _load(path)["admission"]
+    sizes = "/".join(str(r["cp"]) for r in rows)
+    crashes = "/".join(str(r["unpatched"]["crash"]) for r in rows)
+    eager = "/".join(str(r["ext"]["eager"] + r["ext"]["eager_no_fit"]) for r in rows)
+    batches = "/".join(sorted({str(r["batches"]) for r in rows}))
+    # every batch is counted in one of sglang-ext's outcomes, none of which is an error
+    none_fail = " and none failing" if all(sum(r["ext"].values()) == r["batches"] for r in rows) else ""
+    return (f"- **Prefill context parallelism** (sglang's default capture sizes, {batches} random batches per "
+            f"CP size {sizes}): on 0.5.17 {crashes} of them end in a RuntimeError at graph replay; sglang-ext "
+            f"replays those in a larger captured graph, with {eager} run eager{none_fail}. "
+            f"[Table]({_anchor(CP_HEADING)})")
+
+
+def render_readme_block() -> str:
+    """The README's "what you get" lines (between README_BEGIN and README_END)."""
+    lines = [line for line in (_vit_headline(), _vit_server_headline(), _pi05_headline(), _cp_headline()) if line]
+    note = ("Measured against unpatched sglang; written by `scripts/gen_performance_doc.py` from "
+            "`docs/bench/*.json`, do not edit. Hardware, kernels, commands and every other number: "
+            "[docs/performance.md](docs/performance.md).")
+    return "\n".join([*lines, "", note]) + "\n"
+
+
+def readme_text(current: str) -> str:
+    if README_BEGIN not in current or README_END not in current:
+        raise SystemExit(f"README.md lacks the markers {README_BEGIN} / {README_END}")
+    head, rest = current.split(README_BEGIN, 1)
+    return head + README_BEGIN + "\n" + render_readme_block() + README_END + rest.split(README_END, 1)[1]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="fail if docs/performance.md is stale")
-    ap.add_argument("--bench-dir", default=BENCH_DIR, help="results files to render (default docs/bench)")
-    ap.add_argument("--doc", default=DOC, help="where to write the doc (default docs/performance.md)")
+    ap.add_argument("--bench-dir", default=COMMITTED[0], help="results files to render (default docs/bench)")
+    ap.add_argument("--doc", default=COMMITTED[1], help="where to write the doc (default docs/performance.md)")
+    ap.add_argument("--readme", help="whose what-you-get lines to write (default: README.md, but only when "
+                                     "--bench-dir and --doc are the defaults: other results never reach it)")
     args = ap.parse_args(argv)
+    readme = args.readme
+    if readme is None and (os.path.abspath(args.bench_dir), os.path.abspath(args.doc)) == COMMITTED:
+        readme = README
     globals().update(BENCH_DIR=os.path.abspath(args.bench_dir), DOC=os.path.abspath(args.doc))
-    text = render()
+    wanted = {DOC: render()}
+    if readme is not None:
+        wanted[os.path.abspath(readme)] = readme_text(open(readme, encoding="utf-8").read())
     if args.check:
-        current = open(DOC, encoding="utf-8").read() if os.path.exists(DOC) else ""
         failed = False
         for problem in schema_problems():
             print(f"results file carries keys no bench script writes (hand edit?): {problem}", file=sys.stderr)
             failed = True
-        if current != text:
-            print("docs/performance.md is stale: run `python scripts/gen_performance_doc.py`", file=sys.stderr)
-            failed = True
+        for path, text in wanted.items():
+            current = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+            if current != text:
+                print(f"{os.path.relpath(path, REPO)} is stale: run `python scripts/gen_performance_doc.py`",
+                      file=sys.stderr)
+                failed = True
         return 1 if failed else 0
-    with open(DOC, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"wrote {DOC}")
+    for path, text in wanted.items():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {path}")
     return 0
 
 

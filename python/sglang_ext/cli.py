@@ -1,15 +1,19 @@
 """`sglang-ext` console script (also `python -m sglang_ext`).
 
     sglang-ext doctor [--verbose] [--json] [--no-import] [--source-root DIR --assume-version V]
-                      [--records DIR] [--strict]
+                      [--records DIR]
     sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
-`doctor` opens with a one-line verdict (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`),
-then one line per patch; `--verbose` adds versions, fingerprints, upstream and graph caches.
-Exit status of `doctor`: 0 when every requested patch is applied, armed, disabled or
-not needed; 1 in strict mode (`--strict` or SGLANG_EXT_STRICT=1) when a requested patch
-failed or was skipped; 2 for a configuration error (bad SGLANG_EXT_* value).
-Exit status of `make-tiny-model`: 0 when written; 2 for a bad argument (one line on stderr).
+`doctor` prints a one-line verdict on stdout (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`);
+`--verbose` adds one line per patch, versions, fingerprints, upstream, graph caches and what
+sglang and torch printed while the doctor imported them (kept out of the default output).
+Exit status of `doctor`: 0 when every requested patch is applied, armed, disabled or not
+needed; 1 when it reports a problem (a patch failed, was skipped or is no longer live, or the
+sglang is not supported); 2 for a configuration error (bad SGLANG_EXT / SGLANG_EXT_* value, bad
+option) or when sglang / torch is not installed.
+Exit status of `make-tiny-model`: 0 when written or already there; 2 for a bad argument, a folder
+it cannot write, or missing torch / transformers / tokenizers / safetensors (one line on stderr).
+Every usage error is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -17,20 +21,31 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
+
+USAGE_EXIT = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_EXIT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _doctor_parser(sub) -> None:
     p = sub.add_parser(
-        "doctor", help="report the sglang/torch versions and every patch's status and fingerprints",
+        "doctor", help="one line: does every sglang-ext patch apply to this sglang (--verbose: why)",
         description="Check which sglang-ext patches apply to this sglang, and why. By default the "
         "doctor activates every patch in its own process and imports every target module, so "
-        "'applied' is proven (10-25 s). Settings (SGLANG_EXT_DISABLE, ...) come from the environment.")
+        "'applied' is proven (10-25 s). Settings (SGLANG_EXT_DISABLE, ...) come from the environment. "
+        "Exit status: 0 OK, 1 a problem reported, 2 a configuration error or sglang / torch missing.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="after the verdict and the patch list: versions, fingerprints per target, upstream, "
-                        "graph caches")
+                   help="after the verdict: every patch's status, versions, fingerprints per target, upstream, "
+                        "graph caches, and what sglang and torch printed while being imported")
     p.add_argument("--no-import", dest="import_targets", action="store_false",
                    help="only compare fingerprints; import and patch nothing ('armed' = would apply)")
     p.add_argument("--source-root", metavar="DIR",
@@ -41,32 +56,39 @@ def _doctor_parser(sub) -> None:
     p.add_argument("--records", metavar="DIR",
                    help="also show the per-process activation records a server wrote there "
                         "(the server's SGLANG_EXT_ACTIVATION_DIR)")
-    p.add_argument("--strict", action="store_true", default=None,
-                   help="exit 1 if a requested patch failed or was skipped (default: SGLANG_EXT_STRICT)")
+
+
+def _folder_error(option: str, path: Optional[str], needs: str = "") -> Optional[str]:
+    if path is None:
+        return None
+    if not os.path.isdir(path):
+        return f"{option} {path!r} is not a folder" + (f"; allowed: {needs}" if needs else "")
+    if needs == "a folder that contains the sglang/ package" and not os.path.isdir(os.path.join(path, "sglang")):
+        return f"{option} {path!r} has no sglang/ folder; allowed: {needs}"
+    return None
 
 
 def doctor_main(args: argparse.Namespace) -> int:
     from sglang_ext import doctor
 
+    for problem in (_folder_error("--source-root", args.source_root, "a folder that contains the sglang/ package"),
+                    _folder_error("--records", args.records, "the folder a server wrote with --ext-activation-dir")):
+        if problem:
+            sys.stderr.write(f"sglang-ext doctor: error: {problem}\n")
+            return USAGE_EXIT
     logging.basicConfig(level=logging.ERROR, format="%(message)s")  # statuses are in the report itself
     rep = doctor.run_checks(import_targets=args.import_targets, source_root=args.source_root,
-                            version=args.assume_version, strict=args.strict)
+                            version=args.assume_version)
     if args.records:
         rep["records"] = doctor.read_records(args.records)
-    problems = doctor.problems(rep)
-    rep["problems"] = problems
+    rep["problems"] = doctor.problems(rep)
     rep["verdict"] = doctor.verdict(rep)
     if args.json:
         json.dump(rep, sys.stdout, indent=1, sort_keys=True)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(doctor.render_text(rep, verbose=args.verbose))
-        if args.verbose or len(problems) > 1:  # the verdict line already names a single one
-            for line in problems:
-                sys.stdout.write(f"PROBLEM: {line}\n")
-    if rep.get("config_error"):
-        return 2
-    return 1 if (problems and rep["strict"]) else 0
+    return doctor.exit_status(rep)
 
 
 def _tiny_model_parser(sub) -> None:
@@ -85,23 +107,26 @@ def _tiny_model_parser(sub) -> None:
 
 
 def tiny_model_main(args: argparse.Namespace) -> int:
-    from sglang_ext.tiny_model import TinyModelError, make_tiny_model
+    from sglang_ext.tiny_model import TinyModelError, ensure_tiny_model
 
     try:
         seed = int(args.seed)
     except ValueError:
-        seed = args.seed  # make_tiny_model names the field and the allowed values
+        seed = args.seed  # ensure_tiny_model names the field and the allowed values
     try:
-        out = make_tiny_model(args.kind, args.dir, seed, force=args.force)
+        out, written = ensure_tiny_model(args.kind, args.dir, seed, force=args.force)
     except TinyModelError as exc:
         sys.stderr.write(f"sglang-ext: {exc}\n")
-        return 2
+        return USAGE_EXIT
+    if not written:
+        sys.stderr.write(f"sglang-ext: make-tiny-model: {str(out)!r} already holds this model "
+                         f"({args.kind}, seed {seed}); nothing written\n")
     sys.stdout.write(f"{out}\n")
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="sglang-ext", description="sglang-ext tools")
+    ap = OneLineParser(prog="sglang-ext", description="sglang-ext tools")
     sub = ap.add_subparsers(dest="command", required=True)
     _doctor_parser(sub)
     _tiny_model_parser(sub)
@@ -111,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "make-tiny-model":
         return tiny_model_main(args)
     ap.error(f"unknown command {args.command!r}")
-    return 2
+    return USAGE_EXIT
 
 
 if __name__ == "__main__":

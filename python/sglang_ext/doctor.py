@@ -9,16 +9,19 @@ module so that "applied" is proven rather than "armed".
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.metadata
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+import tempfile
+from typing import Any, Dict, Iterator, List, Optional
 
 from sglang_ext import activation, fingerprint
 from sglang_ext.errors import ExtConfigError
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
+from sglang_ext.prerequisites import missing_message, missing_modules
 from sglang_ext.registry import PATCHES, PatchSpec
 from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, installed_sglang_path,
                                  installed_sglang_version, source_tree_version)
@@ -160,31 +163,73 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
     return out
 
 
+@contextlib.contextmanager
+def held_stderr(lines: List[str]) -> Iterator[None]:
+    """Hold back everything written to file descriptor 2 (Python warnings, logging, C++ code)
+    while sglang and torch are imported; their lines land in `lines` instead.
+
+    If the block raises, what was held is written back before the exception goes on, so a
+    traceback keeps its context.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode("utf-8", "replace")
+            if failed:
+                sys.stderr.write(text)
+            lines.extend(text.splitlines())
+
+
+def missing_prerequisites(*, import_targets: bool, source_root: Optional[str]) -> List[str]:
+    """sglang (and torch, when the doctor imports sglang's modules) if this Python lacks them.
+    Another tree (`source_root`) is only read, so it needs neither."""
+    if source_root is not None:
+        return []
+    return missing_modules(("sglang", "torch") if import_targets else ("sglang",))
+
+
 def run_checks(*, import_targets: bool = True, source_root: Optional[str] = None,
                version: Optional[str] = None, strict: Optional[bool] = None,
                environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """What the console script does: activate in this (throw-away) process, then report.
 
     With `import_targets` every trigger module is imported so each patch is proven to
-    apply (about 10-25 s: it imports the Qwen-VL and multimodal_gen stacks). Another
-    tree (`source_root`) is only fingerprinted: its code is not what this process runs.
+    apply (about 10-25 s: it imports the Qwen-VL and multimodal_gen stacks); what sglang and
+    torch print meanwhile is held back into the report's `import_messages`. Another tree
+    (`source_root`) is only fingerprinted: its code is not what this process runs. Without
+    sglang (or torch, for the import) nothing is activated and `missing_prerequisites` says so.
     """
     env = dict(os.environ if environ is None else environ)
+    missing = missing_prerequisites(import_targets=import_targets, source_root=source_root)
     try:
         settings = load_settings(env)
     except ExtConfigError as exc:
         out = report(source_root=source_root, version=version, environ=env)
-        out["config_error"] = str(exc)
+        out.update(config_error=str(exc), missing_prerequisites=missing, import_messages=[])
         return out
     want_strict = settings.strict if strict is None else strict
-    if source_root is None and import_targets and not activation.statuses():
-        # Never strict here: the doctor reports every failure instead of stopping at the first.
-        activation.activate(environ=env, force=True, strict=False, eager=True, version=version)
-        out = report(environ=env)
+    messages: List[str] = []
+    if source_root is None and import_targets and not activation.statuses() and not missing:
+        with held_stderr(messages):
+            # Never strict here: the doctor reports every failure instead of stopping at the first.
+            activation.activate(environ=env, force=True, strict=False, eager=True, version=version)
+            out = report(environ=env)
         out["mode"] = MODE_IMPORT
     else:
         out = report(source_root=source_root, version=version, environ=env)
-    out["strict"] = want_strict
+    out.update(strict=want_strict, missing_prerequisites=missing, import_messages=messages)
     return out
 
 
@@ -201,12 +246,28 @@ def problems(rep: Dict[str, Any]) -> List[str]:
     return out
 
 
+def has_problem(rep: Dict[str, Any]) -> bool:
+    """Whether the verdict is PROBLEM."""
+    return bool(rep.get("config_error") or rep.get("missing_prerequisites") or not rep["sglang"]["supported"]
+                or problems(rep))
+
+
+def exit_status(rep: Dict[str, Any]) -> int:
+    """2: a configuration error, or sglang / torch missing (the user must change the setup);
+    1: any other problem the verdict names; 0: OK."""
+    if rep.get("config_error") or rep.get("missing_prerequisites"):
+        return 2
+    return 1 if has_problem(rep) else 0
+
+
 def verdict(rep: Dict[str, Any]) -> str:
     """The report in one line: `sglang-ext: OK — ...` or `sglang-ext: PROBLEM \u2014 ...`."""
     sg = rep["sglang"]
     found = problems(rep)
     if rep.get("config_error"):
         return f"sglang-ext: PROBLEM \u2014 configuration error: {rep['config_error']}"
+    if rep.get("missing_prerequisites"):
+        return f"sglang-ext: PROBLEM \u2014 {missing_message(rep['missing_prerequisites'])}"
     if not sg["supported"]:
         skipped = sum(p["state"] == activation.SKIPPED for p in rep["patches"])
         return (f"sglang-ext: PROBLEM \u2014 sglang {sg['version'] or '(not found)'} is not supported "
@@ -228,17 +289,18 @@ def verdict(rep: Dict[str, Any]) -> str:
     return f"sglang-ext: OK \u2014 {done} on sglang {sg['version']}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
+VERBOSE_HINT = "details: sglang-ext doctor --verbose"
+
+
 def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
-    """The verdict, one line per patch, and with `verbose` every detail (versions, fingerprints,
-    upstream, graph caches)."""
+    """The verdict in one line (a problem's names where the details are), the records a server
+    wrote when they were asked for, and with `verbose` every detail: each patch's status,
+    versions, fingerprints, upstream, graph caches, what sglang and torch printed on import."""
     lines = [verdict(rep)]
     if not verbose:
-        width = max(len(p["name"]) for p in rep["patches"]) if rep["patches"] else 10
-        for p in rep["patches"]:
-            check = {None: "", True: "  [verified live]", False: "  [NO LONGER LIVE]"}[p["verified_live"]]
-            lines.append(f"  {p['name']:<{width}}  {p['status']}{check}")
+        if has_problem(rep) and not (rep.get("config_error") or rep.get("missing_prerequisites")):
+            lines[0] += f" ({VERBOSE_HINT})"  # those two name everything in the line already
         lines.extend(_record_lines(rep))
-        lines.append("details (versions, fingerprints, upstream, graph caches): sglang-ext doctor --verbose")
         return "\n".join(lines) + "\n"
     sg = rep["sglang"]
     lines.append(f"sglang-ext {rep['sglang_ext'] or '(not installed as a distribution)'} doctor")
@@ -254,6 +316,8 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
     lines.append(f"  mode     {rep['mode']}")
     if rep.get("config_error"):
         lines.append(f"  CONFIG ERROR: {rep['config_error']}")
+    if rep.get("missing_prerequisites"):
+        lines.append(f"  MISSING: {', '.join(rep['missing_prerequisites'])} (nothing imported or activated)")
     lines.append("")
     width = max(len(p["name"]) for p in rep["patches"]) if rep["patches"] else 10
     for p in rep["patches"]:
@@ -287,6 +351,10 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
             fields = ", ".join(f"{k}={v}" for k, v in info.items() if k != "name")
             lines.append(f"  {name}: {fields}")
     lines.extend(_record_lines(rep))
+    held = rep.get("import_messages") or []
+    if held:
+        lines += ["", f"printed by sglang / torch while the doctor imported them ({len(held)} lines, "
+                  "not sglang-ext's; left out without --verbose):", *(f"  {line}" for line in held)]
     return "\n".join(lines) + "\n"
 
 

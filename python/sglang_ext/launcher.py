@@ -8,7 +8,9 @@ in `sglang_ext.knobs.KNOBS`). They:
    is allowed),
 3. export `SGLANG_EXT=1` and `SGLANG_EXT_<NAME>=<value>`, so every child
    process (srt scheduler, spawned multimodal_gen workers) inherits them,
-4. stop with one line if torch sees no CUDA GPU (sglang would fail later, at length),
+4. stop with one line (exit 2) if sglang or torch is not installed in this Python, with one
+   line (exit 1) if torch sees no CUDA GPU (sglang would fail later, at length), and with one
+   line (exit 2) if the `--ext-activation-dir` folder cannot be created or written,
 5. activate sglang-ext in this process (one INFO line says what it applied), and
 6. hand the remaining argv to sglang's own entry point, unchanged.
 
@@ -24,9 +26,12 @@ import sys
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from sglang_ext.errors import ExtConfigError, SglangExtActivationError
-from sglang_ext.knobs import FLAG_PREFIX, KNOBS, MASTER_ENV, Knob, load_settings
+from sglang_ext.knobs import FLAG_PREFIX, KNOBS, MASTER_ENV, Knob, knob, knob_enabled, load_settings
+from sglang_ext.prerequisites import interpreter, missing_message, missing_modules
 
 USAGE_EXIT = 2  # argparse's exit status for bad command lines
+NO_GPU_EXIT = 1  # the command line is fine; this machine cannot serve
+SERVING_MODULES = ("sglang", "torch")  # what every launcher hands over to
 
 _BY_FLAG: Dict[str, Knob] = {k.flag: k for k in KNOBS}
 
@@ -113,14 +118,42 @@ def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, s
     Raises ExtConfigError.
     """
     base = dict(os.environ if base_env is None else base_env)
+    # The launcher sets SGLANG_EXT=1 itself; an inherited value it would overwrite must still be
+    # one the children's plugin loader accepts, or it hides a typo (SGLANG_EXT=2).
+    knob_enabled(base)
     updates = {MASTER_ENV: "1"}
     by_name = {k.name: k for k in KNOBS}
     for name, raw in values.items():
-        knob = by_name[name]
-        updates[knob.env] = env_text(knob, knob.parse(raw))
+        k = by_name[name]
+        updates[k.env] = env_text(k, k.parse(raw))
     load_settings({**base, **updates})
     _check_plugin_whitelist(base)
     return updates
+
+
+def prepare_activation_dir(env: Mapping[str, str]) -> None:
+    """Create the activation-record folder of these settings now, or say why it cannot be.
+
+    Every process of the server writes its record there and only warns when it cannot;
+    the launcher is the one place that can still refuse before sglang starts.
+    Raises ExtConfigError.
+    """
+    directory = load_settings(env).activation_dir
+    if not directory:
+        return
+    k = knob("activation_dir")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ExtConfigError(f"{k.flag} / {k.env}: {directory!r} is a file, not a folder; "
+                             "allowed: a folder this user can write")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        writable = os.access(directory, os.W_OK | os.X_OK)
+    except OSError as exc:
+        raise ExtConfigError(f"{k.flag} / {k.env}: cannot create folder {directory!r} "
+                             f"({exc.strerror}); allowed: a folder this user can write") from None
+    if not writable:
+        raise ExtConfigError(f"{k.flag} / {k.env}: folder {directory!r} is not writable; "
+                             "allowed: a folder this user can write")
 
 
 PLUGIN_NAME = "sglang_ext"  # entry-point name in setup.py; what SGLANG_PLUGINS filters on
@@ -167,13 +200,23 @@ def no_cuda_message() -> Optional[str]:
         return None
     build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return (f"no CUDA GPU visible (torch {torch.__version__}, {build}: torch.cuda.is_available() is False); "
-            "sglang-ext serves on NVIDIA GPUs only. Without one you can run the tests: "
-            "scripts/run_suite.py --suite base-a-test-cpu")
+            "sglang-ext serves on NVIDIA GPUs only. Without one you can run the CPU tests, in the "
+            f"sglang-ext clone: {interpreter()} scripts/run_suite.py --suite base-a-test-cpu")
+
+
+def missing_serving_modules_message() -> Optional[str]:
+    """One line if sglang or torch is not importable here (None when both are)."""
+    missing = missing_modules(SERVING_MODULES)
+    return missing_message(missing) if missing else None
 
 
 def _help(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]]) -> int:
     try:
         print(ext_help(prog))
+        missing = missing_serving_modules_message()
+        if missing is not None:
+            print(f"{prog}: error: {missing}", file=sys.stderr)
+            return USAGE_EXIT
         print("sglang's own arguments follow.\n", flush=True)
         return handover([a for a in argv if not a.startswith(FLAG_PREFIX)]) or 0
     except BrokenPipeError:
@@ -186,7 +229,9 @@ def _help(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Option
 
 def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]],
          *, require_cuda: bool = True) -> int:
-    """Steps 1-6; `handover(sglang_argv)` runs sglang's entry point. Returns the exit status.
+    """Steps 1-6; `handover(sglang_argv)` runs sglang's entry point. Returns the exit status:
+    2 for a bad flag, environment value or missing sglang / torch, 1 without a CUDA GPU,
+    otherwise sglang's.
 
     require_cuda: stop with one line before sglang starts when torch sees no CUDA GPU
     (sglang would end in a long traceback); tests of the argument handling pass False.
@@ -199,11 +244,20 @@ def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optiona
     except ExtConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT
+    missing = missing_serving_modules_message()
+    if missing is not None:
+        print(f"{prog}: error: {missing}", file=sys.stderr)
+        return USAGE_EXIT
     if require_cuda:
         problem = no_cuda_message()
         if problem is not None:
             print(f"{prog}: error: {problem}", file=sys.stderr)
-            return 1
+            return NO_GPU_EXIT
+    try:
+        prepare_activation_dir({**os.environ, **updates})
+    except ExtConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT
     os.environ.update(updates)
     from sglang_ext.activation import activate
 

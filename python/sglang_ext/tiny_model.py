@@ -2,6 +2,8 @@
 
     sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
+Run again on the same folder it changes nothing (the same seed gives the same bytes).
+
 Why: a real-server test needs a model that every GPU machine has without a download, and
 outputs that depend on the input. `--load-format dummy` weights are too small (+-1e-3) for
 that, so the folder carries a seeded random checkpoint at the scale of a Hugging Face
@@ -25,10 +27,14 @@ same seed writes byte-identical files.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Dict, List, Tuple
 
+from sglang_ext.prerequisites import missing_message, missing_modules
+
 KINDS = ("qwen2", "qwen2_5_vl", "qwen3_vl")
+REQUIRED_MODULES = ("torch", "transformers", "tokenizers", "safetensors")
 INIT_STD = 0.02
 BPE_VOCAB = 384  # 256 byte symbols + merges
 VOCAB_SIZE = 512  # model rows: BPE + special tokens, padded
@@ -56,6 +62,10 @@ _VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, in_
                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=_TEXT["hidden_size"],
                initializer_range=INIT_STD)
 _MROPE_SECTION = [8, 12, 12]  # sums to head_dim / 2 = 32
+
+
+ALLOWED_FOLDERS = ("allowed: a new or empty folder, one holding this same model, or --force to overwrite "
+                   "the model files")
 
 
 class TinyModelError(ValueError):
@@ -231,38 +241,130 @@ def _check_args(kind, path, seed, force) -> pathlib.Path:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise TinyModelError(f"make-tiny-model: --seed must be an integer in [0, 2**63); got {seed!r}")
     out = pathlib.Path(path)
+    for parent in out.parents:  # the nearest existing one must be a folder (mkdir would say ENOTDIR)
+        if parent.exists():
+            if not parent.is_dir():
+                raise TinyModelError(f"make-tiny-model: DIR {str(out)!r}: {str(parent)!r} is a file, not a "
+                                     "folder; allowed: a path whose existing parts are folders")
+            break
     if out.exists() and not out.is_dir():
-        raise TinyModelError(f"make-tiny-model: DIR must be a folder (new, empty, or with --force); "
-                             f"{str(out)!r} is a file")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} exists and is not empty; "
-                             f"allowed: a new or empty folder, or --force to overwrite the model files")
+        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} is a file, not a folder; {ALLOWED_FOLDERS}")
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):  # say so before seconds of generating
+        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} is not writable by this user; "
+                             "allowed: a folder this user can write")
+    if out.is_dir() and not force:
+        foreign = sorted(set(os.listdir(out)) - set(written_files(kind)))
+        if foreign:  # known at once; a folder of only our names is compared after generating
+            raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} exists and holds other files "
+                                 f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); {ALLOWED_FOLDERS}")
     return out
 
 
-def make_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) -> pathlib.Path:
-    """Write the `kind` model folder at `path` (see the module docstring); returns the folder.
+def _create_folder(out: pathlib.Path) -> List[pathlib.Path]:
+    """mkdir -p `out`; returns the folders created (outermost first). Raises TinyModelError."""
+    missing = []
+    for folder in (out, *out.parents):
+        if folder.exists():
+            break
+        missing.append(folder)
+    created: List[pathlib.Path] = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except OSError as exc:
+            _remove_folders(created)
+            raise TinyModelError(f"make-tiny-model: DIR {str(out)!r}: cannot create {str(folder)!r} "
+                                 f"({exc.strerror}); allowed: a folder in a location this user can write") from None
+        created.append(folder)
+    return created
 
-    Raises TinyModelError (nothing written) for an unknown kind, a bad seed, or a non-empty
-    folder without `force`. `force` overwrites the files this writes and leaves others alone.
-    """
-    out = _check_args(kind, path, seed, force)
-    from safetensors.torch import save_file
+
+def _remove_folders(created: List[pathlib.Path]) -> None:
+    for folder in reversed(created):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # not empty any more: someone else wrote there; leave it
+
+
+def _model_files(kind: str, seed: int) -> Dict[str, bytes]:
+    """{file name: content} of the `kind` folder (see the module docstring)."""
+    from safetensors.torch import save
 
     tokenizer_files, vocab = _tokenizer_files(kind)
     config = _config(kind, vocab)
-    files: Dict[str, str] = {"config.json": _dumps(config), **tokenizer_files}
-    files["generation_config.json"] = _dumps(dict(_token_ids(vocab), do_sample=False,
+    texts: Dict[str, str] = {"config.json": _dumps(config), **tokenizer_files}
+    texts["generation_config.json"] = _dumps(dict(_token_ids(vocab), do_sample=False,
                                                   eos_token_id=[vocab["<|im_end|>"], vocab["<|endoftext|>"]]))
     if kind != "qwen2":
-        files.update({name: _dumps(body) for name, body in _preprocessor_configs(kind).items()})
-    tensors = random_weights(parameter_shapes(kind, config), seed)
+        texts.update({name: _dumps(body) for name, body in _preprocessor_configs(kind).items()})
+    files = {name: text.encode("utf-8") for name, text in texts.items()}
+    files["model.safetensors"] = save(random_weights(parameter_shapes(kind, config), seed), metadata={"format": "pt"})
+    return files
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (out / name).write_text(text, encoding="utf-8")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+
+def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
+    """Each file is written whole beside its place, then renamed over it, so a failure while
+    writing (no room, a read-only folder) changes none of them and leaves no partial file.
+
+    Plain open(): the files get the umask's mode (0644 by default), the same for every file.
+    """
+    temporary = {name: out / f".{name}.tmp-{os.getpid()}" for name in files}
+    try:
+        for name, data in files.items():
+            with open(temporary[name], "wb") as f:
+                f.write(data)
+        for name in files:
+            os.replace(temporary[name], out / name)
+    except OSError as exc:
+        for tmp in temporary.values():
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+        where = exc.filename or out
+        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r}: cannot write {str(where)!r} ({exc.strerror}); "
+                             "allowed: a folder this user can write, with room for a few MB") from None
+
+
+def ensure_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) -> Tuple[pathlib.Path, bool]:
+    """Make `path` hold the `kind` model of `seed`; returns (the folder, whether anything was written).
+
+    A new or empty folder is written; one that already holds these files is left as it is (so
+    the same command can run again; files missing from it are added); any other non-empty folder
+    needs `force`, which overwrites the files this writes and leaves others alone. Raises TinyModelError, with
+    nothing written, for an unknown kind, a bad seed, a folder that cannot be written, a
+    folder holding something else without `force`, or missing torch / transformers /
+    tokenizers / safetensors.
+    """
+    out = _check_args(kind, path, seed, force)
+    missing = missing_modules(REQUIRED_MODULES)
+    if missing:
+        raise TinyModelError(missing_message(missing, "make-tiny-model"))
+    created = _create_folder(out)  # before the seconds of generating, so a bad place fails at once
+    try:
+        files = _model_files(kind, seed)
+        if not force:
+            present = {name: out / name for name in os.listdir(out)}  # only names of ours (_check_args)
+            differ = sorted(name for name, path in present.items() if not path.is_file()
+                            or path.read_bytes() != files[name])
+            if differ:
+                raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} holds another model (differs in "
+                                     f"{', '.join(differ)}); {ALLOWED_FOLDERS}")
+            # what is there is this model: write only what is missing (an interrupted run), if anything
+            files = {name: data for name, data in files.items() if name not in present}
+            if not files:
+                return out, False
+        _write_files(out, files)
+    except BaseException:
+        _remove_folders(created)
+        raise
+    return out, True
+
+
+def make_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) -> pathlib.Path:
+    """Write the `kind` model folder at `path` (see `ensure_tiny_model`); returns the folder."""
+    return ensure_tiny_model(kind, path, seed, force=force)[0]
 
 
 def written_files(kind: str) -> List[str]:

@@ -85,3 +85,29 @@ def ext_patches(monkeypatch):
 
     yield _activate
     activation.deactivate()
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def sglang_ext_wheel(tmp_path_factory):
+    """The wheel `pip install --no-deps .` builds from this checkout, built once per session.
+
+    Built from a copy: an in-tree build would leave build/ and egg-info in the checkout.
+    """
+    import glob
+    import shutil
+    import subprocess
+    import sys
+
+    tree = tmp_path_factory.mktemp("tree")
+    shutil.copy(os.path.join(REPO, "setup.py"), tree)
+    shutil.copytree(os.path.join(REPO, "python"), tree / "python",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                           str(tree), "-w", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [path] = glob.glob(str(out / "sglang_ext-*.whl"))
+    return path

@@ -105,3 +105,35 @@ def test_bench_vit_kernels_record_is_what_its_schema_declares(backend):
     assert bench_results.undeclared(report, bench_vit.SCHEMA) == []
     report["results"][0]["kernels"] = {**record, "typed_in": 1}
     assert bench_results.undeclared(report, bench_vit.SCHEMA) == ["results[].kernels.typed_in"]
+
+
+def test_readme_headlines_are_the_results_files_numbers_and_link_their_tables(tmp_path):
+    """The README's "what you get" lines: written from docs/bench/*.json, each linking a heading of
+    docs/performance.md, and what README.md holds now (CI's --check fails otherwise)."""
+    import re
+
+    block = gen_performance_doc.render_readme_block()
+    headings = [line[3:] for line in gen_performance_doc.render().splitlines() if line.startswith("## ")]
+    links = re.findall(r"\]\((docs/performance\.md#[^)]+)\)", block)
+    assert links == [gen_performance_doc._anchor(h) for h in (gen_performance_doc.VIT_HEADING,
+                                                             gen_performance_doc.PI05_HEADING,
+                                                             gen_performance_doc.CP_HEADING)]
+    assert set(links) <= {gen_performance_doc._anchor(h) for h in headings}
+    bench = os.path.join(SCRIPTS, "..", "docs", "bench")
+    fast = [r for r in json.load(open(os.path.join(bench, "pi05_0517-ext.json")))["results"]
+            if r["mode"] == "graph-fast"][0]
+    assert f"{fast['p50_ms']:.1f} ms with sglang-ext (`--ext-pi05-fast`)" in block
+    vit = [r for r in json.load(open(os.path.join(bench, "vit.json")))["results"] if r["mode"].startswith("ext-")][0]
+    assert f"{vit['speedup_vs_eager']:.2f}x the requests per second" in block
+    readme = open(gen_performance_doc.README, encoding="utf-8").read()
+    assert f"{gen_performance_doc.README_BEGIN}\n{block}{gen_performance_doc.README_END}" in readme
+    # --check names the README when its lines are stale
+    stale = tmp_path / "README.md"
+    stale.write_text(readme.replace(block, block.replace(f"{fast['p50_ms']:.1f} ms", "9.9 ms")))
+    assert gen_performance_doc.main(["--check", "--readme", str(stale)]) == 1
+    assert gen_performance_doc.main(["--check"]) == 0
+    # results from elsewhere (a GPU run's folder) write their doc there and leave README.md alone
+    (tmp_path / "bench").mkdir()
+    gen_performance_doc.main(["--bench-dir", str(tmp_path / "bench"), "--doc", str(tmp_path / "perf.md")])
+    assert (tmp_path / "perf.md").exists()
+    assert open(gen_performance_doc.README, encoding="utf-8").read() == readme

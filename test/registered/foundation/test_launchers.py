@@ -13,6 +13,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_ext import activation, launcher
 from sglang_ext.knobs import KNOBS, MASTER_ENV
+from sglang_ext.prerequisites import interpreter
 from sglang_ext.registry import PATCH_NAMES
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
@@ -99,6 +100,50 @@ def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(clean_env, capsys,
         assert text in err
     assert handover.calls == []  # sglang never started
     assert MASTER_ENV not in os.environ and activation.statuses() == {}
+
+
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_master_switch_other_than_0_or_1_is_rejected_by_the_real_launcher(value):
+    """The launcher sets SGLANG_EXT=1 itself; an inherited typo must not slip past it to the no-GPU line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--model-path", "m"],
+                          env={**env, MASTER_ENV: value}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == (f"python -m sglang_ext.launch_server: error: {MASTER_ENV}: {value!r} is not allowed; "
+                           "allowed: 1 or 0\n")
+
+
+def test_master_switch_0_inherited_is_accepted_and_switched_on(clean_env):
+    clean_env[MASTER_ENV] = "0"
+    assert main_without_gpu_check(["--model-path", "m", f"--ext-disable={ALL_PATCHES}"], "prog", Handover()) == 0
+    assert clean_env[MASTER_ENV] == "1"
+
+
+@pytest.mark.parametrize("where, reason", [
+    ("{file}", "is a file, not a folder"),
+    ("{file}/records", "cannot create folder"),
+    ("/proc/sglang-ext-records", "cannot create folder"),
+])
+def test_activation_dir_that_cannot_be_written_exits_2_before_sglang(clean_env, capsys, tmp_path, where, reason):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    path = where.format(file=a_file)
+    handover = Handover()
+    status = main_without_gpu_check(["--model-path", "m", "--ext-activation-dir", path], "prog", handover)
+    err = capsys.readouterr().err
+    assert status == 2 and handover.calls == [] and activation.statuses() == {}
+    assert err.count("\n") == 1 and err.startswith("prog: error: --ext-activation-dir / SGLANG_EXT_ACTIVATION_DIR: ")
+    assert repr(path) in err, err
+    assert reason in err and "allowed: a folder this user can write" in err
+    assert MASTER_ENV not in os.environ
+
+
+def test_activation_dir_is_created_before_sglang_starts(clean_env, tmp_path):
+    records = tmp_path / "new" / "records"
+    handover = Handover()
+    assert main_without_gpu_check(["--model-path", "m", f"--ext-disable={ALL_PATCHES}",
+                                   "--ext-activation-dir", str(records)], "prog", handover) == 0
+    assert records.is_dir() and handover.calls == [["--model-path", "m"]]
 
 
 def test_unknown_sglang_ext_environment_variable_is_rejected(clean_env, capsys):
@@ -203,6 +248,8 @@ def test_no_cuda_gpu_stops_before_sglang_in_one_line(clean_env, capsys, monkeypa
     assert status == 1 and handover.calls == []  # sglang never started
     assert err.count("\n") == 1 and err.startswith("prog: error: no CUDA GPU visible (torch ")
     assert "NVIDIA GPUs only" in err
+    # what to run instead, with the interpreter it needs (the venv's, not whatever `python` is)
+    assert err.endswith(f": {interpreter()} scripts/run_suite.py --suite base-a-test-cpu\n"), err
     assert MASTER_ENV not in os.environ and activation.statuses() == {}  # nothing exported or applied
 
 

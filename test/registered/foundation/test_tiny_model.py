@@ -5,7 +5,8 @@ processes, through the CLI), config / tokenizer / processor load offline and pro
 a real image through the chat template, and sglang's own config, tokenizer-manager image
 processor and model class accept it, the model loading every parameter from the checkpoint
 (tiny_model_sglang_probe.py, own process).
-Bad arguments: one line naming the field, exit status 2, nothing written.
+Bad arguments and folders it cannot write: one line naming the field, exit status 2, nothing
+written. The same command run again on its own folder writes nothing and says so.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def offline(monkeypatch):
 
 def _files(path):
     return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
+def test_every_file_gets_the_same_mode_from_the_umask(models):
+    umask = os.umask(0)
+    os.umask(umask)
+    for kind, path in models.items():
+        modes = {name: oct((path / name).stat().st_mode & 0o777) for name in os.listdir(path)}
+        assert set(modes.values()) == {oct(0o666 & ~umask)}, (kind, modes)  # model.safetensors too
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -170,7 +179,7 @@ def _cli(argv, capsys):
     (["make-tiny-model", "llama", "{dir}"], "kind must be one of qwen2, qwen2_5_vl, qwen3_vl"),
     (["make-tiny-model", "qwen2", "{dir}", "--seed", "x"], "--seed must be an integer"),
     (["make-tiny-model", "qwen2", "{dir}", "--seed", "-1"], "--seed must be an integer"),
-    (["make-tiny-model", "qwen2", "{full}"], "DIR"),
+    (["make-tiny-model", "qwen2", "{full}"], "DIR '{full}' exists and holds other files (keep.txt)"),
 ])
 def test_bad_arguments_one_line_exit_2_nothing_written(tmp_path, capsys, argv, field):
     full = tmp_path / "full"
@@ -179,7 +188,7 @@ def test_bad_arguments_one_line_exit_2_nothing_written(tmp_path, capsys, argv, f
     target = tmp_path / "new"
     code, out, err = _cli([a.format(dir=target, full=full) for a in argv], capsys)
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and field in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and field.format(full=full) in err and "Traceback" not in err, err
     assert not target.exists() and os.listdir(full) == ["keep.txt"]
 
 
@@ -188,3 +197,50 @@ def test_force_writes_into_a_non_empty_folder(tmp_path, capsys):
     code, out, _ = _cli(["make-tiny-model", "qwen2", str(tmp_path), "--force", "--seed", "7"], capsys)
     assert code == 0 and out.strip() == str(tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted(written_files("qwen2") + ["keep.txt"])
+
+
+@pytest.mark.parametrize("where, reason", [
+    ("{file}/tiny", "'{file}' is a file, not a folder"),
+    ("{file}", "is a file"),
+    ("/proc/sglang-ext-tiny", "cannot create '/proc/sglang-ext-tiny'"),
+    ("/proc/sglang-ext-tiny/deeper", "cannot create '/proc/sglang-ext-tiny'"),
+])
+def test_folder_it_cannot_write_is_one_line_and_exit_2_from_the_real_cli(tmp_path, where, reason):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    target = where.format(file=a_file)
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext", "make-tiny-model", "qwen2_5_vl", target],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"sglang-ext: make-tiny-model: DIR {target!r}") and "; allowed: " in proc.stderr
+    assert reason.format(file=a_file) in proc.stderr, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a-file"] and a_file.read_text() == "mine"
+
+
+def _mtimes(path):
+    return {name: (path / name).stat().st_mtime_ns for name in sorted(os.listdir(path))}
+
+
+def test_same_command_again_writes_nothing_and_another_model_needs_force(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    assert _cli(["make-tiny-model", "qwen2", str(folder), "--seed", "3"], capsys) == (0, f"{folder}\n", "")
+    before, first = _mtimes(folder), _files(folder)
+    code, out, err = _cli(["make-tiny-model", "qwen2", str(folder), "--seed", "3"], capsys)
+    assert (code, out) == (0, f"{folder}\n")
+    assert err == f"sglang-ext: make-tiny-model: '{folder}' already holds this model (qwen2, seed 3); nothing written\n"
+    assert _mtimes(folder) == before
+    code, out, err = _cli(["make-tiny-model", "qwen2", str(folder), "--seed", "4"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "holds another model (differs in model.safetensors)" in err and "--force" in err
+    assert _files(folder) == first  # nothing half-written
+    (folder / "config.json").unlink()  # an interrupted folder of our own files: completed, not refused
+    assert _cli(["make-tiny-model", "qwen2", str(folder), "--seed", "3"], capsys)[0] == 0
+    assert _files(folder) == first
+
+
+def test_unwritable_file_in_the_folder_leaves_every_file_as_it_was(tmp_path, capsys):
+    (tmp_path / "config.json").mkdir()  # a folder where a file must go: the rename fails
+    code, out, err = _cli(["make-tiny-model", "qwen2", str(tmp_path), "--force"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "cannot write" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]  # no temporary or partial file left
