@@ -37,6 +37,7 @@ README = os.path.join(REPO, "README.md")
 README_BEGIN, README_END = "<!-- what-you-get:begin -->", "<!-- what-you-get:end -->"
 PI05_HEADING = "Pi0.5 latency (`scripts/bench_pi05.py`)"
 VIT_HEADING = "ViT graphs (`scripts/bench_vit.py`)"
+VIT_SERVER_HEADING = "ViT graphs in the server (`scripts/bench_vit_server.py`)"
 CP_HEADING = "Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)"
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
@@ -421,7 +422,7 @@ def _vit_server_section():
     run = _load(path)
     cfg = run["config"]
     return "\n".join([
-        "## ViT graphs in the server (`scripts/bench_vit_server.py`)", "",
+        f"## {VIT_SERVER_HEADING}", "",
         *_stale("vit_server.json", "bench_vit_server.py"), VIT_SERVER_MEANING, "", *_provenance([("vit_server", run)]),
         f"Device: {cfg.get('device')}; model: {cfg.get('model')} ({cfg.get('parameters_b')} B parameters); "
         f"sglang {cfg.get('sglang')}; {len({r['pass'] for r in run['passes']})} of {cfg.get('passes')} passes "
@@ -507,7 +508,7 @@ def _vit_server_headline():
             f"sglang-ext's ViT graphs against ViT graphs off: {', '.join(ratios)}; "
             f"{'no' if captures and not any(captures) else 'some'} graph captured while serving. Under load "
             "the graphs do not pay yet: keep ViT graphs off on a loaded server. "
-            "[Table](docs/performance.md#vit-graphs-in-the-server-scriptsbench_vit_serverpy)")
+            f"[Table]({_anchor(VIT_SERVER_HEADING)})")
 
 
 def _vit_headline():

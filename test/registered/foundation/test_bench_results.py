@@ -116,6 +116,7 @@ def test_readme_headlines_are_the_results_files_numbers_and_link_their_tables(tm
     headings = [line[3:] for line in gen_performance_doc.render().splitlines() if line.startswith("## ")]
     links = re.findall(r"\]\((docs/performance\.md#[^)]+)\)", block)
     assert links == [gen_performance_doc._anchor(h) for h in (gen_performance_doc.VIT_HEADING,
+                                                             gen_performance_doc.VIT_SERVER_HEADING,
                                                              gen_performance_doc.PI05_HEADING,
                                                              gen_performance_doc.CP_HEADING)]
     assert set(links) <= {gen_performance_doc._anchor(h) for h in headings}
@@ -125,6 +126,12 @@ def test_readme_headlines_are_the_results_files_numbers_and_link_their_tables(tm
     assert f"{fast['p50_ms']:.1f} ms with sglang-ext (`--ext-pi05-fast`)" in block
     vit = [r for r in json.load(open(os.path.join(bench, "vit.json")))["results"] if r["mode"].startswith("ext-")][0]
     assert f"{vit['speedup_vs_eager']:.2f}x the requests per second" in block
+    server = json.load(open(os.path.join(bench, "vit_server.json")))
+    ext1, off1 = ([r["req_s"] for r in server["passes"] if (r["concurrency"], r["images"], r["config"]) == (1, "1", c)
+                   and r["req_s"] is not None] for c in ("ext", "graphs-off"))
+    import statistics
+
+    assert f"{statistics.median(ext1) / statistics.median(off1):.2f}x at concurrency 1" in block
     readme = open(gen_performance_doc.README, encoding="utf-8").read()
     assert f"{gen_performance_doc.README_BEGIN}\n{block}{gen_performance_doc.README_END}" in readme
     # --check names the README when its lines are stale
