@@ -375,6 +375,28 @@ def test_selection_properties(cp_patch, case):
         assert chosen == min(fitting)
 
 
+def test_a_bucket_whose_capacity_equals_the_requirement_is_chosen(cp_patch):
+    """The capacity and exact-size boundaries, deterministically (the property test above reaches them only
+    by chance)."""
+    lens, buckets = [100, 37], [64, 256, 512]
+    zigzag(2)
+    with patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=8):
+        with get_parallel().override(attn_cp_rank=0, attn_cp_size=2):
+            probe = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0), bucket_local_tokens={})
+            required = probe.required_local_tokens(lens)
+            for capacity, want in ((required, 256), (required - 1, 512)):
+                cp_input = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0),
+                                             bucket_local_tokens={256: capacity, 512: required})
+                chosen = cp_input.select_replay_bucket_for_batch(num_tokens=sum(lens), extend_seq_lens=lens,
+                                                                 capture_num_tokens=buckets, max_padding_factor=4)
+                assert chosen == want, (capacity, required, chosen)
+            exact = [100, 28]  # 128 live tokens: the 128 bucket itself is the smallest that fits
+            cp_input = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0),
+                                         bucket_local_tokens={128: 10**6, 256: 10**6})
+            assert cp_input.select_replay_bucket_for_batch(num_tokens=128, extend_seq_lens=exact,
+                                                           capture_num_tokens=[128, 256], max_padding_factor=4) == 128
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     cp_size=st.sampled_from([2, 4, 8]),
