@@ -268,6 +268,18 @@ def _spread(values):
     return statistics.median(values), min(values), max(values)
 
 
+def ext_ratios(report: dict) -> Dict[tuple, float]:
+    """{(backend, concurrency, images): median req/s of ext / median of graphs-off} over the passes."""
+    medians = {}
+    for row in report["passes"]:
+        if row["req_s"] is not None:
+            medians.setdefault((row["backend"], row["concurrency"], row["images"], row["config"]), []).append(
+                row["req_s"])
+    return {key[:3]: statistics.median(values) / statistics.median(medians[key[:3] + ("graphs-off",)])
+            for key, values in sorted(medians.items())
+            if key[3] == "ext" and key[:3] + ("graphs-off",) in medians}
+
+
 def table(report: dict) -> str:
     """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off."""
     lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'req/s median (min-max)':>26} {'vs off':>7} "

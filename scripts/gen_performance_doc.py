@@ -26,7 +26,6 @@ import glob
 import io
 import json
 import os
-import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -388,18 +387,11 @@ to graphs-off against itself in another pass (batch composition alone moves logp
 
 
 def _vit_server_targets(run) -> list:
-    medians = {}
-    for row in run["passes"]:
-        if row["req_s"] is not None:
-            medians.setdefault((row["backend"], row["concurrency"], row["images"], row["config"]), []).append(
-                row["req_s"])
+    import bench_vit_server
+
     lines = ["| target (issue 31) | measured | bound | |", "|---|---|---|---|"]
     floors = {1: 1.3, 8: 1.15, 32: 1.3, 64: 1.3}
-    for (backend, c, images, config), values in sorted(medians.items()):
-        off = medians.get((backend, c, images, "graphs-off"))
-        if config != "ext" or not off:
-            continue
-        ratio = statistics.median(values) / statistics.median(off)
+    for (backend, c, images), ratio in bench_vit_server.ext_ratios(run).items():
         lines.append(_target(f"{backend} c={c} img={images}: ext / graphs-off req/s", ratio, ">=",
                              floors.get(c, 1.0)))
     for server in run["servers"]:
@@ -489,16 +481,11 @@ def _vit_server_headline():
     path = os.path.join(BENCH_DIR, "vit_server.json")
     if not os.path.exists(path):
         return None
+    import bench_vit_server
+
     run = _load(path)
-    medians = {}
-    for row in run["passes"]:
-        if row["req_s"] is not None and row["images"] == "1":
-            medians.setdefault((row["concurrency"], row["config"]), []).append(row["req_s"])
-    ratios = []
-    for (c, config), values in sorted(medians.items()):
-        off = medians.get((c, "graphs-off"))
-        if config == "ext" and off:
-            ratios.append(f"{statistics.median(values) / statistics.median(off):.2f}x at concurrency {c}")
+    ratios = [f"{ratio:.2f}x at concurrency {c}"
+              for (_, c, images), ratio in bench_vit_server.ext_ratios(run).items() if images == "1"]
     if not ratios:
         return None
     cfg = run["config"]
