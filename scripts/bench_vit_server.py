@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 sys.path.insert(0, os.path.join(REPO, "python"))
 
 import bench_results  # noqa: E402
+import server_trace  # noqa: E402
 
 CONFIGS = {  # name -> (launcher module, ViT graphs on)
     "ext": ("sglang_ext.launch_server", True),
@@ -64,9 +65,11 @@ SCHEMA = {
                "concurrencies": None, "image_counts": None, "resolution": None, "command": None, "seconds": None,
                "sglang": None},
     "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": bench_results.ANY,
-                 "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None}],
+                 "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None,
+                 "warmup_syncs": bench_results.ANY}],
     "passes": [{"backend": None, "config": None, "pass": None, "concurrency": None, "images": None,
-                "req_s": None, "ttft_p50_ms": None, "ttft_p99_ms": None, "completed": None, "error": None}],
+                "req_s": None, "ttft_p50_ms": None, "ttft_p99_ms": None, "completed": None, "error": None,
+                "trace": bench_results.ANY}],
     "accuracy": [{"backend": None, "config": None, "concurrency": None, "requests": None, "max_abs": None,
                   "beyond_0_05": None, "floor_max_abs": None, "error": None}],
 }
@@ -122,7 +125,7 @@ def build_model(kind: str, path: str, seed: int = 0) -> float:
 # ---------------------------------------------------------------------------
 
 
-def server_env(name: str, workdir: str) -> Dict[str, str]:
+def server_env(name: str, workdir: str, trace: bool = False) -> Dict[str, str]:
     env = dict(os.environ)
     module, graphs = CONFIGS[name]
     env["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1" if graphs else "0"
@@ -131,6 +134,13 @@ def server_env(name: str, workdir: str) -> Dict[str, str]:
     if module.startswith("sglang_ext"):
         env["SGLANG_EXT_ACTIVATION_DIR"] = os.path.join(workdir, f"activation-{name}")
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"prom-{name}-", dir=workdir)
+    if trace:  # scripts/server_trace.py, loaded by sglang's own plugin loader in every server process
+        import server_trace
+
+        env["SGX_SERVER_TRACE_DIR"] = tempfile.mkdtemp(prefix=f"trace-{name}-", dir=workdir)
+        dist = server_trace.write_dist_info(os.path.join(workdir, "trace-dist"))
+        env["PYTHONPATH"] = os.pathsep.join([dist, os.path.join(REPO, "scripts")]
+                                            + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 
@@ -143,7 +153,10 @@ def start(name: str, backend: str, model: str, workdir: str, args):
             "--mm-attention-backend", backend, "--mem-fraction-static", str(args.mem_fraction),
             "--enable-metrics", "--disable-radix-cache", "--log-level", "info"] + args.server_arg
     log_path = os.path.join(workdir, f"{backend}-{name}.log")
-    return start_server(argv, server_env(name, workdir), port, log_path)
+    env = server_env(name, workdir, args.trace)
+    server = start_server(argv, env, port, log_path)
+    server.trace_dir = env.get("SGX_SERVER_TRACE_DIR")
+    return server
 
 
 def metrics(server) -> Dict[str, float]:
@@ -179,6 +192,18 @@ def _serving_module(workdir: str):
         sys.path.insert(0, stub)
     import sglang.benchmark.serving as serving
 
+    if not hasattr(serving.get_dataset, "cache"):  # one dataset per (seed, size, images...), shared by the configs
+        make = serving.get_dataset
+
+        def get_dataset(args, tokenizer, model_id=None):
+            key = (args.dataset_name, args.num_prompts, args.image_count, args.random_image_count, args.seed,
+                   args.image_resolution, args.random_input_len, args.random_output_len, model_id)
+            if key not in get_dataset.cache:
+                get_dataset.cache[key] = make(args, tokenizer, model_id)
+            return get_dataset.cache[key]
+
+        get_dataset.cache = {}
+        serving.get_dataset = get_dataset
     return serving
 
 
@@ -243,7 +268,7 @@ def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> Lis
             rows.append(dict(backend=backend, config="graphs-off", concurrency=concurrency, requests=n, max_abs=None,
                              beyond_0_05=None, floor_max_abs=None, error=f"{type(exc).__name__}: {exc}"[:300]))
             continue
-        for name in ("ext", "0517-graphs-on"):
+        for name in [n for n in ("ext", "0517-graphs-on") if n in servers]:
             row = dict(backend=backend, config=name, concurrency=concurrency, requests=n, max_abs=None,
                        beyond_0_05=None, floor_max_abs=None if floor is None else round(floor, 4), error=None)
             try:
@@ -348,6 +373,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "bench", "vit_server.json"))
     ap.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeatable)")
     ap.add_argument("--mixed-at", default="8", help="concurrencies that also run the 1-N image count")
+    ap.add_argument("--trace", action="store_true", help="per pass: where each server's scheduler spent its time "
+                    "(scripts/server_trace.py); during the warm-up, every device sync inside a forward by call site")
     args = ap.parse_args(argv)
     import signal
 
@@ -413,23 +440,38 @@ def main(argv=None) -> int:
         live = {n: s for n, s in servers.items() if not records[n]["error"]}
         try:
             for name, server in live.items():  # warm-up: a varied stream (another seed), not timed
+                flag = os.path.join(server.trace_dir, server_trace.SYNCS_FLAG) if server.trace_dir else None
+                if flag:  # where the forward syncs: counted in the warm-up only (the debug mode costs time)
+                    open(flag, "w").close()
                 try:
                     bench_serving(server, model, 8, image_counts[-1], 64, 999, workdir, args.resolution)
                 except Exception as exc:  # noqa: BLE001
                     records[name]["error"] = f"warm-up: {exc}"[:400]
+                if flag:
+                    os.remove(flag)
+                    time.sleep(0.6)
+                    records[name]["warmup_syncs"] = {k[5:]: v[1] for k, v in
+                                                     server_trace.read_totals(server.trace_dir).items()
+                                                     if k.startswith("sync@")}
             for p in range(args.passes):
                 for c in concurrencies:
                     for images in [i for i in image_counts if "-" not in i or c in mixed_at]:
-                        for name, server in live.items():  # interleaved: every config in every slot
+                        # interleaved: every config in every slot, the order reversed every other pass
+                        for name, server in (list(live.items()) if p % 2 == 0 else list(live.items())[::-1]):
                             row = dict(backend=backend, config=name, concurrency=c, images=images,
                                        error=None, req_s=None, ttft_p50_ms=None, ttft_p99_ms=None, completed=None)
                             row["pass"] = p
+                            before = server_trace.read_totals(server.trace_dir) if server.trace_dir else None
                             try:
                                 n = max(args.requests // 4, 16) if c == 1 else args.requests
-                                row.update(bench_serving(server, model, c, images, n, 100 * p + c, workdir,
+                                row.update(bench_serving(server, model, c, images, n, 1000 + c, workdir,
                                                          args.resolution))
                             except Exception as exc:  # noqa: BLE001 - reported
                                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                            if before is not None:
+                                time.sleep(0.6)  # the trace files are rewritten every 0.25 s
+                                row["trace"] = server_trace.difference(server_trace.read_totals(server.trace_dir),
+                                                                       before)
                             report["passes"].append(row)
                             log(f"{backend} pass {p} c={c} img={images} {name}: {row['req_s']} req/s "
                                 f"{row['error'] or ''}")

@@ -70,6 +70,7 @@ _VIT_RUNNER = "sglang.srt.multimodal.vit_cuda_graph_runner"
 _QWEN25 = "sglang.srt.models.qwen2_5_vl"
 _QWEN3 = "sglang.srt.models.qwen3_vl"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+_MM_UTILS = "sglang.srt.managers.mm_utils"
 _BCG = "sglang.srt.layers.cp.bcg"
 _PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 _BREAKABLE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
@@ -110,6 +111,17 @@ PATCHES: Tuple[PatchSpec, ...] = (
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream is unbounded, keeps retired workspaces, syncs on fallback
         retire_when="upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs",
+    ),
+    PatchSpec(
+        name="mm_embedding_sync_free",
+        summary="Multimodal embedding checks its length against a host-side token count instead of a device "
+        "sync after the vision tower (ViT graph replays then overlap the language model's launch)",
+        targets=T(_MM_UTILS, "get_embedding_and_mask", "_adjust_embedding_length")
+        # relied on: the extend ranges the host count mirrors, and the module-global calls it rebinds
+        + T(_MM_UTILS, "get_embedding_chunk", "embed_mm_inputs"),
+        parts=(Part(_MM_UTILS, "sglang_ext.adapters.mm_embedding_sync_free:patch_mm_utils"),),
+        upstream_pr="none (sglang-ext only)",
+        retire_when="upstream checks the multimodal embedding length without a device sync",
     ),
     PatchSpec(
         name="prefill_cp_bucket",

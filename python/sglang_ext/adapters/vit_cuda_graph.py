@@ -148,9 +148,11 @@ the largest one's buffers. Every stage is voted over the TP CPU group; a failure
 every rank eager. After that nothing is captured. A call is padded to the smallest budget that
 fits: padding rows are zeros after the real tokens, forming their own sequences (one for full
 attention, window-sized ones for windows), so no real token attends to them and the merger's
-first `tokens / merge unit` rows are the real output. A call above the limit is split where every
-layout has a boundary into chunks of whole images, each replayed; adjacent chunks no graph serves
-(one image above the limit, too many windows) run as one eager call. Cost: GEMMs see the padding
+first `tokens / merge unit` rows are the real output. A call above the probe's break-even runs as
+one eager call (there the device bounds it, and chunk replays would add padding and fixed costs);
+above a limit the knob or the capacity set lower, it is split where every layout has a boundary into
+chunks of whole images, each replayed; adjacent chunks no graph serves (one image above the limit,
+too many windows) run as one eager call. Cost: GEMMs see the padding
 rows and another row count can pick another cuBLAS kernel, so results equal eager within bf16
 rounding, not bitwise. Measured (docs/gpu-notes.md): it wins where the host bounds the server
 (concurrency 1) and costs its padding where the device does.
@@ -344,6 +346,7 @@ def _ext_ensure_state(self):
     self._ext_padding = {"padded_batches": 0, "padding_tokens": 0, "real_tokens": 0}
     self._ext_window_tokens = _ext_vit_window_tokens(self.vit)
     self._ext_precaptured = False
+    self._ext_split_above_limit = True  # decided at pre-capture
     if self._ext_mode != "layout" and self._attn_backend not in _EXT_VIT_CLASS_BACKENDS:
         _ext_vit_logger.warning("--ext-vit-graph-mode %s needs one of the vision attention backends %s; this "
                                 "tower uses %s, so its graphs are keyed by exact layout", self._ext_mode,
@@ -613,6 +616,7 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
     limit = ext_knobs.current("vit_graph_replay_max_tokens")
     ladder = self._ext_token_buckets
     kept = [b for b in ladder if b <= limit] if limit >= 0 else self._ext_probe_ladder(sample, ladder)
+    probed = list(kept)
     cache = self._ext_cache
     kept = kept[:cache.capacity]
     while kept and cache.max_bytes > 0 and self._ext_expected_bytes(
@@ -631,6 +635,10 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
             break
     self._ext_token_buckets = tuple(sorted(k.num_tokens for k in captured))
     self._ext_replay_limit = self._ext_token_buckets[-1] if captured else 0
+    # Above the probe's break-even eager wins outright (chunk replays would add their padding and fixed
+    # costs to a device-bound call): such calls run as one eager call. Above a limit set by the knob or by
+    # the capacity / byte cut, graphs still win, so those calls are split into chunks that replay.
+    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed)
     info = self._ext_precapture_info
     info["precapture_graphs"] = len(captured)
     info["precapture_ms"] = int(_ext_vit_now() - started)
@@ -757,16 +765,20 @@ def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_
                     output_indices):
     """Bucket mode: replay the call, or its whole-image chunks, where a captured budget serves them; else eager.
 
-    A call above the replay limit is split at boundaries of every attention layout into chunks
-    of at most the limit (`whole_sequence_chunks`); each chunk replays its budget graph, or runs
-    eager unpadded when none serves it (one image above the limit, too many windows); adjacent
-    such chunks run as one eager call. The rows of the chunks, in order, are the rows of the call.
+    A call above the probe's break-even runs as one eager call. A call above a lower limit (the
+    knob, or the ladder cut to its capacity or byte budget) is split at boundaries of every
+    attention layout into chunks of at most the limit (`whole_sequence_chunks`); each chunk
+    replays its budget graph, or runs eager unpadded when none serves it (one image above the
+    limit, too many windows); adjacent such chunks run as one eager call. The rows of the chunks,
+    in order, are the rows of the call.
     """
     tokens = layout_key.num_tokens
     full, window = layout_key.layout
     limit = self._ext_replay_limit
     ranges = [(0, tokens)]
-    if limit and tokens > limit:
+    if limit and tokens > limit and not self._ext_split_above_limit:
+        limit = 0  # above the probe's break-even: one eager call
+    elif limit and tokens > limit:
         ranges = whole_sequence_chunks((full, window), tokens, limit, _EXT_VIT_BUCKET_SEQUENCES - 1)
         self._ext_chunking["chunked_calls"] += 1
         self._ext_chunking["chunks"] += len(ranges)

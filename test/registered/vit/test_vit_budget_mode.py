@@ -207,6 +207,50 @@ def test_the_probe_ends_the_ladder_at_the_first_budget_eager_wins(vit_patch, fak
     assert [g.resets for g in fake_cuda.created[:3]] == [1, 1, 1]
 
 
+def test_above_the_probes_break_even_a_call_runs_as_one_eager_call(vit_patch, fake_cuda, monkeypatch):
+    """The probe's limit is where eager started to win: a call above it is not split into replays.
+
+    A limit the knob sets (test_a_call_above_the_replay_limit_replays_whole_image_chunks) or the
+    capacity cuts (below) still splits: graphs win there.
+    """
+    runner = budget_runner(vit_patch, replay=-1)
+    times = iter([1.0, 2.0, 1.5, 2.0, 3.0, 2.5])  # graph, eager per budget: 8 and 16 win, 32 loses
+
+    def fake_median(run, *, repeats, synchronize=None):
+        run()
+        return next(times)
+
+    monkeypatch.setattr(runner_module, "median_wall_ms", fake_median)
+    merged_call(runner, *CALLS[3], 0)  # pre-capture: the probe keeps 8 and 16
+    tower = runner.vit
+    rows_before = len(tower.blocks[0].rows)
+    tokens, full, window = 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26)  # chunks of whole images would fit 16
+    out, want = merged_call(runner, tokens, full, window, 1)
+    torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert info["replay_limit_tokens"] == 16 and tower.blocks[0].rows[rows_before:] == [26]
+    assert (info["chunked_calls"], info["fallback_gate"], info["hits"]) == (0, 1, 1)
+
+
+def test_a_ladder_cut_below_the_break_even_still_splits(vit_patch, fake_cuda, monkeypatch):
+    runner = budget_runner(vit_patch, replay=-1, vit_graph_max_entries=1)
+    times = iter([1.0, 2.0] * 3)  # graph, eager per budget: every budget wins
+
+    def fake_median(run, *, repeats, synchronize=None):
+        run()
+        return next(times)
+
+    monkeypatch.setattr(runner_module, "median_wall_ms", fake_median)
+    merged_call(runner, *CALLS[3], 0)
+    info = runner._ext_graph_info()
+    assert info["replay_limit_tokens"] == 8  # all three won; the capacity kept one
+    tokens, full, window = 14, (0, 0, 2, 6, 10, 14), (0, 2, 6, 10, 14)
+    out, want = merged_call(runner, tokens, full, window, 1)
+    torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert info["chunked_calls"] == 1 and info["fallback_gate"] == 0
+
+
 def test_a_failed_precapture_leaves_the_runner_eager_for_good(vit_patch, fake_cuda):
     vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16", vit_graph_replay_max_tokens=16)
     tower = windowed_merged_tower("triton_attn")

@@ -1,0 +1,76 @@
+"""Multimodal embedding without a device sync after the vision tower.
+
+Target symbols:
+    sglang.srt.managers.mm_utils.get_embedding_and_mask (wrapped: calls the original)
+    sglang.srt.managers.mm_utils._adjust_embedding_length (replaced; falls back to the original)
+sglang versions: 0.5.17 (fingerprint-gated).
+Upstream PR: none (sglang-ext only).
+
+Why: `_adjust_embedding_length` compares the embedding's rows with `mask.sum().item()`, a device
+sync right after the vision tower. A ViT graph replay queues the tower in about a millisecond,
+and the scheduler then waits here for all of its device work instead of launching the language
+model meanwhile; under load every ViT call's device time is added to the scheduler's host time.
+
+How: the number of multimodal tokens in the batch's extend range is known on the host: the
+items' offsets and each request's prefix and extend length, the ranges `get_embedding_chunk`
+slices the embedding by. The wrapper of `get_embedding_and_mask` counts them; the replacement of
+`_adjust_embedding_length` returns the embedding as is when that count equals its rows (the one
+case in which the original neither warns nor trims) and otherwise runs the original: its sync,
+warning, trim or error, unchanged.
+
+Retire when: upstream checks the embedding length without a device sync.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+
+# Multimodal tokens of the current get_embedding_and_mask call's extend range, counted on the host.
+_host_count = contextvars.ContextVar("sglang_ext_mm_tokens_in_extend", default=None)
+
+
+def tokens_in_extend(items_size, prefix_length, extend_length, items_offset_list) -> int:
+    """Multimodal tokens that the extend range of every request covers (offsets are inclusive ranges)."""
+    total = 0
+    for i in range(min(len(items_size) - 1, len(prefix_length))):
+        length = extend_length[i] if i < len(extend_length) else 0
+        if items_size[i] == items_size[i + 1] or length <= 0:
+            continue
+        first, last = prefix_length[i], prefix_length[i] + length - 1
+        for start, end in items_offset_list[i]:
+            total += max(0, min(end, last) - max(start, first) + 1)
+    return total
+
+
+def _wrap_get_embedding_and_mask(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_embedding_and_mask(*args, **kwargs):
+        call = signature.bind(*args, **kwargs).arguments
+        token = _host_count.set(tokens_in_extend(call["items_size"], call["prefix_length"], call["extend_length"],
+                                                 call["items_offset_list"]))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _host_count.reset(token)
+
+    return get_embedding_and_mask
+
+
+def _replace_adjust_embedding_length(original):
+    @functools.wraps(original)
+    def _adjust_embedding_length(embedding, mask, logger):
+        if _host_count.get() == embedding.shape[0]:
+            return embedding
+        return original(embedding, mask, logger)
+
+    return _adjust_embedding_length
+
+
+def patch_mm_utils(ctx, module) -> None:
+    """Part for `sglang.srt.managers.mm_utils` (both names are called through the module's globals)."""
+    ctx.setattr(module, "get_embedding_and_mask", _wrap_get_embedding_and_mask(module.get_embedding_and_mask))
+    ctx.setattr(module, "_adjust_embedding_length", _replace_adjust_embedding_length(module._adjust_embedding_length))
