@@ -198,6 +198,10 @@ KNOBS: tuple[Knob, ...] = (
          "keys without a mask; the last layer's unused attention output and MLP skipped). Equal "
          "to the exact path within bf16 tolerance, not bitwise. Action sequence parallelism and a "
          "tensor-parallel prefix take the exact path."),
+    Knob("pi05_server_timing", "bool", False,
+         "Benchmarks: every Pi0.5 action answer's `timings` also carries the server's hop times "
+         "(http_parse_ms, http_decode_ms, to_worker_ms, worker_queue_ms, worker_forward_ms, "
+         "from_worker_ms, server_total_ms; patch pi05_server_timing). Off: nothing is added."),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

@@ -82,6 +82,10 @@ _MG_LINEAR = f"{_MG}.layers.linear"
 _MG_CONFIGS = "sglang.multimodal_gen.configs.pipeline_configs"
 _PI05_CONFIG = f"{_MG_CONFIGS}.pi05"
 _VLA_PROTOCOL = f"{_MG}.entrypoints.vla.protocol"
+_VLA_API = f"{_MG}.entrypoints.vla.api"
+_VLA_WS = f"{_MG}.entrypoints.vla.ws_utils"
+_MG_SCHEDULER_CLIENT = f"{_MG}.scheduler_client"
+_PI05_PREPROCESS = f"{_MG}.pipelines_core.stages.model_specific_stages.pi05_preprocess"
 
 PATCHES: Tuple[PatchSpec, ...] = (
     PatchSpec(
@@ -267,6 +271,72 @@ PATCHES: Tuple[PatchSpec, ...] = (
         # The config is built in the launcher (ServerArgs) and pickled into the workers; the
         # metadata is served by the HTTP process.
         process="multimodal_gen launcher, HTTP server and worker",
+    ),
+    PatchSpec(
+        name="mg_scheduler_client_reuse",
+        summary="The multimodal_gen HTTP process keeps its ZMQ REQ sockets to the scheduler across requests "
+        "(no TCP connect and ZMTP handshake per request); a socket whose round trip did not complete is closed",
+        targets=T(_MG_SCHEDULER_CLIENT, "AsyncSchedulerClient.forward", "AsyncSchedulerClient.close",
+                  "AsyncSchedulerClient.initialize", "_materialize_output_batch_file_refs"),
+        parts=(Part(_MG_SCHEDULER_CLIENT, "sglang_ext.adapters.mg_scheduler_client:patch_scheduler_client"),),
+        upstream_pr="none (0.5.23 still opens a socket per request)",
+        retire_when="upstream keeps its scheduler sockets across requests",
+        process="multimodal_gen HTTP server",
+    ),
+    PatchSpec(
+        name="pi05_action_transport",
+        summary="Pi0.5 action requests: JSON bodies parsed with orjson (json.loads for what orjson refuses), "
+        "camera frames base64-decoded with pybase64 (stdlib fallback) and decoded concurrently; same "
+        "results and errors",
+        targets=T(_VLA_API, "router", "create_action_generation", "_wants_msgpack", "_prefer_numpy_output",
+                  "_response_format")
+        + T(_VLA_PROTOCOL, "_decode_b64_image", "_normalize_observation", "_normalize_image_value",
+            "images_from_observation"),
+        parts=(
+            Part(_VLA_PROTOCOL, "sglang_ext.adapters.pi05_action_transport:patch_protocol"),
+            Part(_VLA_API, "sglang_ext.adapters.pi05_action_transport:patch_api"),
+        ),
+        rebinds=(f"{_VLA_API}.router: the POST /v1/actions/generations route's endpoint",),
+        upstream_pr="none (0.5.23 parses and decodes the same way)",
+        retire_when="upstream parses action requests with a fast JSON parser and decodes cameras concurrently",
+        process="multimodal_gen HTTP server",
+    ),
+    PatchSpec(
+        name="pi05_observation_device",
+        summary="Pi0.5 camera frames go to the GPU as uint8 and are scaled there (same float32 ops), the noise "
+        "with them; the prompt tokenizer call goes to the Rust tokenizer (checked against transformers' call)",
+        targets=T(_PI05_PREPROCESS, "_preprocess_image", "_tensor_from_image", "_resize_with_pad_image_tensor",
+                  "Pi05Preprocessor")
+        + T(_PI05_POLICY, "Pi05PolicyModel.encode_prefix", "Pi05PolicyModel.sample_actions"),
+        parts=(Part(_PI05_PREPROCESS, "sglang_ext.adapters.pi05_observation_device:patch_preprocess"),),
+        rebinds=(f"{_PI05_PREPROCESS}._preprocess_image",),
+        upstream_pr="none (0.5.23 preprocesses on the CPU)",
+        retire_when="upstream preprocesses Pi0.5 observations on the device",
+        process="multimodal_gen worker",
+    ),
+    PatchSpec(
+        name="pi05_server_timing",
+        summary="Knob pi05_server_timing: every Pi0.5 action answer's timings also carry the server's hop "
+        "times (parse, decode, to/from the worker, queue, worker forward); off: nothing added",
+        targets=T(_VLA_PROTOCOL, "infer_action")
+        + T(f"{_MG}.entrypoints.utils", "prepare_request")
+        + T(_VLA_API, "router", "create_action_generation")
+        + T(_VLA_WS, "run_action_msgpack_ws")
+        + T(f"{_MG}.managers.scheduler", "Scheduler.recv_reqs", "Scheduler.event_loop", "Scheduler.return_result")
+        + T(f"{_MG}.managers.gpu_worker", "GPUWorker.execute_forward")
+        + T(_VLA_STAGES, "VLAActionPostprocessStage.forward"),
+        parts=(
+            Part(_VLA_PROTOCOL, "sglang_ext.adapters.pi05_server_timing:patch_protocol"),
+            Part(_VLA_API, "sglang_ext.adapters.pi05_server_timing:patch_api"),
+            Part(_VLA_WS, "sglang_ext.adapters.pi05_server_timing:patch_ws_utils"),
+            Part(f"{_MG}.managers.scheduler", "sglang_ext.adapters.pi05_server_timing:patch_scheduler"),
+            Part(f"{_MG}.managers.gpu_worker", "sglang_ext.adapters.pi05_server_timing:patch_gpu_worker"),
+        ),
+        rebinds=(f"{_VLA_API}.infer_action", f"{_VLA_WS}.infer_action", f"{_VLA_WS}.unpack_msgpack",
+                 f"{_VLA_API}.router: the POST /v1/actions/generations route's endpoint (after pi05_action_transport)"),
+        upstream_pr="none (sglang-ext only)",
+        retire_when="upstream reports per-request hop times itself (not in 0.5.23)",
+        process="multimodal_gen HTTP server and worker",
     ),
 )
 

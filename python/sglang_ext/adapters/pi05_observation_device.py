@@ -1,0 +1,186 @@
+"""Pi0.5 observations go to the GPU once, as uint8 camera frames, converted there; the prompt
+tokenizer call skips the Python layers around the Rust tokenizer.
+
+Target symbols (sglang 0.5.17, fingerprint-gated):
+    sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess:
+        _preprocess_image (wrapped; Pi05Preprocessor.__call__ calls it through the module global),
+        Pi05Preprocessor.__init__ (wrapped: installs the tokenizer front) and
+        Pi05Preprocessor.__call__ (wrapped: the noise goes to the GPU with the frames)
+    relied on, unchanged: _tensor_from_image, _resize_with_pad_image_tensor (the math replicated
+        below), Pi05Preprocessor._tokenize (the tokenizer call it makes),
+        Pi05PolicyModel.encode_prefix / sample_actions (`.to(self.device, dtype=float32)`: a no-op
+        for tensors already there)
+sglang versions: 0.5.17.
+Upstream PR: none (0.5.23 preprocesses on the CPU the same way).
+Why: in the GPU worker every camera frame is converted to float32 and scaled to [-1, 1] on the
+    CPU (three passes over 150 K values per frame), then copied to the GPU as float32 (4x the
+    bytes of the frame) by a synchronous pageable copy in encode_prefix; the noise takes its own
+    synchronous copy in sample_actions; the tokenizer call for the prompt spends most of its time
+    in transformers' Python wrappers. Together about 1.5 ms of the 1.7 ms preprocess stage of the
+    fast path on the H200 (issue 26).
+How: on a CUDA worker, a uint8 frame (numpy HWC/CHW, or an RGB PIL image, as sglang decodes PNG/
+    JPEG) already at the model's image size is copied to the current GPU as uint8 and converted
+    there with the same float32 operations in the same order (to float32, / 255, * 2 - 1: IEEE
+    float32 on both devices, so the same bits; the GPU test checks it). Frames that need a resize,
+    float or torch inputs, and CPU workers take sglang's path. The noise follows the frames to the
+    GPU. The tokenizer front calls the Rust tokenizer (a copy of the backend configured once with
+    sglang's max_length padding and truncation) for exactly sglang's call (a list of prompts,
+    max_length padding, truncation, "pt" tensors); its first answers are checked against
+    transformers' own call and on any difference it hands every call to transformers for good.
+Retire when: upstream preprocesses Pi0.5 observations on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("sglang_ext")
+
+# Tokenizer answers compared with transformers' own call before the Rust path is trusted alone.
+_EXT_TOKENIZER_CHECKS = 16
+
+
+def _ext_observation_device():
+    """The worker's current CUDA device, or None (CPU worker, CUDA not initialized yet)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _ext_uint8_frame(value):
+    """(uint8 numpy array, is_pil) when sglang's path treats the frame as bytes, else None."""
+    from PIL import Image  # sglang's preprocessor module imports it too
+
+    if isinstance(value, Image.Image):
+        # sglang: np.asarray(value.convert("RGB"), float32) / 255, always HWC -> CHW
+        return np.asarray(value.convert("RGB")), True
+    if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 3:
+        return value, False
+    return None
+
+
+def preprocess_frame_on(arr: np.ndarray, size, device: torch.device, *, hwc: bool = False):
+    """sglang's `_preprocess_image` for a uint8 frame (`hwc`: a PIL image's array), computed on
+    `device`; None when the frame needs a resize or has no channel axis (sglang's path then)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(arr))
+    if hwc:
+        chw = tensor.permute(2, 0, 1)
+    # _tensor_from_image's rule for arrays: channels first if the first dim looks like channels
+    elif tensor.shape[0] in (1, 3, 4):
+        chw = tensor[:3]
+    elif tensor.shape[-1] in (1, 3, 4):
+        chw = tensor[..., :3].permute(2, 0, 1)
+    else:
+        return None  # sglang raises its own ValueError for this shape
+    if tuple(chw.shape[-2:]) != tuple(size):
+        return None
+    on_device = chw.to(device)
+    return on_device.to(dtype=torch.float32) / 255.0 * 2.0 - 1.0
+
+
+def _wrap_preprocess_image(original):
+    def _preprocess_image(value, size):
+        device = _ext_observation_device()
+        if device is not None:
+            frame = _ext_uint8_frame(value)
+            if frame is not None:
+                out = preprocess_frame_on(frame[0], size, device, hwc=frame[1])
+                if out is not None:
+                    return out
+        return original(value, size)
+
+    _preprocess_image.__wrapped__ = original
+    return _preprocess_image
+
+
+def _wrap_call(original):
+    def __call__(self, raw_observation):
+        observation = original(self, raw_observation)
+        device = _ext_observation_device()
+        if device is not None and observation.noise is not None and observation.noise.device != device:
+            observation.noise = observation.noise.to(device)
+        return observation
+
+    __call__.__wrapped__ = original
+    return __call__
+
+
+class RustTokenizerFront:
+    """Stands in for the preprocessor's tokenizer: sglang's one call goes to the Rust tokenizer,
+    everything else (attributes, other calls) to transformers' tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self._ext_tokenizer = tokenizer
+        self._ext_backends = {}  # max_length -> configured copy of the Rust tokenizer
+        self._ext_checks_left = _EXT_TOKENIZER_CHECKS
+        self._ext_disabled = getattr(tokenizer, "_tokenizer", None) is None
+        self._ext_lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_ext_tokenizer"], name)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_ext_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._ext_tokenizer, name, value)
+
+    def _ext_backend(self, max_length: int):
+        backend = self._ext_backends.get(max_length)
+        if backend is None:
+            from tokenizers import Tokenizer
+
+            tok = self._ext_tokenizer
+            backend = Tokenizer.from_str(tok._tokenizer.to_str())
+            backend.enable_truncation(max_length=max_length, stride=0, strategy="longest_first",
+                                      direction=tok.truncation_side)
+            backend.enable_padding(length=max_length, direction=tok.padding_side, pad_id=tok.pad_token_id,
+                                   pad_token=tok.pad_token, pad_type_id=tok.pad_token_type_id)
+            self._ext_backends[max_length] = backend
+        return backend
+
+    def _ext_fast(self, text, max_length: int) -> dict:
+        encodings = self._ext_backend(max_length).encode_batch(text, add_special_tokens=True)
+        return {"input_ids": torch.tensor([e.ids for e in encodings], dtype=torch.long),
+                "attention_mask": torch.tensor([e.attention_mask for e in encodings], dtype=torch.long)}
+
+    def __call__(self, text=None, *args, **kwargs):
+        tok = self._ext_tokenizer
+        sglang_call = (not args and isinstance(text, list) and all(isinstance(t, str) for t in text)
+                       and set(kwargs) == {"max_length", "padding", "truncation", "return_tensors"}
+                       and kwargs["padding"] == "max_length" and kwargs["truncation"] is True
+                       and kwargs["return_tensors"] == "pt" and isinstance(kwargs["max_length"], int))
+        if self._ext_disabled or not sglang_call:
+            return tok(text, *args, **kwargs)
+        fast = self._ext_fast(text, kwargs["max_length"])
+        if self._ext_checks_left > 0:
+            reference = tok(text, **kwargs)
+            same = all(torch.equal(fast[key], reference[key].to(torch.long)) for key in fast)
+            with self._ext_lock:
+                if not same:
+                    self._ext_disabled = True
+                    logger.warning("sglang-ext: the Rust tokenizer path differs from transformers' call for %r; "
+                                   "tokenizing through transformers from now on", text)
+                    return reference
+                self._ext_checks_left -= 1
+        return fast
+
+
+def _wrap_init(original):
+    def __init__(self, config):
+        original(self, config)
+        self.tokenizer = RustTokenizerFront(self.tokenizer)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
+def patch_preprocess(ctx, module) -> None:
+    ctx.setattr(module, "_preprocess_image", _wrap_preprocess_image(module._preprocess_image))
+    cls = module.Pi05Preprocessor
+    ctx.setattr(cls, "__init__", _wrap_init(cls.__dict__["__init__"]))
+    ctx.setattr(cls, "__call__", _wrap_call(cls.__dict__["__call__"]))

@@ -1,0 +1,221 @@
+"""Per-request hop times of the Pi0.5 action server in every answer (knob `pi05_server_timing`).
+
+Target symbols (sglang 0.5.17, fingerprint-gated):
+    HTTP process:
+    sglang.multimodal_gen.runtime.entrypoints.vla.protocol.infer_action
+        (wrapped; rebound in entrypoints.vla.api and entrypoints.vla.ws_utils, which import it
+        by name), and protocol.prepare_request (the module global infer_action calls; wrapped)
+    sglang.multimodal_gen.runtime.entrypoints.vla.api: the endpoint of POST
+        /v1/actions/generations (`router` route's `endpoint`, wrapped before the app includes it)
+    sglang.multimodal_gen.runtime.entrypoints.vla.ws_utils.unpack_msgpack (wrapped: the websocket
+        loop of /openpi/policy and /v1/actions/realtime calls it once per message received)
+    GPU worker process:
+    sglang.multimodal_gen.runtime.managers.scheduler.Scheduler.recv_reqs (wrapped)
+    sglang.multimodal_gen.runtime.managers.gpu_worker.GPUWorker.execute_forward (wrapped)
+Why: an answer's `timings` holds sglang's stage times (preprocess, prefix, denoise,
+    postprocess) only; nothing says where the rest of a request's latency goes (parsing and
+    image decoding in the HTTP process, the ZMQ hop to the scheduler, the worker around the
+    pipeline, the way back). `scripts/bench_pi05_server.py` needs that breakdown per request.
+How: monotonic stamps (CLOCK_MONOTONIC, one clock for every process of the host) travel with
+    the request in `Req.extra["ext_trace"]` to the worker and back in the answer's `timings`;
+    the HTTP process turns them into durations (ms) added to `timings`:
+      http_parse_ms      request handed to the endpoint -> payload parsed (JSON / msgpack;
+                         the JSON endpoint's body read included)
+      http_decode_ms     build_action_sampling_params (image decoding) + prepare_request
+      to_worker_ms       pickling + ZMQ send + scheduler receive and unpickling
+      worker_queue_ms    received by the scheduler -> GPUWorker.execute_forward starts
+      worker_forward_ms  execute_forward (the pipeline stages and the worker around them)
+      from_worker_ms     execute_forward returned -> answer unpickled in the HTTP process
+      server_total_ms    request handed to the endpoint -> answer back in the HTTP process
+    Answers without `timings` (return_timing off) are left alone. Off by default: with the knob
+    off the wrappers call sglang's functions and add nothing.
+Retire when: upstream reports hop times itself (not in 0.5.23).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import sys
+import time
+
+TRACE_KEY = "ext_trace"  # Req.extra key: {"sent": t, "worker_in": t}
+_REPLY_AT = "_ext_reply_at"  # timings key the worker adds and the HTTP process removes
+_ACTION_PATH = "/v1/actions/generations"
+# When the endpoint got the request now being served (per asyncio task: one request / one
+# websocket connection each).
+_ARRIVED_AT = contextvars.ContextVar("sglang_ext_pi05_arrived_at", default=None)
+# Set by the traced infer_action while it runs: prepare_request records the send time in it.
+_SENT = contextvars.ContextVar("sglang_ext_pi05_sent", default=None)
+
+
+def _enabled(ctx) -> bool:
+    return bool(ctx.settings.pi05_server_timing)
+
+
+def _passthrough(original, traced, enabled: bool):
+    """`traced` when the knob is on, else a wrapper that only calls `original` (parts must
+    install something, and the knob is read once, at activation)."""
+    if enabled:
+        return traced
+    if inspect.iscoroutinefunction(original):
+        @functools.wraps(original)
+        async def untraced_async(*args, **kwargs):
+            return await original(*args, **kwargs)
+
+        return untraced_async
+
+    @functools.wraps(original)
+    def untraced(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    return untraced
+
+
+def _ms(later: float, earlier: float) -> float:
+    return (later - earlier) * 1000.0
+
+
+def _traced_infer_action(original):
+    @functools.wraps(original)
+    async def infer_action(payload, server_args):
+        arrived = _ARRIVED_AT.get()
+        parsed = time.monotonic()
+        sent = {}
+        token = _SENT.set(sent)
+        try:
+            output = await original(payload, server_args)
+        finally:
+            _SENT.reset(token)
+        back = time.monotonic()
+        timings = output.get("timings") if isinstance(output, dict) else None
+        if isinstance(timings, dict):
+            reply_at = timings.pop(_REPLY_AT, None)
+            if arrived is not None:
+                timings["http_parse_ms"] = _ms(parsed, arrived)
+                timings["server_total_ms"] = _ms(back, arrived)
+            if "at" in sent:
+                timings["http_decode_ms"] = _ms(sent["at"], parsed)
+            if reply_at is not None:
+                timings["from_worker_ms"] = _ms(back, reply_at)
+        return output
+
+    return infer_action
+
+
+def _stamping_prepare_request(original):
+    @functools.wraps(original)
+    def prepare_request(server_args, sampling_params, *args, **kwargs):
+        req = original(server_args, sampling_params, *args, **kwargs)
+        sent = _SENT.get()
+        if sent is not None:  # called by the traced infer_action: the request goes to the worker next
+            sent["at"] = time.monotonic()
+            req.extra[TRACE_KEY] = {"sent": sent["at"]}
+        return req
+
+    return prepare_request
+
+
+def patch_protocol(ctx, module) -> None:
+    """Part for entrypoints.vla.protocol: wrap infer_action and the prepare_request it calls."""
+    on = _enabled(ctx)
+    for name, trace in (("infer_action", _traced_infer_action), ("prepare_request", _stamping_prepare_request)):
+        original = getattr(module, name)
+        ctx.setattr(module, name, _passthrough(original, trace(original), on))
+
+
+def _stamp_arrival(endpoint, enabled: bool, request_cls):
+    async def create_action_generation(request):
+        if not enabled:
+            return await endpoint(request)
+        token = _ARRIVED_AT.set(time.monotonic())
+        try:
+            return await endpoint(request)
+        finally:
+            _ARRIVED_AT.reset(token)
+
+    create_action_generation.__doc__ = endpoint.__doc__
+    create_action_generation.__sglang_ext_wraps__ = endpoint
+    # FastAPI injects the Request by this signature (a class, not a string it would have to
+    # resolve in this module's globals).
+    create_action_generation.__signature__ = inspect.Signature(
+        [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=request_cls)])
+    return create_action_generation
+
+
+def _stamping_unpack(original):
+    @functools.wraps(original)
+    def unpack_msgpack(payload):
+        _ARRIVED_AT.set(time.monotonic())  # the websocket loop: one message, then infer_action
+        return original(payload)
+
+    return unpack_msgpack
+
+
+def patch_api(ctx, module) -> None:
+    """Part for entrypoints.vla.api: rebind infer_action, stamp the JSON endpoint's arrival."""
+    protocol = sys.modules["sglang.multimodal_gen.runtime.entrypoints.vla.protocol"]
+    ctx.setattr(module, "infer_action", protocol.infer_action)
+    route = next((r for r in module.router.routes
+                  if getattr(r, "path", None) == _ACTION_PATH and "POST" in getattr(r, "methods", ())), None)
+    if route is None:
+        raise RuntimeError(f"entrypoints.vla.api.router has no POST {_ACTION_PATH} route")
+    ctx.setattr(route, "endpoint", _stamp_arrival(route.endpoint, _enabled(ctx), module.Request))
+
+
+def patch_ws_utils(ctx, module) -> None:
+    """Part for entrypoints.vla.ws_utils: rebind infer_action, stamp each message's arrival."""
+    protocol = sys.modules["sglang.multimodal_gen.runtime.entrypoints.vla.protocol"]
+    ctx.setattr(module, "infer_action", protocol.infer_action)
+    original = module.unpack_msgpack
+    ctx.setattr(module, "unpack_msgpack", _passthrough(original, _stamping_unpack(original), _enabled(ctx)))
+
+
+def _stamping_recv_reqs(original):
+    @functools.wraps(original)
+    def recv_reqs(self):
+        received = original(self)
+        now = time.monotonic()
+        for _identity, req in received:
+            extra = getattr(req, "extra", None)
+            if isinstance(extra, dict) and TRACE_KEY in extra:
+                extra[TRACE_KEY]["worker_in"] = now
+        return received
+
+    return recv_reqs
+
+
+def patch_scheduler(ctx, module) -> None:
+    """Part for managers.scheduler: stamp each request when the scheduler has unpickled it."""
+    original = module.Scheduler.__dict__["recv_reqs"]
+    ctx.setattr(module.Scheduler, "recv_reqs", _passthrough(original, _stamping_recv_reqs(original), _enabled(ctx)))
+
+
+def _timed_execute_forward(original):
+    @functools.wraps(original)
+    def execute_forward(self, batch, return_req=False):
+        start = time.monotonic()
+        result = original(self, batch, return_req)
+        end = time.monotonic()
+        trace = getattr(batch[0], "extra", {}).get(TRACE_KEY) if len(batch) == 1 else None
+        output = getattr(result, "output", None)
+        if trace is None or not isinstance(output, list) or not output or not isinstance(output[0], dict):
+            return result
+        timings = output[0].get("timings")
+        if isinstance(timings, dict):
+            worker_in = trace.get("worker_in", start)
+            timings["to_worker_ms"] = _ms(worker_in, trace["sent"])
+            timings["worker_queue_ms"] = _ms(start, worker_in)
+            timings["worker_forward_ms"] = _ms(end, start)
+            timings[_REPLY_AT] = end
+        return result
+
+    return execute_forward
+
+
+def patch_gpu_worker(ctx, module) -> None:
+    """Part for managers.gpu_worker: time execute_forward, put the worker's stamps in the answer."""
+    original = module.GPUWorker.__dict__["execute_forward"]
+    ctx.setattr(module.GPUWorker, "execute_forward",
+                _passthrough(original, _timed_execute_forward(original), _enabled(ctx)))
