@@ -15,7 +15,8 @@ Why: per request, the HTTP process parses the JSON body with the standard librar
 How: the endpoint is sglang's, except that the body is parsed with orjson; a body orjson
     refuses (invalid JSON, NaN, integers beyond 64 bits, non-UTF-8 encodings) is parsed by
     json.loads as before, so its result or its error (HTTP 400 with json's message) is
-    unchanged. Base64 goes through pybase64 (SIMD; strict alphabet) and falls back to the
+    unchanged; so is one holding an integral float beyond 2**63 (orjson reads integer literals
+    beyond 64 bits as floats). Base64 goes through pybase64 (SIMD; strict alphabet) and falls back to the
     standard library for anything pybase64 refuses (whitespace, missing padding, junk), so
     the bytes and the errors are those of 0.5.17. When a request carries two or more encoded
     cameras, they are decoded on a small thread pool (Pillow releases the GIL while it
@@ -50,16 +51,35 @@ if TYPE_CHECKING:  # module globals of entrypoints.vla.api / .protocol that the 
 
 _ACTION_PATH = "/v1/actions/generations"
 _EXT_DECODE_THREADS = max(2, min(8, os.cpu_count() or 2))
+_EXT_INT64_LIMIT = float(2**63)
 _ext_decode_pool = None
 _ext_decode_pool_lock = threading.Lock()
 
 
+def _ext_maybe_wide_int(parsed) -> bool:
+    """True when the parse holds an integral float of magnitude >= 2**63: orjson reads integer
+    literals beyond 64 bits as floats where json.loads keeps them ints (a float literal such as
+    1e30 also lands here; json.loads then decides, as before)."""
+    stack = [parsed]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif type(item) is float and abs(item) >= _EXT_INT64_LIMIT and item == item and item.is_integer():
+            return True
+    return False
+
+
 def _ext_json_body(body: bytes):
-    """orjson's parse of a JSON body; json.loads (starlette's parser) for anything orjson refuses."""
+    """orjson's parse of a JSON body; json.loads (starlette's parser) for anything orjson refuses
+    or may read differently."""
     try:
-        return orjson.loads(body)
+        parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return json.loads(body)
+    return json.loads(body) if _ext_maybe_wide_int(parsed) else parsed
 
 
 def _ext_b64decode(data):

@@ -1,0 +1,174 @@
+"""Robot-side clients of a Pi0.5 server, with per-request timing: the OpenPI websocket
+(`/openpi/policy`, msgpack with numpy arrays) and the JSON action endpoint
+(`/v1/actions/generations`, cameras as base64 PNG). Used by `scripts/bench_pi05_server.py`,
+the robot-loop GPU test and the CPU tests of the transport patches.
+
+Every request's record holds the client's own times (encode, round trip, decode, total, ms)
+and the answer's `timings` (sglang's stage times, and with knob pi05_server_timing the
+server's hop times): `breakdown()` splits a record into where the time went.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+
+PROMPT = "pick up the red block and put it in the basket"
+# sglang's stage timings (VLA pipeline): their sum is the time inside the pipeline
+STAGE_KEYS = ("preprocess_ms", "cache_lookup_ms", "prefix_ms", "action_denoise_ms", "postprocess_ms")
+# pi05_server_timing's hop times, in path order
+HOP_KEYS = ("http_parse_ms", "http_decode_ms", "to_worker_ms", "worker_queue_ms", "worker_forward_ms",
+            "from_worker_ms", "server_total_ms")
+
+
+@dataclass
+class Observation:
+    images: Dict[str, np.ndarray]  # camera -> uint8 HWC
+    state: np.ndarray  # float32 [state_dim]
+    noise: np.ndarray  # float32 [horizon, action_dim]
+    seed: int
+
+
+def make_observation(seed: int, cameras: Sequence[str], *, state_dim: int = 8, horizon: int = 50,
+                     action_dim: int = 32, size: int = 224, fixed_state: bool = True) -> Observation:
+    """Random cameras and noise from `seed`. The state is fixed by default (the prompt, which
+    carries the discretized state, then has one token length: one graph layout)."""
+    rng = np.random.default_rng(seed)
+    images = {name: rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for name in cameras}
+    state = (np.linspace(-0.8, 0.6, state_dim) if fixed_state else rng.uniform(-1, 1, state_dim)).astype(np.float32)
+    noise = rng.standard_normal((horizon, action_dim)).astype(np.float32)
+    return Observation(images, state, noise, seed)
+
+
+def openpi_payload(obs: Observation, *, steps: int = 10, prompt: str = PROMPT) -> Dict[str, Any]:
+    """An OpenPI-style observation, as sglang's bench_pi05_openpi.py sends it (numpy arrays)."""
+    payload = {"prompt": prompt, "observation.state": obs.state, "observation.noise": obs.noise,
+               "num_inference_steps": steps, "enable_pi_prefix_cache": False, "enable_pi_cuda_graph": True,
+               "output_format": "numpy"}
+    for name, image in obs.images.items():
+        payload[f"observation.images.{name}"] = image
+    return payload
+
+
+def png_b64(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def json_body(obs: Observation, *, steps: int = 10, prompt: str = PROMPT, pngs: Optional[Dict[str, str]] = None
+              ) -> Dict[str, Any]:
+    """A /v1/actions/generations body: PNG cameras (base64), state and noise as JSON lists."""
+    pngs = pngs or {name: png_b64(image) for name, image in obs.images.items()}
+    return {"prompt": prompt, "images": {name: {"b64_json": pngs[name]} for name in obs.images},
+            "camera_order": list(obs.images), "state": obs.state.tolist(), "noise": obs.noise.tolist(),
+            "num_inference_steps": steps,
+            "runtime": {"cuda_graph": True, "prefix_cache": False, "return_timing": True}}
+
+
+@dataclass
+class Record:
+    encode_ms: float
+    round_trip_ms: float
+    decode_ms: float
+    total_ms: float
+    actions: np.ndarray
+    timings: Dict[str, float] = field(default_factory=dict)
+    server_timing: Dict[str, float] = field(default_factory=dict)
+
+
+def _floats(mapping) -> Dict[str, float]:
+    return {str(k): float(v) for k, v in (mapping or {}).items() if isinstance(v, (int, float))}
+
+
+class OpenPIClient:
+    """One persistent websocket to /openpi/policy; `infer` sends one observation, waits for its answer."""
+
+    def __init__(self, url: str, timeout: float = 300.0) -> None:
+        from websockets.sync.client import connect
+
+        from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import pack_msgpack, unpack_msgpack
+
+        self._pack, self._unpack = pack_msgpack, unpack_msgpack
+        ws_url = url.replace("http://", "ws://").rstrip("/") + "/openpi/policy"
+        self._ws = connect(ws_url, max_size=None, open_timeout=timeout, compression=None)
+        self._timeout = timeout
+        self.metadata = self._unpack(self._ws.recv(timeout=timeout))
+
+    def infer(self, payload: Dict[str, Any]) -> Record:
+        t0 = time.perf_counter()
+        message = self._pack(payload)
+        t1 = time.perf_counter()
+        self._ws.send(message)
+        answer = self._ws.recv(timeout=self._timeout)
+        t2 = time.perf_counter()
+        output = self._unpack(answer)
+        if "error" in output:
+            raise RuntimeError(f"server error: {str(output['error'])[-2000:]}")
+        actions = np.asarray(output["actions"], dtype=np.float32)
+        t3 = time.perf_counter()
+        return Record((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t3 - t0) * 1e3, actions,
+                      _floats(output.get("timings")), _floats(output.get("server_timing")))
+
+    def close(self) -> None:
+        self._ws.close()
+
+
+class JsonActionClient:
+    """One keep-alive HTTP connection to POST /v1/actions/generations."""
+
+    def __init__(self, host: str, port: int, timeout: float = 300.0) -> None:
+        self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
+
+    def infer(self, body: Dict[str, Any]) -> Record:
+        t0 = time.perf_counter()
+        data = json.dumps(body).encode()
+        t1 = time.perf_counter()
+        self._conn.request("POST", "/v1/actions/generations", body=data, headers={"Content-Type": "application/json"})
+        response = self._conn.getresponse()
+        raw = response.read()
+        t2 = time.perf_counter()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {raw[:2000]!r}")
+        answer = json.loads(raw)
+        actions = np.asarray(answer["data"][0]["action"]["values"], dtype=np.float32)
+        t3 = time.perf_counter()
+        return Record((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t3 - t0) * 1e3, actions,
+                      _floats(answer.get("timings")))
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def breakdown(record: Record) -> Dict[str, float]:
+    """Where one request's time went (ms). `pipeline` = sglang's stage times; `outside_pipeline` =
+    the client's total minus them. With hop times: `worker_other` = the worker's forward minus the
+    stages, `transport` = the client's round trip minus the server's span (sockets, uvicorn, the
+    answer's encoding)."""
+    t = record.timings
+    pipeline = sum(t.get(k, 0.0) for k in STAGE_KEYS)
+    out = {"total": record.total_ms, "client_encode": record.encode_ms, "client_decode": record.decode_ms,
+           "pipeline": pipeline, "outside_pipeline": record.total_ms - pipeline}
+    out.update({k[:-3]: t[k] for k in STAGE_KEYS if k in t})
+    if all(k in t for k in HOP_KEYS):
+        out.update({k[:-3]: t[k] for k in HOP_KEYS})
+        out["worker_other"] = t["worker_forward_ms"] - pipeline
+        out["transport"] = record.round_trip_ms - t["server_total_ms"]
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, int(round(q / 100.0 * (len(ordered) - 1)))))
+    return float(ordered[index])

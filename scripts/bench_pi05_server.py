@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""Pi0.5 as a robot sees it: per-request latency through the real server, and where it goes.
+
+Starts each server itself (one process each, one after another, one run id), on a random-weight
+Pi0.5 checkpoint at the real size (sglang_ext.testing.pi05_checkpoint, cameras named as sglang's
+bench_pi05_openpi.py LIBERO profile sends them: `image`, `image2`), and drives it like a robot:
+one request at a time, the next when the answer is back, after --warmup requests.
+
+Servers (--servers):
+  0517                  unpatched `sglang serve` 0.5.17
+  ext-no-transport      `python -m sglang_ext.serve` (exact path) with the transport patches off
+                        (mg_scheduler_client_reuse, pi05_action_transport, pi05_observation_device):
+                        0.5.17's request path, measured hop by hop (knob pi05_server_timing)
+  ext-exact             sglang-ext, exact path, transport patches on, hop times on
+  ext-fast              ext-exact plus --ext-pi05-fast
+Wires (--wires), each with this script's own client (sglang_ext.testing.pi05_clients):
+  openpi   the OpenPI websocket /openpi/policy, msgpack with numpy arrays (2 uint8 cameras 224x224,
+           state 8, noise 50x32), actions back as a numpy array
+  json     POST /v1/actions/generations, cameras as base64 PNG (encoded once per observation, not
+           timed: `client_png_encode_ms` says what it costs), state and noise as JSON lists
+  sglang   sglang's own benchmarks/bench_pi05_openpi.py --sglang-api openpi_ws (its observations,
+           server-sampled noise), when `websockets` is importable; its p50/p90 only
+Latency = from the payload (dict) ready to the actions as a numpy array: the client's encode and
+decode included. Per request the breakdown splits it into client encode/decode, transport (the
+client's round trip minus the server's span: sockets, uvicorn, encoding the answer), parsing and
+image decoding in the HTTP process, the ZMQ hop to the worker, the queue, the worker around the
+pipeline, the pipeline stages (sglang's timings) and the way back; p50 of each is reported.
+Accuracy: every server sees the same observations and noise; each answer is compared with the
+ext-exact server's answer to the same observation (max|a - ref| / max|ref|).
+
+On the GPU machine (docs/gpu-harness.md), about 2 min per server after the checkpoint exists:
+  source scripts/gpu_env.sh && python3 scripts/bench_pi05_server.py --out $OUT/server_pi05.json
+then copy the file into docs/bench/ and run scripts/gen_performance_doc.py.
+--cpu-logic-check runs the whole script here on sglang's server with a stand-in policy
+(sglang_ext.testing.fake_pi05_server; numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import bench_results  # noqa: E402
+from sglang_ext.testing import pi05_clients as clients  # noqa: E402
+
+SERVERS = ("0517", "ext-no-transport", "ext-exact", "ext-fast")
+WIRES = ("openpi", "json", "sglang")
+CAMERAS = ("image", "image2")  # sglang's bench_pi05_openpi.py LIBERO profile
+TRANSPORT_PATCHES = "mg_scheduler_client_reuse,pi05_action_transport,pi05_observation_device"
+REFERENCE_SERVER = "ext-exact"
+OBSERVATIONS = 8  # distinct observations, cycled
+SGLANG_UNPATCHED = "import sys; from sglang.cli.main import main; sys.argv = ['sglang', 'serve', *sys.argv[1:]]; main()"
+# Issue 26's targets (H200, fast path)
+TARGET_OPENPI_P50_MS, TARGET_JSON_P50_MS, TARGET_OUTSIDE_MS, TARGET_P99_OVER_P50 = 17.0, 19.0, 2.5, 1.3
+
+SCHEMA = {
+    **dict.fromkeys(("run_id", "device", "torch", "sglang", "attention", "command", "client_png_encode_ms")),
+    "kernels": bench_results.KERNELS_SCHEMA,
+    "settings": bench_results.ANY,
+    "servers": bench_results.ANY,  # server name -> {argv, start_s, log, error}
+    "results": [{
+        **dict.fromkeys(("server", "wire", "client", "requests", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "max_ms",
+                         "p99_over_p50", "stage_sum_p50_ms", "outside_pipeline_p50_ms", "max_rel_diff_vs_exact",
+                         "checked_requests", "error", "note")),
+        "breakdown_p50_ms": bench_results.ANY,  # part of the path -> p50 (ms)
+    }],
+}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated subset of {', '.join(SERVERS)}")
+    ap.add_argument("--wires", default=",".join(WIRES), help=f"comma-separated subset of {', '.join(WIRES)}")
+    ap.add_argument("--requests", type=int, default=30, help="timed requests per server and wire")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed requests first (graph captures, JIT)")
+    ap.add_argument("--steps", type=int, default=10, help="denoise steps")
+    ap.add_argument("--checkpoint", default=os.environ.get("SGLANG_EXT_TEST_PI05_CHECKPOINT", "/tmp/sgx-pi05-random"),
+                    help="random-weight checkpoint (written if missing); the bench serves a sibling folder with "
+                         "its weights and sglang's LIBERO camera names")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--log-dir", default=os.environ.get("SGX_TEST_LOG_DIR", ""), help="server logs (default: a tmp dir)")
+    ap.add_argument("--out", default="", help="write the results as JSON here (after every server)")
+    ap.add_argument("--cpu-logic-check", action="store_true",
+                    help="run on the CPU against sglang's server with a stand-in policy (checks the script)")
+    return ap
+
+
+def _choices(text: str, allowed, what: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise SystemExit(f"--{what}: {', '.join(bad) or 'empty'} not allowed; allowed: {', '.join(allowed)}")
+    return names
+
+
+def clean_env(**extra) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k != "SGLANG_EXT" and not k.startswith("SGLANG_EXT_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def prepare_model(args, workdir: str) -> str:
+    """The folder the servers load: assets with the LIBERO camera names, the checkpoint's weights linked."""
+    from sglang_ext.testing import pi05_checkpoint
+
+    folder = os.path.join(workdir, "bench-pi05")
+    if not args.cpu_logic_check:
+        if not os.path.exists(os.path.join(args.checkpoint, "COMPLETE")):
+            log(f"[bench] writing the random checkpoint {args.checkpoint}")
+            done = subprocess.run([sys.executable, "-m", "sglang_ext.testing.pi05_checkpoint", args.checkpoint],
+                                  env=clean_env(), timeout=1200)
+            if done.returncode != 0:
+                raise SystemExit(f"checkpoint synthesis failed (exit {done.returncode})")
+        folder = args.checkpoint.rstrip("/") + "-bench-cameras"
+    pi05_checkpoint.write_pi05_assets(folder, cameras=CAMERAS)
+    weights = os.path.join(folder, "model.safetensors")
+    if not args.cpu_logic_check and not os.path.exists(weights):
+        os.symlink(os.path.join(os.path.abspath(args.checkpoint), "model.safetensors"), weights)
+    return folder
+
+
+def server_command(name: str, args) -> tuple:
+    """(argv, extra env) of one server."""
+    py = sys.executable
+    timing = {"SGLANG_EXT_PI05_SERVER_TIMING": "1"}
+    if args.cpu_logic_check:  # the launchers need a GPU: sglang's server with the stand-in policy
+        base = [py, "-m", "sglang_ext.testing.fake_pi05_server"]
+        return {
+            "0517": (base, {"SGLANG_EXT": "0"}),
+            "ext-no-transport": (base + ["--ext"], {**timing, "SGLANG_EXT_DISABLE": TRANSPORT_PATCHES}),
+            "ext-exact": (base + ["--ext"], timing),
+            "ext-fast": (base + ["--ext"], {**timing, "SGLANG_EXT_PI05_FAST": "1"}),
+        }[name]
+    ext = [py, "-m", "sglang_ext.serve", "--ext-strict", "--ext-pi05-server-timing"]
+    env = {}
+    from sglang_ext.versions import installed_sglang_version, source_tree_version
+
+    if installed_sglang_version() is None:  # unpacked source tree on the GPU machine
+        import sglang
+
+        version = source_tree_version(os.path.dirname(os.path.dirname(sglang.__file__)))
+        if version:
+            env["SGLANG_EXT_ASSUME_SGLANG"] = version
+    return {
+        "0517": ([py, "-c", SGLANG_UNPATCHED], {"SGLANG_EXT": "0"}),
+        "ext-no-transport": (ext + ["--ext-disable", TRANSPORT_PATCHES], env),
+        "ext-exact": (ext, env),
+        "ext-fast": (ext + ["--ext-pi05-fast"], env),
+    }[name]
+
+
+def summarize(server: str, wire: str, records: List[clients.Record], reference) -> Dict[str, Any]:
+    totals = [r.total_ms for r in records]
+    parts = [clients.breakdown(r) for r in records]
+    keys = [k for k in parts[0] if all(k in p for p in parts)]
+    breakdown = {k: round(statistics.median(p[k] for p in parts), 3) for k in keys if k != "total"}
+    p50 = clients.percentile(totals, 50)
+    row = {"server": server, "wire": wire, "client": "own", "requests": len(records),
+           "p50_ms": p50, "p90_ms": clients.percentile(totals, 90), "p99_ms": clients.percentile(totals, 99),
+           "mean_ms": statistics.fmean(totals), "max_ms": max(totals),
+           "p99_over_p50": clients.percentile(totals, 99) / p50 if p50 > 0 else None,
+           "stage_sum_p50_ms": breakdown.get("pipeline"), "outside_pipeline_p50_ms": breakdown.get("outside_pipeline"),
+           "breakdown_p50_ms": breakdown}
+    if reference is not None:
+        worst = 0.0
+        for i, r in enumerate(records):
+            ref = reference[i % len(reference)]
+            worst = max(worst, float(abs(r.actions - ref).max()) / max(float(abs(ref).max()), 1e-6))
+        row["max_rel_diff_vs_exact"], row["checked_requests"] = worst, len(records)
+    return row
+
+
+def drive(client_infer, payloads, args) -> List[clients.Record]:
+    for i in range(args.warmup):
+        client_infer(payloads[i % len(payloads)])
+    records = []
+    for i in range(args.requests):
+        record = client_infer(payloads[i % len(payloads)])
+        if record.actions.shape != (50, 7) or not bool(abs(record.actions).max() < float("inf")):
+            raise RuntimeError(f"request {i}: actions of shape {record.actions.shape}, finite "
+                               f"{bool(abs(record.actions).max() < float('inf'))}")
+        records.append(record)
+    return records
+
+
+def run_sglang_bench(url: str, args, workdir: str) -> Dict[str, Any]:
+    out = os.path.join(workdir, f"sglang-bench-{time.time_ns()}.json")
+    argv = [sys.executable, "-m", "sglang.multimodal_gen.benchmarks.bench_pi05_openpi", "--skip-openpi",
+            "--sglang-api", "openpi_ws", "--sglang-url", url, "--batch-size", "1", "--num-samples", "16",
+            "--repeats", str(args.requests), "--warmup", str(args.warmup), "--disable-prefix-cache",
+            "--num-inference-steps", str(args.steps), "--output-file", out]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_pi05_openpi.py exit {done.returncode}: {done.stderr[-1500:]}")
+    with open(out, encoding="utf-8") as f:
+        single = json.load(f)["sglang"]["single"]
+    return {"client": "sglang bench_pi05_openpi.py (openpi_ws)", "requests": int(single["count"]),
+            "p50_ms": single["p50"], "p90_ms": single["p90"], "mean_ms": single["mean"], "max_ms": single["max"],
+            "note": "sglang's observations, server-sampled noise; no p99, no breakdown"}
+
+
+def run_server(name: str, args, model_dir: str, workdir: str, observations, reference_actions, report) -> None:
+    from sglang_ext.testing.server_process import free_port, start_server
+
+    argv, extra = server_command(name, args)
+    port = free_port()
+    log_path = os.path.join(args.log_dir or workdir, f"server-{name}.log")
+    full = [*argv, "--model-path", model_dir, "--pipeline-config-path", os.path.join(model_dir, "pipeline_config.json"),
+            "--host", "127.0.0.1", "--port", str(port), "--num-gpus", "1", "--warmup-mode", "off"]
+    entry = report["servers"][name] = {"argv": " ".join(full[1:]), "env": extra, "log": log_path}
+    server = start_server(full, clean_env(**extra), port, log_path)
+    try:
+        entry["start_s"] = round(server.wait_healthy(args.start_timeout), 1)
+        log(f"[bench] {name}: healthy after {entry['start_s']} s")
+        wires = _choices(args.wires, WIRES, "wires")
+        for wire in wires:
+            row = {"server": name, "wire": wire}
+            try:
+                if wire == "openpi":
+                    client = clients.OpenPIClient(server.url)
+                    try:
+                        payloads = [clients.openpi_payload(o, steps=args.steps) for o in observations]
+                        records = drive(client.infer, payloads, args)
+                    finally:
+                        client.close()
+                elif wire == "json":
+                    client = clients.JsonActionClient("127.0.0.1", port)
+                    try:
+                        pngs = report["_pngs"]
+                        payloads = [clients.json_body(o, steps=args.steps, pngs=p) for o, p in zip(observations, pngs)]
+                        records = drive(client.infer, payloads, args)
+                    finally:
+                        client.close()
+                else:
+                    row.update(run_sglang_bench(server.url, args, workdir))
+                    records = None
+                if records is not None:
+                    if name == REFERENCE_SERVER and wire == "openpi":
+                        reference_actions[:] = [r.actions for r in records[:len(observations)]]
+                    row = summarize(name, wire, records, reference_actions or None)
+            except Exception as exc:  # noqa: BLE001 - one failing wire becomes a row, the rest still runs
+                row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                log(f"[bench] {name} {wire}: {row['error']}\n{server.log_tail(3000)}")
+            report["results"].append(row)
+            log(f"[bench] {name} {wire}: p50 {row.get('p50_ms')} ms, outside pipeline "
+                f"{row.get('outside_pipeline_p50_ms')} ms")
+    except Exception as exc:  # noqa: BLE001 - a server that does not start is recorded, the next one runs
+        entry["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+        log(f"[bench] {name}: {entry['error']}")
+    finally:
+        server.stop()
+
+
+def _fmt(value, fmt="{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+BREAKDOWN_COLUMNS = ("client_encode", "transport", "http_parse", "http_decode", "to_worker", "worker_queue",
+                     "worker_other", "pipeline", "from_worker", "client_decode")
+
+
+def print_table(results: List[Dict[str, Any]]) -> None:
+    head = ["server", "wire", "n", "p50", "p90", "p99", "p99/p50", "stages", "outside", "rel vs exact"]
+    print(" | ".join(head))
+    for r in results:
+        if r.get("error"):
+            print(f"{r['server']} | {r['wire']} | error: {r['error'][:160]}")
+            continue
+        print(" | ".join([r["server"], r["wire"], str(r.get("requests")), _fmt(r.get("p50_ms")), _fmt(r.get("p90_ms")),
+                          _fmt(r.get("p99_ms")), _fmt(r.get("p99_over_p50")), _fmt(r.get("stage_sum_p50_ms")),
+                          _fmt(r.get("outside_pipeline_p50_ms")), _fmt(r.get("max_rel_diff_vs_exact"), "{:.1e}")]))
+    rows = [r for r in results if r.get("breakdown_p50_ms")]
+    if rows:
+        print("\nbreakdown, p50 ms: " + ", ".join(BREAKDOWN_COLUMNS) + " (- = not measured: no hop times)")
+        for r in rows:
+            b = r["breakdown_p50_ms"]
+            stages = ", ".join(f"{k} {b[k]:.2f}" for k in ("preprocess", "prefix", "action_denoise", "postprocess")
+                               if k in b)
+            print(f"{r['server']:>16} {r['wire']:>6}: " + " ".join(_fmt(b.get(k)) for k in BREAKDOWN_COLUMNS)
+                  + f"  [{stages}]")
+
+
+def targets(results: List[Dict[str, Any]]) -> List[tuple]:
+    """(label, measured, op, bound) rows of issue 26's targets, for the ext-fast rows present."""
+    rows = []
+    for r in results:
+        if r.get("server") != "ext-fast" or r.get("client") != "own" or r.get("p50_ms") is None:
+            continue
+        bound = TARGET_OPENPI_P50_MS if r["wire"] == "openpi" else TARGET_JSON_P50_MS
+        rows.append((f"ext-fast {r['wire']}: client p50 ms", r["p50_ms"], "<=", bound))
+        if r["wire"] == "openpi" and r.get("outside_pipeline_p50_ms") is not None:
+            rows.append(("ext-fast openpi: p50 outside the pipeline ms", r["outside_pipeline_p50_ms"], "<=",
+                         TARGET_OUTSIDE_MS))
+        rows.append((f"ext-fast {r['wire']}: p99 / p50", r["p99_over_p50"], "<=", TARGET_P99_OVER_P50))
+    return rows
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    servers = _choices(args.servers, SERVERS, "servers")
+    _choices(args.wires, WIRES, "wires")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.cpu_logic_check:
+        raise SystemExit("bench_pi05_server needs a CUDA device (or --cpu-logic-check)")
+    if "sglang" in args.wires:
+        try:
+            import websockets  # noqa: F401
+        except ImportError:
+            raise SystemExit("--wires sglang / openpi need the `websockets` package (requirements/gpu-carry.txt)")
+    import sglang
+
+    workdir = tempfile.mkdtemp(prefix="bench-pi05-server-")
+    model_dir = prepare_model(args, workdir)
+    observations = [clients.make_observation(seed, CAMERAS) for seed in range(OBSERVATIONS)]
+    started = time.perf_counter()
+    pngs = [{name: clients.png_b64(image) for name, image in o.images.items()} for o in observations]
+    report: Dict[str, Any] = {
+        "run_id": bench_results.RUN_ID, "device": torch.cuda.get_device_name() if cuda else "cpu (logic check)",
+        "torch": torch.__version__, "sglang": getattr(sglang, "__version__", "?"), "kernels": bench_results.kernels(),
+        "attention": "server default", "command": " ".join(["python3", *sys.argv]),
+        "client_png_encode_ms": (time.perf_counter() - started) * 1e3 / (OBSERVATIONS * len(CAMERAS)),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"}, "servers": {}, "results": [],
+        "_pngs": pngs}
+    # the reference server runs first so every other answer can be compared with it
+    order = sorted(servers, key=lambda s: s != REFERENCE_SERVER)
+    reference_actions: List[Any] = []
+    for name in order:
+        run_server(name, args, model_dir, workdir, observations, reference_actions, report)
+        if args.out:
+            bench_results.write(args.out, {k: v for k, v in report.items() if k != "_pngs"}, SCHEMA, default=str)
+    report["results"].sort(key=lambda r: (SERVERS.index(r["server"]), WIRES.index(r["wire"])))
+    if args.out:
+        bench_results.write(args.out, {k: v for k, v in report.items() if k != "_pngs"}, SCHEMA, default=str)
+    print_table(report["results"])
+    for label, value, op, bound in targets(report["results"]):
+        print(f"target: {label} {value:.2f} {op} {bound}: {'met' if value <= bound else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""Pi0.5 action transport patches on sglang 0.5.17's real code, CPU only (issue 26).
+
+In-process: sglang's own FastAPI app (`http_server.create_app`), its `/v1/actions/generations`
+endpoint and `/openpi/policy` websocket handler (starlette's TestClient), its request parsing and
+image decoding (`entrypoints.vla.protocol`), its `AsyncSchedulerClient` over real ZMQ to a
+scheduler stand-in thread that runs sglang's four Pi0.5 stages (real preprocessor with the offline
+Gemma-style tokenizer, real postprocessor) on `StandInPi05Policy` (the only fake: no 3.35 B model).
+Every answer is checked against what that policy must answer for its own request
+(`fake_pi05_server.expected_actions`), with and without the patches, and the patched answers must
+equal the unpatched ones; bad payloads get sglang's own error, unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import pickle
+import sys
+import threading
+
+import numpy as np
+import pytest
+import zmq
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from conftest import plugin_only
+from sglang_ext.testing import fake_pi05_server as stand_in
+from sglang_ext.testing import pi05_checkpoint as pc
+from sglang_ext.testing import pi05_clients as clients
+
+register_cpu_ci(est_time=60, suite="base-a-test-cpu")
+
+TRANSPORT = ("mg_scheduler_client_reuse", "pi05_action_transport", "pi05_server_timing")
+
+
+@pytest.fixture(scope="module")
+def server_args(tmp_path_factory):
+    """sglang serve's own ServerArgs for the checkpoint folder (weights are never read)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sglang.multimodal_gen.runtime.entrypoints.cli.serve import add_multimodal_gen_serve_args
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
+    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
+    from sglang_ext.testing.server_process import free_port
+
+    folder = str(pc.write_pi05_assets(tmp_path_factory.mktemp("assets") / "random-pi05"))
+    argv = ["--model-path", folder, "--pipeline-config-path", f"{folder}/pipeline_config.json", "--num-gpus", "1",
+            "--warmup-mode", "off", "--host", "127.0.0.1", "--port", str(free_port())]
+    saved = sys.argv
+    sys.argv = ["sglang", "serve", *argv]
+    try:
+        parser = argparse.ArgumentParser()
+        add_multimodal_gen_serve_args(parser)
+        parsed, rest = parser.parse_known_args(argv)
+        args = ServerArgs.from_cli_args(parsed, rest, default_args={"warmup_mode": "server"})
+    finally:
+        sys.argv = saved
+    args.scheduler_port = free_port()
+    args.broker_port  # noqa: B018 - property; settles the broker port now
+    Pi05PolicyModel._apply_checkpoint_config(folder, args.pipeline_config)
+    set_global_server_args(args)
+    return args
+
+
+class SchedulerStandIn(threading.Thread):
+    """A ROUTER on the scheduler endpoint running sglang's Pi0.5 stages for each request (what the
+    GPU worker's scheduler does, without the process)."""
+
+    def __init__(self, server_args, *, reply: bool = True) -> None:
+        super().__init__(daemon=True)
+        from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess import (
+            Pi05Preprocessor)
+        from sglang.multimodal_gen.runtime.pipelines_core.stages.vla import (
+            VLAActionDenoisingStage, VLAActionPostprocessStage, VLAObservationPreprocessStage, VLAPrefixEncodingStage)
+        from sglang.multimodal_gen.runtime.vla.prefix_cache import VLAPrefixCacheManager
+
+        policy = stand_in.StandInPi05Policy(server_args.pipeline_config)
+        self.stages = [VLAObservationPreprocessStage(Pi05Preprocessor(server_args.pipeline_config)),
+                       VLAPrefixEncodingStage(policy, VLAPrefixCacheManager(max_entries=1)),
+                       VLAActionDenoisingStage(policy), VLAActionPostprocessStage()]
+        self.server_args, self.reply = server_args, reply
+        self.identities, self.requests = [], 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.bind(server_args.scheduler_endpoint)
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import OutputBatch
+
+        while not self._done.is_set():
+            if not self._sock.poll(50):
+                continue
+            identity, _, payload = self._sock.recv_multipart()
+            self.identities.append(identity)
+            self.requests += 1
+            try:
+                received = pickle.loads(payload)
+                batch = received[0] if isinstance(received, list) else received
+                for stage in self.stages:
+                    batch = stage.forward(batch, self.server_args)
+                out = batch
+            except Exception as exc:  # noqa: BLE001 - the worker turns errors into OutputBatch.error
+                out = OutputBatch(error=f"Error executing request: {exc}")
+            if self.reply:
+                self._sock.send_multipart([identity, b"", pickle.dumps(out)])
+
+    def close(self) -> None:
+        self._done.set()
+        self.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+@pytest.fixture
+def scheduler(server_args):
+    running = SchedulerStandIn(server_args)
+    running.start()
+    yield running
+    running.close()
+
+
+def _app(server_args):
+    from sglang.multimodal_gen.runtime.entrypoints.http_server import create_app
+
+    return create_app(server_args)
+
+
+def _expected(obs, config):
+    first = obs.images[config.image_keys[0]]
+    return stand_in.expected_actions(first, obs.state, obs.noise, config.action_horizon, config.action_dim,
+                                     config.output_action_dim)
+
+
+OBSERVATIONS = [clients.make_observation(seed, pc.CAMERAS) for seed in range(4)]
+
+
+def _serve_requests(server_args):
+    """JSON and OpenPI answers of the app for OBSERVATIONS: ([json actions], [openpi outputs])."""
+    from fastapi.testclient import TestClient
+
+    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import pack_msgpack, unpack_msgpack
+
+    json_answers, ws_answers = [], []
+    with TestClient(_app(server_args)) as client:
+        for obs in OBSERVATIONS:
+            response = client.post("/v1/actions/generations", json=clients.json_body(obs))
+            assert response.status_code == 200, response.text
+            json_answers.append(response.json())
+        with client.websocket_connect("/openpi/policy") as ws:
+            metadata = unpack_msgpack(ws.receive_bytes())
+            assert metadata["input"]["image_keys"] == list(pc.CAMERAS)
+            for obs in OBSERVATIONS:
+                ws.send_bytes(pack_msgpack(clients.openpi_payload(obs)))
+                ws_answers.append(unpack_msgpack(ws.receive_bytes()))
+    return json_answers, ws_answers
+
+
+def _check_answers(server_args, json_answers, ws_answers):
+    config = server_args.pipeline_config
+    for obs, answer, output in zip(OBSERVATIONS, json_answers, ws_answers):
+        want = _expected(obs, config)
+        values = np.asarray(answer["data"][0]["action"]["values"], np.float32)
+        assert answer["data"][0]["action"]["shape"] == [50, 7]
+        np.testing.assert_allclose(values, want, rtol=0, atol=1e-5)
+        assert isinstance(output["actions"], np.ndarray) and output["actions"].dtype == np.float32
+        np.testing.assert_allclose(output["actions"], want, rtol=0, atol=1e-5)
+
+
+def test_unpatched_app_answers_each_request_over_both_wires(server_args, scheduler):
+    json_answers, ws_answers = _serve_requests(server_args)
+    _check_answers(server_args, json_answers, ws_answers)
+    # sglang 0.5.17 connects a new REQ socket per request: a new ROUTER identity each time
+    assert scheduler.requests == 2 * len(OBSERVATIONS)
+    assert len(set(scheduler.identities)) == scheduler.requests
+
+
+@plugin_only
+def test_patched_app_answers_the_same_reusing_one_socket_with_hop_times(server_args, scheduler, ext_patches):
+    unpatched = _serve_requests(server_args)
+    first_identities = len(set(scheduler.identities))
+    statuses = ext_patches(pi05_server_timing=1)
+    assert all(str(statuses[name]) == "applied" for name in TRANSPORT), {n: str(statuses[n]) for n in TRANSPORT}
+    json_answers, ws_answers = _serve_requests(server_args)
+    _check_answers(server_args, json_answers, ws_answers)
+    for (ours, theirs) in zip(json_answers, unpatched[0]):
+        assert ours["data"] == theirs["data"] and ours["usage"] == theirs["usage"]
+    for (ours, theirs) in zip(ws_answers, unpatched[1]):
+        assert np.array_equal(ours["actions"], theirs["actions"])
+    # one socket served every sequential request of the patched app
+    assert len(set(scheduler.identities)) == first_identities + 1
+    # hop times: the HTTP-side ones (the worker's need the real scheduler: test_pi05_transport_server.py)
+    for answer in [a["timings"] for a in json_answers] + [o["timings"] for o in ws_answers]:
+        for key in ("http_parse_ms", "http_decode_ms", "server_total_ms"):
+            assert 0 <= answer[key] <= answer["server_total_ms"], (key, answer)
+        assert "_ext_reply_at" not in answer and "to_worker_ms" not in answer  # stand-in scheduler: no worker
+    assert all(k in unpatched[0][0]["timings"] for k in ("preprocess_ms", "postprocess_ms"))
+    assert "http_parse_ms" not in unpatched[0][0]["timings"]
+
+
+@plugin_only
+def test_hop_times_stay_off_without_the_knob(server_args, scheduler, ext_patches):
+    statuses = ext_patches()
+    assert str(statuses["pi05_server_timing"]) == "applied"
+    json_answers, ws_answers = _serve_requests(server_args)
+    _check_answers(server_args, json_answers, ws_answers)
+    assert not any(k in json_answers[0]["timings"] for k in clients.HOP_KEYS)
+    assert not any(k in ws_answers[0]["timings"] for k in clients.HOP_KEYS)
+
+
+def _bad_requests(server_args):
+    """Status and detail of sglang's answers to malformed bodies."""
+    from fastapi.testclient import TestClient
+
+    good = clients.json_body(OBSERVATIONS[0])
+    bad_camera = {**good, "images": {**good["images"], pc.CAMERAS[1]: {"b64_json": "not*base64!"}}}
+    no_data = {**good, "images": {pc.CAMERAS[0]: {"b64_json": ""}}}
+    bodies = [b'{"prompt": "x", ', b'{"prompt": NaN, "state": [1e999]', json.dumps(bad_camera).encode(),
+              json.dumps(no_data).encode(), json.dumps({**good, "runtime": {"response_format": "csv"}}).encode()]
+    out = []
+    with TestClient(_app(server_args), raise_server_exceptions=False) as client:
+        for body in bodies:
+            response = client.post("/v1/actions/generations", content=body,
+                                   headers={"Content-Type": "application/json"})
+            out.append((response.status_code, response.text))
+    return out
+
+
+@plugin_only
+def test_bad_payloads_get_sglangs_own_errors(server_args, scheduler, ext_patches):
+    unpatched = _bad_requests(server_args)
+    reached_unpatched = scheduler.requests
+    ext_patches()
+    patched = _bad_requests(server_args)
+    reached_patched = scheduler.requests - reached_unpatched
+    assert patched == unpatched
+    assert [status for status, _ in patched] == [400, 400, 400, 400, 400], patched
+    assert "image payload requires b64_json" in patched[3][1]
+    assert "response_format" in patched[4][1]
+    # bad JSON and bad cameras stop in the HTTP process; sglang checks response_format only after the
+    # answer (its own order, kept)
+    assert reached_patched == reached_unpatched == 1
+
+
+def test_json_body_parse_matches_json_loads_including_its_errors():
+    from sglang_ext.adapters.pi05_action_transport import _ext_json_body
+
+    bodies = [b'{"a": [1, 2.5, -3e-7], "b": {"c": "\\u00e9"}}', b'{"x": NaN, "y": Infinity}',
+              b'{"big": 123456789012345678901234567890}', '{"s": "caf\u00e9"}'.encode("utf-16"),
+              b'{"dup": 1, "dup": 2}', b'[1, 2]']
+    for body in bodies:
+        want = json.loads(body)
+        got = _ext_json_body(body)
+        assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+    for body in (b'{"a": ', b"", b"{'single': 1}"):
+        with pytest.raises(json.JSONDecodeError) as ours:
+            _ext_json_body(body)
+        with pytest.raises(json.JSONDecodeError) as theirs:
+            json.loads(body)
+        assert str(ours.value) == str(theirs.value)
+
+
+def test_b64_decoding_gives_the_standard_librarys_bytes_and_errors():
+    from sglang_ext.adapters.pi05_action_transport import _ext_b64decode
+
+    raw = np.random.default_rng(0).integers(0, 256, 3001, dtype=np.uint8).tobytes()
+    text = base64.b64encode(raw).decode()
+    for variant in (text, text[:1000] + "\n" + text[1000:], text.rstrip("="), "", "!!!!"):
+        try:
+            want = base64.b64decode(variant)
+        except Exception as exc:  # noqa: BLE001 - compared below
+            with pytest.raises(type(exc), match=str(exc)):
+                _ext_b64decode(variant)
+        else:
+            assert _ext_b64decode(variant) == want
+
+
+@plugin_only
+def test_cameras_decode_concurrently_into_the_same_images(server_args, ext_patches):
+    from PIL import Image
+
+    from sglang.multimodal_gen.runtime.entrypoints.vla import protocol
+
+    body = clients.json_body(OBSERVATIONS[1])
+    body["images"]["extra_rgba"] = {"b64_json": _png(np.full((5, 7, 4), 200, np.uint8))}
+    unpatched = protocol.build_action_sampling_params(json.loads(json.dumps(body)), server_args)
+    ext_patches()
+    assert protocol._normalize_observation.__wrapped__ is not None
+    patched = protocol.build_action_sampling_params(json.loads(json.dumps(body)), server_args)
+    assert set(patched.images) == set(unpatched.images) == {*pc.CAMERAS, "extra_rgba"}
+    for name in unpatched.images:
+        ours, theirs = patched.images[name], unpatched.images[name]
+        assert isinstance(ours, Image.Image) and ours.mode == theirs.mode == "RGB"
+        assert np.array_equal(np.asarray(ours), np.asarray(theirs))
+    for name, image in OBSERVATIONS[1].images.items():
+        assert np.array_equal(np.asarray(patched.images[name]), image)
+
+
+def _png(array) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@plugin_only
+def test_a_socket_whose_round_trip_did_not_complete_is_closed_not_reused(server_args, ext_patches):
+    ext_patches()
+    from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
+    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import build_action_sampling_params
+    from sglang.multimodal_gen.runtime.scheduler_client import AsyncSchedulerClient
+
+    silent = SchedulerStandIn(server_args, reply=False)
+    silent.start()
+    client = AsyncSchedulerClient()
+    try:
+        async def cancelled_then_concurrent():
+            client.initialize(server_args)
+            req = prepare_request(server_args, build_action_sampling_params(
+                clients.openpi_payload(OBSERVATIONS[0]), server_args))
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.forward(req), timeout=0.5)
+            return list(client.__dict__.get("_ext_idle_sockets", []))
+
+        idle = asyncio.run(cancelled_then_concurrent())
+        assert idle == []  # the socket still waiting for its reply was closed
+        assert silent.requests == 1
+    finally:
+        client.close()
+        silent.close()
+
+
+@plugin_only
+def test_concurrent_requests_get_their_own_answers_and_sockets_are_kept(server_args, scheduler, ext_patches):
+    ext_patches()
+    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import infer_action
+    from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
+
+    async def burst():
+        async_scheduler_client.initialize(server_args)
+        try:
+            outputs = await asyncio.gather(*[infer_action(clients.openpi_payload(o), server_args)
+                                             for o in OBSERVATIONS for _ in range(2)])
+            idle = len(async_scheduler_client.__dict__.get("_ext_idle_sockets", []))
+            again = await infer_action(clients.openpi_payload(OBSERVATIONS[0]), server_args)
+            return outputs, idle, again
+        finally:
+            async_scheduler_client.close()
+
+    outputs, idle, again = asyncio.run(burst())
+    config = server_args.pipeline_config
+    for i, output in enumerate(outputs):
+        np.testing.assert_allclose(output["actions"], _expected(OBSERVATIONS[i // 2], config), rtol=0, atol=1e-5)
+    assert 1 <= idle <= len(outputs)
+    assert len(set(scheduler.identities)) == idle  # the last request reused one of them
+    assert "_ext_idle_sockets" not in async_scheduler_client.__dict__  # close() closed them
+    np.testing.assert_allclose(again["actions"], _expected(OBSERVATIONS[0], config), rtol=0, atol=1e-5)
