@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Pi0.5 as a robot sees it: per-request latency through the real server, and where it goes.
 
-Starts each server itself (one process each, one after another, one run id), on a random-weight
-Pi0.5 checkpoint at the real size (sglang_ext.testing.pi05_checkpoint, cameras named as sglang's
-bench_pi05_openpi.py LIBERO profile sends them: `image`, `image2`), and drives it like a robot:
-one request at a time, the next when the answer is back, after --warmup requests.
+Starts each server itself (one process each, one after another, one run id), on the random-weight
+Pi0.5 checkpoint at the real size of the server tests (sglang_ext.testing.pi05_checkpoint: cameras
+base_0_rgb, left_wrist_0_rgb), and drives it like a robot: one request at a time, the next when
+the answer is back, after --warmup requests.
 
 Servers (--servers):
   0517                  unpatched `sglang serve` 0.5.17
@@ -19,7 +19,10 @@ Wires (--wires), each with this script's own client (sglang_ext.testing.pi05_cli
   json     POST /v1/actions/generations, cameras as base64 PNG (encoded once per observation, not
            timed: `client_png_encode_ms` says what it costs), state and noise as JSON lists
   sglang   sglang's own benchmarks/bench_pi05_openpi.py --sglang-api openpi_ws (its observations,
-           server-sampled noise), when `websockets` is importable; its p50/p90 only
+           server-sampled noise); its p50/p90 only. Its LIBERO profile names the cameras `image`,
+           `image2`; sglang 0.5.17's HTTP process matches `observation.images.<key>` against the
+           default image_keys (the checkpoint's config is applied in the worker only), so those frames
+           are dropped and the prefix is masked: the latency of that workload, not of the others
 Latency = from the payload (dict) ready to the actions as a numpy array: the client's encode and
 decode included. Per request the breakdown splits it into client encode/decode, transport (the
 client's round trip minus the server's span: sockets, uvicorn, encoding the answer), parsing and
@@ -38,6 +41,7 @@ then copy the file into docs/bench/ and run scripts/gen_performance_doc.py.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -56,7 +60,6 @@ from sglang_ext.testing import pi05_clients as clients  # noqa: E402
 
 SERVERS = ("0517", "ext-no-transport", "ext-exact", "ext-fast")
 WIRES = ("openpi", "json", "sglang")
-CAMERAS = ("image", "image2")  # sglang's bench_pi05_openpi.py LIBERO profile
 TRANSPORT_PATCHES = "mg_scheduler_client_reuse,pi05_action_transport,pi05_observation_device"
 REFERENCE_SERVER = "ext-exact"
 OBSERVATIONS = 8  # distinct observations, cycled
@@ -90,8 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5, help="untimed requests first (graph captures, JIT)")
     ap.add_argument("--steps", type=int, default=10, help="denoise steps")
     ap.add_argument("--checkpoint", default=os.environ.get("SGLANG_EXT_TEST_PI05_CHECKPOINT", "/tmp/sgx-pi05-random"),
-                    help="random-weight checkpoint (written if missing); the bench serves a sibling folder with "
-                         "its weights and sglang's LIBERO camera names")
+                    help="random-weight checkpoint folder (written if missing, reused while the machine is held)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--log-dir", default=os.environ.get("SGX_TEST_LOG_DIR", ""), help="server logs (default: a tmp dir)")
     ap.add_argument("--out", default="", help="write the results as JSON here (after every server)")
@@ -116,23 +118,18 @@ def clean_env(**extra) -> Dict[str, str]:
 
 
 def prepare_model(args, workdir: str) -> str:
-    """The folder the servers load: assets with the LIBERO camera names, the checkpoint's weights linked."""
+    """The folder the servers load: the checkpoint (written if missing); assets only for the stand-in."""
     from sglang_ext.testing import pi05_checkpoint
 
-    folder = os.path.join(workdir, "bench-pi05")
-    if not args.cpu_logic_check:
-        if not os.path.exists(os.path.join(args.checkpoint, "COMPLETE")):
-            log(f"[bench] writing the random checkpoint {args.checkpoint}")
-            done = subprocess.run([sys.executable, "-m", "sglang_ext.testing.pi05_checkpoint", args.checkpoint],
-                                  env=clean_env(), timeout=1200)
-            if done.returncode != 0:
-                raise SystemExit(f"checkpoint synthesis failed (exit {done.returncode})")
-        folder = args.checkpoint.rstrip("/") + "-bench-cameras"
-    pi05_checkpoint.write_pi05_assets(folder, cameras=CAMERAS)
-    weights = os.path.join(folder, "model.safetensors")
-    if not args.cpu_logic_check and not os.path.exists(weights):
-        os.symlink(os.path.join(os.path.abspath(args.checkpoint), "model.safetensors"), weights)
-    return folder
+    if args.cpu_logic_check:
+        return str(pi05_checkpoint.write_pi05_assets(os.path.join(workdir, "random-pi05")))
+    if not os.path.exists(os.path.join(args.checkpoint, "COMPLETE")):
+        log(f"[bench] writing the random checkpoint {args.checkpoint}")
+        done = subprocess.run([sys.executable, "-m", "sglang_ext.testing.pi05_checkpoint", args.checkpoint],
+                              env=clean_env(), timeout=1200)
+        if done.returncode != 0:
+            raise SystemExit(f"checkpoint synthesis failed (exit {done.returncode})")
+    return args.checkpoint
 
 
 def server_command(name: str, args) -> tuple:
@@ -320,15 +317,14 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_logic_check:
         raise SystemExit("bench_pi05_server needs a CUDA device (or --cpu-logic-check)")
-    if "sglang" in args.wires:
-        try:
-            import websockets  # noqa: F401
-        except ImportError:
-            raise SystemExit("--wires sglang / openpi need the `websockets` package (requirements/gpu-carry.txt)")
+    if {"sglang", "openpi"} & set(_choices(args.wires, WIRES, "wires")) and importlib.util.find_spec("websockets") is None:
+        raise SystemExit("--wires openpi / sglang need the `websockets` package (requirements/gpu-carry.txt)")
     import sglang
 
     workdir = tempfile.mkdtemp(prefix="bench-pi05-server-")
     model_dir = prepare_model(args, workdir)
+    from sglang_ext.testing.pi05_checkpoint import CAMERAS
+
     observations = [clients.make_observation(seed, CAMERAS) for seed in range(OBSERVATIONS)]
     started = time.perf_counter()
     pngs = [{name: clients.png_b64(image) for name, image in o.images.items()} for o in observations]

@@ -39,9 +39,9 @@ ACTION_HORIZON = 50
 ACTION_DIM = 32
 
 
-def policy_config(cameras=CAMERAS) -> dict:
+def policy_config() -> dict:
     """The checkpoint's config.json (fields sglang's Pi05PolicyModel._apply_checkpoint_config reads)."""
-    features = {f"observation.images.{name}": {"type": "VISUAL", "shape": [3, 224, 224]} for name in cameras}
+    features = {f"observation.images.{name}": {"type": "VISUAL", "shape": [3, 224, 224]} for name in CAMERAS}
     features["observation.state"] = {"type": "STATE", "shape": [STATE_DIM]}
     return {
         "type": "pi05", "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m",
@@ -101,12 +101,11 @@ def action_request(seed: int, *, num_inference_steps: int = 10) -> dict:
     }
 
 
-def write_pi05_assets(path, cameras=CAMERAS) -> pathlib.Path:
-    """Everything but the weights: config.json, tokenizer/, pipeline_config.json. `cameras`
-    names the image inputs (sglang's bench_pi05_openpi.py LIBERO profile sends "image", "image2")."""
+def write_pi05_assets(path) -> pathlib.Path:
+    """Everything but the weights: config.json, tokenizer/, pipeline_config.json."""
     out = pathlib.Path(path).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(policy_config(cameras), indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(policy_config(), indent=2, sort_keys=True) + "\n")
     tokenizer = write_tiny_gemma_tokenizer(out / "tokenizer")
     (out / "pipeline_config.json").write_text(json.dumps({"tokenizer_name": str(tokenizer)}, indent=2) + "\n")
     return out
