@@ -208,7 +208,8 @@ def run_sglang_bench(url: str, args, workdir: str) -> Dict[str, Any]:
     with open(out, encoding="utf-8") as f:
         single = json.load(f)["sglang"]["single"]
     return {"client": "sglang bench_pi05_openpi.py (openpi_ws)", "requests": int(single["count"]),
-            "p50_ms": single["p50"], "p90_ms": single["p90"], "mean_ms": single["mean"], "max_ms": single["max"],
+            "p50_ms": single["p50_ms"], "p90_ms": single["p90_ms"], "mean_ms": single["mean_ms"],
+            "max_ms": single["max_ms"],
             "note": "sglang's observations, server-sampled noise; no p99, no breakdown"}
 
 

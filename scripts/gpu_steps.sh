@@ -13,6 +13,10 @@
 #   bench-vit                scripts/bench_vit.py (BENCH_VIT_ARGS)
 #   bench-vit-server         scripts/bench_vit_server.py (BENCH_VIT_SERVER_ARGS; the real-scale checkpoint is
 #                            kept in /tmp/sgx/models while the machine is held)
+#   pi05-loop                robot closed loop over /openpi/policy (200 steps, fast path vs exact server) and the
+#                            observation-on-device GPU test; needs `websockets` (requirements/gpu-carry.txt)
+#   bench-pi05-server        scripts/bench_pi05_server.py: 0517, ext-no-transport, ext-exact, ext-fast servers one
+#                            after another (BENCH_PI05_SERVER_ARGS), JSON in the step's tarball (server_pi05.json)
 #   bench-pi05               scripts/bench_pi05.py: 0.5.17, 0.5.19, then sglang-ext (all modes), one
 #                            process each, one after another, one run id; then docs/performance.md's
 #                            Pi0.5 section rendered from them ($OUT/performance.md). 4.5-6 min on an H200.
@@ -71,12 +75,15 @@ test/registered/vit/test_vit_cuda_graph_cuda.py test/registered/pi05/test_pi05_g
 '(test_graph_core_cuda or replays_current or rotary_buffer or capacity_overflow or evicting_gemm \
 or (graph_mode_matches_eager and full and 17) or consecutive_requests) and not failed_capture \
 and not return_pool_memory and not workspace_growth'}" ;;
+    pi05-loop) echo "python3 -m pytest -x -q -s -rA -p no:cacheprovider test/registered/pi05/test_pi05_observation_device_cuda.py \
+test/registered/pi05/test_pi05_robot_loop_cuda.py" ;;
+    bench-pi05-server) echo "python3 scripts/bench_pi05_server.py ${BENCH_PI05_SERVER_ARGS:-} --log-dir \$OUT --out \$OUT/server_pi05.json" ;;
     bench-vit) echo "python3 scripts/bench_vit.py ${BENCH_VIT_ARGS:-} --out $OUT/vit.json" ;;
     bench-vit-server) echo "python3 scripts/bench_vit_server.py ${BENCH_VIT_SERVER_ARGS:-} --workdir /tmp/sgx/vit-server \
 --model-dir /tmp/sgx/models/${VIT_SERVER_MODEL:-qwen2_5_vl}-real --model ${VIT_SERVER_MODEL:-qwen2_5_vl} \
 --out $OUT/vit_server.json" ;;
     bench-pi05) echo "bench_pi05_all" ;;
-    *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, pi05-fast, unit, sanitizer, bench-vit, bench-vit-server, bench-pi05)" >&2; return 2 ;;
+    *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, pi05-fast, pi05-loop, unit, sanitizer, bench-vit, bench-vit-server, bench-pi05, bench-pi05-server)" >&2; return 2 ;;
   esac
 }
 
