@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", default=os.environ.get("SGLANG_EXT_TEST_PI05_CHECKPOINT", "/tmp/sgx-pi05-random"),
                     help="random-weight checkpoint folder (written if missing, reused while the machine is held)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
-    ap.add_argument("--log-dir", default=os.environ.get("SGX_TEST_LOG_DIR", ""), help="server logs (default: a tmp dir)")
+    ap.add_argument("--log-dir", default=os.environ.get("SGX_TEST_LOG_DIR", ""),
+                    help="server logs (default: a tmp dir)")
     ap.add_argument("--out", default="", help="write the results as JSON here (after every server)")
     ap.add_argument("--cpu-logic-check", action="store_true",
                     help="run on the CPU against sglang's server with a stand-in policy (checks the script)")
@@ -318,7 +319,8 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_logic_check:
         raise SystemExit("bench_pi05_server needs a CUDA device (or --cpu-logic-check)")
-    if {"sglang", "openpi"} & set(_choices(args.wires, WIRES, "wires")) and importlib.util.find_spec("websockets") is None:
+    needs_ws = {"sglang", "openpi"} & set(_choices(args.wires, WIRES, "wires"))
+    if needs_ws and importlib.util.find_spec("websockets") is None:
         raise SystemExit("--wires openpi / sglang need the `websockets` package (requirements/gpu-carry.txt)")
     import sglang
 
