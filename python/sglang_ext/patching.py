@@ -65,7 +65,7 @@ class PatchContext:
         out = []
         for s in self.swaps:
             live = s.owner.get(s.name, _MISSING) if isinstance(s.owner, _ItemOwner) else _live_attr(s.owner, s.name)
-            if live is not s.replacement:
+            if live is not s.replacement and not _wraps(live, s.replacement):
                 out.append(f"{s.describe()} is not the patched object after applying")
         return out
 
@@ -89,6 +89,19 @@ class PatchContext:
             else:
                 setattr(s.owner, s.name, s.original)
         self.swaps.clear()
+
+
+def _wraps(live: Any, replacement: Any) -> bool:
+    """True when `live` is a later patch's wrapper around `replacement` (it says so through
+    `__sglang_ext_wraps__`, e.g. pi05_server_timing around pi05_action_transport's endpoint):
+    the replacement still runs."""
+    for _ in range(8):
+        live = getattr(live, "__sglang_ext_wraps__", None)
+        if live is None:
+            return False
+        if live is replacement:
+            return True
+    return False
 
 
 class _ItemOwner:

@@ -209,7 +209,8 @@ def test_default_text_is_one_verdict_line_and_verbose_adds_every_patch():
     proc = subprocess.run([sys.executable, "-m", "sglang_ext", "doctor", "--no-import"],
                           env=clean_env(SGLANG_EXT_DISABLE="pi05_config"), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == ""
-    assert proc.stdout == ("sglang-ext: OK \u2014 6/6 patches armed on sglang 0.5.17 (fingerprints match; "
+    armed = len(PATCH_NAMES) - 1
+    assert proc.stdout == (f"sglang-ext: OK \u2014 {armed}/{armed} patches armed on sglang 0.5.17 (fingerprints match; "
                            "each applies when sglang imports its module; 1 disabled)\n")
     rc, verbose = run_cli("doctor", "--no-import", "--verbose")
     lines = verbose.splitlines()
