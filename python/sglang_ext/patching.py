@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.util
 import sys
 import threading
+import types as _types
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -25,12 +26,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 _MISSING = object()
 
 
-@dataclass
+@dataclass(eq=False)
 class AttrSwap:
     owner: Any
     name: str
     original: Any  # _MISSING if the attribute did not exist
     replacement: Any
+    # swaps of names bound from this swap's replacement module whose sglang object is importable
+    # only once this swap is rolled back (see _unpatched)
+    dependents: List["AttrSwap"] = field(default_factory=list)
 
     def describe(self) -> str:
         if isinstance(self.owner, _ItemOwner):
@@ -52,13 +56,18 @@ class PatchContext:
     def setattr(self, owner: Any, name: str, value: Any) -> None:
         original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
         setattr(owner, name, value)
-        self.swaps.append(AttrSwap(owner, name, original, value))
+        self._record(AttrSwap(owner, name, original, value))
 
     def setitem(self, mapping: Any, key: Any, value: Any) -> None:
         """Replace a dict entry (e.g. qwen3_vl.graph_runners_dict['cuda'])."""
         original = mapping[key] if key in mapping else _MISSING
         mapping[key] = value
-        self.swaps.append(AttrSwap(_ItemOwner(mapping), key, original, value))
+        self._record(AttrSwap(_ItemOwner(mapping), key, original, value))
+
+    def _record(self, swap: AttrSwap) -> None:
+        swap.original = _unpatched(swap)
+        self.swaps.append(swap)
+        _live_swaps.setdefault(id(swap.replacement), []).append(swap)
 
     def problems(self) -> List[str]:
         """Verify: every recorded swap is still what is live."""
@@ -88,7 +97,77 @@ class PatchContext:
                     pass
             else:
                 setattr(s.owner, s.name, s.original)
+            _forget(s)
         self.swaps.clear()
+
+
+# Every recorded swap not yet rolled back, by id of its replacement (held by the swap, so the id is
+# not reused while the entry exists).
+_live_swaps: Dict[int, List[AttrSwap]] = {}
+
+
+def _location(owner: Any, name: Any) -> Tuple[int, Any]:
+    return (id(owner.mapping) if isinstance(owner, _ItemOwner) else id(owner)), name
+
+
+def _unpatched(swap: AttrSwap) -> Any:
+    """What `swap`'s attribute held before sglang-ext, given that it holds `swap.original` now.
+
+    A module that binds a name from patched code (`from .protocol import infer_action`) while the
+    patch is applied holds the patch's object, not sglang's: restoring that object on rollback
+    would leave sglang-ext's code behind after deactivation (its added globals gone: a NameError
+    on the next call). Two ways in:
+    - the name's source attribute was swapped from one object to another: that swap's original
+      is sglang's object. A later patch wrapping the *same* attribute keeps the replacement
+      (rolling the wrapper back alone restores the first patch);
+    - the source module was replaced whole in sys.modules (`install_module`): sglang's object is
+      the same name in the module it replaced; when that was never imported, the name is resolved
+      when the module swap rolls back (`dependents`).
+    Only functions and classes are followed (a value such as True is not an identity)."""
+    current = swap.original
+    if not isinstance(current, (_types.FunctionType, type)):
+        return current
+    here = _location(swap.owner, swap.name)
+    sources = _live_swaps.get(id(current), [])
+    if any(_location(s.owner, s.name) == here for s in sources):
+        return current
+    for s in sources:  # not a swap that only keeps sglang's object under a new name (`_ext_orig_*`)
+        if s.original is not _MISSING and s.original is not current:
+            return s.original
+    modules = [s for swaps in _live_swaps.values() for s in swaps
+               if isinstance(s.owner, _ItemOwner) and s.owner.mapping is sys.modules
+               and isinstance(s.replacement, ModuleType) and vars(s.replacement).get(swap.name) is current]
+    for s in modules:
+        if isinstance(s.original, ModuleType) and hasattr(s.original, swap.name):
+            return getattr(s.original, swap.name)
+    for s in modules:  # one module may be installed under several names (upstream's and 0.5.17's)
+        if s.original is _MISSING:
+            s.dependents.append(swap)
+    return current
+
+
+def _forget(swap: AttrSwap) -> None:
+    """`swap` was rolled back: drop it from the live swaps, settle its dependents."""
+    live = _live_swaps.get(id(swap.replacement), [])
+    if swap in live:
+        live.remove(swap)
+    if not live:
+        _live_swaps.pop(id(swap.replacement), None)
+    if not swap.dependents:
+        return
+    dependents, swap.dependents = swap.dependents, []
+    try:
+        module = importlib.import_module(swap.name)  # sglang's module, now that the swap is undone
+    except Exception:  # noqa: BLE001 - not sglang's (a name only sglang-ext provides): nothing to restore
+        return
+    for dep in dependents:
+        original = getattr(module, dep.name, _MISSING)
+        if original is _MISSING:
+            continue
+        if any(dep in swaps for swaps in _live_swaps.values()):
+            dep.original = original  # restored when its own patch rolls back
+        elif _live_attr(dep.owner, dep.name) is dep.original:
+            setattr(dep.owner, dep.name, original)  # rolled back already, to the replaced module's object
 
 
 def _wraps(live: Any, replacement: Any) -> bool:
@@ -258,7 +337,6 @@ def _install_finder() -> None:
 
 import builtins as _builtins
 import dis as _dis
-import types as _types
 
 _GLOBAL_NAME_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
 

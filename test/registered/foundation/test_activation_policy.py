@@ -542,3 +542,160 @@ def test_sglang_without_dist_metadata_is_identified_by_its_version_file(monkeypa
     assert activation.resolve_version(None) == "0.5.17"
     monkeypatch.setattr(activation, "installed_sglang_path", lambda: None)
     assert activation.resolve_version(None) is None  # no sglang at all: "sglang is not installed"
+
+
+# --------------------------------------------------------------------------
+# Names a module binds from patched code while the patch is applied (`from .source import work`
+# run after activation) are sglang's objects again after deactivation
+# --------------------------------------------------------------------------
+
+BOUND_ADAPTER = '''
+import sys
+
+from sglang_ext.patching import install_module
+
+
+def _ext_suffix():
+    return "!"
+
+
+def patched_work():
+    return "patched work" + _ext_suffix()
+
+
+def patch_source(ctx, module):
+    ctx.setattr(module, "_ext_orig_work", module.work)  # sglang's object kept under a new name
+    ctx.transplant_function(module, patched_work, name="work")
+
+
+def patch_user(ctx, module):
+    ctx.setattr(module, "work", sys.modules[module.__package__ + ".source"].work)  # rebinds the copy
+
+
+def wrap_source(ctx, module):
+    inner = module.work
+
+    def work():
+        return "[" + inner() + "]"
+
+    ctx.setattr(module, "work", work)
+
+
+def install_runner(ctx, module):
+    from . import ext_runner
+
+    install_module(ctx, module.__name__ + ".legacy", ext_runner)
+
+
+def patch_runner_user(ctx, module):
+    ctx.setattr(module, "Runner", sys.modules[module.__package__ + ".legacy"].Runner)
+'''
+
+
+def bound_by_name(tmp_path, monkeypatch, *parts):
+    """A package whose `user` binds `work` from `source` and `runner_user` binds `Runner` from
+    `legacy` by name; one patch per (trigger, adapter function) in `parts`, activated eagerly."""
+    pkg = f"ext_bound_{next(_counter)}"
+    root = tmp_path / pkg
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "source.py").write_text("def work():\n    return 'original work'\n")
+    (root / "user.py").write_text("from .source import work\n")
+    (root / "legacy.py").write_text("class Runner:\n    kind = 'legacy'\n")
+    (root / "ext_runner.py").write_text("class Runner:\n    kind = 'ext'\n")
+    (root / "runner_user.py").write_text("from .legacy import Runner\n")
+    (root / "adapter.py").write_text(BOUND_ADAPTER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    specs = tuple(PatchSpec(name=f"p{i}", summary="-", targets=(), upstream_pr="-", retire_when="-",
+                            parts=(Part(f"{pkg}{trigger}", f"{pkg}.adapter:{fn}"),))
+                  for i, (trigger, fn) in enumerate(parts))
+    monkeypatch.setattr(activation, "PATCHES", specs)
+    monkeypatch.setattr(registry, "PATCHES", specs)
+    got = activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1"}, version="0.5.17", eager=True)
+    assert {str(st) for st in got.values()} == {"applied"}, got
+    return lambda name: importlib.import_module(f"{pkg}.{name}")
+
+
+def test_a_patched_function_bound_by_name_is_sglangs_again_after_deactivate(tmp_path, monkeypatch):
+    module = bound_by_name(tmp_path, monkeypatch, (".source", "patch_source"), (".user", "patch_user"))
+    source, user = module("source"), module("user")  # user imported now: it binds the patched work
+    assert user.work() == source.work() == "patched work!"
+    activation.deactivate()
+    # before: user.work stayed the transplanted function while its helper _ext_suffix was removed
+    assert user.work is source.work and user.work() == "original work"
+    assert "_ext_suffix" not in vars(source) and "_ext_orig_work" not in vars(source)
+
+
+def test_a_later_wrapper_of_the_same_attribute_rolled_back_alone_restores_the_first_patch(tmp_path, monkeypatch):
+    module = bound_by_name(tmp_path, monkeypatch, (".source", "patch_source"), (".source", "wrap_source"))
+    source = module("source")
+    assert source.work() == "[patched work!]"
+    activation._state.contexts["p1"].rollback()  # the wrapper alone
+    assert source.work() == "patched work!"
+    activation.deactivate()
+    assert source.work() == "original work"
+
+
+def test_a_class_bound_from_a_module_installed_whole_is_sglangs_after_deactivate(tmp_path, monkeypatch):
+    module = bound_by_name(tmp_path, monkeypatch, ("", "install_runner"), (".runner_user", "patch_runner_user"))
+    runner_user = module("runner_user")  # the legacy module was never imported: it binds ext_runner's class
+    assert runner_user.Runner.kind == "ext" and module("legacy").__name__.endswith(".ext_runner")
+    activation.deactivate()
+    assert runner_user.Runner is module("legacy").Runner and runner_user.Runner.kind == "legacy"
+
+
+DEACTIVATE_AFTER_IMPORT = r'''
+import importlib, json, os, sys, types
+import sglang_ext
+from sglang_ext import activation
+from sglang_ext.registry import PATCHES
+
+names = sorted({p.trigger_module for s in PATCHES for p in s.parts} | {t.module for s in PATCHES for t in s.targets})
+assert not [n for n in names if n in sys.modules]  # nothing imported before activation
+statuses = activation.activate(eager=True)
+for name in names:
+    importlib.import_module(name)  # every target module imported while the patches are applied
+activation.deactivate()
+ext_dir = os.path.dirname(sglang_ext.__file__)
+
+def ours(value):
+    code = getattr(getattr(value, "__func__", value), "__code__", None)
+    module = getattr(value, "__module__", None)
+    return (code is not None and code.co_filename.startswith(ext_dir)) or (
+        isinstance(value, type) and str(module).startswith("sglang_ext"))
+
+left = []
+for name, module in list(sys.modules.items()):
+    if name.startswith("sglang.") and module is not None:
+        for key, value in list(vars(module).items()):
+            left += [f"{name}.{key}"] if ours(value) else []
+            if isinstance(value, type) and value.__module__ == name:
+                left += [f"{name}.{key}.{a}" for a, v in list(vars(value).items()) if ours(v)]
+mg = "sglang.multimodal_gen.runtime."
+m = lambda name: importlib.import_module(mg + name)
+print(json.dumps({"statuses": {k: str(v) for k, v in statuses.items()}, "left": left, "same": [
+    m("entrypoints.vla.ws_utils").action_metadata is m("entrypoints.vla.protocol").action_metadata,
+    m("entrypoints.vla.api").infer_action is m("entrypoints.vla.protocol").infer_action,
+    m("models.vlas.pi05_policy").VLADenoiseGraphRunner is m("vla.denoise_cuda_graph").VLADenoiseGraphRunner,
+    m("vla.denoise_cuda_graph").__file__.startswith(os.path.dirname(sys.modules["sglang"].__file__))]}))
+'''
+
+
+def test_deactivate_after_importing_every_target_while_patched_leaves_no_sglang_ext_code():
+    """Real 0.5.17, a fresh process: every target module is first imported while all patches are
+    applied (what doctor's in-process report does); after deactivation no sglang module holds
+    sglang-ext code and the names they bound by import are sglang's objects again. Earlier, names
+    such as vla.ws_utils.action_metadata kept the patched function (its helpers removed: a
+    NameError in whatever test ran next in the process)."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not (k == "SGLANG_EXT" or k.startswith("SGLANG_EXT_"))}
+    env.update(SGLANG_EXT="1", SGLANG_EXT_STRICT="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", DEACTIVATE_AFTER_IMPORT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out["statuses"]) == set(PATCH_NAMES) and set(out["statuses"].values()) == {"applied"}, out
+    assert out["left"] == []
+    assert out["same"] == [True, True, True, True]
