@@ -87,6 +87,26 @@ def ext_patches(monkeypatch):
     activation.deactivate()
 
 
+def _ext_variable(name: str) -> bool:
+    return name == "SGLANG_EXT" or name.startswith("SGLANG_EXT_")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_ext_off_between_files():
+    """No test file sees another's sglang-ext state (CI runs every file in one process, in any order).
+
+    When a file ends, whatever it left applied is rolled back and the SGLANG_EXT* variables are
+    what they were when it started (a test that set one without monkeypatch). Deactivation
+    restores names modules bound from patched code too (patching._unpatched), so a file that
+    imported sglang modules while patched leaves them as sglang's."""
+    saved = {name: value for name, value in os.environ.items() if _ext_variable(name)}
+    yield
+    ext_core("activation").deactivate()
+    for name in [name for name in os.environ if _ext_variable(name) and name not in saved]:
+        del os.environ[name]
+    os.environ.update(saved)
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
