@@ -97,6 +97,9 @@ KNOBS = "sglang_ext/knobs.py"
 LAUNCHER = "sglang_ext/launcher.py"
 LAUNCHER_TESTS = "test/registered/foundation/test_launchers.py"
 BAD_FLAGS = f"{LAUNCHER_TESTS}::test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed"
+PATCHING = "sglang_ext/patching.py"
+ACTIVATION_TESTS = "test/registered/foundation/test_activation_policy.py"
+BOUND_BY_NAME = f"{ACTIVATION_TESTS}::test_a_patched_function_bound_by_name_is_sglangs_again_after_deactivate"
 
 MUTANTS: List[Mutant] = [
     # --- ViT keys (adapters/vit_cuda_graph.py: _ext_graph_key_for, _get_graph_key only) ---
@@ -264,6 +267,12 @@ MUTANTS: List[Mutant] = [
            "        os.environ[MASTER_ENV] = \"1\"\n        values, rest = split_ext_args(argv)\n",
            (BAD_FLAGS,),
            "a rejected command line leaves SGLANG_EXT=1 behind (half applied)"),
+    # --- rollback (patching.py) ---
+    Mutant("rollback-keeps-a-bound-patched-copy", PATCHING,
+           "            return s.original\n",
+           "            return current\n",
+           (BOUND_BY_NAME,),
+           "a module that bound a patched function by name keeps it after deactivation, its helpers gone"),
 ]
 
 
