@@ -221,7 +221,8 @@ def run_server(name: str, args, model_dir: str, workdir: str, observations, refe
     port = free_port()
     log_path = os.path.join(args.log_dir or workdir, f"server-{name}.log")
     full = [*argv, "--model-path", model_dir, "--pipeline-config-path", os.path.join(model_dir, "pipeline_config.json"),
-            "--host", "127.0.0.1", "--port", str(port), "--num-gpus", "1", "--warmup-mode", "off"]
+            "--host", "127.0.0.1", "--port", str(port), "--num-gpus", "1", "--warmup-mode", "off",
+            *report["_attention_args"]]
     entry = report["servers"][name] = {"argv": " ".join(full[1:]), "env": extra, "log": log_path}
     server = start_server(full, clean_env(**extra), port, log_path)
     try:
@@ -328,26 +329,29 @@ def main() -> int:
     model_dir = prepare_model(args, workdir)
     from sglang_ext.testing.pi05_checkpoint import CAMERAS
 
+    from sglang_ext.testing.pi05_checkpoint import serve_attention_args
+
+    attention_args = [] if args.cpu_logic_check else serve_attention_args()
     observations = [clients.make_observation(seed, CAMERAS) for seed in range(OBSERVATIONS)]
     started = time.perf_counter()
     pngs = [{name: clients.png_b64(image) for name, image in o.images.items()} for o in observations]
     report: Dict[str, Any] = {
         "run_id": bench_results.RUN_ID, "device": torch.cuda.get_device_name() if cuda else "cpu (logic check)",
         "torch": torch.__version__, "sglang": getattr(sglang, "__version__", "?"), "kernels": bench_results.kernels(),
-        "attention": "server default", "command": " ".join(["python3", *sys.argv]),
+        "attention": " ".join(attention_args[1:]) or "server default (FA3)", "command": " ".join(["python3", *sys.argv]),
         "client_png_encode_ms": (time.perf_counter() - started) * 1e3 / (OBSERVATIONS * len(CAMERAS)),
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "servers": {}, "results": [],
-        "_pngs": pngs}
+        "_pngs": pngs, "_attention_args": attention_args}
     # the reference server runs first so every other answer can be compared with it
     order = sorted(servers, key=lambda s: s != REFERENCE_SERVER)
     reference_actions: List[Any] = []
     for name in order:
         run_server(name, args, model_dir, workdir, observations, reference_actions, report)
         if args.out:
-            bench_results.write(args.out, {k: v for k, v in report.items() if k != "_pngs"}, SCHEMA, default=str)
+            bench_results.write(args.out, {k: v for k, v in report.items() if not k.startswith("_")}, SCHEMA, default=str)
     report["results"].sort(key=lambda r: (SERVERS.index(r["server"]), WIRES.index(r["wire"])))
     if args.out:
-        bench_results.write(args.out, {k: v for k, v in report.items() if k != "_pngs"}, SCHEMA, default=str)
+        bench_results.write(args.out, {k: v for k, v in report.items() if not k.startswith("_")}, SCHEMA, default=str)
     print_table(report["results"])
     for label, value, op, bound in targets(report["results"]):
         print(f"target: {label} {value:.2f} {op} {bound}: {'met' if value <= bound else 'NOT met'}")

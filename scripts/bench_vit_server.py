@@ -339,6 +339,7 @@ def table(report: dict) -> str:
                      f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
                      f"{end.get('graph_resident_bytes', 0) / 2**20:>9.1f} "
                      f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f}")
+    lines += trace_table(report)
     if report.get("accuracy"):
         lines.append("")
         lines.append(f"{'backend':<12} {'config':<15} {'c':>3} {'requests':>8} {'max |dlogprob|':>15} "
@@ -351,6 +352,42 @@ def table(report: dict) -> str:
             lines.append(f"{a['backend']:<12} {a['config']:<15} {a['concurrency']:>3} {a['requests']:>8} "
                          f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19}")
     return "\n".join(lines)
+
+
+def trace_table(report: dict) -> List[str]:
+    """Where each server's scheduler spent its time (--trace), medians over the passes.
+
+    Per request: the scheduler's host time launching batches (run_batch: the ViT runs inside it) and
+    its forwards' device span. Per ViT call: tokens, host time, device span (for a replay: its device
+    time; for eager: about its host time, which the launches bound).
+    """
+    groups = {}
+    for row in report["passes"]:
+        trace, done = row.get("trace"), row.get("completed")
+        if not trace or not done:
+            continue
+        calls = max(trace.get("vit_host_ms", [0, 0])[1], 1)
+        per = dict(launch=trace.get("run_batch_host_ms", [0, 0])[0] / done,
+                   span=trace.get("forward_device_ms", [0, 0])[0] / done,
+                   calls=trace.get("vit_host_ms", [0, 0])[1], tokens=trace.get("vit_tokens", [0, 0])[0] / calls,
+                   vit_host=trace.get("vit_host_ms", [0, 0])[0] / calls,
+                   vit_span=trace.get("vit_device_ms", [0, 0])[0] / calls)
+        groups.setdefault((row["backend"], row["concurrency"], row["images"], row["config"]), []).append(per)
+    if not groups:
+        return []
+    lines = ["", "scheduler (median over passes): per request, host ms launching batches and forward device span; "
+             "per ViT call: tokens, host ms, device span ms",
+             f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'launch/req':>10} {'span/req':>9} {'ViT calls':>9} "
+             f"{'tok/call':>8} {'ViT host':>8} {'ViT span':>8}"]
+    for (backend, c, images, name), rows in sorted(groups.items()):
+        m = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<15} {m['launch']:>10.1f} {m['span']:>9.1f} "
+                     f"{m['calls']:>9.0f} {m['tokens']:>8.0f} {m['vit_host']:>8.1f} {m['vit_span']:>8.1f}")
+    syncs = [(s["config"], s["warmup_syncs"]) for s in report["servers"] if s.get("warmup_syncs")]
+    for name, sites in syncs:
+        lines.append(f"device syncs inside forwards during {name}'s warm-up: " + "; ".join(
+            f"{site.split(' < ')[0]} x{count}" for site, count in sorted(sites.items(), key=lambda kv: -kv[1])))
+    return lines
 
 
 # ---------------------------------------------------------------------------

@@ -423,9 +423,9 @@ Real `launch_server` processes on one GPU, all configurations resident at once a
 interleaved passes (`sglang.bench_serving`, image dataset, random images, 32 input / 8 output
 tokens; a varied warm-up pass first). req/s: median over passes (min-max); vs off: the median's
 ratio to graphs-off in the same slot; TTFT p50 / p99: medians over passes (ms). `ext` is
-sglang-ext's default ViT graph mode (bucket: ladder captured at load, probed against eager, calls
-above it split into whole-image chunks); `0517-graphs-on` is unpatched sglang with its own ViT
-graphs. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
+sglang-ext's default ViT graph mode (bucket: ladder captured at load and ended where eager wins,
+calls above it eager; the multimodal embedding without its device sync); `0517-graphs-on` is
+unpatched sglang with its own ViT graphs. With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
 eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end. Accuracy:
 input-token logprobs of a mixed-size stream against graphs-off at concurrency 1, and at 16 next
 to graphs-off against itself in another pass (batch composition alone moves logprobs)."""

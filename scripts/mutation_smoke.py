@@ -82,6 +82,8 @@ class Mutant:
 VIT = "sglang_ext/adapters/vit_cuda_graph.py"
 VIT_TESTS = "test/registered/vit/test_vit_cuda_graph_runner.py"
 BUDGET_TESTS = "test/registered/vit/test_vit_budget_mode.py"
+MM_EMBED = "sglang_ext/adapters/mm_embedding_sync_free.py"
+MM_EMBED_TESTS = "test/registered/vit/test_mm_embedding_sync_free.py"
 CACHE = "sglang_ext/graphs/cache.py"
 CORE_TESTS = "test/registered/graphs/test_graph_core.py"
 WORKSPACE = "sglang_ext/graphs/workspace.py"
@@ -160,6 +162,21 @@ MUTANTS: List[Mutant] = [
            "            parts.append(self._ext_run_eager_call(*call_of(start, end)))\n            continue\n",
            (f"{BUDGET_TESTS}::test_adjacent_chunks_no_graph_serves_run_as_one_eager_call",),
            "bucket mode: adjacent chunks no graph serves run as several eager calls"),
+    Mutant("vit-probe-limit-still-splits", VIT,
+           "    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed)\n",
+           "    self._ext_split_above_limit = True\n",
+           (f"{BUDGET_TESTS}::test_above_the_probes_break_even_a_call_runs_as_one_eager_call",),
+           "bucket mode: a call above the probe's break-even is split into chunk replays"),
+    Mutant("mm-embed-count-misses-the-last-token", MM_EMBED,
+           "        first, last = prefix_length[i], prefix_length[i] + length - 1\n",
+           "        first, last = prefix_length[i], prefix_length[i] + length - 2\n",
+           (f"{MM_EMBED_TESTS}::test_host_count_equals_the_device_mask",),
+           "sync-free embedding: the host count of placeholders drops the extend range's last token"),
+    Mutant("mm-embed-skips-the-check-always", MM_EMBED,
+           "        if _host_count.get() == embedding.shape[0]:\n",
+           "        if True:\n",
+           (f"{MM_EMBED_TESTS}::test_without_a_matching_host_count_sglangs_own_check_runs",),
+           "sync-free embedding: sglang's length check skipped even when the host count disagrees"),
     Mutant("vit-precapture-sample-not-voted", VIT,
            "    if self._ext_vote()(failure_vote(error)) != OK:\n",
            "    if error is not None:\n",

@@ -152,9 +152,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("vit_graph_mode", "choice", "bucket",
          "'bucket' (vision attention triton_attn, fa3 or fa4; the default): one graph per token budget, all "
          "captured when the model loads, none while serving. A call is padded to the smallest budget that fits "
-         "(padding forms its own attention sequences and is dropped from the output); a call above the largest "
-         "budget is split into chunks of whole images; calls whose graph would lose to eager (measured at load, "
-         "--ext-vit-graph-replay-max-tokens) run eager. Equal to eager within bf16 rounding (GEMMs see more "
+         "(padding forms its own attention sequences and is dropped from the output); calls whose graph would "
+         "lose to eager (above the break-even measured at load) run eager in one call; above a lower limit "
+         "(--ext-vit-graph-replay-max-tokens, or the ladder cut to its capacity) a call is split into chunks of "
+         "whole images that replay. Equal to eager within bf16 rounding (GEMMs see more "
          "rows), not guaranteed bitwise. 'class' (same backends): graphs shared by layouts with the same token "
          "count, sequence-count class and longest-sequence class, captured on first use; 'layout': one graph per "
          "(tokens, attention layout), captured on first use. Both are bitwise equal to eager on triton_attn and "

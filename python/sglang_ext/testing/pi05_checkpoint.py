@@ -31,6 +31,19 @@ import shutil
 import sys
 from typing import Optional
 
+def serve_attention_args() -> list:
+    """`sglang serve` arguments for the attention backend: none (sglang's default, FA3 on Hopper) where
+    sgl_kernel's FA3 imports, else `--attention-backend torch_sdpa` (the default would fail at the first
+    request: multimodal_gen picks FA3 on SM90 whether or not it is installed)."""
+    import importlib
+
+    try:
+        importlib.import_module("sgl_kernel.flash_ops")
+    except Exception:  # noqa: BLE001 - absent, or its library fails to load
+        return ["--attention-backend", "torch_sdpa"]
+    return []
+
+
 GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb")
 STATE_DIM = 8

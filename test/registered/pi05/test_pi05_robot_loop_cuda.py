@@ -34,6 +34,8 @@ import torch
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
+from sglang_ext.testing import pi05_checkpoint
+
 register_cuda_ci(est_time=720, stage="base-b", runner_config="1-gpu-small")
 
 PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
@@ -85,7 +87,8 @@ def _serve(name, flags, tmp_path):
     server = start_server([sys.executable, "-m", "sglang_ext.serve", "--ext-strict", *flags,
                            "--model-path", CHECKPOINT,
                            "--pipeline-config-path", os.path.join(CHECKPOINT, "pipeline_config.json"),
-                           "--host", "127.0.0.1", "--port", str(port), "--num-gpus", "1", "--warmup-mode", "off"],
+                           "--host", "127.0.0.1", "--port", str(port), "--num-gpus", "1", "--warmup-mode", "off",
+                           *pi05_checkpoint.serve_attention_args()],
                           _clean_env(), port, log_path)
     try:
         print(f"[{name}] healthy after {server.wait_healthy(START_TIMEOUT):.0f} s (log {log_path})")

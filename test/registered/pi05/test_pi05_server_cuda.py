@@ -35,6 +35,8 @@ import torch
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
+from sglang_ext.testing import pi05_checkpoint
+
 register_cuda_ci(est_time=900, stage="base-b", runner_config="1-gpu-small")
 
 PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
@@ -102,7 +104,7 @@ def _serve_two_requests(spec, argv, env, tmp_path, name):
     server = start_server([*argv, "--model-path", CHECKPOINT,
                            "--pipeline-config-path", os.path.join(CHECKPOINT, "pipeline_config.json"),
                            "--host", "127.0.0.1", "--port", str(port), "--num-gpus", "1",
-                           "--warmup-mode", "off"], env, port, log_path)
+                           "--warmup-mode", "off", *pi05_checkpoint.serve_attention_args()], env, port, log_path)
     try:
         took = server.wait_healthy(START_TIMEOUT)
         print(f"[{name}] healthy after {took:.0f} s (log {log_path})")
