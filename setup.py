@@ -19,6 +19,6 @@ setup(
     entry_points={
         "sglang.srt.plugins": ["sglang_ext = sglang_ext.plugin:register"],
         "sglang.multimodal_gen.plugins": ["sglang_ext = sglang_ext.plugin:register"],
-        "console_scripts": ["sglang-ext = sglang_ext.cli:main"],
+        "console_scripts": ["sglang-ext = sglang_ext.tools.cli:main"],
     },
 )

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pi0.5 single-request latency: eager vs CUDA-graph modes, sglang 0.5.17 / +sglang-ext / 0.5.19.
 
-Pi0.5 at its real size with random weights (sglang_ext.testing.pi05_random), one
+Pi0.5 at its real size with random weights (sglang_ext_testkit.pi05_random), one
 request at a time, 10 denoise steps, LIBERO-like inputs: two 224x224 cameras, state
 dim 8, action horizon 50, action dim 32; full prefixes (both cameras) and masked
 prefixes (empty second camera), prompts of mixed lengths (round-robin).
@@ -45,10 +45,11 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit
 sys.path.insert(0, os.path.join(REPO, "test", "registered", "vit"))  # qwen_vit_kit: sgl_kernel / FA3 probes
 
 import bench_results  # noqa: E402
-from sglang_ext.testing import pi05_random  # noqa: E402
+from sglang_ext_testkit import pi05_random  # noqa: E402
 
 MODES = {
     "0517": ("eager", "graph"),

@@ -2,7 +2,7 @@
 """Pi0.5 as a robot sees it: per-request latency through the real server, and where it goes.
 
 Starts each server itself (one process each, one after another, one run id), on the random-weight
-Pi0.5 checkpoint at the real size of the server tests (sglang_ext.testing.pi05_checkpoint: cameras
+Pi0.5 checkpoint at the real size of the server tests (sglang_ext_testkit.pi05_checkpoint: cameras
 base_0_rgb, left_wrist_0_rgb), and drives it like a robot: one request at a time, the next when
 the answer is back, after --warmup requests.
 
@@ -13,7 +13,7 @@ Servers (--servers):
                         0.5.17's request path, measured hop by hop (knob pi05_server_timing)
   ext-exact             sglang-ext, exact path, transport patches on, hop times on
   ext-fast              ext-exact plus --ext-pi05-fast
-Wires (--wires), each with this script's own client (sglang_ext.testing.pi05_clients):
+Wires (--wires), each with this script's own client (sglang_ext_testkit.pi05_clients):
   openpi   the OpenPI websocket /openpi/policy, msgpack with numpy arrays (2 uint8 cameras 224x224,
            state 8, noise 50x32), actions back as a numpy array
   json     POST /v1/actions/generations, cameras as base64 PNG (encoded once per observation, not
@@ -35,7 +35,7 @@ On the GPU machine (docs/gpu-harness.md), about 2 min per server after the check
   source scripts/gpu_env.sh && python3 scripts/bench_pi05_server.py --out $OUT/server_pi05.json
 then copy the file into docs/bench/ and run scripts/gen_performance_doc.py.
 --cpu-logic-check runs the whole script here on sglang's server with a stand-in policy
-(sglang_ext.testing.fake_pi05_server; numbers meaningless).
+(sglang_ext_testkit.fake_pi05_server; numbers meaningless).
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bench_results  # noqa: E402
-from sglang_ext.testing import pi05_clients as clients  # noqa: E402
+from sglang_ext_testkit import pi05_clients as clients  # noqa: E402
 
 SERVERS = ("0517", "ext-no-transport", "ext-exact", "ext-fast")
 WIRES = ("openpi", "json", "sglang")
@@ -120,13 +121,13 @@ def clean_env(**extra) -> Dict[str, str]:
 
 def prepare_model(args, workdir: str) -> str:
     """The folder the servers load: the checkpoint (written if missing); assets only for the stand-in."""
-    from sglang_ext.testing import pi05_checkpoint
+    from sglang_ext_testkit import pi05_checkpoint
 
     if args.cpu_logic_check:
         return str(pi05_checkpoint.write_pi05_assets(os.path.join(workdir, "random-pi05")))
     if not os.path.exists(os.path.join(args.checkpoint, "COMPLETE")):
         log(f"[bench] writing the random checkpoint {args.checkpoint}")
-        done = subprocess.run([sys.executable, "-m", "sglang_ext.testing.pi05_checkpoint", args.checkpoint],
+        done = subprocess.run([sys.executable, "-m", "sglang_ext_testkit.pi05_checkpoint", args.checkpoint],
                               env=clean_env(), timeout=1200)
         if done.returncode != 0:
             raise SystemExit(f"checkpoint synthesis failed (exit {done.returncode})")
@@ -138,7 +139,7 @@ def server_command(name: str, args) -> tuple:
     py = sys.executable
     timing = {"SGLANG_EXT_PI05_SERVER_TIMING": "1"}
     if args.cpu_logic_check:  # the launchers need a GPU: sglang's server with the stand-in policy
-        base = [py, "-m", "sglang_ext.testing.fake_pi05_server"]
+        base = [py, "-m", "sglang_ext_testkit.fake_pi05_server"]
         return {
             "0517": (base, {"SGLANG_EXT": "0"}),
             "ext-no-transport": (base + ["--ext"], {**timing, "SGLANG_EXT_DISABLE": TRANSPORT_PATCHES}),
@@ -215,7 +216,7 @@ def run_sglang_bench(url: str, args, workdir: str) -> Dict[str, Any]:
 
 
 def run_server(name: str, args, model_dir: str, workdir: str, observations, reference_actions, report) -> None:
-    from sglang_ext.testing.server_process import free_port, start_server
+    from sglang_ext_testkit.server_process import free_port, start_server
 
     argv, extra = server_command(name, args)
     port = free_port()
@@ -327,9 +328,9 @@ def main() -> int:
 
     workdir = tempfile.mkdtemp(prefix="bench-pi05-server-")
     model_dir = prepare_model(args, workdir)
-    from sglang_ext.testing.pi05_checkpoint import CAMERAS
+    from sglang_ext_testkit.pi05_checkpoint import CAMERAS
 
-    from sglang_ext.testing.pi05_checkpoint import serve_attention_args
+    from sglang_ext_testkit.pi05_checkpoint import serve_attention_args
 
     attention_args = [] if args.cpu_logic_check else serve_attention_args()
     observations = [clients.make_observation(seed, CAMERAS) for seed in range(OBSERVATIONS)]

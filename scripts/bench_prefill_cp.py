@@ -117,7 +117,7 @@ def time_us(fn, *, calls: int, rounds: int) -> tuple:
 def make_cp_input(buckets, cp_size):
     import torch
     from sglang.srt.layers.cp.bcg import PrefillCPBCGInput
-    from sglang_ext.adapters.prefill_cp_bucket import zigzag_required_local_rows
+    from sglang_ext.prefill_cp.bucket import zigzag_required_local_rows
 
     # what 0.5.17's capture records: a one-request dummy batch per bucket
     local = {b: zigzag_required_local_rows([b], cp_size, 2 * cp_size) for b in buckets}

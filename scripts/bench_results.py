@@ -25,7 +25,7 @@ KERNELS_SCHEMA = {"sgl_kernel": None, "flashinfer": None}
 
 
 def kernels() -> dict:
-    """Per kernel package: its version, "stand-in" (sglang_ext.testing.stand_ins), or "not loaded"."""
+    """Per kernel package: its version, "stand-in" (sglang_ext_testkit.stand_ins), or "not loaded"."""
     out = {}
     for name in KERNELS_SCHEMA:
         module = sys.modules.get(name)

@@ -51,6 +51,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "test", "registered", "vit"))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "test"))  # sglang_ext_testkit
 
 import bench_results  # noqa: E402
 import qwen_vit_kit as kit  # noqa: E402
@@ -385,8 +386,8 @@ def _child_env(args, mode: str) -> dict:
 def _child_command(args, mode: str, part_out: str) -> list:
     """Re-run this script for one mode, through the stand-in fallback if this process runs under it."""
     cmd = [sys.executable]
-    if any(type(f).__name__ == "StandInFinder" for f in sys.meta_path):  # python3 -m sglang_ext.testing.stand_ins
-        cmd += ["-m", "sglang_ext.testing.stand_ins"]
+    if any(type(f).__name__ == "StandInFinder" for f in sys.meta_path):  # python3 -m sglang_ext_testkit.stand_ins
+        cmd += ["-m", "sglang_ext_testkit.stand_ins"]
     cmd += [os.path.abspath(__file__), "--mode", mode, "--part-out", part_out, "--requests", str(args.requests),
             "--unpatched-requests", str(args.unpatched_requests), "--capacity", str(args.capacity),
             "--max-bytes", str(args.max_bytes), "--seed", str(args.seed), "--backend", args.backend,

@@ -35,6 +35,7 @@ from typing import Dict, List
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit
 
 import bench_results  # noqa: E402
 import server_trace  # noqa: E402
@@ -89,7 +90,7 @@ def build_model(kind: str, path: str, seed: int = 0) -> float:
     import torch
     from safetensors.torch import save_file
 
-    from sglang_ext import tiny_model
+    from sglang_ext.tools import tiny_model
 
     done = os.path.join(path, ".real-scale")
     if os.path.exists(done):
@@ -145,7 +146,7 @@ def server_env(name: str, workdir: str, trace: bool = False) -> Dict[str, str]:
 
 
 def start(name: str, backend: str, model: str, workdir: str, args):
-    from sglang_ext.testing.server_process import free_port, start_server
+    from sglang_ext_testkit.server_process import free_port, start_server
 
     module, _ = CONFIGS[name]
     port = free_port()
@@ -161,7 +162,7 @@ def start(name: str, backend: str, model: str, workdir: str, args):
 
 def metrics(server) -> Dict[str, float]:
     """sglang-ext's ViT graph counters and the process's reserved memory from /metrics (0 where absent)."""
-    from sglang_ext.testing import vl_stream as vs
+    from sglang_ext_testkit import vl_stream as vs
 
     text = server.get_text("/metrics")
     out = {}
@@ -242,7 +243,7 @@ def bench_serving(server, model: str, concurrency: int, images: str, requests: i
 
 
 def signatures(server, specs, concurrency: int) -> List[List[float]]:
-    from sglang_ext.testing import vl_stream as vs
+    from sglang_ext_testkit import vl_stream as vs
 
     def one(spec):
         body = vs.generate_body(spec, max_new_tokens=1)
@@ -253,7 +254,7 @@ def signatures(server, specs, concurrency: int) -> List[List[float]]:
 
 
 def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> List[dict]:
-    from sglang_ext.testing import vl_stream as vs
+    from sglang_ext_testkit import vl_stream as vs
 
     specs = vs.build_stream(unit, n, seed=7)
     rows = []

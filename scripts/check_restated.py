@@ -83,8 +83,8 @@ def our_files() -> List[str]:
 
 
 def find(versions: Sequence[str], run: int) -> Dict[str, List[Tuple[int, int]]]:
-    sys.path.insert(0, os.path.join(REPO, "python"))
-    from sglang_ext import wheels
+    sys.path.insert(0, os.path.join(REPO, "test"))
+    from sglang_ext_testkit import wheels
 
     windows = upstream_windows([wheels.ensure_unpacked(v) for v in versions], run)
     found = {}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the fingerprint tables `python/sglang_ext/fingerprints/sglang-<v>.json`.
 
-For every sglang release in `sglang_ext.wheels.RECORDED_RELEASES` the real wheel is
+For every sglang release in `sglang_ext_testkit.wheels.RECORDED_RELEASES` the real wheel is
 downloaded (`pip download --no-deps`, cached in `--wheels-dir`, default
 ~/.cache/sglang-ext/wheels), its `sglang/**.py` files are unpacked, and every
 registry target (`PATCHES[*].targets`) is fingerprinted from that tree. These
@@ -25,8 +25,10 @@ from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit.wheels
 
-from sglang_ext import fingerprint, wheels  # noqa: E402
+from sglang_ext import fingerprint
+from sglang_ext_testkit import wheels  # noqa: E402
 from sglang_ext.registry import PATCHES  # noqa: E402
 
 TABLE_DIR = os.path.join(REPO, "python", "sglang_ext", "fingerprints")

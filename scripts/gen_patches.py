@@ -48,6 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON_DIR = os.path.join(REPO, "python")
 if PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
+sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit.wheels
 
 SERIES_VERSION = "0.5.17"
 PATCH_DIR = os.path.join(REPO, "patches", f"sglang-{SERIES_VERSION}")
@@ -55,7 +56,7 @@ READMES = (os.path.join(REPO, "patches", "README.md"), os.path.join(REPO, "READM
 REGENERATE = "python scripts/gen_patches.py && git add patches/ README.md"
 PACKAGE, VENDORED_AS = "sglang_ext", "sglang.ext"
 ROOTS = ("sglang_ext.activation",)  # plus the adapter modules the registry names
-TEST_ONLY = ("sglang_ext.testing",)  # never vendored: importing it from shipped code is an error
+TEST_ONLY = ("sglang_ext_testkit",)  # never vendored: importing it from shipped code is an error
 DATA = (f"sglang_ext/fingerprints/sglang-{SERIES_VERSION}.json",)  # read by the vendored fingerprint.py
 CORE_PATCH, HOOK_PATCH = "sglang-ext-core.patch", "sglang-ext-hook.patch"
 HOOK_FILE = "sglang/srt/plugins/__init__.py"
@@ -117,6 +118,7 @@ def referenced_modules(module: str) -> List[str]:
             if _MODULE_PATH.fullmatch(node.value.split(":")[0]):
                 names.append(node.value.split(":")[0])
     found = {_as_module(n) for n in names if n.split(".")[0] == PACKAGE}
+    found |= {n.split(".")[0] for n in names if n.split(".")[0] in TEST_ONLY}  # refused by vendored_modules
     return sorted(m for m in found if m)
 
 
@@ -286,7 +288,7 @@ def readme_text(current: str, table: str) -> str:
 
 def generate(sglang_tree: Optional[str] = None) -> Dict[str, str]:
     """Everything gen_patches writes: {path relative to REPO: content}."""
-    from sglang_ext import wheels
+    from sglang_ext_testkit import wheels
     from sglang_ext.registry import PATCHES
     from sglang_ext.versions import source_tree_version
 

@@ -90,7 +90,8 @@ _sgx_setup() {
   # environment: PYTHONPATH is rebuilt from what it was before the first source (repeatable)
   export SGX_PYTHONPATH0="${SGX_PYTHONPATH0-${PYTHONPATH:-}}"
   export SGX_ROOT="$root" SGX_SGLANG="$tag" SGX_SGLANG_DIR="$root/sgl$tag"
-  export PYTHONPATH="$root/ext:$root/sgl$tag:$root/site${SGX_PYTHONPATH0:+:$SGX_PYTHONPATH0}"
+  # $repo/test: the test tooling (sglang_ext_testkit), never installed
+  export PYTHONPATH="$root/ext:$repo/test:$root/sgl$tag:$root/site${SGX_PYTHONPATH0:+:$SGX_PYTHONPATH0}"
   export TVM_FFI_CACHE_DIR="$root/cache/tvm-ffi" TRITON_CACHE_DIR="$root/cache/triton"
   export TORCHINDUCTOR_CACHE_DIR="$root/cache/inductor"
   export FLASHINFER_WORKSPACE_BASE="$root/cache"          # flashinfer/jit/env.py: <base>/.cache/flashinfer

@@ -79,24 +79,24 @@ class Mutant:
         object.__setattr__(self, "tests", tuple(self.tests))
 
 
-VIT = "sglang_ext/adapters/vit_cuda_graph.py"
+VIT = "sglang_ext/vit/runner.py"
 VIT_TESTS = "test/registered/vit/test_vit_cuda_graph_runner.py"
 BUDGET_TESTS = "test/registered/vit/test_vit_budget_mode.py"
-MM_EMBED = "sglang_ext/adapters/mm_embedding_sync_free.py"
+MM_EMBED = "sglang_ext/vit/mm_embedding.py"
 MM_EMBED_TESTS = "test/registered/vit/test_mm_embedding_sync_free.py"
 CACHE = "sglang_ext/graphs/cache.py"
 CORE_TESTS = "test/registered/graphs/test_graph_core.py"
 WORKSPACE = "sglang_ext/graphs/workspace.py"
 WORKSPACE_TESTS = "test/registered/graphs/test_graph_workspace.py"
 BUCKETS = "sglang_ext/graphs/buckets.py"
-CP = "sglang_ext/adapters/prefill_cp_bucket.py"
+CP = "sglang_ext/prefill_cp/bucket.py"
 CP_TESTS = "test/registered/cp/test_prefill_cp_bucket.py"
 AGREEMENT = "sglang_ext/graphs/agreement.py"
 TP_TESTS = "test/registered/vit/test_vit_tp_agreement.py"
-VLA = "sglang_ext/upstream/multimodal_gen/runtime/vla/cuda_graph.py"
+VLA = "sglang_ext/pi05/vla_cuda_graph.py"
 PI05_TESTS = "test/registered/pi05/test_pi05_graphs.py"
 KNOBS = "sglang_ext/knobs.py"
-LAUNCHER = "sglang_ext/launcher.py"
+LAUNCHER = "sglang_ext/tools/launcher.py"
 LAUNCHER_TESTS = "test/registered/foundation/test_launchers.py"
 BAD_FLAGS = f"{LAUNCHER_TESTS}::test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed"
 PATCHING = "sglang_ext/patching.py"
@@ -104,7 +104,7 @@ ACTIVATION_TESTS = "test/registered/foundation/test_activation_policy.py"
 BOUND_BY_NAME = f"{ACTIVATION_TESTS}::test_a_patched_function_bound_by_name_is_sglangs_again_after_deactivate"
 
 MUTANTS: List[Mutant] = [
-    # --- ViT keys (adapters/vit_cuda_graph.py: _ext_graph_key_for, _get_graph_key only) ---
+    # --- ViT keys (vit/runner.py: _ext_graph_key_for, _get_graph_key only) ---
     Mutant("vit-layout-key-drops-window", VIT,
            "    if not self._ext_class_mode():\n        return layout_key\n",
            "    if not self._ext_class_mode():\n"
@@ -216,7 +216,7 @@ MUTANTS: List[Mutant] = [
            (f"{WORKSPACE_TESTS}::test_count_gives_non_overlapping_aligned_tensors",
             f"{VIT_TESTS}::test_small_graph_sees_new_positions_after_workspace_growth"),
            "the tensors of one lease (rotary cos and sin) share memory"),
-    # --- prefill CP bucket choice (adapters/prefill_cp_bucket.py, graphs/buckets.py) ---
+    # --- prefill CP bucket choice (prefill_cp/bucket.py, graphs/buckets.py) ---
     Mutant("cp-bucket-skips-exact-size", CP,
            "lo = bisect.bisect_left(capture_num_tokens, num_tokens)",
            "lo = bisect.bisect_right(capture_num_tokens, num_tokens)",
@@ -248,7 +248,7 @@ MUTANTS: List[Mutant] = [
            "        if error is not None:\n",
            (f"{VIT_TESTS}::test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere",),
            "a rank whose own capture worked keeps its graph although a peer voted failure"),
-    # --- Pi0.5 K/V refresh keyed by context generation (upstream/.../vla/cuda_graph.py) ---
+    # --- Pi0.5 K/V refresh keyed by context generation (pi05/vla_cuda_graph.py) ---
     Mutant("pi05-refresh-keyed-by-id", VLA,
            "        generation = prefix_context_generation(prefix_context)\n        context_digest",
            "        generation = id(prefix_context.past_key_values)\n        context_digest",

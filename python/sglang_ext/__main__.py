@@ -2,6 +2,6 @@
 
 import sys
 
-from sglang_ext.cli import main
+from sglang_ext.tools.cli import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ import runpy
 import sys
 from typing import List
 
-from sglang_ext.launcher import main
+from sglang_ext.tools.launcher import main
 
 PROG = "python -m sglang_ext.launch_server"
 

@@ -104,11 +104,11 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T("sglang.srt.model_executor.runner_utils.pool", "get_or_create_global_graph_memory_pool")
         + T(_MODEL_RUNNER, "ModelRunner.init_cuda_graphs"),
         parts=(
-            Part(_VIT_RUNNER, "sglang_ext.adapters.vit_cuda_graph:patch_runner"),
-            Part(_QWEN25, "sglang_ext.adapters.vit_cuda_graph:patch_qwen2_5_vl"),
-            Part(_QWEN3, "sglang_ext.adapters.vit_cuda_graph:patch_qwen3_vl"),
+            Part(_VIT_RUNNER, "sglang_ext.vit.runner:patch_runner"),
+            Part(_QWEN25, "sglang_ext.vit.runner:patch_qwen2_5_vl"),
+            Part(_QWEN3, "sglang_ext.vit.runner:patch_qwen3_vl"),
             # bucket mode: capture the ladder when the model loads, after sglang's own graphs
-            Part(_MODEL_RUNNER, "sglang_ext.adapters.vit_cuda_graph:patch_model_runner"),
+            Part(_MODEL_RUNNER, "sglang_ext.vit.runner:patch_model_runner"),
         ),
         rebinds=(f"{_QWEN3}.graph_runners_dict", f"{_QWEN25}.ViTCudaGraphRunner", f"{_QWEN3}.ViTCudaGraphRunner"),
         upstream_pr="sgl-project/sglang#37043",
@@ -123,7 +123,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         targets=T(_MM_UTILS, "get_embedding_and_mask", "_adjust_embedding_length")
         # relied on: the extend ranges the host count mirrors, and the module-global calls it rebinds
         + T(_MM_UTILS, "get_embedding_chunk", "embed_mm_inputs"),
-        parts=(Part(_MM_UTILS, "sglang_ext.adapters.mm_embedding_sync_free:patch_mm_utils"),),
+        parts=(Part(_MM_UTILS, "sglang_ext.vit.mm_embedding:patch_mm_utils"),),
         upstream_pr="none (sglang-ext only)",
         retire_when="upstream checks the multimodal embedding length without a device sync",
     ),
@@ -146,10 +146,10 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T("sglang.srt.layers.cp.zigzag", "ZigzagCPStrategy.build_metadata")
         + T("sglang.srt.layers.cp.padding", "pad_logical_token_to_physical"),
         parts=(
-            Part(_BCG, "sglang_ext.adapters.prefill_cp_bucket:patch_bcg"),
-            Part(_PREFILL, "sglang_ext.adapters.prefill_cp_bucket:patch_prefill_runner"),
+            Part(_BCG, "sglang_ext.prefill_cp.bucket:patch_bcg"),
+            Part(_PREFILL, "sglang_ext.prefill_cp.bucket:patch_prefill_runner"),
             # patches _BREAKABLE, once the prefill runner (which imports it) is imported
-            Part(_PREFILL, "sglang_ext.adapters.prefill_cp_bucket:patch_breakable_cuda_graph"),
+            Part(_PREFILL, "sglang_ext.prefill_cp.bucket:patch_breakable_cuda_graph"),
         ),
         upstream_pr="sgl-project/sglang#33906",
         upstream_since="0.5.18",
@@ -164,7 +164,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         # launchers spawn the module global _run_disagg_role_process, which calls it.
         targets=T(f"{_MG}.launch_server", "launch_server", "launch_pool_disagg_server", "launch_disagg_role",
                   "_run_disagg_role_process"),
-        parts=(Part(f"{_MG}.launch_server", "sglang_ext.adapters.mg_worker_activation:patch_launch_server"),),
+        parts=(Part(f"{_MG}.launch_server", "sglang_ext.mg_worker.spawn:patch_launch_server"),),
         rebinds=(f"{_MG}.launch_server.run_scheduler_process", f"{_MG}.launch_server._run_disagg_role_process",
                  f"{_MG}.launch_server._run_http_server_process"),
         upstream_pr="(multimodal_gen plugin group, sglang 0.5.21)",
@@ -193,10 +193,10 @@ PATCHES: Tuple[PatchSpec, ...] = (
         parts=(
             # On the package: `vla.cuda_graph` (upstream's name, absent in 0.5.17) is importable as
             # soon as anything under vla is, before any Pi0.5 model module was imported.
-            Part(f"{_MG}.vla", "sglang_ext.adapters.pi05_graphs:patch_graph_module"),
-            Part(_PI05_CORE, "sglang_ext.adapters.pi05_graphs:patch_core"),
-            Part(_PI05_POLICY, "sglang_ext.adapters.pi05_graphs:patch_policy"),
-            Part(_VLA_STAGES, "sglang_ext.adapters.pi05_graphs:patch_stages"),
+            Part(f"{_MG}.vla", "sglang_ext.pi05.graphs:patch_graph_module"),
+            Part(_PI05_CORE, "sglang_ext.pi05.graphs:patch_core"),
+            Part(_PI05_POLICY, "sglang_ext.pi05.graphs:patch_policy"),
+            Part(_VLA_STAGES, "sglang_ext.pi05.graphs:patch_stages"),
         ),
         rebinds=(f"{_PI05_POLICY}.VLADenoiseGraphRunner", f"{_PI05_POLICY}.VLADenoiseGraphSignature",
                  f"{_MG}.vla.denoise_cuda_graph (module alias of {_MG}.vla.cuda_graph)"),
@@ -219,9 +219,9 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T(_PI05_POLICY, "Pi05PolicyModel._FUSED_WEIGHT_MAPPINGS", "Pi05PolicyModel._candidate_target_weights",
             "Pi05PolicyModel._resolve_target_weight", "Pi05PolicyModel._load_tensor_to_target"),
         parts=(
-            Part(_MG_LINEAR, "sglang_ext.adapters.pi05_merged_linear:patch_linear"),
-            Part(_PI05_CORE, "sglang_ext.adapters.pi05_gemma_mlp:patch_pi05_core"),
-            Part(_PI05_CORE, "sglang_ext.adapters.pi05_gemma_attention:patch_pi05_core"),
+            Part(_MG_LINEAR, "sglang_ext.pi05.merged_linear:patch_linear"),
+            Part(_PI05_CORE, "sglang_ext.pi05.gemma_mlp:patch_pi05_core"),
+            Part(_PI05_CORE, "sglang_ext.pi05.gemma_attention:patch_pi05_core"),
         ),
         rebinds=(f"{_PI05_CORE}.MergedReplicatedLinear (new global used by the patched __init__s)",),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
@@ -237,7 +237,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         # PiGemmaDecoderLayer.forward and compute_layer_complete call gated_residual through the
         # module globals, so rebinding the function reaches them.
         targets=T(_PI05_CORE, "PiGemmaRMSNorm", "gated_residual"),
-        parts=(Part(_PI05_CORE, "sglang_ext.adapters.pi05_fused_norms:patch_pi05_core"),),
+        parts=(Part(_PI05_CORE, "sglang_ext.pi05.fused_norms:patch_pi05_core"),),
         rebinds=(f"{_PI05_CORE}.gated_residual",),
         upstream_pr="none (sglang-ext only)",
         retire_when="upstream PiGemmaRMSNorm uses a fused rms_norm and gated_residual is a single op",
@@ -253,12 +253,12 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T(_VLA_PROTOCOL, "action_metadata")
         + T(f"{_MG}.entrypoints.vla.api", "action_metadata_endpoint"),
         parts=(
-            Part(_PI05_CONFIG, "sglang_ext.adapters.pi05_config:patch_pipeline_config"),
-            Part(f"{_MG}.vla", "sglang_ext.adapters.pi05_config:install_prompt_bucketing"),
-            Part(_VLA_PROTOCOL, "sglang_ext.adapters.pi05_action_metadata:patch_protocol"),
-            Part(f"{_MG}.entrypoints.vla.api", "sglang_ext.adapters.pi05_action_metadata:rebind_action_metadata"),
+            Part(_PI05_CONFIG, "sglang_ext.pi05.config:patch_pipeline_config"),
+            Part(f"{_MG}.vla", "sglang_ext.pi05.config:install_prompt_bucketing"),
+            Part(_VLA_PROTOCOL, "sglang_ext.pi05.action_metadata:patch_protocol"),
+            Part(f"{_MG}.entrypoints.vla.api", "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
             Part(f"{_MG}.entrypoints.vla.ws_utils",
-                 "sglang_ext.adapters.pi05_action_metadata:rebind_action_metadata"),
+                 "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
         ),
         rebinds=(f"{_MG}.entrypoints.vla.api.action_metadata", f"{_MG}.entrypoints.vla.ws_utils.action_metadata",
                  f"{_MG}.vla.prompt_bucketing (new module)",
@@ -278,7 +278,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         "(no TCP connect and ZMTP handshake per request); a socket whose round trip did not complete is closed",
         targets=T(_MG_SCHEDULER_CLIENT, "AsyncSchedulerClient.forward", "AsyncSchedulerClient.close",
                   "AsyncSchedulerClient.initialize", "_materialize_output_batch_file_refs"),
-        parts=(Part(_MG_SCHEDULER_CLIENT, "sglang_ext.adapters.mg_scheduler_client:patch_scheduler_client"),),
+        parts=(Part(_MG_SCHEDULER_CLIENT, "sglang_ext.mg_worker.scheduler_client:patch_scheduler_client"),),
         upstream_pr="none (0.5.23 still opens a socket per request)",
         retire_when="upstream keeps its scheduler sockets across requests",
         process="multimodal_gen HTTP server",
@@ -293,8 +293,8 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T(_VLA_PROTOCOL, "_decode_b64_image", "_normalize_observation", "_normalize_image_value",
             "images_from_observation"),
         parts=(
-            Part(_VLA_PROTOCOL, "sglang_ext.adapters.pi05_action_transport:patch_protocol"),
-            Part(_VLA_API, "sglang_ext.adapters.pi05_action_transport:patch_api"),
+            Part(_VLA_PROTOCOL, "sglang_ext.pi05.action_transport:patch_protocol"),
+            Part(_VLA_API, "sglang_ext.pi05.action_transport:patch_api"),
         ),
         rebinds=(f"{_VLA_API}.router: the POST /v1/actions/generations route's endpoint",),
         upstream_pr="none (0.5.23 parses and decodes the same way)",
@@ -308,7 +308,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         targets=T(_PI05_PREPROCESS, "_preprocess_image", "_tensor_from_image", "_resize_with_pad_image_tensor",
                   "Pi05Preprocessor")
         + T(_PI05_POLICY, "Pi05PolicyModel.encode_prefix", "Pi05PolicyModel.sample_actions"),
-        parts=(Part(_PI05_PREPROCESS, "sglang_ext.adapters.pi05_observation_device:patch_preprocess"),),
+        parts=(Part(_PI05_PREPROCESS, "sglang_ext.pi05.observation_device:patch_preprocess"),),
         rebinds=(f"{_PI05_PREPROCESS}._preprocess_image",),
         upstream_pr="none (0.5.23 preprocesses on the CPU)",
         retire_when="upstream preprocesses Pi0.5 observations on the device",
@@ -326,11 +326,11 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T(f"{_MG}.managers.gpu_worker", "GPUWorker.execute_forward")
         + T(_VLA_STAGES, "VLAActionPostprocessStage.forward"),
         parts=(
-            Part(_VLA_PROTOCOL, "sglang_ext.adapters.pi05_server_timing:patch_protocol"),
-            Part(_VLA_API, "sglang_ext.adapters.pi05_server_timing:patch_api"),
-            Part(_VLA_WS, "sglang_ext.adapters.pi05_server_timing:patch_ws_utils"),
-            Part(f"{_MG}.managers.scheduler", "sglang_ext.adapters.pi05_server_timing:patch_scheduler"),
-            Part(f"{_MG}.managers.gpu_worker", "sglang_ext.adapters.pi05_server_timing:patch_gpu_worker"),
+            Part(_VLA_PROTOCOL, "sglang_ext.pi05.server_timing:patch_protocol"),
+            Part(_VLA_API, "sglang_ext.pi05.server_timing:patch_api"),
+            Part(_VLA_WS, "sglang_ext.pi05.server_timing:patch_ws_utils"),
+            Part(f"{_MG}.managers.scheduler", "sglang_ext.pi05.server_timing:patch_scheduler"),
+            Part(f"{_MG}.managers.gpu_worker", "sglang_ext.pi05.server_timing:patch_gpu_worker"),
         ),
         rebinds=(f"{_VLA_API}.infer_action", f"{_VLA_WS}.infer_action", f"{_VLA_WS}.unpack_msgpack",
                  f"{_VLA_API}.router: the POST /v1/actions/generations route's endpoint (after pi05_action_transport)"),

@@ -9,8 +9,17 @@ vendors sglang-ext as `sglang.ext`; the installed plugin stands aside there, and
 
 import importlib
 import os
+import sys
 
 import pytest
+
+# The test tooling (test/sglang_ext_testkit) is not part of the package: importable here and in
+# every process a test starts (servers, `python -m sglang_ext_testkit...`).
+TESTKIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TESTKIT_ROOT not in sys.path:
+    sys.path.insert(0, TESTKIT_ROOT)
+if TESTKIT_ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTKIT_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
 # Set by .ci/run: the Triton kernel checks must run there, so a missing triton fails them instead of skipping.
@@ -37,10 +46,10 @@ def import_triton(module: str = "triton"):
 def released_source_root(version: str) -> str:
     """Source root (the directory holding `sglang/`) of the released sglang `version` wheel.
 
-    Downloaded once into `sglang_ext.wheels`' cache (~/.cache/sglang-ext/wheels), then reused.
+    Downloaded once into `sglang_ext_testkit.wheels`' cache (~/.cache/sglang-ext/wheels), then reused.
     CI has network: a failed download fails the test, in one line, instead of skipping it.
     """
-    from sglang_ext import wheels
+    from sglang_ext_testkit import wheels
 
     try:
         return wheels.ensure_unpacked(version)

@@ -244,7 +244,7 @@ def test_non_zigzag_layout_unknown_runs_eager(cp_patch):
 def test_counters_reach_graph_stats(cp_patch):
     import sys
 
-    from sglang_ext.adapters.prefill_cp_bucket import PREFILL_CP_BUCKET_STATS_NAME
+    from sglang_ext.prefill_cp.bucket import PREFILL_CP_BUCKET_STATS_NAME
 
     # the stats registry the runner's code uses: sglang_ext's with the plugin, the vendored
     # sglang.ext copy in the patched fork tree

@@ -69,7 +69,7 @@ def observe_child(first_read: str) -> dict:
         report["launch_server.run_scheduler_process"] = _qualified(launch_server.run_scheduler_process)
         report["launch_server._run_disagg_role_process"] = _qualified(launch_server._run_disagg_role_process)
         report["launch_server._run_http_server_process"] = _qualified(launch_server._run_http_server_process)
-        wrappers = sys.modules.get(f"{EXT}.mg_worker")
+        wrappers = sys.modules.get(f"{EXT}.mg_worker.entries")
         report["worker_entry_is_sglang_ext_wrapper"] = (
             wrappers is not None and launch_server.run_scheduler_process is wrappers.ENTRIES["run_scheduler_process"]
         )

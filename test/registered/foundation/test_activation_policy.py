@@ -21,7 +21,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
 from activation_env import clean_activation  # noqa: F401  (autouse fixture)
-from sglang_ext import activation, doctor, patching, plugin, registry
+from sglang_ext import activation, patching, plugin, registry
+from sglang_ext.tools import doctor
 from sglang_ext.errors import SglangExtActivationError
 from sglang_ext.registry import PATCH_NAMES, PATCHES, Part, PatchSpec
 from sglang_ext.versions import at_least

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import bench_pi05  # noqa: E402
 import bench_results  # noqa: E402
 import gen_performance_doc  # noqa: E402
-from sglang_ext.testing import pi05_random  # noqa: E402
+from sglang_ext_testkit import pi05_random  # noqa: E402
 
 
 def _actions(seed: int, n: int = 3):
@@ -119,7 +119,7 @@ def test_random_weights_do_not_depend_on_projection_packing():
     from sglang.multimodal_gen.runtime.layers.linear import ReplicatedLinear
     from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
 
-    from sglang_ext.adapters.pi05_merged_linear import MergedReplicatedLinear
+    from sglang_ext.pi05.merged_linear import MergedReplicatedLinear
 
     def layer(packed: bool) -> torch.nn.Module:
         root, attn, mlp = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()

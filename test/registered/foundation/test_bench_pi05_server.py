@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import bench_pi05_server  # noqa: E402
 import bench_results  # noqa: E402
 import gen_performance_doc  # noqa: E402
-from sglang_ext.testing import pi05_clients as clients  # noqa: E402
+from sglang_ext_testkit import pi05_clients as clients  # noqa: E402
 
 STAGES = {"preprocess_ms": 1.0, "cache_lookup_ms": 0.0, "prefix_ms": 0.5, "action_denoise_ms": 12.0,
           "postprocess_ms": 0.1}

@@ -53,12 +53,12 @@ def test_kernels_say_which_packages_were_loaded(monkeypatch):
 
 
 def test_the_in_repo_stand_ins_are_reported_as_stand_ins():
-    """A package replaced through sglang_ext.testing.stand_ins must not read as a real version."""
+    """A package replaced through sglang_ext_testkit.stand_ins must not read as a real version."""
     import subprocess
 
     code = f"import sys; sys.path.insert(0, {SCRIPTS!r}); import flashinfer, bench_results; print(bench_results.kernels())"
     env = {**os.environ, "SGX_STANDINS": "flashinfer"}
-    out = subprocess.run([sys.executable, "-m", "sglang_ext.testing.stand_ins", "-c", code], env=env,
+    out = subprocess.run([sys.executable, "-m", "sglang_ext_testkit.stand_ins", "-c", code], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'flashinfer': 'stand-in'" in out.stdout, out.stdout

@@ -1,5 +1,5 @@
 """`sglang-ext doctor`: the console script on the installed sglang 0.5.17, another tree, records,
-and `sglang_ext.doctor.report()` inside a process that runs patched code."""
+and `sglang_ext.tools.doctor.report()` inside a process that runs patched code."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
 from activation_env import clean_activation  # noqa: F401  (autouse fixture)
-from sglang_ext import activation, cli, doctor
+from sglang_ext import activation
+from sglang_ext.tools import cli, doctor
 from sglang_ext.registry import PATCH_NAMES, PATCHES
 
 register_cpu_ci(est_time=45, suite="base-a-test-cpu")

@@ -13,7 +13,8 @@ import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
-from sglang_ext import fingerprint, wheels
+from sglang_ext import fingerprint
+from sglang_ext_testkit import wheels
 from sglang_ext.registry import PATCHES
 from sglang_ext.versions import installed_sglang_version
 

@@ -97,7 +97,7 @@ def test_parts_survive_calls_and_join_verified(tree, tmp_path):
     assert "rc=0" in out, out
     assert "sgx: unpacked base" in out and (root / "sgl0517" / "marker.txt").read_text() == "0517"
     assert "FA3=no (parts 1/3 here)" in out and "plugin=yes" in out, out
-    assert f"PYTHONPATH={root}/ext:{root}/sgl0517:{root}/site" in out
+    assert f"PYTHONPATH={root}/ext:{tree}/test:{root}/sgl0517:{root}/site" in out
 
     bad = bytearray(parts[2])
     bad[10] ^= 0xFF
@@ -113,7 +113,7 @@ def test_parts_survive_calls_and_join_verified(tree, tmp_path):
     assert (root / "sgl0519" / "marker.txt").read_text() == "0519" and (root / "sgl0517").is_dir()
     assert "FA3=present (not loaded: no CUDA here)" in out, out
     # a second source in the same shell rebuilds PYTHONPATH instead of growing it
-    assert f"PYTHONPATH={root}/ext:{root}/sgl0519:{root}/site\n" in out, out
+    assert f"PYTHONPATH={root}/ext:{tree}/test:{root}/sgl0519:{root}/site\n" in out, out
 
 
 def test_bad_version_and_missing_parts(tree, tmp_path):

@@ -11,9 +11,10 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from sglang_ext import activation, launcher
+from sglang_ext import activation
+from sglang_ext.tools import launcher
 from sglang_ext.knobs import KNOBS, MASTER_ENV
-from sglang_ext.prerequisites import interpreter
+from sglang_ext.tools.prerequisites import interpreter
 from sglang_ext.registry import PATCH_NAMES
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")

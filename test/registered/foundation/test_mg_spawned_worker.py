@@ -25,8 +25,8 @@ from mg_worker_probe import EXT, WorkerProbe
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
 
 PATCH = "mg_worker_activation"
-WRAPPER = f"{EXT}.mg_worker:run_scheduler_process"
-DISAGG_WRAPPER = f"{EXT}.mg_worker:_run_disagg_role_process"
+WRAPPER = f"{EXT}.mg_worker.entries:run_scheduler_process"
+DISAGG_WRAPPER = f"{EXT}.mg_worker.entries:_run_disagg_role_process"
 SGLANG_WORKER = "sglang.multimodal_gen.runtime.managers.gpu_worker:run_scheduler_process"
 SGLANG_DISAGG = "sglang.multimodal_gen.runtime.launch_server:_run_disagg_role_process"
 REPORT_TIMEOUT_S = 240
@@ -62,7 +62,7 @@ def children(tmp_path_factory):
     """Start four spawned children at once (their sglang imports overlap), collect their reports."""
     from sglang_ext.registry import PATCH_NAMES
 
-    activation, mg_worker = ext_core("activation"), ext_core("mg_worker")
+    activation, mg_worker = ext_core("activation"), ext_core("mg_worker.entries")
 
     record_dir = tmp_path_factory.mktemp("activation-records")
     with pytest.MonkeyPatch.context() as env:
@@ -122,8 +122,8 @@ def test_parent_rebinds_worker_targets_to_picklable_sglang_ext_functions(childre
     parent, _, _ = children
     assert parent["status"] == "applied"
     assert (parent["entry"], parent["disagg_entry"], parent["http_entry"]) == parent["wrappers"]
-    # The target pickles as a call of <EXT>.mg_worker.worker_entry: the child imports sglang-ext.
-    assert f"{EXT}.mg_worker".encode() in parent["entry_pickle"] and b"worker_entry" in parent["entry_pickle"]
+    # The target pickles as a call of <EXT>.mg_worker.entries.worker_entry: the child imports sglang-ext.
+    assert f"{EXT}.mg_worker.entries".encode() in parent["entry_pickle"] and b"worker_entry" in parent["entry_pickle"]
     assert parent["entry_after_rollback"] is parent["original"]
 
 
@@ -164,9 +164,9 @@ def test_webui_http_server_child_activates_before_sglang_http_server(children):
     child = reports["http"]
     assert child["process_name"] == "sglang-diffusion-webui"
     assert child["statuses"][PATCH] == "applied"
-    assert child["launch_server._run_http_server_process"] == f"{EXT}.mg_worker:_run_http_server_process"
+    assert child["launch_server._run_http_server_process"] == f"{EXT}.mg_worker.entries:_run_http_server_process"
     stack = child["stack"]
-    chain = [f"{EXT}.mg_worker:_run_http_server_process",
+    chain = [f"{EXT}.mg_worker.entries:_run_http_server_process",
              "sglang.multimodal_gen.runtime.launch_server:_run_http_server_process",
              "sglang.multimodal_gen.runtime.launch_server:launch_http_server_only"]
     assert all(frame in stack for frame in chain), stack

@@ -41,8 +41,8 @@ def test_every_mutant_matches_this_tree_and_names_cpu_tests():
             with open(os.path.join(REPO, node.split("::")[0]), encoding="utf-8") as f:
                 assert "register_cpu_ci(" in f.read(), (m.name, node)
     covered = {m.file for m in ms.MUTANTS}
-    for central in ("adapters/vit_cuda_graph.py", "graphs/cache.py", "graphs/workspace.py", "graphs/agreement.py",
-                    "adapters/prefill_cp_bucket.py", "knobs.py", "launcher.py"):
+    for central in ("vit/runner.py", "graphs/cache.py", "graphs/workspace.py", "graphs/agreement.py",
+                    "prefill_cp/bucket.py", "knobs.py", "tools/launcher.py"):
         assert f"sglang_ext/{central}" in covered, central
 
 

@@ -15,7 +15,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from fresh_venv import fresh_venv, user_env
 from readme_quickstart import quickstart_steps
-from sglang_ext import wheels
+from sglang_ext_testkit import wheels
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -54,7 +54,7 @@ def test_wheel_declares_entry_points(wheel):
     for group in ("[sglang.srt.plugins]", "[sglang.multimodal_gen.plugins]"):
         section = text.split(group, 1)[1].split("[", 1)[0]
         assert "sglang_ext = sglang_ext.plugin:register" in section, group
-    assert "sglang-ext = sglang_ext.cli:main" in text.split("[console_scripts]", 1)[1].split("[", 1)[0]
+    assert "sglang-ext = sglang_ext.tools.cli:main" in text.split("[console_scripts]", 1)[1].split("[", 1)[0]
 
 
 def test_readme_test_command_is_what_ci_runs():

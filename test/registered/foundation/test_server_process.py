@@ -1,4 +1,4 @@
-"""sglang_ext.testing.server_process (the GPU server tests' launcher) with a real HTTP server
+"""sglang_ext_testkit.server_process (the GPU server tests' launcher) with a real HTTP server
 process that starts a child, becomes healthy late, exits early or never listens."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from sglang_ext.testing.server_process import ServerError, free_port, group_members, start_server
+from sglang_ext_testkit.server_process import ServerError, free_port, group_members, start_server
 
 register_cpu_ci(est_time=15, suite="base-a-test-cpu")
 

@@ -19,8 +19,8 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from sglang_ext import cli
-from sglang_ext.tiny_model import KINDS, SPECIAL_TOKENS, make_tiny_model, written_files
+from sglang_ext.tools import cli
+from sglang_ext.tools.tiny_model import KINDS, SPECIAL_TOKENS, make_tiny_model, written_files
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 

@@ -96,7 +96,7 @@ def probe(kind: str, path: str) -> dict:
 
 
 def main(argv) -> None:
-    from sglang_ext import cli
+    from sglang_ext.tools import cli
 
     specs = []
     while argv:
@@ -111,7 +111,7 @@ def main(argv) -> None:
     import sglang.srt.layers.rotary_embedding.base as rope_base
     import sglang.srt.multimodal.processors.base_processor as mm_base
 
-    from sglang_ext.testing.single_rank import init_single_rank_parallel_state
+    from sglang_ext_testkit.single_rank import init_single_rank_parallel_state
 
     rope_base._is_cpu = True  # native rotary path; see the module docstring
     mm_base._is_cpu = True  # image preprocessing on the CPU

@@ -143,7 +143,7 @@ def test_prefill_cp_bucket_decisions_reach_the_metrics(monkeypatch, tmp_path):
     """The prefill CP runner's counters (real adapter code; the runner is a bare object)."""
     import prometheus_client  # noqa: F401  (before the variable: in-memory values in this process)
 
-    from sglang_ext.adapters.prefill_cp_bucket import prefill_cp_bucket_counters, record_bucket_decision
+    from sglang_ext.prefill_cp.bucket import prefill_cp_bucket_counters, record_bucket_decision
     from sglang_ext.graphs import stats
     from sglang_ext.graphs.buckets import BucketDecision
 

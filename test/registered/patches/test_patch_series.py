@@ -131,12 +131,11 @@ def test_vendors_what_activation_reaches_and_no_test_helpers():
     # reached by imports (graphs through the adapters, mg_worker inside a function), by the
     # module-name string of pi05_graphs (the upstream vla.cuda_graph module), and parent packages
     for module in ("sglang_ext", "sglang_ext.activation", "sglang_ext.patching", "sglang_ext.graphs.cache",
-                   "sglang_ext.mg_worker", "sglang_ext.upstream.multimodal_gen.runtime.vla.cuda_graph",
-                   "sglang_ext.upstream.multimodal_gen"):
+                   "sglang_ext.mg_worker.entries", "sglang_ext.pi05.vla_cuda_graph", "sglang_ext.pi05"):
         assert module in vendored, module
     # the plugin's own delivery (entry point, launchers, doctor) and the test helpers stay out
-    for module in ("sglang_ext.plugin", "sglang_ext.launch_server", "sglang_ext.doctor", "sglang_ext.cli",
-                   "sglang_ext.wheels", "sglang_ext.testing", "sglang_ext.testing.pi05_random"):
+    for module in ("sglang_ext.plugin", "sglang_ext.launch_server", "sglang_ext.tools.doctor", "sglang_ext.tools.cli",
+                   "sglang_ext_testkit.wheels", "sglang_ext_testkit", "sglang_ext_testkit.pi05_random"):
         assert module not in vendored, module
     carried = set()
     for name in _series_files():
@@ -162,7 +161,7 @@ def test_vendored_code_names_only_sglang_ext_copies(tmp_path):
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 assert not re.match(r"sglang_ext[.:]", node.value) or " " in node.value, (path, node.value)
     registry = vendored["sglang/ext/registry.py"]
-    assert '"sglang.ext.adapters.vit_cuda_graph:patch_runner"' in registry
+    assert '"sglang.ext.vit.runner:patch_runner"' in registry
     assert "python -m sglang_ext.launch_server" in vendored["sglang/ext/knobs.py"]  # docs of the plugin
 
 
@@ -177,17 +176,16 @@ def test_generator_follows_imports_and_strings_and_refuses_test_helpers(tmp_path
         "adapters/a.py": "from ..helpers import h\n\n\ndef patch(ctx, m):\n    from sglang_ext import extra\n"
                          "    return importlib.import_module('sglang_ext.more:thing')\n",
         "more.py": "",
-        "helpers.py": "from sglang_ext import testing as t  # noqa\n" "h = 1\n",
+        "helpers.py": "import sglang_ext_testkit as t  # noqa\n" "h = 1\n",
         "extra.py": "X = 'sglang_ext is named in prose only'\n",
         "unused.py": "",
-        "testing/__init__.py": "",
     }.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
     monkeypatch.setattr(gp, "PYTHON_DIR", str(tmp_path))
     spec = PatchSpec(name="fake", summary="fake", targets=(), parts=(Part("m", "sglang_ext.adapters.a:patch"),),
                      upstream_pr="none", retire_when="never")
-    with pytest.raises(gp.GenerationError, match="sglang_ext.helpers imports the test-only sglang_ext.testing"):
+    with pytest.raises(gp.GenerationError, match="sglang_ext.helpers imports the test-only sglang_ext_testkit"):
         gp.vendored_modules([spec])
     (pkg / "helpers.py").write_text("h = 1\n")
     # a relative import, an import inside a function, a module-name string; not the unused module
@@ -252,7 +250,7 @@ def test_hook_activates_the_vendored_copy_at_the_start_of_load_plugins():
 
 
 def _pristine_root():
-    from sglang_ext import wheels
+    from sglang_ext_testkit import wheels
 
     return wheels.ensure_unpacked("0.5.17")
 
@@ -325,7 +323,7 @@ def test_series_applies_to_a_pristine_0_5_17_tree(tmp_path, layout):
 
 @pytest.mark.parametrize("version", ["0.5.18", "0.5.23"])
 def test_series_refuses_other_sglang_releases(version):
-    from sglang_ext import wheels
+    from sglang_ext_testkit import wheels
 
     root = wheels.ensure_unpacked(version)  # the real unpacked wheel; refused before anything is read
     done = _apply(root)

@@ -31,7 +31,7 @@ from test_pi05_graphs import _random_prefix, _sample, _tiny_core, _tiny_policy, 
 
 RELATIVE_TOLERANCE = 1e-2
 COSINE_FLOOR = 0.9999
-FAST_ADAPTER = "sglang_ext.adapters.pi05_fast"
+FAST_ADAPTER = "sglang_ext.pi05.fast"
 
 
 def _fast_module():
@@ -39,12 +39,12 @@ def _fast_module():
 
     from conftest import PATCHED_TREE
 
-    return importlib.import_module(("sglang.ext" if PATCHED_TREE else "sglang_ext") + ".adapters.pi05_fast")
+    return importlib.import_module(("sglang.ext" if PATCHED_TREE else "sglang_ext") + ".pi05.fast")
 
 
 def _agreement(fast, exact):
-    """(max|fast - exact| / max|exact|, cosine): the bench's measures (sglang_ext.testing.pi05_random)."""
-    from sglang_ext.testing.pi05_random import cosine, relative_diff
+    """(max|fast - exact| / max|exact|, cosine): the bench's measures (sglang_ext_testkit.pi05_random)."""
+    from sglang_ext_testkit.pi05_random import cosine, relative_diff
 
     return relative_diff(fast, exact), cosine(fast, exact)
 
@@ -313,7 +313,7 @@ for masked in (False, True):
         float((f - e).abs().max() / e.abs().max()),
         float(torch.nn.functional.cosine_similarity(f, e, dim=0)),
     ]
-fast_module = importlib.import_module("sglang_ext.adapters.pi05_fast")
+fast_module = importlib.import_module("sglang_ext.pi05.fast")
 results["calls"] = calls
 results["fallback"] = fast_module.unsupported_reason(model.core_model)
 print("RESULTS " + json.dumps(results))

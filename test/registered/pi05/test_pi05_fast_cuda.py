@@ -1,6 +1,6 @@
 """Pi0.5 fast denoise path (knob pi05_fast) on the GPU: Triton kernels, real-size model.
 
-Pi05PolicyModel at its real size with random weights (sglang_ext.testing.pi05_random,
+Pi05PolicyModel at its real size with random weights (sglang_ext_testkit.pi05_random,
 as test_pi05_graphs_cuda.py: gemma_2b + SigLIP + gemma_300m, bf16), two 224x224
 cameras, 10 denoise steps, horizon 50, action dim 32; 32 requests: full prefixes (both
 cameras) and masked prefixes (empty second camera), prompt lengths 17..111.
@@ -63,8 +63,8 @@ def policy():
 
 
 def _agreement(got, want):
-    """(max|got - want| / max|want|, cosine): the bench's measures (sglang_ext.testing.pi05_random)."""
-    from sglang_ext.testing.pi05_random import cosine, relative_diff
+    """(max|got - want| / max|want|, cosine): the bench's measures (sglang_ext_testkit.pi05_random)."""
+    from sglang_ext_testkit.pi05_random import cosine, relative_diff
 
     return relative_diff(got, want), cosine(got, want)
 
@@ -183,7 +183,7 @@ def test_triton_kernels_match_references_on_gpu():
 
 
 def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
-    from sglang_ext.testing.pi05_random import finite, make_noise, make_observation
+    from sglang_ext_testkit.pi05_random import finite, make_noise, make_observation
 
     fast_module, backend = _ext("adapters.pi05_fast"), _ext("kernels.backend")
     assert fast_module.unsupported_reason(policy.core_model) is None
@@ -238,7 +238,7 @@ def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
 
 def test_fast_end_to_end_with_prefix_graph_matches_exact_graph(policy):
     """The whole request on graphs (prefix graph + fused loop graph), fast vs exact."""
-    from sglang_ext.testing.pi05_random import make_noise, make_observation, run_request
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation, run_request
 
     for masked in (False, True):
         observation = make_observation(policy, prompt_len=48, masked_camera=masked, seed=7)
@@ -261,7 +261,7 @@ def test_fast_end_to_end_with_prefix_graph_matches_exact_graph(policy):
 
 def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
     """The prefix language model's layers on the fused kernels: K/V of every layer (valid positions)."""
-    from sglang_ext.testing.pi05_random import make_observation
+    from sglang_ext_testkit.pi05_random import make_observation
 
     fast_module = _ext("adapters.pi05_fast")
     worst = (0.0, 1.0)
@@ -291,7 +291,7 @@ def test_kernel_counts_and_replay_times(policy):
     """Device kernels per request: the fused loop launches fewer than the exact path (asserted; the
     profiler must work). Replay times: a line for the notes, not a speed claim (scripts/bench_pi05.py
     makes those)."""
-    from sglang_ext.testing.pi05_random import make_noise, make_observation
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation
 
     observation = make_observation(policy, prompt_len=48, seed=5)
     noise = make_noise(policy, 5)

@@ -27,7 +27,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
-from sglang_ext.testing.pi05_random import unit_server_args  # noqa: E402
+from sglang_ext_testkit.pi05_random import unit_server_args  # noqa: E402
 
 CUDA_GRAPH = "sglang.multimodal_gen.runtime.vla.cuda_graph"
 CORE = "sglang.multimodal_gen.runtime.models.vlas.pi05_core"

@@ -2,7 +2,7 @@
 
 Pi05PolicyModel is built from sglang's own config (gemma_2b + SigLIP + gemma_300m,
 about 3.35 B parameters, bf16) with a seeded random fill instead of a checkpoint
-(sglang_ext.testing.pi05_random). Two 224x224 cameras, 10 denoise steps, horizon 50,
+(sglang_ext_testkit.pi05_random). Two 224x224 cameras, 10 denoise steps, horizon 50,
 action dim 32; full prefixes (both cameras) and masked prefixes (empty second camera).
 
 Tolerance: graph replays run the same kernels as eager on the same inputs, so we
@@ -35,7 +35,7 @@ def _ext_environment(**knobs):
     """Strict activation with the patches unrelated to Pi0.5 off, plus `knobs` (SGLANG_EXT_<name>)."""
     from sglang_ext.versions import installed_sglang_version, source_tree_version
 
-    from sglang_ext.testing.pi05_random import unrelated_patches
+    from sglang_ext_testkit.pi05_random import unrelated_patches
 
     env = {
         "SGLANG_EXT": "1",
@@ -56,7 +56,7 @@ def _ext_environment(**knobs):
 def random_policy(env, unset=()):
     """The real-size random Pi0.5 (bf16, seed 0) built under `env`'s activation (`unset`: names
     removed from the environment); its graphs, memory and the activation released after."""
-    from sglang_ext.testing.pi05_random import build_random_pi05
+    from sglang_ext_testkit.pi05_random import build_random_pi05
 
     # the plugin, or on the patched tree the copy the fork series vendors (sglang.ext)
     activation = importlib.import_module("sglang.ext.activation" if PATCHED_TREE else "sglang_ext.activation")
@@ -91,7 +91,7 @@ def policy():
 
 
 def _compare(label, graph_actions, eager_actions):
-    from sglang_ext.testing.pi05_random import finite, max_abs_diff, relative_diff
+    from sglang_ext_testkit.pi05_random import finite, max_abs_diff, relative_diff
 
     diff = max_abs_diff(graph_actions, eager_actions)
     relative = relative_diff(graph_actions, eager_actions)
@@ -104,7 +104,7 @@ def _compare(label, graph_actions, eager_actions):
 
 
 def _request(policy, *, prompt_len, masked, seed, graph):
-    from sglang_ext.testing.pi05_random import make_noise, make_observation, run_request
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation, run_request
 
     observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=seed)
     return run_request(policy, observation, make_noise(policy, seed), graph=graph, num_steps=NUM_STEPS)
@@ -169,7 +169,7 @@ def test_consecutive_requests_never_share_kv(policy, prefix_graph):
     """Requests with different images and the same signature, alternating: each must
     see its own prefix K/V (eager-prefix contexts are freed between requests, so a
     refresh keyed on id() could skip the copy)."""
-    from sglang_ext.testing.pi05_random import make_noise, make_observation, max_abs_diff, run_request
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation, max_abs_diff, run_request
 
     noise = make_noise(policy, 99)
     observations = {seed: make_observation(policy, prompt_len=40, seed=seed) for seed in (101, 202)}

@@ -17,7 +17,7 @@ import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
-from sglang_ext.testing import pi05_checkpoint as pc
+from sglang_ext_testkit import pi05_checkpoint as pc
 
 register_cpu_ci(est_time=25, suite="base-a-test-cpu")
 
@@ -47,7 +47,7 @@ def _sglang_preprocess():
 
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_device_math_equals_sglangs_preprocessing_bit_for_bit():
-    from sglang_ext.adapters.pi05_observation_device import _ext_uint8_frame, preprocess_frame_on
+    from sglang_ext.pi05.observation_device import _ext_uint8_frame, preprocess_frame_on
 
     original = _sglang_preprocess()
     for name, frame in _frames().items():
@@ -60,7 +60,7 @@ def test_device_math_equals_sglangs_preprocessing_bit_for_bit():
 
 
 def test_frames_sglang_must_handle_are_left_to_it():
-    from sglang_ext.adapters.pi05_observation_device import _ext_uint8_frame, preprocess_frame_on
+    from sglang_ext.pi05.observation_device import _ext_uint8_frame, preprocess_frame_on
 
     small = np.zeros((100, 160, 3), np.uint8)  # needs sglang's resize-with-pad
     assert preprocess_frame_on(small, SIZE, torch.device("cpu")) is None
@@ -74,7 +74,7 @@ def test_frames_sglang_must_handle_are_left_to_it():
 def test_without_cuda_the_patched_preprocessor_is_sglangs(ext_patches, tmp_path, monkeypatch):
     from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
     from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages import pi05_preprocess
-    from sglang_ext.testing import pi05_clients as clients
+    from sglang_ext_testkit import pi05_clients as clients
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = Pi05PipelineConfig(tokenizer_name=str(pc.write_tiny_gemma_tokenizer(tmp_path / "tok")))
@@ -103,7 +103,7 @@ def _tokenizer(tmp_path):
 
 
 def test_rust_tokenizer_front_answers_sglangs_call_as_transformers(tmp_path, monkeypatch):
-    from sglang_ext.adapters.pi05_observation_device import _EXT_TOKENIZER_CHECKS, RustTokenizerFront
+    from sglang_ext.pi05.observation_device import _EXT_TOKENIZER_CHECKS, RustTokenizerFront
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = _tokenizer(tmp_path)
@@ -124,7 +124,7 @@ def test_rust_tokenizer_front_answers_sglangs_call_as_transformers(tmp_path, mon
 
 
 def test_rust_tokenizer_front_gives_up_on_a_difference(tmp_path, monkeypatch, caplog):
-    from sglang_ext.adapters.pi05_observation_device import RustTokenizerFront
+    from sglang_ext.pi05.observation_device import RustTokenizerFront
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = _tokenizer(tmp_path)

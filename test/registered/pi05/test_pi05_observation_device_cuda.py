@@ -10,7 +10,7 @@ import torch
 from sglang.test.ci.ci_register import register_cuda_ci
 
 from conftest import plugin_only
-from sglang_ext.testing import pi05_checkpoint as pc
+from sglang_ext_testkit import pi05_checkpoint as pc
 from test_pi05_observation_device import SIZE, _frames, _sglang_preprocess
 
 register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-small")
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_frames_scaled_on_the_gpu_equal_sglangs_cpu_preprocessing():
-    from sglang_ext.adapters.pi05_observation_device import _ext_uint8_frame, preprocess_frame_on
+    from sglang_ext.pi05.observation_device import _ext_uint8_frame, preprocess_frame_on
 
     original = _sglang_preprocess()
     for name, frame in _frames().items():
@@ -35,7 +35,7 @@ def test_frames_scaled_on_the_gpu_equal_sglangs_cpu_preprocessing():
 def test_patched_preprocessor_gives_the_worker_device_tensors(ext_patches, tmp_path, monkeypatch):
     from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
     from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages import pi05_preprocess
-    from sglang_ext.testing import pi05_clients as clients
+    from sglang_ext_testkit import pi05_clients as clients
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     torch.cuda.init()

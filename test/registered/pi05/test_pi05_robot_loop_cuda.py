@@ -1,7 +1,7 @@
 """A robot's closed control loop over /openpi/policy against `python -m sglang_ext.serve` (issue 26).
 
 Pi0.5 at the real size with random weights (the server test's checkpoint,
-sglang_ext.testing.pi05_checkpoint), on the H200. Two servers, one after another, both
+sglang_ext_testkit.pi05_checkpoint), on the H200. Two servers, one after another, both
 sglang-ext with the transport patches:
 
 1. exact mode (`--ext-strict`): the 200 observations once each, over the OpenPI websocket; their
@@ -34,7 +34,7 @@ import torch
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
-from sglang_ext.testing import pi05_checkpoint
+from sglang_ext_testkit import pi05_checkpoint
 
 register_cuda_ci(est_time=720, stage="base-b", runner_config="1-gpu-small")
 
@@ -70,9 +70,9 @@ def _clean_env(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    from sglang_ext.testing import pi05_checkpoint
+    from sglang_ext_testkit import pi05_checkpoint
 
-    out = subprocess.run([sys.executable, "-m", "sglang_ext.testing.pi05_checkpoint", CHECKPOINT],
+    out = subprocess.run([sys.executable, "-m", "sglang_ext_testkit.pi05_checkpoint", CHECKPOINT],
                          env=_clean_env(), capture_output=True, text=True, timeout=900)
     print(out.stdout[-2000:])
     assert out.returncode == 0, f"checkpoint synthesis failed:\n{out.stderr[-4000:]}"
@@ -80,7 +80,7 @@ def checkpoint():
 
 
 def _serve(name, flags, tmp_path):
-    from sglang_ext.testing.server_process import free_port, start_server
+    from sglang_ext_testkit.server_process import free_port, start_server
 
     port = free_port()
     log_path = os.path.join(os.environ.get("SGX_TEST_LOG_DIR") or str(tmp_path), f"pi05-loop-{name}-server.log")
@@ -99,14 +99,14 @@ def _serve(name, flags, tmp_path):
 
 
 def _observations(spec):
-    from sglang_ext.testing import pi05_clients
+    from sglang_ext_testkit import pi05_clients
 
     return [pi05_clients.make_observation(1000 + step, spec.CAMERAS) for step in range(LOOP_STEPS)]
 
 
 def test_closed_loop_over_openpi_matches_exact_mode_without_drops_or_tail_latency(checkpoint, tmp_path):
-    from sglang_ext.testing import pi05_clients
-    from sglang_ext.testing.pi05_random import cosine, relative_diff
+    from sglang_ext_testkit import pi05_clients
+    from sglang_ext_testkit.pi05_random import cosine, relative_diff
 
     observations = _observations(checkpoint)
     payloads = [pi05_clients.openpi_payload(o) for o in observations]

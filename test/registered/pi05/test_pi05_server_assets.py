@@ -4,7 +4,7 @@ through sglang 0.5.17's own CPU-side path: `sglang serve`'s multimodal_gen argum
 and the Pi0.5 preprocessing stage with the offline Gemma-style tokenizer; and the checkpoint's
 tensor names against sglang's weight-name mapping for the unpatched and the patched model.
 
-The weights half (sglang_ext.testing.pi05_checkpoint.write_random_pi05_checkpoint) needs the
+The weights half (sglang_ext_testkit.pi05_checkpoint.write_random_pi05_checkpoint) needs the
 3.35 B model and runs on the GPU machine (test_pi05_server_cuda.py)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
-from sglang_ext.testing import pi05_checkpoint as pc
+from sglang_ext_testkit import pi05_checkpoint as pc
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
 
@@ -111,7 +111,7 @@ def test_checkpoint_names_load_into_the_unpatched_and_the_patched_model(ext_patc
     from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
     from sglang.multimodal_gen.runtime.server_args import server_args as server_args_module
 
-    from sglang_ext.testing.pi05_random import unit_server_args
+    from sglang_ext_testkit.pi05_random import unit_server_args
 
     monkeypatch.setattr(server_args_module, "_global_server_args", unit_server_args("torch_sdpa"))
     checkpoint = _core_model_tensors()

@@ -1,9 +1,9 @@
 """Pi0.5 through the real server: `python -m sglang_ext.serve` and unpatched `sglang serve` 0.5.17.
 
-The checkpoint is synthesized on the GPU machine (sglang_ext.testing.pi05_checkpoint: sglang's
+The checkpoint is synthesized on the GPU machine (sglang_ext_testkit.pi05_checkpoint: sglang's
 own Pi05 core model, 3.35 B, seeded random weights, a tiny Gemma-style tokenizer; reused from
 SGLANG_EXT_TEST_PI05_CHECKPOINT while the machine is held). Each server is started in its own
-process group on 127.0.0.1 (sglang_ext.testing.server_process), gets two HTTP requests to
+process group on 127.0.0.1 (sglang_ext_testkit.server_process), gets two HTTP requests to
 /v1/actions/generations (same layout, other images, state and noise), and is stopped:
 
 - both servers: actions of shape [50, 7], finite, different for different inputs;
@@ -35,7 +35,7 @@ import torch
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
-from sglang_ext.testing import pi05_checkpoint
+from sglang_ext_testkit import pi05_checkpoint
 
 register_cuda_ci(est_time=900, stage="base-b", runner_config="1-gpu-small")
 
@@ -63,10 +63,10 @@ def _clean_env(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    from sglang_ext.testing import pi05_checkpoint
+    from sglang_ext_testkit import pi05_checkpoint
 
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "sglang_ext.testing.pi05_checkpoint", CHECKPOINT],
+    out = subprocess.run([sys.executable, "-m", "sglang_ext_testkit.pi05_checkpoint", CHECKPOINT],
                          env=_clean_env(), capture_output=True, text=True, timeout=900)
     print(out.stdout[-2000:])
     assert out.returncode == 0, f"checkpoint synthesis failed:\n{out.stderr[-4000:]}"
@@ -97,7 +97,7 @@ def _actions(spec, response, server):
 
 def _serve_two_requests(spec, argv, env, tmp_path, name):
     """Start the server, send the two requests; returns (server still running, [actions, actions])."""
-    from sglang_ext.testing.server_process import free_port, start_server
+    from sglang_ext_testkit.server_process import free_port, start_server
 
     port = free_port()
     log_path = os.path.join(os.environ.get("SGX_TEST_LOG_DIR") or str(tmp_path), f"pi05-{name}-server.log")
@@ -143,7 +143,7 @@ def _graphs_replayed(metrics) -> bool:
 
 
 def test_pi05_server_with_sglang_ext_returns_actions_and_replays_graphs(checkpoint, tmp_path):
-    from sglang_ext import doctor
+    from sglang_ext.tools import doctor
     from sglang_ext.versions import installed_sglang_version, source_tree_version
 
     if os.path.exists(EXT_ACTIONS):

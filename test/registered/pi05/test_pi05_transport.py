@@ -27,9 +27,9 @@ import zmq
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
-from sglang_ext.testing import fake_pi05_server as stand_in
-from sglang_ext.testing import pi05_checkpoint as pc
-from sglang_ext.testing import pi05_clients as clients
+from sglang_ext_testkit import fake_pi05_server as stand_in
+from sglang_ext_testkit import pi05_checkpoint as pc
+from sglang_ext_testkit import pi05_clients as clients
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
@@ -45,7 +45,7 @@ def server_args(tmp_path_factory):
     from sglang.multimodal_gen.runtime.entrypoints.cli.serve import add_multimodal_gen_serve_args
     from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
     from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
-    from sglang_ext.testing.server_process import free_port
+    from sglang_ext_testkit.server_process import free_port
 
     folder = str(pc.write_pi05_assets(tmp_path_factory.mktemp("assets") / "random-pi05"))
     argv = ["--model-path", folder, "--pipeline-config-path", f"{folder}/pipeline_config.json", "--num-gpus", "1",
@@ -247,7 +247,7 @@ def test_bad_payloads_get_sglangs_own_errors(server_args, scheduler, ext_patches
 
 
 def test_json_body_parse_matches_json_loads_including_its_errors():
-    from sglang_ext.adapters.pi05_action_transport import _ext_json_body
+    from sglang_ext.pi05.action_transport import _ext_json_body
 
     bodies = [b'{"a": [1, 2.5, -3e-7], "b": {"c": "\\u00e9"}}', b'{"x": NaN, "y": Infinity}',
               b'{"big": 123456789012345678901234567890}', '{"s": "caf\u00e9"}'.encode("utf-16"),
@@ -265,7 +265,7 @@ def test_json_body_parse_matches_json_loads_including_its_errors():
 
 
 def test_b64_decoding_gives_the_standard_librarys_bytes_and_errors():
-    from sglang_ext.adapters.pi05_action_transport import _ext_b64decode
+    from sglang_ext.pi05.action_transport import _ext_b64decode
 
     raw = np.random.default_rng(0).integers(0, 256, 3001, dtype=np.uint8).tobytes()
     text = base64.b64encode(raw).decode()

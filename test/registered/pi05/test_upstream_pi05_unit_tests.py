@@ -3,7 +3,7 @@
 - 0.5.17's, as installed (`sglang/multimodal_gen/test/unit/`): the patches change PiGemma's
   projections, the action metadata and the pipeline config in place; these files pin 0.5.17's
   behaviour of those pieces (loader key mapping, metadata fields, runtime helpers).
-- 0.5.19's, from its released wheel (downloaded once into sglang_ext.wheels' cache; a failed
+- 0.5.19's, from its released wheel (downloaded once into sglang_ext_testkit.wheels' cache; a failed
   download fails the test in one line): conformance of the ported pieces with upstream. Only
   the tests of ported pieces are selected (UPSTREAM_0_5_19; the rest are listed with the reason
   they are left out). The 0.5.19-only modules they import are the ones the patches install

@@ -15,7 +15,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
-from sglang_ext.testing import vl_stream as vs  # noqa: E402
+from sglang_ext_testkit import vl_stream as vs  # noqa: E402
 
 
 @pytest.mark.parametrize("unit", [28, 32])

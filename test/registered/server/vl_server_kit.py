@@ -28,8 +28,8 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from sglang_ext.testing import vl_stream as vs
-from sglang_ext.testing.server_process import ServerProcess, free_port, start_server
+from sglang_ext_testkit import vl_stream as vs
+from sglang_ext_testkit.server_process import ServerProcess, free_port, start_server
 
 N_REQUESTS = int(os.environ.get("SGX_SERVER_REQUESTS", "200"))
 N_CHAT = 40  # /v1/chat/completions subset (output-token logprobs only)
@@ -218,7 +218,7 @@ def _finish(run: Run, h: ServerProcess) -> None:
 
 
 def run_servers(kind: str, workdir: Path) -> Dict[str, Run]:
-    from sglang_ext.tiny_model import make_tiny_model
+    from sglang_ext.tools.tiny_model import make_tiny_model
 
     # The model (a few MB) stays out of $OUT; logs and activation records go there.
     model_dir = Path(make_tiny_model(kind, Path(tempfile.mkdtemp(prefix="sgx-tiny-")) / kind, seed=0))

@@ -232,4 +232,4 @@ def grid_list(grid_thw: torch.Tensor) -> List[List[int]]:
     return [list(map(int, row)) for row in grid_thw.tolist()]
 
 
-from sglang_ext.testing.single_rank import init_single_rank_parallel_state  # noqa: E402,F401
+from sglang_ext_testkit.single_rank import init_single_rank_parallel_state  # noqa: E402,F401

@@ -19,7 +19,7 @@ from sglang.srt.managers import mm_utils
 from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from sglang_ext.adapters.mm_embedding_sync_free import tokens_in_extend
+from sglang_ext.vit.mm_embedding import tokens_in_extend
 from sglang_ext.registry import PATCH_NAMES
 
 from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
@@ -122,7 +122,7 @@ def test_patched_embedding_is_bitwise_the_original_and_takes_no_item(seed, monke
 def test_without_a_matching_host_count_sglangs_own_check_runs(sync_free, monkeypatch):
     """Called outside get_embedding_and_mask, or with a host count other than the rows (EVS pruning,
     placeholders moved): sglang's own check with its sync, here its error for too few rows."""
-    adapter = ext_core("adapters.mm_embedding_sync_free")
+    adapter = ext_core("vit.mm_embedding")
     embedding = torch.arange(8.0).reshape(4, 2)
     mask = torch.tensor([True, True, False, True, True, True]).unsqueeze(-1)
     logger = logging.getLogger("test_mm_embedding_sync_free")

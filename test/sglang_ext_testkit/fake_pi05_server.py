@@ -1,7 +1,7 @@
 """sglang's real Pi0.5 server on a machine without a GPU: every process, hop and stage is
 sglang 0.5.17's own, except the 3.35 B policy model, which a small stand-in replaces.
 
-    python -m sglang_ext.testing.fake_pi05_server [--ext] <sglang serve arguments>
+    python -m sglang_ext_testkit.fake_pi05_server [--ext] <sglang serve arguments>
 
 Used by the CPU tests of the transport patches and by `scripts/bench_pi05_server.py
 --cpu-logic-check`. What is real: `sglang serve`'s argument parsing, the multimodal_gen
@@ -15,7 +15,7 @@ postprocessor, and the way back. What is not: `Pi05PolicyModel.from_pretrained` 
 
 `--ext` switches sglang-ext on first (as `python -m sglang_ext.serve` does; that launcher
 refuses to start without a GPU). The stand-in reaches the spawned worker like sglang-ext
-does (`sglang_ext.mg_worker`): the worker target is rebound to a `StandInEntry`, which
+does (`sglang_ext.mg_worker.entries`): the worker target is rebound to a `StandInEntry`, which
 pickles as a call into this module, so the child installs the stand-in while unpickling its
 target and then runs the target it wrapped (sglang's, or sglang-ext's worker entry).
 """

@@ -74,7 +74,7 @@ def _publish_srt_context() -> None:
     if getattr(context, "_server_args", None) is None:
         context.override_server_args().install()
     # 0.5.19's SigLIP embeddings are vocab-parallel layers: they need a TP group.
-    from sglang_ext.testing.single_rank import init_single_rank_parallel_state
+    from sglang_ext_testkit.single_rank import init_single_rank_parallel_state
 
     init_single_rank_parallel_state()
 

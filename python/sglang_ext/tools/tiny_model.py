@@ -31,7 +31,7 @@ import os
 import pathlib
 from typing import Dict, List, Tuple
 
-from sglang_ext.prerequisites import missing_message, missing_modules
+from sglang_ext.tools.prerequisites import missing_message, missing_modules
 
 KINDS = ("qwen2", "qwen2_5_vl", "qwen3_vl")
 REQUIRED_MODULES = ("torch", "transformers", "tokenizers", "safetensors")

@@ -12,8 +12,8 @@ Upstream PR: multimodal_gen plugin group `sglang.multimodal_gen.plugins`, first 
 Why: 0.5.17 spawns the workers (`diffusion_generator` forces the spawn start method) and
     nothing under multimodal_gen calls `load_plugins()`, so Pi0.5 patches applied in the
     `sglang serve` process would not exist where the graphs run.
-How: rebind these launch_server globals to `sglang_ext.mg_worker.ENTRIES` objects that pickle
-    as a call of the top-level `sglang_ext.mg_worker.worker_entry(name)`: the spawned child
+How: rebind these launch_server globals to `sglang_ext.mg_worker.entries.ENTRIES` objects that pickle
+    as a call of the top-level `sglang_ext.mg_worker.entries.worker_entry(name)`: the spawned child
     imports sglang_ext and activates while unpickling the target, before the arguments import
     sglang.multimodal_gen, then calls sglang's original entry. This deliberately uses
     `ctx.setattr` and not `ctx.transplant_function`: a transplanted function pickles as
@@ -30,7 +30,7 @@ import sys
 
 
 def patch_launch_server(ctx, module) -> None:
-    from sglang_ext import mg_worker
+    from sglang_ext.mg_worker import entries as mg_worker
 
     gpu_worker = sys.modules["sglang.multimodal_gen.runtime.managers.gpu_worker"]
     if module.run_scheduler_process is not gpu_worker.run_scheduler_process:

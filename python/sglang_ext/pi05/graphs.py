@@ -43,12 +43,12 @@ import importlib
 import weakref
 
 from sglang_ext import knobs
-from sglang_ext import pi05_graph_settings as _ext_pi05_settings
-from sglang_ext.adapters import pi05_fast as _ext_pi05_fast
+from sglang_ext.pi05 import graph_settings as _ext_pi05_settings
+from sglang_ext.pi05 import fast as _ext_pi05_fast
 from sglang_ext.patching import install_module
-from sglang_ext.upstream.multimodal_gen.runtime.vla.prompt_bucketing import effective_token_length
+from sglang_ext.pi05.prompt_bucketing import effective_token_length
 
-_GRAPH_MODULE = "sglang_ext.upstream.multimodal_gen.runtime.vla.cuda_graph"
+_GRAPH_MODULE = "sglang_ext.pi05.vla_cuda_graph"
 _UPSTREAM_NAME = "sglang.multimodal_gen.runtime.vla.cuda_graph"
 _LEGACY_NAME = "sglang.multimodal_gen.runtime.vla.denoise_cuda_graph"
 
@@ -58,7 +58,7 @@ def _graph_module():
 
 
 # ==========================================================================
-# Settings: sglang_ext.pi05_graph_settings (config fields, knobs override; works while
+# Settings: sglang_ext.pi05.graph_settings (config fields, knobs override; works while
 # the pi05_config patch is off)
 # ==========================================================================
 
@@ -655,7 +655,7 @@ def _ext_exact_denoise_loop(self, full_attention, dt, action_position_offset):
 def _ext_fast_denoise(
     self, prefix_context, x_t, num_steps, dt, full_attention, action_position_offset, graph_enabled
 ):
-    """Knob pi05_fast: the fused-kernel loop (sglang_ext.adapters.pi05_fast), one graph
+    """Knob pi05_fast: the fused-kernel loop (sglang_ext.pi05.fast), one graph
     per request when graphs are on, the same code eagerly when they are off. Returns
     the denoised x_t, or None when the loop failed on its first use (exact path then)."""
     core = self.core_model

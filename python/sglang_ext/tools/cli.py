@@ -69,7 +69,7 @@ def _folder_error(option: str, path: Optional[str], needs: str = "") -> Optional
 
 
 def doctor_main(args: argparse.Namespace) -> int:
-    from sglang_ext import doctor
+    from sglang_ext.tools import doctor
 
     for problem in (_folder_error("--source-root", args.source_root, "a folder that contains the sglang/ package"),
                     _folder_error("--records", args.records, "the folder a server wrote with --ext-activation-dir")):
@@ -92,7 +92,7 @@ def doctor_main(args: argparse.Namespace) -> int:
 
 
 def _tiny_model_parser(sub) -> None:
-    from sglang_ext.tiny_model import KINDS
+    from sglang_ext.tools.tiny_model import KINDS
 
     p = sub.add_parser(
         "make-tiny-model", help="write a tiny offline Qwen model folder with seeded random weights",
@@ -107,7 +107,7 @@ def _tiny_model_parser(sub) -> None:
 
 
 def tiny_model_main(args: argparse.Namespace) -> int:
-    from sglang_ext.tiny_model import TinyModelError, ensure_tiny_model
+    from sglang_ext.tools.tiny_model import TinyModelError, ensure_tiny_model
 
     try:
         seed = int(args.seed)

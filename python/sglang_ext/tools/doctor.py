@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from sglang_ext import activation, fingerprint
 from sglang_ext.errors import ExtConfigError
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
-from sglang_ext.prerequisites import missing_message, missing_modules
+from sglang_ext.tools.prerequisites import missing_message, missing_modules
 from sglang_ext.registry import PATCHES, PatchSpec
 from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, installed_sglang_path,
                                  installed_sglang_version, source_tree_version)
@@ -344,7 +344,7 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
         lines.append("graph caches: sglang_ext.graphs.stats unavailable")
     elif not caches:
         lines.append("graph caches: none in this process (run doctor inside the server, "
-                     "sglang_ext.doctor.report(), to see a server's counters)")
+                     "sglang_ext.tools.doctor.report(), to see a server's counters)")
     else:
         lines.append("graph caches:")
         for name, info in sorted(caches.items()):

@@ -4,8 +4,8 @@ scripts/gpu_env.sh carries the real sgl_kernel (sm90 common_ops, FA3 in parts) a
 normally nothing here is used. Where a package cannot be had (docs/gpu-harness.md lists what is not
 carried), name it in SGX_STANDINS and run python through this module:
 
-    SGX_STANDINS=flashinfer python3 -m sglang_ext.testing.stand_ins -m pytest -x -q test/...
-    SGX_STANDINS=sgl_kernel,flashinfer python3 -m sglang_ext.testing.stand_ins scripts/bench_vit.py ...
+    SGX_STANDINS=flashinfer python3 -m sglang_ext_testkit.stand_ins -m pytest -x -q test/...
+    SGX_STANDINS=sgl_kernel,flashinfer python3 -m sglang_ext_testkit.stand_ins scripts/bench_vit.py ...
 
 Every module under a named package then imports as an empty package whose attributes raise
 RuntimeError("stand-in: ...") when called; names in SGX_STANDINS_REFUSE (dotted submodules) raise
@@ -90,7 +90,7 @@ def install() -> frozenset:
 
 def main(argv: list) -> int:
     if not argv:
-        print("usage: python3 -m sglang_ext.testing.stand_ins (-m MODULE | -c CODE | SCRIPT) [ARGS...]",
+        print("usage: python3 -m sglang_ext_testkit.stand_ins (-m MODULE | -c CODE | SCRIPT) [ARGS...]",
               file=sys.stderr)
         return 2
     install()

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from sglang_ext.errors import ExtConfigError, SglangExtActivationError
 from sglang_ext.knobs import FLAG_PREFIX, KNOBS, MASTER_ENV, Knob, knob, knob_enabled, load_settings
-from sglang_ext.prerequisites import interpreter, missing_message, missing_modules
+from sglang_ext.tools.prerequisites import interpreter, missing_message, missing_modules
 
 USAGE_EXIT = 2  # argparse's exit status for bad command lines
 NO_GPU_EXIT = 1  # the command line is fine; this machine cannot serve

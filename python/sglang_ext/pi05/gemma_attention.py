@@ -21,7 +21,7 @@ Retire when: the minimum supported sglang is >= 0.5.19.
 
 from __future__ import annotations
 
-from sglang_ext.adapters.pi05_merged_linear import MergedReplicatedLinear
+from sglang_ext.pi05.merged_linear import MergedReplicatedLinear
 
 
 def __init__(

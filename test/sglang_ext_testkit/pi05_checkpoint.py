@@ -1,13 +1,13 @@
 """A random-weight Pi0.5 checkpoint folder that `sglang serve` loads, written on the GPU machine.
 
-    python -m sglang_ext.testing.pi05_checkpoint DIR [--seed N] [--device cuda]
+    python -m sglang_ext_testkit.pi05_checkpoint DIR [--seed N] [--device cuda]
 
 sglang 0.5.17 serves Pi0.5 only from a checkpoint folder: its loader refuses any missing
 tensor (no dummy load format), and its preprocessor loads the gated PaliGemma tokenizer by
 name (`Pi05PipelineConfig.tokenizer_name`). This writes, without a download:
 
     DIR/model.safetensors       every tensor of sglang's own Pi05 core model (3.35 B, bf16,
-                                6.7 GB), seeded random (sglang_ext.testing.pi05_random), under
+                                6.7 GB), seeded random (sglang_ext_testkit.pi05_random), under
                                 the names of the unpatched 0.5.17 model (separate q/k/v and
                                 gate/up, as real checkpoints), which sglang-ext's merged
                                 layers load through sglang's fused-weight mapping
@@ -69,7 +69,7 @@ def write_tiny_gemma_tokenizer(path) -> pathlib.Path:
     """A byte-level BPE of a few hundred tokens with Gemma's special-token ids; adds <bos>."""
     from tokenizers import processors
 
-    from sglang_ext.tiny_model import train_byte_level_bpe
+    from sglang_ext.tools.tiny_model import train_byte_level_bpe
 
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,7 +142,7 @@ def write_random_pi05_checkpoint(path, *, seed: int = 0, device: str = "cuda",
     import torch
     from safetensors.torch import save_file
 
-    from sglang_ext.testing.pi05_random import build_random_pi05
+    from sglang_ext_testkit.pi05_random import build_random_pi05
 
     out = pathlib.Path(path).resolve()
     if "pi05" not in out.name.lower():
@@ -169,7 +169,7 @@ def write_random_pi05_checkpoint(path, *, seed: int = 0, device: str = "cuda",
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_ext.testing.pi05_checkpoint",
+    ap = argparse.ArgumentParser(prog="python -m sglang_ext_testkit.pi05_checkpoint",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("dir")
     ap.add_argument("--seed", type=int, default=0)

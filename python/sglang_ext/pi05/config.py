@@ -31,7 +31,7 @@ How: the fields are added to the existing class in place, not by a subclass:
   upstream's `Pi05PipelineConfig(prompt_token_buckets=[...])` and
   `update_pipeline_config({...})` work because `dataclasses.fields()` reads
   `__dataclass_fields__`, which gets the four `Field`s (declared once, on
-  `sglang_ext.pi05_graph_settings.GraphConfigFields`), and the wrapped `__init__` accepts them.
+  `sglang_ext.pi05.graph_settings.GraphConfigFields`), and the wrapped `__init__` accepts them.
   Class-level defaults cover instances that were unpickled from a process
   without the patch.
 - `__post_init__` (which 0.5.17's `update_pipeline_config` already calls) applies
@@ -64,7 +64,7 @@ import numbers
 from dataclasses import MISSING, fields
 
 from sglang_ext import knobs as _ext_knobs
-from sglang_ext import pi05_graph_settings as _ext_pi05_settings
+from sglang_ext.pi05 import graph_settings as _ext_pi05_settings
 from sglang_ext.errors import ExtConfigError
 from sglang_ext.patching import install_module
 
@@ -205,6 +205,6 @@ def patch_pipeline_config(ctx, module) -> None:
 
 def install_prompt_bucketing(ctx, module) -> None:
     """Part for `sglang.multimodal_gen.runtime.vla`: add the upstream prompt_bucketing module."""
-    from sglang_ext.upstream.multimodal_gen.runtime.vla import prompt_bucketing
+    from sglang_ext.pi05 import prompt_bucketing
 
     install_module(ctx, f"{module.__name__}.prompt_bucketing", prompt_bucketing)
