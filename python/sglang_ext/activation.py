@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from sglang_ext import fingerprint as fp
 from sglang_ext.errors import ExtConfigError, SglangExtActivationError
+from sglang_ext import knobs
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
 from sglang_ext.patching import PatchContext, cancel_trigger, when_imported
 from sglang_ext.registry import PATCHES, PatchSpec
@@ -137,6 +138,7 @@ def activate(
             # Bad input stops start-up whatever the mode: sglang would swallow a ValueError.
             raise SglangExtActivationError(f"sglang-ext configuration error: {exc}") from exc
         _state.settings = settings
+        knobs.use(settings)
         _state.strict = settings.strict if strict is None else strict
         _state.activated = True
         _state.version = resolve_version(settings, source_root, version)
@@ -177,6 +179,7 @@ def deactivate() -> None:
         _state.statuses.clear()
         _state.activated = False
         _state.settings = None
+        knobs.use(None)
         _state.version = None
         _state.strict = False
 

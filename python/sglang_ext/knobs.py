@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from sglang_ext.errors import ExtConfigError
 
@@ -293,9 +293,22 @@ def unknown_env_names(env: Optional[Mapping[str, str]] = None) -> list[str]:
     return sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known)
 
 
+# The settings activation built, read by current(); None while sglang-ext is not active.
+_active: Optional[Settings] = None
+
+
+def use(settings: Optional[Settings]) -> None:
+    """Activation hands over the settings it validated (None when it is undone)."""
+    global _active
+    _active = settings
+
+
 def current(name: str) -> Any:
-    """Value of one knob, read from the environment now (cheap; used by patched code at
-    construction time)."""
+    """Value of one knob: the one activation validated; without an activation (offline tools,
+    unit tests of an adapter alone) parsed from the environment now. Patched code reads a knob
+    once, when it builds its state, not per call."""
+    if _active is not None:
+        return _active.values[name]
     k = _BY_NAME[name]
     raw = os.environ.get(k.env)
     return k.default if raw is None else k.parse(raw)

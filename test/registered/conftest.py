@@ -116,6 +116,20 @@ def sglang_ext_off_between_files():
     os.environ.update(saved)
 
 
+@pytest.fixture
+def set_knob(monkeypatch):
+    """`set_knob("pi05_fast", 1)`: a knob changed under a running activation (as a new server
+    process would see it): the environment and the settings that patched code reads."""
+    knobs = ext_core("knobs")
+
+    def _set(name: str, value) -> None:
+        monkeypatch.setenv("SGLANG_EXT_" + name.upper(), str(value))
+        if knobs._active is not None:
+            knobs.use(knobs.load_settings())
+
+    return _set
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -62,7 +62,7 @@ def _count_calls(monkeypatch, module, name):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
-def test_fast_path_matches_exact_path_graph_and_eager(pi05, fake_graphs, monkeypatch, masked):
+def test_fast_path_matches_exact_path_graph_and_eager(pi05, fake_graphs, monkeypatch, masked, set_knob):
     m = pi05()
     graphs = fake_graphs(m.cg)
     fast_module = _fast_module()
@@ -71,11 +71,11 @@ def test_fast_path_matches_exact_path_graph_and_eager(pi05, fake_graphs, monkeyp
     for seed in (30, 31):
         context = _random_prefix(m, seed=seed, masked=masked)
         noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(seed))
-        monkeypatch.delenv("SGLANG_EXT_PI05_FAST", raising=False)
+        set_knob("pi05_fast", 0)
         before = len(denoise_calls)
         exact = _sample(model, context, noise, use_cuda_graph=False, num_steps=4)
         assert len(denoise_calls) == before  # knob off: the exact path, untouched
-        monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "1")
+        set_knob("pi05_fast", 1)
         fast_eager = _sample(model, context, noise, use_cuda_graph=False, num_steps=4)
         fast_graph = _sample(model, context, noise, use_cuda_graph=True, num_steps=4)
         relative, cosine = _agreement(fast_eager, exact)
@@ -122,16 +122,16 @@ def test_skinny_gemm_and_attention_plans_fill_the_gpu():
     assert key_splits(1, 50, 8, 1, 8000, sms) == sms // 7  # long K/V: capped by the SMs
 
 
-def test_fast_and_exact_fused_loops_get_separate_graphs(pi05, fake_graphs, monkeypatch):
+def test_fast_and_exact_fused_loops_get_separate_graphs(pi05, fake_graphs, monkeypatch, set_knob):
     m = pi05(pi05_fused_denoise=1)
     fake_graphs(m.cg)
     model = _tiny_policy(m, _tiny_core(m))
     context = _random_prefix(m, seed=40)
     noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(40))
     exact_graph = _sample(model, context, noise, use_cuda_graph=True)
-    monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "1")
+    set_knob("pi05_fast", 1)
     fast_graph = _sample(model, context, noise, use_cuda_graph=True)
-    monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "0")
+    set_knob("pi05_fast", 0)
     assert torch.equal(_sample(model, context, noise, use_cuda_graph=True), exact_graph)
     assert not torch.equal(fast_graph, exact_graph)
     assert sorted(s.kernels for s in model.graph_runner._cache.entries) == ["exact", "fast"]
@@ -174,7 +174,7 @@ def test_time_conditioning_is_computed_once_per_step_count_and_matches_the_model
     assert fast_module._TABLE_ATTR not in core.__dict__
 
 
-def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch):
+def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch, set_knob):
     m = pi05(pi05_fast=1)
     fast_module = _fast_module()
     model = _tiny_policy(m, _tiny_core(m))
@@ -187,12 +187,12 @@ def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch):
     denoise_calls = _count_calls(monkeypatch, fast_module, "denoise")
     fallback = _sample(other, context, noise, use_cuda_graph=False)
     assert denoise_calls == []
-    monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "0")
+    set_knob("pi05_fast", 0)
     assert torch.equal(fallback, _sample(other, context, noise, use_cuda_graph=False))
     assert not torch.equal(fast, fallback)
 
 
-def test_a_failing_first_fast_run_costs_the_exact_path_not_the_request(pi05, monkeypatch):
+def test_a_failing_first_fast_run_costs_the_exact_path_not_the_request(pi05, monkeypatch, set_knob):
     m = pi05(pi05_fast=1)
     fast_module = _fast_module()
     model = _tiny_policy(m, _tiny_core(m))
@@ -210,7 +210,7 @@ def test_a_failing_first_fast_run_costs_the_exact_path_not_the_request(pi05, mon
     second = _sample(model, context, noise, use_cuda_graph=False)
     assert attempts == [1]
     assert "kernel does not build here" in fast_module.unsupported_reason(model.core_model)
-    monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "0")
+    set_knob("pi05_fast", 0)
     exact = _sample(model, context, noise, use_cuda_graph=False)
     assert torch.equal(first, exact) and torch.equal(second, exact)
 
@@ -235,7 +235,7 @@ def _tiny_prefix_language_model(m, core):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
-def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked):
+def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked, set_knob):
     """Stretch: the prefix language model's layers on the fused kernels vs sglang's forward."""
     m = pi05(pi05_fast=1)
     fast_module = _fast_module()
@@ -268,7 +268,7 @@ def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked):
             relative, cosine = _agreement(got, want)
             assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR, (relative, cosine)
     # Off: the exact forward, bit for bit (encode_prefix does not call the fast layers).
-    monkeypatch.setenv("SGLANG_EXT_PI05_FAST", "0")
+    set_knob("pi05_fast", 0)
     assert not fast_module.prefix_enabled(core)
 
 
@@ -294,7 +294,7 @@ m = SimpleNamespace(
     prefix_cache=importlib.import_module("sglang.multimodal_gen.runtime.vla.prefix_cache"),
 )
 model = _tiny_policy(m, _tiny_core(m))
-from sglang_ext import kernels
+from sglang_ext import kernels, knobs
 calls = {"skinny_linear": 0, "linear_rope_qkv": 0, "first_rows_attention": 0}
 for name in calls:
     def counting(*args, _name=name, _original=getattr(kernels, name), **kwargs):
@@ -305,8 +305,10 @@ for masked in (False, True):
     context = _random_prefix(m, seed=70, masked=masked)
     noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(70))
     os.environ.pop("SGLANG_EXT_PI05_FAST", None)
+    knobs.use(knobs.load_settings())  # as a server started without / with --ext-pi05-fast
     exact = _sample(model, context, noise, use_cuda_graph=False, num_steps=2)
     os.environ["SGLANG_EXT_PI05_FAST"] = "1"
+    knobs.use(knobs.load_settings())
     fast = _sample(model, context, noise, use_cuda_graph=False, num_steps=2)
     f, e = fast.double().flatten(), exact.double().flatten()
     results["masked" if masked else "full"] = [

@@ -792,7 +792,7 @@ def test_debug_addresses_reports_a_moved_static_tensor_before_replay(pi05, fake_
 
 
 @pytest.mark.parametrize("kind", ["prefix", "step", "loop"])
-def test_debug_addresses_off_collects_no_addresses(pi05, fake_graphs, monkeypatch, kind):
+def test_debug_addresses_off_collects_no_addresses(pi05, fake_graphs, monkeypatch, kind, set_knob):
     m = pi05(debug_addresses=0)
     graphs = fake_graphs(m.cg)
     calls = _count_static_tensor_collections(m.cg, monkeypatch)
@@ -803,7 +803,7 @@ def test_debug_addresses_off_collects_no_addresses(pi05, fake_graphs, monkeypatc
     assert graphs.graphs[0].replays == 2
     assert calls == []
 
-    monkeypatch.setenv("SGLANG_EXT_DEBUG_ADDRESSES", "1")  # read when a runner is made
+    set_knob("debug_addresses", 1)  # read when a runner is made
     _graph_case(m, kind).run(1.0)
     assert calls  # the counter sees the collections the knob turns on
 
