@@ -84,11 +84,6 @@ def statuses() -> Dict[str, PatchStatus]:
     return dict(_state.statuses)
 
 
-def is_active(name: str) -> bool:
-    st = _state.statuses.get(name)
-    return st is not None and st.state == APPLIED
-
-
 def current_settings() -> Optional[Settings]:
     return _state.settings
 

@@ -18,7 +18,7 @@ reads this table. Per patch:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 
@@ -342,9 +342,3 @@ PATCHES: Tuple[PatchSpec, ...] = (
 
 PATCH_NAMES: Tuple[str, ...] = tuple(p.name for p in PATCHES)
 
-
-def get_patch(name: str) -> PatchSpec:
-    for p in PATCHES:
-        if p.name == name:
-            return p
-    raise KeyError(f"unknown patch {name!r}; known: {', '.join(PATCH_NAMES)}")

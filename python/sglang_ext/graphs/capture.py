@@ -1,11 +1,9 @@
-"""Capture helpers: one shared graph memory pool per device, and what a capture cost.
+"""Captures into one shared graph pool: the pool pinned, one capture stream, failures undone.
 
-All graphs of sglang-ext on a device capture into one pool, so blocks of an
-evicted (reset) graph are reused by the next capture instead of each graph
-holding a private pool. Inside sglang, adapters pass sglang's own pool
-(`sglang.srt.model_executor.runner_utils.pool.get_or_create_global_graph_memory_pool`)
-so sglang's graphs and ours share one. torch is imported only when called,
-and CUDA is touched only when available.
+Adapters capture into sglang's own pool
+(`sglang.srt.model_executor.runner_utils.pool.get_or_create_global_graph_memory_pool`), so blocks
+of an evicted (reset) graph are reused by the next capture instead of each graph holding a
+private pool. torch is imported only when called, and CUDA is touched only when available.
 
 Pinning: PyTorch counts the graphs using a pool (`use_count`). When the last
 one is reset the pool becomes "freeable": it is torn down at the next
@@ -50,18 +48,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from sglang_ext.graphs.keys import _is_int
-
-T = TypeVar("T")
 
 _logger = logging.getLogger("sglang_ext.graphs.capture")
 
 # Torch releases (major, minor) whose capture internals the undo was tested on, inclusive.
 REPAIR_TESTED_TORCH = ((2, 11), (2, 14))
 
-_pools: Dict[int, Any] = {}
 _capture_streams: Dict[int, Any] = {}
 _pins: Dict[Tuple[int, Tuple[int, ...]], Any] = {}  # (device, pool id) -> (graph, tensor) never reset
 
@@ -77,20 +72,6 @@ def _cuda_index(device: Any) -> int:
     if dev.type != "cuda":
         raise ValueError(f"device: {device!r} is not allowed; allowed: None, a CUDA index or a cuda device")
     return torch.cuda.current_device() if dev.index is None else dev.index
-
-
-def shared_graph_pool(device: Any = None) -> Any:
-    """The process-wide graph pool handle of `device` (created on first use)."""
-    import torch
-
-    index = _cuda_index(device)
-    pool = _pools.get(index)
-    if pool is None:
-        with torch.cuda.device(index):
-            pool = torch.cuda.graph_pool_handle()
-        pin_graph_pool(pool, index)
-        _pools[index] = pool
-    return pool
 
 
 def pin_graph_pool(pool: Any, device: Any = None) -> None:
@@ -112,26 +93,6 @@ def pin_graph_pool(pool: Any, device: Any = None) -> None:
     _pins[key] = (graph, anchor)
 
 
-def pool_reserved_bytes(device: Any = None) -> int:
-    """Bytes the caching allocator holds from the device (0 without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    return int(torch.cuda.memory_reserved(_cuda_index(device)))
-
-
-def capture_measured(fn_capture: Callable[[], T], device: Any = None) -> Tuple[T, int]:
-    """Run `fn_capture()`; return its result and how many bytes it newly took from the device.
-
-    This is the growth of reserved memory: a capture that reuses blocks an
-    evicted graph returned to the shared pool measures 0, since it took nothing new.
-    """
-    before = pool_reserved_bytes(device)
-    result = fn_capture()
-    return result, max(0, pool_reserved_bytes(device) - before)
-
-
 def capture_stream(device: Any = None) -> Any:
     """The side stream all captures on `device` use by default.
 
@@ -146,28 +107,6 @@ def capture_stream(device: Any = None) -> Any:
     if stream is None:
         stream = _capture_streams[index] = torch.cuda.Stream(device=index)
     return stream
-
-
-def capture_graph(fn: Callable[[], T], *, pool: Any = None, stream: Any = None, warmup_iters: int = 1) -> Tuple[Any, T]:
-    """Warm `fn` up on the capture stream, then capture it into a new CUDAGraph; returns (graph, output).
-
-    Warm-up runs lazy initialisation (cuBLAS handles, autotuning) outside the
-    capture, where it would otherwise fail or be baked in.
-    """
-    import torch
-
-    if not _is_int(warmup_iters) or warmup_iters < 0:
-        raise ValueError(f"warmup_iters: {warmup_iters!r} is not allowed; allowed: integers >= 0")
-    stream = capture_stream() if stream is None else stream
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup_iters):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with guarded_capture(graph, pool=pool, stream=stream):
-        output = fn()
-    return graph, output
 
 
 @contextlib.contextmanager
@@ -352,9 +291,3 @@ def _runtime_begin_capture() -> Optional[Callable[[int, int], int]]:
         _logger.debug("CUDA runtime not found for capture clean-up: %s", exc)
     _runtime_begin.append(fn)
     return fn
-
-
-def largest_first(sizes: Iterable[int]) -> Tuple[int, ...]:
-    """Capture order for a set of sizes captured up front: the largest graph sizes the
-    shared pool, so smaller ones fit into blocks it already holds."""
-    return tuple(sorted(set(sizes), reverse=True))

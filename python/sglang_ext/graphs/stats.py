@@ -276,7 +276,3 @@ def _publish() -> None:
         if _prom["reserved"] != reserved:  # kept apart from last_gauges, whose keys are (family, cache)
             _prom["metrics"]["cuda_memory_reserved_bytes"].set(reserved)
             _prom["reserved"] = reserved
-
-
-def _reset_metrics_for_tests() -> None:
-    _prom.update(on=None, metrics=None, last={}, gauges={}, children={}, reserved=None)

@@ -148,13 +148,6 @@ class StableWorkspacePool:
         if backing.leases == 0 and backing is not self._current:
             self._retired.pop(id(backing), None)
 
-    def trim(self) -> bool:
-        """Drop the current backing buffer if no lease holds it; returns whether it did."""
-        if self._current is not None and self._current.leases == 0:
-            self._current = None
-            return True
-        return False
-
     # ------------------------------------------------------------------ counters
 
     def _alive(self) -> Tuple[_Backing, ...]:

@@ -1,33 +1,26 @@
-"""The HTTP process reuses its ZMQ REQ sockets to the multimodal_gen scheduler.
+"""The multimodal_gen HTTP process reuses its ZMQ REQ sockets to the scheduler.
 
-Target symbols: sglang.multimodal_gen.runtime.scheduler_client.AsyncSchedulerClient.forward
-    (replaced) and .close (wrapped); the module singleton `async_scheduler_client` is an
-    instance, so patching the class reaches it.
-sglang versions: 0.5.17 (fingerprint-gated); 0.5.23 still opens a socket per request.
-Upstream PR: none.
-Why: every request (each /v1/actions/generations POST, each /openpi/policy message) creates a
-    REQ socket, connects it over TCP to the scheduler's ROUTER, sends, receives and closes it:
-    a TCP handshake, a ZMTP greeting and a new peer on the ROUTER per request, on the critical
-    path of a robot's control loop.
-How: sockets that completed a send/receive round trip go back to an idle list on the client
-    and the next request takes one (a new one is created when none is idle, so concurrent
-    requests still get a socket each, as before). A socket whose round trip did not complete
-    (timeout, cancelled request, error) is closed, never reused: a REQ socket must alternate
-    send and receive, and a late reply must not reach the next request. The request bytes,
-    the reply handling, the logging and the timeout are sglang's. `close()` closes the idle
-    sockets before terminating the context (zmq's term waits for open sockets).
-Retire when: upstream keeps its scheduler sockets across requests.
+Patch: mg_scheduler_client_reuse
+Targets: sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.forward, sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.close
+Upstream PR: none (0.5.23 still opens a socket per request)
+Retire when: upstream keeps its scheduler sockets across requests
+
+Why: every request (each /v1/actions/generations POST, each /openpi/policy message) creates a REQ
+socket, connects it over TCP to the scheduler's ROUTER and closes it: a TCP handshake, a ZMTP
+greeting and a new ROUTER peer per request, on the critical path of a robot's control loop.
+How: sockets that completed a round trip go back to an idle list on the client; the next request
+takes one (a new one when none is idle, so concurrent requests still get one each). A socket whose
+round trip did not complete (timeout, cancellation, error) is closed, never reused: a REQ socket
+must alternate send and receive. `close()` closes the idle sockets before sglang's close.
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING
 
 import zmq
 
-if TYPE_CHECKING:  # module globals of scheduler_client that the transplanted forward resolves there
-    from sglang.multimodal_gen.runtime.scheduler_client import _materialize_output_batch_file_refs, logger
+from sglang.multimodal_gen.runtime import scheduler_client as sglang_client
 
 # Idle sockets kept per client; more concurrent requests than this still work (extra sockets
 # are closed after their round trip instead of being kept).
@@ -71,11 +64,11 @@ async def forward(self, batch):
         payload = await socket.recv()
         completed = True
         output_batch = pickle.loads(payload)
-        _materialize_output_batch_file_refs(output_batch)
+        sglang_client._materialize_output_batch_file_refs(output_batch)
         self.request_logger.log_finished_request(batch, output_batch)
         return output_batch
     except zmq.error.Again:
-        logger.error("Timeout waiting for response from scheduler.")
+        sglang_client.logger.error("Timeout waiting for response from scheduler.")
         raise TimeoutError("Scheduler did not respond in time.")
     finally:
         if completed:
@@ -98,5 +91,5 @@ def _wrap_close(original):
 
 def patch_scheduler_client(ctx, module) -> None:
     cls = module.AsyncSchedulerClient
-    ctx.transplant_method(cls, forward)
+    ctx.setattr(cls, "forward", forward)
     ctx.setattr(cls, "close", _wrap_close(cls.__dict__["close"]))

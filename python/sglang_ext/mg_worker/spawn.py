@@ -1,27 +1,18 @@
-"""Activate sglang-ext inside spawned multimodal_gen GPU workers.
+"""Activate sglang-ext inside the multimodal_gen processes that 0.5.17 spawns.
 
-Target symbol(s): `sglang.multimodal_gen.runtime.launch_server.run_scheduler_process`
-    (module global, `from ...managers.gpu_worker import run_scheduler_process`, used as
-    `mp.Process(target=...)` by `launch_server()` and called by `_run_disagg_role_process`)
-    and `launch_server._run_disagg_role_process` (spawn target of `launch_pool_disagg_server`
-    and `launch_disagg_role`), and `launch_server._run_http_server_process` (the HTTP server
-    child that `launch_server` spawns with `--webui`).
-sglang versions: 0.5.17 (fingerprint-gated); not needed from 0.5.21.
-Upstream PR: multimodal_gen plugin group `sglang.multimodal_gen.plugins`, first in 0.5.21
-    (`runtime/managers/worker_bootstrap.py` loads plugins in every spawned worker).
-Why: 0.5.17 spawns the workers (`diffusion_generator` forces the spawn start method) and
-    nothing under multimodal_gen calls `load_plugins()`, so Pi0.5 patches applied in the
-    `sglang serve` process would not exist where the graphs run.
-How: rebind these launch_server globals to `sglang_ext.mg_worker.entries.ENTRIES` objects that pickle
-    as a call of the top-level `sglang_ext.mg_worker.entries.worker_entry(name)`: the spawned child
-    imports sglang_ext and activates while unpickling the target, before the arguments import
-    sglang.multimodal_gen, then calls sglang's original entry. This deliberately uses
-    `ctx.setattr` and not `ctx.transplant_function`: a transplanted function pickles as
-    `launch_server.<name>` and the child would resolve that to the unpatched original.
-    The fork patch series vendors this adapter too: a patched tree activates its own copy
-    (`sglang.ext`) the same way, so its workers are reached by the same route.
-Retire when: the minimum supported sglang is >= 0.5.21 (entry point registered under
-    `sglang.multimodal_gen.plugins` in setup.py).
+Patch: mg_worker_activation
+Targets: sglang.multimodal_gen.runtime.launch_server:run_scheduler_process, sglang.multimodal_gen.runtime.launch_server:_run_disagg_role_process, sglang.multimodal_gen.runtime.launch_server:_run_http_server_process
+Upstream PR: (multimodal_gen plugin group, sglang 0.5.21)
+Retire when: the minimum supported sglang loads sglang.multimodal_gen.plugins in workers (>= 0.5.21)
+
+Why: 0.5.17 spawns the GPU workers (and, with `--webui`, the HTTP server) and nothing under
+multimodal_gen loads plugins there, so Pi0.5 patches applied in the `sglang serve` process would
+not exist where the graphs run.
+How: the launch_server globals used as process targets are rebound to `entries.ENTRIES` objects
+that pickle as a call of `sglang_ext.mg_worker.entries.worker_entry(name)`: the child imports
+sglang-ext and activates while unpickling its target, before its arguments import
+multimodal_gen, then runs sglang's original entry. (A function installed into launch_server
+would pickle by that module's name and resolve to the unpatched original in the child.)
 """
 
 from __future__ import annotations

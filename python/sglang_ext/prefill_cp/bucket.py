@@ -1,88 +1,18 @@
 """Prefill context-parallel graph bucket chosen by CP-local capacity, once per batch.
 
-Target symbols:
-    sglang.srt.layers.cp.bcg.PrefillCPBCGInput  (adds required_local_tokens,
-        select_replay_bucket, select_replay_bucket_for_batch, replay_bucket_decision)
-    sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner
-        .can_run_graph (original && CP-local fit), .load_batch (pads to the admitted
-        bucket), ._pad_to_bucket (subclass override that honours the admitted bucket),
-        .capture_one_shape (CP BCG captures hold graph-break inputs strongly)
-    sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph
-        .breakable_cuda_graph._weak_ref_if_tensor (the input itself inside that scope)
-sglang versions: 0.5.17 (fingerprint-gated; 0.5.18+ carry upstream's version of the fix).
-Upstream PR: sgl-project/sglang#33906 (first released in 0.5.18).
+Patch: prefill_cp_bucket
+Targets: sglang.srt.layers.cp.bcg:PrefillCPBCGInput, sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph, sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.load_batch, sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.capture_one_shape, sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:_weak_ref_if_tensor
+Upstream PR: sgl-project/sglang#33906
+Retire when: upstream stores the admitted bucket with the batch instead of recomputing it at replay and holds breakable-graph break inputs strongly (#37448)
 
-Why: with CP v2 (zigzag) and breakable prefill graphs, a multi-request batch can
-need more CP-local rows than the smallest global bucket it fits was captured
-with (e.g. 520 live rows against 512 for the 2048 bucket); 0.5.17 pads to that
-bucket anyway and `PrefillCPBCGInput.prepare` raises at replay, killing the
-request. Upstream searches the captured buckets for one whose recorded local
-capacity fits, but computes that choice twice (admission and replay) and raises
-if the two disagree.
-
-How:
-- `PrefillCPBCGInput` gets upstream's three methods with upstream's semantics,
-  built on `sglang_ext.graphs.buckets.select_bucket`. The zigzag requirement is
-  computed in closed form from the sorted per-request remainders: O(bs log bs)
-  instead of upstream's O(bs * cp) loop, same result. `bucket_local_tokens` is
-  already recorded for every captured bucket by 0.5.17's `prepare(capture=True)`.
-- `can_run_graph` = original && fit check, only when the runner captured CP BCG
-  and the batch is CP-active. The `BucketDecision` is made there, once, and
-  stored on the forward batch (`forward_batch.prefill_cp_bucket_decision`).
-- `load_batch` (same guard) requires that stored decision and pads to exactly its
-  bucket; without one it raises a RuntimeError that says why (never a recomputed
-  or different bucket). Every other configuration calls the original unchanged.
-- 0.5.17's `load_batch` derives `static_num_tokens` from `self._pad_to_bucket`
-  once, before the buffer fill and `prepare()`. Instead of copying its 180-line
-  body, the replacement sets a `ContextVar` holding (live tokens, admitted
-  bucket) around the original call, and a `_pad_to_bucket` override on the
-  subclass returns that bucket for that size (else the base implementation). A
-  ContextVar (not a runner attribute) keeps concurrent or nested calls in other
-  threads/tasks from seeing each other's bucket, and is reset in `finally`.
-  The fork patch thus stays short: one staticmethod, two small methods, and the
-  original `load_batch`/`can_run_graph` kept as `_ext_orig_*`.
-- Counters per runner (admitted, admitted with a larger bucket, rejected for no
-  fit, rejected for an unknown layout, padding rows added over the smallest
-  bucket, total padding rows) are registered with `sglang_ext.graphs.stats`.
-
-Deviations from upstream:
-- a `load_batch` under CP BCG that was not admitted by `can_run_graph` on the same
-  forward batch raises (upstream recomputes the bucket there), so upstream's
-  `test_load_batch_uses_selected_larger_bucket`, which calls load_batch directly,
-  needs a `can_run_graph` call first;
-- `replay_bucket_decision` (the full `BucketDecision`) is ours; upstream's three
-  methods return what upstream's return;
-- the search bisects `capture_num_tokens` (ascending, as 0.5.17's `_pad_to_bucket`
-  already requires) and `select_bucket` rejects invalid input with ValueError
-  where upstream's loop would silently return a wrong or no bucket.
-
-Graph-break inputs held strongly (sgl-project/sglang#37606, fix proposed in #37448, open;
-still weak in 0.5.23):
-- Why: 0.5.17's breakable graphs keep the inputs of each graph break (radix attention's
-  q/k/v/output, allocated in the graph pool by the segment before the break) only as weak
-  views (`breakable_cuda_graph.eager_on_graph`: `captured_args = tuple(_weak_ref_if_tensor(a)
-  ...)`). The pool's use count keeps the pool, not those blocks: once capture drops its Python
-  references the allocator hands them to later captures in the same (global) pool, and
-  `_capture_one_stream` captures largest first, so every bucket but the smallest replays
-  eager code over memory that another bucket's graph now owns (#37606: wrong greedy output
-  or an illegal memory access, by layout). Choosing a larger bucket makes it reachable for
-  batches 0.5.17 would have failed: they replay an earlier-captured bucket.
-- How: `capture_one_shape`, when the runner captures CP BCG, sets a ContextVar around the
-  original; the module global `_weak_ref_if_tensor` that `eager_on_graph`'s wrapper calls
-  then returns the input itself, so each captured bucket's replay closures own their inputs
-  (they live and die with that bucket's `BreakableCUDAGraph`, i.e. until backend cleanup).
-  Outside that scope (decode, non-CP prefill, diffusion) the original runs unchanged: those
-  are upstream's exposure, not made reachable by this patch.
-- Cost: per CP bucket, every break's inputs at that bucket's CP-local rows stay allocated:
-  about sum over buckets of layers x local rows x (q + k + v + out widths) x dtype bytes,
-  where 0.5.17 reuses one layer's worth across layers and buckets. Measured on the H200 by
-  test_prefill_bcg_break_inputs_cuda.py (docs/gpu-notes.md).
-- Retire this part once the minimum supported sglang holds break inputs strongly (#37448
-  merged); the patch as a whole: below.
-
-Retire when: upstream stores the admitted bucket with the batch instead of
-recomputing it at replay (still recomputed in 0.5.23) and the minimum supported
-sglang has the fit search (>= 0.5.18).
+Why: with CP v2 (zigzag) and breakable prefill graphs, a batch can need more CP-local rows than
+the smallest global bucket it fits was captured with; 0.5.17 pads to that bucket anyway and the
+replay raises, killing the request. Break inputs are held only weakly, so later captures reuse
+their memory (#37606).
+How: `PrefillCPBCGInput` gains upstream's bucket search (closed-form zigzag requirement on
+`graphs.buckets.select_bucket`); `can_run_graph` decides once and stores the decision on the
+forward batch, `load_batch` pads to exactly that bucket (a ContextVar read by a `_pad_to_bucket`
+override), and CP captures hold their break inputs strongly. docs/how-it-works.md says more.
 """
 
 from __future__ import annotations
@@ -90,10 +20,11 @@ from __future__ import annotations
 import bisect
 import contextvars
 import importlib
+import sys
 from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.layers.cp.base import get_cp_strategy
-from sglang.srt.layers.cp.padding import get_cp_padding_align_size
+from sglang.srt.layers.cp import padding as cp_padding
 from sglang.srt.layers.cp.utils import is_cp_v2_active
 from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
 
@@ -169,7 +100,7 @@ def required_local_tokens(self, extend_seq_lens: Any) -> Optional[int]:
     strategy = get_cp_strategy()
     if not isinstance(strategy, ZigzagCPStrategy) or extend_seq_lens is None:
         return None
-    return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size, get_cp_padding_align_size())
+    return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size, cp_padding.get_cp_padding_align_size())
 
 
 def replay_bucket_decision(
@@ -224,23 +155,16 @@ def select_replay_bucket_for_batch(
 def patch_bcg(ctx, module) -> None:
     cls = module.PrefillCPBCGInput
     for fn in (required_local_tokens, replay_bucket_decision, select_replay_bucket, select_replay_bucket_for_batch):
-        ctx.transplant_method(cls, fn)
+        ctx.setattr(cls, fn.__name__, fn)
 
 
 # --------------------------------------------------------------------------
 # sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner
 # --------------------------------------------------------------------------
-# `_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR` and `BaseCudaGraphRunner` below are not
-# imported here on purpose: the transplanted functions resolve them among the
-# prefill runner module's own globals, exactly as the same code inside that file.
 
 
 class PrefillCPBucketCounters:
-    """What the CP bucket search did in one runner (see `sglang_ext.graphs.stats`).
-
-    Plain data: classes are copied into the target module as they are (not
-    transplanted), so the logic that needs other names lives in functions.
-    """
+    """What the CP bucket search did in one runner (see `sglang_ext.graphs.stats`)."""
 
     __slots__ = (
         "__weakref__",
@@ -297,6 +221,8 @@ def prefill_cp_bucket_counters(runner) -> PrefillCPBucketCounters:
 
 
 def can_run_graph(self, forward_batch) -> bool:
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR
+
     admitted = self._ext_orig_can_run_graph(forward_batch)
     if not (getattr(self, "enable_cp_v2_bcg_capture", False) and is_cp_v2_active(forward_batch)):
         return admitted
@@ -346,6 +272,8 @@ def _pad_to_bucket(raw_size, buckets):
     admitted = _EXT_ADMITTED_PREFILL_BUCKET.get()
     if admitted is not None and admitted[0] == raw_size:
         return admitted[1]
+    from sglang.srt.model_executor.runner.base_cuda_graph_runner import BaseCudaGraphRunner
+
     return BaseCudaGraphRunner._pad_to_bucket(raw_size, buckets)
 
 
@@ -362,20 +290,18 @@ def capture_one_shape(self, size, **kwargs):
 
 def patch_prefill_runner(ctx, module) -> None:
     cls = module.PrefillCudaGraphRunner
-    # The replacements call the originals under a distinct name (no closures: adapter rule 3).
+    # The replacements call sglang's methods, kept on the class under `_ext_orig_<name>`.
     for name in ("can_run_graph", "load_batch", "capture_one_shape"):
         ctx.setattr(cls, f"_ext_orig_{name}", cls.__dict__[name])
-    ctx.transplant_method(cls, can_run_graph)
-    ctx.transplant_method(cls, load_batch)
-    ctx.transplant_method(cls, capture_one_shape)
-    ctx.transplant_method(cls, _pad_to_bucket, kind="staticmethod")
+    for fn in (can_run_graph, load_batch, capture_one_shape):
+        ctx.setattr(cls, fn.__name__, fn)
+    ctx.setattr(cls, "_pad_to_bucket", staticmethod(_pad_to_bucket))
 
 
 # --------------------------------------------------------------------------
 # sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph
 # --------------------------------------------------------------------------
-# `_ext_orig_weak_ref_if_tensor` is set on that module by the part below; the function
-# resolves it there, as the same code inside that file would.
+BREAKABLE_CUDA_GRAPH_MODULE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
 
 
 def _weak_ref_if_tensor(x):
@@ -385,15 +311,12 @@ def _weak_ref_if_tensor(x):
     after the break never changes what the replay passes.
     """
     if not _EXT_HOLD_BREAK_INPUTS.get():
-        return _ext_orig_weak_ref_if_tensor(x)  # noqa: F821
+        return sys.modules[BREAKABLE_CUDA_GRAPH_MODULE]._ext_orig_weak_ref_if_tensor(x)
     if isinstance(x, tuple):
         return tuple(_weak_ref_if_tensor(item) for item in x)
     if isinstance(x, list):
         return [_weak_ref_if_tensor(item) for item in x]
     return x
-
-
-BREAKABLE_CUDA_GRAPH_MODULE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
 
 
 def patch_breakable_cuda_graph(ctx, prefill_runner_module) -> None:
@@ -405,4 +328,4 @@ def patch_breakable_cuda_graph(ctx, prefill_runner_module) -> None:
     """
     module = importlib.import_module(BREAKABLE_CUDA_GRAPH_MODULE)
     ctx.setattr(module, "_ext_orig_weak_ref_if_tensor", module.__dict__["_weak_ref_if_tensor"])
-    ctx.transplant_function(module, _weak_ref_if_tensor)
+    ctx.setattr(module, "_weak_ref_if_tensor", _weak_ref_if_tensor)

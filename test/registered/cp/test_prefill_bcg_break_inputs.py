@@ -34,6 +34,8 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
 from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci
 
+from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
+
 # the activation fixture and the CP runner / batch builders of the bucket tests (same directory)
 from test_prefill_cp_bucket import (  # noqa: F401  (cp_patch is a fixture)
     ALIGN,
@@ -269,11 +271,11 @@ def test_hold_is_scoped_to_the_cp_capture(cp_patch, cpu_graphs):
     assert view[0] is not q and view[1][0] is not q
     assert view[0].data_ptr() == q.data_ptr() == view[1][0].data_ptr()
 
-    token = bcg_module._EXT_HOLD_BREAK_INPUTS.set(True)  # what the patched capture_one_shape sets
+    token = ext_core("prefill_cp.bucket")._EXT_HOLD_BREAK_INPUTS.set(True)  # what the patched capture_one_shape sets
     try:
         held = bcg_module._weak_ref_if_tensor(args)
     finally:
-        bcg_module._EXT_HOLD_BREAK_INPUTS.reset(token)
+        ext_core("prefill_cp.bucket")._EXT_HOLD_BREAK_INPUTS.reset(token)
     assert held[0] is q and held[1][0] is q and held[2] == 3
     assert held[1] is not args[1]  # containers copied, as 0.5.17 copies them
 

@@ -101,7 +101,7 @@ def _run_rank(rank, dist, out_dir):
     x_full = torch.randn(sum(LIVE_LENS), HIDDEN, device=device)
 
     with get_parallel().override(attn_cp_rank=rank, attn_cp_size=WORLD), patch(
-        "sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=align
+        "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=align
     ), patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=align):
         from sglang.srt.layers.cp.base import get_cp_strategy
         from sglang.srt.layers.cp.padding import pad_logical_token_to_physical

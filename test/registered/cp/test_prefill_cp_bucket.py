@@ -33,7 +33,7 @@ from sglang_ext.registry import PATCH_NAMES
 
 register_cpu_ci(est_time=45, suite="base-a-test-cpu")
 
-from conftest import plugin_only  # noqa: E402  (test/registered/conftest.py)
+from conftest import ext_core, plugin_only  # noqa: E402  (test/registered/conftest.py)
 
 THIS_PATCH = "prefill_cp_bucket"
 ALIGN = 8
@@ -119,9 +119,9 @@ def padded_by_load_batch(runner, forward_batch):
     return runner.buffer_registry.padded_num_tokens
 
 
-def align8(*, create=False):
-    """Upstream's way of fixing the CP align size; create=True only where the patch is rolled back."""
-    return patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=ALIGN, create=create)
+def align8():
+    """The CP align size fixed where sglang (and the patch) read it."""
+    return patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN)
 
 
 # --------------------------------------------------------------------------- upstream's four
@@ -242,13 +242,11 @@ def test_non_zigzag_layout_unknown_runs_eager(cp_patch):
 
 
 def test_counters_reach_graph_stats(cp_patch):
-    import sys
-
     from sglang_ext.prefill_cp.bucket import PREFILL_CP_BUCKET_STATS_NAME
 
     # the stats registry the runner's code uses: sglang_ext's with the plugin, the vendored
     # sglang.ext copy in the patched fork tree
-    stats = sys.modules[PrefillCudaGraphRunner.__module__].ext_graph_stats
+    stats = ext_core("graphs.stats")
 
     runner = make_runner((2048, 2304, 4096), {2048: 512, 2304: 576, 4096: 1024})
     zigzag(4)
@@ -298,7 +296,7 @@ def _non_cp_observations():
             for lens in ([1534, 161, 353], [1000], [3, 5], [2304], [2000, 300], [4000]):
                 runner = make_runner((2048, 2304, 4096), {2048: 512, 2304: 576, 4096: 1024}, cp_bcg=cp_bcg)
                 fb = make_forward_batch(lens)
-                with get_parallel().override(attn_cp_rank=1, attn_cp_size=4), align8(create=True):
+                with get_parallel().override(attn_cp_rank=1, attn_cp_size=4), align8():
                     admitted = _outcome(lambda: runner.can_run_graph(fb))
                     loaded = _outcome(lambda: runner.load_batch(fb))
                 seen.append((cp_bcg, cp, env, tuple(lens), admitted, loaded, runner.buffer_registry.padded_num_tokens,
@@ -353,7 +351,7 @@ def test_selection_properties(cp_patch, case):
     live = sum(lens)
     zigzag(cp_size)
     cp_input = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0), bucket_local_tokens=capacity)
-    with patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=align):
+    with patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=align):
         per_rank = []
         for rank in range(cp_size):
             with get_parallel().override(attn_cp_rank=rank, attn_cp_size=cp_size):
@@ -380,7 +378,7 @@ def test_a_bucket_whose_capacity_equals_the_requirement_is_chosen(cp_patch):
     by chance)."""
     lens, buckets = [100, 37], [64, 256, 512]
     zigzag(2)
-    with patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=8):
+    with patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=8):
         with get_parallel().override(attn_cp_rank=0, attn_cp_size=2):
             probe = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0), bucket_local_tokens={})
             required = probe.required_local_tokens(lens)
@@ -408,7 +406,7 @@ def test_requirement_equals_rows_prepare_builds(cp_patch, cp_size, lens, seq_spl
     align = 2 * cp_size if seq_split else cp_size
     zigzag(cp_size)
     cp_input = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0))
-    with patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", return_value=align), patch(
+    with patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=align), patch(
         "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=align
     ):
         for rank in range(cp_size):

@@ -148,7 +148,7 @@ def test_parts_apply_when_their_modules_are_imported_then_verify(fake):
     assert (st.state, str(st)) == ("applied", "applied")
     assert f.module("target_a").Engine("x").run() == "patched x"
     assert f.module("target_b").helper() == "patched helper"
-    assert activation.is_active("fake_patch")
+    assert activation.statuses()["fake_patch"].state == activation.APPLIED
 
 
 def test_activation_is_idempotent(fake):

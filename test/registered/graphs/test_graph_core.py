@@ -26,6 +26,7 @@ from graph_core_fakes import FakeGraph, key_sequence, rank_log, resets_of, run_s
 from sglang_ext.graphs import cache as cache_module
 from sglang_ext.graphs import stats
 from sglang_ext.graphs import capture
+from sglang_ext_testkit import graph_capture
 from sglang_ext.graphs.buckets import BucketDecision, geometric_buckets, select_bucket, validate_buckets
 from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, release_entry
 from sglang_ext.graphs.keys import (
@@ -717,21 +718,21 @@ def test_stats_maybe_log_is_rate_limited(monkeypatch, caplog):
 
 
 def test_largest_first_capture_order():
-    assert capture.largest_first([4, 16, 8, 16, 1]) == (16, 8, 4, 1)
+    assert graph_capture.largest_first([4, 16, 8, 16, 1]) == (16, 8, 4, 1)
 
 
 def test_capture_helpers_without_cuda_need_no_device():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only behaviour")
-    assert capture.pool_reserved_bytes() == 0
-    assert capture.capture_measured(lambda: "graph") == ("graph", 0)
+    assert graph_capture.pool_reserved_bytes() == 0
+    assert graph_capture.capture_measured(lambda: "graph") == ("graph", 0)
 
 
 def test_capture_helpers_bad_input():
     with pytest.raises(ValueError, match="^device:.*allowed"):
-        capture.shared_graph_pool("cpu")
+        graph_capture.shared_graph_pool("cpu")
     with pytest.raises(ValueError, match="^warmup_iters:.*allowed"):
-        capture.capture_graph(lambda: None, warmup_iters=-1)
+        graph_capture.capture_graph(lambda: None, warmup_iters=-1)
 
 
 class _RecordingCapture:

@@ -19,15 +19,10 @@ except ImportError:  # the core is sglang-free; its tests run without sglang too
         return None
 
 
-from sglang_ext.graphs import BoundedGraphCache, StableWorkspacePool
-from sglang_ext.graphs.capture import (
-    capture_graph,
-    capture_measured,
-    capture_stream,
-    guarded_capture,
-    pool_reserved_bytes,
-    shared_graph_pool,
-)
+from sglang_ext.graphs.cache import BoundedGraphCache
+from sglang_ext.graphs.workspace import StableWorkspacePool
+from sglang_ext.graphs.capture import capture_stream, guarded_capture
+from sglang_ext_testkit.graph_capture import capture_graph, capture_measured, pool_reserved_bytes, shared_graph_pool
 
 register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-small")
 

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang_ext_testkit.metrics import reset_metrics
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -148,7 +149,7 @@ def test_prefill_cp_bucket_decisions_reach_the_metrics(monkeypatch, tmp_path):
     from sglang_ext.graphs.buckets import BucketDecision
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    stats._reset_metrics_for_tests()
+    reset_metrics(stats)
     try:
         runner = type("PrefillRunner", (), {})()
         counters = prefill_cp_bucket_counters(runner)
@@ -168,7 +169,7 @@ def test_prefill_cp_bucket_decisions_reach_the_metrics(monkeypatch, tmp_path):
         assert got[("sglang_ext_graph_eager_fallbacks_total", (label, ("reason", "no_fit")))] == 1
         assert got[("sglang_ext_graph_eager_fallbacks_total", (label, ("reason", "unknown_layout")))] == 1
     finally:
-        stats._reset_metrics_for_tests()
+        reset_metrics(stats)
 
 
 def test_reserved_memory_gauge_survives_repeated_publishes(monkeypatch, tmp_path):
@@ -184,7 +185,7 @@ def test_reserved_memory_gauge_survives_repeated_publishes(monkeypatch, tmp_path
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    stats._reset_metrics_for_tests()
+    reset_metrics(stats)
     cache = BoundedGraphCache("vla.prefix", 2)
     name = stats.register("vla.prefix", cache.info)
     try:
@@ -201,4 +202,4 @@ def test_reserved_memory_gauge_survives_repeated_publishes(monkeypatch, tmp_path
         assert got[("sglang_ext_graph_resident", (("cache", "pi05_prefix_graph"),))] == 2
     finally:
         stats.unregister(name)
-        stats._reset_metrics_for_tests()
+        reset_metrics(stats)

@@ -11,6 +11,7 @@ import gc
 import prometheus_client  # before PROMETHEUS_MULTIPROC_DIR is set below: plain in-memory values here
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang_ext_testkit.metrics import reset_metrics
 
 from test_vit_cuda_graph_runner import StubTower, ViTCudaGraphRunner, call, fake_cuda, runner_module, vit_patch  # noqa: F401
 
@@ -25,13 +26,13 @@ def metrics_on(monkeypatch, tmp_path):
     def switch_on():
         stats = runner_module.ext_graph_stats  # sglang_ext's, or the patched tree's copy
         monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-        stats._reset_metrics_for_tests()
+        reset_metrics(stats)
         used.append(stats)
         return stats
 
     yield switch_on
     for stats in used:
-        stats._reset_metrics_for_tests()  # the variable is unset again: the next publish switches off
+        reset_metrics(stats)  # the variable is unset again: the next publish switches off
 
 
 def read(stats):
