@@ -10,6 +10,7 @@ setup(
     name="sglang-ext",
     version="0.1.0",
     description="Layout-keyed, capacity-bounded, workspace-stable CUDA graphs for SGLang",
+    license="Apache-2.0",
     package_dir={"": "python"},
     packages=find_packages("python"),
     package_data={"sglang_ext": ["fingerprints/*.json"]},

@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Sequence, Set, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = ("python", "test", "scripts")
+RUN = 8  # the shortest run reported, in significant lines
 MIN_CHARS = 12  # shorter lines (`else:`, `)`, `return out`) say nothing about where code came from
 
 
@@ -98,7 +99,7 @@ def find(versions: Sequence[str], run: int) -> Dict[str, List[Tuple[int, int]]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", default="0.5.17,0.5.19")
-    ap.add_argument("--run", type=int, default=8, help="shortest run reported (significant lines)")
+    ap.add_argument("--run", type=int, default=RUN, help="shortest run reported (significant lines)")
     args = ap.parse_args(argv)
     found = find(args.versions.split(","), args.run)
     for path, runs in sorted(found.items()):
