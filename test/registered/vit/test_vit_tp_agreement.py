@@ -314,9 +314,11 @@ def script_probe(lose_from):
 def budget_rank_main(rank, world, port, failing_rank, results):
     try:
         init_tp_group(rank, world, port)
+        knobs = ext_core("knobs")
         report = {}
         for stage in BUDGET_STAGES:
             os.environ["SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS"] = "-1" if stage == "probe" else "16"
+            knobs.use(knobs.load_settings())  # the knob as a new process would see it (set_knob, in this child)
             tower = SampledTPTower()
             runner = tower.runner
             undo = arm_budget(tower, stage, rank) if rank == failing_rank else None
