@@ -105,10 +105,10 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T(_MODEL_RUNNER, "ModelRunner.init_cuda_graphs"),
         parts=(
             Part(_VIT_RUNNER, "sglang_ext.vit.runner:patch_runner"),
-            Part(_QWEN25, "sglang_ext.vit.runner:patch_qwen2_5_vl"),
-            Part(_QWEN3, "sglang_ext.vit.runner:patch_qwen3_vl"),
+            Part(_QWEN25, "sglang_ext.vit.qwen2_5:patch_qwen2_5_vl"),
+            Part(_QWEN3, "sglang_ext.vit.qwen3:patch_qwen3_vl"),
             # bucket mode: capture the ladder when the model loads, after sglang's own graphs
-            Part(_MODEL_RUNNER, "sglang_ext.vit.runner:patch_model_runner"),
+            Part(_MODEL_RUNNER, "sglang_ext.vit.model_runner:patch_model_runner"),
         ),
         rebinds=(f"{_QWEN3}.graph_runners_dict", f"{_QWEN25}.ViTCudaGraphRunner", f"{_QWEN3}.ViTCudaGraphRunner"),
         upstream_pr="sgl-project/sglang#37043",

@@ -1,24 +1,16 @@
 """Multimodal embedding without a device sync after the vision tower.
 
-Target symbols:
-    sglang.srt.managers.mm_utils.get_embedding_and_mask (wrapped: calls the original)
-    sglang.srt.managers.mm_utils._adjust_embedding_length (replaced; falls back to the original)
-sglang versions: 0.5.17 (fingerprint-gated).
-Upstream PR: none (sglang-ext only).
+Patch: mm_embedding_sync_free
+Targets: sglang.srt.managers.mm_utils:get_embedding_and_mask, sglang.srt.managers.mm_utils:_adjust_embedding_length
+Upstream PR: none (sglang-ext only)
+Retire when: upstream checks the multimodal embedding length without a device sync
 
 Why: `_adjust_embedding_length` compares the embedding's rows with `mask.sum().item()`, a device
-sync right after the vision tower. A ViT graph replay queues the tower in about a millisecond,
-and the scheduler then waits here for all of its device work instead of launching the language
-model meanwhile; under load every ViT call's device time is added to the scheduler's host time.
-
-How: the number of multimodal tokens in the batch's extend range is known on the host: the
-items' offsets and each request's prefix and extend length, the ranges `get_embedding_chunk`
-slices the embedding by. The wrapper of `get_embedding_and_mask` counts them; the replacement of
-`_adjust_embedding_length` returns the embedding as is when that count equals its rows (the one
-case in which the original neither warns nor trims) and otherwise runs the original: its sync,
-warning, trim or error, unchanged.
-
-Retire when: upstream checks the embedding length without a device sync.
+sync right after the vision tower: the scheduler waits for the tower instead of launching the
+language model meanwhile.
+How: the wrapped `get_embedding_and_mask` counts the batch's multimodal tokens on the host; the
+replaced `_adjust_embedding_length` returns the embedding as is when that count equals its rows,
+and otherwise runs the original (its sync, warning, trim or error) unchanged.
 """
 
 from __future__ import annotations

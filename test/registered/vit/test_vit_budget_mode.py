@@ -22,6 +22,7 @@ register_cpu_ci(est_time=15, suite="base-a-test-cpu")
 import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
 from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
 
+from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the recording fake)
     _CAPTURING,
     SqueezeMerger,
@@ -34,6 +35,8 @@ from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the record
     vit_patch,
     windowed_merged_tower,
 )
+
+vit_budget = ext_core("vit.budget")  # bucket mode's module (the plugin's, or the patched tree's copy)
 
 
 def budget_runner(vit_patch, buckets="8,16,32", replay=32, backend="triton_attn", **knobs):
@@ -194,7 +197,7 @@ def test_the_probe_ends_the_ladder_at_the_first_budget_eager_wins(vit_patch, fak
         return times[budget][side]
 
     fake_median_by_side.sides = {}
-    monkeypatch.setattr(runner_module, "median_wall_ms", fake_median_by_side)
+    monkeypatch.setattr(vit_budget, "median_wall_ms", fake_median_by_side)
     monkeypatch.setattr(runner_module.ViTCudaGraphRunner, "_ext_capture_budget", tracking_capture)
     out, want = merged_call(runner, *CALLS[0], 0)
     torch.testing.assert_close(out, want)
@@ -220,7 +223,7 @@ def test_above_the_probes_break_even_a_call_runs_as_one_eager_call(vit_patch, fa
         run()
         return next(times)
 
-    monkeypatch.setattr(runner_module, "median_wall_ms", fake_median)
+    monkeypatch.setattr(vit_budget, "median_wall_ms", fake_median)
     merged_call(runner, *CALLS[3], 0)  # pre-capture: the probe keeps 8 and 16
     tower = runner.vit
     rows_before = len(tower.blocks[0].rows)
@@ -240,7 +243,7 @@ def test_a_ladder_cut_below_the_break_even_still_splits(vit_patch, fake_cuda, mo
         run()
         return next(times)
 
-    monkeypatch.setattr(runner_module, "median_wall_ms", fake_median)
+    monkeypatch.setattr(vit_budget, "median_wall_ms", fake_median)
     merged_call(runner, *CALLS[3], 0)
     info = runner._ext_graph_info()
     assert info["replay_limit_tokens"] == 8  # all three won; the capacity kept one

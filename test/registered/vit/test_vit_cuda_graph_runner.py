@@ -36,11 +36,13 @@ from conftest import ext_core, plugin_only  # noqa: E402  (test/registered/conft
 from sglang_ext.registry import PATCH_NAMES
 
 THIS_PATCH = "vit_cuda_graph"
+vit_runner = ext_core("vit.runner")  # the patch's modules (the plugin's, or the patched tree's copies)
+vit_tp = ext_core("vit.tp")
 
 
 def stats_snapshot():
     """The graph-stats registry the patched runner reports to (sglang_ext's, or the patched tree's copy)."""
-    return runner_module.ext_graph_stats.snapshot()
+    return ext_core("graphs.stats").snapshot()
 
 
 @pytest.fixture
@@ -541,7 +543,7 @@ def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_c
     """Two runners (two TP ranks, non-DP encoder) see one random stream: identical captures/evictions."""
     vit_patch(vit_graph_max_entries=3, vit_graph_min_hits=2)
     group = SimpleNamespace(ca_comm=None, world_size=1)
-    monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    monkeypatch.setattr(vit_tp, "get_tp_group", lambda: group)
     ranks = [ViTCudaGraphRunner(StubTower(use_data_parallel=False)) for _ in range(2)]
     histories = [[], []]
     rng = random.Random(7)
@@ -560,7 +562,7 @@ def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_c
 def test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere(vit_patch, fake_cuda, monkeypatch):
     vit_patch(vit_graph_max_bytes=0)  # an explicit budget: no budget agreement, only the capture vote
     group = SimpleNamespace(ca_comm=None, world_size=2, cpu_group=object())
-    monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    monkeypatch.setattr(vit_tp, "get_tp_group", lambda: group)
     votes = []
 
     def all_reduce(flag, op=None, group=None):
@@ -585,7 +587,7 @@ def test_dp_encoder_captures_without_any_tp_communication(vit_patch, fake_cuda, 
     (the default budget, -1, is agreed over the TP group by non-DP encoders)."""
     vit_patch()
     touched = []
-    monkeypatch.setattr(runner_module, "get_tp_group", lambda: touched.append("get_tp_group"))
+    monkeypatch.setattr(vit_tp, "get_tp_group", lambda: touched.append("get_tp_group"))
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: touched.append("all_reduce"))
     runner = ViTCudaGraphRunner(StubTower(use_data_parallel=True))
     for step in range(2):  # capture, then replay
@@ -608,7 +610,8 @@ def test_tp_encoder_capture_is_voted_and_never_enters_the_tp_capture_context(vit
         yield
 
     group = SimpleNamespace(world_size=2, cpu_group=object(), ca_comm=SimpleNamespace(capture=ca_capture))
-    monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    for module in (vit_tp, runner_module):  # the patch's TP group, and the one 0.5.17's _capture_context() reads
+        monkeypatch.setattr(module, "get_tp_group", lambda: group)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda flag, op=None, group=None: votes.append(int(flag)))
     runner = ViTCudaGraphRunner(StubTower(use_data_parallel=False))
     for step in range(3):  # capture, then two replays
@@ -978,7 +981,7 @@ class CABlock(LayoutBlock):
 
     def forward(self, x, *, cu_seqlens, output_ws=None, forward_metadata=None, **rotary):
         out = x + 1
-        reduced = runner_module.get_tp_group().all_reduce(out)
+        reduced = vit_tp.get_tp_group().all_reduce(out)
         graph = _CAPTURING[0]
         if graph is not None:
             graph.thunks.append(lambda: (torch.add(x, 1, out=out), reduced.copy_(out)))
@@ -991,7 +994,8 @@ def test_evictable_captures_register_no_custom_all_reduce_buffers(vit_patch, fak
     recorder = CARecorder(monkeypatch)
     group = SimpleNamespace(world_size=2, ca_comm=recorder.ca, cpu_group=object(),
                             all_reduce=lambda t: recorder.ca.custom_all_reduce(t))  # GroupCoordinator's "ca" route
-    monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    for module in (vit_tp, runner_module):  # the patch's TP group, and the one 0.5.17's _capture_context() reads
+        monkeypatch.setattr(module, "get_tp_group", lambda: group)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda flag, op=None, group=None: None)  # peers agree
     tower = StubTower(fullatt=(), use_data_parallel=False)
     tower.blocks = nn.ModuleList([CABlock()])
@@ -1021,7 +1025,7 @@ def test_device_boundaries_without_a_layout_key_run_eager_and_warn_once_per_runn
     """A caller passing only device cu_seqlens (no CPU layout): eager, correct, one warning per runner."""
     vit_patch()
     # CPU has no device tensors: the runner's device test sees the batch's cu_seqlens as "on the GPU".
-    monkeypatch.setattr(runner_module, "_ext_vit_is_device_tensor",
+    monkeypatch.setattr(vit_runner, "is_device_tensor",
                         lambda value: isinstance(value, torch.Tensor) and value.dtype == torch.int32)
     runners = [ViTCudaGraphRunner(StubTower()), ViTCudaGraphRunner(StubTower())]
     with caplog.at_level(logging.WARNING, logger="sglang_ext.vit_cuda_graph"):
@@ -1152,7 +1156,7 @@ def _budget_rank(rank, init_file, free_bytes, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD, ca_comm=None)
-        runner_module.get_tp_group = lambda: group
+        vit_tp.get_tp_group = lambda: group
         tower = StubTower(use_data_parallel=False)
         tower.device = torch.device("cuda", 0)
         torch.cuda.is_available = lambda: True

@@ -13,7 +13,8 @@ import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang_ext_testkit.metrics import reset_metrics
 
-from test_vit_cuda_graph_runner import StubTower, ViTCudaGraphRunner, call, fake_cuda, runner_module, vit_patch  # noqa: F401
+from conftest import ext_core  # test/registered/conftest.py
+from test_vit_cuda_graph_runner import StubTower, ViTCudaGraphRunner, call, fake_cuda, vit_patch  # noqa: F401
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
@@ -24,7 +25,7 @@ def metrics_on(monkeypatch, tmp_path):
     used = []
 
     def switch_on():
-        stats = runner_module.ext_graph_stats  # sglang_ext's, or the patched tree's copy
+        stats = ext_core("graphs.stats")  # sglang_ext's, or the patched tree's copy
         monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
         reset_metrics(stats)
         used.append(stats)

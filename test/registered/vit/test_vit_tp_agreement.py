@@ -28,9 +28,9 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
-import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
 from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
 
+from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the recording fake)
     _CAPTURING,
     LayoutBlock,
@@ -169,7 +169,7 @@ def rank_main(rank, world, port, failing_rank, results):
         from sglang.srt.distributed import parallel_state as ps
 
         init_tp_group(rank, world, port)
-        assert runner_module.get_tp_group() is ps._TP and ps._TP.world_size == world
+        assert ext_core("vit.tp").get_tp_group() is ps._TP and ps._TP.world_size == world
         cpu_group = ps._TP.cpu_group
         votes = []  # capture votes (int32 flags, graphs.agreement)
         budgets = []  # the default byte budget's MIN agreement (int64, once per runner at its first run)
@@ -296,7 +296,8 @@ def arm_budget(tower, stage, rank):
 
 def script_probe(lose_from):
     """median_wall_ms answers (graph 1 ms, eager 2 ms) per budget, or (3, 2) from budget `lose_from` on."""
-    real_median = runner_module.median_wall_ms
+    vit_budget = ext_core("vit.budget")
+    real_median = vit_budget.median_wall_ms
     answers = []
 
     def median(run, *, repeats, synchronize=None):
@@ -306,16 +307,18 @@ def script_probe(lose_from):
         answers.append(graph_ms if len(answers) % 2 == 0 else eager_ms)
         return answers[-1]
 
-    runner_module.median_wall_ms = median
-    return lambda: setattr(runner_module, "median_wall_ms", real_median)
+    vit_budget.median_wall_ms = median
+    return lambda: setattr(vit_budget, "median_wall_ms", real_median)
 
 
 def budget_rank_main(rank, world, port, failing_rank, results):
     try:
         init_tp_group(rank, world, port)
+        knobs = ext_core("knobs")
         report = {}
         for stage in BUDGET_STAGES:
             os.environ["SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS"] = "-1" if stage == "probe" else "16"
+            knobs.use(knobs.load_settings())  # the knob as a new process would see it (set_knob, in this child)
             tower = SampledTPTower()
             runner = tower.runner
             undo = arm_budget(tower, stage, rank) if rank == failing_rank else None

@@ -1,0 +1,375 @@
+"""ViT bucket mode: one graph per token budget, the ladder probed and captured at load, calls padded or chunked.
+
+Methods of sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
+docs/how-it-works.md (ViT CUDA graphs, bucket mode) says why padding leaves the real rows exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from sglang_ext.graphs.agreement import OK, PERMANENT, failure_vote
+from sglang_ext.graphs.buckets import geometric_buckets, select_bucket
+from sglang_ext.graphs.keys import GraphKey
+from sglang_ext.graphs.packing import median_wall_ms, sequences_between, whole_sequence_chunks
+from sglang_ext.vit.capture import max_len
+
+logger = logging.getLogger("sglang_ext.vit_cuda_graph")
+
+# The default token ladder: 512 patches growing by 26 % up to the largest call the server can send
+# (16384 -> 16 sizes when unknown), in multiples of 64 (one Qwen2.5-VL attention window; a multiple of
+# the merge unit). Chosen by scripts/sim_vit_keys.py among 16-size ladders: least padding.
+DEFAULT_BUCKETS = dict(smallest=512, ratio=1.26, multiple=64)
+# The ladder's top when nothing says how large a call can be (no server limits known).
+DEFAULT_LARGEST = 16384
+# Full-attention sequence slots of every budget graph (images or frames, Qwen2.5's empty leading
+# sequence and the padding); a call with more is split into chunks that fit.
+BUCKET_SEQUENCES = 36
+# Window slots per budget token, 1 / (this * merge unit): a window holds at least 4 merge units for
+# images of the processors' minimum size (56 px), and padding windows are window-sized.
+TOKENS_PER_WINDOW_UNIT = 4
+# The load-time probe: wall time of this many runs (median, after one warm-up) per side.
+PROBE_REPEATS = 5
+# The synthetic image that takes the tower's own graph path at load: grid (1, 16, 16), 256 patches.
+SAMPLE_GRID = (1, 16, 16)
+
+
+def token_buckets(configured, unit, largest=None):
+    """The candidate ladder (`configured`, else the default up to `largest` tokens): sizes the merge unit divides."""
+    buckets = configured or geometric_buckets(
+        largest=max(largest or DEFAULT_LARGEST, DEFAULT_BUCKETS["smallest"]), **DEFAULT_BUCKETS)
+    return tuple(b for b in buckets if b % unit == 0)
+
+
+def window_tokens(vit):
+    """Tokens in one full attention window of a windowed tower (Qwen2.5-VL: 112 px -> 64), else None."""
+    try:
+        side = int(vit.window_size) // int(vit.spatial_merge_size) // int(vit.patch_size)
+        return side * side * int(vit.spatial_merge_unit)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def window_slots(budget, unit, tokens_per_window):
+    """Window-sequence slots of a `budget`-token graph (see TOKENS_PER_WINDOW_UNIT)."""
+    smallest = min(TOKENS_PER_WINDOW_UNIT * unit, tokens_per_window or unit)
+    return budget // max(smallest, unit) + 2
+
+
+def padded_layout(layout, real_tokens, bucket, chunk):
+    """`layout` plus padding sequences covering [real_tokens, bucket), none longer than `chunk`."""
+    if layout is None:
+        return None
+    cuts = list(layout)
+    end = real_tokens
+    while end < bucket:
+        end = min(end + chunk, bucket)
+        cuts.append(end)
+    return tuple(cuts)
+
+
+def pad_rows(tensor, pad):
+    """`tensor` with `pad` zero rows appended along dim 0 (one kernel)."""
+    if tensor is None:
+        return None
+    return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, pad))
+
+
+def zero_rows(tensor, rows):
+    """Zeros shaped like `tensor` with `rows` rows (None stays None)."""
+    if tensor is None:
+        return None
+    return torch.zeros((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+
+def _now_ms():
+    return time.perf_counter() * 1e3
+
+
+def _ext_budget_fits(self, padded_key, graph_key):
+    """Whether a padded layout fits its budget graph's sequence slots and window bound."""
+    _, full_slots, _, slots, window_bound = graph_key.variant
+    full, window = padded_key.layout
+    if full is None or len(full) - 1 > full_slots:
+        return False
+    return window is None or (len(window) - 1 <= slots and max_len(window) <= window_bound)
+
+
+def _ext_synthetic_call(self, sample, tokens):
+    """A call of `tokens` zero rows shaped like `sample`: one image, window-sized windows."""
+    x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin = sample
+    chunk = max(self._ext_window_tokens or 0, self._ext_merge_unit)
+    window = padded_layout((0,), 0, tokens, chunk) if self._fullatt_block_indexes else None
+    pos = None if position_embeddings is None else tuple(zero_rows(t, tokens) for t in position_embeddings)
+    return (GraphKey(tokens, layout=((0, tokens), window)), zero_rows(x_3d, tokens), pos,
+            zero_rows(rotary_pos_emb_cos, tokens), zero_rows(rotary_pos_emb_sin, tokens))
+
+
+def _ext_capture_budget(self, sample, budget):
+    """Capture the graph of one budget (agreed by every TP rank: raises on all of them or none)."""
+    layout_key, x, pos, cos, sin = self._ext_synthetic_call(sample, budget)
+    full, window = layout_key.layout
+    return self.create_graph(x, torch.tensor(full, dtype=torch.int32),
+                             None if window is None else torch.tensor(window, dtype=torch.int32), pos, cos, sin,
+                             attention_layout_key=(full, window))
+
+
+def _ext_probe_ladder(self, sample, ladder):
+    """The budgets whose graph beats eager, measured on this GPU and model, agreed by every rank.
+
+    For each budget, smallest first: capture its graph, time a replay of the smallest call it
+    serves (the most padding) against the sync-free eager run of that call, drop the graph. The
+    ladder ends at the first budget where eager wins on any rank (a MIN vote), or whose capture
+    fails: larger calls are device-bound, where padding only adds work. Both sides run with the
+    TP collectives as local stand-ins, so a rank that fails half-way leaves no peer inside a
+    device collective.
+    """
+    on_cuda = self.device.type == "cuda" if isinstance(self.device, torch.device) else False
+    sync = torch.cuda.synchronize if on_cuda else None
+    kept, previous = [], 0
+    for budget in ladder:
+        try:
+            with self._ext_warm_up_context():
+                graph_key = self._ext_capture_budget(sample, budget)
+        except Exception:  # noqa: BLE001 - agreed on every rank; create_graph logged nothing, so say it here
+            logger.warning("ViT CUDA graph probe: capture of the %d-token budget failed; the ladder ends below it",
+                           budget, exc_info=True)
+            break
+        tokens = previous + self._ext_merge_unit
+        call = self._ext_synthetic_call(sample, tokens)
+        error = None
+        try:
+            with torch.no_grad(), self._ext_warm_up_context():
+                graph_ms = median_wall_ms(lambda: self._ext_replay_budget(*call, counted=False),
+                                          repeats=PROBE_REPEATS, synchronize=sync)
+                eager_ms = median_wall_ms(lambda: self._ext_run_eager_call(*call), repeats=PROBE_REPEATS,
+                                          synchronize=sync)
+        except Exception as exc:  # noqa: BLE001 - voted on below
+            error, graph_ms, eager_ms = exc, math.inf, 0.0
+        self._ext_cache.discard(graph_key)
+        wins = self._ext_vote()(OK if error is None and graph_ms < eager_ms else PERMANENT) == OK
+        self._ext_gate.append({"budget": budget, "tokens": tokens, "graph_ms": round(graph_ms, 3),
+                               "eager_ms": round(eager_ms, 3), "replay": wins})
+        if error is not None:
+            logger.warning("ViT CUDA graph probe of the %d-token budget failed: %s: %s", budget,
+                           type(error).__name__, error)
+        if not wins:
+            break
+        kept.append(budget)
+        previous = budget
+    return kept
+
+
+def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+    """Decide the replay ladder and capture it, before serving; after this, bucket mode never captures.
+
+    Runs at load (`_ext_precapture_at_load`) or, without a server or with precapture off, at the
+    runner's first run. The ladder: the candidates up to --ext-vit-graph-replay-max-tokens, or (-1)
+    those the probe found faster than eager; cut to the capacity and byte budget (the same on every
+    rank); captured largest first, so every graph's buffers lie in the largest one's. A failure on
+    any rank (agreed) leaves the runner eager on every rank.
+    """
+    self._ext_precaptured = True
+    if not self._ext_bucket_mode():
+        return
+    started = _now_ms()
+    reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+    sample = (x_3d[:1], position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+    limit = self._ext_replay_max_tokens
+    ladder = self._ext_token_buckets
+    kept = [b for b in ladder if b <= limit] if limit >= 0 else self._ext_probe_ladder(sample, ladder)
+    probed = list(kept)
+    cache = self._ext_cache
+    kept = kept[:cache.capacity]
+    while kept and cache.max_bytes > 0 and self._ext_expected_bytes(
+            torch.empty((kept[-1],) + tuple(x_3d.shape[1:]), dtype=x_3d.dtype, device="meta")) > cache.max_bytes:
+        kept.pop()
+    captured = []
+    for budget in reversed(kept):
+        try:
+            captured.append(self._ext_capture_budget(sample, budget))
+        except Exception as exc:  # noqa: BLE001 - agreed on every rank: all stay eager
+            logger.warning("ViT CUDA graph pre-capture of the %d-token budget failed, so ViT graphs stay off: %s: %s",
+                           budget, type(exc).__name__, exc)
+            for graph_key in captured:
+                cache.discard(graph_key)
+            captured = []
+            break
+    self._ext_token_buckets = tuple(sorted(k.num_tokens for k in captured))
+    self._ext_replay_limit = self._ext_token_buckets[-1] if captured else 0
+    # Above the probe's break-even eager wins outright (chunk replays would add their padding and fixed
+    # costs to a device-bound call): such calls run as one eager call. Above a limit set by the knob or by
+    # the capacity / byte cut, graphs still win, so those calls are split into chunks that replay.
+    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed)
+    info = self._ext_precapture_info
+    info["precapture_graphs"] = len(captured)
+    info["precapture_ms"] = int(_now_ms() - started)
+    if torch.cuda.is_available():
+        info["precapture_reserved_bytes"] = int(torch.cuda.memory_reserved() - reserved)
+    logger.info("ViT CUDA graphs: captured %d budgets (%s tokens) in %d ms, %d MiB reserved; calls up to %d tokens "
+                "replay; probe: %s", len(captured), ",".join(map(str, self._ext_token_buckets)),
+                info["precapture_ms"], info["precapture_reserved_bytes"] >> 20, self._ext_replay_limit,
+                self._ext_gate or "skipped (--ext-vit-graph-replay-max-tokens)")
+
+
+def _ext_precapture_at_load(self, vit, server_tokens):
+    """At server start: run a synthetic image through the tower's own graph path up to the runner,
+    keep what reaches it as the sample, and pre-capture from it.
+
+    `server_tokens` bounds the ladder (the largest call the server's prefill limits allow). The
+    sample stage is rank-local and voted on before any capture, so a rank that fails it (say, out
+    of memory) leaves every rank eager and none waiting.
+    """
+    self._ext_server_tokens = server_tokens
+    self._ext_ensure_state()
+    if self._ext_precaptured or not (self._ext_bucket_mode() and self._ext_precapture_enabled):
+        return
+    error = None
+    self._ext_sample = None  # run() keeps the sample here while this attribute exists
+    try:
+        t, h, w = SAMPLE_GRID
+        proj = vit.patch_embed.proj.weight
+        pixels = torch.zeros(t * h * w, proj[0].numel(), dtype=vit.dtype, device=vit.device)
+        with torch.no_grad():
+            vit.forward_with_cuda_graph(pixels, torch.tensor([[t, h, w]], dtype=torch.int64))
+        if self._ext_sample is None:
+            raise RuntimeError("the tower's graph path did not reach the runner")
+    except Exception as exc:  # noqa: BLE001 - voted on below
+        error = exc
+    finally:
+        sample = self.__dict__.pop("_ext_sample", None)
+    if self._ext_vote()(failure_vote(error)) != OK:
+        self._ext_precaptured = True
+        self._ext_replay_limit = 0
+        logger.warning("ViT CUDA graphs stay off: the load-time sample failed on %s: %s",
+                       "this rank" if error else "another rank", error)
+        return
+    with torch.no_grad():
+        self._ext_precapture(*sample)
+
+
+def _ext_budget_batch(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+    """(graph key, padded key, padded tensors...) of the captured budget this call fits, or None.
+
+    Padding rows are zeros after the real tokens and form their own attention sequences (one for
+    full attention, window-sized ones for window attention), so no real token attends to them and
+    the merger's first `tokens / merge unit` rows are the real output.
+    """
+    tokens = layout_key.num_tokens
+    unit = self._ext_merge_unit
+    if tokens % unit or tokens > self._ext_replay_limit:
+        return None
+    decision = select_bucket(tokens, self._ext_token_buckets, max_padding_factor=math.inf)
+    if decision.bucket is None:
+        return None
+    bucket, pad = decision.bucket, decision.padding
+    full, window = layout_key.layout
+    full = padded_layout(full, tokens, bucket, bucket)
+    window = padded_layout(window, tokens, bucket, max(self._ext_window_tokens or 0, unit))
+    padded_key = GraphKey(bucket, layout=(full, window))
+    graph_key = self._ext_graph_key_for(padded_key)
+    if not self._ext_budget_fits(padded_key, graph_key):
+        return None
+    if position_embeddings is not None:
+        position_embeddings = tuple(pad_rows(t, pad) for t in position_embeddings)
+    return (graph_key, padded_key, pad_rows(x_3d, pad), position_embeddings,
+            pad_rows(rotary_pos_emb_cos, pad), pad_rows(rotary_pos_emb_sin, pad))
+
+
+def _ext_replay_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
+                       counted=True):
+    """The call's merger rows from its budget graph (owned), or None when no graph serves it.
+
+    counted=False (the load-time probe): no hit, miss or padding is counted.
+    """
+    batch = self._ext_budget_batch(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+    if batch is None:
+        return None
+    graph_key, padded_key, x_pad, pos, cos, sin = batch
+    if (self._ext_cache.get(graph_key) if counted else self._ext_cache.entries.get(graph_key)) is None:
+        return None
+    tokens = layout_key.num_tokens
+    if counted:
+        self._ext_padding["real_tokens"] += tokens
+        if graph_key.num_tokens > tokens:
+            self._ext_padding["padded_batches"] += 1
+            self._ext_padding["padding_tokens"] += graph_key.num_tokens - tokens
+    device = self.device
+    full, window = padded_key.layout
+    self._ext_write_layout(graph_key, torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True),
+                           None if window is None
+                           else torch.tensor(window, dtype=torch.int32).to(device, non_blocking=True))
+    rows = torch.arange(tokens // self._ext_merge_unit, device=device)
+    return self.replay(graph_key, x_pad, position_embeddings=pos, rotary_pos_emb_cos=cos, rotary_pos_emb_sin=sin,
+                       output_indices=rows)
+
+
+def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+    """The sync-free eager run of one call given by its CPU layout."""
+    device = x_3d.device
+    full, window = layout_key.layout
+    cu_window = None if window is None else torch.tensor(window, dtype=torch.int32).to(device, non_blocking=True)
+    return self._ext_run_eager(x_3d, torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True), cu_window,
+                               position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin, None,
+                               max_len(full), max_len(window))
+
+
+def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
+                    output_indices):
+    """Replay the call, or its whole-image chunks, where a captured budget serves them; else eager.
+
+    A call above the probe's break-even runs as one eager call. A call above a lower limit (the
+    knob, or the ladder cut to its capacity or byte budget) is split at boundaries of every
+    attention layout into chunks of at most the limit (`whole_sequence_chunks`); each chunk
+    replays its budget graph, or runs eager unpadded when none serves it (one image above the
+    limit, too many windows); adjacent such chunks run as one eager call. The rows of the chunks,
+    in order, are the rows of the call.
+    """
+    tokens = layout_key.num_tokens
+    full, window = layout_key.layout
+    limit = self._ext_replay_limit
+    ranges = [(0, tokens)]
+    if limit and tokens > limit and not self._ext_split_above_limit:
+        limit = 0  # above the probe's break-even: one eager call
+    elif limit and tokens > limit:
+        ranges = whole_sequence_chunks((full, window), tokens, limit, BUCKET_SEQUENCES - 1)
+        self._ext_chunking["chunked_calls"] += 1
+        self._ext_chunking["chunks"] += len(ranges)
+
+    def call_of(start, end):
+        if (start, end) == (0, tokens):
+            return layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin
+        return (GraphKey(end - start, layout=(sequences_between(full, start, end),
+                                              None if window is None else sequences_between(window, start, end))),
+                x_3d[start:end],
+                None if position_embeddings is None else tuple(t[start:end] for t in position_embeddings),
+                None if rotary_pos_emb_cos is None else rotary_pos_emb_cos[start:end],
+                None if rotary_pos_emb_sin is None else rotary_pos_emb_sin[start:end])
+
+    # Adjacent chunks no graph serves run as ONE eager call: eager costs about the same host time
+    # whatever its size, so splitting it would multiply that cost.
+    parts, eager_from = [], None
+    for start, end in ranges:
+        out = self._ext_replay_budget(*call_of(start, end)) if limit else None
+        if out is None:
+            self._ext_fallbacks["gate" if not limit or end - start > limit else "no_fit"] += 1
+            eager_from = start if eager_from is None else eager_from
+            continue
+        if eager_from is not None:
+            parts.append(self._ext_run_eager_call(*call_of(eager_from, start)))
+            eager_from = None
+        parts.append(out)
+    if eager_from is not None:
+        parts.append(self._ext_run_eager_call(*call_of(eager_from, tokens)))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return out if output_indices is None else out.index_select(0, output_indices)
+
+
+METHODS = (
+    _ext_budget_fits, _ext_synthetic_call, _ext_capture_budget, _ext_probe_ladder, _ext_precapture,
+    _ext_precapture_at_load, _ext_budget_batch, _ext_replay_budget, _ext_run_eager_call, _ext_run_budget,
+)

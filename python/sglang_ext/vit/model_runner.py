@@ -1,0 +1,50 @@
+"""Bucket mode at load: the ViT graph ladder captured after sglang's own graphs, before the server is healthy.
+
+Patch: vit_cuda_graph
+Targets: sglang.srt.model_executor.model_runner:ModelRunner.init_cuda_graphs
+Upstream PR: sgl-project/sglang#37043
+Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
+
+Why: without it the probe and the captures run inside the first image request; and captured
+after sglang's own graphs, no graph captured later into the shared pool keeps an output that a
+ViT replay could overwrite.
+How: wraps init_cuda_graphs: sglang's captures, then `_ext_precapture_at_load` on every ViT graph
+runner of the loaded model (TP ranks in lockstep), bounded by the server's prefill limits.
+"""
+
+from __future__ import annotations
+
+
+def precapture_vit_graphs(model_runner):
+    """Pre-capture the bucket-mode ladder of every ViT graph runner in the loaded model.
+
+    The ladder's top is the largest call the server's prefill limits let one ViT call carry: the
+    images of one prefill chunk (chunked prefill size, else max prefill tokens, in LLM tokens) times
+    the tower's merge unit.
+    """
+    # Imported here: a server without a vision model never imports the ViT runner.
+    from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+
+    args = getattr(model_runner, "server_args", None)
+    chunk = getattr(args, "chunked_prefill_size", None) or 0
+    prefill = chunk if chunk > 0 else (getattr(args, "max_prefill_tokens", None) or 0)
+    for tower in model_runner.model.modules():
+        for name in ("cuda_graph_runner", "graph_runners"):  # Qwen2.5-VL's attribute, Qwen3-VL's
+            runner = tower.__dict__.get(name)
+            if isinstance(runner, ViTCudaGraphRunner):
+                unit = int(getattr(tower, "spatial_merge_unit", 1) or 1)
+                runner._ext_precapture_at_load(tower, prefill * unit if prefill > 0 else None)
+
+
+def init_cuda_graphs(self, *args, **kwargs):
+    """ModelRunner.init_cuda_graphs: sglang's own captures, then the ViT graphs."""
+    result = self._ext_orig_init_cuda_graphs(*args, **kwargs)
+    precapture_vit_graphs(self)
+    return result
+
+
+def patch_model_runner(ctx, module) -> None:
+    """Part for `sglang.srt.model_executor.model_runner`."""
+    cls = module.ModelRunner
+    ctx.setattr(cls, "_ext_orig_init_cuda_graphs", cls.__dict__["init_cuda_graphs"])
+    ctx.setattr(cls, "init_cuda_graphs", init_cuda_graphs)

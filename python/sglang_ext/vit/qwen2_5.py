@@ -1,0 +1,102 @@
+"""Qwen2.5-VL's ViT graph path: the attention layout key from CPU metadata, no device sync.
+
+Patch: vit_cuda_graph
+Targets: sglang.srt.models.qwen2_5_vl:Qwen2_5_VisionTransformer.forward_with_cuda_graph
+Upstream PR: sgl-project/sglang#37043
+Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
+
+Why: 0.5.17's graph path passes the runner device cu_seqlens only (a key needs a sync) and syncs
+the stream on its host-to-device copies and its rotary indexing.
+How: the same body, with the full and window boundaries as Python ints (the runner's
+attention_layout_key) and host tensors copied non-blocking from pinned memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang.srt.models.utils import permute_inv
+from sglang_ext.graphs.keys import cumulative_lengths, dedup_consecutive, grid_thw_lengths
+from sglang_ext.vit.runner import check_runner_binding
+
+# Host tensors up to this size reach the device through pinned memory without a sync (the caching host
+# allocator keeps such blocks for reuse: bounded by this); larger ones (long videos) copy blocking.
+PIN_MAX_BYTES = 64 << 20
+
+
+def host_grid(grid_thw):
+    """grid_thw as CPU rows (0.5.17 already reads it on the host in get_window_index / rot_pos_emb)."""
+    if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
+        return grid_thw.cpu()
+    return grid_thw
+
+
+def to_device(tensor, device, dtype=None):
+    """`tensor.to(device, dtype)` without a stream sync for host tensors bound for the GPU.
+
+    A blocking host-to-device copy waits for all queued GPU work, so the host stops queueing while
+    the device drains. Staged through pinned memory and copied non-blocking instead: the caching
+    host allocator keeps the pinned block until the copy has run. Tensors over PIN_MAX_BYTES copy
+    as before, so cached pinned blocks stay bounded.
+    """
+    if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and torch.device(device).type == "cuda"
+            and tensor.numel() * tensor.element_size() <= PIN_MAX_BYTES):
+        return tensor.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
+    return tensor.to(device=device, dtype=dtype)
+
+
+def rot_pos_emb(vit, grid_thw):
+    """0.5.17's `rot_pos_emb`, with its CPU position ids copied to the device without a sync (and
+    plain ints as `rot_pos_ids` arguments, so its lru_cache hits: tensor scalars hash by identity)."""
+    pos_ids = []
+    for t, h, w in grid_thw.tolist():
+        base = vit.rot_pos_ids(h, w, vit.spatial_merge_size)
+        pos_ids.append(base if t == 1 else base.repeat(t, 1))
+    pos_ids = to_device(torch.cat(pos_ids, dim=0), vit.device)
+    table = vit.rotary_pos_emb(torch.arange(int(grid_thw[:, 1:].max()), device=vit.device))
+    return table[pos_ids].flatten(1)
+
+
+def forward_with_cuda_graph(self, x, grid_thw):
+    """Qwen2_5_VisionTransformer: 0.5.17's body, plus the attention layout key from CPU metadata,
+    and no device sync (host-to-device copies non-blocking from pinned memory)."""
+    grid_thw = host_grid(grid_thw)
+    x = to_device(x, self.device, self.dtype)
+    x = self.patch_embed(x)
+    rotary_pos_emb = rot_pos_emb(self, grid_thw)
+
+    window_index, cu_window_list = self.get_window_index(grid_thw)
+    window_layout = dedup_consecutive(int(v) for v in cu_window_list)  # == torch.unique_consecutive
+    # Doubled leading zero, as 0.5.17's cu_seqlens has it.
+    full_layout = (0,) + cumulative_lengths(grid_thw_lengths(grid_thw))
+    cu_window_seqlens = torch.tensor(window_layout, dtype=torch.int32).to(x.device, non_blocking=True)
+    cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
+
+    window_index = to_device(window_index, x.device)
+    reverse_indices = permute_inv(window_index)
+    rotary_pos_emb = rotary_pos_emb.to(device=x.device, dtype=x.dtype)
+
+    seq_len, _ = x.size()
+    x = x.reshape(seq_len // self.spatial_merge_unit, self.spatial_merge_unit, -1)
+    x = x[window_index, :, :]
+    x = x.reshape(seq_len, -1)
+    rotary_pos_emb = rotary_pos_emb.reshape(seq_len // self.spatial_merge_unit, self.spatial_merge_unit, -1)
+    rotary_pos_emb = rotary_pos_emb[window_index, :, :]
+    rotary_pos_emb = rotary_pos_emb.reshape(seq_len, -1)
+    emb = torch.cat((rotary_pos_emb, rotary_pos_emb), dim=-1)
+    position_embeddings = (emb.cos().to(x.device, x.dtype), emb.sin().to(x.device, x.dtype))
+
+    return self.cuda_graph_runner.run(
+        x=x,
+        position_embeddings=position_embeddings,
+        cu_seqlens=cu_seqlens,
+        cu_window_seqlens=cu_window_seqlens,
+        output_indices=reverse_indices,
+        attention_layout_key=(full_layout, window_layout),
+    )
+
+
+def patch_qwen2_5_vl(ctx, module) -> None:
+    """Part for `sglang.srt.models.qwen2_5_vl`."""
+    check_runner_binding(module)
+    ctx.setattr(module.Qwen2_5_VisionTransformer, "forward_with_cuda_graph", forward_with_cuda_graph)

@@ -1,0 +1,67 @@
+"""Qwen3-VL's ViT graph path: eager's inputs and the attention layout key from CPU metadata.
+
+Patch: vit_cuda_graph
+Targets: sglang.srt.models.qwen3_vl:Qwen3VLMoeVisionModel.forward_with_cuda_graph
+Upstream PR: sgl-project/sglang#37043
+Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
+
+Why: 0.5.17's graph inputs (`_prepare_graph_inputs`) interpolate the position embedding by
+another rule than the eager `forward`, so graphs on never equalled graphs off, and pass the
+runner device cu_seqlens only (a key needs a sync).
+How: the inputs built as `forward` builds them, the per-frame boundaries as Python ints (the
+runner's attention_layout_key); inherited by qwen3_omni_moe's vision encoder.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_ext.vit.runner import check_runner_binding
+
+
+def graph_inputs(vit, x, grid_thw):
+    """0.5.17's `_prepare_graph_inputs`, with the position embedding of the eager `forward`.
+
+    0.5.17's graph inputs interpolate the learned position embedding with its legacy rule
+    (`fast_pos_embed_interpolate`: align_corners from enable_precise_embedding_interpolation, off
+    by default) while `forward` always samples it at linspace points (align_corners=True, as HF
+    does). Returns the full-attention boundaries as Python ints (host data, no sync).
+    """
+    x = vit.patch_embed(x.to(device=vit.device, dtype=vit.dtype, non_blocking=True))
+    grid = grid_thw if isinstance(grid_thw, list) else grid_thw.tolist()
+    if vit._use_vectorized_pos_embed(len(grid)):
+        x += vit.fast_pos_embed_interpolate_vectorized(grid)
+    else:
+        x += vit.fast_pos_embed_interpolate_from_list(grid)
+    rotary_pos_emb_cos, rotary_pos_emb_sin = vit.rot_pos_emb(grid)
+    full_layout = [0]
+    for t, h, w in grid:  # one attention sequence per frame, as eager's token_cu_seqlens
+        for _ in range(int(t)):
+            full_layout.append(full_layout[-1] + int(h) * int(w))
+    return x, tuple(full_layout), rotary_pos_emb_cos, rotary_pos_emb_sin
+
+
+def forward_with_cuda_graph(self, x, grid_thw):
+    """Qwen3VLMoeVisionModel.forward_with_cuda_graph."""
+    x, full_layout, rotary_pos_emb_cos, rotary_pos_emb_sin = graph_inputs(self, x, grid_thw)
+    cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
+    return self.graph_runners.run(
+        x=x,
+        position_embeddings=None,
+        rotary_pos_emb_cos=rotary_pos_emb_cos,
+        rotary_pos_emb_sin=rotary_pos_emb_sin,
+        cu_seqlens=cu_seqlens,
+        cu_window_seqlens=None,
+        output_indices=None,
+        attention_layout_key=(full_layout, None),
+    )
+
+
+def patch_qwen3_vl(ctx, module) -> None:
+    """Part for `sglang.srt.models.qwen3_vl`: its runner table must build the patched runner."""
+    check_runner_binding(module)
+    for device_type, runner_cls in list(module.graph_runners_dict.items()):
+        if device_type != "npu" and runner_cls is not module.ViTCudaGraphRunner:
+            raise RuntimeError(f"qwen3_vl.graph_runners_dict[{device_type!r}] is {runner_cls!r}, "
+                               "not the patched ViTCudaGraphRunner")
+    ctx.setattr(module.Qwen3VLMoeVisionModel, "forward_with_cuda_graph", forward_with_cuda_graph)

@@ -1,0 +1,110 @@
+"""Tensor parallelism of the ViT graph runner: the tower's group, capture votes, local collective stand-ins.
+
+Every rank encoding a batch takes each capture decision with the others (a MIN vote over the
+group's gloo CPU group, sglang_ext.graphs.agreement) before any device collective. Methods of
+sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_tp_group
+from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+from sglang_ext.graphs.agreement import cpu_group_vote, local_vote
+
+
+def _ext_tower_group(self):
+    """The group the tower's TP collectives run on.
+
+    0.5.17's vision linears reduce over the attention-TP group under DP attention
+    (`use_dp_attention_reduce=is_dp_attention_enabled()`, qwen3_vl.py), where each
+    attention-TP group encodes its own images; over the TP group otherwise.
+    """
+    try:
+        dp_attention = is_dp_attention_enabled()
+    except Exception:  # noqa: BLE001 - no runtime flags published (unit tests, offline use): plain TP
+        dp_attention = False
+    return get_attn_tp_group() if dp_attention else get_tp_group()
+
+
+def agreeing_group(runner):
+    """The tower's group when its ranks must agree (a non-DP encoder in a world of more than one), else None."""
+    if getattr(runner.vit, "use_data_parallel", False):  # DP encoders capture rank-locally
+        return None
+    group = runner._ext_tower_group()
+    return group if getattr(group, "world_size", 1) > 1 else None
+
+
+def _ext_vote(self):
+    """How the ranks encoding this batch agree on a capture: a MIN vote over their CPU group (gloo)."""
+    group = agreeing_group(self)
+    return local_vote if group is None else cpu_group_vote(group.cpu_group)
+
+
+def min_over_ranks(runner, value):
+    """`value` (an int) agreed as the MIN over the ranks encoding with `runner` (itself when alone)."""
+    group = agreeing_group(runner)
+    if group is None:
+        return value
+    agreed = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return int(agreed.item())
+
+
+class LocalCollectives:
+    """The group's all-reduce / all-gather as local stand-ins (same shapes, no communication).
+
+    For the warm-up only: its output is thrown away, it runs lazy initialisation (cuBLAS
+    handles, kernel compilation) outside the capture. Without communication, a rank whose
+    warm-up fails leaves no peer inside a device collective, so the warm-up belongs to the
+    rank-local stage before the first vote. These are the collectives 0.5.17's vision towers
+    call (linear layers: all_reduce; vision attention's qk-norm: all_gather).
+    """
+
+    _MISSING = object()
+
+    def __init__(self, group):
+        self.group = group
+        self.saved = {}
+
+    def __enter__(self):
+        world = self.group.world_size
+
+        def all_gather(input_, dim=-1, output_tensor_list=None):
+            if output_tensor_list is not None:
+                for out in output_tensor_list:
+                    out.copy_(input_)
+                return None
+            return torch.cat([input_] * world, dim=dim)
+
+        for name, stand_in in (("all_reduce", lambda input_: input_), ("all_gather", all_gather)):
+            self.saved[name] = self.group.__dict__.get(name, self._MISSING)
+            setattr(self.group, name, stand_in)
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            if value is self._MISSING:
+                delattr(self.group, name)
+            else:
+                setattr(self.group, name, value)
+        return False
+
+
+def _ext_warm_up_context(self):
+    """Local stand-ins on the tower's group (and the TP group) for `with`; installed when called."""
+    if self._ext_vote() is local_vote:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    groups = []
+    for group in (self._ext_tower_group(), get_tp_group()):
+        if all(group is not seen for seen in groups):
+            groups.append(group)
+            stack.enter_context(LocalCollectives(group))
+    return stack
+
+
+METHODS = (_ext_tower_group, _ext_vote, _ext_warm_up_context)
