@@ -143,14 +143,29 @@ def vendored_modules(specs) -> List[str]:
 
 
 def adapter_patches(specs) -> List[tuple]:
-    """(spec, adapter modules) per registry entry; a module named by several entries goes to the first."""
+    """(spec, adapter modules) per registry entry: the modules its parts name (a module named by several
+    entries goes to the first) and the modules of their packages that only this entry's modules import
+    (e.g. vit/budget.py beside vit/runner.py); whatever several entries share stays in the core patch."""
     claimed, out = set(), []
     for spec in specs:
         mods = [m for m in dict.fromkeys(p.function.split(":")[0] for p in spec.parts) if m not in claimed]
         claimed.update(mods)
-        if mods:
-            out.append((spec, mods))
-    return out
+        out.append((spec, mods))
+    reached: Dict[str, set] = {}
+    for spec, mods in out:
+        todo, seen = list(mods), set()
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo += referenced_modules(module)
+        packages = {m.rpartition(".")[0] for m in mods}
+        for module in seen - claimed:
+            if module.rpartition(".")[0] in packages:
+                reached.setdefault(module, set()).add(spec.name)
+    for spec, mods in out:
+        mods += sorted(m for m, names in reached.items() if names == {spec.name})
+    return [(spec, mods) for spec, mods in out if mods]
 
 
 def vendored_text(module_or_data: str, vendored: Sequence[str]) -> str:
