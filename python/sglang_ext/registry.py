@@ -212,7 +212,8 @@ PATCHES: Tuple[PatchSpec, ...] = (
     PatchSpec(
         name="pi05_merged_linear",
         summary="MergedReplicatedLinear (one packed weight, one GEMM, shard-aware weight_loader); "
-        "non-TP PiGemma Q/K/V and gate/up use it; separate-tensor checkpoints still load",
+        "non-TP PiGemma Q/K/V and gate/up use it (0.5.17's __init__ builds the layers, then the separate "
+        "projections are replaced by the packed one); separate-tensor checkpoints still load",
         targets=T(_MG_LINEAR, "ReplicatedLinear", "adjust_scalar_to_fused_array")
         + T(_PI05_CORE, "PiGemmaMLP", "PiGemmaAttention", "linear_forward")
         # separate q/k/v and gate/up checkpoint tensors reach the packed shards through these
@@ -220,10 +221,9 @@ PATCHES: Tuple[PatchSpec, ...] = (
             "Pi05PolicyModel._resolve_target_weight", "Pi05PolicyModel._load_tensor_to_target"),
         parts=(
             Part(_MG_LINEAR, "sglang_ext.pi05.merged_linear:patch_linear"),
-            Part(_PI05_CORE, "sglang_ext.pi05.gemma_mlp:patch_pi05_core"),
-            Part(_PI05_CORE, "sglang_ext.pi05.gemma_attention:patch_pi05_core"),
+            Part(_PI05_CORE, "sglang_ext.pi05.gemma_projections:patch_pi05_core"),
         ),
-        rebinds=(f"{_PI05_CORE}.MergedReplicatedLinear (new global used by the patched __init__s)",),
+        rebinds=(f"{_MG_LINEAR}.MergedReplicatedLinear (new class)",),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=True,
