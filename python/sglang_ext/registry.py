@@ -288,8 +288,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         summary="Pi0.5 action requests: JSON bodies parsed with orjson (json.loads for what orjson refuses), "
         "camera frames base64-decoded with pybase64 (stdlib fallback) and decoded concurrently; same "
         "results and errors",
-        targets=T(_VLA_API, "router", "create_action_generation", "_wants_msgpack", "_prefer_numpy_output",
-                  "_response_format")
+        targets=T(_VLA_API, "router", "create_action_generation")
         + T(_VLA_PROTOCOL, "_decode_b64_image", "_normalize_observation", "_normalize_image_value",
             "images_from_observation"),
         parts=(
