@@ -177,9 +177,11 @@ PATCHES: Tuple[PatchSpec, ...] = (
         name="pi05_graphs",
         summary="Pi0.5 prefix and action-denoise CUDA graphs with bounded caches (exact / bucket LRU), "
         "denoise layout hoisted, capturable masked prefixes, K/V refresh keyed by context generation, "
-        "opt-in fused denoise loop, opt-in fused-kernel denoise (pi05_fast)",
+        "opt-in fused denoise loop, opt-in fused-kernel denoise (pi05_fast). 0.5.19's vla/cuda_graph.py "
+        "API is our own implementation on sglang_ext.graphs behind upstream's names (runners, signatures, "
+        "_BoundedCaptureCache, VLAGraphCacheInfo); its internal helpers are not kept",
         targets=T(f"{_MG}.vla.denoise_cuda_graph", "VLADenoiseGraphRunner", "VLADenoiseGraphSignature",
-                  "_CapturedDenoiseGraph", "_copy_prefix_context_")
+                  "_CapturedDenoiseGraph", "_copy_prefix_context_", "_clone_prefix_context")
         + T(f"{_MG}.vla.prefix_cache", "PrefixContext", "VLADensePrefixCache")
         + T(_PI05_CORE, "create_sinusoidal_pos_embedding", "make_att_2d_masks", "trim_trailing_padding_tokens",
             "Pi05CoreModel.prepare_attention_masks_4d", "Pi05CoreModel.embed_prefix",
@@ -189,14 +191,15 @@ PATCHES: Tuple[PatchSpec, ...] = (
             "Pi05PolicyModel.denoise_step", "Pi05PolicyModel.sample_actions",
             "Pi05PolicyModel._prefix_language_model", "Pi05PolicyModel._materialize_prefix_kv_for_action")
         + T(_VLA_STAGES, "_grouped_fingerprint", "VLAPrefixEncodingStage.forward",
-            "VLAPrefixEncodingStage.run_grouped_requests", "VLAPrefixEncodingStage.get_cached_context"),
+            "VLAPrefixEncodingStage.run_grouped_requests", "VLAPrefixEncodingStage.get_cached_context",
+            "VLAPrefixEncodingStage._send_prefix_result"),
         parts=(
             # On the package: `vla.cuda_graph` (upstream's name, absent in 0.5.17) is importable as
             # soon as anything under vla is, before any Pi0.5 model module was imported.
-            Part(f"{_MG}.vla", "sglang_ext.pi05.graphs:patch_graph_module"),
-            Part(_PI05_CORE, "sglang_ext.pi05.graphs:patch_core"),
-            Part(_PI05_POLICY, "sglang_ext.pi05.graphs:patch_policy"),
-            Part(_VLA_STAGES, "sglang_ext.pi05.graphs:patch_stages"),
+            Part(f"{_MG}.vla", "sglang_ext.pi05.vla_cuda_graph:install"),
+            Part(_PI05_CORE, "sglang_ext.pi05.core_graphs:patch_core"),
+            Part(_PI05_POLICY, "sglang_ext.pi05.policy_graphs:patch_policy"),
+            Part(_VLA_STAGES, "sglang_ext.pi05.stage_graphs:patch_stages"),
         ),
         rebinds=(f"{_PI05_POLICY}.VLADenoiseGraphRunner", f"{_PI05_POLICY}.VLADenoiseGraphSignature",
                  f"{_MG}.vla.denoise_cuda_graph (module alias of {_MG}.vla.cuda_graph)"),
@@ -206,7 +209,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         retire_when="upstream keys the action-graph K/V refresh on something id()-free and the minimum "
         "supported sglang has vla/cuda_graph.py (>= 0.5.19)",
         process="multimodal_gen worker",
-        # Prompt-token bucketing imports vla.prompt_bucketing, a module pi05_config installs.
+        # Prompt-token buckets are a config field that pi05_config adds.
         requires=(Requirement("pi05_config", when_knobs=("pi05_prompt_token_buckets",)),),
     ),
     PatchSpec(

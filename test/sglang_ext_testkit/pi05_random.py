@@ -17,6 +17,7 @@ Importable without sglang (imports happen inside the functions).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import zlib
@@ -319,6 +320,21 @@ def run_request(policy, observation, noise: torch.Tensor, *, graph: bool, num_st
         )
         record(2)
         return actions
+
+
+@contextlib.contextmanager
+def pi05_knobs(policy, **values):
+    """The sglang-ext knobs a policy read when it was built (pi05_fast, pi05_fused_denoise) set to
+    `values` for the block, as a policy built with them would have them; restored after."""
+    saved = policy.__dict__.get("_ext_options")
+    policy._ext_options = dataclasses.replace(policy._ext_options, **values)
+    try:
+        yield policy
+    finally:
+        if saved is None:
+            del policy._ext_options
+        else:
+            policy._ext_options = saved
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
