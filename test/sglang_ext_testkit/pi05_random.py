@@ -47,20 +47,12 @@ def _step(name: str):
 
 
 def unit_server_args(attention_backend: Optional[str]) -> SimpleNamespace:
-    """The multimodal_gen server-args fields Pi0.5 model construction reads (tests, benchmarks)."""
-    return SimpleNamespace(
-        attention_backend=attention_backend,
-        attention_backend_config=None,
-        comfyui_mode=False,
-        disable_autocast=False,
-        enable_cfg_parallel=False,
-        enable_breakable_cuda_graph=False,
-        enable_layerwise_nvtx_marker=False,
-        enable_torch_compile=False,
-        model_loaded={},
-        model_paths={},
-        pipeline_config=SimpleNamespace(),
-    )
+    """The multimodal_gen server-args fields Pi0.5 model construction reads (tests, benchmarks):
+    the attention backend, every switch off, no models loaded."""
+    switches = ("comfyui_mode", "disable_autocast", "enable_cfg_parallel", "enable_breakable_cuda_graph",
+                "enable_layerwise_nvtx_marker", "enable_torch_compile")
+    return SimpleNamespace(attention_backend=attention_backend, attention_backend_config=None, model_loaded={},
+                           model_paths={}, pipeline_config=SimpleNamespace(), **dict.fromkeys(switches, False))
 
 
 def _publish_srt_context() -> None:
