@@ -31,6 +31,7 @@ The table is printed last; --out writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -162,10 +163,9 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
     config.prompt_token_buckets = list(args.buckets) if mode == "graph-bucket" else []
     config.prefix_cuda_graph_max_entries = args.prefix_entries
     config.action_cuda_graph_max_entries = args.action_entries
-    if impl == "0517-ext":  # both knobs are read per request
-        os.environ["SGLANG_EXT_PI05_FUSED_DENOISE"] = "1" if mode in ("graph-fused", "graph-fast") else "0"
-        if _has_fast_knob():  # an unknown SGLANG_EXT_* variable would fail sglang-ext's settings check
-            os.environ["SGLANG_EXT_PI05_FAST"] = "1" if mode == "graph-fast" else "0"
+    if impl == "0517-ext" and hasattr(policy, "_ext_options"):  # the knobs a policy reads when it is built
+        policy._ext_options = dataclasses.replace(
+            policy._ext_options, fused_denoise=mode in ("graph-fused", "graph-fast"), fast=mode == "graph-fast")
     evict = policy._prompt_token_bucketing_enabled()
     available = getattr(config, "action_cuda_graph_available", None)
     action_enabled = available() if callable(available) else bool(config.enable_action_cuda_graph)

@@ -250,13 +250,13 @@ MUTANTS: List[Mutant] = [
            "a rank whose own capture worked keeps its graph although a peer voted failure"),
     # --- Pi0.5 K/V refresh keyed by context generation (pi05/vla_cuda_graph.py) ---
     Mutant("pi05-refresh-keyed-by-id", VLA,
-           "        generation = prefix_context_generation(prefix_context)\n        context_digest",
-           "        generation = id(prefix_context.past_key_values)\n        context_digest",
+           "        generation = prefix_context_generation(prefix_context)\n        digest",
+           "        generation = id(prefix_context.past_key_values)\n        digest",
            (f"{PI05_TESTS}::test_generation_keyed_refresh_copies_new_requests_kv",),
            "the K/V refresh trusts id(), which CPython reuses for the next request's K/V"),
     Mutant("pi05-refresh-ignores-mutable-output", VLA,
-           "        if not mutable_graph_output:\n            same_cache_entry",
-           "        if True:\n            same_cache_entry",
+           "        if not prefix_context.layout.get(\"mutable_graph_output\", False) and (\n",
+           "        if (\n",
            (f"{PI05_TESTS}::test_generation_refresh_skips_the_copy_for_the_same_context",),
            "a prefix-graph output rewritten in place is not copied again into the action graph"),
     # --- knob validation and exit codes (knobs.py, launcher.py) ---

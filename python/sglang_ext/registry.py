@@ -177,9 +177,11 @@ PATCHES: Tuple[PatchSpec, ...] = (
         name="pi05_graphs",
         summary="Pi0.5 prefix and action-denoise CUDA graphs with bounded caches (exact / bucket LRU), "
         "denoise layout hoisted, capturable masked prefixes, K/V refresh keyed by context generation, "
-        "opt-in fused denoise loop, opt-in fused-kernel denoise (pi05_fast)",
+        "opt-in fused denoise loop, opt-in fused-kernel denoise (pi05_fast). 0.5.19's vla/cuda_graph.py "
+        "API is our own implementation on sglang_ext.graphs behind upstream's names (runners, signatures, "
+        "_BoundedCaptureCache, VLAGraphCacheInfo); its internal helpers are not kept",
         targets=T(f"{_MG}.vla.denoise_cuda_graph", "VLADenoiseGraphRunner", "VLADenoiseGraphSignature",
-                  "_CapturedDenoiseGraph", "_copy_prefix_context_")
+                  "_CapturedDenoiseGraph", "_copy_prefix_context_", "_clone_prefix_context")
         + T(f"{_MG}.vla.prefix_cache", "PrefixContext", "VLADensePrefixCache")
         + T(_PI05_CORE, "create_sinusoidal_pos_embedding", "make_att_2d_masks", "trim_trailing_padding_tokens",
             "Pi05CoreModel.prepare_attention_masks_4d", "Pi05CoreModel.embed_prefix",
@@ -189,14 +191,15 @@ PATCHES: Tuple[PatchSpec, ...] = (
             "Pi05PolicyModel.denoise_step", "Pi05PolicyModel.sample_actions",
             "Pi05PolicyModel._prefix_language_model", "Pi05PolicyModel._materialize_prefix_kv_for_action")
         + T(_VLA_STAGES, "_grouped_fingerprint", "VLAPrefixEncodingStage.forward",
-            "VLAPrefixEncodingStage.run_grouped_requests", "VLAPrefixEncodingStage.get_cached_context"),
+            "VLAPrefixEncodingStage.run_grouped_requests", "VLAPrefixEncodingStage.get_cached_context",
+            "VLAPrefixEncodingStage._send_prefix_result"),
         parts=(
             # On the package: `vla.cuda_graph` (upstream's name, absent in 0.5.17) is importable as
             # soon as anything under vla is, before any Pi0.5 model module was imported.
-            Part(f"{_MG}.vla", "sglang_ext.pi05.graphs:patch_graph_module"),
-            Part(_PI05_CORE, "sglang_ext.pi05.graphs:patch_core"),
-            Part(_PI05_POLICY, "sglang_ext.pi05.graphs:patch_policy"),
-            Part(_VLA_STAGES, "sglang_ext.pi05.graphs:patch_stages"),
+            Part(f"{_MG}.vla", "sglang_ext.pi05.vla_cuda_graph:install"),
+            Part(_PI05_CORE, "sglang_ext.pi05.core_graphs:patch_core"),
+            Part(_PI05_POLICY, "sglang_ext.pi05.policy_graphs:patch_policy"),
+            Part(_VLA_STAGES, "sglang_ext.pi05.stage_graphs:patch_stages"),
         ),
         rebinds=(f"{_PI05_POLICY}.VLADenoiseGraphRunner", f"{_PI05_POLICY}.VLADenoiseGraphSignature",
                  f"{_MG}.vla.denoise_cuda_graph (module alias of {_MG}.vla.cuda_graph)"),
@@ -206,13 +209,14 @@ PATCHES: Tuple[PatchSpec, ...] = (
         retire_when="upstream keys the action-graph K/V refresh on something id()-free and the minimum "
         "supported sglang has vla/cuda_graph.py (>= 0.5.19)",
         process="multimodal_gen worker",
-        # Prompt-token bucketing imports vla.prompt_bucketing, a module pi05_config installs.
+        # Prompt-token buckets are a config field that pi05_config adds.
         requires=(Requirement("pi05_config", when_knobs=("pi05_prompt_token_buckets",)),),
     ),
     PatchSpec(
         name="pi05_merged_linear",
         summary="MergedReplicatedLinear (one packed weight, one GEMM, shard-aware weight_loader); "
-        "non-TP PiGemma Q/K/V and gate/up use it; separate-tensor checkpoints still load",
+        "non-TP PiGemma Q/K/V and gate/up use it (0.5.17's __init__ builds the layers, then the separate "
+        "projections are replaced by the packed one); separate-tensor checkpoints still load",
         targets=T(_MG_LINEAR, "ReplicatedLinear", "adjust_scalar_to_fused_array")
         + T(_PI05_CORE, "PiGemmaMLP", "PiGemmaAttention", "linear_forward")
         # separate q/k/v and gate/up checkpoint tensors reach the packed shards through these
@@ -220,10 +224,9 @@ PATCHES: Tuple[PatchSpec, ...] = (
             "Pi05PolicyModel._resolve_target_weight", "Pi05PolicyModel._load_tensor_to_target"),
         parts=(
             Part(_MG_LINEAR, "sglang_ext.pi05.merged_linear:patch_linear"),
-            Part(_PI05_CORE, "sglang_ext.pi05.gemma_mlp:patch_pi05_core"),
-            Part(_PI05_CORE, "sglang_ext.pi05.gemma_attention:patch_pi05_core"),
+            Part(_PI05_CORE, "sglang_ext.pi05.gemma_projections:patch_pi05_core"),
         ),
-        rebinds=(f"{_PI05_CORE}.MergedReplicatedLinear (new global used by the patched __init__s)",),
+        rebinds=(f"{_MG_LINEAR}.MergedReplicatedLinear (new class)",),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=True,
@@ -288,8 +291,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         summary="Pi0.5 action requests: JSON bodies parsed with orjson (json.loads for what orjson refuses), "
         "camera frames base64-decoded with pybase64 (stdlib fallback) and decoded concurrently; same "
         "results and errors",
-        targets=T(_VLA_API, "router", "create_action_generation", "_wants_msgpack", "_prefer_numpy_output",
-                  "_response_format")
+        targets=T(_VLA_API, "router", "create_action_generation")
         + T(_VLA_PROTOCOL, "_decode_b64_image", "_normalize_observation", "_normalize_image_value",
             "images_from_observation"),
         parts=(

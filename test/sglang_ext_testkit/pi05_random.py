@@ -17,6 +17,7 @@ Importable without sglang (imports happen inside the functions).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import zlib
@@ -46,20 +47,12 @@ def _step(name: str):
 
 
 def unit_server_args(attention_backend: Optional[str]) -> SimpleNamespace:
-    """The multimodal_gen server-args fields Pi0.5 model construction reads (tests, benchmarks)."""
-    return SimpleNamespace(
-        attention_backend=attention_backend,
-        attention_backend_config=None,
-        comfyui_mode=False,
-        disable_autocast=False,
-        enable_cfg_parallel=False,
-        enable_breakable_cuda_graph=False,
-        enable_layerwise_nvtx_marker=False,
-        enable_torch_compile=False,
-        model_loaded={},
-        model_paths={},
-        pipeline_config=SimpleNamespace(),
-    )
+    """The multimodal_gen server-args fields Pi0.5 model construction reads (tests, benchmarks):
+    the attention backend, every switch off, no models loaded."""
+    switches = ("comfyui_mode", "disable_autocast", "enable_cfg_parallel", "enable_breakable_cuda_graph",
+                "enable_layerwise_nvtx_marker", "enable_torch_compile")
+    return SimpleNamespace(attention_backend=attention_backend, attention_backend_config=None, model_loaded={},
+                           model_paths={}, pipeline_config=SimpleNamespace(), **dict.fromkeys(switches, False))
 
 
 def _publish_srt_context() -> None:
@@ -319,6 +312,21 @@ def run_request(policy, observation, noise: torch.Tensor, *, graph: bool, num_st
         )
         record(2)
         return actions
+
+
+@contextlib.contextmanager
+def pi05_knobs(policy, **values):
+    """The sglang-ext knobs a policy read when it was built (pi05_fast, pi05_fused_denoise) set to
+    `values` for the block, as a policy built with them would have them; restored after."""
+    saved = policy.__dict__.get("_ext_options")
+    policy._ext_options = dataclasses.replace(policy._ext_options, **values)
+    try:
+        yield policy
+    finally:
+        if saved is None:
+            del policy._ext_options
+        else:
+            policy._ext_options = saved
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,29 +1,17 @@
-"""The Pi0.5 action endpoints parse and decode requests faster, with the same results.
+"""The Pi0.5 action endpoints parse and decode requests faster, with the same results and errors.
 
-Target symbols (sglang 0.5.17, fingerprint-gated):
-    sglang.multimodal_gen.runtime.entrypoints.vla.api.create_action_generation
-        (the endpoint of POST /v1/actions/generations; replaced in the module and as the
-        `router` route's `endpoint`, which `FastAPI.include_router` copies into the app)
-    sglang.multimodal_gen.runtime.entrypoints.vla.protocol._decode_b64_image (replaced)
-    sglang.multimodal_gen.runtime.entrypoints.vla.protocol._normalize_observation (wrapped)
-sglang versions: 0.5.17.
-Upstream PR: none (0.5.23's entrypoints/action/ parses and decodes the same way).
-Why: per request, the HTTP process parses the JSON body with the standard library's json
-    (starlette's `Request.json()`), base64-decodes each camera frame with the standard
-    library and decodes the frames one after another, all on the event loop: about 4 ms of
-    the 0.5.17 JSON path for two 224x224 PNG cameras on a 2-core CPU (docs/pi05-server-path.md).
-How: the endpoint is sglang's, except that the body is parsed with orjson; a body orjson
-    refuses (invalid JSON, NaN, integers beyond 64 bits, non-UTF-8 encodings) is parsed by
-    json.loads as before, so its result or its error (HTTP 400 with json's message) is
-    unchanged; so is one holding an integral float beyond 2**63 (orjson reads integer literals
-    beyond 64 bits as floats). Base64 goes through pybase64 (SIMD; strict alphabet) and falls back to the
-    standard library for anything pybase64 refuses (whitespace, missing padding, junk), so
-    the bytes and the errors are those of 0.5.17. When a request carries two or more encoded
-    cameras, they are decoded on a small thread pool (Pillow releases the GIL while it
-    decodes); the frames are the same PIL images, and the first failing camera in the
-    request's order raises the error the sequential code would have raised.
-Retire when: upstream parses action requests off the standard library json and decodes the
-    cameras concurrently.
+Patch: pi05_action_transport
+Targets: sglang.multimodal_gen.runtime.entrypoints.vla.api:create_action_generation, sglang.multimodal_gen.runtime.entrypoints.vla.protocol:_decode_b64_image, sglang.multimodal_gen.runtime.entrypoints.vla.protocol:_normalize_observation
+Upstream PR: none (0.5.23 parses and decodes the same way)
+Retire when: upstream parses action requests with a fast JSON parser and decodes cameras concurrently
+
+Why: per request the HTTP process parses the JSON body with the standard library, base64-decodes
+every camera with it and decodes the frames one after another, all on the event loop.
+How: the endpoint is wrapped: it gets the request with a `json()` that parses with orjson, and
+json.loads for anything orjson refuses or may read differently (same result, same HTTP 400).
+`_decode_b64_image` is replaced (pybase64 first, the standard library for what it refuses);
+`_normalize_observation` is wrapped to decode two or more cameras on a small thread pool (the
+first failing camera in request order raises, as before). docs/pi05-server-path.md.
 """
 
 from __future__ import annotations
@@ -34,20 +22,12 @@ import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+import inspect
+import io
 
 import orjson
 import pybase64
-
-if TYPE_CHECKING:  # module globals of entrypoints.vla.api / .protocol that the transplanted code uses
-    from fastapi import HTTPException, Request, Response
-    from PIL import Image
-
-    from sglang.multimodal_gen.runtime.entrypoints.vla.api import (
-        _prefer_numpy_output, _response_format, _wants_msgpack, action_generation_response, action_raw_response,
-        infer_action, orjson_response, pack_msgpack, unpack_msgpack)
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import io
-    from sglang.multimodal_gen.runtime.server_args import ServerArgs
+from PIL import Image
 
 _ACTION_PATH = "/v1/actions/generations"
 _EXT_DECODE_THREADS = max(2, min(8, os.cpu_count() or 2))
@@ -89,40 +69,39 @@ def _ext_b64decode(data):
         return base64.b64decode(data)
 
 
-async def create_action_generation(request: Request):
-    server_args: ServerArgs = request.app.state.server_args
-    try:
-        if "msgpack" in request.headers.get("content-type", "").lower():
-            payload = unpack_msgpack(await request.body())
-        else:
-            payload = _ext_json_body(await request.body())
-        wants_msgpack = _wants_msgpack(request)
-        if wants_msgpack:
-            _prefer_numpy_output(payload)
-        output = await infer_action(payload, server_args)
-        if _response_format(payload) == "raw":
-            response = action_raw_response(output, preserve_numpy=wants_msgpack)
-        else:
-            response = action_generation_response(
-                output,
-                server_args,
-                preserve_numpy=wants_msgpack,
-            )
-    except ValueError as exc:
-        raise HTTPException(status_code=400, detail=str(exc)) from exc
-    if wants_msgpack:
-        return Response(
-            content=pack_msgpack(response), media_type="application/msgpack"
-        )
-    return orjson_response(response)
+class _OrjsonBodyRequest:
+    """The endpoint's request, whose `json()` is `_ext_json_body` of its body (it raises
+    json.loads' error, inside the endpoint's own error handling)."""
+
+    def __init__(self, request):
+        self._request = request
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+    async def json(self):
+        return _ext_json_body(await self._request.body())
+
+
+def _orjson_endpoint(endpoint, request_cls):
+    async def create_action_generation(request):
+        return await endpoint(_OrjsonBodyRequest(request))
+
+    create_action_generation.__doc__ = endpoint.__doc__
+    create_action_generation.__wrapped__ = endpoint
+    # FastAPI injects the Request by this signature (a class, not a name to resolve here).
+    create_action_generation.__signature__ = inspect.Signature(
+        [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=request_cls)])
+    return create_action_generation
 
 
 def _decode_b64_image(payload):
+    """0.5.17's image payload decoding, on the faster base64 decoder."""
     data = payload.get("b64_json") or payload.get("base64")
     if not data:
         raise ValueError("image payload requires b64_json")
-    if isinstance(data, str) and "," in data and data.startswith("data:"):
-        data = data.split(",", 1)[1]
+    if isinstance(data, str) and data.startswith("data:") and "," in data:
+        data = data.partition(",")[2]  # a data URL: the payload after the header
     return Image.open(io.BytesIO(_ext_b64decode(data))).convert("RGB")
 
 
@@ -171,7 +150,7 @@ def _wrap_normalize_observation(original, protocol):
 
 def patch_protocol(ctx, module) -> None:
     """Part for entrypoints.vla.protocol: pybase64 decoding, cameras decoded concurrently."""
-    ctx.transplant_function(module, _decode_b64_image)
+    ctx.setattr(module, "_decode_b64_image", _decode_b64_image)
     ctx.setattr(module, "_normalize_observation",
                 _wrap_normalize_observation(module._normalize_observation, module))
 
@@ -183,5 +162,6 @@ def patch_api(ctx, module) -> None:
     if route is None or route.endpoint is not module.create_action_generation:
         raise RuntimeError(f"entrypoints.vla.api.router: POST {_ACTION_PATH} is not sglang's "
                            f"create_action_generation (found {getattr(route, 'endpoint', None)!r})")
-    endpoint = ctx.transplant_function(module, create_action_generation)
+    endpoint = _orjson_endpoint(module.create_action_generation, module.Request)
+    ctx.setattr(module, "create_action_generation", endpoint)
     ctx.setattr(route, "endpoint", endpoint)

@@ -1,60 +1,17 @@
-"""Pi0.5 graph settings on `Pi05PipelineConfig`, validated; prompt bucketing module.
+"""Pi0.5 graph settings on `Pi05PipelineConfig` (0.5.19's fields) validated at start-up; misspelled keys rejected.
 
-Target symbols:
-    sglang.multimodal_gen.configs.pipeline_configs.pi05.Pi05PipelineConfig
-        (adds dataclass fields enable_prefix_cuda_graph, prompt_token_buckets,
-        prefix_cuda_graph_max_entries, action_cuda_graph_max_entries; adds
-        __post_init__, _validate_cuda_graph_config, check_pipeline_config,
-        prefix_cuda_graph_available, action_cuda_graph_available,
-        update_pipeline_config; wraps the dataclass __init__)
-    sglang.multimodal_gen.configs.pipeline_configs.base.PipelineConfig
-        .update_pipeline_config / .check_pipeline_config (called, unchanged)
-    new module sglang.multimodal_gen.runtime.vla.prompt_bucketing
-sglang versions: 0.5.17 (fingerprint-gated; 0.5.19 has fields and module upstream).
-Upstream PR: the Pi0.5 bounded-graph PR released in 0.5.19 (supersedes #34588).
+Patch: pi05_config
+Targets: sglang.multimodal_gen.configs.pipeline_configs.pi05:Pi05PipelineConfig
+Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
+Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline config keys
 
-Why: the bounded prefix/action graph caches and opt-in prompt buckets need
-their settings on the pipeline config (upstream names, so upstream tests and
-configs work), checked at start-up: a bad bucket list would otherwise surface
-as a wrong graph signature or a shape error mid-request. 0.5.17's
-`update_pipeline_config` silently drops unknown JSON keys, so a typo such as
-`prompt_token_bucket` would silently leave bucket mode off.
-
-How: the fields are added to the existing class in place, not by a subclass:
-- a subclass would have to be rebound in five places (the module, the
-  pipeline_configs package, `_CONFIG_REGISTRY`, `_PIPELINE_CONFIG_REGISTRY`,
-  `Pi05Pipeline.pipeline_config_cls`) before the first config is built, and the
-  config instance is pickled into spawned workers, where the subclass only
-  exists if sglang-ext is active there too;
-- in place, the class object stays the same: `isinstance`, the registries and
-  pickling are unaffected (an instance's fields travel in its `__dict__`), and
-  upstream's `Pi05PipelineConfig(prompt_token_buckets=[...])` and
-  `update_pipeline_config({...})` work because `dataclasses.fields()` reads
-  `__dataclass_fields__`, which gets the four `Field`s (declared once, on
-  `sglang_ext.pi05.graph_settings.GraphConfigFields`), and the wrapped `__init__` accepts them.
-  Class-level defaults cover instances that were unpickled from a process
-  without the patch.
-- `__post_init__` (which 0.5.17's `update_pipeline_config` already calls) applies
-  the `--ext-pi05-*` knob overrides, then validates; `check_pipeline_config`
-  (called by ServerArgs) validates again. Rules (upstream's, plus integer type
-  checks on the capacities): buckets are integers (not bool), positive, strictly
-  increasing and unique, the last <= max_token_len; capacities are integers
-  (not bool) >= 0. Each error is a ValueError naming the field (and the knob
-  when a knob set the value).
-- Unknown JSON keys: `update_pipeline_config` rejects keys that look like a
-  graph setting (close to a Pi0.5 graph key, or containing `cuda_graph` /
-  `token_bucket`) with ExtConfigError; other unknown keys stay ignored as on
-  0.5.17, because configs written for newer sglang releases carry keys 0.5.17
-  does not know and must keep loading.
-
-Fork form (patches/pi05-config.patch, generated): the same code, emitted after
-the class statement (`__dataclass_fields__` items, class defaults, the wrapped
-`__init__`), so the patched tree and the plugin behave identically, including
-for instances unpickled without the fields. A hand-written fork would instead
-declare the four fields in the dataclass body.
-
-Retire when: the minimum supported sglang is >= 0.5.19 (fields, validation and
-module upstream); the misspelled-key check has no upstream equivalent.
+Why: the bounded graph caches and prompt buckets need their settings on the config, under
+upstream's names, checked at start-up (a bad bucket list would surface mid-request); 0.5.17's
+`update_pipeline_config` silently drops unknown keys, so a typo would leave bucket mode off.
+How: the four fields are added to the class in place (its `__dataclass_fields__`, class
+defaults for instances unpickled without them, a wrapped `__init__`); `__post_init__` applies
+the `--ext-pi05-*` knobs, then validates; graph-like unknown keys raise ExtConfigError. Also
+installs 0.5.19's `vla.prompt_bucketing` module (docs/how-it-works.md, "Pi0.5").
 """
 
 from __future__ import annotations
@@ -63,6 +20,7 @@ import difflib
 import numbers
 from dataclasses import MISSING, fields
 
+from sglang.multimodal_gen.configs.pipeline_configs.base import PipelineConfig
 from sglang_ext import knobs as _ext_knobs
 from sglang_ext.pi05 import graph_settings as _ext_pi05_settings
 from sglang_ext.errors import ExtConfigError
@@ -109,7 +67,7 @@ def _ext_reject_misspelled_graph_keys(config, source_pipeline_dict) -> None:
 # ---- methods installed on Pi05PipelineConfig ----
 
 
-def __init__(self, *args, **kwargs):
+def _config_init(self, *args, **kwargs):
     # The generated 0.5.17 __init__ knows neither the new fields nor __post_init__.
     for graph_field in _EXT_PI05_GRAPH_FIELDS:
         if graph_field.name in kwargs:
@@ -191,16 +149,10 @@ def patch_pipeline_config(ctx, module) -> None:
         fallback = () if graph_field.default_factory is not MISSING else graph_field.default
         ctx.setattr(cls, graph_field.name, fallback)
     ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
-    ctx.transplant_method(cls, __init__)
-    for method in (
-        __post_init__,
-        _validate_cuda_graph_config,
-        check_pipeline_config,
-        update_pipeline_config,
-        prefix_cuda_graph_available,
-        action_cuda_graph_available,
-    ):
-        ctx.transplant_method(cls, method)
+    ctx.setattr(cls, "__init__", _config_init)
+    for method in (__post_init__, _validate_cuda_graph_config, check_pipeline_config, update_pipeline_config,
+                   prefix_cuda_graph_available, action_cuda_graph_available):
+        ctx.setattr(cls, method.__name__, method)
 
 
 def install_prompt_bucketing(ctx, module) -> None:

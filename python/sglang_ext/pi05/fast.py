@@ -1,65 +1,11 @@
-"""Pi0.5 denoise loop on fused kernels (knob pi05_fast): the action expert's step
-with a third of the kernels of the exact path.
+"""Pi0.5 denoise loop and prefix layers on fused kernels (knob pi05_fast; no sglang symbol replaced).
 
-Target symbol(s): none replaced. Called by pi05_graphs' Pi05PolicyModel.sample_actions
-    (the fused denoise loop) and Pi05CoreModel.encode_prefix (the prefix language
-    model's layers) when the knob is on; reads, as the exact path does,
-    sglang.multimodal_gen.runtime.models.vlas.pi05_core: Pi05CoreModel.{embed_suffix,
-    action_in_proj, action_out_proj}, PiGemmaModel.{layers, norm, rotary_emb},
-    PiGemmaRMSNorm.{dense, eps}, PiGemmaAttention.{qkv_proj (packed, patch
-    pi05_merged_linear), o_proj, attn, scaling}, PiGemmaMLP.{gate_up_proj, down_proj},
-    OPENPI_ATTENTION_MASK_VALUE, linear_forward.
-sglang versions: 0.5.17 (the pi05_graphs fingerprints cover these definitions).
-Upstream PR: none (sglang-ext only).
-
-Why: with every denoise step in one CUDA graph (pi05_fused_denoise), the time left is
-    the kernels themselves: ~5,800 of ~4 us per request, most of them tiny
-    elementwise ops and M=1 GEMMs on 50 action tokens (issue 17); then cuBLAS at M = 50
-    (a third of HBM bandwidth) and FlashAttention's 8 programs for 50 tokens.
-How:
-    1. Time conditioning: the timesteps of a request depend only on the step count
-       (linspace(1, 1/n, n)), so the time MLP's output and every adaRMS norm's
-       (scale, shift, gate) for every step (2 per layer + the final norm) are
-       computed once per (steps, batch, device, dtype), outside any graph, with the
-       model's own modules, and kept in a small cache on the core model (dropped with
-       the action graphs: `reset_time_conditioning`). The graph gets its own copy of
-       the table through the fused loop's step input, so a rebuilt table can never
-       leave a graph reading freed memory.
-    2. Per request, once, inside the loop graph: the 50 action positions' float32
-       cos/sin and per layer a K/V buffer [B, P + 50, kv_heads, head_dim] holding the
-       prefix K/V (copied once, not concatenated in every step and layer). A masked
-       prefix hides key rows only, so its visible rows are gathered behind the action
-       rows and attention reads the first `used[b]` rows, with no mask (the masked SDPA
-       kernel cost ~41 us per layer and step on the H200, 4x the full prefix's flash
-       kernel).
-    3. Per step and layer (sglang_ext.kernels): adaRMS norm (layer 0); qkv GEMM with RoPE of
-       q and k in its epilogue, writing k / v into the K/V buffer's suffix rows (one kernel,
-       linear_rope_qkv; the prefix runs cuBLAS then rope_qkv); attention of the
-       50 tokens over the first used[b] rows (first_rows_attention: the query heads of the
-       one K/V head as one block of rows, keys split over the SMs; full and masked prefixes
-       alike, whatever the layer's backend); o_proj; gated residual fused with the next
-       adaRMS norm; gate_up with gelu-and-mul in its epilogue; down; gated residual fused
-       with the next layer's (or the final) norm. The GEMMs (M = 50) run skinny_linear with
-       one-wave plans; split-K parts are summed by the consuming norm / RoPE kernel. The
-       float32 action in / out projections run skinny_linear too (tf32x3), the out
-       projection adding dt * velocity to x_t in place.
-    4. Prefix (encode_prefix, same knob): the prefix language model's layers (Gemma
-       RMSNorm weight as the norm's scale, no shift or gate) on the same kernels; the
-       last layer stops after its K/V, since the prefix returns K/V only (0.5.17 runs
-       that layer's attention output, MLP and the final norm for nothing). A masked prefix
-       (pad rows only: embed_prefix's masks) attends its visible keys through
-       first_rows_attention's key_rows, no mask (torch's masked kernel: ~47 us per layer).
-    Equal to the exact path within bf16 rounding, not bitwise: float32 cos/sin (the
-    exact path rounds them to bf16), one rounding per fused op (GEMM outputs feed their
-    consumers unrounded), GEMMs with other shapes for the time table; a masked prefix's
-    padded rows (read by nobody) differ. Action sequence parallelism, Ulysses action attention,
-    layerwise CPU offload of the action expert and unpacked q/k/v or gate/up layers
-    are not covered: those requests take the exact path (`unsupported_reason`; for the
-    prefix `prefix_unsupported_reason`, which adds a tensor-parallel prefix). A fast
-    loop or prefix that raises on its first use is switched off for that model and
-    the request runs the exact path.
-Retire when: upstream Pi0.5 has a fused action-expert step (or a torch.compile'd one
-    captured in its graphs) at least as fast.
+Called by the pi05_graphs policy adapter (sample_actions: the loop; encode_prefix: the prefix
+language model's layers). Reads the model the exact path reads (pi05_core's Pi05CoreModel,
+PiGemma layers with packed projections, linear_forward). Equal to the exact path within bf16
+rounding, not bitwise. Layouts it does not cover (`unsupported_reason`,
+`prefix_unsupported_reason`) and a first use that raises take the exact path. How it works:
+docs/how-it-works.md, "Pi0.5".
 """
 
 from __future__ import annotations
@@ -70,8 +16,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from sglang_ext import knobs
 
 logger = logging.getLogger(__name__)
 
@@ -430,11 +374,6 @@ def _find_prefix_unsupported(core):
            for layer in model.layers):
         return "adaRMS-conditioned prefix layers"
     return None
-
-
-def prefix_enabled(core) -> bool:
-    """Knob pi05_fast on and the prefix layers covered (and not failed on this model)."""
-    return bool(knobs.current("pi05_fast")) and prefix_unsupported_reason(core) is None
 
 
 def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks):

@@ -1,42 +1,20 @@
-"""PiGemma (adaptive) RMSNorm and gated residual in fewer CUDA kernels.
+"""PiGemma (adaptive) RMSNorm and gated residual in fewer CUDA kernels, the same float32 math.
 
-Target symbols:
-    sglang.multimodal_gen.runtime.models.vlas.pi05_core.PiGemmaRMSNorm.forward
-        (relies on __init__'s `eps`, `weight` / `dense` attributes)
-    sglang.multimodal_gen.runtime.models.vlas.pi05_core.gated_residual
-        (module function; PiGemmaDecoderLayer.forward and compute_layer_complete
-        look it up in the module globals at call time, so rebinding it is enough)
-sglang versions: 0.5.17 (fingerprint-gated). 0.5.19 has the same code for both
-    targets (still unfused upstream).
-Upstream PR: none (sglang-ext only).
+Patch: pi05_fused_norms
+Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaRMSNorm, sglang.multimodal_gen.runtime.models.vlas.pi05_core:gated_residual
+Upstream PR: none (sglang-ext only)
+Retire when: upstream PiGemmaRMSNorm uses a fused rms_norm and gated_residual is a single op
 
-Why: Pi0.5 eager decoding is launch-bound. 0.5.17's adaRMS forward spells the
-norm and the modulation as ~13 elementwise ops (float, square, mean, +eps,
-rsqrt, mul, GEMM, float, 1+, mul, float, add, to); it runs twice per action-expert
-layer per denoise step (18 layers x 10 steps), plus the final norm, and every
-`gated_residual` is two more (mul, add).
-
-How: the same float32 math with fused ops. `F.rms_norm` on `x.float()`
-(torch >= 2.8 dispatches `aten::_fused_rms_norm`: one kernel) gives
-`x * rsqrt(mean(x^2) + eps)`; the non-conditional weight `1 + w` goes in as the
-rms_norm weight. The adaptive path computes `normed * (1 + scale) + shift` as
-`addcmul(normed, normed, scale)` then `+ shift`: scale and shift stay in the
-GEMM's dtype and are promoted to float32 inside those kernels (no `.float()`
-copies, no `1 + scale` tensor). With autograd off (sglang runs Pi0.5 under
-`no_grad` / `inference_mode`) the `+ shift` writes straight into an `x.dtype`
-output, so the final `.to(dtype)` is not a separate kernel either; with autograd
-on (out= does not support it) it is computed out of place. Gate is returned
-as before (`gate.to(dtype)`, free when the GEMM already runs in `dtype`).
-`gated_residual` becomes `torch.addcmul(x, y, gate)`: one kernel, with the
-same broadcasting and type promotion as `x + y * gate`; in bf16 it rounds once
-instead of twice (the product is kept in float), so results may differ from
-0.5.17 by one bf16 ulp, towards the exact value.
-
-Retire when: upstream PiGemmaRMSNorm uses a fused rms_norm (or a fused
-adaRMS kernel) and gated_residual is a single op.
+Why: 0.5.17's adaRMS forward is about 13 elementwise kernels and each gated residual two, twice
+per action-expert layer and denoise step; Pi0.5 eager decoding is launch-bound.
+How: PiGemmaRMSNorm.forward replaced (F.rms_norm, addcmul; about 5 kernels); gated_residual
+wrapped (one addcmul when all three tensors are given; 0.5.17's otherwise). Its callers look it
+up in pi05_core's globals at call time, so rebinding it reaches them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -71,21 +49,17 @@ def forward(
     return out, gate.to(dtype)
 
 
-def gated_residual(
-    x: torch.Tensor | None,
-    y: torch.Tensor | None,
-    gate: torch.Tensor | None,
-) -> torch.Tensor | None:
-    if x is None and y is None:
-        return None
-    if x is None or y is None:
-        return x if x is not None else y
-    if gate is None:
-        return x + y
-    return torch.addcmul(x, y, gate)
+def _single_op(original):
+    @functools.wraps(original)
+    def gated_residual(x, y, gate):
+        if x is None or y is None or gate is None:
+            return original(x, y, gate)
+        return torch.addcmul(x, y, gate)  # x + y * gate, rounded once
+
+    return gated_residual
 
 
 def patch_pi05_core(ctx, module) -> None:
-    """Part for `...models.vlas.pi05_core`: fused PiGemmaRMSNorm.forward and gated_residual."""
-    ctx.transplant_method(module.PiGemmaRMSNorm, forward)
-    ctx.transplant_function(module, gated_residual)
+    """Part for `...models.vlas.pi05_core`."""
+    ctx.setattr(module.PiGemmaRMSNorm, "forward", forward)
+    ctx.setattr(module, "gated_residual", _single_op(module.gated_residual))

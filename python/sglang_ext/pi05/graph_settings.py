@@ -1,11 +1,10 @@
-"""Pi0.5 graph settings as sglang-ext reads them: the pipeline config's graph fields, each
-overridable by an `--ext-pi05-*` knob, with upstream 0.5.19's defaults where a config lacks
-the fields (the pi05_config patch is off).
+"""Pi0.5 graph settings: the pipeline config's graph fields (upstream 0.5.19's defaults where a
+config lacks them), each overridable by an `--ext-pi05-*` knob. sglang-free (configs are read by
+attribute), so the fork series vendors it.
 
-The one place for both patches that use them: pi05_config adds the fields to
-Pi05PipelineConfig, applies the knobs in `__post_init__` and exposes upstream's
-`prefix_cuda_graph_available` / `action_cuda_graph_available`; pi05_graphs sizes the graph
-runners. sglang-free (config objects are read by attribute), so the fork series vendors it.
+The knobs are read when something is built: pi05_config applies them to the config in its
+`__post_init__`; the policy sizes its runners with `setting()`. The availability checks read the
+config only (it already holds the overrides), so requests never read a knob.
 """
 
 from __future__ import annotations
@@ -64,26 +63,29 @@ def setting(config, field_name: str):
     override = knob_override(field_name)
     if override is not None:
         return override
-    graph_field = next(f for f in GRAPH_FIELDS if f.name == field_name)
-    return getattr(config, field_name, default(graph_field))
+    return _field(config, field_name)
+
+
+def _field(config, name: str):
+    return getattr(config, name, default(next(f for f in GRAPH_FIELDS if f.name == name)))
 
 
 def prefix_graph_available(config) -> bool:
-    """Upstream's `prefix_cuda_graph_available`, knobs included."""
+    """Upstream's `prefix_cuda_graph_available`."""
     offloaded = any(getattr(config, name, False) for name in PREFIX_OFFLOAD_FLAGS) or (
         getattr(config, "offload_prefix_language_layer_count_after_prefix", 0) > 0
     )
     return bool(
         getattr(config, "enable_prefix_cuda_graph", True)
-        and setting(config, "prefix_cuda_graph_max_entries") > 0
+        and _field(config, "prefix_cuda_graph_max_entries") > 0
         and not offloaded
     )
 
 
 def action_graph_available(config) -> bool:
-    """Upstream's `action_cuda_graph_available`, knobs included."""
+    """Upstream's `action_cuda_graph_available`."""
     return bool(
         getattr(config, "enable_action_cuda_graph", True)
-        and setting(config, "action_cuda_graph_max_entries") > 0
+        and _field(config, "action_cuda_graph_max_entries") > 0
         and not getattr(config, "offload_action_expert_after_denoise", False)
     )

@@ -1,27 +1,15 @@
-"""`MergedReplicatedLinear`: packed non-TP projections with shard-aware loading.
+"""`MergedReplicatedLinear` (0.5.19's class): several replicated projections in one packed weight, one GEMM.
 
-Target symbols:
-    sglang.multimodal_gen.runtime.layers.linear  (adds class MergedReplicatedLinear,
-        a ReplicatedLinear subclass; relies on ReplicatedLinear.__init__ accepting
-        `output_sizes` and binding `weight_loader=self.weight_loader`, and on
-        adjust_scalar_to_fused_array)
-sglang versions: 0.5.17 (fingerprint-gated; 0.5.19 has the class upstream).
-Upstream PR: the Pi0.5 bounded-graph PR released in 0.5.19 (supersedes #34588).
+Patch: pi05_merged_linear
+Targets: sglang.multimodal_gen.runtime.layers.linear:ReplicatedLinear
+Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
+Retire when: the minimum supported sglang has MergedReplicatedLinear (>= 0.5.19)
 
-Why: non-TP PiGemma layers on 0.5.17 issue three Q/K/V GEMMs and two gate/up
-GEMMs (plus a `torch.cat`) per layer; Pi0.5 is launch-bound, so every launch
-counts. One packed weight means one GEMM.
-
-How: the class is upstream's (same name, constructor and `weight_loader`
-contract) with clearer errors: an unknown shard id lists the valid ones, and a
-shape mismatch names the layer prefix, the parameter, the shard and both shapes.
-`pi05_gemma_mlp` / `pi05_gemma_attention` switch PiGemma's non-TP branches to it.
-0.5.17's Pi0.5 loader already maps checkpoint q/k/v and gate/up tensors to
-`qkv_proj` shards "q"/"k"/"v" and `gate_up_proj` shards 0/1
-(`Pi05PolicyModel._FUSED_WEIGHT_MAPPINGS`, used by the TP branch), so separate-
-tensor checkpoints load unchanged.
-
-Retire when: the minimum supported sglang is >= 0.5.19.
+Why: 0.5.17 has no non-TP packed layer, so PiGemma's non-TP projections run one GEMM each.
+How: a ReplicatedLinear subclass (its `output_sizes` create the packed weight) whose
+`weight_loader(param, tensor, shard_id)` writes one logical projection ("q"/"k"/"v" or an
+index); added to the linear module under upstream's name. Errors name the layer, the shard
+and both shapes.
 """
 
 from __future__ import annotations
@@ -29,13 +17,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parameter import Parameter
 
-from sglang.multimodal_gen.runtime.layers.linear import (
-    ReplicatedLinear,
-    adjust_scalar_to_fused_array,
-)
-from sglang.multimodal_gen.runtime.layers.quantization.configs.base_config import (
-    QuantizationConfig,
-)
+from sglang.multimodal_gen.runtime.layers.linear import ReplicatedLinear, adjust_scalar_to_fused_array
 
 _QKV_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
 
@@ -48,27 +30,10 @@ class MergedReplicatedLinear(ReplicatedLinear):
     and `weight_loader(param, tensor, shard_id)` writes one logical projection.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: list[int],
-        bias: bool = True,
-        skip_bias_add: bool = False,
-        params_dtype: torch.dtype | None = None,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-    ):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True, **kwargs):
+        """ReplicatedLinear's keywords (skip_bias_add, params_dtype, quant_config, prefix) pass through."""
         self.output_sizes = list(output_sizes)
-        super().__init__(
-            input_size=input_size,
-            output_size=sum(self.output_sizes),
-            bias=bias,
-            skip_bias_add=skip_bias_add,
-            params_dtype=params_dtype,
-            quant_config=quant_config,
-            output_sizes=self.output_sizes,
-            prefix=prefix,
-        )
+        super().__init__(input_size, sum(self.output_sizes), bias, output_sizes=self.output_sizes, **kwargs)
 
     def _shard_index(self, loaded_shard_id: int | str) -> int:
         if isinstance(loaded_shard_id, str):
@@ -126,4 +91,4 @@ class MergedReplicatedLinear(ReplicatedLinear):
 
 def patch_linear(ctx, module) -> None:
     """Part for `sglang.multimodal_gen.runtime.layers.linear`: add the class."""
-    ctx.transplant_function(module, MergedReplicatedLinear)
+    ctx.setattr(module, "MergedReplicatedLinear", MergedReplicatedLinear)

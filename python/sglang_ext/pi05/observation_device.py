@@ -1,33 +1,17 @@
-"""Pi0.5 observations go to the GPU once, as uint8 camera frames, converted there; the prompt
-tokenizer call skips the Python layers around the Rust tokenizer.
+"""Pi0.5 camera frames go to the GPU once, as uint8, and are scaled there; the prompt goes to the Rust tokenizer.
 
-Target symbols (sglang 0.5.17, fingerprint-gated):
-    sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess:
-        _preprocess_image (wrapped; Pi05Preprocessor.__call__ calls it through the module global),
-        Pi05Preprocessor.__init__ (wrapped: installs the tokenizer front) and
-        Pi05Preprocessor.__call__ (wrapped: the noise goes to the GPU with the frames)
-    relied on, unchanged: _tensor_from_image, _resize_with_pad_image_tensor (the math replicated
-        below), Pi05Preprocessor._tokenize (the tokenizer call it makes),
-        Pi05PolicyModel.encode_prefix / sample_actions (`.to(self.device, dtype=float32)`: a no-op
-        for tensors already there)
-sglang versions: 0.5.17.
-Upstream PR: none (0.5.23 preprocesses on the CPU the same way).
-Why: in the GPU worker every camera frame is converted to float32 and scaled to [-1, 1] on the
-    CPU (three passes over 150 K values per frame), then copied to the GPU as float32 (4x the
-    bytes of the frame) by a synchronous pageable copy in encode_prefix; the noise takes its own
-    synchronous copy in sample_actions; the tokenizer call for the prompt spends most of its time
-    in transformers' Python wrappers. Together about 1.5 ms of the 1.7 ms preprocess stage of the
-    fast path on the H200 (issue 26).
-How: on a CUDA worker, a uint8 frame (numpy HWC/CHW, or an RGB PIL image, as sglang decodes PNG/
-    JPEG) already at the model's image size is copied to the current GPU as uint8 and converted
-    there with the same float32 operations in the same order (to float32, / 255, * 2 - 1: IEEE
-    float32 on both devices, so the same bits; the GPU test checks it). Frames that need a resize,
-    float or torch inputs, and CPU workers take sglang's path. The noise follows the frames to the
-    GPU. The tokenizer front calls the Rust tokenizer (a copy of the backend configured once with
-    sglang's max_length padding and truncation) for exactly sglang's call (a list of prompts,
-    max_length padding, truncation, "pt" tensors); its first answers are checked against
-    transformers' own call and on any difference it hands every call to transformers for good.
-Retire when: upstream preprocesses Pi0.5 observations on the device.
+Patch: pi05_observation_device
+Targets: sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess:_preprocess_image, sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess:Pi05Preprocessor
+Upstream PR: none (0.5.23 preprocesses on the CPU)
+Retire when: upstream preprocesses Pi0.5 observations on the device
+
+Why: the worker scales every frame to [-1, 1] in float32 on the CPU and copies 4x its bytes to
+the GPU synchronously; the noise takes its own copy; the tokenizer call spends most of its time
+in transformers' Python wrappers.
+How: `_preprocess_image` and `Pi05Preprocessor.__init__` / `__call__` wrapped: on a CUDA worker
+a uint8 frame already at the model's size is copied as uint8 and converted there with the same
+float32 operations (the same bits); the noise follows the frames; the tokenizer front calls the
+Rust tokenizer, checked against transformers' call (docs/how-it-works.md, "Pi0.5").
 """
 
 from __future__ import annotations

@@ -1,35 +1,16 @@
-"""Per-request hop times of the Pi0.5 action server in every answer (knob `pi05_server_timing`).
+"""Per-request hop times of the Pi0.5 action server in every answer's timings (knob pi05_server_timing).
 
-Target symbols (sglang 0.5.17, fingerprint-gated):
-    HTTP process:
-    sglang.multimodal_gen.runtime.entrypoints.vla.protocol.infer_action
-        (wrapped; rebound in entrypoints.vla.api and entrypoints.vla.ws_utils, which import it
-        by name), and protocol.prepare_request (the module global infer_action calls; wrapped)
-    sglang.multimodal_gen.runtime.entrypoints.vla.api: the endpoint of POST
-        /v1/actions/generations (`router` route's `endpoint`, wrapped before the app includes it)
-    sglang.multimodal_gen.runtime.entrypoints.vla.ws_utils.unpack_msgpack (wrapped: the websocket
-        loop of /openpi/policy and /v1/actions/realtime calls it once per message received)
-    GPU worker process:
-    sglang.multimodal_gen.runtime.managers.scheduler.Scheduler.recv_reqs (wrapped)
-    sglang.multimodal_gen.runtime.managers.gpu_worker.GPUWorker.execute_forward (wrapped)
-Why: an answer's `timings` holds sglang's stage times (preprocess, prefix, denoise,
-    postprocess) only; nothing says where the rest of a request's latency goes (parsing and
-    image decoding in the HTTP process, the ZMQ hop to the scheduler, the worker around the
-    pipeline, the way back). `scripts/bench_pi05_server.py` needs that breakdown per request.
-How: monotonic stamps (CLOCK_MONOTONIC, one clock for every process of the host) travel with
-    the request in `Req.extra["ext_trace"]` to the worker and back in the answer's `timings`;
-    the HTTP process turns them into durations (ms) added to `timings`:
-      http_parse_ms      request handed to the endpoint -> payload parsed (JSON / msgpack;
-                         the JSON endpoint's body read included)
-      http_decode_ms     build_action_sampling_params (image decoding) + prepare_request
-      to_worker_ms       pickling + ZMQ send + scheduler receive and unpickling
-      worker_queue_ms    received by the scheduler -> GPUWorker.execute_forward starts
-      worker_forward_ms  execute_forward (the pipeline stages and the worker around them)
-      from_worker_ms     execute_forward returned -> answer unpickled in the HTTP process
-      server_total_ms    request handed to the endpoint -> answer back in the HTTP process
-    Answers without `timings` (return_timing off) are left alone. Off by default: with the knob
-    off the wrappers call sglang's functions and add nothing.
-Retire when: upstream reports hop times itself (not in 0.5.23).
+Patch: pi05_server_timing
+Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:infer_action, sglang.multimodal_gen.runtime.entrypoints.utils:prepare_request, sglang.multimodal_gen.runtime.entrypoints.vla.api:create_action_generation, sglang.multimodal_gen.runtime.managers.scheduler:Scheduler.recv_reqs, sglang.multimodal_gen.runtime.managers.gpu_worker:GPUWorker.execute_forward
+Upstream PR: none (sglang-ext only)
+Retire when: upstream reports per-request hop times itself (not in 0.5.23)
+
+Why: an answer's timings hold the stage times only; nothing says where the rest of a request's
+latency goes (parsing, decoding, the ZMQ hops, the worker around the pipeline).
+How: wrappers stamp CLOCK_MONOTONIC times (one clock for every process of the host) that travel
+with the request (`Req.extra["ext_trace"]`) and back; the HTTP process adds http_parse_ms,
+http_decode_ms, to_worker_ms, worker_queue_ms, worker_forward_ms, from_worker_ms and
+server_total_ms. Knob off: the wrappers only call sglang's functions (docs/how-it-works.md, "Pi0.5").
 """
 
 from __future__ import annotations

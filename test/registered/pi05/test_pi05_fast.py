@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +28,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
 from conftest import import_triton  # noqa: E402  (test/registered/conftest.py)
-from test_pi05_graphs import _random_prefix, _sample, _tiny_core, _tiny_policy, fake_graphs, pi05  # noqa: E402,F401
+from test_pi05_graphs import (  # noqa: E402,F401
+    _random_prefix, _sample, _tiny_core, _tiny_policy, fake_graphs, pi05, policy_adapter, reread_knobs)
 
 RELATIVE_TOLERANCE = 1e-2
 COSINE_FLOOR = 0.9999
@@ -73,9 +75,10 @@ def test_fast_path_matches_exact_path_graph_and_eager(pi05, fake_graphs, monkeyp
         noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(seed))
         set_knob("pi05_fast", 0)
         before = len(denoise_calls)
-        exact = _sample(model, context, noise, use_cuda_graph=False, num_steps=4)
+        exact = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=4)
         assert len(denoise_calls) == before  # knob off: the exact path, untouched
         set_knob("pi05_fast", 1)
+        reread_knobs(model)
         fast_eager = _sample(model, context, noise, use_cuda_graph=False, num_steps=4)
         fast_graph = _sample(model, context, noise, use_cuda_graph=True, num_steps=4)
         relative, cosine = _agreement(fast_eager, exact)
@@ -130,9 +133,9 @@ def test_fast_and_exact_fused_loops_get_separate_graphs(pi05, fake_graphs, monke
     noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(40))
     exact_graph = _sample(model, context, noise, use_cuda_graph=True)
     set_knob("pi05_fast", 1)
-    fast_graph = _sample(model, context, noise, use_cuda_graph=True)
+    fast_graph = _sample(reread_knobs(model), context, noise, use_cuda_graph=True)
     set_knob("pi05_fast", 0)
-    assert torch.equal(_sample(model, context, noise, use_cuda_graph=True), exact_graph)
+    assert torch.equal(_sample(reread_knobs(model), context, noise, use_cuda_graph=True), exact_graph)
     assert not torch.equal(fast_graph, exact_graph)
     assert sorted(s.kernels for s in model.graph_runner._cache.entries) == ["exact", "fast"]
 
@@ -188,7 +191,7 @@ def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch, set_knob):
     fallback = _sample(other, context, noise, use_cuda_graph=False)
     assert denoise_calls == []
     set_knob("pi05_fast", 0)
-    assert torch.equal(fallback, _sample(other, context, noise, use_cuda_graph=False))
+    assert torch.equal(fallback, _sample(reread_knobs(other), context, noise, use_cuda_graph=False))
     assert not torch.equal(fast, fallback)
 
 
@@ -211,7 +214,7 @@ def test_a_failing_first_fast_run_costs_the_exact_path_not_the_request(pi05, mon
     assert attempts == [1]
     assert "kernel does not build here" in fast_module.unsupported_reason(model.core_model)
     set_knob("pi05_fast", 0)
-    exact = _sample(model, context, noise, use_cuda_graph=False)
+    exact = _sample(reread_knobs(model), context, noise, use_cuda_graph=False)
     assert torch.equal(first, exact) and torch.equal(second, exact)
 
 
@@ -219,7 +222,6 @@ def _tiny_prefix_language_model(m, core):
     """sglang's PiGemmaModel as the prefix language model (no adaRMS), at the tiny width,
     in the dtypes Pi05CoreModel gives it (bf16, norms float32), attached to `core`."""
     import copy
-    from types import SimpleNamespace
 
     config = copy.deepcopy(core.paligemma_with_expert.gemma_expert.model.config)
     config.use_adarms, config.adarms_cond_dim = False, None
@@ -242,6 +244,7 @@ def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked, 
     core = _tiny_core(m)
     language_model = _tiny_prefix_language_model(m, core)
     assert fast_module.prefix_unsupported_reason(core) is None
+    assert policy_adapter()._fast_prefix_layers(reread_knobs(SimpleNamespace(core_model=core)))
     generator = torch.Generator().manual_seed(80)
     embeds = torch.randn(1, 23, 64, generator=generator)
     pad = torch.ones(1, 23, dtype=torch.bool)
@@ -267,9 +270,9 @@ def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked, 
             got, want = got[:, :, valid], want[:, :, valid]  # padded positions are masked everywhere
             relative, cosine = _agreement(got, want)
             assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR, (relative, cosine)
-    # Off: the exact forward, bit for bit (encode_prefix does not call the fast layers).
+    # Off: the exact forward, bit for bit (encode_prefix does not ask for the fast layers).
     set_knob("pi05_fast", 0)
-    assert not fast_module.prefix_enabled(core)
+    assert not policy_adapter()._fast_prefix_layers(reread_knobs(SimpleNamespace(core_model=core)))
 
 
 _INTERPRETED = r"""
@@ -280,7 +283,7 @@ from sglang_ext.kernels import runs_triton
 assert runs_triton(torch.zeros(1)), "the interpreter must serve CPU tensors"
 results = {}
 import importlib
-from test_pi05_graphs import _random_prefix, _sample, _tiny_core, _tiny_policy, unit_server_args
+from test_pi05_graphs import _random_prefix, _sample, _tiny_core, _tiny_policy, reread_knobs, unit_server_args
 from sglang_ext import activation
 os.environ.update({"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1"})
 activation.deactivate(); activation.activate(eager=True)
@@ -306,10 +309,10 @@ for masked in (False, True):
     noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(70))
     os.environ.pop("SGLANG_EXT_PI05_FAST", None)
     knobs.use(knobs.load_settings())  # as a server started without / with --ext-pi05-fast
-    exact = _sample(model, context, noise, use_cuda_graph=False, num_steps=2)
+    exact = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
     os.environ["SGLANG_EXT_PI05_FAST"] = "1"
     knobs.use(knobs.load_settings())
-    fast = _sample(model, context, noise, use_cuda_graph=False, num_steps=2)
+    fast = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
     f, e = fast.double().flatten(), exact.double().flatten()
     results["masked" if masked else "full"] = [
         float((f - e).abs().max() / e.abs().max()),

@@ -69,15 +69,11 @@ def _agreement(got, want):
     return relative_diff(got, want), cosine(got, want)
 
 
-def _sample(policy, observation, context, noise, *, fast, graph):
-    os.environ["SGLANG_EXT_PI05_FAST"] = "1" if fast else "0"
-    try:
-        with torch.inference_mode():
-            return policy.sample_actions(
-                observation, context, noise=noise, num_steps=NUM_STEPS, use_cuda_graph=graph
-            ).clone()
-    finally:
-        os.environ.pop("SGLANG_EXT_PI05_FAST", None)
+def _sample(policy, observation, context, noise, *, fast, graph, fused_denoise=False):
+    from sglang_ext_testkit.pi05_random import pi05_knobs
+
+    with pi05_knobs(policy, fast=fast, fused_denoise=fused_denoise), torch.inference_mode():
+        return policy.sample_actions(observation, context, noise=noise, num_steps=NUM_STEPS, use_cuda_graph=graph).clone()
 
 
 def _requests():
@@ -185,7 +181,7 @@ def test_triton_kernels_match_references_on_gpu():
 def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
     from sglang_ext_testkit.pi05_random import finite, make_noise, make_observation
 
-    fast_module, backend = _ext("adapters.pi05_fast"), _ext("kernels.backend")
+    fast_module, backend = _ext("pi05.fast"), _ext("kernels.backend")
     assert fast_module.unsupported_reason(policy.core_model) is None
     graph_vs_eager, fast_vs_exact, replay_vs_capture = [], [], []
     bitwise = plain_equal = 0
@@ -238,20 +234,16 @@ def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
 
 def test_fast_end_to_end_with_prefix_graph_matches_exact_graph(policy):
     """The whole request on graphs (prefix graph + fused loop graph), fast vs exact."""
-    from sglang_ext_testkit.pi05_random import make_noise, make_observation, run_request
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation, pi05_knobs, run_request
 
     for masked in (False, True):
         observation = make_observation(policy, prompt_len=48, masked_camera=masked, seed=7)
         noise = make_noise(policy, 7)
-        os.environ["SGLANG_EXT_PI05_FUSED_DENOISE"] = "1"
-        try:
+        with pi05_knobs(policy, fused_denoise=True):
             exact = run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
-            os.environ["SGLANG_EXT_PI05_FAST"] = "1"
+        with pi05_knobs(policy, fused_denoise=True, fast=True):
             fast = run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
             fast_again = run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
-        finally:
-            os.environ.pop("SGLANG_EXT_PI05_FAST", None)
-            os.environ.pop("SGLANG_EXT_PI05_FUSED_DENOISE", None)
         relative, cosine = _agreement(fast, exact)
         print(f"[summary end-to-end graphs {'masked' if masked else 'full'} prompt=48] fast vs exact "
               f"relative={relative:.3e} cosine={cosine:.7f} replay bitwise={torch.equal(fast, fast_again)}")
@@ -261,20 +253,16 @@ def test_fast_end_to_end_with_prefix_graph_matches_exact_graph(policy):
 
 def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
     """The prefix language model's layers on the fused kernels: K/V of every layer (valid positions)."""
-    from sglang_ext_testkit.pi05_random import make_observation
+    from sglang_ext_testkit.pi05_random import make_observation, pi05_knobs
 
-    fast_module = _ext("adapters.pi05_fast")
+    fast_module = _ext("pi05.fast")
     worst = (0.0, 1.0)
     for prompt_len, masked in ((17, False), (48, True), (111, False), (111, True)):
         observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=prompt_len)
         contexts = {}
         for fast in (False, True):
-            os.environ["SGLANG_EXT_PI05_FAST"] = "1" if fast else "0"
-            try:
-                with torch.inference_mode():
-                    contexts[fast] = policy.encode_prefix(observation, use_cuda_graph=False)
-            finally:
-                os.environ.pop("SGLANG_EXT_PI05_FAST", None)
+            with pi05_knobs(policy, fast=fast), torch.inference_mode():
+                contexts[fast] = policy.encode_prefix(observation, use_cuda_graph=False)
         valid = contexts[False].prefix_pad_masks[0]
         for (fast_k, fast_v, _), (exact_k, exact_v, _) in zip(contexts[True].past_key_values, contexts[False].past_key_values):
             for got, want in ((fast_k, exact_k), (fast_v, exact_v)):
@@ -304,20 +292,16 @@ def test_kernel_counts_and_replay_times(policy):
             _sample(policy, observation, context, noise, fast=fast, graph=False)
             torch.cuda.synchronize()
         counts[name] = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        os.environ["SGLANG_EXT_PI05_FUSED_DENOISE"] = "1"
-        try:
-            _sample(policy, observation, context, noise, fast=fast, graph=True)  # capture
-            samples = []
-            for _ in range(10):
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                _sample(policy, observation, context, noise, fast=fast, graph=True)
-                stop.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(stop))
-            times[name] = statistics.median(samples)
-        finally:
-            os.environ.pop("SGLANG_EXT_PI05_FUSED_DENOISE", None)
+        _sample(policy, observation, context, noise, fast=fast, graph=True, fused_denoise=True)  # capture
+        samples = []
+        for _ in range(10):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _sample(policy, observation, context, noise, fast=fast, graph=True, fused_denoise=True)
+            stop.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(stop))
+        times[name] = statistics.median(samples)
     print(f"[info denoise, 10 steps, prompt=48 full] device kernels per request (eager): {counts}; "
           f"median fused-loop graph request ms: " + ", ".join(f"{k}={v:.2f}" for k, v in times.items()))
     assert set(times) == {"exact", "fast"} and all(t > 0 for t in times.values()), times

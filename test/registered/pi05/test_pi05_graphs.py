@@ -196,10 +196,23 @@ def _random_prefix(pi05_modules, *, seed, prefix_len=9, masked=False):
     )
 
 
+def policy_adapter():
+    """The pi05_graphs policy adapter of the sglang under test (plugin, or the fork's vendored copy)."""
+    patched = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
+    return importlib.import_module(("sglang.ext" if patched else "sglang_ext") + ".pi05.policy_graphs")
+
+
+def reread_knobs(model):
+    """`model` takes the knobs as they are now, as a policy built now would (its __init__ reads them)."""
+    model._ext_options = policy_adapter().Pi05Options.read()
+    return model
+
+
 def _tiny_policy(pi05_modules, core_model, *, max_entries=4, evict_on_miss=False):
     policy_module = pi05_modules.policy
     model = policy_module.Pi05PolicyModel.__new__(policy_module.Pi05PolicyModel)
     nn.Module.__init__(model)
+    reread_knobs(model)
     model.config = core_model.config
     model.device = torch.device("cpu")
     model.runtime_role = "all"

@@ -1,0 +1,338 @@
+"""Pi0.5 policy on bounded prefix and action graphs (sglang 0.5.19's API), with prompt buckets and fused denoise loops.
+
+Patch: pi05_graphs
+Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05ActionExpert.forward, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.__init__, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.build_prefix_cache_key, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.encode_prefix, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.denoise_step, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.sample_actions
+Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
+Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has vla/cuda_graph.py (>= 0.5.19)
+
+Why: 0.5.17 graphs only full-attention denoise steps, one unbounded graph per prompt length,
+and never the prefix.
+How: __init__ wrapped (bounded runners, knobs read once: Pi05Options); the request methods
+replaced by 0.5.19's behaviour in our code, plus the fused loops (docs/how-it-works.md, "Pi0.5").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from sglang.multimodal_gen.runtime.distributed.communication_op import sequence_model_parallel_all_gather
+from sglang.multimodal_gen.runtime.distributed.parallel_state import get_sp_parallel_rank
+from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+from sglang.multimodal_gen.runtime.vla.observation import tensor_fingerprint
+from sglang.multimodal_gen.runtime.vla.parallel import get_vla_split_group
+from sglang.multimodal_gen.runtime.vla.prefix_cache import PrefixContext, VLAPrefixCacheManager
+from sglang_ext import knobs
+from sglang_ext.pi05 import fast, graph_settings
+from sglang_ext.pi05.prompt_bucketing import bucket_prompt_tokens, effective_token_length, select_prompt_token_bucket
+from sglang_ext.pi05.vla_cuda_graph import (
+    VLADenoiseGraphRunner,
+    VLADenoiseGraphSignature,
+    VLADenoiseLoopGraphSignature,
+    VLAPrefixGraphRunner,
+    VLAPrefixGraphSignature,
+    prefix_context_generation,
+)
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Pi05Options:
+    """The knobs a policy reads once, when it is built (instances built without __init__ get the
+    values the patch was applied with)."""
+
+    fast: bool = False  # pi05_fast: the fused-kernel denoise loop and prefix layers
+    fused_denoise: bool = False  # pi05_fused_denoise: every denoise step in one graph
+
+    @classmethod
+    def read(cls, value=knobs.current) -> "Pi05Options":
+        return cls(fast=bool(value("pi05_fast")), fused_denoise=bool(value("pi05_fused_denoise")))
+
+
+def _buckets(config) -> tuple:
+    return tuple(getattr(config, "prompt_token_buckets", None) or ())
+
+
+def action_expert_forward(self, prefix_context, x_t, timestep, *, action_position_offset=0, denoise_layout=None):
+    return self.core_model.denoise_step(
+        prefix_context.prefix_pad_masks, prefix_context.past_key_values, x_t, timestep,
+        bool(prefix_context.layout.get("full_attention", False)),
+        action_position_offset=action_position_offset, denoise_layout=denoise_layout)
+
+
+def __init__(self, config, **kwargs):
+    """0.5.17's constructor, then bounded runners sized by the config (and the --ext-pi05-* knobs)."""
+    self._ext_orig___init__(config, **kwargs)
+    self._ext_options = options = Pi05Options.read()
+    bucket_mode = self._prompt_token_bucketing_enabled()
+    self.prefix_graph_runner = VLAPrefixGraphRunner(
+        enabled=self._prefix_cuda_graph_enabled(), evict_on_miss=bucket_mode,
+        max_entries=graph_settings.setting(config, "prefix_cuda_graph_max_entries"))
+    self.graph_runner = VLADenoiseGraphRunner(
+        enabled=graph_settings.action_graph_available(config), evict_on_miss=bucket_mode,
+        max_entries=graph_settings.setting(config, "action_cuda_graph_max_entries"))
+    # The fast path's time-conditioning tables go with the action graphs.
+    self.graph_runner.add_clear_hook(functools.partial(_reset_time_tables, weakref.ref(self)))
+    logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s fused_denoise=%s fast=%s",
+                self.prefix_graph_runner.enabled, self.prefix_graph_runner.max_entries, self.graph_runner.enabled,
+                self.graph_runner.max_entries, "bucket" if bucket_mode else "exact", options.fused_denoise,
+                options.fast)
+
+
+def _reset_time_tables(policy_ref) -> None:
+    core = getattr(policy_ref(), "core_model", None)
+    if core is not None:
+        fast.reset_time_conditioning(core)
+
+
+def _prefix_tensor_parallel_enabled(self) -> bool:
+    language_model = self._prefix_language_model()
+    return language_model is not None and bool(language_model.tensor_parallel)
+
+
+def _prefix_cuda_graph_enabled(self) -> bool:
+    return (graph_settings.prefix_graph_available(self.config) and self.device.type == "cuda"
+            and self.runtime_role in ("all", "prefix") and not self._prefix_tensor_parallel_enabled())
+
+
+def _prompt_token_bucketing_enabled(self) -> bool:
+    """Buckets configured and a graph to share them, on a single-rank CUDA prefix (action sequence
+    parallelism needs a full-attention prefix; buckets add padding)."""
+    return bool(
+        _buckets(self.config)
+        and (self._prefix_cuda_graph_enabled() or graph_settings.action_graph_available(self.config))
+        and self.device.type == "cuda" and self.runtime_role in ("all", "prefix")
+        and not self._prefix_tensor_parallel_enabled() and get_vla_split_group() is None)
+
+
+def build_prefix_cache_key(self, observation, *, bucket_prompt=False):
+    """0.5.17's key over the prompt up to its last visible token, with the prompt layout (exact,
+    bucket-N, bucket-miss-exact) in the positions version."""
+    token_len = effective_token_length(observation.token_masks)
+    prompt_layout = "exact"
+    if bucket_prompt and self._prompt_token_bucketing_enabled():
+        bucket = select_prompt_token_bucket(token_len, _buckets(self.config))
+        prompt_layout = "bucket-miss-exact" if bucket is None else f"bucket-{bucket}"
+    prompt = slice(None, token_len or None)
+    config, camera_order = self.config, tuple(observation.metadata.get("camera_order", ()))
+    return VLAPrefixCacheManager.make_key(
+        model_revision=os.path.basename(os.path.normpath(self.model_path)),
+        tokenizer_id=f"{config.paligemma_variant}:{config.max_token_len}", camera_order=camera_order,
+        image_hashes={name: tensor_fingerprint(observation.images[name]) for name in camera_order},
+        token_digest=tensor_fingerprint(observation.tokens[:, prompt]),
+        token_mask_digest=tensor_fingerprint(observation.token_masks[:, prompt]),
+        masks={name: bool(mask.item()) for name, mask in observation.image_masks.items()},
+        positions_version=f"{config.prefix_cache_layout_version}:{prompt_layout}",
+        dtype=str(self.dtype).replace("torch.", ""), parallel_layout_version=config.parallel_layout_version,
+        cache_namespace="pi05")
+
+
+def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None):
+    """The prefix context, on the prefix graph when it can be: batch 1, and a bucketed prompt
+    that fits a bucket (a miss runs eager and marks the context ineligible for action graphs)."""
+    camera_order = tuple(observation.metadata.get("camera_order", ()))
+    images = [observation.images[name].to(self.device, dtype=torch.float32) for name in camera_order]
+    image_masks = [observation.image_masks[name].to(self.device) for name in camera_order]
+    use_bucket = bool(use_cuda_graph if bucket_prompt is None else bucket_prompt) and \
+        self._prompt_token_bucketing_enabled()
+    bucket = None
+    if use_bucket:
+        tokens, token_masks, _, bucket = bucket_prompt_tokens(observation.tokens, observation.token_masks,
+                                                              _buckets(self.config))
+    else:
+        token_len = effective_token_length(observation.token_masks)
+        prompt = slice(None, token_len if 0 < token_len < observation.tokens.shape[1] else None)
+        tokens, token_masks = observation.tokens[:, prompt], observation.token_masks[:, prompt]
+    bucket_miss = use_bucket and bucket is None
+    # Decided on the host (the observation's masks are CPU tensors). A bucketed prompt always
+    # takes the masked path: one control flow per bucket.
+    full_hint = bucket is None and bool(token_masks.all()) and all(
+        bool(observation.image_masks[name].all()) for name in camera_order)
+    fast_layers = _fast_prefix_layers(self)
+    inputs = (*images, *image_masks, tokens.to(self.device), token_masks.to(self.device))
+    count = len(images)
+
+    def encode(current):
+        # tokens_trimmed: trimmed (or bucketed) above, on the host; the core must not probe them (.item()).
+        kv, pad_masks, full_attention = self.core_model.encode_prefix(
+            list(current[:count]), list(current[count:2 * count]), current[-2], current[-1],
+            prefix_full_attention_hint=full_hint, tokens_trimmed=True, fast_layers=fast_layers)
+        layout = {"full_attention": full_attention, "prompt_token_bucket": bucket,
+                  "cuda_graph_eligible": not bucket_miss}
+        return PrefixContext(past_key_values=self._materialize_prefix_kv_for_action(kv), prefix_pad_masks=pad_masks,
+                             prefix_len=pad_masks.shape[1], layout=layout)
+
+    runner = getattr(self, "prefix_graph_runner", None)
+    if not use_cuda_graph or runner is None or not runner.enabled or observation.batch_size != 1 or bucket_miss:
+        context = encode(inputs)
+        prefix_context_generation(context)
+        return context
+    signature = VLAPrefixGraphSignature(
+        batch_size=observation.batch_size, input_shapes=tuple(tuple(t.shape) for t in inputs),
+        input_dtypes=tuple(str(t.dtype).replace("torch.", "") for t in inputs),
+        static_layout=(count, full_hint, bucket) + (("fast",) if fast_layers else ()),
+        parallel_layout=self.config.parallel_layout_version)
+    return runner.capture_or_run(signature, encode, inputs)
+
+
+def _fast_prefix_layers(self) -> bool:
+    """Knob pi05_fast (as this policy read it) and the prefix layers covered by the fused kernels."""
+    return self._ext_options.fast and fast.prefix_unsupported_reason(self.core_model) is None
+
+
+def _step_signature(self, prefix_context, x_t, action_position_offset, action_sp_enabled):
+    parallel_layout = self.config.parallel_layout_version
+    if action_sp_enabled:
+        parallel_layout += f":action_sp:rank{get_sp_parallel_rank()}:offset{action_position_offset}"
+    return VLADenoiseGraphSignature(
+        batch_size=x_t.shape[0], prefix_len=prefix_context.prefix_len,
+        prefix_full_attention=bool(prefix_context.layout.get("full_attention", False)),
+        action_horizon=x_t.shape[1], action_dim=x_t.shape[2], dtype=str(x_t.dtype).replace("torch.", ""),
+        parallel_layout=parallel_layout)
+
+
+def denoise_step(self, prefix_context, x_t, timestep, *, use_cuda_graph=True, action_position_offset=0,
+                 action_sp_enabled=False, denoise_layout=None):
+    """Velocity of one step, on the action graph unless graphs are off for this context. Inside a
+    graph the layout comes from the static prefix masks, which the runner refreshes."""
+
+    def step(context, state, t):
+        return self.action_expert(context, state, t, action_position_offset=action_position_offset,
+                                  denoise_layout=denoise_layout)
+
+    if not use_cuda_graph or not prefix_context.layout.get("cuda_graph_eligible", True):
+        return step(prefix_context, x_t, timestep)
+    signature = _step_signature(self, prefix_context, x_t, action_position_offset, action_sp_enabled)
+    return self.graph_runner.capture_or_run(signature, step, prefix_context, x_t, timestep)
+
+
+def _initial_state(self, observation, prefix_context, noise, generator):
+    """(x_t, its first action position, action sequence parallel?) of a request: the noise on
+    the action root, broadcast and sharded when the action sequence is parallel."""
+    split = get_vla_split_group()
+    action_sp = self._can_use_action_sequence_parallel(prefix_context, self.config.action_horizon)
+    x_t = None
+    if split is None or split.rank == split.action_root:
+        x_t = (self.sample_noise(observation.batch_size, generator=generator) if noise is None
+               else noise.to(device=self.device, dtype=torch.float32).clone())
+    if action_sp:
+        x_t, offset = self._shard_action_sequence(self._broadcast_initial_action_state(x_t))
+        return x_t, offset, True
+    if x_t is None:
+        raise RuntimeError("Pi05 action fallback must run on the action root")
+    return x_t, 0, False
+
+
+def sample_actions(self, observation, prefix_context, *, noise, num_steps, use_cuda_graph=True, generator=None):
+    offload_action = self._offload_action_expert_between_requests()
+    if offload_action:
+        self._move_action_modules_to_device(self.device)
+        use_cuda_graph = False
+    x_t, offset, action_sp = _initial_state(self, observation, prefix_context, noise, generator)
+    x_t = _denoise(self, observation.batch_size, prefix_context, x_t, num_steps, offset, action_sp, use_cuda_graph)
+    if action_sp:
+        x_t = sequence_model_parallel_all_gather(x_t.contiguous(), dim=1)
+    if offload_action:
+        self._move_action_modules_to_device(torch.device("cpu"))
+        torch.cuda.empty_cache()
+    return x_t
+
+
+def _denoise(self, batch_size, prefix_context, x_t, num_steps, offset, action_sp, use_cuda_graph):
+    """x_t after `num_steps` Euler steps: the fused-kernel loop (pi05_fast), one graph for every
+    step (pi05_fused_denoise), or step by step (graphs per step; eager steps share one layout)."""
+    full = bool(prefix_context.layout.get("full_attention", False))
+    eligible = prefix_context.layout.get("cuda_graph_eligible", True)
+    graph = bool(use_cuda_graph and self.graph_runner.enabled and eligible)
+    dt = -1.0 / num_steps
+    options = self._ext_options
+    if options.fast and not action_sp and fast.unsupported_reason(self.core_model) is None:
+        denoised = _fast_denoise(self, prefix_context, x_t, num_steps, dt, full, offset, graph)
+        if denoised is not None:
+            return denoised
+    timesteps = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float32, device=self.device)
+    if graph and not action_sp and options.fused_denoise:
+        return _loop_graph(self, prefix_context, x_t, timesteps, _exact_loop(self, full, dt, offset), offset)
+    layout = None if graph else self.core_model.prepare_denoise_layout(
+        prefix_context.prefix_pad_masks, x_t, full, action_position_offset=offset)
+    for timestep in timesteps:
+        velocity = self.denoise_step(prefix_context, x_t, timestep.expand(batch_size), use_cuda_graph=use_cuda_graph,
+                                     action_position_offset=offset, action_sp_enabled=action_sp,
+                                     denoise_layout=layout)
+        x_t.add_(velocity, alpha=dt)
+    return x_t
+
+
+def _loop_graph(self, prefix_context, x_t, steps, loop_fn, offset, kernels="exact"):
+    """All denoise steps of one request as one graph replay; `loop_fn(context, x_t, steps)` runs them."""
+    signature = VLADenoiseLoopGraphSignature(step=_step_signature(self, prefix_context, x_t, offset, False),
+                                             num_steps=int(steps.shape[0]), kernels=kernels)
+    return self.graph_runner.capture_or_run_loop(signature, loop_fn, prefix_context, x_t, steps)
+
+
+def _exact_loop(self, full_attention, dt, offset):
+    """The per-step path's kernels, the layout computed once (inside the graph, from the static
+    prefix masks), so the loop equals the eager steps."""
+
+    def loop_fn(prefix_context, state, steps):
+        layout = self.core_model.prepare_denoise_layout(prefix_context.prefix_pad_masks, state, full_attention,
+                                                        action_position_offset=offset)
+        for index in range(int(steps.shape[0])):
+            velocity = self.action_expert(prefix_context, state, steps[index].expand(state.shape[0]),
+                                          action_position_offset=offset, denoise_layout=layout)
+            state.add_(velocity, alpha=dt)
+        return state
+
+    return loop_fn
+
+
+def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offset, graph):
+    """The fused-kernel loop (sglang_ext.pi05.fast): one graph per request, or eager with graphs
+    off. None when it failed on its first use on this model (the exact path runs then)."""
+    core = self.core_model
+    table = fast.time_conditioning(core, num_steps, x_t.shape[0], x_t.device)
+
+    def loop_fn(context, state, current_table):
+        return fast.denoise(core, context, state, current_table, dt=dt, full_attention=full_attention,
+                            action_position_offset=offset)
+
+    def run(state):
+        if not graph:
+            return loop_fn(prefix_context, state, table)
+        # The table is the loop's step input: the graph keeps its own copy.
+        return _loop_graph(self, prefix_context, state, table, loop_fn, offset, "fast")
+
+    if fast.verified(core):
+        return run(x_t)
+    # First use on this model: a kernel that does not build here must cost the exact path, not
+    # the request, so x_t is only replaced on success.
+    try:
+        result = run(x_t.clone())
+    except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
+        fast.mark_failed(core, exc)
+        return None
+    fast.mark_verified(core)
+    return x_t.copy_(result)
+
+
+def patch_policy(ctx, module) -> None:
+    """Part for `...models.vlas.pi05_policy`."""
+    # Bound by `from ... import` when pi05_policy was imported before activation: 0.5.17's __init__
+    # builds a runner through this name (replaced right after).
+    ctx.setattr(module, "VLADenoiseGraphRunner", VLADenoiseGraphRunner)
+    ctx.setattr(module, "VLADenoiseGraphSignature", VLADenoiseGraphSignature)
+    ctx.setattr(module.Pi05ActionExpert, "forward", action_expert_forward)
+    cls = module.Pi05PolicyModel
+    ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
+    ctx.setattr(cls, "_ext_options", Pi05Options.read(functools.partial(getattr, ctx.settings)))
+    for name, method in (("__init__", __init__), ("_prefix_tensor_parallel_enabled", _prefix_tensor_parallel_enabled),
+                         ("_prefix_cuda_graph_enabled", _prefix_cuda_graph_enabled),
+                         ("_prompt_token_bucketing_enabled", _prompt_token_bucketing_enabled),
+                         ("build_prefix_cache_key", build_prefix_cache_key), ("encode_prefix", encode_prefix),
+                         ("denoise_step", denoise_step), ("sample_actions", sample_actions)):
+        ctx.setattr(cls, name, method)

@@ -1,0 +1,103 @@
+"""Pi0.5 prefix stage: the request's graph option reaches the policy; prefix-graph outputs owned while requests wait.
+
+Patch: pi05_graphs
+Targets: sglang.multimodal_gen.runtime.pipelines_core.stages.vla:_grouped_fingerprint, sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage.forward, sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage.run_grouped_requests, sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage._send_prefix_result
+Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
+Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has vla/cuda_graph.py (>= 0.5.19)
+
+Why: 0.5.17's prefix stage calls the policy without the request's `enable_cuda_graph` option,
+and a prefix-graph output (rewritten by the next replay) must not be shared by two requests.
+How: wrapped. While a request runs through the stage its policy is seen through a view that
+passes the option on (graph and prompt bucket, no graph when the prefix cache is on) and owns
+the graph's output when several requests are in flight (grouped execution); the cache info
+gets the prompt bucket; grouped requests are grouped by the option too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from sglang.multimodal_gen.runtime.pipelines_core.stages.vla import (
+    _effective_prefix_cache_enabled,
+    vla_options,
+    vla_state,
+)
+from sglang_ext.pi05.vla_cuda_graph import own_prefix_context
+
+
+def _cuda_graph_enabled(batch) -> bool:
+    return bool(vla_options(batch).get("enable_cuda_graph", True))
+
+
+class _RequestPolicy:
+    """The stage's policy as one request sees it (every other attribute is the policy's)."""
+
+    def __init__(self, policy, graphs: bool, prefix_cache: bool, owned: bool):
+        self._policy, self._graphs, self._prefix_cache, self._owned = policy, graphs, prefix_cache, owned
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def build_prefix_cache_key(self, observation):
+        return self._policy.build_prefix_cache_key(observation, bucket_prompt=self._graphs)
+
+    def encode_prefix(self, observation):
+        # A prefix-graph output is rewritten by the next replay: it never goes into the prefix cache.
+        context = self._policy.encode_prefix(observation, use_cuda_graph=self._graphs and not self._prefix_cache,
+                                             bucket_prompt=self._graphs)
+        return own_prefix_context(context) if self._owned else context
+
+
+def _note_prompt_bucket(batch) -> None:
+    state = vla_state(batch)
+    cache, context = state.get("cache"), state.get("prefix_context")
+    if isinstance(cache, dict) and context is not None:
+        cache.setdefault("prompt_token_bucket", context.layout.get("prompt_token_bucket"))
+
+
+def forward(self, batch, server_args):
+    policy = self.policy_model
+    self.policy_model = _RequestPolicy(policy, _cuda_graph_enabled(batch),
+                                       _effective_prefix_cache_enabled(batch, server_args),
+                                       getattr(self, "_ext_requests_in_flight", 1) > 1)
+    try:
+        batch = self._ext_orig_forward(batch, server_args)
+    finally:
+        self.policy_model = policy
+    _note_prompt_bucket(batch)
+    return batch
+
+
+def _send_prefix_result(self, batch, split, prefix_context):
+    _note_prompt_bucket(batch)  # before the cache info goes to the other ranks
+    return self._ext_orig__send_prefix_result(batch, split, prefix_context)
+
+
+def run_grouped_requests(self, batches, server_args):
+    """Grouped execution runs this stage for every request before the action stage: while more
+    than one is in flight, prefix-graph outputs are owned per request (see forward)."""
+    previous = getattr(self, "_ext_requests_in_flight", 1)
+    self._ext_requests_in_flight = len(batches)
+    try:
+        return self._ext_orig_run_grouped_requests(batches, server_args)
+    finally:
+        self._ext_requests_in_flight = previous
+
+
+def _with_graph_option(original):
+    @functools.wraps(original)
+    def _grouped_fingerprint(batch, server_args):
+        fingerprint = original(batch, server_args)
+        return fingerprint if fingerprint[0] == "single" else (*fingerprint, _cuda_graph_enabled(batch))
+
+    return _grouped_fingerprint
+
+
+def patch_stages(ctx, module) -> None:
+    """Part for `...pipelines_core.stages.vla`."""
+    ctx.setattr(module, "_grouped_fingerprint", _with_graph_option(module._grouped_fingerprint))
+    cls = module.VLAPrefixEncodingStage
+    for name, method in (("forward", forward), ("_send_prefix_result", _send_prefix_result),
+                         ("run_grouped_requests", run_grouped_requests)):
+        ctx.setattr(cls, f"_ext_orig_{name}", cls.__dict__[name])
+        ctx.setattr(cls, name, method)
