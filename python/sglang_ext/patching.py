@@ -50,8 +50,6 @@ class PatchContext:
     patch_name: str
     settings: Any
     swaps: List[AttrSwap] = field(default_factory=list)
-    # module globals another patch added that this patch's code also uses (see _provide_globals)
-    shared_globals: List[Tuple[ModuleType, str]] = field(default_factory=list)
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
         original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
@@ -79,9 +77,6 @@ class PatchContext:
         return out
 
     def rollback(self) -> None:
-        for module, name in self.shared_globals:
-            _release_global(self, module, name)
-        self.shared_globals.clear()
         for s in reversed(self.swaps):
             if isinstance(s.owner, _ItemOwner):
                 if s.original is _MISSING:
@@ -89,8 +84,6 @@ class PatchContext:
                 else:
                     s.owner.mapping[s.name] = s.original
             elif s.original is _MISSING:
-                if isinstance(s.owner, ModuleType) and not _release_global(self, s.owner, s.name):
-                    continue  # another applied patch still uses this added global: it removes it
                 try:
                     delattr(s.owner, s.name)
                 except AttributeError:
@@ -192,29 +185,6 @@ class _ItemOwner:
 
     def __repr__(self) -> str:  # for describe()
         return f"<dict {type(self.mapping).__name__}>"
-
-
-# Module globals added by _provide_globals, with every context whose code uses them. Two patches
-# transplanting into one module may both need e.g. `BoundedGraphCache`: the first adds it, the
-# second shares it, and rolling the first back must not pull it from under the second.
-_added_globals: Dict[Tuple[int, str], Tuple[ModuleType, List["PatchContext"]]] = {}
-
-
-def _release_global(ctx: "PatchContext", module: ModuleType, name: str) -> bool:
-    """Drop ctx's use of an added global; True if nobody uses it any more (caller removes it)."""
-    entry = _added_globals.get((id(module), name))
-    if entry is None:
-        return True
-    users = entry[1]
-    if ctx in users:
-        users.remove(ctx)
-    if users:
-        return False
-    del _added_globals[(id(module), name)]
-    if not any(s.owner is module and s.name == name for s in ctx.swaps):
-        # the patch that added it was rolled back earlier and left it for ctx: remove it now
-        module.__dict__.pop(name, None)
-    return True
 
 
 def _live_attr(owner: Any, name: str) -> Any:
@@ -325,113 +295,8 @@ def _install_finder() -> None:
 
 
 # --------------------------------------------------------------------------
-# Transplanting: run adapter code as if it were written inside the target module
+# Modules that 0.5.17 lacks
 # --------------------------------------------------------------------------
-#
-# A replacement method is written as a module-level function in its adapter and
-# installed with `ctx.transplant_method(cls, fn)`. The function is rebuilt with
-# the *target module's* globals, so it resolves names exactly as the same code
-# pasted into sglang's file would (tests that mock `<target module>.name` reach
-# it). Names the function needs that the target module lacks (adapter helpers,
-# imports of sglang_ext.graphs) are added to the target module, recorded like any swap.
-
-import builtins as _builtins
-import dis as _dis
-
-_GLOBAL_NAME_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
-
-
-def _code_names(code: _types.CodeType) -> set:
-    """Global names `code` (and nested code) reads or writes.
-
-    Only global-name instructions count: `co_names` also holds attribute names,
-    so `self.replay()` in a replacement would otherwise copy an adapter function
-    named `replay` into the target module as a stray global.
-    """
-    names = {ins.argval for ins in _dis.get_instructions(code) if ins.opname in _GLOBAL_NAME_OPS}
-    for const in code.co_consts:
-        if isinstance(const, _types.CodeType):
-            names |= _code_names(const)
-    return names
-
-
-def _transplanted(fn: _types.FunctionType, module: ModuleType) -> _types.FunctionType:
-    new = _types.FunctionType(fn.__code__, module.__dict__, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__qualname__ = fn.__qualname__
-    new.__doc__ = fn.__doc__
-    new.__dict__.update(fn.__dict__)
-    new.__module__ = module.__name__
-    new.__sglang_ext_source__ = fn  # for the patch-series generator and doctor
-    return new
-
-
-def _provide_globals(ctx: "PatchContext", fn: _types.FunctionType, module: ModuleType, seen: set) -> None:
-    """Copy into `module` every adapter global `fn` uses that `module` lacks (recursively)."""
-    adapter_globals = fn.__globals__
-    for name in sorted(_code_names(fn.__code__)):
-        if name in seen or hasattr(_builtins, name) and name not in module.__dict__:
-            continue
-        if name not in adapter_globals:
-            continue  # an attribute name (LOAD_ATTR shares co_names), not a global
-        if name in module.__dict__:
-            _share_added_global(ctx, module, name, adapter_globals[name])
-            continue
-        seen.add(name)
-        value = adapter_globals[name]
-        if isinstance(value, _types.FunctionType) and value.__module__ == fn.__module__:
-            _provide_globals(ctx, value, module, seen)
-            value = _transplanted(value, module)
-        ctx.setattr(module, name, value)
-        _added_globals[(id(module), name)] = (module, [ctx])
-
-
-def _share_added_global(ctx: "PatchContext", module: ModuleType, name: str, wanted: Any) -> None:
-    """`module` already has `name`. If another patch added it, use it only if it is the same object."""
-    entry = _added_globals.get((id(module), name))
-    if entry is None or ctx in entry[1]:
-        return  # sglang's own global (the code resolves to it, as pasted code would), or ours already
-    existing = module.__dict__[name]
-    if existing is not wanted and getattr(existing, "__sglang_ext_source__", None) is not wanted:
-        others = ", ".join(c.patch_name for c in entry[1])
-        raise ValueError(
-            f"{module.__name__}.{name}: patch {others} added a different object under this name than "
-            f"patch {ctx.patch_name} needs; rename one of them (prefix private helpers with _ext_<patch>_)")
-    entry[1].append(ctx)
-    ctx.shared_globals.append((module, name))
-
-
-def _transplant_method(self: PatchContext, cls: type, fn: _types.FunctionType, *, name: Optional[str] = None,
-                       kind: str = "function") -> Any:
-    """Install adapter function `fn` as `cls.<name>` (default: fn.__name__), in cls's module namespace.
-
-    kind: "function" | "staticmethod" | "classmethod" | "property" (a read-only property whose getter is fn).
-    """
-    module = sys.modules[cls.__module__]
-    _provide_globals(self, fn, module, {fn.__name__})
-    new = _transplanted(fn, module)
-    new.__qualname__ = f"{cls.__qualname__}.{name or fn.__name__}"
-    wrapped = {"function": new, "staticmethod": staticmethod(new), "classmethod": classmethod(new),
-               "property": property(new)}[kind]
-    self.setattr(cls, name or fn.__name__, wrapped)
-    return new
-
-
-def _transplant_function(self: PatchContext, module: ModuleType, obj: Any, *, name: Optional[str] = None) -> Any:
-    """Install an adapter function or class as a global of `module` (new or replacing)."""
-    if isinstance(obj, _types.FunctionType):
-        _provide_globals(self, obj, module, {obj.__name__})
-        obj = _transplanted(obj, module)
-    name = name or obj.__name__
-    added = name not in module.__dict__
-    self.setattr(module, name, obj)
-    if added:
-        _added_globals[(id(module), name)] = (module, [self])
-    return obj
-
-
-PatchContext.transplant_method = _transplant_method
-PatchContext.transplant_function = _transplant_function
 
 
 def install_module(ctx: PatchContext, name: str, source_module: ModuleType) -> None:

@@ -36,8 +36,8 @@ before = {k: str(v) for k, v in activation.statuses().items()}
 ext_attrs = None
 if os.environ.get("PROBE_IMPORT_TARGET") == "1":
     import sglang.srt.layers.cp.bcg as bcg
-    ext_attrs = sorted(n for n, v in vars(bcg.PrefillCPBCGInput).items() if hasattr(v, "__sglang_ext_source__")
-                       or hasattr(getattr(v, "__func__", None), "__sglang_ext_source__"))
+    ext_attrs = sorted(n for n, v in vars(bcg.PrefillCPBCGInput).items()
+                       if getattr(getattr(v, "__func__", v), "__module__", "").startswith("sglang_ext"))
 vla = None
 if os.environ.get("PROBE_IMPORT_VLA") == "1":
     policy = "sglang.multimodal_gen.runtime.models.vlas.pi05_policy"
