@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bench_results  # noqa: E402
+from sglang_ext_testkit import pi05_checkpoint  # noqa: E402
 from sglang_ext_testkit import pi05_clients as clients  # noqa: E402
 
 SERVERS = ("0517", "ext-no-transport", "ext-exact", "ext-fast")
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=30, help="timed requests per server and wire")
     ap.add_argument("--warmup", type=int, default=5, help="untimed requests first (graph captures, JIT)")
     ap.add_argument("--steps", type=int, default=10, help="denoise steps")
-    ap.add_argument("--checkpoint", default=os.environ.get("SGLANG_EXT_TEST_PI05_CHECKPOINT", "/tmp/sgx-pi05-random"),
+    ap.add_argument("--checkpoint", default=pi05_checkpoint.CHECKPOINT_DIR,
                     help="random-weight checkpoint folder (written if missing, reused while the machine is held)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--log-dir", default=os.environ.get("SGX_TEST_LOG_DIR", ""),

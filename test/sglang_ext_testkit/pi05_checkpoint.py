@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -43,6 +44,11 @@ def serve_attention_args() -> list:
         return ["--attention-backend", "torch_sdpa"]
     return []
 
+
+# Where the GPU tests and bench_pi05_server.py keep the checkpoint while the machine is held, and how
+# long a Pi0.5 server may take to start.
+CHECKPOINT_DIR = os.environ.get("SGLANG_EXT_TEST_PI05_CHECKPOINT", "/tmp/sgx-pi05-random")
+SERVER_START_TIMEOUT = float(os.environ.get("SGLANG_EXT_TEST_SERVER_START_TIMEOUT", "480"))
 
 GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 CAMERAS = ("base_0_rgb", "left_wrist_0_rgb")

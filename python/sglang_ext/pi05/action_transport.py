@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-import inspect
-import io
 
 import orjson
 import pybase64
 from PIL import Image
+
+from sglang_ext.pi05.endpoint import like_endpoint
 
 _ACTION_PATH = "/v1/actions/generations"
 _EXT_DECODE_THREADS = max(2, min(8, os.cpu_count() or 2))
@@ -87,12 +88,8 @@ def _orjson_endpoint(endpoint, request_cls):
     async def create_action_generation(request):
         return await endpoint(_OrjsonBodyRequest(request))
 
-    create_action_generation.__doc__ = endpoint.__doc__
     create_action_generation.__wrapped__ = endpoint
-    # FastAPI injects the Request by this signature (a class, not a name to resolve here).
-    create_action_generation.__signature__ = inspect.Signature(
-        [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=request_cls)])
-    return create_action_generation
+    return like_endpoint(create_action_generation, endpoint, request_cls)
 
 
 def _decode_b64_image(payload):

@@ -21,6 +21,8 @@ import inspect
 import sys
 import time
 
+from sglang_ext.pi05.endpoint import like_endpoint
+
 TRACE_KEY = "ext_trace"  # Req.extra key: {"sent": t, "worker_in": t}
 _REPLY_AT = "_ext_reply_at"  # timings key the worker adds and the HTTP process removes
 _ACTION_PATH = "/v1/actions/generations"
@@ -116,13 +118,8 @@ def _stamp_arrival(endpoint, enabled: bool, request_cls):
         finally:
             _ARRIVED_AT.reset(token)
 
-    create_action_generation.__doc__ = endpoint.__doc__
     create_action_generation.__sglang_ext_wraps__ = endpoint
-    # FastAPI injects the Request by this signature (a class, not a string it would have to
-    # resolve in this module's globals).
-    create_action_generation.__signature__ = inspect.Signature(
-        [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=request_cls)])
-    return create_action_generation
+    return like_endpoint(create_action_generation, endpoint, request_cls)
 
 
 def _stamping_unpack(original):

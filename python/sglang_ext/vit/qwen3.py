@@ -45,16 +45,10 @@ def forward_with_cuda_graph(self, x, grid_thw):
     """Qwen3VLMoeVisionModel.forward_with_cuda_graph."""
     x, full_layout, rotary_pos_emb_cos, rotary_pos_emb_sin = graph_inputs(self, x, grid_thw)
     cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
-    return self.graph_runners.run(
-        x=x,
-        position_embeddings=None,
-        rotary_pos_emb_cos=rotary_pos_emb_cos,
-        rotary_pos_emb_sin=rotary_pos_emb_sin,
-        cu_seqlens=cu_seqlens,
-        cu_window_seqlens=None,
-        output_indices=None,
-        attention_layout_key=(full_layout, None),
-    )
+    # no windows, rotary as cos/sin tables, rows in the tower's order
+    return self.graph_runners.run(x=x, cu_seqlens=cu_seqlens, cu_window_seqlens=None, position_embeddings=None,
+                                  rotary_pos_emb_cos=rotary_pos_emb_cos, rotary_pos_emb_sin=rotary_pos_emb_sin,
+                                  output_indices=None, attention_layout_key=(full_layout, None))
 
 
 def patch_qwen3_vl(ctx, module) -> None:

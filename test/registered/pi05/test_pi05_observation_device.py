@@ -45,18 +45,24 @@ def _sglang_preprocess():
     return pi05_preprocess._preprocess_image
 
 
-@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
-def test_device_math_equals_sglangs_preprocessing_bit_for_bit():
+def assert_frames_equal_sglangs_preprocessing(device):
+    """Every test frame scaled on `device` equals sglang 0.5.17's CPU preprocessing bit for bit."""
     from sglang_ext.pi05.observation_device import _ext_uint8_frame, preprocess_frame_on
 
     original = _sglang_preprocess()
     for name, frame in _frames().items():
         arr, hwc = _ext_uint8_frame(frame)
-        ours = preprocess_frame_on(arr, SIZE, torch.device("cpu"), hwc=hwc)
+        ours = preprocess_frame_on(arr, SIZE, device, hwc=hwc)
         theirs = original(frame, SIZE)
-        assert ours is not None, name
+        assert ours is not None and ours.device.type == device.type, name
+        ours = ours.cpu()
         assert ours.dtype == theirs.dtype == torch.float32 and ours.shape == theirs.shape == (3, 224, 224), name
         assert torch.equal(ours, theirs), f"{name}: max diff {float((ours - theirs).abs().max())}"
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_device_math_equals_sglangs_preprocessing_bit_for_bit():
+    assert_frames_equal_sglangs_preprocessing(torch.device("cpu"))
 
 
 def test_frames_sglang_must_handle_are_left_to_it():

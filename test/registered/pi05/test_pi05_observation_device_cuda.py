@@ -11,7 +11,7 @@ from sglang.test.ci.ci_register import register_cuda_ci
 
 from conftest import plugin_only
 from sglang_ext_testkit import pi05_checkpoint as pc
-from test_pi05_observation_device import SIZE, _frames, _sglang_preprocess
+from test_pi05_observation_device import assert_frames_equal_sglangs_preprocessing
 
 register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-small")
 
@@ -20,15 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_frames_scaled_on_the_gpu_equal_sglangs_cpu_preprocessing():
-    from sglang_ext.pi05.observation_device import _ext_uint8_frame, preprocess_frame_on
-
-    original = _sglang_preprocess()
-    for name, frame in _frames().items():
-        arr, hwc = _ext_uint8_frame(frame)
-        ours = preprocess_frame_on(arr, SIZE, torch.device("cuda"), hwc=hwc)
-        theirs = original(frame, SIZE)
-        assert ours.is_cuda, name
-        assert torch.equal(ours.cpu(), theirs), f"{name}: max diff {float((ours.cpu() - theirs).abs().max())}"
+    assert_frames_equal_sglangs_preprocessing(torch.device("cuda"))
 
 
 @plugin_only

@@ -34,18 +34,14 @@ import torch
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
+from conftest import plugin_only  # noqa: E402  (test/registered/conftest.py)
 from sglang_ext_testkit import pi05_checkpoint
 
 register_cuda_ci(est_time=720, stage="base-b", runner_config="1-gpu-small")
 
-PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(PATCHED_TREE, reason="starts the plugin launcher"),
-]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), plugin_only]  # starts the launcher
 
-CHECKPOINT = os.environ.get("SGLANG_EXT_TEST_PI05_CHECKPOINT", "/tmp/sgx-pi05-random")
-START_TIMEOUT = float(os.environ.get("SGLANG_EXT_TEST_SERVER_START_TIMEOUT", "480"))
+CHECKPOINT, START_TIMEOUT = pi05_checkpoint.CHECKPOINT_DIR, pi05_checkpoint.SERVER_START_TIMEOUT
 LOOP_STEPS = 200
 WARMUP = 10
 RELATIVE_TOLERANCE = 1e-2  # test_pi05_fast_cuda.py: fast vs exact path
@@ -104,33 +100,18 @@ def _observations(spec):
     return [pi05_clients.make_observation(1000 + step, spec.CAMERAS) for step in range(LOOP_STEPS)]
 
 
-def test_closed_loop_over_openpi_matches_exact_mode_without_drops_or_tail_latency(checkpoint, tmp_path):
+def _answers(name, flags, payloads, tmp_path, warmup):
+    """A server's answers to `payloads` over /openpi/policy, one at a time (a closed loop: the next
+    observation once the answer is back), after `warmup` untimed ones; and the loop's seconds."""
     from sglang_ext_testkit import pi05_clients
-    from sglang_ext_testkit.pi05_random import cosine, relative_diff
 
-    observations = _observations(checkpoint)
-    payloads = [pi05_clients.openpi_payload(o) for o in observations]
-
-    server = _serve("exact", [], tmp_path)
+    server = _serve(name, flags, tmp_path)
     try:
         client = pi05_clients.OpenPIClient(server.url)
-        exact = [client.infer(p).actions for p in payloads]
-        client.close()
-    except BaseException:
-        print(server.log_tail())
-        raise
-    finally:
-        server.stop()
-
-    server = _serve("fast", ["--ext-pi05-fast", "--ext-pi05-server-timing"], tmp_path)
-    try:
-        client = pi05_clients.OpenPIClient(server.url)
-        for step in range(WARMUP):
+        for step in range(warmup):
             client.infer(payloads[step])
-        records = []
         loop_start = time.perf_counter()
-        for payload in payloads:  # closed loop: the next observation once the answer is back
-            records.append(client.infer(payload))
+        records = [client.infer(payload) for payload in payloads]
         loop_s = time.perf_counter() - loop_start
         client.close()
     except BaseException:
@@ -138,6 +119,19 @@ def test_closed_loop_over_openpi_matches_exact_mode_without_drops_or_tail_latenc
         raise
     finally:
         server.stop()
+    return records, loop_s
+
+
+def test_closed_loop_over_openpi_matches_exact_mode_without_drops_or_tail_latency(checkpoint, tmp_path):
+    from sglang_ext_testkit import pi05_clients
+    from sglang_ext_testkit.pi05_random import cosine, relative_diff
+
+    observations = _observations(checkpoint)
+    payloads = [pi05_clients.openpi_payload(o) for o in observations]
+
+    exact, _ = _answers("exact", [], payloads, tmp_path, warmup=0)
+    records, loop_s = _answers("fast", ["--ext-pi05-fast", "--ext-pi05-server-timing"], payloads, tmp_path, WARMUP)
+    exact = [r.actions for r in exact]
 
     assert len(records) == LOOP_STEPS
     worst = (0.0, 1.0, -1)

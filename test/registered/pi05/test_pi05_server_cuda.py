@@ -35,18 +35,14 @@ import torch
 
 from sglang.test.ci.ci_register import register_cuda_ci
 
+from conftest import plugin_only  # noqa: E402  (test/registered/conftest.py)
 from sglang_ext_testkit import pi05_checkpoint
 
 register_cuda_ci(est_time=900, stage="base-b", runner_config="1-gpu-small")
 
-PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(PATCHED_TREE, reason="starts the plugin launcher and unpatched sglang side by side"),
-]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), plugin_only]  # starts the launcher
 
-CHECKPOINT = os.environ.get("SGLANG_EXT_TEST_PI05_CHECKPOINT", "/tmp/sgx-pi05-random")
-START_TIMEOUT = float(os.environ.get("SGLANG_EXT_TEST_SERVER_START_TIMEOUT", "480"))
+CHECKPOINT, START_TIMEOUT = pi05_checkpoint.CHECKPOINT_DIR, pi05_checkpoint.SERVER_START_TIMEOUT
 REQUEST_TIMEOUT = 300.0
 SERVER_TOLERANCE = 5e-2
 CACHES = ("pi05_prefix_graph", "pi05_action_graph")
