@@ -1,25 +1,11 @@
 """Capture a graph on every tensor-parallel rank or on none, without a rank left waiting.
 
-A capture under tensor parallelism has two kinds of stage:
-- rank-local ones, which run no collective: admission, the backend check, allocation of
-  the graph's buffers, and a warm-up whose collectives are local stand-ins;
-- the capture, which *records* the graph's collectives but executes none of them, so a
-  rank whose capture raises half-way leaves no peer waiting in one.
-
-`agreed_capture` runs them in that order with exactly two votes in between, whatever
-fails where:
-
-    prepare()   -> vote 1 (did every rank prepare?)   -> no: all ranks stop here
-    capture()   -> vote 2 (did every rank capture?)   -> no: all ranks drop the graph
-
-Every rank therefore executes the same sequence of votes ([1] or [1, 2]) and takes the
-same decision. A vote is a MIN all-reduce of a small int (`OK`, `TRANSIENT`,
-`PERMANENT`) over a CPU group (gloo), injected by the caller; the worst outcome wins,
-so all ranks also agree on whether the failure may be retried (the cache's backoff
-then stays in lockstep). Hits and replays vote never; a miss that is not admitted
-votes never (admission depends only on the call sequence, identical on every rank).
-
-No torch at import; `cpu_group_vote` imports it when called.
+`prepare()` is rank-local (buffers, a warm-up with local stand-ins for collectives); `capture()`
+records collectives but executes none, so a rank that fails half-way leaves no peer waiting.
+`agreed_capture` votes after each, so every rank runs the same votes ([1] or [1, 2]) and takes
+the same decision. A vote is a MIN all-reduce of `OK` / `TRANSIENT` / `PERMANENT` over a CPU
+(gloo) group: the worst outcome wins, so ranks also agree on whether to retry. Hits, replays and
+misses that are not admitted never vote.
 """
 
 from __future__ import annotations
@@ -85,13 +71,8 @@ class Outcome:
 
 def agreed_capture(vote: Vote, prepare: Callable[[], Any], capture: Callable[[], Any],
                    discard: Callable[[], None]) -> Outcome:
-    """Run `prepare()` (rank-local), vote, `capture()` (records collectives only), vote.
-
-    `discard()` undoes whatever `prepare`/`capture` left when the agreed outcome is a
-    failure (this rank's or a peer's); its own errors propagate. Exceptions of
-    `prepare`/`capture` are caught and voted on, never raised: the caller reads them
-    from the outcome and runs the batch eager.
-    """
+    """Run `prepare()`, vote, `capture()`, vote. On an agreed failure `discard()` undoes what
+    they left; their exceptions are voted on and returned in the outcome, never raised."""
     votes = 0
     for stage, step in (("prepare", prepare), ("capture", capture)):
         error: Optional[BaseException] = None

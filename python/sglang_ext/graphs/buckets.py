@@ -1,8 +1,6 @@
 """Bucket selection: which captured size a live batch is padded to.
 
-The choice is made once and returned as a `BucketDecision`, so the code that
-admits a batch to graph mode and the code that replays it use the same bucket
-and cannot disagree (upstream computed it twice, with different constraints).
+The choice is made once, as a `BucketDecision`, so admission and replay use the same bucket.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ class BucketDecision:
         return 0 if self.bucket is None else self.bucket - self.live_size
 
 
-# Bucket lists already validated. Runners pass the same capture list for every batch;
-# re-checking it element by element was most of the per-batch decision cost.
+# Bucket lists already validated: runners pass the same list for every batch.
 _VALIDATED: dict = {}
 _VALIDATED_MAX = 64
 
@@ -76,12 +73,8 @@ def select_bucket(
     capacity: Optional[Mapping[int, int]] = None,
     required: Optional[int] = None,
 ) -> BucketDecision:
-    """Smallest bucket that holds `live_size` without padding more than the factor allows.
-
-    A bucket qualifies when `live_size <= bucket <= live_size * max_padding_factor`
-    and, if `required` is given, `capacity[bucket] >= required` (a bucket whose
-    capacity is unknown does not qualify: assuming it fits could overrun a buffer).
-    """
+    """Smallest bucket with `live_size <= bucket <= live_size * max_padding_factor` and, if
+    `required` is given, `capacity[bucket] >= required` (unknown capacity does not qualify)."""
     if not _is_int(live_size) or live_size < 0:
         raise ValueError(f"live_size: {live_size!r} is not allowed; allowed: integers >= 0")
     if (
@@ -109,12 +102,8 @@ def select_bucket(
 
 
 def geometric_buckets(smallest: int, largest: int, *, ratio: float, multiple: int = 1) -> Tuple[int, ...]:
-    """Sizes from `smallest` growing by `ratio`, each rounded up to `multiple`, until one is >= `largest`.
-
-    Padding a live size to the next such bucket wastes less than `ratio - 1` of it
-    (plus rounding), while the number of distinct sizes, i.e. of graphs, stays
-    logarithmic in largest / smallest.
-    """
+    """Sizes from `smallest` growing by `ratio`, each rounded up to `multiple`, until one is >= `largest`
+    (padding wastes under `ratio - 1`; the number of graphs stays logarithmic)."""
     for name, value in (("smallest", smallest), ("largest", largest), ("multiple", multiple)):
         if not _is_int(value) or value <= 0:
             raise ValueError(f"{name}: {value!r} is not allowed; allowed: positive integers")

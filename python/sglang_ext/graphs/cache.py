@@ -13,19 +13,12 @@ Protocol for a runner (one cache per runner, single-threaded like sglang's runne
                 cache.put(key, entry, nbytes=...)
     run entry if there is one, else run eager
 
-`admit` evicts before the capture so an evicted graph's pool memory is back in
-the pool when the new graph is captured. Every decision depends only on the
-sequence of calls (keys, and the byte sizes passed in), never on free memory or
-time, so tensor-parallel ranks fed the same requests capture in lockstep. Byte
-sizes must therefore be equal on all ranks for the byte budget to stay in
-lockstep too (identical captures on identical devices measure the same).
-
-Failures: a transient one (out of memory: `is_transient_failure`) quarantines
-the key for 2, 4, 8, ... of its next misses (doubling per consecutive transient
-failure, at most `MAX_RETRY_BACKOFF` misses), then it is tried again; a
-permanent one (unsupported backend, shape errors, anything else) stays
-quarantined until `clear()`. The retry schedule counts misses of that key, not
-time, so ranks that agreed on a failure retry it at the same call.
+`admit` evicts before the capture so the evicted graph's pool memory is reused by the new one.
+Every decision depends only on the sequence of calls (keys and the byte sizes passed in), never on
+free memory or time, so tensor-parallel ranks fed the same requests (and the same byte sizes)
+capture in lockstep. A transient failure (out of memory) quarantines the key for 2, 4, 8, ... of
+its next misses (at most `MAX_RETRY_BACKOFF`), then retries it; any other failure stays
+quarantined until `clear()`.
 """
 
 from __future__ import annotations
@@ -52,12 +45,8 @@ MAX_RETRY_BACKOFF = 1024
 
 
 def is_transient_failure(exc: Optional[BaseException]) -> bool:
-    """Whether a failed capture may succeed later: running out of (device or host) memory.
-
-    `torch.cuda.OutOfMemoryError` is a RuntimeError subclass whose message says
-    "out of memory", as do the CUDA runtime's own errors (cudaErrorMemoryAllocation);
-    matched by message so this module needs no torch. Anything else is permanent.
-    """
+    """Whether a failed capture may succeed later: out of (device or host) memory, matched by
+    message (torch's OutOfMemoryError and CUDA's own errors say it) so no torch is needed."""
     if isinstance(exc, MemoryError):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
@@ -72,11 +61,8 @@ class _Quarantined:
 
 
 def release_entry(entry: Any) -> None:
-    """Default release: `entry.release()`, else `entry.graph.reset()`, else `entry.reset()`.
-
-    `reset()` returns the graph's blocks to its memory pool; dropping the last
-    Python reference alone would do the same only whenever the GC gets to it.
-    """
+    """Default release: `entry.release()`, else `entry.graph.reset()`, else `entry.reset()`
+    (returns the graph's blocks to its pool now, not whenever the GC gets to it)."""
     release = getattr(entry, "release", None)
     if callable(release):
         release()
@@ -143,11 +129,9 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 class BoundedGraphCache(Generic[K, E]):
     """At most `max_entries` graphs (and `max_bytes` bytes if > 0), in LRU order.
 
-    Policies: `lru` evicts the least recently used entries to make room;
-    `exact` keeps the first graphs it captured and runs later keys eager.
-    `min_hits` > 1 captures a key only on its `min_hits`-th sighting, so one-off
-    layouts do not evict graphs that are in use. `release` is called exactly
-    once for every entry the cache drops (evict, replace, discard, clear, fail).
+    `lru` evicts the least recently used entries to make room; `exact` keeps the first graphs and
+    runs later keys eager. `min_hits` > 1 captures a key only on its `min_hits`-th sighting, so
+    one-off layouts do not evict graphs in use. `release` runs once for every entry dropped.
     """
 
     def __init__(
@@ -236,12 +220,7 @@ class BoundedGraphCache(Generic[K, E]):
 
     @_publishes
     def admit(self, key: K, *, expected_bytes: int = 0) -> Admission:
-        """Decide whether to capture `key` (call after a miss, before capturing).
-
-        Under `lru`, entries are evicted here, before the capture, so their
-        memory can be reused by it. A graph larger than the whole byte budget
-        is never captured (evicting everything would not make it fit).
-        """
+        """Decide whether to capture `key` (after a miss); `lru` evicts here, before the capture."""
         expected_bytes = _check_int("expected_bytes", expected_bytes, 0)
         if self.capacity == 0:
             return Admission.EAGER_DISABLED
@@ -297,13 +276,8 @@ class BoundedGraphCache(Generic[K, E]):
 
     @_publishes
     def fail(self, key: K, exc: Optional[BaseException] = None, *, transient: Optional[bool] = None) -> None:
-        """Quarantine `key` after a failed capture.
-
-        Transient (default: `is_transient_failure(exc)`; pass `transient=` when the
-        class was agreed across ranks): eager for the next 2**n misses of the key,
-        n = consecutive failures, at most MAX_RETRY_BACKOFF, then retried.
-        Permanent: eager until `clear()`.
-        """
+        """Quarantine `key` after a failed capture: transient (default `is_transient_failure(exc)`;
+        pass `transient=` when agreed across ranks) for the next 2**n misses, else until `clear()`."""
         self.failures += 1
         if transient is None:
             transient = is_transient_failure(exc)

@@ -1,46 +1,22 @@
 """Captures into one shared graph pool: the pool pinned, one capture stream, failures undone.
 
-Adapters capture into sglang's own pool
-(`sglang.srt.model_executor.runner_utils.pool.get_or_create_global_graph_memory_pool`), so blocks
-of an evicted (reset) graph are reused by the next capture instead of each graph holding a
-private pool. torch is imported only when called, and CUDA is touched only when available.
+Adapters capture into sglang's global graph pool, so blocks of an evicted (reset) graph are reused
+by the next capture. torch is imported only when called.
 
-Pinning: PyTorch counts the graphs using a pool (`use_count`). When the last
-one is reset the pool becomes "freeable": it is torn down at the next
-`empty_cache()` only if none of its blocks is still allocated (e.g. an output a
-caller kept), and until it is torn down a new capture into the same handle
-fails an internal assert (`use_count > 0` in `create_or_incref_pool`). A
-bounded cache empties the pool exactly this way (capacity 1, or `clear()`), so
-every shared pool is pinned by one tiny graph that is never reset. Blocks of
-reset graphs then stay in the pool and are reused by later captures instead of
-going back to the device and being allocated again.
+Pinning: when the last graph using a pool is reset, PyTorch marks the pool freeable, and until
+`empty_cache()` tears it down a new capture into the same handle fails an internal assert. A
+bounded cache empties the pool exactly this way, so every shared pool is pinned by one tiny graph
+that is never reset.
 
-Guarded capture (`guarded_capture`, used by every capture here and by the
-adapters):
-- Automatic garbage collection is off while a stream captures. A CUDAGraph in an
-  unreachable reference cycle (a dropped runner and its graphs) would otherwise
-  be collected inside the capture; its destructor's `reset()` destroys a graph
-  exec, which CUDA refuses while a stream captures ("operation not permitted
-  when stream is capturing (function reset)"), and that invalidates the capture.
-- A failed capture is undone. PyTorch's `capture_end` raises at
-  `cudaStreamEndCapture` before it ends the allocator's recording into the pool
-  and before it takes the CUDA generator out of capture mode, and
-  `torch.cuda.graph.__exit__` then skips restoring the caller's stream. Left so,
-  every later capture into that pool fails ("beginAllocateToPool: already
-  recording to mempool_id") and every CUDA RNG call fails ("Offset increment
-  outside graph capture encountered unexpectedly"). The pinned-host allocator
-  records into the pool too (torch 2.11), and only `capture_end` can end that.
-  So the undo re-opens an empty capture on the stream (the runtime's
-  `cudaStreamBeginCapture`) and calls the graph's `capture_end` again: now it
-  runs its whole clean-up, and `reset()` returns the pool use the capture took.
-  See `_undo_failed_capture` for the fallback.
-- The undo leans on torch internals (`CUDAGraph.capture_end` called a second time,
-  `torch._C._cuda_endAllocateToPool` / `_cuda_releasePool`) and on the CUDA runtime
-  found through `/proc/self/maps`. It runs only on the torch releases it was tested
-  on (`REPAIR_TESTED_TORCH`: 2.11 on the H200, 2.14 in CPU CI) and only with the
-  internals it needs present; otherwise nothing is repaired (one warning): the error
-  still propagates, so the caller's cache quarantines the key, and later captures
-  into that pool may fail the same way and run eager. Never a guess at internals.
+`guarded_capture`:
+- disables automatic GC while a stream captures: collecting a dropped CUDAGraph inside a capture
+  runs its `reset()`, which CUDA refuses while capturing, and that invalidates the capture;
+- undoes a failed capture. `capture_end` raises at `cudaStreamEndCapture` before it ends the
+  allocators' recording into the pool and takes the CUDA generator out of capture mode; left so,
+  every later capture into the pool and every CUDA RNG call fails. The undo re-opens an empty
+  capture and calls `capture_end` again, so it runs its whole clean-up. It leans on torch
+  internals, so it runs only on the torch releases it was tested on (`REPAIR_TESTED_TORCH`);
+  otherwise nothing is repaired (one warning) and the error still propagates.
 """
 
 from __future__ import annotations
@@ -75,11 +51,7 @@ def _cuda_index(device: Any) -> int:
 
 
 def pin_graph_pool(pool: Any, device: Any = None) -> None:
-    """Keep `pool` in use with one tiny graph that is never reset (idempotent).
-
-    Call it for sglang's global pool too, before the first capture that may be
-    evicted; not while another capture is underway.
-    """
+    """Keep `pool` in use with one tiny graph that is never reset (idempotent; not during a capture)."""
     import torch
 
     index = _cuda_index(device)
@@ -94,12 +66,8 @@ def pin_graph_pool(pool: Any, device: Any = None) -> None:
 
 
 def capture_stream(device: Any = None) -> Any:
-    """The side stream all captures on `device` use by default.
-
-    One stream on purpose: the allocator reuses a freed pool block only on the
-    stream it was allocated on, so a new stream per capture would never reuse
-    the blocks that evicted graphs gave back.
-    """
+    """The one side stream of all captures on `device`: the allocator reuses a freed pool block
+    only on the stream that allocated it."""
     import torch
 
     index = _cuda_index(device)
@@ -111,15 +79,8 @@ def capture_stream(device: Any = None) -> Any:
 
 @contextlib.contextmanager
 def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[Any]:
-    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe from the GC and safe to fail.
-
-    See the module docstring: no automatic GC inside the capture; after a failed
-    capture the pool, the CUDA generator and the caller's stream are usable
-    again, and the error propagates. `pool=None` captures into a fresh private
-    pool (its handle is needed to undo a failure); `stream=None` uses
-    `capture_stream()`. On success the graph belongs to the caller; a capture
-    whose body raised but which ended cleanly is left to the caller to reset.
-    """
+    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe from the GC and safe to fail
+    (the error propagates). `pool=None`: a fresh private pool; `stream=None`: `capture_stream()`."""
     import torch
 
     if pool is None:
@@ -155,16 +116,10 @@ def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iter
 def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
     """Make the pool, the CUDA generator and later captures usable after `capture_end` raised.
 
-    PyTorch's `capture_end` raised at `cudaStreamEndCapture` (the capture was
-    invalidated), before its own clean-up. Preferred undo: put the stream back into
-    an (empty) capture and call the graph's `capture_end` again, which then runs
-    that clean-up itself: it ends the device AND the pinned-host allocator's
-    recording into the pool (there is no Python binding for the host one) and takes
-    the generator out of capture mode; `reset()` then returns the pool use the
-    capture took. Fallback, where the runtime's begin-capture call is not found:
-    end the device recording and its use, and capture a no-op once to reset the
-    generator (the host allocator then keeps the pool recorded: later captures into
-    this pool fail cleanly and run eager).
+    Preferred: re-open an empty capture and call `capture_end` again (it also ends the pinned-host
+    allocator's recording, which has no Python binding). Fallback, without the runtime's
+    begin-capture: end the device recording, release the pool use, and capture a no-op once to
+    reset the generator.
     """
     import torch
 
@@ -225,12 +180,7 @@ def _torch_release(version: str) -> Tuple[int, ...]:
 
 
 def repair_unavailable() -> Optional[str]:
-    """Why no failed capture is repaired with this torch (None: a tested release).
-
-    Each undo also checks the internals it calls: the preferred one `graph.capture_end`
-    (and the runtime's begin-capture), the fallback `torch._C._cuda_endAllocateToPool` /
-    `_cuda_releasePool`.
-    """
+    """Why no failed capture is repaired with this torch (None: a tested release)."""
     import torch
 
     release = _torch_release(torch.__version__)
@@ -245,11 +195,8 @@ _CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 
 def _end_capture_in_place(graph: Any, stream: Any) -> bool:
-    """Re-open an empty capture on `stream` and let `graph.capture_end()` finish its clean-up.
-
-    True when capture_end completed (the stream is no longer capturing and the pool
-    recordings and generator capture mode are ended); False to use the fallback.
-    """
+    """Re-open an empty capture on `stream` and let `graph.capture_end()` finish its clean-up
+    (False: use the fallback)."""
     import warnings
 
     begin = _runtime_begin_capture()

@@ -1,10 +1,7 @@
 """Graph keys: everything that changes what a captured graph does, as CPU values.
 
-A CUDA graph bakes in the token count AND the attention layout (sequence
-boundaries, window/full split, masked prefix). Two batches with the same token
-count but different boundaries must therefore get different graphs. Keys are
-built from CPU metadata only: reading a CUDA tensor here would force a device
-sync on every forward, so the helpers refuse one unless the caller opts in.
+A graph bakes in the token count and the attention layout, so both are in its key. Keys are built
+from CPU metadata only: the helpers refuse a device tensor (a sync per forward) unless asked.
 """
 
 from __future__ import annotations
@@ -20,12 +17,8 @@ class DeviceSyncError(ValueError):
 
 @dataclass(frozen=True)
 class GraphKey:
-    """Hashable identity of one captured graph.
-
-    `num_tokens` is the (padded) size the graph was captured for; `layout`
-    holds the attention boundaries (e.g. cumulative lengths); `variant` holds
-    anything else that changes the captured code path (backend, masked prefix).
-    """
+    """Hashable identity of one graph: (padded) token count, attention boundaries, and any other
+    `variant` of the captured code path (backend, masked prefix)."""
 
     num_tokens: int
     layout: tuple = ()
@@ -70,11 +63,8 @@ def _host_values(values: Any, *, field: str, allow_device_sync: bool) -> Any:
 
 
 def cpu_ints(values: Any, *, field: str, allow_device_sync: bool = False) -> Tuple[int, ...]:
-    """Flat tuple of Python ints from a list, tuple, numpy array or CPU tensor.
-
-    A tensor on another device raises `DeviceSyncError` naming `field`, unless
-    `allow_device_sync=True` (the caller accepts the sync).
-    """
+    """Flat tuple of Python ints from a list, tuple, numpy array or CPU tensor (a device tensor
+    raises `DeviceSyncError` unless `allow_device_sync`)."""
     host = _host_values(values, field=field, allow_device_sync=allow_device_sync)
     items = (host,) if _is_int(host) else host
     out = []

@@ -1,13 +1,7 @@
 """Split one encoder call into chunks of whole attention sequences, and time graph against eager.
 
-A vision tower attends within sequences (images, frames, windows), so a call can be cut at a
-boundary that every attention layout shares and each piece encoded on its own: the rows of the
-pieces, concatenated in order, are the rows of the whole. `whole_sequence_chunks` plans those
-cuts so that each piece fits a captured graph; `median_wall_ms` is the load-time measurement
-behind the rule of which calls a graph may serve at all (a graph that loses to eager is never
-replayed).
-
-No torch at import.
+A vision tower attends within sequences, so a call cut at boundaries every attention layout
+shares can be encoded piece by piece. No torch at import.
 """
 
 from __future__ import annotations
@@ -34,9 +28,8 @@ def whole_sequence_chunks(layouts: Sequence[Optional[Sequence[int]]], total: int
                           max_sequences: int) -> List[Tuple[int, int]]:
     """Token ranges [start, end) covering [0, total), cut only at boundaries all `layouts` share.
 
-    Greedy: each range takes as many whole sequences as fit `max_tokens` tokens and
-    `max_sequences` sequences of the first layout (the full-attention one). A single sequence
-    larger than that is a range of its own (its caller runs it eager).
+    Greedy: each range takes as many whole sequences as fit `max_tokens` tokens and `max_sequences`
+    sequences of the first (full-attention) layout; a sequence too large alone is its own range.
     """
     if max_tokens < 1 or max_sequences < 1:
         raise ValueError(f"max_tokens/max_sequences: {max_tokens}/{max_sequences}; allowed: integers >= 1")
@@ -72,11 +65,8 @@ def _count(layout: Sequence[int], start: int, end: int) -> int:
 
 def median_wall_ms(run: Callable[[], Any], *, repeats: int = 5, synchronize: Optional[Callable[[], Any]] = None
                    ) -> float:
-    """Median wall time of `run()` in ms, each call from an idle device to its end (one warm-up first).
-
-    Wall time, not device time: a call whose host cannot launch kernels as fast as the device
-    runs them takes as long as its launches, which is exactly what a graph saves.
-    """
+    """Median wall time of `run()` in ms from an idle device (one warm-up first). Wall, not device
+    time: launch-bound calls are exactly what a graph saves."""
     sync = synchronize or (lambda: None)
     times = []
     for i in range(repeats + 1):

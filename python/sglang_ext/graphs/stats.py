@@ -1,18 +1,13 @@
 """Process-wide registry of graph-cache counters (`sglang-ext doctor`, debug logs, Prometheus).
 
-Registrations are weak: a bound method (`cache.info`) is held through a
-`WeakMethod`, or pass `owner=` to tie any callable to an object's lifetime, so
-runners that die disappear from `snapshot()` without anyone unregistering them.
+Registrations are weak (a bound method through a `WeakMethod`, or tied to `owner=`), so runners
+that die disappear from `snapshot()` by themselves.
 
-`publish()` writes the counters as Prometheus metrics (`sglang_ext_graph_*`,
-see `_FAMILIES`) when PROMETHEUS_MULTIPROC_DIR is set in this process, which
-sglang's `--enable-metrics` does before it starts its schedulers; its HTTP
-process collects every process's files on `/metrics`. Runners call it after
-each call (the cache core after each of its own steps), so values are current
-after every call. Without the variable it costs one attribute check and
-prometheus_client is never imported; metric objects are created on the first
-publish that has a known cache to show. Counters advance by the change of each
-registration's snapshot since the last publish (a cache `clear()` restarts at 0).
+`publish()` writes the counters as Prometheus metrics (`sglang_ext_graph_*`) when
+PROMETHEUS_MULTIPROC_DIR is set (sglang's `--enable-metrics` sets it; its HTTP process serves every
+process's files on `/metrics`). Runners and the cache call it after each step; without the
+variable it costs one check and prometheus_client is never imported. Counters advance by the
+change of each snapshot since the last publish (a cache `clear()` restarts at 0).
 """
 
 from __future__ import annotations
@@ -52,11 +47,8 @@ def _weak_callable(info_fn: Callable[[], Any], owner: Any) -> Callable[[], Optio
 
 
 def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str:
-    """Register `info_fn` (returns a CacheInfo or dict) under `name`; returns the name used.
-
-    A name already held by a live registration gets a suffix (`name#2`), so two
-    runners of the same kind in one process are both visible.
-    """
+    """Register `info_fn` (returns a CacheInfo or dict) under `name`, or `name#2`, ... when a live
+    registration holds it; returns the name used."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name: {name!r} is not allowed; allowed: a non-empty string")
     if not callable(info_fn):
@@ -92,11 +84,8 @@ def snapshot() -> Dict[str, Dict[str, Any]]:
 
 
 def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
-    """Debug-log a one-line summary per cache, at most once per `interval_s`; returns whether it logged.
-
-    `interval_s == 0` means never (the knob's documented meaning). Time only gates
-    logging here, never a graph decision.
-    """
+    """Debug-log a one-line summary per cache, at most once per `interval_s` (0: never); returns
+    whether it logged."""
     if interval_s < 0:
         raise ValueError(f"interval_s: {interval_s!r} is not allowed; allowed: numbers >= 0 (0 = never)")
     if interval_s == 0:
@@ -135,9 +124,7 @@ _FAMILIES = {
     "graph_capacity": ("gauge", "Most graphs a cache keeps (max entries)"),
     "cuda_memory_reserved_bytes": ("gauge", "torch.cuda.memory_reserved() of this process"),
 }
-# Per-kind source fields: a cache's info (CacheInfo, VLAGraphCacheInfo, the ViT runner's dict)
-# or the prefill CP counters. Eager fallbacks: the ViT runner counts every reason itself; the
-# Pi0.5 caches know capacity rejections and failed captures; prefill CP its rejections.
+# Source fields of each family, whichever registration kind has them (first present wins).
 _COUNTER_FIELDS = {
     "graph_hits": ("hits", "admitted"),
     "graph_misses": ("misses",),

@@ -1,20 +1,12 @@
 """Address-stable workspaces for captured graphs.
 
-A CUDA graph replays with the device addresses it captured, so an input
-buffer a live graph captured must neither move nor be freed while that graph
-lives. Upstream grows its ViT rotary workspace by allocating a bigger one and
-(since 0.5.19) keeps every retired buffer forever. Here each graph leases a
-slice of the current backing buffer; growth starts a new backing buffer and
-leaves older ones (and the slices in them) where they are; a retired buffer is
-freed as soon as the last lease on it is released.
+A graph replays with the addresses it captured, so its inputs must neither move nor be freed
+while it lives. Each graph leases a slice of the current backing buffer; growth starts a new
+buffer and leaves older ones where they are; a retired buffer is freed with its last lease.
 
-Leases overlap on purpose: every graph leasing from one buffer gets its first
-rows. Graphs of one runner never run concurrently and each replay first copies
-its own inputs into its slice, so sharing is safe and costs one buffer, not one
-per graph. The tensors of one lease (e.g. cos and sin) never overlap each other.
-
-Allocate leases before capturing (outside the graph's pool), and do not keep
-references to `lease.tensors` beyond the lease: they keep the buffer alive.
+Leases overlap on purpose (every graph gets the first rows): graphs of one runner never run
+concurrently and each replay first copies its inputs in. The tensors of one lease never overlap.
+Lease before capturing (outside the graph's pool); do not keep `lease.tensors` beyond the lease.
 """
 
 from __future__ import annotations
@@ -24,8 +16,7 @@ from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, T
 
 from sglang_ext.graphs.keys import _is_int
 
-# Each tensor of a lease starts on this byte boundary, so vectorised kernels
-# see the same alignment as with a fresh allocation.
+# Each tensor of a lease starts on this byte boundary, as a fresh allocation would.
 ALIGN_BYTES = 256
 
 
@@ -75,12 +66,8 @@ class WorkspaceLease:
 
 
 class StableWorkspacePool:
-    """Backing buffers (flat 1-D tensors) from which graphs lease fixed-address slices.
-
-    The current buffer is kept when its last lease goes (it is the one the next
-    capture will use; freeing it would re-allocate on every evict/capture cycle);
-    `trim()` drops it when unused. Retired buffers are freed with their last lease.
-    """
+    """Backing buffers (flat 1-D tensors) from which graphs lease fixed-address slices. The
+    current buffer stays when its last lease goes (the next capture uses it)."""
 
     def __init__(
         self,
@@ -102,8 +89,7 @@ class StableWorkspacePool:
         self.name = name
         self.growth = float(growth)
         self._allocate = allocate
-        # Alignment padding between a lease's tensors needs the element size up front;
-        # a 0-element tensor costs no device memory.
+        # alignment needs the element size up front; a 0-element tensor costs no memory
         self._element_size = allocate(0).element_size()
         self._current: Optional[_Backing] = None
         self._retired: Dict[int, _Backing] = {}  # id -> backing still leased by a graph
@@ -177,12 +163,8 @@ class GraphInputMovedError(AssertionError):
 
 
 class AddressGuard:
-    """Debug check that a graph's inputs still have the addresses it captured.
-
-    Off unless `enabled=True` or SGLANG_EXT_DEBUG_ADDRESSES=1: collecting
-    `data_ptr()`s costs host time on every replay. `tensors` is a sequence, or a
-    mapping name -> tensor so that a failure names the input that moved.
-    """
+    """Debug check that a graph's inputs still have their capture-time addresses (knob
+    debug_addresses: costs host time per replay). A mapping of tensors names the one that moved."""
 
     def __init__(self, enabled: Optional[bool] = None) -> None:
         if enabled is None:

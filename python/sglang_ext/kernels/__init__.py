@@ -1,18 +1,10 @@
 """Fused Triton kernels for small-batch transformer steps (Pi0.5's action expert).
 
-Knows nothing of sglang. Each public function runs its Triton kernel on CUDA
-tensors and its torch reference (`*_reference`, same signature, same float32
-math) elsewhere; with `TRITON_INTERPRET=1` in the environment before triton is
-imported, CPU tensors take the Triton kernel too (through triton's interpreter:
-how the CPU tests check the kernels). The kernels use plain loads, stores,
-arithmetic and reductions with power-of-two blocks and masks (triton >= 3.0).
-
-On sm90+ every kernel launches with programmatic dependent launch (backend.PDL_ENABLED):
-it waits for the kernel before it, then lets the next one launch, so launches overlap work.
-
-Note on the interpreter: it truncates float32 -> bfloat16 instead of rounding
-to nearest even (the GPU rounds), so interpreted bf16 outputs differ from the
-reference by up to one bf16 ulp; float32 outputs are exact comparisons.
+Knows nothing of sglang. Each public function runs its Triton kernel on CUDA tensors and its
+torch reference (`*_reference`, same signature, same float32 math) elsewhere; with
+`TRITON_INTERPRET=1` set before triton is imported, CPU tensors take the kernel through triton's
+interpreter (how the CPU tests check them). The interpreter truncates float32 -> bfloat16 instead
+of rounding, so interpreted bf16 outputs may differ from the reference by one ulp.
 """
 
 from __future__ import annotations

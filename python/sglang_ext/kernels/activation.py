@@ -1,7 +1,6 @@
 """gelu(tanh approximation)(gate) * up of a packed [gate, up] projection, in one kernel.
 
-x: [..., 2 * I] with the gate in the first I columns and up in the last I (a
-packed gate_up projection); returns [..., I]. Math in float32, one rounding:
+x: [..., 2 * I] (packed [gate, up]); returns [..., I]. Math in float32, one rounding:
 
     gelu(g) = 0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g^3)))
 

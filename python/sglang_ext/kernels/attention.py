@@ -1,14 +1,10 @@
 """Bidirectional attention of a few query tokens over the first rows of a K/V buffer.
 
-q [B, S, H, D] over keys / values [B, T, KV, D], batch row b reading rows 0 .. used[b] - 1
-(all T without `used`): Pi0.5's 50 action tokens over the prefix K/V, one K/V head read
-by 8 query heads. FlashAttention's kernels spend a program per (query block, head) there:
-8 programs of 64 queries for 50 tokens, 12-15 us a call on the H200 for ~0.3 MB of K/V.
-Here the G = H / KV query heads of a K/V head are one block of S * G query rows (a row
-is (token, head)), and the key rows are split over `splits` programs per block
-(flash-decoding): each writes its unnormalised float32 output with its row max and sum,
-and a second kernel combines the splits in a fixed order (deterministic). splits == 1
-normalises in the first kernel and skips the second.
+q [B, S, H, D] over keys / values [B, T, KV, D], batch row b reading rows 0 .. used[b] - 1 (all T
+without `used`): Pi0.5's action tokens over the prefix K/V. The G = H / KV query heads of a K/V
+head form one block of S * G query rows, and the key rows are split over `splits` programs per
+block (flash-decoding); a second kernel combines the splits in a fixed order (deterministic).
+splits == 1 normalises in the first kernel and skips the second.
 
 With `key_rows` ([B, T] int32) the keys are rows key_rows[b, 0 .. used[b] - 1] instead: any
 subset in any order (a masked Pi0.5 prefix attends its visible rows without a mask).
@@ -174,12 +170,8 @@ if triton is not None:
 
 def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *, scale: float, splits: int = 1,
                          key_rows: Optional[torch.Tensor] = None):
-    """Attention of q [B, S, H, D] over the first used[b] rows of keys / values [B, T, KV, D].
-
-    Returns [B, S, H, D] in q's dtype. used: [B] int32 on q's device (all T rows if None);
-    every batch row must read at least one row. splits: key-row splits per query block.
-    key_rows: [B, T] int32, the rows to read (the first used[b] of them), or None: rows 0...
-    """
+    """Attention of q [B, S, H, D] over the first used[b] rows (of `key_rows` if given) of keys /
+    values [B, T, KV, D], in q's dtype. used: [B] int32 (None: all T); each reads at least one row."""
     if not runs_triton(q):
         return first_rows_attention_reference(q, keys, values, used, scale=scale, splits=splits, key_rows=key_rows)
     batch, seq, heads, head_dim, total, kv_heads = _check(q, keys, values, used, key_rows)

@@ -1,8 +1,6 @@
 """Which implementation serves a tensor: the Triton kernel or the torch reference.
 
-triton is imported here, once, when the first kernel module is imported; the
-kernels are defined only when it imports. `TRITON_INTERPRET=1` must be in the
-environment before that import for CPU tensors to run the kernels.
+triton is imported here, once; the kernels are defined only when it imports.
 """
 
 from __future__ import annotations
@@ -22,16 +20,13 @@ except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# triton's interpreter multiplies bfloat16 tl.dot operands wrongly (3.8: ~1e11 off); under it the
-# kernels upcast dot operands to float32 first (a constexpr: the GPU kernels are unchanged).
+# triton's interpreter multiplies bfloat16 tl.dot operands wrongly; under it the kernels upcast
+# dot operands to float32 (a constexpr: the GPU kernels are unchanged).
 DOT_UPCAST = INTERPRET
 
 
-# Programmatic dependent launch (sm90+): every kernel here, before its first memory access, waits
-# until the kernel before it in the stream (or CUDA graph) has finished and its writes are
-# visible, then lets the next kernel launch (`after_previous_kernel`). The next kernel's launch
-# and start overlap this one's work; the chain of dependencies stays intact. False: plain
-# launches (tests, A/B runs).
+# Programmatic dependent launch (sm90+): every kernel first waits for the one before it, then lets
+# the next one launch (`after_previous_kernel`), so launches overlap work. False: plain launches.
 PDL_ENABLED = True
 
 

@@ -3,12 +3,10 @@
     x <- x + add * gate          (only with `add`; written back to x, in x's dtype)
     out = rms(x) * (1 + scale) + shift
 
-rms(x) = x / sqrt(mean(x^2) + eps) in float32, from x as stored (after the
-residual add's rounding). `add` may be a skinny_linear `Partials` (summed here, in
-float32, before the gate: no reduce kernel and no rounding of the GEMM output).
-scale / shift / gate hold one row per group of rows of x: a [C, N] conditioning for x
-of R = C * G rows applies its row c to rows c*G .. c*G + G - 1 (adaRMS: C = batch,
-G = tokens; a Gemma RMSNorm weight w is scale = w with C = 1). Math in float32, one rounding per output.
+rms(x) = x / sqrt(mean(x^2) + eps) from x as stored (after the residual add's rounding). `add` may
+be a skinny_linear `Partials` (summed here in float32: no reduce kernel). scale / shift / gate
+hold one row per group of rows of x: row c of a [C, N] conditioning applies to rows c*G .. c*G+G-1
+(adaRMS: C = batch, G = tokens). Math in float32, one rounding per output.
 """
 
 from __future__ import annotations
@@ -118,12 +116,8 @@ def ada_rms_norm(
     gate: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """rms(x [+ add * gate]) * (1 + scale) + shift; with `add`, x is updated in place.
-
-    x: [..., N] contiguous; scale / shift / gate: [C, N] (or any shape of C * N
-    elements); add: like x, or Partials of x's shape; returns a new tensor of x's
-    shape in `out_dtype` (default x.dtype).
-    """
+    """rms(x [+ add * gate]) * (1 + scale) + shift (with `add`, x is updated in place), as a new
+    tensor in `out_dtype` (default x.dtype). scale / shift / gate: C * N elements."""
     if not runs_triton(x):
         return ada_rms_norm_reference(x, scale, shift, eps=eps, add=add, gate=gate, out_dtype=out_dtype)
     n, rows, group = _check(x, scale, shift, add, gate)

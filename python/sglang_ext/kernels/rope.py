@@ -1,20 +1,15 @@
 """Neox-style rotary embedding of q and k straight out of a packed qkv projection.
 
-One kernel: reads qkv [B, S, (H + 2 * KV) * D], rotates every q and k head with a
-float32 cos/sin table, writes q to `q_out` [B, S, H, D] and k / v (v unrotated)
-into rows `kv_start .. kv_start + S` of `k_out` / `v_out` [B, T, KV, D] (a K/V
-buffer whose first rows hold a cached prefix). Rotation (neox: halves, not pairs):
+Reads qkv [B, S, (H + 2 * KV) * D], writes q to `q_out` [B, S, H, D] and k / v (v unrotated) into
+rows `kv_start .. kv_start + S` of `k_out` / `v_out` [B, T, KV, D] (a K/V buffer whose first rows
+hold a cached prefix). Rotation (neox: halves, not pairs):
 
     out[:D/2] = x[:D/2] * cos - x[D/2:] * sin
     out[D/2:] = x[D/2:] * cos + x[:D/2] * sin
 
-cos_sin: [B * S, D] float32, cos in the first D/2 columns and sin in the last D/2
-(the layout of an sglang RotaryEmbedding cos_sin_cache row). Math in float32.
-qkv may be a skinny_linear `Partials` of that shape (summed here in float32).
-
-`linear_rope_qkv` fuses the qkv projection of a few rows (skinny_linear's M <= 128) into the
-same kernel: each program computes BLOCK_N column pairs (c, c + D/2) of one head and rotates
-them unrounded, so the projection output never goes to memory.
+cos_sin: [B * S, D] float32, [cos | sin] (sglang's cos_sin_cache row layout). Math in float32.
+qkv may be a skinny_linear `Partials`. `linear_rope_qkv` also computes the qkv projection of a few
+rows in the same kernel, rotating it unrounded, so the projection never goes to memory.
 """
 
 from __future__ import annotations
@@ -189,9 +184,8 @@ if triton is not None:
 
 def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start,
                     block_n=16, block_k=128):
-    """rope_qkv of the projection x [B, S, K] @ weight [(H + 2 KV) * D, K].T, in one kernel.
-
-    block_n column pairs per program ((H + 2 KV) * D / 2 / block_n programs), block_k the K step."""
+    """rope_qkv of the projection x [B, S, K] @ weight [(H + 2 KV) * D, K].T, in one kernel
+    (block_n column pairs per program, block_k the K step)."""
     if not runs_triton(q_out):
         return linear_rope_qkv_reference(
             x, weight, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,

@@ -1,22 +1,18 @@
 """x @ weight.T for a few rows (M <= 128): the weight-read-bound GEMMs of a small-batch step.
 
-cuBLAS serves M = 50 rows of Pi0.5's action expert at about a third of HBM bandwidth
-(~5-7 us per GEMM for 4-17 MB of weight on the H200, plus a split-K reduce kernel for
-some shapes). Here every program reads one [BLOCK_N, K / parts] slice of the weight
-once, with all rows of x in one tile, so a launch of N / BLOCK_N * parts programs
+cuBLAS serves such GEMMs well below HBM bandwidth. Here every program reads one
+[BLOCK_N, K / parts] slice of the weight once, with all rows of x in one tile, so the launch
 streams the weight exactly once.
 
-parts > 1 splits K: the result is `Partials` (float32 [parts, ..., N], summed in a fixed
-order by whoever consumes it: ada_rms_norm's `add`, rope_qkv's `qkv`), so the split costs
-no reduce kernel and stays deterministic (no atomics). parts == 1 returns [..., N],
-rounded once, after an optional epilogue:
+parts > 1 splits K: the result is `Partials` (float32 [parts, ..., N], summed in a fixed order by
+its consumer: ada_rms_norm's `add`, rope_qkv's `qkv`): no reduce kernel, no atomics. parts == 1
+returns [..., N], rounded once, after an optional epilogue:
     gated:  weight is a packed [gate; up] [2I, K]; returns gelu_tanh(gate) * up [..., I]
             (the float32 products, not rounded before the activation)
     bias:   [N] added in float32
     add_to: float32 [..., N] updated in place, add_to += alpha * result (returned)
-float32 x and weight multiply as three TF32 products (tf32x3: float32-level accuracy on
-tensor cores, where IEEE float32 would run on one SM's FMA units for N = 32): the Pi0.5
-action in/out projections, which sglang keeps in float32.
+float32 x and weight multiply as three TF32 products (tf32x3: float32-level accuracy on tensor
+cores): the Pi0.5 action in/out projections, which sglang keeps in float32.
 """
 
 from __future__ import annotations
@@ -161,11 +157,8 @@ if triton is not None:
 
 def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None, out_dtype=None,
                   add_to=None, alpha=1.0, num_stages=4):
-    """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows of x (see the module docstring).
-
-    parts == 1: [..., N] (gated: [..., N / 2]) in out_dtype (default x's), or add_to updated;
-    parts > 1: Partials.
-    """
+    """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows: [..., N] (gated: N / 2) in out_dtype
+    (default x's), or add_to updated; parts > 1: Partials."""
     if not runs_triton(x):
         return skinny_linear_reference(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=gated,
                                        bias=bias, out_dtype=out_dtype, add_to=add_to, alpha=alpha)
