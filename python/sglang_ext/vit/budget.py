@@ -1,7 +1,6 @@
 """ViT bucket mode: one graph per token budget, the ladder probed and captured at load, calls padded or chunked.
 
 Methods of sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
-docs/how-it-works.md (ViT CUDA graphs, bucket mode) says why padding leaves the real rows exact.
 """
 
 from __future__ import annotations
@@ -20,21 +19,18 @@ from sglang_ext.vit.capture import max_len
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
-# The default token ladder: 512 patches growing by 26 % up to the largest call the server can send
-# (16384 -> 16 sizes when unknown), in multiples of 64 (one Qwen2.5-VL attention window; a multiple of
-# the merge unit). Chosen by scripts/sim_vit_keys.py among 16-size ladders: least padding.
+# The default token ladder, in multiples of one Qwen2.5-VL attention window (scripts/sim_vit_keys.py
+# chose it: least padding among 16-size ladders).
 DEFAULT_BUCKETS = dict(smallest=512, ratio=1.26, multiple=64)
 # The ladder's top when nothing says how large a call can be (no server limits known).
 DEFAULT_LARGEST = 16384
-# Full-attention sequence slots of every budget graph (images or frames, Qwen2.5's empty leading
-# sequence and the padding); a call with more is split into chunks that fit.
+# Full-attention sequence slots of every budget graph; a call with more is split into chunks.
 BUCKET_SEQUENCES = 36
 # Window slots per budget token, 1 / (this * merge unit): a window holds at least 4 merge units for
 # images of the processors' minimum size (56 px), and padding windows are window-sized.
 TOKENS_PER_WINDOW_UNIT = 4
-# The load-time probe: wall time of this many runs (median, after one warm-up) per side.
-PROBE_REPEATS = 5
-# The synthetic image that takes the tower's own graph path at load: grid (1, 16, 16), 256 patches.
+PROBE_REPEATS = 5  # runs per side of the load-time probe (median)
+# The synthetic image that takes the tower's own graph path at load.
 SAMPLE_GRID = (1, 16, 16)
 
 
@@ -119,14 +115,11 @@ def _ext_capture_budget(self, sample, budget):
 
 
 def _ext_probe_ladder(self, sample, ladder):
-    """The budgets whose graph beats eager, measured on this GPU and model, agreed by every rank.
+    """The budgets whose graph beats eager on this GPU and model, agreed by every rank.
 
-    For each budget, smallest first: capture its graph, time a replay of the smallest call it
-    serves (the most padding) against the sync-free eager run of that call, drop the graph. The
-    ladder ends at the first budget where eager wins on any rank (a MIN vote), or whose capture
-    fails: larger calls are device-bound, where padding only adds work. Both sides run with the
-    TP collectives as local stand-ins, so a rank that fails half-way leaves no peer inside a
-    device collective.
+    Smallest first: capture, time a replay of the smallest call the budget serves against its eager
+    run, drop the graph; stop at the first budget where eager wins on any rank or the capture fails
+    (larger calls are device-bound). TP collectives run as local stand-ins.
     """
     on_cuda = self.device.type == "cuda" if isinstance(self.device, torch.device) else False
     sync = torch.cuda.synchronize if on_cuda else None
@@ -165,14 +158,8 @@ def _ext_probe_ladder(self, sample, ladder):
 
 
 def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
-    """Decide the replay ladder and capture it, before serving; after this, bucket mode never captures.
-
-    Runs at load (`_ext_precapture_at_load`) or, without a server or with precapture off, at the
-    runner's first run. The ladder: the candidates up to --ext-vit-graph-replay-max-tokens, or (-1)
-    those the probe found faster than eager; cut to the capacity and byte budget (the same on every
-    rank); captured largest first, so every graph's buffers lie in the largest one's. A failure on
-    any rank (agreed) leaves the runner eager on every rank.
-    """
+    """Decide the replay ladder and capture it (at load, else at the first run); bucket mode never
+    captures after this. A failure on any rank leaves every rank eager."""
     self._ext_precaptured = True
     if not self._ext_bucket_mode():
         return
@@ -201,9 +188,8 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
             break
     self._ext_token_buckets = tuple(sorted(k.num_tokens for k in captured))
     self._ext_replay_limit = self._ext_token_buckets[-1] if captured else 0
-    # Above the probe's break-even eager wins outright (chunk replays would add their padding and fixed
-    # costs to a device-bound call): such calls run as one eager call. Above a limit set by the knob or by
-    # the capacity / byte cut, graphs still win, so those calls are split into chunks that replay.
+    # Above the probe's break-even a call runs as one eager call; above a limit set by the knob or by
+    # the capacity / byte cut graphs still win, so it is split into chunks that replay.
     self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed)
     info = self._ext_precapture_info
     info["precapture_graphs"] = len(captured)
@@ -217,13 +203,9 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
 
 
 def _ext_precapture_at_load(self, vit, server_tokens):
-    """At server start: run a synthetic image through the tower's own graph path up to the runner,
-    keep what reaches it as the sample, and pre-capture from it.
-
-    `server_tokens` bounds the ladder (the largest call the server's prefill limits allow). The
-    sample stage is rank-local and voted on before any capture, so a rank that fails it (say, out
-    of memory) leaves every rank eager and none waiting.
-    """
+    """At server start: run a synthetic image through the tower's graph path, keep what reaches the
+    runner as the sample, and pre-capture from it (the sample stage is voted on first).
+    `server_tokens` bounds the ladder."""
     self._ext_server_tokens = server_tokens
     self._ext_ensure_state()
     if self._ext_precaptured or not (self._ext_bucket_mode() and self._ext_precapture_enabled):
@@ -254,11 +236,7 @@ def _ext_precapture_at_load(self, vit, server_tokens):
 
 def _ext_budget_batch(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
     """(graph key, padded key, padded tensors...) of the captured budget this call fits, or None.
-
-    Padding rows are zeros after the real tokens and form their own attention sequences (one for
-    full attention, window-sized ones for window attention), so no real token attends to them and
-    the merger's first `tokens / merge unit` rows are the real output.
-    """
+    Padding rows are zeros in sequences of their own, so the merger's first rows are the real output."""
     tokens = layout_key.num_tokens
     unit = self._ext_merge_unit
     if tokens % unit or tokens > self._ext_replay_limit:
@@ -282,10 +260,8 @@ def _ext_budget_batch(self, layout_key, x_3d, position_embeddings, rotary_pos_em
 
 def _ext_replay_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
                        counted=True):
-    """The call's merger rows from its budget graph (owned), or None when no graph serves it.
-
-    counted=False (the load-time probe): no hit, miss or padding is counted.
-    """
+    """The call's merger rows from its budget graph (owned), or None when no graph serves it
+    (counted=False: the probe, no counters)."""
     batch = self._ext_budget_batch(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
     if batch is None:
         return None
@@ -320,15 +296,7 @@ def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_
 
 def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
                     output_indices):
-    """Replay the call, or its whole-image chunks, where a captured budget serves them; else eager.
-
-    A call above the probe's break-even runs as one eager call. A call above a lower limit (the
-    knob, or the ladder cut to its capacity or byte budget) is split at boundaries of every
-    attention layout into chunks of at most the limit (`whole_sequence_chunks`); each chunk
-    replays its budget graph, or runs eager unpadded when none serves it (one image above the
-    limit, too many windows); adjacent such chunks run as one eager call. The rows of the chunks,
-    in order, are the rows of the call.
-    """
+    """Replay the call, or its whole-image chunks, where a captured budget serves them; else eager."""
     tokens = layout_key.num_tokens
     full, window = layout_key.layout
     limit = self._ext_replay_limit
@@ -350,8 +318,7 @@ def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_
                 None if rotary_pos_emb_cos is None else rotary_pos_emb_cos[start:end],
                 None if rotary_pos_emb_sin is None else rotary_pos_emb_sin[start:end])
 
-    # Adjacent chunks no graph serves run as ONE eager call: eager costs about the same host time
-    # whatever its size, so splitting it would multiply that cost.
+    # Adjacent chunks no graph serves run as ONE eager call (eager host time hardly depends on size).
     parts, eager_from = [], None
     for start, end in ranges:
         out = self._ext_replay_budget(*call_of(start, end)) if limit else None

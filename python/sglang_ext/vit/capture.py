@@ -41,13 +41,8 @@ def rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
 
 def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
                  rotary_pos_emb_sin=None, attention_layout_key=None):
-    """Capture one graph for this batch's key, agreed by all TP ranks (no admission check: `run` decides).
-
-    Stages (graphs.agreement): prepare (rank-local) -> vote -> capture and its bookkeeping
-    -> vote; two CPU-group votes whatever fails where. A failure on any rank quarantines the
-    key on every rank (with the agreed transient/permanent class) and raises here.
-    Returns the key.
-    """
+    """Capture one graph for this batch's key, agreed by all TP ranks (`run` decides admission); a
+    failure on any rank quarantines the key on every rank and raises here. Returns the key."""
     self._ext_ensure_state()
     layout_key = self._get_graph_key(x_3d, cu_seqlens, cu_window_seqlens, attention_layout_key)
     graph_key = self._ext_graph_key_for(layout_key)
@@ -114,10 +109,8 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
         self._ext_max_lens[graph_key] = (max_len(full_layout), max_len(window_layout))
     self.block_input[graph_key].copy_(x_3d)
     kwargs = self._ext_fill_rotary(graph_key, seq_len, *rotary)
-    # Warm-up, one block per attention kind (window and full): kernels that compile on first use
-    # (triton autotune, fa4's JIT per max_seqlen-dependent variant) must not compile inside the
-    # capture. Local stand-ins for the TP collectives; the sync surfaces this rank's asynchronous
-    # errors before the vote.
+    # Warm-up, one block per attention kind: kernels that compile on first use must not compile inside
+    # the capture. Local stand-ins for the TP collectives; the sync surfaces async errors before the vote.
     warm_layers = {}
     for layer_num in range(len(self.vit.blocks)):
         warm_layers.setdefault(self._ext_block_is_full(layer_num), layer_num)
@@ -130,20 +123,13 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
 
 
 def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None):
-    """Capture the tower for `graph_key` from its prepared buffers (warm-up: `create_graph`'s prepare stage).
-
-    Not inside `_capture_context()` (the custom all-reduce's `ca_comm.capture()`, whose buffer
-    registrations are never freed), unlike 0.5.17: the custom all-reduce then records its
-    staging-buffer path, registered once at start-up.
-    """
+    """Capture the tower for `graph_key` from its prepared buffers, outside 0.5.17's
+    `_capture_context()` (its custom all-reduce registrations are never freed)."""
     graph = torch.cuda.CUDAGraph()
     vit = self.vit
     kwargs = rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
     self.block_graphs[graph_key] = graph  # registered before capture: a failed capture is reset too
     pool = self._ext_graph_pool()
-    # guarded_capture: no GC inside the capture (a collected graph's reset() would invalidate it),
-    # a failed capture leaves the pool and the CUDA generator usable; one capture stream per
-    # device, so blocks of evicted graphs are reused by the next capture.
     with guarded_capture(graph, pool=pool, stream=capture_stream()):
         y = self.block_input[graph_key]
         deepstack_outs = []
@@ -165,12 +151,8 @@ def _ext_graph_pool(self):
 
 
 def _ext_shared_rows(self, name, graph_key, rows, row_shape, dtype):
-    """`rows` rows of the runner's shared `name` buffer, leased by `graph_key` until its release.
-
-    Budget graphs are captured largest first, so every later lease slices the first backing buffer:
-    the ladder's inputs and workspaces cost one graph's. Graphs never replay concurrently and each
-    replay rewrites its rows first, so sharing is safe (graphs.workspace).
-    """
+    """`rows` rows of the runner's shared `name` buffer, leased by `graph_key` until its release
+    (budget graphs are captured largest first: the ladder's buffers cost one graph's)."""
     pool_key = (name, tuple(row_shape), dtype)
     pool = self._ext_buffer_pools.get(pool_key)
     if pool is None:
@@ -181,10 +163,8 @@ def _ext_shared_rows(self, name, graph_key, rows, row_shape, dtype):
 
 
 def _get_sin_cos_ws(self, graph_key, seq_len, head_dim, dtype=None):
-    """Return the stable rotary buffers captured by one graph (leased until the graph is released).
-
-    dtype: that of the cos/sin the tower computed (default the tower's). Qwen3-VL rotates with
-    float32 cos/sin on CUDA; 0.5.17's buffers in the tower's dtype round them."""
+    """The stable rotary buffers of one graph (leased until its release), in the dtype of the cos/sin
+    the tower computed (Qwen3-VL's are float32)."""
     self._ext_ensure_state()
     cached = self._sin_cos_ws_by_graph.get(graph_key)
     if cached is not None:
@@ -236,11 +216,8 @@ def _ext_fill_rotary(self, graph_key, seq_len, position_embeddings, rotary_pos_e
 
 
 def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
-    """Class mode: write this batch's boundaries into the graph's buffers (device copies, no sync).
-
-    Unused trailing sequences get the token count as boundary: zero length, so the
-    kernels' programs for them load and store nothing.
-    """
+    """Class mode: write this batch's boundaries into the graph's buffers (no sync); unused trailing
+    sequences get length 0."""
     tokens = graph_key.num_tokens
     pairs = [(self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key], cu_seqlens)]
     if self._fullatt_block_indexes:
@@ -253,12 +230,8 @@ def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
 
 
 def _ext_attention_kwargs(self, graph_key, cu, seq_lens, max_seqlen):
-    """Block kwargs for one attention kind of a graph, per backend (vision.py's graph-mode contract).
-
-    triton_attn: list `[cu_seqlens, seq_lens, max_seqlen]` + `output_ws`; fa3: `[cu_seqlens,
-    max_seqlen]` (0.5.17's list form); fa4 has no graph-mode branch in 0.5.17, so it gets
-    `forward_metadata` built on the graph's own buffers (the backends prefer metadata to the list).
-    """
+    """Block kwargs for one attention kind of a graph, per backend; fa4 has no graph-mode branch in
+    0.5.17, so it gets `forward_metadata` built on the graph's own buffers."""
     backend = self._attn_backend
     if backend == "fa4":
         metadata = VisionAttentionMetadata(cu_seqlens=cu, seq_lens=seq_lens, max_seqlen=max_seqlen)
@@ -301,10 +274,7 @@ def _ext_expected_bytes(self, x_3d):
 
 
 def _ext_release_graph(self, entry):
-    """Drop everything one graph holds (cache release callback: exactly once per cache entry).
-
-    `entry` is `(graph_key, graph)`; a stale entry (its key since re-captured) only resets its graph.
-    """
+    """Cache release callback of `(graph_key, graph)`; a stale entry (key re-captured) only resets its graph."""
     graph_key, graph = entry
     if self.block_graphs.get(graph_key) is graph:
         self._ext_drop_graph_state(graph_key)

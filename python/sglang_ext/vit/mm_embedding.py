@@ -6,11 +6,10 @@ Upstream PR: none (sglang-ext only)
 Retire when: upstream checks the multimodal embedding length without a device sync
 
 Why: `_adjust_embedding_length` compares the embedding's rows with `mask.sum().item()`, a device
-sync right after the vision tower: the scheduler waits for the tower instead of launching the
-language model meanwhile.
-How: the wrapped `get_embedding_and_mask` counts the batch's multimodal tokens on the host; the
-replaced `_adjust_embedding_length` returns the embedding as is when that count equals its rows,
-and otherwise runs the original (its sync, warning, trim or error) unchanged.
+sync right after the vision tower.
+How: the wrapped `get_embedding_and_mask` counts the multimodal tokens on the host; the replaced
+`_adjust_embedding_length` returns the embedding as is when the count equals its rows, else runs
+the original.
 """
 
 from __future__ import annotations

@@ -16,12 +16,8 @@ from __future__ import annotations
 
 
 def precapture_vit_graphs(model_runner):
-    """Pre-capture the bucket-mode ladder of every ViT graph runner in the loaded model.
-
-    The ladder's top is the largest call the server's prefill limits let one ViT call carry: the
-    images of one prefill chunk (chunked prefill size, else max prefill tokens, in LLM tokens) times
-    the tower's merge unit.
-    """
+    """Pre-capture the bucket-mode ladder of every ViT graph runner in the loaded model, up to one
+    prefill chunk's tokens times the tower's merge unit."""
     # Imported here: a server without a vision model never imports the ViT runner.
     from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
 

@@ -19,8 +19,8 @@ from sglang.srt.models.utils import permute_inv
 from sglang_ext.graphs.keys import cumulative_lengths, dedup_consecutive, grid_thw_lengths
 from sglang_ext.vit.runner import check_runner_binding
 
-# Host tensors up to this size reach the device through pinned memory without a sync (the caching host
-# allocator keeps such blocks for reuse: bounded by this); larger ones (long videos) copy blocking.
+# Host tensors up to this size reach the device through pinned memory without a sync (bounds the
+# pinned blocks the caching host allocator keeps); larger ones copy blocking.
 PIN_MAX_BYTES = 64 << 20
 
 
@@ -32,13 +32,8 @@ def host_grid(grid_thw):
 
 
 def to_device(tensor, device, dtype=None):
-    """`tensor.to(device, dtype)` without a stream sync for host tensors bound for the GPU.
-
-    A blocking host-to-device copy waits for all queued GPU work, so the host stops queueing while
-    the device drains. Staged through pinned memory and copied non-blocking instead: the caching
-    host allocator keeps the pinned block until the copy has run. Tensors over PIN_MAX_BYTES copy
-    as before, so cached pinned blocks stay bounded.
-    """
+    """`tensor.to(device, dtype)` without a stream sync for host tensors bound for the GPU (staged
+    through pinned memory, which the caching host allocator keeps until the copy has run)."""
     if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and torch.device(device).type == "cuda"
             and tensor.numel() * tensor.element_size() <= PIN_MAX_BYTES):
         return tensor.pin_memory().to(device=device, dtype=dtype, non_blocking=True)

@@ -20,13 +20,8 @@ from sglang_ext.vit.runner import check_runner_binding
 
 
 def graph_inputs(vit, x, grid_thw):
-    """0.5.17's `_prepare_graph_inputs`, with the position embedding of the eager `forward`.
-
-    0.5.17's graph inputs interpolate the learned position embedding with its legacy rule
-    (`fast_pos_embed_interpolate`: align_corners from enable_precise_embedding_interpolation, off
-    by default) while `forward` always samples it at linspace points (align_corners=True, as HF
-    does). Returns the full-attention boundaries as Python ints (host data, no sync).
-    """
+    """0.5.17's `_prepare_graph_inputs`, with the position embedding interpolated as the eager
+    `forward` does it; also the full-attention boundaries as Python ints."""
     x = vit.patch_embed(x.to(device=vit.device, dtype=vit.dtype, non_blocking=True))
     grid = grid_thw if isinstance(grid_thw, list) else grid_thw.tolist()
     if vit._use_vectorized_pos_embed(len(grid)):

@@ -8,9 +8,8 @@ Retire when: upstream bounds the ViT graph count, frees retired workspaces and r
 Why: 0.5.17 keys ViT graphs by token count only: equal-length batches with other image boundaries
 replay stale cu_seqlens (wrong embeddings), a grown rotary workspace moves under captured graphs,
 and graphs are never freed.
-How: the runner's methods are replaced on the class (runners built before activation included):
-keys from CPU layouts, a bounded LRU cache with an eager fallback, owned outputs; graph capture in
-vit/capture.py, bucket mode in vit/budget.py, TP agreement in vit/tp.py (docs/how-it-works.md).
+How: the runner's methods are replaced on the class: keys from CPU layouts, a bounded LRU cache
+with an eager fallback, owned outputs (capture.py, budget.py, tp.py; docs/how-it-works.md).
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 # Fallback reasons, as counted per runner.
 FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed", "no_fit",
                     "gate")
-# Default byte budget (knob -1): this fraction of the device memory free at the runner's first use,
-# clamped to [floor, cap]; the MIN over TP ranks, so every rank admits and evicts the same graphs.
+# Default byte budget (knob -1): this fraction of the free device memory, clamped to [floor, cap].
 AUTO_BUDGET = dict(fraction=0.25, floor=256 << 20, cap=4 << 30)
 
 
@@ -71,7 +69,7 @@ def is_device_tensor(value):
 
 
 # ---------------------------------------------------------------------------
-# State, created on a runner's first use (also for runners built before activation)
+# State, created on a runner's first use
 # ---------------------------------------------------------------------------
 
 
@@ -136,11 +134,8 @@ def _ext_ensure_state(self):
 
 
 def _ext_graph_budget(self):
-    """Byte budget of this runner's resident graphs: the knob, or (-1) sized from free device memory.
-
-    Non-data-parallel encoders take the MIN over the TP CPU group: every TP rank reaches its first
-    run() with the same batch, and equal budgets keep admission and eviction identical on all ranks.
-    """
+    """Byte budget of this runner's resident graphs: the knob, or (-1) sized from free device memory,
+    the MIN over TP ranks (equal budgets keep admission and eviction identical on all ranks)."""
     configured = ext_knobs.current("vit_graph_max_bytes")
     if configured >= 0:
         return configured
@@ -181,10 +176,8 @@ def _ext_graph_info(self):
 
 
 def _get_graph_key(self, x_3d, cu_seqlens=None, cu_window_seqlens=None, attention_layout_key=None):
-    """Include attention boundaries so equal-length batches stay distinct.
-
-    One argument (0.5.17's NPU subclass): the token count, as before.
-    """
+    """Include attention boundaries so equal-length batches stay distinct (one argument, as 0.5.17's
+    NPU subclass calls it: the token count)."""
     num_tokens = int(x_3d.shape[0])
     if attention_layout_key is None:
         if cu_seqlens is None and cu_window_seqlens is None:
@@ -209,12 +202,8 @@ def _ext_bucket_mode(self):
 
 
 def _ext_graph_key_for(self, layout_key):
-    """The cache key of a batch: its layout key, or in class mode its (tokens, class) key.
-
-    Bucket mode: the key depends on the token budget only (fixed full-attention and window slots,
-    the budget and the tower's window size as max_seqlen bounds), so the ladder is captured before
-    any call and one graph serves any mix of images that fits it (`_ext_budget_fits`).
-    """
+    """The cache key of a batch: its layout key, in class mode its (tokens, class) key, in bucket
+    mode the token budget alone (one graph serves any mix of images that fits it)."""
     if not self._ext_class_mode():
         return layout_key
     full, window = layout_key.layout
@@ -243,8 +232,7 @@ def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=N
         guard.check(graph_key, self._ext_graph_tensors(graph_key))
     self.block_graphs[graph_key].replay()
     out = self.block_output[graph_key]
-    # Owned result: the static output is rewritten by the next replay of this key
-    # (and may be by any graph sharing the pool).
+    # Owned result: the static output is rewritten by the next replay (of any graph sharing the pool).
     if output_indices is not None:
         return out.index_select(0, output_indices)
     return out.clone()

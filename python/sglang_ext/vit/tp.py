@@ -1,8 +1,7 @@
 """Tensor parallelism of the ViT graph runner: the tower's group, capture votes, local collective stand-ins.
 
-Every rank encoding a batch takes each capture decision with the others (a MIN vote over the
-group's gloo CPU group, sglang_ext.graphs.agreement) before any device collective. Methods of
-sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
+Every rank encoding a batch votes on each capture (graphs.agreement) before any device collective.
+Methods of sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
 """
 
 from __future__ import annotations
@@ -17,12 +16,8 @@ from sglang_ext.graphs.agreement import cpu_group_vote, local_vote
 
 
 def _ext_tower_group(self):
-    """The group the tower's TP collectives run on.
-
-    0.5.17's vision linears reduce over the attention-TP group under DP attention
-    (`use_dp_attention_reduce=is_dp_attention_enabled()`, qwen3_vl.py), where each
-    attention-TP group encodes its own images; over the TP group otherwise.
-    """
+    """The group the tower's TP collectives run on: 0.5.17's vision linears reduce over the
+    attention-TP group under DP attention, over the TP group otherwise."""
     try:
         dp_attention = is_dp_attention_enabled()
     except Exception:  # noqa: BLE001 - no runtime flags published (unit tests, offline use): plain TP
@@ -55,14 +50,8 @@ def min_over_ranks(runner, value):
 
 
 class LocalCollectives:
-    """The group's all-reduce / all-gather as local stand-ins (same shapes, no communication).
-
-    For the warm-up only: its output is thrown away, it runs lazy initialisation (cuBLAS
-    handles, kernel compilation) outside the capture. Without communication, a rank whose
-    warm-up fails leaves no peer inside a device collective, so the warm-up belongs to the
-    rank-local stage before the first vote. These are the collectives 0.5.17's vision towers
-    call (linear layers: all_reduce; vision attention's qk-norm: all_gather).
-    """
+    """The group's all-reduce / all-gather as local stand-ins (same shapes, no communication), for
+    the warm-up: a rank whose warm-up fails then leaves no peer inside a device collective."""
 
     _MISSING = object()
 
