@@ -5,14 +5,11 @@ Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:action_metadata
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
 Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline config keys
 
-Why: 0.5.17 answers `cuda_graph` from `enable_action_cuda_graph` alone: "auto" even when the
-action graph is off by capacity 0 or by action-expert offload, nothing about the prefix graph.
-How: 0.5.17's function wrapped: 0.5.19's `runtime.cuda_graph` block (from the config's
-`prefix_cuda_graph_available()` / `action_cuda_graph_available()`, patch pi05_config),
-`defaults.cuda_graph` / `capabilities.cuda_graph` = either graph available, and our
-`runtime.cuda_graph_mode` ("bucket", "exact" or "off"). 0.5.18's module name
-`entrypoints.action.protocol` is aliased (upstream's tests import it). api and ws_utils bound
-the function by name: rebound.
+Why: 0.5.17 answers `cuda_graph` from `enable_action_cuda_graph` alone ("auto" even when the
+action graph is off) and says nothing about the prefix graph.
+How: wrapped: 0.5.19's `runtime.cuda_graph` block, either graph available in `defaults` /
+`capabilities`, and `runtime.cuda_graph_mode`. 0.5.18's `entrypoints.action.protocol` is aliased
+(upstream's tests import it); api and ws_utils are rebound.
 """
 
 from __future__ import annotations
@@ -64,6 +61,5 @@ def patch_protocol(ctx, module) -> None:
 
 
 def rebind_action_metadata(ctx, module) -> None:
-    """Part for `...entrypoints.vla.api` / `.ws_utils`, which bound the name at import: one imported
-    before `patch_protocol` ran (activation after import) still holds 0.5.17's function."""
+    """Part for `...entrypoints.vla.api` / `.ws_utils`, which bound the name at import."""
     ctx.setattr(module, "action_metadata", sys.modules[_VLA_PROTOCOL].action_metadata)

@@ -5,13 +5,11 @@ Targets: sglang.multimodal_gen.runtime.entrypoints.vla.api:create_action_generat
 Upstream PR: none (0.5.23 parses and decodes the same way)
 Retire when: upstream parses action requests with a fast JSON parser and decodes cameras concurrently
 
-Why: per request the HTTP process parses the JSON body with the standard library, base64-decodes
-every camera with it and decodes the frames one after another, all on the event loop.
-How: the endpoint is wrapped: it gets the request with a `json()` that parses with orjson, and
-json.loads for anything orjson refuses or may read differently (same result, same HTTP 400).
-`_decode_b64_image` is replaced (pybase64 first, the standard library for what it refuses);
-`_normalize_observation` is wrapped to decode two or more cameras on a small thread pool (the
-first failing camera in request order raises, as before). docs/pi05-server-path.md.
+Why: per request the HTTP process parses JSON and base64 with the standard library and decodes
+the frames one after another, all on the event loop.
+How: the endpoint's `request.json()` parses with orjson (json.loads for what orjson refuses or may
+read differently); `_decode_b64_image` uses pybase64 (stdlib fallback); `_normalize_observation`
+decodes two or more cameras on a small thread pool (the first failure in request order raises).
 """
 
 from __future__ import annotations
@@ -38,9 +36,8 @@ _ext_decode_pool_lock = threading.Lock()
 
 
 def _ext_maybe_wide_int(parsed) -> bool:
-    """True when the parse holds an integral float of magnitude >= 2**63: orjson reads integer
-    literals beyond 64 bits as floats where json.loads keeps them ints (a float literal such as
-    1e30 also lands here; json.loads then decides, as before)."""
+    """True when the parse holds an integral float of magnitude >= 2**63 (orjson reads integers
+    beyond 64 bits as floats; json.loads then decides)."""
     stack = [parsed]
     while stack:
         item = stack.pop()
@@ -54,8 +51,7 @@ def _ext_maybe_wide_int(parsed) -> bool:
 
 
 def _ext_json_body(body: bytes):
-    """orjson's parse of a JSON body; json.loads (starlette's parser) for anything orjson refuses
-    or may read differently."""
+    """orjson's parse of a JSON body; json.loads for anything orjson refuses or may read differently."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -71,8 +67,7 @@ def _ext_b64decode(data):
 
 
 class _OrjsonBodyRequest:
-    """The endpoint's request, whose `json()` is `_ext_json_body` of its body (it raises
-    json.loads' error, inside the endpoint's own error handling)."""
+    """The endpoint's request, whose `json()` is `_ext_json_body` of its body."""
 
     def __init__(self, request):
         self._request = request
@@ -115,8 +110,7 @@ def _ext_pool() -> ThreadPoolExecutor:
 
 
 def _ext_decode_concurrently(decode, images: dict) -> dict:
-    """`images` with every encoded camera decoded by `decode` on the pool; the first failure in
-    the dict's order is raised, as the one-by-one decoding would."""
+    """`images` with every encoded camera decoded on the pool; the first failure in order is raised."""
     names = [name for name, value in images.items() if _ext_is_encoded_image(value)]
     if len(names) < 2:
         return images

@@ -5,13 +5,11 @@ Targets: sglang.multimodal_gen.configs.pipeline_configs.pi05:Pi05PipelineConfig
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
 Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline config keys
 
-Why: the bounded graph caches and prompt buckets need their settings on the config, under
-upstream's names, checked at start-up (a bad bucket list would surface mid-request); 0.5.17's
-`update_pipeline_config` silently drops unknown keys, so a typo would leave bucket mode off.
-How: the four fields are added to the class in place (its `__dataclass_fields__`, class
-defaults for instances unpickled without them, a wrapped `__init__`); `__post_init__` applies
-the `--ext-pi05-*` knobs, then validates; graph-like unknown keys raise ExtConfigError. Also
-installs 0.5.19's `vla.prompt_bucketing` module (docs/how-it-works.md, "Pi0.5").
+Why: the graph caches and prompt buckets need their settings on the config, checked at start-up;
+0.5.17's `update_pipeline_config` silently drops unknown keys, so a typo would leave them off.
+How: the four fields are added to the class in place; `__post_init__` applies the `--ext-pi05-*`
+knobs, then validates; graph-like unknown keys raise ExtConfigError. Also installs 0.5.19's
+`vla.prompt_bucketing` module.
 """
 
 from __future__ import annotations
@@ -144,8 +142,7 @@ def patch_pipeline_config(ctx, module) -> None:
     cls = module.Pi05PipelineConfig
     for graph_field in _EXT_PI05_GRAPH_FIELDS:
         ctx.setitem(cls.__dataclass_fields__, graph_field.name, graph_field)
-        # Class-level fallback for instances that never ran the wrapped __init__
-        # (unpickled from a process without the patch); a tuple, never a shared list.
+        # For instances unpickled from a process without the patch; a tuple, never a shared list.
         fallback = () if graph_field.default_factory is not MISSING else graph_field.default
         ctx.setattr(cls, graph_field.name, fallback)
     ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])

@@ -9,8 +9,7 @@ Why: 0.5.17's prefix copies its attention marks from a host list and probes its 
 .item() (neither is capturable); every denoise step rebuilds the suffix mask, the positions
 and the sinusoid scaling.
 How: create_sinusoidal_pos_embedding wrapped (optional precomputed `scaling`); the four methods
-replaced by 0.5.19's behaviour in our code, plus prepare_denoise_layout; the prefix layers may
-run on the fused kernels (knob pi05_fast, decided by the policy).
+replaced by 0.5.19's behaviour in our code, plus prepare_denoise_layout.
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ def _with_scaling(original):
 
 
 def embed_prefix(self, images, image_masks, tokens, token_masks):
-    """Image and language embeddings with their pad masks; the attention marks (all zero: the
-    prefix is one bidirectional block) are made on the device, so the prefix stays capturable."""
+    """Image and language embeddings with their pad masks; the attention marks (all zero) are made
+    on the device, so the prefix stays capturable."""
     towers = self.paligemma_with_expert
     image_embs = towers.embed_images(images)
     language = towers.embed_language_tokens(tokens)
@@ -82,8 +81,7 @@ def embed_suffix(self, noisy_actions, timestep):
 
 
 def prepare_denoise_layout(self, prefix_pad_masks, x_t, prefix_full_attention=False, *, action_position_offset=0):
-    """(attention mask or None, position ids) of the action tokens: the same for every denoise
-    step of a request. Action tokens see the visible prefix and every action token."""
+    """(attention mask or None, position ids) of the action tokens, the same for every step."""
     batch, actions = x_t.shape[:2]
     positions = (prefix_pad_masks.sum(dim=-1, keepdim=True) + action_position_offset
                  + torch.arange(actions, device=x_t.device))
@@ -97,9 +95,8 @@ def prepare_denoise_layout(self, prefix_pad_masks, x_t, prefix_full_attention=Fa
 
 def encode_prefix(self, images, image_masks, tokens, token_masks, prefix_full_attention_hint=None,
                   tokens_trimmed=False, *, fast_layers=False):
-    """(K/V, pad masks, full attention) of the prefix. Hint True: full attention; False: masked;
-    neither syncs with the device (capturable). None: the masks are probed (.item()).
-    `fast_layers`: the language model's layers on the fused kernels (knob pi05_fast)."""
+    """(K/V, pad masks, full attention) of the prefix. Hint True / False: full / masked, without a
+    sync (capturable); None: the masks are probed (.item())."""
     with torch.no_grad():
         if not tokens_trimmed:
             tokens, token_masks = trim_trailing_padding_tokens(tokens, token_masks)

@@ -1,11 +1,8 @@
 """Pi0.5 denoise loop and prefix layers on fused kernels (knob pi05_fast; no sglang symbol replaced).
 
 Called by the pi05_graphs policy adapter (sample_actions: the loop; encode_prefix: the prefix
-language model's layers). Reads the model the exact path reads (pi05_core's Pi05CoreModel,
-PiGemma layers with packed projections, linear_forward). Equal to the exact path within bf16
-rounding, not bitwise. Layouts it does not cover (`unsupported_reason`,
-`prefix_unsupported_reason`) and a first use that raises take the exact path. How it works:
-docs/how-it-works.md, "Pi0.5".
+layers). Layouts it does not cover (`unsupported_reason`, `prefix_unsupported_reason`) and a first
+use that raises take the exact path (docs/how-it-works.md, "Pi0.5").
 """
 
 from __future__ import annotations
@@ -79,8 +76,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _stack_unsupported(model, what: str, tp_what: str = ""):
-    """What keeps a Gemma layer stack off the fast kernels (offload, no layers, unpacked or
-    tensor-parallel projections), or None."""
+    """What keeps a Gemma layer stack off the fast kernels, or None."""
     if getattr(model, "layerwise_cpu_offload_enabled", False):
         return f"layerwise CPU offload of the {what}"
     if not model.layers:
@@ -114,12 +110,8 @@ def _find_unsupported(core):
 
 
 def time_conditioning(core, num_steps: int, batch_size: int, device) -> torch.Tensor:
-    """[steps, norms, 3 (scale, shift, gate), batch, width] float32, cached on `core`.
-
-    Built with the model's own time embedding and norm `dense` layers from the
-    timesteps sample_actions uses; gate is rounded to the activation dtype first,
-    as the exact path's `gate.to(dtype)`.
-    """
+    """[steps, norms, 3 (scale, shift, gate), batch, width] float32, cached on `core`, built with
+    the model's own layers (gate rounded to the activation dtype first, as the exact path does)."""
     expert = _expert(core)
     dtype = expert.layers[0].self_attn.projection_dtype
     key = (int(num_steps), int(batch_size), str(torch.device(device)), str(dtype))
@@ -163,14 +155,9 @@ def reset_time_conditioning(core) -> None:
 
 
 def _request_layout(core, expert, prefix_context, state, full_attention, action_position_offset, dtype):
-    """cos/sin of the action positions, K/V buffers, and where the action rows sit in them.
-
-    Full prefix: [prefix | actions], every row read. Masked prefix: its mask hides key rows only
-    (every action token sees the same keys), so the rows are [actions | visible prefix | hidden
-    prefix] and attention reads the first `used[b]` rows of batch row b: no mask at all.
-    Returns (cos_sin, kv, kv_start, used); used ([B] int32, the same for every layer and step)
-    is None for a full prefix.
-    """
+    """(cos_sin, kv, kv_start, used): cos/sin of the action positions and the K/V buffers. Full
+    prefix: rows [prefix | actions], used None. Masked prefix (it hides key rows only): rows
+    [actions | visible | hidden], attention reads the first `used[b]` rows, no mask."""
     batch, seq = state.shape[:2]
     prefix_masks = prefix_context.prefix_pad_masks
     prefix_len = prefix_masks.shape[1]
@@ -212,8 +199,8 @@ def _visible_first(pad_masks):
 
 
 def _one_head_sdpa(q, keys, values, scale):
-    """Unmasked attention of q [B, S, H, D] over one K/V head [B, T, 1, D] as torch SDPA of one head
-    of S * H queries (its flash kernel; the GQA form would take the math path)."""
+    """Unmasked attention over one K/V head as SDPA of one head of S * H queries (its flash kernel;
+    the GQA form would take the math path)."""
     batch, seq, heads, head_dim = q.shape
     out = F.scaled_dot_product_attention(
         q.view(batch, 1, seq * heads, head_dim), keys.view(batch, 1, -1, head_dim),
@@ -229,8 +216,7 @@ def _uses_torch_sdpa(attn) -> bool:
 
 
 class _Projections(NamedTuple):
-    """One expert layer's skinny_linear plan per GEMM: (weight [N, K], parts, block_n, block_k); for
-    qkv, linear_rope_qkv's (weight, block_n, block_k)."""
+    """One expert layer's plan per GEMM: (weight, parts, block_n, block_k); qkv: (weight, block_n, block_k)."""
 
     qkv: tuple
     o: tuple
@@ -239,8 +225,7 @@ class _Projections(NamedTuple):
 
 
 def _plain_weight(module, dtype, *, bias_ok=False):
-    """(weight, bias) when `module` is a plain unquantized GEMM in `dtype` (what skinny_linear
-    computes; a bias only with bias_ok), else None."""
+    """(weight, bias) when `module` is a plain unquantized GEMM in `dtype` (a bias only with bias_ok), else None."""
     method = getattr(module, "quant_method", None)
     if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
         return None
@@ -256,10 +241,8 @@ _MAX_PARTS = 8  # partial products cost their consumer a read each
 
 
 def _skinny_plan(weight, sms, *, splittable=True, gated=False):
-    """(weight, parts, block_n, block_k) for skinny_linear, or None (K has no power-of-two block
-    >= 16). The H200 probe (docs/gpu-notes.md): one wave is best, so the most programs
-    (N / block_n * parts) that fit the SMs, then the fewest parts; each part >= two K blocks;
-    parts = 1 when the consumer cannot sum parts (gated: the epilogue needs the whole sum)."""
+    """(weight, parts, block_n, block_k) for skinny_linear, or None (no power-of-two K block >= 16):
+    the most programs that fit one wave (docs/gpu-notes.md), then the fewest parts."""
     n, k = weight.shape
     width = n // 2 if gated else n
     block_k = _block_k(k)
@@ -298,8 +281,7 @@ def _skinny_serves(state) -> bool:
 
 
 def _expert_projections(expert, state, dtype):
-    """Per layer _Projections for skinny_linear, or None (a layer that is not plain bias-free
-    GEMMs in `dtype`, too many rows, or no Triton here: linear_forward serves it)."""
+    """Per layer _Projections, or None (not plain bias-free GEMMs, too many rows, no Triton)."""
     if not _skinny_serves(state):
         return None
     sms = _sm_count(state.device)
@@ -322,9 +304,8 @@ def _expert_projections(expert, state, dtype):
 
 
 def _action_projections(core, state):
-    """((weight, bias, block_k) of action_in_proj, the same of action_out_proj) when both are
-    plain float32 GEMMs that skinny_linear can take (K with a power-of-two block >= 16), else
-    None: the modules run as they are."""
+    """(weight, bias, block_k) of action_in_proj and of action_out_proj when skinny_linear can take
+    both (plain float32 GEMMs), else None."""
     if not _skinny_serves(state):
         return None
     pair = []
@@ -377,15 +358,11 @@ def _find_prefix_unsupported(core):
 
 
 def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks):
-    """The prefix K/V (VLADensePrefixCache, per layer [B, KV, P, D]) from the prefix embeddings.
+    """The prefix K/V (VLADensePrefixCache) from the prefix embeddings, or None (the exact path)
+    after a first use that raised.
 
-    pad_masks ([B, P] bool) with a mask: the mask is pad_masks[i] & pad_masks[j] (a bidirectional
-    prefix, as embed_prefix builds it), so every visible row attends the same visible keys and
-    attention reads just those (first_rows_attention over key_rows), no mask. Padded rows then
-    attend the visible keys too, where the exact path gives them uniform weights over all keys:
-    they differ, and nothing reads them (hidden keys to every query, here and in the denoise).
-    On a first use that raises, the prefix takes the exact path from then on (None is
-    returned for this call: the caller runs the exact forward)."""
+    A mask is pad_masks[i] & pad_masks[j], so attention reads just the visible keys, no mask.
+    Padded rows then differ from the exact path's, and nothing reads them."""
     args = (core, inputs_embeds, attention_mask, position_ids, pad_masks)
     if core.__dict__.get(_PREFIX_VERIFIED_ATTR):
         return _prefix_layers(*args)

@@ -5,11 +5,10 @@ Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaRMSNorm, sgl
 Upstream PR: none (sglang-ext only)
 Retire when: upstream PiGemmaRMSNorm uses a fused rms_norm and gated_residual is a single op
 
-Why: 0.5.17's adaRMS forward is about 13 elementwise kernels and each gated residual two, twice
-per action-expert layer and denoise step; Pi0.5 eager decoding is launch-bound.
-How: PiGemmaRMSNorm.forward replaced (F.rms_norm, addcmul; about 5 kernels); gated_residual
-wrapped (one addcmul when all three tensors are given; 0.5.17's otherwise). Its callers look it
-up in pi05_core's globals at call time, so rebinding it reaches them.
+Why: 0.5.17's adaRMS forward is about 13 elementwise kernels and each gated residual two; Pi0.5
+eager decoding is launch-bound.
+How: PiGemmaRMSNorm.forward replaced (F.rms_norm, addcmul); gated_residual wrapped (one addcmul);
+its callers look it up in pi05_core's globals, so rebinding it reaches them.
 """
 
 from __future__ import annotations

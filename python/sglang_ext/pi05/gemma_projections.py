@@ -8,9 +8,8 @@ Retire when: the minimum supported sglang has MergedReplicatedLinear (>= 0.5.19)
 Why: 0.5.17's non-TP branch runs q/k/v as three GEMMs and gate/up as two plus a torch.cat, per
 layer and step; Pi0.5 is launch-bound.
 How: 0.5.17's __init__ builds the layers, then the separate projections are replaced by one
-MergedReplicatedLinear (None where they were, as in the TP branch); project_qkv, forward and
-projection_dtype read the packed layer. Checkpoint q/k/v and gate/up tensors reach its shards
-through 0.5.17's own `Pi05PolicyModel._FUSED_WEIGHT_MAPPINGS`.
+MergedReplicatedLinear; project_qkv, forward and projection_dtype read it. Checkpoint tensors
+reach its shards through 0.5.17's own `Pi05PolicyModel._FUSED_WEIGHT_MAPPINGS`.
 """
 
 from __future__ import annotations

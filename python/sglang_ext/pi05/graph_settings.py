@@ -1,10 +1,5 @@
-"""Pi0.5 graph settings: the pipeline config's graph fields (upstream 0.5.19's defaults where a
-config lacks them), each overridable by an `--ext-pi05-*` knob. sglang-free (configs are read by
-attribute), so the fork series vendors it.
-
-The knobs are read when something is built: pi05_config applies them to the config in its
-`__post_init__`; the policy sizes its runners with `setting()`. The availability checks read the
-config only (it already holds the overrides), so requests never read a knob.
+"""Pi0.5 graph settings: the pipeline config's graph fields (0.5.19's defaults where a config lacks
+them), each overridable by an `--ext-pi05-*` knob, read when a config or policy is built.
 """
 
 from __future__ import annotations
@@ -19,8 +14,6 @@ class GraphConfigFields:
     """The dataclass fields upstream 0.5.19 has and 0.5.17 lacks (upstream defaults)."""
 
     enable_prefix_cuda_graph: bool = True
-    # Opt-in prompt buckets shared by prefix and action CUDA graphs. Padding
-    # changes reduction shapes, so exact prompt lengths remain the default.
     prompt_token_buckets: list[int] = field(default_factory=list)
     prefix_cuda_graph_max_entries: int = 1
     action_cuda_graph_max_entries: int = 4

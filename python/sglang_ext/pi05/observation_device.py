@@ -5,13 +5,11 @@ Targets: sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stag
 Upstream PR: none (0.5.23 preprocesses on the CPU)
 Retire when: upstream preprocesses Pi0.5 observations on the device
 
-Why: the worker scales every frame to [-1, 1] in float32 on the CPU and copies 4x its bytes to
-the GPU synchronously; the noise takes its own copy; the tokenizer call spends most of its time
-in transformers' Python wrappers.
-How: `_preprocess_image` and `Pi05Preprocessor.__init__` / `__call__` wrapped: on a CUDA worker
-a uint8 frame already at the model's size is copied as uint8 and converted there with the same
-float32 operations (the same bits); the noise follows the frames; the tokenizer front calls the
-Rust tokenizer, checked against transformers' call (docs/how-it-works.md, "Pi0.5").
+Why: the worker scales every frame in float32 on the CPU and copies 4x its bytes to the GPU
+synchronously; the tokenizer call spends most of its time in transformers' Python wrappers.
+How: `_preprocess_image` and `Pi05Preprocessor.__init__` / `__call__` wrapped: a uint8 frame at the
+model's size is copied as uint8 and scaled on the GPU (same float32 ops, same bits); the noise
+follows; the tokenizer call goes to the Rust tokenizer, checked against transformers' call.
 """
 
 from __future__ import annotations
@@ -48,8 +46,8 @@ def _ext_uint8_frame(value):
 
 
 def preprocess_frame_on(arr: np.ndarray, size, device: torch.device, *, hwc: bool = False):
-    """sglang's `_preprocess_image` for a uint8 frame (`hwc`: a PIL image's array), computed on
-    `device`; None when the frame needs a resize or has no channel axis (sglang's path then)."""
+    """sglang's `_preprocess_image` of a uint8 frame on `device`; None when it needs a resize or has
+    no channel axis (sglang's path then)."""
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
     if hwc:
         chw = tensor.permute(2, 0, 1)
@@ -94,8 +92,7 @@ def _wrap_call(original):
 
 
 class RustTokenizerFront:
-    """Stands in for the preprocessor's tokenizer: sglang's one call goes to the Rust tokenizer,
-    everything else (attributes, other calls) to transformers' tokenizer."""
+    """The preprocessor's tokenizer: sglang's one call goes to the Rust tokenizer, all else to transformers'."""
 
     def __init__(self, tokenizer) -> None:
         self._ext_tokenizer = tokenizer

@@ -7,8 +7,8 @@ Retire when: upstream keys the action-graph K/V refresh on something id()-free a
 
 Why: 0.5.17 graphs only full-attention denoise steps, one unbounded graph per prompt length,
 and never the prefix.
-How: __init__ wrapped (bounded runners, knobs read once: Pi05Options); the request methods
-replaced by 0.5.19's behaviour in our code, plus the fused loops (docs/how-it-works.md, "Pi0.5").
+How: __init__ wrapped (bounded runners, knobs read once); the request methods replaced by
+0.5.19's behaviour in our code, plus the fused loops.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ logger = init_logger(__name__)
 
 @dataclass(frozen=True)
 class Pi05Options:
-    """The knobs a policy reads once, when it is built (instances built without __init__ get the
-    values the patch was applied with)."""
+    """The knobs a policy reads once, when built (the class default: the values at patch time)."""
 
     fast: bool = False  # pi05_fast: the fused-kernel denoise loop and prefix layers
     fused_denoise: bool = False  # pi05_fused_denoise: every denoise step in one graph
@@ -101,8 +100,7 @@ def _prefix_cuda_graph_enabled(self) -> bool:
 
 
 def _prompt_token_bucketing_enabled(self) -> bool:
-    """Buckets configured and a graph to share them, on a single-rank CUDA prefix (action sequence
-    parallelism needs a full-attention prefix; buckets add padding)."""
+    """Buckets configured and a graph to share them, on a single-rank CUDA prefix."""
     return bool(
         _buckets(self.config)
         and (self._prefix_cuda_graph_enabled() or graph_settings.action_graph_available(self.config))
@@ -133,8 +131,8 @@ def build_prefix_cache_key(self, observation, *, bucket_prompt=False):
 
 
 def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None):
-    """The prefix context, on the prefix graph when it can be: batch 1, and a bucketed prompt
-    that fits a bucket (a miss runs eager and marks the context ineligible for action graphs)."""
+    """The prefix context, on the prefix graph for batch 1 (a bucket miss runs eager and marks the
+    context ineligible for action graphs)."""
     camera_order = tuple(observation.metadata.get("camera_order", ()))
     images = [observation.images[name].to(self.device, dtype=torch.float32) for name in camera_order]
     image_masks = [observation.image_masks[name].to(self.device) for name in camera_order]
@@ -149,8 +147,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
         prompt = slice(None, token_len if 0 < token_len < observation.tokens.shape[1] else None)
         tokens, token_masks = observation.tokens[:, prompt], observation.token_masks[:, prompt]
     bucket_miss = use_bucket and bucket is None
-    # Decided on the host (the observation's masks are CPU tensors). A bucketed prompt always
-    # takes the masked path: one control flow per bucket.
+    # Decided on the host; a bucketed prompt always takes the masked path (one control flow per bucket).
     full_hint = bucket is None and bool(token_masks.all()) and all(
         bool(observation.image_masks[name].all()) for name in camera_order)
     fast_layers = _fast_prefix_layers(self)
@@ -198,8 +195,7 @@ def _step_signature(self, prefix_context, x_t, action_position_offset, action_sp
 
 def denoise_step(self, prefix_context, x_t, timestep, *, use_cuda_graph=True, action_position_offset=0,
                  action_sp_enabled=False, denoise_layout=None):
-    """Velocity of one step, on the action graph unless graphs are off for this context. Inside a
-    graph the layout comes from the static prefix masks, which the runner refreshes."""
+    """Velocity of one step, on the action graph unless graphs are off for this context."""
 
     def step(context, state, t):
         return self.action_expert(context, state, t, action_position_offset=action_position_offset,
@@ -212,8 +208,7 @@ def denoise_step(self, prefix_context, x_t, timestep, *, use_cuda_graph=True, ac
 
 
 def _initial_state(self, observation, prefix_context, noise, generator):
-    """(x_t, its first action position, action sequence parallel?) of a request: the noise on
-    the action root, broadcast and sharded when the action sequence is parallel."""
+    """(x_t, its first action position, action sequence parallel?) of a request."""
     split = get_vla_split_group()
     action_sp = self._can_use_action_sequence_parallel(prefix_context, self.config.action_horizon)
     x_t = None
@@ -244,8 +239,7 @@ def sample_actions(self, observation, prefix_context, *, noise, num_steps, use_c
 
 
 def _denoise(self, batch_size, prefix_context, x_t, num_steps, offset, action_sp, use_cuda_graph):
-    """x_t after `num_steps` Euler steps: the fused-kernel loop (pi05_fast), one graph for every
-    step (pi05_fused_denoise), or step by step (graphs per step; eager steps share one layout)."""
+    """x_t after `num_steps` Euler steps: the fused-kernel loop, one graph for every step, or step by step."""
     full = bool(prefix_context.layout.get("full_attention", False))
     eligible = prefix_context.layout.get("cuda_graph_eligible", True)
     graph = bool(use_cuda_graph and self.graph_runner.enabled and eligible)
@@ -276,8 +270,7 @@ def _loop_graph(self, prefix_context, x_t, steps, loop_fn, offset, kernels="exac
 
 
 def _exact_loop(self, full_attention, dt, offset):
-    """The per-step path's kernels, the layout computed once (inside the graph, from the static
-    prefix masks), so the loop equals the eager steps."""
+    """The per-step path's kernels, the layout computed once, so the loop equals the eager steps."""
 
     def loop_fn(prefix_context, state, steps):
         layout = self.core_model.prepare_denoise_layout(prefix_context.prefix_pad_masks, state, full_attention,
@@ -292,8 +285,8 @@ def _exact_loop(self, full_attention, dt, offset):
 
 
 def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offset, graph):
-    """The fused-kernel loop (sglang_ext.pi05.fast): one graph per request, or eager with graphs
-    off. None when it failed on its first use on this model (the exact path runs then)."""
+    """The fused-kernel loop (one graph per request, or eager); None when it failed on its first
+    use on this model."""
     core = self.core_model
     table = fast.time_conditioning(core, num_steps, x_t.shape[0], x_t.device)
 
@@ -309,8 +302,7 @@ def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offs
 
     if fast.verified(core):
         return run(x_t)
-    # First use on this model: a kernel that does not build here must cost the exact path, not
-    # the request, so x_t is only replaced on success.
+    # First use on this model: x_t is only replaced on success, so a failure costs the exact path only.
     try:
         result = run(x_t.clone())
     except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs

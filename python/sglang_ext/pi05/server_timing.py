@@ -7,10 +7,9 @@ Retire when: upstream reports per-request hop times itself (not in 0.5.23)
 
 Why: an answer's timings hold the stage times only; nothing says where the rest of a request's
 latency goes (parsing, decoding, the ZMQ hops, the worker around the pipeline).
-How: wrappers stamp CLOCK_MONOTONIC times (one clock for every process of the host) that travel
-with the request (`Req.extra["ext_trace"]`) and back; the HTTP process adds http_parse_ms,
-http_decode_ms, to_worker_ms, worker_queue_ms, worker_forward_ms, from_worker_ms and
-server_total_ms. Knob off: the wrappers only call sglang's functions (docs/how-it-works.md, "Pi0.5").
+How: wrappers stamp CLOCK_MONOTONIC times (one clock for all processes of the host) that travel
+with the request (`Req.extra["ext_trace"]`) and back; the HTTP process adds the hop times. Knob
+off: the wrappers only call sglang's functions.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ from sglang_ext.pi05.endpoint import like_endpoint
 TRACE_KEY = "ext_trace"  # Req.extra key: {"sent": t, "worker_in": t}
 _REPLY_AT = "_ext_reply_at"  # timings key the worker adds and the HTTP process removes
 _ACTION_PATH = "/v1/actions/generations"
-# When the endpoint got the request now being served (per asyncio task: one request / one
-# websocket connection each).
+# When the endpoint got the request now being served (per asyncio task).
 _ARRIVED_AT = contextvars.ContextVar("sglang_ext_pi05_arrived_at", default=None)
 # Set by the traced infer_action while it runs: prepare_request records the send time in it.
 _SENT = contextvars.ContextVar("sglang_ext_pi05_sent", default=None)
@@ -38,8 +36,7 @@ def _enabled(ctx) -> bool:
 
 
 def _passthrough(original, traced, enabled: bool):
-    """`traced` when the knob is on, else a wrapper that only calls `original` (parts must
-    install something, and the knob is read once, at activation)."""
+    """`traced` when the knob is on, else a wrapper that only calls `original` (a part must install something)."""
     if enabled:
         return traced
     if inspect.iscoroutinefunction(original):

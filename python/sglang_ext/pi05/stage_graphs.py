@@ -7,10 +7,9 @@ Retire when: upstream keys the action-graph K/V refresh on something id()-free a
 
 Why: 0.5.17's prefix stage calls the policy without the request's `enable_cuda_graph` option,
 and a prefix-graph output (rewritten by the next replay) must not be shared by two requests.
-How: wrapped. While a request runs through the stage its policy is seen through a view that
-passes the option on (graph and prompt bucket, no graph when the prefix cache is on) and owns
-the graph's output when several requests are in flight (grouped execution); the cache info
-gets the prompt bucket; grouped requests are grouped by the option too.
+How: wrapped: during a request the policy is seen through a view that passes the option on and
+owns the graph's output when several requests are in flight; grouped requests are grouped by the
+option too.
 """
 
 from __future__ import annotations
@@ -74,8 +73,7 @@ def _send_prefix_result(self, batch, split, prefix_context):
 
 
 def run_grouped_requests(self, batches, server_args):
-    """Grouped execution runs this stage for every request before the action stage: while more
-    than one is in flight, prefix-graph outputs are owned per request (see forward)."""
+    """While more than one request is in flight, prefix-graph outputs are owned per request."""
     previous = getattr(self, "_ext_requests_in_flight", 1)
     self._ext_requests_in_flight = len(batches)
     try:

@@ -7,9 +7,8 @@ Retire when: upstream keys the action-graph K/V refresh on something id()-free a
 
 Why: 0.5.17 keeps one action graph per signature without bound, never graphs the prefix, and
 refreshes a graph's prefix K/V by id(), which CPython hands to the next request's K/V.
-How: our runners on sglang_ext.graphs (bounded cache, guarded capture, address guard), keyed
-by context generation; this module is installed as `vla.cuda_graph` and as 0.5.17's
-`vla.denoise_cuda_graph` (docs/how-it-works.md, "Pi0.5").
+How: our runners on sglang_ext.graphs, K/V refresh keyed by context generation; this module is
+installed as `vla.cuda_graph` and as 0.5.17's `vla.denoise_cuda_graph`.
 """
 
 from __future__ import annotations
@@ -102,9 +101,8 @@ _GENERATION_ATTR = "_vla_context_generation"
 
 
 def prefix_context_generation(prefix_context: Any) -> int:
-    """A number naming this PrefixContext object for the life of the process (stamped on first
-    use). Unlike id(), it is never handed to another object, so a new request's context always
-    differs from the one whose K/V a graph holds."""
+    """A number naming this PrefixContext for the life of the process (stamped on first use);
+    unlike id(), never handed to another object."""
     generation = getattr(prefix_context, _GENERATION_ATTR, None)
     if generation is None:
         generation = next(_GENERATIONS)
@@ -113,8 +111,7 @@ def prefix_context_generation(prefix_context: Any) -> int:
 
 
 def own_prefix_context(prefix_context: PrefixContext) -> PrefixContext:
-    """An owned copy of a prefix-graph output, which the next replay overwrites (needed when
-    another prefix runs before this context's denoise: several requests in flight)."""
+    """An owned copy of a prefix-graph output (which the next replay overwrites)."""
     if not prefix_context.layout.get("mutable_graph_output", False):
         return prefix_context
     owned = _clone_prefix_context(prefix_context)
@@ -124,10 +121,8 @@ def own_prefix_context(prefix_context: PrefixContext) -> PrefixContext:
 
 
 class _BoundedCaptureCache(BoundedGraphCache):
-    """Upstream's graph cache interface on the shared core. `evict_on_miss=False` keeps the first
-    `max_entries` graphs (later signatures run eager), True evicts the least recently used one
-    before the next capture. Every release also forgets addresses recorded for graphs that are
-    no longer resident (`address_guard`)."""
+    """Upstream's graph cache interface on the shared core (`evict_on_miss`: LRU, else exact); a
+    release also forgets the recorded addresses of graphs no longer resident."""
 
     def __init__(self, name: str, max_entries: int, *, evict_on_miss: bool, min_hits: int = 1,
                  address_guard: AddressGuard | None = None):
@@ -206,7 +201,6 @@ class _VLAGraphRunnerBase:
     _cache_name = "graph"
 
     def __init__(self, enabled: bool = True, max_entries: int = 1, *, evict_on_miss: bool = False):
-        # --ext-debug-addresses (read now): every static tensor's address is checked before a replay.
         self._address_guard = AddressGuard()
         self._cache = _BoundedCaptureCache(self._cache_name, max_entries, evict_on_miss=evict_on_miss,
                                            min_hits=int(knobs.current("pi05_graph_min_hits")),
@@ -245,8 +239,6 @@ class _VLAGraphRunnerBase:
         """Warm `run` up on the capture stream, then capture it; returns (graph, output)."""
         device_module = torch.get_device_module(device)
         if self._capture_stream is None:
-            # One capture stream per device for every sglang-ext runner: the allocator reuses an
-            # evicted graph's pool blocks only on the stream that allocated them.
             self._capture_stream = capture_stream(device)
         if self._graph_pool is None:
             self._graph_pool = get_or_create_global_graph_memory_pool(device_module)
@@ -257,7 +249,6 @@ class _VLAGraphRunnerBase:
             run()
         self._capture_stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # No GC inside the capture; a failed capture leaves pool, generator and stream usable.
         with guarded_capture(graph, pool=self._graph_pool, stream=self._capture_stream), torch.inference_mode():
             output = run()
         self._capture_stream.synchronize()
@@ -265,12 +256,8 @@ class _VLAGraphRunnerBase:
 
     def _run(self, signature: Any, eager: Callable[[], Any], capture: Callable[[], Any],
              load: Callable[[Any], None], result: Callable[[Any], Any]) -> Any:
-        """Replay `signature`'s graph (captured first when the cache admits it), else `eager()`.
-
-        capture() builds an entry from clones of this call's inputs; load(entry) copies this call's
-        inputs into it; result(entry) is the call's output. A failure quarantines the signature
-        and runs eager; a static tensor that moved (--ext-debug-addresses) raises.
-        """
+        """Replay `signature`'s graph (captured first when admitted), else `eager()`; a failure
+        quarantines the signature and runs eager, a moved static tensor raises."""
         captured = self._cache.get(signature)
         if captured is None and not self._admit(signature):
             return eager()
@@ -344,9 +331,8 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
         return _denoise_graph_static_tensors(captured)
 
     def _sync_context_if_needed(self, captured: _CapturedDenoiseGraph, prefix_context: PrefixContext) -> None:
-        """Copy the request's prefix K/V and masks into the graph unless they are there already:
-        the same context (generation) or the same prefix-cache entry (digest). A prefix-graph
-        output changes in place, so it is always copied."""
+        """Copy the request's prefix K/V and masks into the graph unless the same context
+        (generation) or prefix-cache entry (digest) is there; a prefix-graph output always is."""
         generation = prefix_context_generation(prefix_context)
         digest = prefix_context.cache_key_digest
         if not prefix_context.layout.get("mutable_graph_output", False) and (
@@ -389,8 +375,7 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
     def capture_or_run_loop(self, signature: VLADenoiseLoopGraphSignature,
                             loop_fn: Callable[[PrefixContext, torch.Tensor, torch.Tensor], torch.Tensor],
                             prefix_context: PrefixContext, x_t: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        """Every denoise step of one request as one replay: `loop_fn(context, x_t, timesteps)` runs
-        them, updating x_t in place (the same kernels as eager, in the same order); returns x_t."""
+        """Every denoise step of one request as one replay of `loop_fn` (updates x_t in place)."""
         if not self.enabled or not self._graph_device(x_t):
             return loop_fn(prefix_context, x_t, timesteps)
         return self._run(
