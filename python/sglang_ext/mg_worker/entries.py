@@ -1,31 +1,14 @@
-"""Entry points of spawned multimodal_gen processes, with sglang-ext activation.
-
-sglang 0.5.17 starts multimodal_gen GPU workers (and, with `--webui`, the HTTP
-server) with the spawn method and never loads plugins in them, so patches
-applied in the launcher process do not exist there. The `mg_worker_activation`
-patch rebinds the `sglang.multimodal_gen.runtime.launch_server` globals used as
-process targets to the `WorkerEntry` objects below.
-
-A spawned child unpickles its target before its arguments. A `WorkerEntry`
-pickles as a call of `worker_entry(name)` here, so the child imports sglang-ext
-and activates it while unpickling the target, before the arguments
-(`ServerArgs`, the pipeline config) import `sglang.multimodal_gen`: patches
-then apply as those modules are imported, exactly as in the launcher process.
-Calling the entry activates again (a no-op) and runs sglang's original target.
-
-Nothing here is transplanted into sglang's module: an object that pickles as
-`launch_server.<name>` would be resolved by the child's fresh import to the
-unpatched original.
+"""Entry points of spawned multimodal_gen processes, with sglang-ext activation (patch
+mg_worker_activation, spawn.py). A `WorkerEntry` pickles as a call of `worker_entry(name)`, so the
+child activates while unpickling its target, before its arguments import `sglang.multimodal_gen`.
 """
 
 from __future__ import annotations
 
 
 def _activate_in_worker() -> None:
-    # force: entries are only installed when the launcher process activated sglang-ext
-    # (also via an explicit `activate(force=True)` without SGLANG_EXT=1). Knob values come
-    # from the inherited environment; in strict mode a failure aborts the child with
-    # SglangExtActivationError, which the launcher reports as a dead rank.
+    # force: entries are installed only when the launcher process activated sglang-ext (perhaps
+    # with `activate(force=True)` and no SGLANG_EXT=1); knobs come from the inherited environment.
     from sglang_ext.activation import activate
 
     activate(force=True)
@@ -40,8 +23,7 @@ def run_scheduler_process(*args, **kwargs):
 
 
 def _run_disagg_role_process(*args, **kwargs):
-    """GPU worker of `launch_pool_disagg_server` / `launch_disagg_role`. sglang's original body
-    calls the module global `run_scheduler_process`, which is the entry above when patched."""
+    """GPU worker of `launch_pool_disagg_server` / `launch_disagg_role` (its body calls the entry above)."""
     _activate_in_worker()
     return _original("_run_disagg_role_process")(*args, **kwargs)
 

@@ -5,13 +5,11 @@ Targets: sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.for
 Upstream PR: none (0.5.23 still opens a socket per request)
 Retire when: upstream keeps its scheduler sockets across requests
 
-Why: every request (each /v1/actions/generations POST, each /openpi/policy message) creates a REQ
-socket, connects it over TCP to the scheduler's ROUTER and closes it: a TCP handshake, a ZMTP
-greeting and a new ROUTER peer per request, on the critical path of a robot's control loop.
+Why: every request creates a REQ socket, connects it over TCP to the scheduler and closes it: a
+TCP handshake and a ZMTP greeting per request, on the critical path of a robot's control loop.
 How: sockets that completed a round trip go back to an idle list on the client; the next request
-takes one (a new one when none is idle, so concurrent requests still get one each). A socket whose
-round trip did not complete (timeout, cancellation, error) is closed, never reused: a REQ socket
-must alternate send and receive. `close()` closes the idle sockets before sglang's close.
+takes one (or a new one). A socket whose round trip did not complete is closed, never reused (a
+REQ socket must alternate send and receive). `close()` closes the idle sockets first.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ import zmq
 
 from sglang.multimodal_gen.runtime import scheduler_client as sglang_client
 
-# Idle sockets kept per client; more concurrent requests than this still work (extra sockets
-# are closed after their round trip instead of being kept).
+# Idle sockets kept per client (more concurrent requests still work: extras are closed).
 _EXT_MAX_IDLE_SOCKETS = 64
 
 

@@ -9,10 +9,9 @@ Why: 0.5.17 spawns the GPU workers (and, with `--webui`, the HTTP server) and no
 multimodal_gen loads plugins there, so Pi0.5 patches applied in the `sglang serve` process would
 not exist where the graphs run.
 How: the launch_server globals used as process targets are rebound to `entries.ENTRIES` objects
-that pickle as a call of `sglang_ext.mg_worker.entries.worker_entry(name)`: the child imports
-sglang-ext and activates while unpickling its target, before its arguments import
-multimodal_gen, then runs sglang's original entry. (A function installed into launch_server
-would pickle by that module's name and resolve to the unpatched original in the child.)
+that pickle as a call of `entries.worker_entry(name)`: the child activates while unpickling its
+target, then runs sglang's original entry (a function installed into launch_server would pickle
+by that module's name and resolve to the unpatched original).
 """
 
 from __future__ import annotations

@@ -8,11 +8,10 @@ Retire when: upstream stores the admitted bucket with the batch instead of recom
 Why: with CP v2 (zigzag) and breakable prefill graphs, a batch can need more CP-local rows than
 the smallest global bucket it fits was captured with; 0.5.17 pads to that bucket anyway and the
 replay raises, killing the request. Break inputs are held only weakly, so later captures reuse
-their memory (#37606).
-How: `PrefillCPBCGInput` gains upstream's bucket search (closed-form zigzag requirement on
-`graphs.buckets.select_bucket`); `can_run_graph` decides once and stores the decision on the
-forward batch, `load_batch` pads to exactly that bucket (a ContextVar read by a `_pad_to_bucket`
-override), and CP captures hold their break inputs strongly. docs/how-it-works.md says more.
+their memory.
+How: `PrefillCPBCGInput` gains upstream's bucket search; `can_run_graph` decides once and stores
+the decision on the forward batch, `load_batch` pads to exactly that bucket (a ContextVar read by
+a `_pad_to_bucket` override), and CP captures hold their break inputs strongly.
 """
 
 from __future__ import annotations
@@ -31,18 +30,14 @@ from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
 from sglang_ext.graphs import stats as ext_graph_stats
 from sglang_ext.graphs.buckets import BucketDecision, select_bucket
 
-# Name under which graph-cache counters show up in `doctor` / stats snapshots.
-PREFILL_CP_BUCKET_STATS_NAME = "prefill_cp_bucket"
+PREFILL_CP_BUCKET_STATS_NAME = "prefill_cp_bucket"  # the counters' name in stats snapshots
 
 # True while PrefillCudaGraphRunner.capture_one_shape captures a CP BCG prefill bucket.
-_EXT_HOLD_BREAK_INPUTS: contextvars.ContextVar = contextvars.ContextVar(
-    "sglang_ext_hold_break_inputs", default=False
-)
-
+_EXT_HOLD_BREAK_INPUTS: contextvars.ContextVar = contextvars.ContextVar("sglang_ext_hold_break_inputs",
+                                                                         default=False)
 # (live tokens, admitted bucket) while PrefillCudaGraphRunner.load_batch runs a CP batch.
 _EXT_ADMITTED_PREFILL_BUCKET: contextvars.ContextVar = contextvars.ContextVar(
-    "sglang_ext_admitted_prefill_bucket", default=None
-)
+    "sglang_ext_admitted_prefill_bucket", default=None)
 
 
 # --------------------------------------------------------------------------
@@ -53,10 +48,8 @@ _EXT_ADMITTED_PREFILL_BUCKET: contextvars.ContextVar = contextvars.ContextVar(
 def zigzag_required_local_rows(extend_seq_lens: Sequence[Any], cp_size: int, align_size: int) -> int:
     """Aligned CP-local rows the busiest rank needs for this zigzag layout.
 
-    Each request is cut into 2*cp blocks of `base` rows, the first `rem` blocks
-    one row longer; rank r owns blocks r and 2*cp-1-r. Summed over requests,
-    rank r holds 2*sum(base) + #(rem > r) + #(rem > 2*cp-1-r) rows, so one sort
-    of the remainders replaces upstream's per-request, per-rank loop.
+    Each request is cut into 2*cp blocks of `base` rows, the first `rem` blocks one row longer;
+    rank r owns blocks r and 2*cp-1-r, so it holds 2*sum(base) + #(rem > r) + #(rem > 2*cp-1-r).
     """
     if not isinstance(extend_seq_lens, (list, tuple)):
         extend_seq_lens = [int(length) for length in extend_seq_lens]  # CPU tensor / array
@@ -72,27 +65,13 @@ def zigzag_required_local_rows(extend_seq_lens: Sequence[Any], cp_size: int, ali
     return int((needed + align_size - 1) // align_size * align_size)
 
 
-def select_fitting_bucket(
-    bucket_local_tokens: Dict[int, int],
-    num_tokens: int,
-    required: int,
-    capture_num_tokens: Sequence[int],
-    max_padding_factor: float,
-) -> BucketDecision:
-    """`select_bucket` over the captured buckets the padding factor allows.
-
-    Only that window is handed over (the rest cannot qualify), so validating the
-    candidates costs O(window), not O(all captured sizes), per batch.
-    """
+def select_fitting_bucket(bucket_local_tokens: Dict[int, int], num_tokens: int, required: int,
+                          capture_num_tokens: Sequence[int], max_padding_factor: float) -> BucketDecision:
+    """`select_bucket` over just the captured buckets the padding factor allows (O(window) per batch)."""
     lo = bisect.bisect_left(capture_num_tokens, num_tokens)
     hi = bisect.bisect_right(capture_num_tokens, num_tokens * max_padding_factor)
-    return select_bucket(
-        num_tokens,
-        capture_num_tokens[lo:hi],
-        max_padding_factor=max_padding_factor,
-        capacity=bucket_local_tokens,
-        required=required,
-    )
+    return select_bucket(num_tokens, capture_num_tokens[lo:hi], max_padding_factor=max_padding_factor,
+                         capacity=bucket_local_tokens, required=required)
 
 
 def required_local_tokens(self, extend_seq_lens: Any) -> Optional[int]:
@@ -103,52 +82,29 @@ def required_local_tokens(self, extend_seq_lens: Any) -> Optional[int]:
     return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size, cp_padding.get_cp_padding_align_size())
 
 
-def replay_bucket_decision(
-    self,
-    *,
-    num_tokens: int,
-    extend_seq_lens: Any,
-    capture_num_tokens: Sequence[int],
-    max_padding_factor: float,
-) -> Optional[BucketDecision]:
+def replay_bucket_decision(self, *, num_tokens: int, extend_seq_lens: Any, capture_num_tokens: Sequence[int],
+                           max_padding_factor: float) -> Optional[BucketDecision]:
     """The whole decision for one batch; None when the layout's requirement is unknown."""
     required = self.required_local_tokens(extend_seq_lens)
     if required is None:
         return None
-    return select_fitting_bucket(
-        self.bucket_local_tokens, num_tokens, required, capture_num_tokens, max_padding_factor
-    )
+    return select_fitting_bucket(self.bucket_local_tokens, num_tokens, required, capture_num_tokens,
+                                 max_padding_factor)
 
 
-def select_replay_bucket(
-    self,
-    *,
-    num_tokens: int,
-    required_local_tokens: int,
-    capture_num_tokens: Sequence[int],
-    max_padding_factor: float,
-) -> Optional[int]:
+def select_replay_bucket(self, *, num_tokens: int, required_local_tokens: int, capture_num_tokens: Sequence[int],
+                         max_padding_factor: float) -> Optional[int]:
     """Smallest captured global bucket within the padding factor whose CP-local rows fit."""
-    return select_fitting_bucket(
-        self.bucket_local_tokens, num_tokens, required_local_tokens, capture_num_tokens, max_padding_factor
-    ).bucket
+    return select_fitting_bucket(self.bucket_local_tokens, num_tokens, required_local_tokens, capture_num_tokens,
+                                 max_padding_factor).bucket
 
 
-def select_replay_bucket_for_batch(
-    self,
-    *,
-    num_tokens: int,
-    extend_seq_lens: Any,
-    capture_num_tokens: Sequence[int],
-    max_padding_factor: float,
-) -> Optional[int]:
+def select_replay_bucket_for_batch(self, *, num_tokens: int, extend_seq_lens: Any,
+                                   capture_num_tokens: Sequence[int], max_padding_factor: float) -> Optional[int]:
     """`select_replay_bucket` for a batch's extend lengths; None -> run eager."""
-    decision = self.replay_bucket_decision(
-        num_tokens=num_tokens,
-        extend_seq_lens=extend_seq_lens,
-        capture_num_tokens=capture_num_tokens,
-        max_padding_factor=max_padding_factor,
-    )
+    decision = self.replay_bucket_decision(num_tokens=num_tokens, extend_seq_lens=extend_seq_lens,
+                                           capture_num_tokens=capture_num_tokens,
+                                           max_padding_factor=max_padding_factor)
     return None if decision is None else decision.bucket
 
 
@@ -166,16 +122,8 @@ def patch_bcg(ctx, module) -> None:
 class PrefillCPBucketCounters:
     """What the CP bucket search did in one runner (see `sglang_ext.graphs.stats`)."""
 
-    __slots__ = (
-        "__weakref__",
-        "admitted",
-        "admitted_larger_bucket",
-        "rejected_no_fit",
-        "rejected_unknown_layout",
-        "padding_rows_added",
-        "padding_rows_total",
-        "stats_name",
-    )
+    __slots__ = ("__weakref__", "admitted", "admitted_larger_bucket", "rejected_no_fit", "rejected_unknown_layout",
+                 "padding_rows_added", "padding_rows_total", "stats_name")
 
     def __init__(self) -> None:
         self.admitted = 0
@@ -305,11 +253,8 @@ BREAKABLE_CUDA_GRAPH_MODULE = "sglang.srt.model_executor.runner_backend_utils.br
 
 
 def _weak_ref_if_tensor(x):
-    """A graph-break input as `eager_on_graph` keeps it: itself inside a CP BCG capture, else 0.5.17's weak view.
-
-    Tuples and lists are copied as 0.5.17 copies them, so a container the model mutates
-    after the break never changes what the replay passes.
-    """
+    """A graph-break input as `eager_on_graph` keeps it: itself inside a CP BCG capture (containers
+    copied, as 0.5.17 copies them), else 0.5.17's weak view."""
     if not _EXT_HOLD_BREAK_INPUTS.get():
         return sys.modules[BREAKABLE_CUDA_GRAPH_MODULE]._ext_orig_weak_ref_if_tensor(x)
     if isinstance(x, tuple):
@@ -320,12 +265,8 @@ def _weak_ref_if_tensor(x):
 
 
 def patch_breakable_cuda_graph(ctx, prefill_runner_module) -> None:
-    """Triggered by the prefill runner's import, which has imported the breakable module.
-
-    Not by the breakable module's own import: sglang imports it half-way through
-    `sglang.srt.layers.cp`'s import chain, where importing this adapter (it imports
-    `sglang.srt.layers.cp.utils`) would be circular.
-    """
+    """Triggered by the prefill runner's import, not the breakable module's own: sglang imports that
+    half-way through `sglang.srt.layers.cp`'s import chain, where importing this adapter is circular."""
     module = importlib.import_module(BREAKABLE_CUDA_GRAPH_MODULE)
     ctx.setattr(module, "_ext_orig_weak_ref_if_tensor", module.__dict__["_weak_ref_if_tensor"])
     ctx.setattr(module, "_weak_ref_if_tensor", _weak_ref_if_tensor)
