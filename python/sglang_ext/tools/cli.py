@@ -4,16 +4,10 @@
                       [--records DIR]
     sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
-`doctor` prints a one-line verdict on stdout (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`);
-`--verbose` adds one line per patch, versions, fingerprints, upstream, graph caches and what
-sglang and torch printed while the doctor imported them (kept out of the default output).
-Exit status of `doctor`: 0 when every requested patch is applied, armed, disabled or not
-needed; 1 when it reports a problem (a patch failed, was skipped or is no longer live, or the
-sglang is not supported); 2 for a configuration error (bad SGLANG_EXT / SGLANG_EXT_* value, bad
-option) or when sglang / torch is not installed.
-Exit status of `make-tiny-model`: 0 when written or already there; 2 for a bad argument, a folder
-it cannot write, or missing torch / transformers / tokenizers / safetensors (one line on stderr).
-Every usage error is one line on stderr, exit 2.
+`doctor` prints a one-line verdict (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`); exit 0
+when every requested patch is applied, armed, disabled or not needed, 1 for a problem, 2 for a
+configuration error or missing sglang / torch. `make-tiny-model` exits 0 when written or already
+there, 2 otherwise. Every usage error is one line on stderr, exit 2.
 """
 
 from __future__ import annotations

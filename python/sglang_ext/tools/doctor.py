@@ -1,10 +1,8 @@
 """`sglang-ext doctor`: what is installed, what each patch does in this process, and why.
 
-`report()` is usable inside a running server (it reads this process's
-activation and graph-cache counters, it never activates anything);
-`run_checks()` is what the console script does in its own process: activate
-every patch with the fingerprint check and, by default, import every target
-module so that "applied" is proven rather than "armed".
+`report()` reads this process's activation and graph caches (usable inside a server);
+`run_checks()` is what the console script does: activate in its own process and, by default,
+import every target module so that "applied" is proven rather than "armed".
 """
 
 from __future__ import annotations
@@ -123,11 +121,8 @@ def read_records(directory: str) -> List[Dict[str, Any]]:
 
 def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
            environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """The doctor report of this process. Inside a running server: live statuses + graph caches.
-
-    Where this process has not activated sglang-ext (or `source_root` names another tree),
-    the statuses are planned from the fingerprints without touching anything.
-    """
+    """The doctor report of this process: live statuses and graph caches, or (not activated, or
+    another tree) statuses planned from the fingerprints."""
     env = os.environ if environ is None else environ
     live = activation.statuses() if source_root is None else {}
     settings: Optional[Settings] = activation.current_settings() if live else None
@@ -165,12 +160,8 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
 
 @contextlib.contextmanager
 def held_stderr(lines: List[str]) -> Iterator[None]:
-    """Hold back everything written to file descriptor 2 (Python warnings, logging, C++ code)
-    while sglang and torch are imported; their lines land in `lines` instead.
-
-    If the block raises, what was held is written back before the exception goes on, so a
-    traceback keeps its context.
-    """
+    """Hold back everything written to file descriptor 2 into `lines` (written back if the block
+    raises, so a traceback keeps its context)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -193,8 +184,7 @@ def held_stderr(lines: List[str]) -> Iterator[None]:
 
 
 def missing_prerequisites(*, import_targets: bool, source_root: Optional[str]) -> List[str]:
-    """sglang (and torch, when the doctor imports sglang's modules) if this Python lacks them.
-    Another tree (`source_root`) is only read, so it needs neither."""
+    """sglang (and torch, to import sglang's modules) if this Python lacks them; another tree needs neither."""
     if source_root is not None:
         return []
     return missing_modules(("sglang", "torch") if import_targets else ("sglang",))
@@ -203,14 +193,9 @@ def missing_prerequisites(*, import_targets: bool, source_root: Optional[str]) -
 def run_checks(*, import_targets: bool = True, source_root: Optional[str] = None,
                version: Optional[str] = None, strict: Optional[bool] = None,
                environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """What the console script does: activate in this (throw-away) process, then report.
-
-    With `import_targets` every trigger module is imported so each patch is proven to
-    apply (about 10-25 s: it imports the Qwen-VL and multimodal_gen stacks); what sglang and
-    torch print meanwhile is held back into the report's `import_messages`. Another tree
-    (`source_root`) is only fingerprinted: its code is not what this process runs. Without
-    sglang (or torch, for the import) nothing is activated and `missing_prerequisites` says so.
-    """
+    """What the console script does: activate in this (throw-away) process, then report. With
+    `import_targets` every trigger module is imported (what sglang and torch print meanwhile goes
+    to `import_messages`); another tree is only fingerprinted."""
     env = dict(os.environ if environ is None else environ)
     missing = missing_prerequisites(import_targets=import_targets, source_root=source_root)
     try:
@@ -253,8 +238,7 @@ def has_problem(rep: Dict[str, Any]) -> bool:
 
 
 def exit_status(rep: Dict[str, Any]) -> int:
-    """2: a configuration error, or sglang / torch missing (the user must change the setup);
-    1: any other problem the verdict names; 0: OK."""
+    """2: a configuration error or sglang / torch missing; 1: any other problem; 0: OK."""
     if rep.get("config_error") or rep.get("missing_prerequisites"):
         return 2
     return 1 if has_problem(rep) else 0
@@ -293,9 +277,7 @@ VERBOSE_HINT = "details: sglang-ext doctor --verbose"
 
 
 def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
-    """The verdict in one line (a problem's names where the details are), the records a server
-    wrote when they were asked for, and with `verbose` every detail: each patch's status,
-    versions, fingerprints, upstream, graph caches, what sglang and torch printed on import."""
+    """The verdict in one line, the records a server wrote if asked for, and with `verbose` every detail."""
     lines = [verdict(rep)]
     if not verbose:
         if has_problem(rep) and not (rep.get("config_error") or rep.get("missing_prerequisites")):

@@ -1,21 +1,7 @@
 """Shared logic of `python -m sglang_ext.launch_server` and `python -m sglang_ext.serve`.
 
-The launchers take sglang's own command line plus `--ext-*` flags (one per knob
-in `sglang_ext.knobs.KNOBS`). They:
-
-1. split the `--ext-*` flags off (sglang's parsers would reject them),
-2. validate every value before sglang starts (exit 2 naming the flag and what
-   is allowed),
-3. export `SGLANG_EXT=1` and `SGLANG_EXT_<NAME>=<value>`, so every child
-   process (srt scheduler, spawned multimodal_gen workers) inherits them,
-4. stop with one line (exit 2) if sglang or torch is not installed in this Python, with one
-   line (exit 1) if torch sees no CUDA GPU (sglang would fail later, at length), and with one
-   line (exit 2) if the `--ext-activation-dir` folder cannot be created or written,
-5. activate sglang-ext in this process (one INFO line says what it applied), and
-6. hand the remaining argv to sglang's own entry point, unchanged.
-
-This module imports no sglang code: it stays cheap, and spawned children that
-re-import the launcher as `__mp_main__` pay nothing for it.
+The steps are in docs/how-it-works.md ("The launchers"). This module imports no sglang code, so
+spawned children that re-import the launcher as `__mp_main__` pay nothing for it.
 """
 
 from __future__ import annotations
@@ -37,15 +23,9 @@ _BY_FLAG: Dict[str, Knob] = {k.flag: k for k in KNOBS}
 
 
 def split_ext_args(argv: Sequence[str]) -> Tuple[Dict[str, str], List[str]]:
-    """Separate `--ext-*` flags from sglang's arguments.
-
-    Returns ({knob name: raw value}, remaining argv in original order).
-    Spellings: `--ext-name value`, `--ext-name=value`; a boolean knob given
-    bare (`--ext-strict`) means true, and takes a value only with `=`
-    (`--ext-strict=0`), so a following sglang argument is never swallowed.
-    Raises ExtConfigError for unknown `--ext-*` flags, missing values and
-    repeated flags.
-    """
+    """({knob name: raw value}, sglang's argv in order). `--ext-name value` or `--ext-name=value`; a
+    bare boolean flag means true (a value only with `=`, so no sglang argument is swallowed).
+    Raises ExtConfigError for unknown, valueless and repeated flags."""
     values: Dict[str, str] = {}
     rest: List[str] = []
     i = 0
@@ -110,13 +90,8 @@ def default_text(knob: Knob) -> str:
 
 
 def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """Environment entries to export for these flag values (SGLANG_EXT=1 included).
-
-    Every value is parsed by its knob; then the merged environment (base env
-    plus these entries) is validated as a whole with `load_settings`, so
-    unknown SGLANG_EXT_* variables and unknown patch names are caught here too.
-    Raises ExtConfigError.
-    """
+    """Environment entries to export for these flag values (SGLANG_EXT=1 included), validated with
+    the inherited environment as a whole. Raises ExtConfigError."""
     base = dict(os.environ if base_env is None else base_env)
     # The launcher sets SGLANG_EXT=1 itself; an inherited value it would overwrite must still be
     # one the children's plugin loader accepts, or it hides a typo (SGLANG_EXT=2).
@@ -132,12 +107,8 @@ def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, s
 
 
 def prepare_activation_dir(env: Mapping[str, str]) -> None:
-    """Create the activation-record folder of these settings now, or say why it cannot be.
-
-    Every process of the server writes its record there and only warns when it cannot;
-    the launcher is the one place that can still refuse before sglang starts.
-    Raises ExtConfigError.
-    """
+    """Create the activation-record folder now, or raise ExtConfigError saying why it cannot be
+    (the server's processes would only warn)."""
     directory = load_settings(env).activation_dir
     if not directory:
         return
@@ -189,11 +160,7 @@ def ext_help(prog: str) -> str:
 
 
 def no_cuda_message() -> Optional[str]:
-    """Why this machine cannot serve (None when torch sees a CUDA GPU).
-
-    torch is imported here, a little before sglang imports it anyway;
-    `torch.cuda.is_available()` creates no CUDA context.
-    """
+    """Why this machine cannot serve (None when torch sees a CUDA GPU; no CUDA context is created)."""
     import torch
 
     if torch.cuda.is_available():
@@ -229,13 +196,8 @@ def _help(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Option
 
 def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]],
          *, require_cuda: bool = True) -> int:
-    """Steps 1-6; `handover(sglang_argv)` runs sglang's entry point. Returns the exit status:
-    2 for a bad flag, environment value or missing sglang / torch, 1 without a CUDA GPU,
-    otherwise sglang's.
-
-    require_cuda: stop with one line before sglang starts when torch sees no CUDA GPU
-    (sglang would end in a long traceback); tests of the argument handling pass False.
-    """
+    """Check, export, activate, then `handover(sglang_argv)`. Exit status: 2 for a bad flag or value
+    or missing sglang / torch, 1 without a CUDA GPU (`require_cuda`), otherwise sglang's."""
     if any(a in ("-h", "--help") for a in argv):
         return _help(argv, prog, handover)
     try:

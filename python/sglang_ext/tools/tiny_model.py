@@ -4,24 +4,14 @@
 
 Run again on the same folder it changes nothing (the same seed gives the same bytes).
 
-Why: a real-server test needs a model that every GPU machine has without a download, and
-outputs that depend on the input. `--load-format dummy` weights are too small (+-1e-3) for
-that, so the folder carries a seeded random checkpoint at the scale of a Hugging Face
-initialisation (normal, std 0.02; norms 1, biases 0), a few MB in bfloat16.
+Why: a real-server test needs a model every GPU machine has without a download, with outputs that
+depend on the input (`--load-format dummy` weights are too small for that): a seeded random
+checkpoint at the scale of a Hugging Face initialisation, a few MB in bfloat16.
 
-What is real: the architectures sglang 0.5.17 serves (`Qwen2ForCausalLM`,
-`Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`), the vision
-towers' patch / temporal / merge sizes (14/2/2 for Qwen2.5-VL, 16/2/2 for Qwen3-VL),
-window attention with full-attention blocks (Qwen2.5-VL) and deepstack layers (Qwen3-VL).
-Vision and text head_dim are 64 (a size FA3 and flashinfer support). What is small: every
-width and depth, and the tokenizer: a byte-level BPE of a few hundred tokens trained here on
-a built-in text with the `tokenizers` library, plus Qwen's special tokens.
-
-Tensor names follow the checkpoints each sglang loader reads: Qwen2.5-VL in the original
-hub layout (`visual.*`, `model.*`, `lm_head.*`), Qwen3-VL in the transformers >= 4.57 layout
-(`model.visual.*`, `model.language_model.*`, `lm_head.*`). Shapes come from the transformers
-model class built on the meta device, values from one seeded generator in name order, so the
-same seed writes byte-identical files.
+Real: the architectures, the vision towers' patch / temporal / merge sizes, window attention
+(Qwen2.5-VL) and deepstack layers (Qwen3-VL). Small: every width and depth, and the tokenizer (a
+byte-level BPE trained here, plus Qwen's special tokens). Tensor names follow the checkpoints each
+sglang loader reads (Qwen2.5-VL: the original hub layout; Qwen3-VL: transformers >= 4.57's).
 """
 
 from __future__ import annotations
@@ -194,7 +184,7 @@ def _hf_model_class(kind: str):
 
 
 def checkpoint_name(kind: str, hf_name: str) -> str:
-    """The checkpoint name of a transformers 5 state-dict entry (see the module docstring)."""
+    """The checkpoint name of a transformers 5 state-dict entry."""
     if kind == "qwen2_5_vl":
         for new, old in (("model.visual.", "visual."), ("model.language_model.", "model.")):
             if hf_name.startswith(new):
@@ -288,7 +278,7 @@ def _remove_folders(created: List[pathlib.Path]) -> None:
 
 
 def _model_files(kind: str, seed: int) -> Dict[str, bytes]:
-    """{file name: content} of the `kind` folder (see the module docstring)."""
+    """{file name: content} of the `kind` folder."""
     from safetensors.torch import save
 
     tokenizer_files, vocab = _tokenizer_files(kind)
@@ -304,11 +294,8 @@ def _model_files(kind: str, seed: int) -> Dict[str, bytes]:
 
 
 def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
-    """Each file is written whole beside its place, then renamed over it, so a failure while
-    writing (no room, a read-only folder) changes none of them and leaves no partial file.
-
-    Plain open(): the files get the umask's mode (0644 by default), the same for every file.
-    """
+    """Each file is written whole beside its place, then renamed over it, so a failure changes none
+    of them and leaves no partial file."""
     temporary = {name: out / f".{name}.tmp-{os.getpid()}" for name in files}
     try:
         for name, data in files.items():
@@ -330,12 +317,9 @@ def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
 def ensure_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) -> Tuple[pathlib.Path, bool]:
     """Make `path` hold the `kind` model of `seed`; returns (the folder, whether anything was written).
 
-    A new or empty folder is written; one that already holds these files is left as it is (so
-    the same command can run again; files missing from it are added); any other non-empty folder
-    needs `force`, which overwrites the files this writes and leaves others alone. Raises TinyModelError, with
-    nothing written, for an unknown kind, a bad seed, a folder that cannot be written, a
-    folder holding something else without `force`, or missing torch / transformers /
-    tokenizers / safetensors.
+    A folder already holding these files is left as it is (missing ones are added); any other
+    non-empty folder needs `force`, which overwrites our files only. Raises TinyModelError, with
+    nothing written, for bad arguments, an unusable folder or missing packages.
     """
     out = _check_args(kind, path, seed, force)
     missing = missing_modules(REQUIRED_MODULES)
