@@ -1,18 +1,10 @@
 """Activation: decide, apply, verify, record. Explicit, never an import side effect.
 
-`activate()` is re-entrant and idempotent per process. For every patch in the
-registry it decides a status before touching anything:
-
-    applied | armed (applies when <module> is imported) | disabled
-    not needed (upstream has it since X) | skipped (<reason>) | failed: <reason>
-
-A patch is applied whole or not at all: its parts run when their trigger module
-is imported, each through a `PatchContext`; a part that raises or does not
-verify rolls back every part of that patch. In strict mode every skip or
-failure of a requested patch raises `SglangExtActivationError` (a
-BaseException, so sglang's `except Exception` plugin loader cannot swallow it).
-Bad configuration (unknown knob, bad value, unknown patch name) raises it in
-every mode.
+`activate()` is idempotent per process. It decides every patch's status before touching anything
+(applied, armed, disabled, not needed, skipped, failed). A patch is applied whole or not at all:
+its parts run when their trigger module is imported, and a part that raises or does not verify
+rolls back the whole patch. Strict mode turns every skip or failure into
+`SglangExtActivationError`; bad configuration raises it in every mode.
 """
 
 from __future__ import annotations
@@ -107,12 +99,8 @@ def activate(
 ) -> Dict[str, PatchStatus]:
     """Apply every enabled patch in this process (idempotent; later calls return the statuses).
 
-    force: apply even if the master switch (SGLANG_EXT=1) is off (explicit API use).
-    strict: override the strict knob.
-    eager: import every trigger module now instead of waiting for sglang to import it.
-    source_root / version: check fingerprints against another sglang tree (tests, doctor).
-        Parts are armed only when fingerprints match, so a mismatching tree leaves the live
-        sglang untouched.
+    force: even if SGLANG_EXT is off. strict: override the knob. eager: import every trigger module
+    now. source_root / version: check fingerprints against another sglang tree.
     """
     with _state.lock:
         if _state.activated:
@@ -180,11 +168,8 @@ def deactivate() -> None:
 
 
 def verify_applied() -> Dict[str, List[str]]:
-    """Re-check now that every swap of every (partly) applied patch is still the live object.
-
-    Applying verifies once; something may rebind a target later (another plugin, sglang's
-    HookRegistry propagating a REPLACE). `doctor` reports this.
-    """
+    """Re-check that every swap of every (partly) applied patch is still live (something may rebind
+    a target later); `doctor` reports this."""
     out: Dict[str, List[str]] = {}
     for name, st in _state.statuses.items():
         ctx = _state.contexts.get(name)
@@ -204,8 +189,7 @@ def resolve_version(settings: Optional[Settings], source_root: Optional[str] = N
         return source_tree_version(source_root)
     installed = installed_sglang_version()
     if installed is None:
-        # An sglang on sys.path without dist metadata (an unpacked wheel or a build tree):
-        # its own _version.py says which release it is; fingerprints are still checked.
+        # an sglang without dist metadata (an unpacked wheel): its _version.py says which release
         path = installed_sglang_path()
         if path is not None:
             return source_tree_version(os.path.dirname(path))
@@ -316,8 +300,8 @@ def _pending_detail(st: PatchStatus) -> str:
 
 
 def _report_refusals(source_root: Optional[str]) -> None:
-    """One warning per skipped patch (one in total for an unsupported sglang), or in strict
-    mode one exception carrying the same text (said once: the launcher prints it)."""
+    """One warning per skipped patch (one in total for an unsupported sglang), or in strict mode one
+    exception carrying the same text."""
     skipped = [st for st in _state.statuses.values() if st.state == SKIPPED]
     if not skipped:
         return
@@ -364,8 +348,7 @@ def startup_line() -> str:
 
 
 def _log_startup() -> None:
-    # sglang configures logging only after load_plugins() in its schedulers: without any
-    # handler yet, this one line still goes to stderr, once.
+    # sglang configures logging only after load_plugins(): without a handler yet, go to stderr.
     if logger.hasHandlers():
         logger.info("%s", startup_line())
     else:

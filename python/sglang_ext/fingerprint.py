@@ -1,12 +1,7 @@
 """Fingerprints of sglang definitions: sha256 of `ast.dump` of one definition.
 
-Hashing the AST (not the text) ignores formatting, comments and docstrings, so a
-re-wrapped line upstream does not count as a change, while any change of code does.
-Sources are parsed from files, never imported: checking a fingerprint must not
-pull the Qwen-VL or multimodal_gen stacks into a process.
-
-Reference tables live in `sglang_ext/fingerprints/sglang-<version>.json`, written
-by `scripts/gen_fingerprints.py` from the real wheels (never by hand).
+The AST ignores formatting, comments and docstrings; sources are parsed, never imported.
+Reference tables (`fingerprints/sglang-<version>.json`) are written by scripts/gen_fingerprints.py.
 """
 
 from __future__ import annotations
@@ -56,12 +51,7 @@ def _find_definition(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
 
 
 def _canonical(node: object) -> str:
-    """`ast.dump`-like text that is the same on every Python version we run on.
-
-    `ast.dump` itself is not stable across versions (3.12 adds `type_params`,
-    3.13 stops printing empty fields), so empty fields are always dropped, and
-    docstrings are left out: they change nothing that runs.
-    """
+    """`ast.dump`-like text that is the same on every Python version (empty fields and docstrings dropped)."""
     if isinstance(node, ast.AST):
         fields = []
         for name, value in ast.iter_fields(node):

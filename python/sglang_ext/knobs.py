@@ -1,14 +1,8 @@
 """Every user-facing setting of sglang-ext, declared once.
 
-Each knob has one flag spelling (`--ext-<name-with-dashes>`, read by
-`python -m sglang_ext.launch_server`) and one environment spelling
-(`SGLANG_EXT_<NAME>`), so child processes (scheduler, spawned workers) inherit
-what the launcher was given. The launcher turns flags into environment
-variables; every process then reads the environment through `load_settings()`.
-
-Validation happens here, at start-up, before anything is patched: a bad value
-raises `ExtConfigError` naming the knob (flag and env spelling) and the allowed
-values.
+Each knob has a flag (`--ext-<name>`, for the launchers) and an environment spelling
+(`SGLANG_EXT_<NAME>`, inherited by child processes); every process reads the environment through
+`load_settings()`, which raises `ExtConfigError` naming the knob and the allowed values.
 """
 
 from __future__ import annotations
@@ -304,9 +298,7 @@ def use(settings: Optional[Settings]) -> None:
 
 
 def current(name: str) -> Any:
-    """Value of one knob: the one activation validated; without an activation (offline tools,
-    unit tests of an adapter alone) parsed from the environment now. Patched code reads a knob
-    once, when it builds its state, not per call."""
+    """Value of one knob: the one activation validated, else parsed from the environment now."""
     if _active is not None:
         return _active.values[name]
     k = _BY_NAME[name]

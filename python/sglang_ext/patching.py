@@ -1,15 +1,9 @@
 """How a patch touches sglang: recorded attribute swaps, applied on import.
 
-`PatchContext.setattr` is the only way adapters change sglang objects. It
-records (owner, name, original, replacement) so that activation can verify the
-live attribute afterwards (sglang's own HookRegistry swallows failures, so
-nothing is trusted unverified) and can roll a patch back whole if one of its
-parts fails: a patch is applied completely or not at all.
-
-Parts of a patch run when their trigger module has been imported (immediately
-if it already is). Importing target modules eagerly would pull the Qwen-VL or
-multimodal_gen stacks into every server process; the post-import hook keeps an
-LLM-only server's start-up unchanged.
+`PatchContext.setattr` / `setitem` are the only way adapters change sglang objects; each swap is
+recorded so that activation can verify it and roll a patch back whole. Parts run when their
+trigger module has been imported (a post-import hook), so an LLM-only server never imports the
+Qwen-VL or multimodal_gen stacks.
 """
 
 from __future__ import annotations
@@ -106,17 +100,12 @@ def _location(owner: Any, name: Any) -> Tuple[int, Any]:
 def _unpatched(swap: AttrSwap) -> Any:
     """What `swap`'s attribute held before sglang-ext, given that it holds `swap.original` now.
 
-    A module that binds a name from patched code (`from .protocol import infer_action`) while the
-    patch is applied holds the patch's object, not sglang's: restoring that object on rollback
-    would leave sglang-ext's code behind after deactivation (its added globals gone: a NameError
-    on the next call). Two ways in:
-    - the name's source attribute was swapped from one object to another: that swap's original
-      is sglang's object. A later patch wrapping the *same* attribute keeps the replacement
-      (rolling the wrapper back alone restores the first patch);
-    - the source module was replaced whole in sys.modules (`install_module`): sglang's object is
-      the same name in the module it replaced; when that was never imported, the name is resolved
-      when the module swap rolls back (`dependents`).
-    Only functions and classes are followed (a value such as True is not an identity)."""
+    A module that bound a name from patched code holds the patch's object; restoring that on
+    rollback would leave our code behind. So: if the object is another swap's replacement, that
+    swap's original (a later patch wrapping the *same* attribute keeps it); if it comes from a
+    module installed whole in sys.modules, the same name in the module it replaced, resolved when
+    the module swap rolls back (`dependents`) if that was never imported. Only functions and
+    classes are followed."""
     current = swap.original
     if not isinstance(current, (_types.FunctionType, type)):
         return current
@@ -164,9 +153,7 @@ def _forget(swap: AttrSwap) -> None:
 
 
 def _wraps(live: Any, replacement: Any) -> bool:
-    """True when `live` is a later patch's wrapper around `replacement` (it says so through
-    `__sglang_ext_wraps__`, e.g. pi05_server_timing around pi05_action_transport's endpoint):
-    the replacement still runs."""
+    """True when `live` is a later patch's wrapper around `replacement` (`__sglang_ext_wraps__`)."""
     for _ in range(8):
         live = getattr(live, "__sglang_ext_wraps__", None)
         if live is None:
@@ -204,11 +191,8 @@ _finder_installed = False
 
 
 def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
-    """Run `callback(module)` once `module_name` has finished importing.
-
-    Runs immediately when it already has. Exceptions from the callback
-    propagate to the importer (BaseException in strict mode aborts start-up).
-    """
+    """Run `callback(module)` once `module_name` has finished importing (now, if it has); its
+    exceptions propagate to the importer."""
     with _lock:
         mod = sys.modules.get(module_name)
         if mod is not None and not _is_initializing(mod):
@@ -300,10 +284,7 @@ def _install_finder() -> None:
 
 
 def install_module(ctx: PatchContext, name: str, source_module: ModuleType) -> None:
-    """Make `source_module` importable as `name` (an upstream module that 0.5.17 lacks).
-
-    The parent package gets the attribute too, so `from parent import child` works.
-    """
+    """Make `source_module` importable as `name` (and an attribute of its parent package)."""
     parent_name, _, child = name.rpartition(".")
     ctx.setitem(sys.modules, name, source_module)
     parent = sys.modules.get(parent_name)

@@ -1,11 +1,8 @@
 """Entry point of sglang's plugin loader (`sglang.srt.plugins`, and on
 sglang >= 0.5.21 also `sglang.multimodal_gen.plugins`).
 
-Installed but not enabled changes nothing: the loader calls `register()` in
-every sglang process, and it returns at once unless SGLANG_EXT is set (by
-`python -m sglang_ext.launch_server` or by the user, inherited by children).
-The off path imports nothing but `os` (already loaded): every sglang process
-pays for it (`scripts/measure_plugin_overhead.py` measures it).
+The loader calls `register()` in every sglang process; unless SGLANG_EXT is set it returns at once,
+importing nothing but `os` (scripts/measure_plugin_overhead.py measures that).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The one declarative table of patches sglang-ext can apply.
 
-Nothing here imports sglang or applies anything: `sglang_ext.activation.activate`
-reads this table. Per patch:
-
-- `targets`: sglang definitions whose `ast.dump` fingerprint (see
-  `sglang_ext.fingerprints`) must equal the one of the release the adapter was
-  written for, before any part is applied.
-- `parts`: (trigger module, adapter function). The function runs as
-  `fn(ctx, module)` once the trigger module has been imported.
-- `rebinds`: bound names the adapter must also rebind (documentation + doctor).
-- `upstream_since` / `upstream_equivalent`: where upstream has the fix; with an
-  equivalent upstream, newer sglang reports `not needed (upstream has it since X)`.
-- `requires`: patches this one needs (always, or only while one of the listed knobs
-  is set). Activation checks them before arming anything: a patch whose requirement
-  is off is left off too (a warning; in strict mode a start-up error).
+Nothing here imports sglang or applies anything. Per patch: `targets` (sglang definitions whose
+fingerprint must match before any part is applied), `parts` (trigger module -> adapter function,
+run as `fn(ctx, module)` once it is imported), `rebinds` (bound names also rebound: documentation),
+`upstream_since` / `upstream_equivalent` (an equivalent upstream makes the patch "not needed"),
+`requires` (patches this one needs, perhaps only while a knob is set).
 """
 
 from __future__ import annotations
@@ -35,7 +26,7 @@ class Target:
 @dataclass(frozen=True)
 class Part:
     trigger_module: str
-    function: str  # "sglang_ext.adapters.<module>:<function>"
+    function: str  # "sglang_ext.<module>:<function>"
 
 
 @dataclass(frozen=True)
@@ -56,9 +47,7 @@ class PatchSpec:
     rebinds: Tuple[str, ...] = ()
     upstream_since: Optional[str] = None
     upstream_equivalent: bool = False
-    # Patches that only matter inside a subsystem (e.g. multimodal_gen) declare it,
-    # so `doctor` can say which processes need them.
-    process: str = "srt scheduler"
+    process: str = "srt scheduler"  # where it matters (doctor says)
     requires: Tuple[Requirement, ...] = ()
 
 
