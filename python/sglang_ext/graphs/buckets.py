@@ -65,27 +65,16 @@ def _check_buckets(buckets: Sequence[Any], field: str) -> Tuple[int, ...]:
     return tuple(int(size) for size in out)
 
 
-def select_bucket(
-    live_size: int,
-    buckets: Sequence[int],
-    *,
-    max_padding_factor: float = 2.0,
-    capacity: Optional[Mapping[int, int]] = None,
-    required: Optional[int] = None,
-) -> BucketDecision:
+def select_bucket(live_size: int, buckets: Sequence[int], *, max_padding_factor: float = 2.0,
+                  capacity: Optional[Mapping[int, int]] = None, required: Optional[int] = None) -> BucketDecision:
     """Smallest bucket with `live_size <= bucket <= live_size * max_padding_factor` and, if
     `required` is given, `capacity[bucket] >= required` (unknown capacity does not qualify)."""
     if not _is_int(live_size) or live_size < 0:
         raise ValueError(f"live_size: {live_size!r} is not allowed; allowed: integers >= 0")
-    if (
-        not isinstance(max_padding_factor, numbers.Real)
-        or isinstance(max_padding_factor, bool)
-        or math.isnan(max_padding_factor)
-        or max_padding_factor < 1
-    ):
-        raise ValueError(
-            f"max_padding_factor: {max_padding_factor!r} is not allowed; allowed: numbers >= 1 (inf = no limit)"
-        )
+    if (not isinstance(max_padding_factor, numbers.Real) or isinstance(max_padding_factor, bool)
+            or math.isnan(max_padding_factor) or max_padding_factor < 1):
+        raise ValueError(f"max_padding_factor: {max_padding_factor!r} is not allowed; allowed: numbers >= 1 "
+                         "(inf = no limit)")
     if required is not None and (not _is_int(required) or required < 0):
         raise ValueError(f"required: {required!r} is not allowed; allowed: None or integers >= 0")
     sizes = validate_buckets(buckets)

@@ -28,7 +28,7 @@ import functools
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Generic, Hashable, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Hashable, Mapping, Optional, TypeVar
 
 from sglang_ext.graphs import stats as _stats
 from sglang_ext.graphs.keys import _is_int
@@ -134,16 +134,8 @@ class BoundedGraphCache(Generic[K, E]):
     one-off layouts do not evict graphs in use. `release` runs once for every entry dropped.
     """
 
-    def __init__(
-        self,
-        name: str,
-        max_entries: int,
-        *,
-        policy: str = "lru",
-        max_bytes: int = 0,
-        min_hits: int = 1,
-        release: Callable[[E], None] = release_entry,
-    ) -> None:
+    def __init__(self, name: str, max_entries: int, *, policy: str = "lru", max_bytes: int = 0, min_hits: int = 1,
+                 release: Callable[[E], None] = release_entry) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: {name!r} is not allowed; allowed: a non-empty string")
         if policy not in POLICIES:
@@ -159,16 +151,13 @@ class BoundedGraphCache(Generic[K, E]):
         self._entries: "OrderedDict[K, E]" = OrderedDict()
         self._nbytes: Dict[K, int] = {}
         self._sightings: "OrderedDict[K, int]" = OrderedDict()
-        # Failed keys -> short reason (a string, not the exception: a traceback
-        # would keep the failed capture's frames and their tensors alive) and retry state.
+        # Failed keys -> reason (a string: a traceback would keep the capture's tensors alive), retry state.
         self._quarantine: "OrderedDict[K, _Quarantined]" = OrderedDict()
         self._reset_counters()
 
     def _reset_counters(self) -> None:
         self.hits = self.misses = self.captures = 0
         self.evictions = self.rejections = self.failures = 0
-
-    # ------------------------------------------------------------------ lookups
 
     @_publishes
     def get(self, key: K) -> Optional[E]:
@@ -185,10 +174,6 @@ class BoundedGraphCache(Generic[K, E]):
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def keys(self) -> Tuple[K, ...]:
-        """Resident keys, least recently used first."""
-        return tuple(self._entries)
 
     @property
     def entries(self) -> Mapping[K, E]:
@@ -210,8 +195,6 @@ class BoundedGraphCache(Generic[K, E]):
         """Misses of `key` left before it is tried again; None if not quarantined or permanent."""
         entry = self._quarantine.get(key)
         return entry.wait if entry is not None and entry.transient else None
-
-    # ---------------------------------------------------------------- admission
 
     def _over_budget(self, extra_entries: int, extra_bytes: int) -> bool:
         if len(self._entries) + extra_entries > self.capacity:
@@ -290,8 +273,6 @@ class BoundedGraphCache(Generic[K, E]):
         self._sightings.pop(key, None)
         self.discard(key)
 
-    # ------------------------------------------------------------------ release
-
     def _evict_oldest(self) -> None:
         key = next(iter(self._entries))
         self.evictions += 1
@@ -326,22 +307,11 @@ class BoundedGraphCache(Generic[K, E]):
             raise first_error
 
     def info(self) -> CacheInfo:
-        return CacheInfo(
-            name=self.name,
-            size=len(self._entries),
-            capacity=self.capacity,
-            hits=self.hits,
-            misses=self.misses,
-            captures=self.captures,
-            evictions=self.evictions,
-            rejections=self.rejections,
-            failures=self.failures,
-            bytes_resident=self.bytes_resident,
-            max_bytes=self.max_bytes,
-            policy=self.policy,
-            min_hits=self.min_hits,
-            quarantined=len(self._quarantine),
-        )
+        return CacheInfo(name=self.name, size=len(self._entries), capacity=self.capacity, hits=self.hits,
+                         misses=self.misses, captures=self.captures, evictions=self.evictions,
+                         rejections=self.rejections, failures=self.failures, bytes_resident=self.bytes_resident,
+                         max_bytes=self.max_bytes, policy=self.policy, min_hits=self.min_hits,
+                         quarantined=len(self._quarantine))
 
     def __repr__(self) -> str:
         i = self.info()

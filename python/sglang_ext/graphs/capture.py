@@ -27,6 +27,7 @@ import logging
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from sglang_ext.graphs.keys import _is_int
+from sglang_ext.versions import version_key
 
 _logger = logging.getLogger("sglang_ext.graphs.capture")
 
@@ -172,11 +173,7 @@ def _missing(owner: Any, names: Iterable[str], prefix: str) -> Optional[str]:
 
 
 def _torch_release(version: str) -> Tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
+    return version_key(version)[:2]
 
 
 def repair_unavailable() -> Optional[str]:

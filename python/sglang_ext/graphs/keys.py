@@ -50,15 +50,12 @@ def _host_values(values: Any, *, field: str, allow_device_sync: bool) -> Any:
     if isinstance(values, (list, tuple)) or _is_int(values):
         return values
     if not hasattr(values, "tolist"):
-        raise ValueError(
-            f"{field}: {type(values).__name__} is not allowed; allowed: list, tuple, numpy array or CPU tensor of ints"
-        )
+        raise ValueError(f"{field}: {type(values).__name__} is not allowed; allowed: list, tuple, numpy array or "
+                         "CPU tensor of ints")
     device = _device_type(values)
     if device not in (None, "cpu") and not allow_device_sync:
-        raise DeviceSyncError(
-            f"{field}: a {device} tensor would force a device sync to build a graph key; "
-            "allowed: list, tuple, numpy array or CPU tensor (or pass allow_device_sync=True)"
-        )
+        raise DeviceSyncError(f"{field}: a {device} tensor would force a device sync to build a graph key; "
+                              "allowed: list, tuple, numpy array or CPU tensor (or pass allow_device_sync=True)")
     return values.tolist()
 
 

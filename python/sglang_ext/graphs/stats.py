@@ -17,23 +17,22 @@ import os
 import sys
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-_registry: Dict[str, "_Registration"] = {}
+# name -> a resolver returning the live info callable, or None once its object died
+_registry: Dict[str, Callable[[], Optional[Callable[[], Any]]]] = {}
 _last_log = [float("-inf")]
 
 
-@dataclass(frozen=True)
-class _Registration:
-    info_fn: Callable[[], Optional[Callable[[], Any]]]  # returns the live info callable, or None once dead
-
-    def read(self) -> Optional[Dict[str, Any]]:
-        fn = self.info_fn()
-        if fn is None:
-            return None
-        info = fn()
-        return dict(info.as_dict() if hasattr(info, "as_dict") else info)
+def _read(name: str, *, copy: bool = True) -> Optional[Dict[str, Any]]:
+    """One registration's counters (copy=False: no `dataclasses.asdict` deep copy, for per-call use)."""
+    fn = _registry[name]()
+    if fn is None:
+        return None
+    info = fn()
+    if not copy:
+        return info if isinstance(info, dict) else vars(info)
+    return dict(info.as_dict() if hasattr(info, "as_dict") else info)
 
 
 def _weak_callable(info_fn: Callable[[], Any], owner: Any) -> Callable[[], Optional[Callable[[], Any]]]:
@@ -58,7 +57,7 @@ def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str
     while used in _registry:
         n += 1
         used = f"{name}#{n}"
-    _registry[used] = _Registration(_weak_callable(info_fn, owner))
+    _registry[used] = _weak_callable(info_fn, owner)
     return used
 
 
@@ -67,7 +66,7 @@ def unregister(name: str) -> None:
 
 
 def _drop_dead() -> None:
-    for name in [n for n, r in _registry.items() if r.info_fn() is None]:
+    for name in [n for n, resolve in _registry.items() if resolve() is None]:
         del _registry[name]
 
 
@@ -75,7 +74,7 @@ def snapshot() -> Dict[str, Dict[str, Any]]:
     """Counters of every live registration, by name (sorted)."""
     out = {}
     for name in sorted(_registry):
-        values = _registry[name].read()
+        values = _read(name)
         if values is None:
             del _registry[name]
         else:
@@ -146,25 +145,18 @@ def cache_label(name: str) -> Optional[str]:
 
 def _metric_values(values: Dict[str, Any]):
     """(counters {(family, reason)}: int, gauges {family: int}) of one registration's snapshot."""
-    counters: Dict[Tuple[str, str], int] = {}
-    for family, fields in _COUNTER_FIELDS.items():
-        for field in fields:
-            if field in values:
-                counters[(family, "")] = int(values[field])
-                break
+    def first(fields):
+        return next((int(values[field]) for field in fields if field in values), None)
+
+    counters: Dict[Tuple[str, str], int] = {(family, ""): value for family, fields in _COUNTER_FIELDS.items()
+                                            if (value := first(fields)) is not None}
     if "fallbacks" in values:  # the ViT runner: fallback_<reason> per reason
         reasons = {k[len("fallback_"):]: v for k, v in values.items() if k.startswith("fallback_")}
     else:
         reasons = {reason: values[field] for field, reason in _FALLBACK_FIELDS.items() if field in values}
     for reason, count in reasons.items():
         counters[("graph_eager_fallbacks", reason)] = int(count)
-    gauges = {}
-    for family, fields in _GAUGE_FIELDS.items():
-        for field in fields:
-            if field in values:
-                gauges[family] = int(values[field])
-                break
-    return counters, gauges
+    return counters, {family: value for family, fields in _GAUGE_FIELDS.items() if (value := first(fields)) is not None}
 
 
 def _create_metrics() -> Dict[str, Any]:
@@ -202,15 +194,6 @@ def publish() -> None:
                                                 type(exc).__name__, exc)
 
 
-def _fast_read(registration: "_Registration") -> Optional[Dict[str, Any]]:
-    """Like `_Registration.read`, without `dataclasses.asdict`'s deep copy (this runs per runner call)."""
-    fn = registration.info_fn()
-    if fn is None:
-        return None
-    info = fn()
-    return info if isinstance(info, dict) else vars(info)
-
-
 def _child(family: str, label: str, reason: str = ""):
     key = (family, label, reason)
     child = _prom["children"].get(key)
@@ -226,7 +209,7 @@ def _publish() -> None:
     for name in list(_registry):
         if cache_label(name) is None:
             continue
-        values = _fast_read(_registry[name])
+        values = _read(name, copy=False)
         if values is not None:
             snap[name] = values
     if not snap and _prom["metrics"] is None:

@@ -69,15 +69,8 @@ class StableWorkspacePool:
     """Backing buffers (flat 1-D tensors) from which graphs lease fixed-address slices. The
     current buffer stays when its last lease goes (the next capture uses it)."""
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        allocate: Optional[Callable[[int], Any]] = None,
-        dtype: Any = None,
-        device: Any = None,
-        growth: float = 2.0,
-    ) -> None:
+    def __init__(self, name: str, *, allocate: Optional[Callable[[int], Any]] = None, dtype: Any = None,
+                 device: Any = None, growth: float = 2.0) -> None:
         if not isinstance(growth, (int, float)) or isinstance(growth, bool) or not growth >= 1:
             raise ValueError(f"growth: {growth!r} is not allowed; allowed: numbers >= 1")
         if allocate is None:
@@ -93,8 +86,6 @@ class StableWorkspacePool:
         self._element_size = allocate(0).element_size()
         self._current: Optional[_Backing] = None
         self._retired: Dict[int, _Backing] = {}  # id -> backing still leased by a graph
-
-    # ------------------------------------------------------------------ leasing
 
     def lease(self, owner: Any, rows: int, row_shape: Sequence[int] = (), *, count: int = 1) -> WorkspaceLease:
         """`count` non-overlapping tensors of shape (rows, *row_shape) that never move."""
@@ -134,8 +125,6 @@ class StableWorkspacePool:
         if backing.leases == 0 and backing is not self._current:
             self._retired.pop(id(backing), None)
 
-    # ------------------------------------------------------------------ counters
-
     def _alive(self) -> Tuple[_Backing, ...]:
         return tuple(self._retired.values()) + ((self._current,) if self._current is not None else ())
 
@@ -152,10 +141,8 @@ class StableWorkspacePool:
         return sum(b.leases for b in self._alive())
 
     def __repr__(self) -> str:
-        return (
-            f"StableWorkspacePool({self.name!r}, buffers={self.backing_buffers}, "
-            f"bytes={self.bytes_allocated}, leases={self.live_leases})"
-        )
+        return (f"StableWorkspacePool({self.name!r}, buffers={self.backing_buffers}, "
+                f"bytes={self.bytes_allocated}, leases={self.live_leases})")
 
 
 class GraphInputMovedError(AssertionError):

@@ -29,17 +29,13 @@ _BLOCK_N = 64
 
 def _check(q, keys, values, used, key_rows=None):
     if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
-        raise ValueError(
-            f"first_rows_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}; "
-            "allowed: q [B, S, H, D], keys = values [B, T, KV, D]"
-        )
+        raise ValueError(f"first_rows_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)}; allowed: q [B, S, H, D], keys = values [B, T, KV, D]")
     batch, seq, heads, head_dim = q.shape
     kv_heads = keys.shape[2]
     if keys.shape[0] != batch or keys.shape[3] != head_dim or heads % kv_heads:
-        raise ValueError(
-            f"first_rows_attention: q {tuple(q.shape)} and keys {tuple(keys.shape)}; "
-            "allowed: same B and D, H a multiple of KV"
-        )
+        raise ValueError(f"first_rows_attention: q {tuple(q.shape)} and keys {tuple(keys.shape)}; "
+                         "allowed: same B and D, H a multiple of KV")
     if used is not None and (used.shape != (batch,) or used.dtype != torch.int32):
         raise ValueError(f"first_rows_attention: used {tuple(used.shape)} {used.dtype}; allowed: [{batch}] int32")
     if key_rows is not None and (used is None or key_rows.shape != keys.shape[:2] or key_rows.dtype != torch.int32):
@@ -178,9 +174,7 @@ def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *
     if head_dim != block_size(head_dim) or head_dim < 16:
         raise ValueError(f"first_rows_attention: head_dim={head_dim}; allowed: powers of two >= 16")
     for name, t in (("q", q), ("keys", keys), ("values", values), ("key_rows", key_rows)):
-        if t is None:
-            continue
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"first_rows_attention: {name} must be contiguous")
     if splits < 1:
         raise ValueError(f"first_rows_attention: splits={splits}; allowed: >= 1")

@@ -28,10 +28,8 @@ def _check(x, scale, shift, add, gate):
     rows = x.numel() // n
     conds = scale.numel() // n
     if scale.numel() != conds * n or conds == 0 or rows % conds:
-        raise ValueError(
-            f"ada_rms_norm: scale of shape {tuple(scale.shape)} does not give one row per group of "
-            f"the {rows} rows of x (width {n})"
-        )
+        raise ValueError(f"ada_rms_norm: scale of shape {tuple(scale.shape)} does not give one row per group of "
+                         f"the {rows} rows of x (width {n})")
     for name, t in (("shift", shift), ("gate", gate)):
         if t is not None and t.numel() != conds * n:
             raise ValueError(f"ada_rms_norm: {name} has {t.numel()} elements; allowed: {conds * n} (like scale)")
@@ -42,16 +40,9 @@ def _check(x, scale, shift, add, gate):
     return n, rows, rows // conds
 
 
-def ada_rms_norm_reference(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    shift: Optional[torch.Tensor] = None,
-    *,
-    eps: float,
-    add: Optional[torch.Tensor] = None,
-    gate: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
+def ada_rms_norm_reference(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None, *, eps: float,
+                           add: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
+                           out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """torch version of `ada_rms_norm` (same float32 math)."""
     n, _, group = _check(x, scale, shift, add, gate)
 
@@ -106,16 +97,9 @@ if triton is not None:
         tl.store(OUT + row * n_cols + cols, normed.to(OUT.dtype.element_ty), mask=mask)
 
 
-def ada_rms_norm(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    shift: Optional[torch.Tensor] = None,
-    *,
-    eps: float,
-    add: Optional[torch.Tensor] = None,
-    gate: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
+def ada_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None, *, eps: float,
+                 add: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
+                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """rms(x [+ add * gate]) * (1 + scale) + shift (with `add`, x is updated in place), as a new
     tensor in `out_dtype` (default x.dtype). scale / shift / gate: C * N elements."""
     if not runs_triton(x):
@@ -130,23 +114,9 @@ def ada_rms_norm(
     if isinstance(add, Partials):
         add, parts = add.parts, add.parts.shape[0]
     _ada_rms_norm_kernel[(rows,)](
-        x,
-        add.contiguous() if add is not None else x,
-        gate.contiguous() if gate is not None else scale,
-        scale,
-        shift.contiguous() if shift is not None else scale,
-        out,
-        n,
-        group,
-        float(eps),
-        rows * n,
-        HAS_ADD=add is not None,
-        ADD_PARTS=parts,
-        HAS_GATE=gate is not None,
-        HAS_SHIFT=shift is not None,
-        BLOCK=block,
-        PDL=pdl,
-        launch_pdl=pdl,
-        num_warps=4 if block <= 2048 else 8,
+        x, add.contiguous() if add is not None else x, gate.contiguous() if gate is not None else scale, scale,
+        shift.contiguous() if shift is not None else scale, out, n, group, float(eps), rows * n,
+        HAS_ADD=add is not None, ADD_PARTS=parts, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None,
+        BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4 if block <= 2048 else 8,
     )
     return out

@@ -36,13 +36,11 @@ def _check(shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_di
         raise ValueError(f"rope_qkv: q_out of shape {tuple(q_out.shape)}; allowed: {(batch, seq, num_heads, head_dim)}")
     for name, t in (("k_out", k_out), ("v_out", v_out)):
         if t.dim() != 4 or t.shape[0] != batch or tuple(t.shape[2:]) != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"rope_qkv: {name} of shape {tuple(t.shape)}; allowed: [{batch}, T, {num_kv_heads}, {head_dim}]"
-            )
+            raise ValueError(f"rope_qkv: {name} of shape {tuple(t.shape)}; allowed: [{batch}, T, {num_kv_heads}, "
+                             f"{head_dim}]")
         if not 0 <= kv_start <= t.shape[1] - seq:
-            raise ValueError(
-                f"rope_qkv: kv_start={kv_start}; allowed: 0..{t.shape[1] - seq} for {name} {tuple(t.shape)}"
-            )
+            raise ValueError(f"rope_qkv: kv_start={kv_start}; allowed: 0..{t.shape[1] - seq} for {name} "
+                             f"{tuple(t.shape)}")
     return batch, seq
 
 
@@ -114,10 +112,8 @@ if triton is not None:
 def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start):
     """Rotate q and k of `qkv`; q -> q_out, k / v -> rows kv_start.. of k_out / v_out."""
     if not runs_triton(q_out):
-        return rope_qkv_reference(
-            qkv, cos_sin, q_out, k_out, v_out,
-            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, kv_start=kv_start,
-        )
+        return rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, kv_start=kv_start)
     batch, seq = _check(qkv.shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
     parts, pdl = 1, uses_pdl(q_out)
     if isinstance(qkv, Partials):
@@ -187,10 +183,9 @@ def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_k
     """rope_qkv of the projection x [B, S, K] @ weight [(H + 2 KV) * D, K].T, in one kernel
     (block_n column pairs per program, block_k the K step)."""
     if not runs_triton(q_out):
-        return linear_rope_qkv_reference(
-            x, weight, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, kv_start=kv_start, block_n=block_n, block_k=block_k,
-        )
+        return linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, num_heads=num_heads,
+                                         num_kv_heads=num_kv_heads, head_dim=head_dim, kv_start=kv_start,
+                                         block_n=block_n, block_k=block_k)
     _check_linear(x, weight, head_dim, block_n, block_k)
     batch, seq = _check((*x.shape[:-1], weight.shape[0]), cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads,
                         head_dim, kv_start)

@@ -342,7 +342,7 @@ def test_capacity_one_swaps_and_resets_the_previous_graph():
         "captured", "hit", "captured", "captured", "captured"
     ]
     assert resets_of(events) == ["a", "b", "a"]
-    assert cache.keys() == ("b",)
+    assert tuple(cache.entries) == ("b",)
     # The reset of the evicted graph happens before the new capture (pool memory is free first).
     assert events.index(("reset", "a")) < events.index(("capture", "b"))
     assert cache.info().evictions == 3
@@ -353,11 +353,11 @@ def test_capacity_n_lru_order():
     cache = BoundedGraphCache("n", 3)
     for k in "abc":
         run_step(cache, k, events, graphs)
-    assert cache.keys() == ("a", "b", "c")
+    assert tuple(cache.entries) == ("a", "b", "c")
     assert run_step(cache, "a", events, graphs) == "hit"
-    assert cache.keys() == ("b", "c", "a")
+    assert tuple(cache.entries) == ("b", "c", "a")
     run_step(cache, "d", events, graphs)
-    assert cache.keys() == ("c", "a", "d") and resets_of(events) == ["b"]
+    assert tuple(cache.entries) == ("c", "a", "d") and resets_of(events) == ["b"]
     assert list(cache.entries) == ["c", "a", "d"]
     with pytest.raises(TypeError):
         cache.entries["z"] = None  # read-only view
@@ -370,7 +370,7 @@ def test_exact_policy_keeps_first_keys_and_rejects_later_ones():
     cache = BoundedGraphCache("exact", 2, policy="exact")
     out = [run_step(cache, k, events, graphs) for k in "abcca"]
     assert out == ["captured", "captured", "EAGER_CAPACITY", "EAGER_CAPACITY", "hit"]
-    assert cache.keys() == ("b", "a") and resets_of(events) == []
+    assert tuple(cache.entries) == ("b", "a") and resets_of(events) == []
     late = FakeGraph("c", events)
     assert cache.put("c", late) is False and late.resets == 1  # a put past capacity is refused too
     info = cache.info()
@@ -400,18 +400,18 @@ def test_byte_budget_evicts_by_bytes_before_capture():
     for k in "abc":
         assert run_step(cache, k, events, graphs, nbytes=40) in ("captured",)
     # a+b+c = 120 > 100: 'a' was evicted when 'c' was admitted, before its capture.
-    assert cache.keys() == ("b", "c") and cache.bytes_resident == 80
+    assert tuple(cache.entries) == ("b", "c") and cache.bytes_resident == 80
     assert events.index(("reset", "a")) < events.index(("capture", "c"))
     # Larger than the whole budget: eager, nothing evicted.
     assert run_step(cache, "huge", events, graphs, nbytes=101) == "EAGER_CAPACITY"
-    assert cache.keys() == ("b", "c") and cache.info().rejections == 1
+    assert tuple(cache.entries) == ("b", "c") and cache.info().rejections == 1
     # A capture that measured more than expected: evict LRU after the put, never the new entry.
-    assert cache.admit("d", expected_bytes=10).capture and cache.keys() == ("b", "c")
+    assert cache.admit("d", expected_bytes=10).capture and tuple(cache.entries) == ("b", "c")
     d = FakeGraph("d", events)
     assert cache.put("d", d, nbytes=95) is True
-    assert cache.keys() == ("d",) and d.resets == 0 and cache.bytes_resident == 95
+    assert tuple(cache.entries) == ("d",) and d.resets == 0 and cache.bytes_resident == 95
     assert cache.put("e", FakeGraph("e", events), nbytes=150) is True  # alone over budget: kept, others go
-    assert cache.keys() == ("e",) and d.resets == 1
+    assert tuple(cache.entries) == ("e",) and d.resets == 1
     info = cache.info()
     assert (info.bytes_resident, info.max_bytes, info.evictions) == (150, 100, 4)
 
@@ -589,14 +589,14 @@ def test_cache_invariants_under_random_operations(ops, capacity, policy, max_byt
     events, graphs = [], []
     cache = BoundedGraphCache("prop", capacity, policy=policy, max_bytes=max_bytes, min_hits=min_hits)
     for op, key, nbytes in ops:
-        before = set(cache.keys())
+        before = set(tuple(cache.entries))
         if op == "step":
             run_step(cache, key, events, graphs, nbytes=nbytes)
         elif op == "fail":
             cache.fail(key)
         else:
             cache.discard(key)
-        resident = set(cache.keys())
+        resident = set(tuple(cache.entries))
         assert len(cache) <= capacity
         assert max_bytes == 0 or cache.bytes_resident <= max_bytes or len(cache) == 1
         assert not any(cache.is_quarantined(k) for k in resident)

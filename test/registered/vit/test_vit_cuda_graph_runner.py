@@ -554,7 +554,7 @@ def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_c
         for rank, runner in enumerate(ranks):
             call(runner, tokens, full, window)
             info = runner._ext_graph_info()
-            histories[rank].append((runner._ext_cache.keys(), info["captures"], info["evictions"]))
+            histories[rank].append((tuple(runner._ext_cache.entries), info["captures"], info["evictions"]))
     assert histories[0] == histories[1]
     assert histories[0][-1][2] > 0
 
