@@ -56,23 +56,15 @@ def _ext_reject_misspelled_graph_keys(config, source_pipeline_dict) -> None:
         close = difflib.get_close_matches(key, _EXT_PI05_GRAPH_KEYS, n=1, cutoff=0.8)
         if close or "cuda_graph" in key or "token_bucket" in key:
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ExtConfigError(
-                f"unknown Pi0.5 pipeline config key {key!r}: {hint}"
-                f"allowed graph keys: {', '.join(_EXT_PI05_GRAPH_KEYS)}"
-            )
-
-
-# ---- methods installed on Pi05PipelineConfig ----
+            raise ExtConfigError(f"unknown Pi0.5 pipeline config key {key!r}: {hint}"
+                                 f"allowed graph keys: {', '.join(_EXT_PI05_GRAPH_KEYS)}")
 
 
 def _config_init(self, *args, **kwargs):
     # The generated 0.5.17 __init__ knows neither the new fields nor __post_init__.
     for graph_field in _EXT_PI05_GRAPH_FIELDS:
-        if graph_field.name in kwargs:
-            value = kwargs.pop(graph_field.name)
-        else:
-            value = _ext_pi05_settings.default(graph_field)
-        setattr(self, graph_field.name, value)
+        setattr(self, graph_field.name, kwargs.pop(graph_field.name) if graph_field.name in kwargs
+                else _ext_pi05_settings.default(graph_field))
     self._ext_orig___init__(*args, **kwargs)
     self.__post_init__()
 
@@ -94,16 +86,12 @@ def _validate_cuda_graph_config(self) -> None:
     buckets = list(raw)
     for index, bucket in enumerate(buckets):
         if not _ext_is_int(bucket):
-            raise ValueError(
-                f"prompt_token_buckets must contain integers (not bool), got {bucket!r} at index {index}"
-            )
+            raise ValueError(f"prompt_token_buckets must contain integers (not bool), got {bucket!r} at index {index}")
         if bucket <= 0:
             raise ValueError(f"prompt_token_buckets must contain positive lengths, got {bucket} at index {index}")
         if index and bucket <= buckets[index - 1]:
-            raise ValueError(
-                f"prompt_token_buckets must be strictly increasing and unique, got {buckets} "
-                f"({bucket} at index {index} follows {buckets[index - 1]})"
-            )
+            raise ValueError(f"prompt_token_buckets must be strictly increasing and unique, got {buckets} "
+                             f"({bucket} at index {index} follows {buckets[index - 1]})")
     if buckets and buckets[-1] > self.max_token_len:
         raise ValueError(f"prompt_token_buckets cannot exceed max_token_len ({self.max_token_len}), got {buckets[-1]}")
     for name in ("prefix_cuda_graph_max_entries", "action_cuda_graph_max_entries"):
@@ -132,9 +120,6 @@ def prefix_cuda_graph_available(self) -> bool:
 
 def action_cuda_graph_available(self) -> bool:
     return _ext_pi05_settings.action_graph_available(self)
-
-
-# ---- parts ----
 
 
 def patch_pipeline_config(ctx, module) -> None:

@@ -54,20 +54,28 @@ def unsupported_reason(core):
     return _cached_reason(core, _REASON_ATTR, _find_unsupported, "denoise path")
 
 
-def verified(core) -> bool:
-    """True once the fast loop ran on this model (its kernels build and run here)."""
-    return bool(core.__dict__.get(_VERIFIED_ATTR))
+# path -> (verified attribute, unsupported-reason attribute, name in the logs)
+_PATHS = {"denoise": (_VERIFIED_ATTR, _REASON_ATTR, "fast loop"),
+          "prefix": (_PREFIX_VERIFIED_ATTR, _PREFIX_REASON_ATTR, "fast prefix")}
 
 
-def mark_verified(core) -> None:
-    core.__dict__[_VERIFIED_ATTR] = True
+def verified(core, path: str = "denoise") -> bool:
+    """True once the fast `path` ran on this model (its kernels build and run here)."""
+    return bool(core.__dict__.get(_PATHS[path][0]))
 
 
-def mark_failed(core, exc: BaseException) -> None:
-    """The fast loop raised on its first use: this model takes the exact path from now on."""
-    reason = f"fast loop failed on first use: {_one_line(exc)}"
-    core.__dict__[_REASON_ATTR] = reason
-    logger.warning("Pi05 fast denoise path disabled (%s): requests take the exact path", reason, exc_info=exc)
+def first_use(core, path: str, run):
+    """`run()` on this model's first use of the fast `path`; a raise disables the path for the model
+    (logged, None returned: the exact path runs)."""
+    verified_attr, reason_attr, what = _PATHS[path]
+    try:
+        result = run()
+    except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
+        core.__dict__[reason_attr] = reason = f"{what} failed on first use: {_one_line(exc)}"
+        logger.warning("Pi05 %s disabled (%s): the exact path runs", what, reason, exc_info=exc)
+        return None
+    core.__dict__[verified_attr] = True
+    return result
 
 
 def _one_line(exc: BaseException) -> str:
@@ -104,9 +112,7 @@ def _find_unsupported(core):
     return None
 
 
-# --------------------------------------------------------------------------
-# 1. Time conditioning table
-# --------------------------------------------------------------------------
+# --- 1. Time conditioning table ---
 
 
 def time_conditioning(core, num_steps: int, batch_size: int, device) -> torch.Tensor:
@@ -149,9 +155,7 @@ def reset_time_conditioning(core) -> None:
     core.__dict__.pop(_TABLE_ATTR, None)
 
 
-# --------------------------------------------------------------------------
-# 2. + 3. The denoise loop
-# --------------------------------------------------------------------------
+# --- 2. + 3. The denoise loop ---
 
 
 def _request_layout(core, expert, prefix_context, state, full_attention, action_position_offset, dtype):
@@ -161,20 +165,15 @@ def _request_layout(core, expert, prefix_context, state, full_attention, action_
     batch, seq = state.shape[:2]
     prefix_masks = prefix_context.prefix_pad_masks
     prefix_len = prefix_masks.shape[1]
-    positions = (
-        prefix_masks.sum(dim=-1, keepdim=True)
-        + action_position_offset
-        + torch.arange(seq, device=state.device)[None, :]
-    )
+    positions = (prefix_masks.sum(dim=-1, keepdim=True) + action_position_offset
+                 + torch.arange(seq, device=state.device)[None, :])
     rotary = expert.rotary_emb
     rotary._ensure_cache(state)
     cos_sin = rotary.rope.cos_sin_cache.index_select(0, positions.reshape(-1))
 
     attn = expert.layers[0].self_attn
-    kv = torch.empty(
-        len(expert.layers), 2, batch, prefix_len + seq, attn.num_key_value_heads, attn.head_dim,
-        dtype=dtype, device=state.device,
-    )
+    kv = torch.empty(len(expert.layers), 2, batch, prefix_len + seq, attn.num_key_value_heads, attn.head_dim,
+                     dtype=dtype, device=state.device)
     if full_attention:
         kv_start, used, order = prefix_len, None, None
     else:
@@ -202,10 +201,8 @@ def _one_head_sdpa(q, keys, values, scale):
     """Unmasked attention over one K/V head as SDPA of one head of S * H queries (its flash kernel;
     the GQA form would take the math path)."""
     batch, seq, heads, head_dim = q.shape
-    out = F.scaled_dot_product_attention(
-        q.view(batch, 1, seq * heads, head_dim), keys.view(batch, 1, -1, head_dim),
-        values.view(batch, 1, -1, head_dim), scale=scale,
-    )
+    out = F.scaled_dot_product_attention(q.view(batch, 1, seq * heads, head_dim), keys.view(batch, 1, -1, head_dim),
+                                         values.view(batch, 1, -1, head_dim), scale=scale)
     return out.view(batch, seq, heads, head_dim)
 
 
@@ -293,10 +290,8 @@ def _expert_projections(expert, state, dtype):
         if any(p is None or p[1] is not None for p in plain):
             return None
         qkv, o, gate_up, down = (p[0] for p in plain)
-        plan = _Projections(
-            _rope_plan(qkv, attn.head_dim, sms), _skinny_plan(o, sms),
-            _skinny_plan(gate_up, sms, splittable=False, gated=True), _skinny_plan(down, sms),
-        )
+        plan = _Projections(_rope_plan(qkv, attn.head_dim, sms), _skinny_plan(o, sms),
+                            _skinny_plan(gate_up, sms, splittable=False, gated=True), _skinny_plan(down, sms))
         if None in plan:
             return None
         plans.append(plan)
@@ -327,9 +322,7 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-# --------------------------------------------------------------------------
-# Stretch: the prefix language model's layers (Gemma RMSNorm, no conditioning)
-# --------------------------------------------------------------------------
+# --- The prefix language model's layers (Gemma RMSNorm, no conditioning) ---
 
 
 def _prefix_language_model(core):
@@ -363,18 +356,10 @@ def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_
 
     A mask is pad_masks[i] & pad_masks[j], so attention reads just the visible keys, no mask.
     Padded rows then differ from the exact path's, and nothing reads them."""
-    args = (core, inputs_embeds, attention_mask, position_ids, pad_masks)
-    if core.__dict__.get(_PREFIX_VERIFIED_ATTR):
-        return _prefix_layers(*args)
-    try:
-        result = _prefix_layers(*args)
-    except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
-        reason = f"fast prefix failed on first use: {_one_line(exc)}"
-        core.__dict__[_PREFIX_REASON_ATTR] = reason
-        logger.warning("Pi05 fast prefix layers disabled (%s)", reason, exc_info=exc)
-        return None
-    core.__dict__[_PREFIX_VERIFIED_ATTR] = True
-    return result
+    def run():
+        return _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
+
+    return run() if verified(core, "prefix") else first_use(core, "prefix", run)
 
 
 def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks):
@@ -399,11 +384,8 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
         if attention_mask is not None:
             if pad_masks is None:
                 raise ValueError("encode_prefix_layers: attention_mask without pad_masks; allowed: both or neither")
-            visible = (
-                pad_masks.sum(dim=-1).clamp_min(1).to(torch.int32),
-                _visible_first(pad_masks).to(torch.int32),
-                key_splits(batch, seq, heads, kv_heads, seq, _sm_count(hidden.device)),
-            )
+            visible = (pad_masks.sum(dim=-1).clamp_min(1).to(torch.int32), _visible_first(pad_masks).to(torch.int32),
+                       key_splits(batch, seq, heads, kv_heads, seq, _sm_count(hidden.device)))
         sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=hidden.device)
         cache = []
@@ -412,10 +394,8 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
             attn = layer.self_attn
             keys = torch.empty(batch, seq, kv_heads, head_dim, dtype=dtype, device=hidden.device)
             values = torch.empty_like(keys)
-            rope_qkv(
-                linear_forward(attn.qkv_proj, normed), cos_sin, q, keys, values,
-                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=0,
-            )
+            rope_qkv(linear_forward(attn.qkv_proj, normed), cos_sin, q, keys, values, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=head_dim, kv_start=0)
             cache.append((keys.transpose(1, 2), values.transpose(1, 2), None))
             if index == len(layers) - 1:
                 break  # the prefix returns K/V only: the last layer's output and the final norm feed nothing
@@ -441,9 +421,8 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
 
-    from sglang_ext.kernels import (
-        ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, linear_rope_qkv, rope_qkv, skinny_linear,
-    )
+    from sglang_ext.kernels import (ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, linear_rope_qkv, rope_qkv,
+                                    skinny_linear)
     from sglang_ext.kernels.attention import key_splits
 
     expert = _expert(core)
@@ -461,9 +440,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
             out = linear_forward(module, x)
             return gelu_tanh_and_mul(out) if name == "gate_up" else out
         weight, parts, block_n, block_k = getattr(projections[index], name)
-        return skinny_linear(
-            x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up"
-        )
+        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
 
     def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
         shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start)
@@ -486,9 +463,8 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
         return skinny_linear(normed, weight, bias=bias, add_to=x_t, alpha=dt, block_n=16, block_k=block_k)
 
     with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
-        cos_sin, kv, kv_start, used = _request_layout(
-            core, expert, prefix_context, state, full_attention, action_position_offset, dtype
-        )
+        cos_sin, kv, kv_start, used = _request_layout(core, expert, prefix_context, state, full_attention,
+                                                      action_position_offset, dtype)
         splits = key_splits(batch, seq, heads, kv_heads, kv.shape[3], _sm_count(state.device))
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
         for step in range(table.shape[0]):
@@ -502,19 +478,15 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
                 out = first_rows_attention(q, keys, values, used, scale=attn.scaling, splits=splits)
                 out = gemm(index, "o", attn.o_proj, out.view(batch, seq, heads * head_dim))
                 post = 2 * index + 1
-                normed = ada_rms_norm(
-                    hidden, cond[post, 0], cond[post, 1], eps=norms[post].eps,
-                    add=out, gate=cond[post - 1, 2],
-                )
+                normed = ada_rms_norm(hidden, cond[post, 0], cond[post, 1], eps=norms[post].eps, add=out,
+                                      gate=cond[post - 1, 2])
                 mlp = layer.mlp
                 out = gemm(index, "down", mlp.down_proj, gemm(index, "gate_up", mlp.gate_up_proj, normed))
                 following = post + 1  # next layer's input norm, or the final norm
                 final = following == len(norms) - 1
-                normed = ada_rms_norm(
-                    hidden, cond[following, 0], cond[following, 1], eps=norms[following].eps,
-                    add=out, gate=cond[post, 2],
-                    # the float32 action_out_proj reads the final norm unrounded
-                    out_dtype=torch.float32 if final and actions is not None else None,
-                )
+                # the float32 action_out_proj reads the final norm unrounded
+                normed = ada_rms_norm(hidden, cond[following, 0], cond[following, 1], eps=norms[following].eps,
+                                      add=out, gate=cond[post, 2],
+                                      out_dtype=torch.float32 if final and actions is not None else None)
             action_out(normed, state)
     return state

@@ -19,19 +19,13 @@ import torch
 import torch.nn.functional as F
 
 
-def forward(
-    self,
-    x: torch.Tensor,
-    cond: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     dtype = x.dtype
     if cond is None or self.dense is None:
         if self.dense is not None:  # adaptive norm called without its condition: plain rms
             normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
             return normed.type_as(x), None
-        normed = F.rms_norm(
-            x.float(), (x.shape[-1],), weight=1.0 + self.weight.float(), eps=self.eps
-        )
+        normed = F.rms_norm(x.float(), (x.shape[-1],), weight=1.0 + self.weight.float(), eps=self.eps)
         return normed.type_as(x), None
 
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)

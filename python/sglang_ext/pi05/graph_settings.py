@@ -29,14 +29,9 @@ KNOB_OF = {
 }
 
 # Prefix graphs need the prefix modules resident: any of these offload settings turns them off.
-PREFIX_OFFLOAD_FLAGS = (
-    "offload_prefix_image_encoder",
-    "offload_prefix_image_encoder_after_embed",
-    "offload_prefix_token_embedding",
-    "offload_prefix_language_layers",
-    "offload_prefix_language_layers_after_prefix",
-    "empty_cache_after_prefix",
-)
+PREFIX_OFFLOAD_FLAGS = ("offload_prefix_image_encoder", "offload_prefix_image_encoder_after_embed",
+                        "offload_prefix_token_embedding", "offload_prefix_language_layers",
+                        "offload_prefix_language_layers_after_prefix", "empty_cache_after_prefix")
 
 
 def default(graph_field):
@@ -54,9 +49,7 @@ def knob_override(field_name: str):
 def setting(config, field_name: str):
     """The knob when set, else the config field (upstream's default if the config lacks it)."""
     override = knob_override(field_name)
-    if override is not None:
-        return override
-    return _field(config, field_name)
+    return _field(config, field_name) if override is None else override
 
 
 def _field(config, name: str):
@@ -65,20 +58,13 @@ def _field(config, name: str):
 
 def prefix_graph_available(config) -> bool:
     """Upstream's `prefix_cuda_graph_available`."""
-    offloaded = any(getattr(config, name, False) for name in PREFIX_OFFLOAD_FLAGS) or (
-        getattr(config, "offload_prefix_language_layer_count_after_prefix", 0) > 0
-    )
-    return bool(
-        getattr(config, "enable_prefix_cuda_graph", True)
-        and _field(config, "prefix_cuda_graph_max_entries") > 0
-        and not offloaded
-    )
+    offloaded = (any(getattr(config, name, False) for name in PREFIX_OFFLOAD_FLAGS)
+                 or getattr(config, "offload_prefix_language_layer_count_after_prefix", 0) > 0)
+    return bool(getattr(config, "enable_prefix_cuda_graph", True) and _field(config, "prefix_cuda_graph_max_entries") > 0
+                and not offloaded)
 
 
 def action_graph_available(config) -> bool:
     """Upstream's `action_cuda_graph_available`."""
-    return bool(
-        getattr(config, "enable_action_cuda_graph", True)
-        and _field(config, "action_cuda_graph_max_entries") > 0
-        and not getattr(config, "offload_action_expert_after_denoise", False)
-    )
+    return bool(getattr(config, "enable_action_cuda_graph", True) and _field(config, "action_cuda_graph_max_entries") > 0
+                and not getattr(config, "offload_action_expert_after_denoise", False))

@@ -37,10 +37,8 @@ class MergedReplicatedLinear(ReplicatedLinear):
         else:
             index = None
         if index is None or not 0 <= index < len(self.output_sizes):
-            raise ValueError(
-                f"Invalid merged shard id: {loaded_shard_id!r} for {self._describe()}; "
-                f"allowed: integers 0..{len(self.output_sizes) - 1} or 'q', 'k', 'v' (0, 1, 2)"
-            )
+            raise ValueError(f"Invalid merged shard id: {loaded_shard_id!r} for {self._describe()}; "
+                             f"allowed: integers 0..{len(self.output_sizes) - 1} or 'q', 'k', 'v' (0, 1, 2)")
         return index
 
     def _describe(self, param: torch.Tensor | None = None) -> str:
@@ -51,12 +49,8 @@ class MergedReplicatedLinear(ReplicatedLinear):
         where = f" {self.prefix!r}" if getattr(self, "prefix", "") else ""
         return f"MergedReplicatedLinear{where} {name} (output_sizes={self.output_sizes})"
 
-    def weight_loader(
-        self,
-        param: Parameter,
-        loaded_weight: torch.Tensor,
-        loaded_shard_id: int | str | None = None,
-    ) -> None:
+    def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int | str | None = None
+                      ) -> None:
         if loaded_shard_id is None:  # an already packed tensor
             return super().weight_loader(param, loaded_weight)
 
@@ -75,11 +69,8 @@ class MergedReplicatedLinear(ReplicatedLinear):
             param_data, loaded_weight = adjust_scalar_to_fused_array(param_data, loaded_weight, index)
 
         if tuple(param_data.shape) != tuple(loaded_weight.shape):
-            raise ValueError(
-                f"Tried to load merged shard {loaded_shard_id!r} of size {tuple(loaded_weight.shape)} "
-                f"to a parameter slice of size {tuple(param_data.shape)} "
-                f"({self._describe(param)})"
-            )
+            raise ValueError(f"Tried to load merged shard {loaded_shard_id!r} of size {tuple(loaded_weight.shape)} "
+                             f"to a parameter slice of size {tuple(param_data.shape)} ({self._describe(param)})")
         param_data.copy_(loaded_weight)
 
 

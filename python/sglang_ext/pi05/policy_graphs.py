@@ -302,14 +302,8 @@ def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offs
 
     if fast.verified(core):
         return run(x_t)
-    # First use on this model: x_t is only replaced on success, so a failure costs the exact path only.
-    try:
-        result = run(x_t.clone())
-    except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
-        fast.mark_failed(core, exc)
-        return None
-    fast.mark_verified(core)
-    return x_t.copy_(result)
+    result = fast.first_use(core, "denoise", lambda: run(x_t.clone()))  # x_t replaced only on success
+    return None if result is None else x_t.copy_(result)
 
 
 def patch_policy(ctx, module) -> None:
@@ -322,9 +316,6 @@ def patch_policy(ctx, module) -> None:
     cls = module.Pi05PolicyModel
     ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
     ctx.setattr(cls, "_ext_options", Pi05Options.read(functools.partial(getattr, ctx.settings)))
-    for name, method in (("__init__", __init__), ("_prefix_tensor_parallel_enabled", _prefix_tensor_parallel_enabled),
-                         ("_prefix_cuda_graph_enabled", _prefix_cuda_graph_enabled),
-                         ("_prompt_token_bucketing_enabled", _prompt_token_bucketing_enabled),
-                         ("build_prefix_cache_key", build_prefix_cache_key), ("encode_prefix", encode_prefix),
-                         ("denoise_step", denoise_step), ("sample_actions", sample_actions)):
-        ctx.setattr(cls, name, method)
+    for method in (__init__, _prefix_tensor_parallel_enabled, _prefix_cuda_graph_enabled,
+                   _prompt_token_bucketing_enabled, build_prefix_cache_key, encode_prefix, denoise_step, sample_actions):
+        ctx.setattr(cls, method.__name__, method)

@@ -38,21 +38,14 @@ def select_prompt_token_bucket(token_length: int, buckets: Sequence[int]) -> int
     return select_bucket(max(token_length, 1), buckets, max_padding_factor=math.inf).bucket
 
 
-def bucket_prompt_tokens(
-    tokens: torch.Tensor,
-    token_masks: torch.Tensor,
-    buckets: Sequence[int],
-    *,
-    pad_token_id: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:
+def bucket_prompt_tokens(tokens: torch.Tensor, token_masks: torch.Tensor, buckets: Sequence[int], *,
+                         pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:
     """`(tokens, token_masks, logical_length, bucket)` of a prompt batch fitted to its bucket (None: a miss)."""
     if tokens.ndim != 2:
         raise ValueError(f"Pi0.5 tokens must have shape [batch, seq], got {tuple(tokens.shape)}")
     if token_masks.shape != tokens.shape:
-        raise ValueError(
-            "Pi0.5 tokens and token masks must have the same shape, got "
-            f"{tuple(tokens.shape)} and {tuple(token_masks.shape)}"
-        )
+        raise ValueError(f"Pi0.5 tokens and token masks must have the same shape, got {tuple(tokens.shape)} and "
+                         f"{tuple(token_masks.shape)}")
     logical_length = effective_token_length(token_masks)
     bucket = select_prompt_token_bucket(logical_length, buckets)
     if bucket is not None:
@@ -65,9 +58,5 @@ def bucket_prompt_tokens(
     if tokens.shape[1] >= target_length:
         return tokens[:, :target_length], token_masks[:, :target_length], logical_length, bucket
     padding = target_length - tokens.shape[1]
-    return (
-        F.pad(tokens, (0, padding), value=pad_token_id),
-        F.pad(token_masks, (0, padding), value=False),
-        logical_length,
-        bucket,
-    )
+    return (F.pad(tokens, (0, padding), value=pad_token_id), F.pad(token_masks, (0, padding), value=False),
+            logical_length, bucket)
