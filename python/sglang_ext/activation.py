@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from sglang_ext import fingerprint as fp
@@ -51,9 +51,7 @@ class PatchStatus:
         return f"{self.state} ({self.detail})"
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "status": str(self), "state": self.state, "detail": self.detail,
-                "fingerprints": dict(self.fingerprints), "parts_applied": list(self.parts_applied),
-                "parts_pending": list(self.parts_pending)}
+        return {**asdict(self), "status": str(self)}
 
 
 class _ProcessState:
@@ -88,15 +86,9 @@ def activated_version() -> Optional[str]:
     return _state.version
 
 
-def activate(
-    *,
-    environ: Optional[Mapping[str, str]] = None,
-    force: bool = False,
-    strict: Optional[bool] = None,
-    eager: bool = False,
-    source_root: Optional[str] = None,
-    version: Optional[str] = None,
-) -> Dict[str, PatchStatus]:
+def activate(*, environ: Optional[Mapping[str, str]] = None, force: bool = False, strict: Optional[bool] = None,
+             eager: bool = False, source_root: Optional[str] = None, version: Optional[str] = None
+             ) -> Dict[str, PatchStatus]:
     """Apply every enabled patch in this process (idempotent; later calls return the statuses).
 
     force: even if SGLANG_EXT is off. strict: override the knob. eager: import every trigger module
@@ -275,13 +267,8 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
         else:
             changed.append(target.key)
     if changed or absent or unrecorded:
-        reasons = []
-        if changed:
-            reasons.append("fingerprint changed: " + ", ".join(changed))
-        if absent:
-            reasons.append("target absent: " + ", ".join(absent))
-        if unrecorded:
-            reasons.append("no reference fingerprint recorded for " + ", ".join(unrecorded))
+        reasons = [what + ", ".join(keys) for what, keys in (("fingerprint changed: ", changed),
+                   ("target absent: ", absent), ("no reference fingerprint recorded for ", unrecorded)) if keys]
         st.state = SKIPPED
         st.detail = ("; ".join(reasons) + f" -- checked sglang {version}"
                      + (f" at {source_root}" if source_root else "")
@@ -395,7 +382,7 @@ def _part_runner(spec: PatchSpec, part, ctx: PatchContext, generation: int):
         st = _state.statuses[spec.name]
         if st.state != ARMED:
             return  # an earlier part failed: the patch stays off whole
-        _forget_trigger(part.trigger_module, run)
+        _state.triggers = [t for t in _state.triggers if t[1] is not run]
         before = len(ctx.swaps)
         try:
             mod_name, fn_name = part.function.split(":")
@@ -421,10 +408,6 @@ def _part_runner(spec: PatchSpec, part, ctx: PatchContext, generation: int):
         _write_record()
 
     return run
-
-
-def _forget_trigger(module_name: str, callback: Callable[[Any], None]) -> None:
-    _state.triggers = [t for t in _state.triggers if t[1] is not callback]
 
 
 def _import_triggers() -> None:

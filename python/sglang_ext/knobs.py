@@ -38,68 +38,47 @@ class Knob:
     def flag(self) -> str:
         return FLAG_PREFIX + self.name.replace("_", "-")
 
-    def _where(self) -> str:
-        return f"{self.flag} / {self.env}"
+    def error(self, problem: str) -> ExtConfigError:
+        return ExtConfigError(f"{self.flag} / {self.env}: {problem}")
 
     def parse(self, raw: str) -> Any:
         """Parse a raw string (flag or env value). Raises ExtConfigError."""
         text = raw.strip()
         if self.kind == "bool":
-            low = text.lower()
-            if low in _TRUE:
-                return True
-            if low in _FALSE:
-                return False
-            raise ExtConfigError(
-                f"{self._where()}: {raw!r} is not a boolean; allowed: 1/0, true/false, yes/no, on/off"
-            )
+            if text.lower() in _TRUE | _FALSE:
+                return text.lower() in _TRUE
+            raise self.error(f"{raw!r} is not a boolean; allowed: 1/0, true/false, yes/no, on/off")
         if self.kind == "int":
             try:
                 value = int(text, 10)
             except ValueError:
-                raise ExtConfigError(
-                    f"{self._where()}: {raw!r} is not an integer; allowed: "
-                    + ("integers" if self.minimum is None else f"integers >= {self.minimum}")
-                ) from None
+                raise self.error(f"{raw!r} is not an integer; allowed: "
+                                 + ("integers" if self.minimum is None else f"integers >= {self.minimum}")) from None
             if self.minimum is not None and value < self.minimum:
-                raise ExtConfigError(
-                    f"{self._where()}: {value} is below the minimum; allowed: integers >= {self.minimum}"
-                )
+                raise self.error(f"{value} is below the minimum; allowed: integers >= {self.minimum}")
             return value
         if self.kind == "choice":
             if text not in self.choices:
-                raise ExtConfigError(
-                    f"{self._where()}: {raw!r} is not allowed; allowed: {', '.join(self.choices)}"
-                )
+                raise self.error(f"{raw!r} is not allowed; allowed: {', '.join(self.choices)}")
             return text
         if self.kind == "int_list":
-            if not text:
-                return ()
             values = []
-            for part in text.split(","):
+            for part in text.split(",") if text else ():
                 try:
                     values.append(int(part.strip(), 10))
                 except ValueError:
-                    raise ExtConfigError(
-                        f"{self._where()}: {part.strip()!r} in {raw!r} is not an integer; "
-                        "allowed: comma-separated positive integers, strictly increasing"
-                    ) from None
+                    raise self.error(f"{part.strip()!r} in {raw!r} is not an integer; allowed: comma-separated "
+                                     "positive integers, strictly increasing") from None
             if any(v <= 0 for v in values):
-                raise ExtConfigError(f"{self._where()}: {raw!r}: every value must be positive")
+                raise self.error(f"{raw!r}: every value must be positive")
             if any(b <= a for a, b in zip(values, values[1:])):
-                raise ExtConfigError(
-                    f"{self._where()}: {raw!r} must be strictly increasing and unique"
-                )
+                raise self.error(f"{raw!r} must be strictly increasing and unique")
             return tuple(values)
         if self.kind == "name_list":
             names = tuple(p.strip() for p in text.split(",") if p.strip())
-            if self.choices:
-                unknown = [n for n in names if n not in self.choices]
-                if unknown:
-                    raise ExtConfigError(
-                        f"{self._where()}: unknown name(s) {', '.join(unknown)}; "
-                        f"allowed: {', '.join(self.choices)}"
-                    )
+            unknown = [n for n in names if self.choices and n not in self.choices]
+            if unknown:
+                raise self.error(f"unknown name(s) {', '.join(unknown)}; allowed: {', '.join(self.choices)}")
             return names
         return text  # "str"
 
@@ -226,23 +205,14 @@ def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
     enabled = knob_enabled(env)
     typos = unknown_env_names(env)
     if typos:
-        raise ExtConfigError(
-            f"unknown sglang-ext environment variable(s) {', '.join(typos)}; allowed: "
-            + ", ".join(k.env for k in KNOBS)
-        )
-    values: dict[str, Any] = {}
-    for k in KNOBS:
-        raw = env.get(k.env)
-        values[k.name] = k.default if raw is None else k.parse(raw)
+        raise ExtConfigError(f"unknown sglang-ext environment variable(s) {', '.join(typos)}; allowed: "
+                             + ", ".join(k.env for k in KNOBS))
+    values: dict[str, Any] = {k.name: k.default if env.get(k.env) is None else k.parse(env[k.env]) for k in KNOBS}
     if values["disable"]:
         names = _patch_names()
         unknown = [n for n in values["disable"] if n not in names]
         if unknown:
-            k = knob("disable")
-            raise ExtConfigError(
-                f"{k.flag} / {k.env}: unknown patch name(s) {', '.join(unknown)}; "
-                f"allowed: {', '.join(names)}"
-            )
+            raise knob("disable").error(f"unknown patch name(s) {', '.join(unknown)}; allowed: {', '.join(names)}")
     _check_vit_token_buckets(values)
     return Settings(enabled=enabled, values=values)
 
@@ -258,25 +228,18 @@ def _check_vit_token_buckets(values: dict) -> None:
         return
     k = knob("vit_graph_token_buckets")
     if values["vit_graph_mode"] != "bucket":
-        raise ExtConfigError(
-            f"{k.flag} / {k.env}: only used with {knob('vit_graph_mode').flag} bucket (mode is "
-            f"{values['vit_graph_mode']!r}); allowed: leave it empty, or set the mode to bucket"
-        )
+        raise k.error(f"only used with {knob('vit_graph_mode').flag} bucket (mode is {values['vit_graph_mode']!r}); "
+                      "allowed: leave it empty, or set the mode to bucket")
     bad = [b for b in buckets if b % VIT_MERGE_UNIT]
     if bad:
-        raise ExtConfigError(
-            f"{k.flag} / {k.env}: {', '.join(map(str, bad))} not a multiple of {VIT_MERGE_UNIT}; allowed: "
-            f"comma-separated positive multiples of {VIT_MERGE_UNIT} (the ViT spatial merge unit), strictly increasing"
-        )
+        raise k.error(f"{', '.join(map(str, bad))} not a multiple of {VIT_MERGE_UNIT}; allowed: comma-separated "
+                      f"positive multiples of {VIT_MERGE_UNIT} (the ViT spatial merge unit), strictly increasing")
 
 
 def knob_enabled(env: Mapping[str, str]) -> bool:
     raw = env.get(MASTER_ENV, "")
-    low = raw.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
+    if raw.strip().lower() in _TRUE | _FALSE:
+        return raw.strip().lower() in _TRUE
     raise ExtConfigError(f"{MASTER_ENV}: {raw!r} is not allowed; allowed: 1 or 0")
 
 

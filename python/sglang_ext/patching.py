@@ -181,9 +181,7 @@ def _live_attr(owner: Any, name: str) -> Any:
     return getattr(owner, name, _MISSING)
 
 
-# --------------------------------------------------------------------------
-# Post-import triggers
-# --------------------------------------------------------------------------
+# --- Post-import triggers ---
 
 _lock = threading.RLock()
 _pending: Dict[str, List[Callable[[ModuleType], None]]] = {}
@@ -195,7 +193,7 @@ def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> N
     exceptions propagate to the importer."""
     with _lock:
         mod = sys.modules.get(module_name)
-        if mod is not None and not _is_initializing(mod):
+        if mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False):
             callback(mod)
             return
         _pending.setdefault(module_name, []).append(callback)
@@ -207,21 +205,14 @@ def pending_triggers() -> Dict[str, int]:
         return {k: len(v) for k, v in _pending.items()}
 
 
-def cancel_trigger(module_name: str, callback: Callable[[ModuleType], None]) -> bool:
+def cancel_trigger(module_name: str, callback: Callable[[ModuleType], None]) -> None:
     """Forget a callback registered with `when_imported` that has not run yet (deactivation)."""
     with _lock:
         callbacks = _pending.get(module_name, [])
-        if callback not in callbacks:
-            return False
-        callbacks.remove(callback)
+        if callback in callbacks:
+            callbacks.remove(callback)
         if not callbacks:
-            del _pending[module_name]
-        return True
-
-
-def _is_initializing(mod: ModuleType) -> bool:
-    spec = getattr(mod, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
+            _pending.pop(module_name, None)
 
 
 def _fire(module_name: str, module: ModuleType) -> None:
@@ -278,10 +269,7 @@ def _install_finder() -> None:
         _finder_installed = True
 
 
-# --------------------------------------------------------------------------
-# Modules that 0.5.17 lacks
-# --------------------------------------------------------------------------
-
+# --- Modules that 0.5.17 lacks ---
 
 def install_module(ctx: PatchContext, name: str, source_module: ModuleType) -> None:
     """Make `source_module` importable as `name` (and an attribute of its parent package)."""

@@ -317,5 +317,6 @@ def patch_policy(ctx, module) -> None:
     ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
     ctx.setattr(cls, "_ext_options", Pi05Options.read(functools.partial(getattr, ctx.settings)))
     for method in (__init__, _prefix_tensor_parallel_enabled, _prefix_cuda_graph_enabled,
-                   _prompt_token_bucketing_enabled, build_prefix_cache_key, encode_prefix, denoise_step, sample_actions):
+                   _prompt_token_bucketing_enabled, build_prefix_cache_key, encode_prefix, denoise_step,
+                   sample_actions):
         ctx.setattr(cls, method.__name__, method)

@@ -20,6 +20,7 @@ import bisect
 import contextvars
 import importlib
 import sys
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.layers.cp.base import get_cp_strategy
@@ -119,25 +120,20 @@ def patch_bcg(ctx, module) -> None:
 # --------------------------------------------------------------------------
 
 
+@dataclass
 class PrefillCPBucketCounters:
     """What the CP bucket search did in one runner (see `sglang_ext.graphs.stats`)."""
 
-    __slots__ = ("__weakref__", "admitted", "admitted_larger_bucket", "rejected_no_fit", "rejected_unknown_layout",
-                 "padding_rows_added", "padding_rows_total", "stats_name")
-
-    def __init__(self) -> None:
-        self.admitted = 0
-        # a bucket above the smallest one >= live tokens, because that one lacked CP-local rows
-        self.admitted_larger_bucket = 0
-        self.rejected_no_fit = 0
-        self.rejected_unknown_layout = 0  # non-zigzag strategy or no CPU extend lengths
-        # rows padded beyond what the smallest bucket >= live tokens would have padded
-        self.padding_rows_added = 0
-        self.padding_rows_total = 0
-        self.stats_name = ""  # set on registration; the stats registry may add a suffix
+    admitted: int = 0
+    admitted_larger_bucket: int = 0  # the smallest bucket >= live tokens lacked CP-local rows
+    rejected_no_fit: int = 0
+    rejected_unknown_layout: int = 0  # non-zigzag strategy or no CPU extend lengths
+    padding_rows_added: int = 0  # beyond what the smallest bucket >= live tokens would have padded
+    padding_rows_total: int = 0
+    stats_name: str = ""  # set on registration; the stats registry may add a suffix
 
     def as_dict(self) -> Dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__ if name not in ("__weakref__", "stats_name")}
+        return {name: value for name, value in vars(self).items() if name != "stats_name"}
 
 
 def record_bucket_decision(

@@ -17,6 +17,7 @@ import tempfile
 from typing import Any, Dict, Iterator, List, Optional
 
 from sglang_ext import activation, fingerprint
+from sglang_ext.graphs import stats
 from sglang_ext.errors import ExtConfigError
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
 from sglang_ext.tools.prerequisites import missing_message, missing_modules
@@ -96,15 +97,6 @@ def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus],
     }
 
 
-def graph_cache_counters() -> Optional[Dict[str, Dict[str, Any]]]:
-    """`sglang_ext.graphs.stats.snapshot()` of this process (None if the core is unavailable)."""
-    try:
-        from sglang_ext.graphs import stats
-    except ImportError:
-        return None
-    return stats.snapshot()
-
-
 def read_records(directory: str) -> List[Dict[str, Any]]:
     """Activation records written by each process of a server (`SGLANG_EXT_ACTIVATION_DIR`)."""
     out = []
@@ -153,7 +145,7 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
         "config_error": config_error,
         "patches": [_patch_entry(spec, statuses.get(spec.name), source_root, verified.get(spec.name))
                     for spec in PATCHES],
-        "graph_caches": graph_cache_counters(),
+        "graph_caches": stats.snapshot(),
     })
     return out
 
@@ -322,9 +314,7 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
         lines.append(f"{'':<{width}}  upstream {up['pr']}; {since} ({equiv}); retire when {up['retire_when']}")
     caches = rep.get("graph_caches")
     lines.append("")
-    if caches is None:
-        lines.append("graph caches: sglang_ext.graphs.stats unavailable")
-    elif not caches:
+    if not caches:
         lines.append("graph caches: none in this process (run doctor inside the server, "
                      "sglang_ext.tools.doctor.report(), to see a server's counters)")
     else:

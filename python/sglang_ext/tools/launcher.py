@@ -112,19 +112,16 @@ def prepare_activation_dir(env: Mapping[str, str]) -> None:
     directory = load_settings(env).activation_dir
     if not directory:
         return
-    k = knob("activation_dir")
+    k, allowed = knob("activation_dir"), "allowed: a folder this user can write"
     if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ExtConfigError(f"{k.flag} / {k.env}: {directory!r} is a file, not a folder; "
-                             "allowed: a folder this user can write")
+        raise k.error(f"{directory!r} is a file, not a folder; {allowed}")
     try:
         os.makedirs(directory, exist_ok=True)
         writable = os.access(directory, os.W_OK | os.X_OK)
     except OSError as exc:
-        raise ExtConfigError(f"{k.flag} / {k.env}: cannot create folder {directory!r} "
-                             f"({exc.strerror}); allowed: a folder this user can write") from None
+        raise k.error(f"cannot create folder {directory!r} ({exc.strerror}); {allowed}") from None
     if not writable:
-        raise ExtConfigError(f"{k.flag} / {k.env}: folder {directory!r} is not writable; "
-                             "allowed: a folder this user can write")
+        raise k.error(f"folder {directory!r} is not writable; {allowed}")
 
 
 PLUGIN_NAME = "sglang_ext"  # entry-point name in setup.py; what SGLANG_PLUGINS filters on
@@ -136,25 +133,17 @@ def _check_plugin_whitelist(env: Mapping[str, str]) -> None:
     raw = env.get("SGLANG_PLUGINS", "")
     names = [n.strip() for n in raw.split(",") if n.strip()]
     if names and PLUGIN_NAME not in names:
-        raise ExtConfigError(
-            f"SGLANG_PLUGINS={raw!r} leaves out {PLUGIN_NAME}, so sglang would not load it in its "
-            f"scheduler processes; allowed: unset/empty, or a list that includes {PLUGIN_NAME}"
-        )
+        raise ExtConfigError(f"SGLANG_PLUGINS={raw!r} leaves out {PLUGIN_NAME}, so sglang would not load it in its "
+                             f"scheduler processes; allowed: unset/empty, or a list that includes {PLUGIN_NAME}")
 
 
 def ext_help(prog: str) -> str:
     """The `--ext-*` section of `--help`, generated from KNOBS."""
-    lines = [
-        f"usage: {prog} <sglang arguments> [--ext-* flags]",
-        "",
-        "sglang-ext flags (each also settable as an environment variable, inherited by child",
-        f"processes; the launcher sets {MASTER_ENV}=1). Boolean flags: bare = true, or =0/=1.",
-        "",
-    ]
+    lines = [f"usage: {prog} <sglang arguments> [--ext-* flags]", "",
+             "sglang-ext flags (each also settable as an environment variable, inherited by child",
+             f"processes; the launcher sets {MASTER_ENV}=1). Boolean flags: bare = true, or =0/=1.", ""]
     for k in KNOBS:
-        lines.append(f"  {k.flag}  (env {k.env}, default {default_text(k)})")
-        lines.append(f"      {k.help}")
-        lines.append(f"      {allowed_text(k)}")
+        lines += [f"  {k.flag}  (env {k.env}, default {default_text(k)})", f"      {k.help}", f"      {allowed_text(k)}"]
     lines.append("")
     return "\n".join(lines)
 
@@ -171,6 +160,11 @@ def no_cuda_message() -> Optional[str]:
             f"sglang-ext clone: {interpreter()} scripts/run_suite.py --suite base-a-test-cpu")
 
 
+def _fail(prog: str, problem: str, status: int = USAGE_EXIT) -> int:
+    print(f"{prog}: error: {problem}", file=sys.stderr)
+    return status
+
+
 def missing_serving_modules_message() -> Optional[str]:
     """One line if sglang or torch is not importable here (None when both are)."""
     missing = missing_modules(SERVING_MODULES)
@@ -182,8 +176,7 @@ def _help(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Option
         print(ext_help(prog))
         missing = missing_serving_modules_message()
         if missing is not None:
-            print(f"{prog}: error: {missing}", file=sys.stderr)
-            return USAGE_EXIT
+            return _fail(prog, missing)
         print("sglang's own arguments follow.\n", flush=True)
         return handover([a for a in argv if not a.startswith(FLAG_PREFIX)]) or 0
     except BrokenPipeError:
@@ -204,22 +197,17 @@ def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optiona
         values, rest = split_ext_args(argv)
         updates = ext_environment(values)
     except ExtConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return USAGE_EXIT
+        return _fail(prog, str(exc))
     missing = missing_serving_modules_message()
     if missing is not None:
-        print(f"{prog}: error: {missing}", file=sys.stderr)
-        return USAGE_EXIT
-    if require_cuda:
-        problem = no_cuda_message()
-        if problem is not None:
-            print(f"{prog}: error: {problem}", file=sys.stderr)
-            return NO_GPU_EXIT
+        return _fail(prog, missing)
+    problem = no_cuda_message() if require_cuda else None
+    if problem is not None:
+        return _fail(prog, problem, NO_GPU_EXIT)
     try:
         prepare_activation_dir({**os.environ, **updates})
     except ExtConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return USAGE_EXIT
+        return _fail(prog, str(exc))
     os.environ.update(updates)
     from sglang_ext.activation import activate
 

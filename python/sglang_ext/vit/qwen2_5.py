@@ -81,14 +81,9 @@ def forward_with_cuda_graph(self, x, grid_thw):
     emb = torch.cat((rotary_pos_emb, rotary_pos_emb), dim=-1)
     position_embeddings = (emb.cos().to(x.device, x.dtype), emb.sin().to(x.device, x.dtype))
 
-    return self.cuda_graph_runner.run(
-        x=x,
-        position_embeddings=position_embeddings,
-        cu_seqlens=cu_seqlens,
-        cu_window_seqlens=cu_window_seqlens,
-        output_indices=reverse_indices,
-        attention_layout_key=(full_layout, window_layout),
-    )
+    return self.cuda_graph_runner.run(x=x, position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
+                                      cu_window_seqlens=cu_window_seqlens, output_indices=reverse_indices,
+                                      attention_layout_key=(full_layout, window_layout))
 
 
 def patch_qwen2_5_vl(ctx, module) -> None:

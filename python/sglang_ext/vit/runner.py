@@ -48,9 +48,7 @@ def auto_budget(free_bytes):
 
 def layout_ints(values, field):
     """CPU layout as a tuple of ints; None for None; DeviceSyncError for device tensors."""
-    if values is None:
-        return None
-    return cpu_ints(values, field=field)
+    return None if values is None else cpu_ints(values, field=field)
 
 
 def _pow2(value):
@@ -68,9 +66,7 @@ def is_device_tensor(value):
     return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
-# ---------------------------------------------------------------------------
-# State, created on a runner's first use
-# ---------------------------------------------------------------------------
+# --- State, created on a runner's first use ---
 
 
 def _ext_ensure_state(self):
@@ -78,14 +74,10 @@ def _ext_ensure_state(self):
     if "_ext_cache" in self.__dict__:
         return
     self._ext_max_bytes = self._ext_graph_budget()
-    self._ext_cache = BoundedGraphCache(
-        "vit_cuda_graph",
-        ext_knobs.current("vit_graph_max_entries"),
-        policy=ext_knobs.current("vit_graph_policy"),
-        max_bytes=self._ext_max_bytes,
-        min_hits=ext_knobs.current("vit_graph_min_hits"),
-        release=self._ext_release_graph,
-    )
+    self._ext_cache = BoundedGraphCache("vit_cuda_graph", ext_knobs.current("vit_graph_max_entries"),
+                                        policy=ext_knobs.current("vit_graph_policy"), max_bytes=self._ext_max_bytes,
+                                        min_hits=ext_knobs.current("vit_graph_min_hits"),
+                                        release=self._ext_release_graph)
     self._ext_mode = ext_knobs.current("vit_graph_mode")
     self._ext_stats_log_interval_s = ext_knobs.current("stats_log_interval_s")
     # Merger rows: `spatial_merge_unit` input tokens make one output row (1 for towers without merging).
@@ -170,9 +162,7 @@ def _ext_graph_info(self):
     return info
 
 
-# ---------------------------------------------------------------------------
-# Keys
-# ---------------------------------------------------------------------------
+# --- Keys ---
 
 
 def _get_graph_key(self, x_3d, cu_seqlens=None, cu_window_seqlens=None, attention_layout_key=None):
@@ -182,10 +172,8 @@ def _get_graph_key(self, x_3d, cu_seqlens=None, cu_window_seqlens=None, attentio
     if attention_layout_key is None:
         if cu_seqlens is None and cu_window_seqlens is None:
             return num_tokens
-        attention_layout_key = (
-            layout_ints(cu_seqlens, "cu_seqlens"),
-            layout_ints(cu_window_seqlens, "cu_window_seqlens"),
-        )
+        attention_layout_key = (layout_ints(cu_seqlens, "cu_seqlens"),
+                                layout_ints(cu_window_seqlens, "cu_window_seqlens"))
     full, window = attention_layout_key
     full = None if full is None else tuple(int(v) for v in full)
     window = None if window is None else tuple(int(v) for v in window)
@@ -217,9 +205,7 @@ def _ext_graph_key_for(self, layout_key):
     return GraphKey(tokens, variant=("class",) + layout_class(full, tokens) + layout_class(window, tokens))
 
 
-# ---------------------------------------------------------------------------
-# Run, replay, eager
-# ---------------------------------------------------------------------------
+# --- Run, replay, eager ---
 
 
 def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None,
