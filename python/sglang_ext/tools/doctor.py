@@ -46,16 +46,11 @@ def environment(source_root: Optional[str] = None, version: Optional[str] = None
     else:
         sglang_version = version or installed_sglang_version()
         sglang_path = installed_sglang_path()
-    return {
-        "sglang_ext": _dist_version("sglang-ext"),
-        "sglang": {"version": sglang_version, "path": sglang_path,
-                   "installed_version": installed_sglang_version(),
-                   "supported": activation.is_supported(sglang_version),
-                   "supported_versions": list(SUPPORTED_SGLANG), "supported_range": SUPPORTED_RANGE},
-        "torch": _dist_version("torch"),
-        "python": sys.version.split()[0],
-        "executable": sys.executable,
-    }
+    return {"sglang_ext": _dist_version("sglang-ext"),
+            "sglang": {"version": sglang_version, "path": sglang_path, "installed_version": installed_sglang_version(),
+                       "supported": activation.is_supported(sglang_version),
+                       "supported_versions": list(SUPPORTED_SGLANG), "supported_range": SUPPORTED_RANGE},
+            "torch": _dist_version("torch"), "python": sys.version.split()[0], "executable": sys.executable}
 
 
 def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str]) -> List[Dict[str, Any]]:
@@ -65,36 +60,26 @@ def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str]) -> List[Dict[
     for target in spec.targets:
         live = fingerprint.fingerprint(target.module, target.qualname, source_root)
         reference = {v: tables[v].get(target.key) for v in spec.supported}
-        rows.append({
-            "target": target.key,
-            "fingerprint": live,
-            "reference": reference,
-            "match": live is not None and live in set(reference.values()),
-            "same_as_releases": [v for v in recorded if live is not None and tables[v].get(target.key) == live],
-        })
+        same = [v for v in recorded if live is not None and tables[v].get(target.key) == live]
+        rows.append({"target": target.key, "fingerprint": live, "reference": reference,
+                     "match": live is not None and live in set(reference.values()), "same_as_releases": same})
     return rows
 
 
 def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus],
                  source_root: Optional[str], live_problems: Optional[List[str]]) -> Dict[str, Any]:
-    return {
-        "name": spec.name,
-        "summary": spec.summary,
-        "status": str(status) if status is not None else "not activated",
-        "state": status.state if status is not None else None,
-        "detail": status.detail if status is not None else "",
-        "parts_applied": list(status.parts_applied) if status is not None else [],
-        "parts_pending": list(status.parts_pending) if status is not None else [],
-        # applied parts re-checked now: None = nothing applied in this process to check
-        "verified_live": None if live_problems is None else not live_problems,
-        "live_problems": list(live_problems or []),
-        "process": spec.process,
-        "supported": list(spec.supported),
-        "targets": _fingerprint_rows(spec, source_root),
-        "rebinds": list(spec.rebinds),
-        "upstream": {"pr": spec.upstream_pr, "since": spec.upstream_since,
-                     "equivalent": spec.upstream_equivalent, "retire_when": spec.retire_when},
-    }
+    return {"name": spec.name, "summary": spec.summary,
+            "status": str(status) if status is not None else "not activated",
+            "state": status.state if status is not None else None,
+            "detail": status.detail if status is not None else "",
+            "parts_applied": list(status.parts_applied) if status is not None else [],
+            "parts_pending": list(status.parts_pending) if status is not None else [],
+            # applied parts re-checked now: None = nothing applied in this process to check
+            "verified_live": None if live_problems is None else not live_problems,
+            "live_problems": list(live_problems or []), "process": spec.process, "supported": list(spec.supported),
+            "targets": _fingerprint_rows(spec, source_root), "rebinds": list(spec.rebinds),
+            "upstream": {"pr": spec.upstream_pr, "since": spec.upstream_since,
+                         "equivalent": spec.upstream_equivalent, "retire_when": spec.retire_when}}
 
 
 def read_records(directory: str) -> List[Dict[str, Any]]:
@@ -138,15 +123,11 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
         enabled = knob_enabled(env)
     except ExtConfigError:
         enabled = False
-    out.update({
-        "mode": mode,
-        "enabled_in_environment": enabled,
-        "strict": activation.is_strict() if live else bool(settings and settings.strict),
-        "config_error": config_error,
-        "patches": [_patch_entry(spec, statuses.get(spec.name), source_root, verified.get(spec.name))
-                    for spec in PATCHES],
-        "graph_caches": stats.snapshot(),
-    })
+    out.update(mode=mode, enabled_in_environment=enabled,
+               strict=activation.is_strict() if live else bool(settings and settings.strict), config_error=config_error,
+               patches=[_patch_entry(spec, statuses.get(spec.name), source_root, verified.get(spec.name))
+                        for spec in PATCHES],
+               graph_caches=stats.snapshot())
     return out
 
 

@@ -63,10 +63,8 @@ class TinyModelError(ValueError):
 
 
 def _token_ids(vocab: Dict[str, int]) -> Dict[str, int]:
-    return {
-        "bos_token_id": vocab["<|endoftext|>"], "eos_token_id": vocab["<|im_end|>"],
-        "pad_token_id": vocab["<|endoftext|>"],
-    }
+    return {"bos_token_id": vocab["<|endoftext|>"], "eos_token_id": vocab["<|im_end|>"],
+            "pad_token_id": vocab["<|endoftext|>"]}
 
 
 def _config(kind: str, vocab: Dict[str, int]) -> dict:
@@ -157,15 +155,13 @@ def _tokenizer_files(kind: str) -> Tuple[Dict[str, str], Dict[str, int]]:
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     vocab = tok.get_vocab(with_added_tokens=True)
     assert len(vocab) <= VOCAB_SIZE, len(vocab)
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer", "model_max_length": _TEXT["max_position_embeddings"],
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
-        "add_prefix_space": False, "clean_up_tokenization_spaces": False, "errors": "replace",
-        "split_special_tokens": False,
-        "added_tokens_decoder": {str(vocab[t]): {"content": t, "lstrip": False, "normalized": False,
-                                                 "rstrip": False, "single_word": False, "special": True}
-                                 for t in SPECIAL_TOKENS},
-    }
+    config = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": _TEXT["max_position_embeddings"],
+              "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+              "add_prefix_space": False, "clean_up_tokenization_spaces": False, "errors": "replace",
+              "split_special_tokens": False,
+              "added_tokens_decoder": {str(vocab[t]): {"content": t, "lstrip": False, "normalized": False,
+                                                       "rstrip": False, "single_word": False, "special": True}
+                                       for t in SPECIAL_TOKENS}}
     if kind != "qwen2":
         config.update(image_token="<|image_pad|>", video_token="<|video_pad|>",
                       vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>")

@@ -86,6 +86,11 @@ def _now_ms():
     return time.perf_counter() * 1e3
 
 
+def device_layout(layout, device):
+    """A CPU layout as an int32 tensor on `device`, copied without a sync (None stays None)."""
+    return None if layout is None else torch.tensor(layout, dtype=torch.int32).to(device, non_blocking=True)
+
+
 def _ext_budget_fits(self, padded_key, graph_key):
     """Whether a padded layout fits its budget graph's sequence slots and window bound."""
     _, full_slots, _, slots, window_bound = graph_key.variant
@@ -274,22 +279,17 @@ def _ext_replay_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_e
         if graph_key.num_tokens > tokens:
             self._ext_padding["padded_batches"] += 1
             self._ext_padding["padding_tokens"] += graph_key.num_tokens - tokens
-    device = self.device
     full, window = padded_key.layout
-    self._ext_write_layout(graph_key, torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True),
-                           None if window is None
-                           else torch.tensor(window, dtype=torch.int32).to(device, non_blocking=True))
-    rows = torch.arange(tokens // self._ext_merge_unit, device=device)
+    self._ext_write_layout(graph_key, device_layout(full, self.device), device_layout(window, self.device))
+    rows = torch.arange(tokens // self._ext_merge_unit, device=self.device)
     return self.replay(graph_key, x_pad, position_embeddings=pos, rotary_pos_emb_cos=cos, rotary_pos_emb_sin=sin,
                        output_indices=rows)
 
 
 def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
     """The sync-free eager run of one call given by its CPU layout."""
-    device = x_3d.device
     full, window = layout_key.layout
-    cu_window = None if window is None else torch.tensor(window, dtype=torch.int32).to(device, non_blocking=True)
-    return self._ext_run_eager(x_3d, torch.tensor(full, dtype=torch.int32).to(device, non_blocking=True), cu_window,
+    return self._ext_run_eager(x_3d, device_layout(full, x_3d.device), device_layout(window, x_3d.device),
                                position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin, None,
                                max_len(full), max_len(window))
 

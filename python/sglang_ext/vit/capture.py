@@ -94,9 +94,7 @@ def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_
         if self._fullatt_block_indexes:
             self.cu_window_len[graph_key] = torch.empty(window_count + 1, dtype=torch.int32, device=device)
             self.cu_window_len_kk[graph_key] = torch.empty(window_count, dtype=torch.int32, device=device)
-        self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),
-                               None if cu_window_seqlens is None
-                               else cu_window_seqlens.to(device=device, dtype=torch.int32))
+        self._ext_write_layout(graph_key, cu_seqlens, cu_window_seqlens)
         self._ext_max_lens[graph_key] = (full_max, window_max)
     else:
         cu_full = cu_seqlens.to(device=device, dtype=torch.int32).clone()
@@ -223,6 +221,7 @@ def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
     if self._fullatt_block_indexes:
         pairs.append((self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key], cu_window_seqlens))
     for buffer, lengths, source in pairs:
+        source = source.to(device=self.device, dtype=torch.int32)
         count = source.shape[0]
         buffer[:count].copy_(source, non_blocking=True)
         buffer[count:].fill_(tokens)

@@ -144,21 +144,16 @@ def _ext_graph_budget(self):
 def _ext_graph_info(self):
     """Counters for `sglang-ext doctor` / periodic debug logs."""
     info = self._ext_cache.info().as_dict()
-    info["mode"] = "bucket" if self._ext_bucket_mode() else "class" if self._ext_class_mode() else "layout"
-    info["attention_backend"] = self._attn_backend
-    info.update(self._ext_padding)
-    info["resident_graphs"] = len(self._ext_cache)
-    info["fallbacks"] = sum(self._ext_fallbacks.values())
-    for reason, count in self._ext_fallbacks.items():
-        info[f"fallback_{reason}"] = count
-    info["rotary_backing_buffers"] = sum(p.backing_buffers for p in self._ext_rotary_pools.values())
-    info["rotary_bytes"] = sum(p.bytes_allocated for p in self._ext_rotary_pools.values())
-    info["shared_buffer_bytes"] = sum(p.bytes_allocated for p in self._ext_buffer_pools.values())
-    info["bytes_resident"] += info["shared_buffer_bytes"]
-    info["replay_limit_tokens"] = self._ext_replay_limit
-    info["budgets"] = len(self._ext_token_buckets)
-    info.update(self._ext_precapture_info)
-    info.update(self._ext_chunking)
+    shared_bytes = sum(p.bytes_allocated for p in self._ext_buffer_pools.values())
+    info["bytes_resident"] += shared_bytes
+    info.update(mode="bucket" if self._ext_bucket_mode() else "class" if self._ext_class_mode() else "layout",
+                attention_backend=self._attn_backend, **self._ext_padding, resident_graphs=len(self._ext_cache),
+                fallbacks=sum(self._ext_fallbacks.values()),
+                **{f"fallback_{reason}": count for reason, count in self._ext_fallbacks.items()},
+                rotary_backing_buffers=sum(p.backing_buffers for p in self._ext_rotary_pools.values()),
+                rotary_bytes=sum(p.bytes_allocated for p in self._ext_rotary_pools.values()),
+                shared_buffer_bytes=shared_bytes, replay_limit_tokens=self._ext_replay_limit,
+                budgets=len(self._ext_token_buckets), **self._ext_precapture_info, **self._ext_chunking)
     return info
 
 
@@ -329,10 +324,7 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
         return self._ext_run_eager(*eager_batch, max_full_len, max_window_len)
     ext_graph_stats.publish()
     if graph_key.variant:  # class mode: this batch's boundaries into the shared graph
-        device = self.device
-        self._ext_write_layout(graph_key, cu_seqlens.to(device=device, dtype=torch.int32),
-                               None if cu_window_seqlens is None
-                               else cu_window_seqlens.to(device=device, dtype=torch.int32))
+        self._ext_write_layout(graph_key, cu_seqlens, cu_window_seqlens)
     return self.replay(graph_key, x_3d, position_embeddings=position_embeddings,
                        rotary_pos_emb_cos=rotary_pos_emb_cos, rotary_pos_emb_sin=rotary_pos_emb_sin,
                        output_indices=output_indices)
