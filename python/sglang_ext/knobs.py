@@ -83,12 +83,6 @@ class Knob:
         return text  # "str"
 
 
-def _patch_names() -> tuple[str, ...]:
-    from sglang_ext.registry import PATCHES
-
-    return tuple(p.name for p in PATCHES)
-
-
 # Order is the order of `--help`.
 KNOBS: tuple[Knob, ...] = (
     Knob("strict", "bool", False,
@@ -209,7 +203,9 @@ def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
                              + ", ".join(k.env for k in KNOBS))
     values: dict[str, Any] = {k.name: k.default if env.get(k.env) is None else k.parse(env[k.env]) for k in KNOBS}
     if values["disable"]:
-        names = _patch_names()
+        from sglang_ext.registry import PATCHES  # read now: tests extend the registry
+
+        names = tuple(p.name for p in PATCHES)
         unknown = [n for n in values["disable"] if n not in names]
         if unknown:
             raise knob("disable").error(f"unknown patch name(s) {', '.join(unknown)}; allowed: {', '.join(names)}")

@@ -191,13 +191,16 @@ _finder_installed = False
 def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
     """Run `callback(module)` once `module_name` has finished importing (now, if it has); its
     exceptions propagate to the importer."""
+    global _finder_installed
     with _lock:
         mod = sys.modules.get(module_name)
         if mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False):
             callback(mod)
             return
         _pending.setdefault(module_name, []).append(callback)
-        _install_finder()
+        if not _finder_installed:
+            sys.meta_path.insert(0, _PostImportFinder())
+            _finder_installed = True
 
 
 def pending_triggers() -> Dict[str, int]:
@@ -260,13 +263,6 @@ class _TriggeringLoader(importlib.abc.Loader):
 
     def __getattr__(self, name):  # get_source, get_code, is_package, ...
         return getattr(self._inner, name)
-
-
-def _install_finder() -> None:
-    global _finder_installed
-    if not _finder_installed:
-        sys.meta_path.insert(0, _PostImportFinder())
-        _finder_installed = True
 
 
 # --- Modules that 0.5.17 lacks ---

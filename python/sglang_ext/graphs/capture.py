@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from sglang_ext.graphs.keys import _is_int
 from sglang_ext.versions import version_key
@@ -131,8 +131,10 @@ def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
         except Exception as exc:  # noqa: BLE001
             _logger.debug("reset of the failed graph raised: %s", exc)
         return
-    if missing is None:
-        missing = _missing(torch._C, ("_cuda_endAllocateToPool", "_cuda_releasePool"), "torch._C.")
+    absent = [f"torch._C.{n}" for n in ("_cuda_endAllocateToPool", "_cuda_releasePool")
+              if not callable(getattr(torch._C, n, None))]
+    if missing is None and absent:
+        missing = f"missing torch internals: {', '.join(absent)}"
     if missing is not None:
         if not _warned_no_repair:
             _warned_no_repair.append(True)
@@ -165,11 +167,6 @@ def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
 
 
 _warned_no_repair: list = []
-
-
-def _missing(owner: Any, names: Iterable[str], prefix: str) -> Optional[str]:
-    absent = [prefix + n for n in names if not callable(getattr(owner, n, None))]
-    return f"missing torch internals: {', '.join(absent)}" if absent else None
 
 
 def _torch_release(version: str) -> Tuple[int, ...]:

@@ -36,8 +36,9 @@ def whole_sequence_chunks(layouts: Sequence[Optional[Sequence[int]]], total: int
     cuts = [c for c in shared_boundaries(layouts) if 0 < c < total] + [total]
     full = layouts[0]
 
-    def fits(start: int, end: int) -> bool:
-        return end - start <= max_tokens and (full is None or _count(full, start, end) <= max_sequences)
+    def fits(start: int, end: int) -> bool:  # (empty sequences count too)
+        return end - start <= max_tokens and (
+            full is None or len(sequences_between(full, start, end)) - 1 <= max_sequences)
 
     ranges: List[Tuple[int, int]] = []
     start, last_fit = 0, None
@@ -56,11 +57,6 @@ def whole_sequence_chunks(layouts: Sequence[Optional[Sequence[int]]], total: int
     if start < total:
         ranges.append((start, total))
     return ranges
-
-
-def _count(layout: Sequence[int], start: int, end: int) -> int:
-    """Sequences of `layout` inside [start, end) (empty ones included)."""
-    return max(len(sequences_between(layout, start, end)) - 1, 0)
 
 
 def median_wall_ms(run: Callable[[], Any], *, repeats: int = 5, synchronize: Optional[Callable[[], Any]] = None

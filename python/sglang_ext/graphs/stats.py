@@ -52,7 +52,8 @@ def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str
         raise ValueError(f"name: {name!r} is not allowed; allowed: a non-empty string")
     if not callable(info_fn):
         raise ValueError(f"info_fn: {info_fn!r} is not allowed; allowed: a callable returning CacheInfo or dict")
-    _drop_dead()
+    for dead in [n for n, resolve in _registry.items() if resolve() is None]:
+        del _registry[dead]
     used, n = name, 1
     while used in _registry:
         n += 1
@@ -63,11 +64,6 @@ def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str
 
 def unregister(name: str) -> None:
     _registry.pop(name, None)
-
-
-def _drop_dead() -> None:
-    for name in [n for n, resolve in _registry.items() if resolve() is None]:
-        del _registry[name]
 
 
 def snapshot() -> Dict[str, Dict[str, Any]]:

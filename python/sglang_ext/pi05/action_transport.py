@@ -97,10 +97,6 @@ def _decode_b64_image(payload):
     return Image.open(io.BytesIO(_ext_b64decode(data))).convert("RGB")
 
 
-def _ext_is_encoded_image(value) -> bool:
-    return isinstance(value, dict) and ("b64_json" in value or "base64" in value)
-
-
 def _ext_pool() -> ThreadPoolExecutor:
     global _ext_decode_pool
     with _ext_decode_pool_lock:
@@ -111,7 +107,8 @@ def _ext_pool() -> ThreadPoolExecutor:
 
 def _ext_decode_concurrently(decode, images: dict) -> dict:
     """`images` with every encoded camera decoded on the pool; the first failure in order is raised."""
-    names = [name for name, value in images.items() if _ext_is_encoded_image(value)]
+    names = [name for name, value in images.items()
+             if isinstance(value, dict) and ("b64_json" in value or "base64" in value)]
     if len(names) < 2:
         return images
     futures = [_ext_pool().submit(decode, images[name]) for name in names]

@@ -71,16 +71,12 @@ def first_use(core, path: str, run):
     try:
         result = run()
     except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
-        core.__dict__[reason_attr] = reason = f"{what} failed on first use: {_one_line(exc)}"
+        first_line = (str(exc).splitlines() or [""])[0]
+        core.__dict__[reason_attr] = reason = f"{what} failed on first use: {type(exc).__name__}: {first_line}"
         logger.warning("Pi05 %s disabled (%s): the exact path runs", what, reason, exc_info=exc)
         return None
     core.__dict__[verified_attr] = True
     return result
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _stack_unsupported(model, what: str, tp_what: str = ""):
@@ -204,12 +200,6 @@ def _one_head_sdpa(q, keys, values, scale):
     out = F.scaled_dot_product_attention(q.view(batch, 1, seq * heads, head_dim), keys.view(batch, 1, -1, head_dim),
                                          values.view(batch, 1, -1, head_dim), scale=scale)
     return out.view(batch, seq, heads, head_dim)
-
-
-def _uses_torch_sdpa(attn) -> bool:
-    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
-
-    return getattr(attn.attn, "backend", None) == AttentionBackendEnum.TORCH_SDPA
 
 
 class _Projections(NamedTuple):
@@ -364,6 +354,7 @@ def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_
 
 def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks):
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
+    from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
     from sglang.multimodal_gen.runtime.vla.prefix_cache import VLADensePrefixCache
 
     from sglang_ext.kernels import ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, rope_qkv
@@ -386,7 +377,7 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
                 raise ValueError("encode_prefix_layers: attention_mask without pad_masks; allowed: both or neither")
             visible = (pad_masks.sum(dim=-1).clamp_min(1).to(torch.int32), _visible_first(pad_masks).to(torch.int32),
                        key_splits(batch, seq, heads, kv_heads, seq, _sm_count(hidden.device)))
-        sdpa_full = kv_heads == 1 and _uses_torch_sdpa(attn0)
+        sdpa_full = kv_heads == 1 and getattr(attn0.attn, "backend", None) == AttentionBackendEnum.TORCH_SDPA
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=hidden.device)
         cache = []
         normed = ada_rms_norm(hidden, layers[0].input_layernorm.weight, eps=layers[0].input_layernorm.eps)

@@ -38,7 +38,9 @@ def split_ext_args(argv: Sequence[str]) -> Tuple[Dict[str, str], List[str]]:
         flag, has_value, inline = arg.partition("=")
         knob = _BY_FLAG.get(flag)
         if knob is None:
-            raise ExtConfigError(_unknown_flag_message(flag))
+            close = difflib.get_close_matches(flag, list(_BY_FLAG), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ExtConfigError(f"unknown flag {flag}{hint}; allowed: {', '.join(_BY_FLAG)}")
         if knob.name in values:
             raise ExtConfigError(f"{flag} given more than once")
         if has_value:
@@ -52,12 +54,6 @@ def split_ext_args(argv: Sequence[str]) -> Tuple[Dict[str, str], List[str]]:
             raise ExtConfigError(f"{flag} needs a value; {allowed_text(knob)}")
         values[knob.name] = raw
     return values, rest
-
-
-def _unknown_flag_message(flag: str) -> str:
-    close = difflib.get_close_matches(flag, list(_BY_FLAG), n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"unknown flag {flag}{hint}; allowed: {', '.join(_BY_FLAG)}"
 
 
 def allowed_text(knob: Knob) -> str:
@@ -83,10 +79,6 @@ def env_text(knob: Knob, value) -> str:
     if knob.kind in ("int_list", "name_list"):
         return ",".join(str(v) for v in value)
     return str(value)
-
-
-def default_text(knob: Knob) -> str:
-    return env_text(knob, knob.default) if knob.default not in ((), "") else '""'
 
 
 def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
@@ -143,7 +135,8 @@ def ext_help(prog: str) -> str:
              "sglang-ext flags (each also settable as an environment variable, inherited by child",
              f"processes; the launcher sets {MASTER_ENV}=1). Boolean flags: bare = true, or =0/=1.", ""]
     for k in KNOBS:
-        lines += [f"  {k.flag}  (env {k.env}, default {default_text(k)})", f"      {k.help}", f"      {allowed_text(k)}"]
+        default = env_text(k, k.default) if k.default not in ((), "") else '""'
+        lines += [f"  {k.flag}  (env {k.env}, default {default})", f"      {k.help}", f"      {allowed_text(k)}"]
     lines.append("")
     return "\n".join(lines)
 
