@@ -310,8 +310,7 @@ def _report_refusals(source_root: Optional[str]) -> None:
     else:
         problems = [f"patch {st.name} skipped: {st.detail}" for st in skipped]
     if _state.strict:
-        raise SglangExtActivationError(
-            "sglang-ext strict mode (" + knob("strict").env + "=1): " + "; ".join(problems))
+        raise SglangExtActivationError("sglang-ext strict mode (" + knob("strict").env + "=1): " + "; ".join(problems))
     if unsupported:  # one message covers every patch
         logger.warning("sglang-ext: %s", problems[0])
         return
@@ -422,8 +421,7 @@ def _import_triggers() -> None:
             try:
                 importlib.import_module(module)
             except Exception as exc:  # noqa: BLE001 - becomes a failed patch (abort in strict mode)
-                _fail(spec, _state.contexts[spec.name], st,
-                      f"cannot import {module}: {type(exc).__name__}: {exc}", exc)
+                _fail(spec, _state.contexts[spec.name], st, f"cannot import {module}: {type(exc).__name__}: {exc}", exc)
 
 
 def process_role() -> str:

@@ -60,7 +60,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // (2 * inner)
     out = torch.empty((*x.shape[:-1], inner), dtype=x.dtype, device=x.device)
     block, pdl = min(_BLOCK, block_size(inner)), uses_pdl(x)
-    _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inner, block))](
-        x, out, inner, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4
-    )
+    _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inner, block))](x, out, inner, BLOCK=block, PDL=pdl, launch_pdl=pdl,
+                                                                 num_warps=4)
     return out

@@ -19,9 +19,8 @@ from typing import Optional
 
 import torch
 
-from sglang_ext.kernels.backend import (
-    DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl,
-)
+from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton,
+                                        uses_pdl)
 
 _BLOCK_M = 64
 _BLOCK_N = 64
@@ -196,9 +195,7 @@ def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *
         num_warps=8 if head_dim >= 128 else 4, num_stages=2,
     )
     if not direct:
-        _combine_kernel[(all_rows,)](
-            acc, stats, out, seq, all_rows,
-            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, SPLITS=splits, SPLITS_BLOCK=block_size(splits),
-            PDL=pdl, launch_pdl=pdl, num_warps=4,
-        )
+        _combine_kernel[(all_rows,)](acc, stats, out, seq, all_rows, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+                                     SPLITS=splits, SPLITS_BLOCK=block_size(splits), PDL=pdl, launch_pdl=pdl,
+                                     num_warps=4)
     return out

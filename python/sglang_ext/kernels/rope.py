@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from sglang_ext.kernels.backend import (
-    DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl,
-)
+from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton,
+                                        uses_pdl)
 from sglang_ext.kernels.skinny_gemm import Partials, check_rows_and_blocks, slice_products
 
 
@@ -166,10 +165,8 @@ if triton is not None:
         head = tl.program_id(0) // blocks
         c = (tl.program_id(0) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the first half
         rm = tl.arange(0, BLOCK_M)
-        first, second = slice_products(
-            X, W, rm, head * HEAD_DIM + c, rows, (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM, k_dim, 0, k_dim, half,
-            BLOCK_M, BLOCK_N, BLOCK_K, True, F32, UPCAST,
-        )
+        first, second = slice_products(X, W, rm, head * HEAD_DIM + c, rows, (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM, k_dim,
+                                       0, k_dim, half, BLOCK_M, BLOCK_N, BLOCK_K, True, F32, UPCAST)
         row_ok = (rm < rows)[:, None]
         table = COS_SIN + rm[:, None] * HEAD_DIM + c[None, :]
         cos = tl.load(table, mask=row_ok, other=1.0)

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from sglang_ext.kernels.activation import gelu_tanh
-from sglang_ext.kernels.backend import (
-    DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton, uses_pdl,
-)
+from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton,
+                                        uses_pdl)
 
 MAX_ROWS = 128
 

@@ -50,9 +50,7 @@ async def forward(self, batch):
     """Sends a batch or request to the scheduler and waits for the response."""
     self.request_logger.log_received_request(batch)
     if self.context is None:
-        raise RuntimeError(
-            "AsyncSchedulerClient is not initialized. Call initialize() first."
-        )
+        raise RuntimeError("AsyncSchedulerClient is not initialized. Call initialize() first.")
     context = self.context
     socket = _ext_take_socket(self)
     completed = False

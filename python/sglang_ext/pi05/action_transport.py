@@ -139,8 +139,7 @@ def _wrap_normalize_observation(original, protocol):
 def patch_protocol(ctx, module) -> None:
     """Part for entrypoints.vla.protocol: pybase64 decoding, cameras decoded concurrently."""
     ctx.setattr(module, "_decode_b64_image", _decode_b64_image)
-    ctx.setattr(module, "_normalize_observation",
-                _wrap_normalize_observation(module._normalize_observation, module))
+    ctx.setattr(module, "_normalize_observation", _wrap_normalize_observation(module._normalize_observation, module))
 
 
 def patch_api(ctx, module) -> None:

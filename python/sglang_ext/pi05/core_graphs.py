@@ -20,12 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sglang.multimodal_gen.runtime.models.vlas.pi05_core import (
-    VLADensePrefixCache,
-    make_att_2d_masks,
-    set_forward_context,
-    trim_trailing_padding_tokens,
-)
+from sglang.multimodal_gen.runtime.models.vlas.pi05_core import (VLADensePrefixCache, make_att_2d_masks,
+                                                                 set_forward_context, trim_trailing_padding_tokens)
 from sglang_ext.pi05 import fast
 
 

@@ -44,8 +44,7 @@ def _packed_mlp(original):
     def __init__(self, config, *, tensor_parallel=False):
         original(self, config, tensor_parallel=tensor_parallel)
         if not tensor_parallel:
-            _pack(self, "gate_up_proj", ("gate_proj", "up_proj"), self.hidden_size, [self.intermediate_size] * 2,
-                  False)
+            _pack(self, "gate_up_proj", ("gate_proj", "up_proj"), self.hidden_size, [self.intermediate_size] * 2, False)
 
     return __init__
 

@@ -29,14 +29,9 @@ from sglang.multimodal_gen.runtime.vla.prefix_cache import PrefixContext, VLAPre
 from sglang_ext import knobs
 from sglang_ext.pi05 import fast, graph_settings
 from sglang_ext.pi05.prompt_bucketing import bucket_prompt_tokens, effective_token_length, select_prompt_token_bucket
-from sglang_ext.pi05.vla_cuda_graph import (
-    VLADenoiseGraphRunner,
-    VLADenoiseGraphSignature,
-    VLADenoiseLoopGraphSignature,
-    VLAPrefixGraphRunner,
-    VLAPrefixGraphSignature,
-    prefix_context_generation,
-)
+from sglang_ext.pi05.vla_cuda_graph import (VLADenoiseGraphRunner, VLADenoiseGraphSignature,
+                                            VLADenoiseLoopGraphSignature, VLAPrefixGraphRunner, VLAPrefixGraphSignature,
+                                            prefix_context_generation)
 
 logger = init_logger(__name__)
 
@@ -58,10 +53,9 @@ def _buckets(config) -> tuple:
 
 
 def action_expert_forward(self, prefix_context, x_t, timestep, *, action_position_offset=0, denoise_layout=None):
-    return self.core_model.denoise_step(
-        prefix_context.prefix_pad_masks, prefix_context.past_key_values, x_t, timestep,
-        bool(prefix_context.layout.get("full_attention", False)),
-        action_position_offset=action_position_offset, denoise_layout=denoise_layout)
+    return self.core_model.denoise_step(prefix_context.prefix_pad_masks, prefix_context.past_key_values, x_t, timestep,
+                                        bool(prefix_context.layout.get("full_attention", False)),
+                                        action_position_offset=action_position_offset, denoise_layout=denoise_layout)
 
 
 def __init__(self, config, **kwargs):
@@ -186,11 +180,10 @@ def _step_signature(self, prefix_context, x_t, action_position_offset, action_sp
     parallel_layout = self.config.parallel_layout_version
     if action_sp_enabled:
         parallel_layout += f":action_sp:rank{get_sp_parallel_rank()}:offset{action_position_offset}"
-    return VLADenoiseGraphSignature(
-        batch_size=x_t.shape[0], prefix_len=prefix_context.prefix_len,
-        prefix_full_attention=bool(prefix_context.layout.get("full_attention", False)),
-        action_horizon=x_t.shape[1], action_dim=x_t.shape[2], dtype=str(x_t.dtype).replace("torch.", ""),
-        parallel_layout=parallel_layout)
+    return VLADenoiseGraphSignature(batch_size=x_t.shape[0], prefix_len=prefix_context.prefix_len,
+                                    prefix_full_attention=bool(prefix_context.layout.get("full_attention", False)),
+                                    action_horizon=x_t.shape[1], action_dim=x_t.shape[2],
+                                    dtype=str(x_t.dtype).replace("torch.", ""), parallel_layout=parallel_layout)
 
 
 def denoise_step(self, prefix_context, x_t, timestep, *, use_cuda_graph=True, action_position_offset=0,
@@ -256,8 +249,7 @@ def _denoise(self, batch_size, prefix_context, x_t, num_steps, offset, action_sp
         prefix_context.prefix_pad_masks, x_t, full, action_position_offset=offset)
     for timestep in timesteps:
         velocity = self.denoise_step(prefix_context, x_t, timestep.expand(batch_size), use_cuda_graph=use_cuda_graph,
-                                     action_position_offset=offset, action_sp_enabled=action_sp,
-                                     denoise_layout=layout)
+                                     action_position_offset=offset, action_sp_enabled=action_sp, denoise_layout=layout)
         x_t.add_(velocity, alpha=dt)
     return x_t
 

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import functools
 
-from sglang.multimodal_gen.runtime.pipelines_core.stages.vla import (
-    _effective_prefix_cache_enabled,
-    vla_options,
-    vla_state,
-)
+from sglang.multimodal_gen.runtime.pipelines_core.stages.vla import (_effective_prefix_cache_enabled, vla_options,
+                                                                     vla_state)
 from sglang_ext.pi05.vla_cuda_graph import own_prefix_context
 
 

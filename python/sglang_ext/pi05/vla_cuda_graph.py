@@ -367,10 +367,9 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
         """Velocity of one denoise step (the graph's own tensor on the graph path)."""
         if not self.enabled or not self._graph_device(x_t):
             return step_fn(prefix_context, x_t, timestep)
-        return self._run(
-            signature, lambda: step_fn(prefix_context, x_t, timestep),
-            lambda: self._capture_denoise(step_fn, prefix_context, x_t, timestep, loop=False),
-            self._loader(prefix_context, x_t, timestep), lambda captured: captured.static_output)
+        return self._run(signature, lambda: step_fn(prefix_context, x_t, timestep),
+                         lambda: self._capture_denoise(step_fn, prefix_context, x_t, timestep, loop=False),
+                         self._loader(prefix_context, x_t, timestep), lambda captured: captured.static_output)
 
     def capture_or_run_loop(self, signature: VLADenoiseLoopGraphSignature,
                             loop_fn: Callable[[PrefixContext, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -378,10 +377,9 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
         """Every denoise step of one request as one replay of `loop_fn` (updates x_t in place)."""
         if not self.enabled or not self._graph_device(x_t):
             return loop_fn(prefix_context, x_t, timesteps)
-        return self._run(
-            signature, lambda: loop_fn(prefix_context, x_t, timesteps),
-            lambda: self._capture_denoise(loop_fn, prefix_context, x_t, timesteps, loop=True),
-            self._loader(prefix_context, x_t, timesteps), lambda captured: x_t.copy_(captured.static_x_t))
+        return self._run(signature, lambda: loop_fn(prefix_context, x_t, timesteps),
+                         lambda: self._capture_denoise(loop_fn, prefix_context, x_t, timesteps, loop=True),
+                         self._loader(prefix_context, x_t, timesteps), lambda captured: x_t.copy_(captured.static_x_t))
 
 
 def install(ctx, module) -> None:

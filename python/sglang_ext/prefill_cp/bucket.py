@@ -34,8 +34,7 @@ from sglang_ext.graphs.buckets import BucketDecision, select_bucket
 PREFILL_CP_BUCKET_STATS_NAME = "prefill_cp_bucket"  # the counters' name in stats snapshots
 
 # True while PrefillCudaGraphRunner.capture_one_shape captures a CP BCG prefill bucket.
-_EXT_HOLD_BREAK_INPUTS: contextvars.ContextVar = contextvars.ContextVar("sglang_ext_hold_break_inputs",
-                                                                         default=False)
+_EXT_HOLD_BREAK_INPUTS: contextvars.ContextVar = contextvars.ContextVar("sglang_ext_hold_break_inputs", default=False)
 # (live tokens, admitted bucket) while PrefillCudaGraphRunner.load_batch runs a CP batch.
 _EXT_ADMITTED_PREFILL_BUCKET: contextvars.ContextVar = contextvars.ContextVar(
     "sglang_ext_admitted_prefill_bucket", default=None)
@@ -89,8 +88,7 @@ def replay_bucket_decision(self, *, num_tokens: int, extend_seq_lens: Any, captu
     required = self.required_local_tokens(extend_seq_lens)
     if required is None:
         return None
-    return select_fitting_bucket(self.bucket_local_tokens, num_tokens, required, capture_num_tokens,
-                                 max_padding_factor)
+    return select_fitting_bucket(self.bucket_local_tokens, num_tokens, required, capture_num_tokens, max_padding_factor)
 
 
 def select_replay_bucket(self, *, num_tokens: int, required_local_tokens: int, capture_num_tokens: Sequence[int],
@@ -104,8 +102,7 @@ def select_replay_bucket_for_batch(self, *, num_tokens: int, extend_seq_lens: An
                                    capture_num_tokens: Sequence[int], max_padding_factor: float) -> Optional[int]:
     """`select_replay_bucket` for a batch's extend lengths; None -> run eager."""
     decision = self.replay_bucket_decision(num_tokens=num_tokens, extend_seq_lens=extend_seq_lens,
-                                           capture_num_tokens=capture_num_tokens,
-                                           max_padding_factor=max_padding_factor)
+                                           capture_num_tokens=capture_num_tokens, max_padding_factor=max_padding_factor)
     return None if decision is None else decision.bucket
 
 

@@ -48,9 +48,8 @@ _CORPUS = (
 _TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
              hidden_act="silu", initializer_range=INIT_STD, tie_word_embeddings=False)
-_VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, in_channels=3,
-               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=_TEXT["hidden_size"],
-               initializer_range=INIT_STD)
+_VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, in_channels=3, spatial_merge_size=2,
+               temporal_patch_size=2, out_hidden_size=_TEXT["hidden_size"], initializer_range=INIT_STD)
 _MROPE_SECTION = [8, 12, 12]  # sums to head_dim / 2 = 32
 
 
@@ -77,19 +76,17 @@ def _config(kind: str, vocab: Dict[str, int]) -> dict:
     if kind == "qwen2_5_vl":
         vision = dict(_VISION, model_type="qwen2_5_vl", patch_size=14, hidden_act="silu", window_size=112,
                       fullatt_block_indexes=[1, 3], tokens_per_second=2)
-        return dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl",
-                    rope_theta=1e6, rope_scaling={"type": "mrope", "mrope_section": _MROPE_SECTION},
-                    use_sliding_window=False, torch_dtype="bfloat16", vision_config=vision,
-                    **_TEXT, **ids, **mm_ids)
+        return dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", rope_theta=1e6,
+                    rope_scaling={"type": "mrope", "mrope_section": _MROPE_SECTION}, use_sliding_window=False,
+                    torch_dtype="bfloat16", vision_config=vision, **_TEXT, **ids, **mm_ids)
     text = dict(_TEXT, model_type="qwen3_vl_text", head_dim=64, attention_bias=False, rope_theta=5e6,
                 rope_scaling={"rope_type": "default", "mrope_section": _MROPE_SECTION, "mrope_interleaved": True},
                 torch_dtype="bfloat16", **ids)
     text.pop("tie_word_embeddings")
     vision = dict(_VISION, model_type="qwen3_vl", patch_size=16, hidden_act="gelu_pytorch_tanh",
                   num_position_embeddings=2304, deepstack_visual_indexes=[1, 2])
-    return dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
-                tie_word_embeddings=False, torch_dtype="bfloat16", text_config=text, vision_config=vision,
-                **mm_ids)
+    return dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl", tie_word_embeddings=False,
+                torch_dtype="bfloat16", text_config=text, vision_config=vision, **mm_ids)
 
 
 def _preprocessor_configs(kind: str) -> Dict[str, dict]:

@@ -230,8 +230,7 @@ def _ext_run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, position_embedding
     if self._ext_blk_accepts_metadata:
         full_md = prepare_vision_attention_metadata(cu_seqlens, device=device, max_seqlen=max_full_len)
         if self._fullatt_block_indexes:
-            window_md = prepare_vision_attention_metadata(cu_window_seqlens, device=device,
-                                                          max_seqlen=max_window_len)
+            window_md = prepare_vision_attention_metadata(cu_window_seqlens, device=device, max_seqlen=max_window_len)
     else:
         cu_full = cu_seqlens.to(device=device, dtype=torch.int32)
         if self._fullatt_block_indexes:
@@ -302,9 +301,8 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
             admission = self._ext_cache.admit(graph_key, expected_bytes=self._ext_expected_bytes(x_3d))
             if admission.capture:
                 try:
-                    self.create_graph(x_3d, cu_seqlens, cu_window_seqlens, position_embeddings,
-                                      rotary_pos_emb_cos, rotary_pos_emb_sin,
-                                      attention_layout_key=layout_key.layout)
+                    self.create_graph(x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
+                                      rotary_pos_emb_sin, attention_layout_key=layout_key.layout)
                 except Exception as exc:  # noqa: BLE001 - the batch still gets a correct result
                     # create_graph quarantined the key on every rank (transient failures are retried).
                     retry = self._ext_cache.retry_in(graph_key)
@@ -325,9 +323,8 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
     ext_graph_stats.publish()
     if graph_key.variant:  # class mode: this batch's boundaries into the shared graph
         self._ext_write_layout(graph_key, cu_seqlens, cu_window_seqlens)
-    return self.replay(graph_key, x_3d, position_embeddings=position_embeddings,
-                       rotary_pos_emb_cos=rotary_pos_emb_cos, rotary_pos_emb_sin=rotary_pos_emb_sin,
-                       output_indices=output_indices)
+    return self.replay(graph_key, x_3d, position_embeddings=position_embeddings, rotary_pos_emb_cos=rotary_pos_emb_cos,
+                       rotary_pos_emb_sin=rotary_pos_emb_sin, output_indices=output_indices)
 
 
 METHODS = (
