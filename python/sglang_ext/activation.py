@@ -89,11 +89,9 @@ def activated_version() -> Optional[str]:
 def activate(*, environ: Optional[Mapping[str, str]] = None, force: bool = False, strict: Optional[bool] = None,
              eager: bool = False, source_root: Optional[str] = None, version: Optional[str] = None
              ) -> Dict[str, PatchStatus]:
-    """Apply every enabled patch in this process (idempotent; later calls return the statuses).
-
-    force: even if SGLANG_EXT is off. strict: override the knob. eager: import every trigger module
-    now. source_root / version: check fingerprints against another sglang tree.
-    """
+    """Apply every enabled patch in this process (idempotent). force: even if SGLANG_EXT is off;
+    strict: override the knob; eager: import every trigger module now; source_root / version: check
+    another sglang tree."""
     with _state.lock:
         if _state.activated:
             if eager:

@@ -1,8 +1,7 @@
 """`python -m sglang_ext.launch_server <sglang launch_server args> [--ext-* flags]`
 
-Same as `python -m sglang.launch_server`, with sglang-ext switched on in this
-process and (through the environment) in every child process. `--help` lists
-the `--ext-*` flags, then sglang's own arguments.
+Same as `python -m sglang.launch_server`, with sglang-ext switched on in this process and
+(through the environment) in every child process.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """`python -m sglang_ext.serve <sglang serve args> [--ext-* flags]`
 
-Same as `sglang serve` (LLM and multimodal_gen / Pi0.5 servers), with
-sglang-ext switched on in this process and (through the environment) in every
-child process. On sglang 0.5.17 multimodal_gen workers load no plugins; the
-`mg_worker_activation` patch makes them activate sglang-ext themselves.
+Same as `sglang serve` (LLM and multimodal_gen / Pi0.5 servers), with sglang-ext switched on in
+this process and (through the environment) in every child process.
 """
 
 from __future__ import annotations

@@ -127,12 +127,9 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 class BoundedGraphCache(Generic[K, E]):
-    """At most `max_entries` graphs (and `max_bytes` bytes if > 0), in LRU order.
-
-    `lru` evicts the least recently used entries to make room; `exact` keeps the first graphs and
-    runs later keys eager. `min_hits` > 1 captures a key only on its `min_hits`-th sighting, so
-    one-off layouts do not evict graphs in use. `release` runs once for every entry dropped.
-    """
+    """At most `max_entries` graphs (and `max_bytes` bytes if > 0), in LRU order. `exact` keeps the
+    first graphs; `min_hits` > 1 captures a key only on its min_hits-th sighting (one-off layouts do
+    not evict graphs in use). `release` runs once for every entry dropped."""
 
     def __init__(self, name: str, max_entries: int, *, policy: str = "lru", max_bytes: int = 0, min_hits: int = 1,
                  release: Callable[[E], None] = release_entry) -> None:

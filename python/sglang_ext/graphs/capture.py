@@ -1,22 +1,15 @@
 """Captures into one shared graph pool: the pool pinned, one capture stream, failures undone.
 
-Adapters capture into sglang's global graph pool, so blocks of an evicted (reset) graph are reused
-by the next capture. torch is imported only when called.
+Adapters capture into sglang's global graph pool, so an evicted graph's blocks are reused by the
+next capture. When the last graph using a pool is reset, a new capture into it fails until
+`empty_cache()` tears it down; a bounded cache does exactly that, so every shared pool is pinned by
+one tiny graph that is never reset. torch is imported only when called.
 
-Pinning: when the last graph using a pool is reset, PyTorch marks the pool freeable, and until
-`empty_cache()` tears it down a new capture into the same handle fails an internal assert. A
-bounded cache empties the pool exactly this way, so every shared pool is pinned by one tiny graph
-that is never reset.
-
-`guarded_capture`:
-- disables automatic GC while a stream captures: collecting a dropped CUDAGraph inside a capture
-  runs its `reset()`, which CUDA refuses while capturing, and that invalidates the capture;
-- undoes a failed capture. `capture_end` raises at `cudaStreamEndCapture` before it ends the
-  allocators' recording into the pool and takes the CUDA generator out of capture mode; left so,
-  every later capture into the pool and every CUDA RNG call fails. The undo re-opens an empty
-  capture and calls `capture_end` again, so it runs its whole clean-up. It leans on torch
-  internals, so it runs only on the torch releases it was tested on (`REPAIR_TESTED_TORCH`);
-  otherwise nothing is repaired (one warning) and the error still propagates.
+`guarded_capture` keeps the GC out of a capture (collecting a dropped graph invalidates it) and
+undoes a failed one: `capture_end` raises before its clean-up, which leaves every later capture
+into the pool and every CUDA RNG call failing. The undo leans on torch internals, so it runs only
+on the releases it was tested on (`REPAIR_TESTED_TORCH`); elsewhere one warning, and the error
+still propagates.
 """
 
 from __future__ import annotations
@@ -115,13 +108,9 @@ def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iter
 
 
 def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
-    """Make the pool, the CUDA generator and later captures usable after `capture_end` raised.
-
-    Preferred: re-open an empty capture and call `capture_end` again (it also ends the pinned-host
-    allocator's recording, which has no Python binding). Fallback, without the runtime's
-    begin-capture: end the device recording, release the pool use, and capture a no-op once to
-    reset the generator.
-    """
+    """Make the pool, the CUDA generator and later captures usable after `capture_end` raised:
+    re-open an empty capture and call `capture_end` again (it also ends the pinned-host allocator's
+    recording, which has no binding); else end the recording and reset the generator by hand."""
     import torch
 
     missing = repair_unavailable()

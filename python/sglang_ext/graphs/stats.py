@@ -4,10 +4,8 @@ Registrations are weak (a bound method through a `WeakMethod`, or tied to `owner
 that die disappear from `snapshot()` by themselves.
 
 `publish()` writes the counters as Prometheus metrics (`sglang_ext_graph_*`) when
-PROMETHEUS_MULTIPROC_DIR is set (sglang's `--enable-metrics` sets it; its HTTP process serves every
-process's files on `/metrics`). Runners and the cache call it after each step; without the
-variable it costs one check and prometheus_client is never imported. Counters advance by the
-change of each snapshot since the last publish (a cache `clear()` restarts at 0).
+PROMETHEUS_MULTIPROC_DIR is set (by sglang's `--enable-metrics`); otherwise it costs one check.
+Counters advance by the change of each snapshot since the last publish.
 """
 
 from __future__ import annotations
@@ -94,9 +92,7 @@ def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------
-# Prometheus
-# ---------------------------------------------------------------------------
+# --- Prometheus ---
 
 # Registration name (before ":" or "#") -> the `cache` label of the sglang_ext_graph_* metrics.
 CACHE_LABELS = {

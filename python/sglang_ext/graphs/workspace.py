@@ -5,8 +5,7 @@ while it lives. Each graph leases a slice of the current backing buffer; growth 
 buffer and leaves older ones where they are; a retired buffer is freed with its last lease.
 
 Leases overlap on purpose (every graph gets the first rows): graphs of one runner never run
-concurrently and each replay first copies its inputs in. The tensors of one lease never overlap.
-Lease before capturing (outside the graph's pool); do not keep `lease.tensors` beyond the lease.
+concurrently and each replay first copies its inputs in. Lease before capturing.
 """
 
 from __future__ import annotations

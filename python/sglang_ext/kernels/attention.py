@@ -6,11 +6,9 @@ head form one block of S * G query rows, and the key rows are split over `splits
 block (flash-decoding); a second kernel combines the splits in a fixed order (deterministic).
 splits == 1 normalises in the first kernel and skips the second.
 
-With `key_rows` ([B, T] int32) the keys are rows key_rows[b, 0 .. used[b] - 1] instead: any
-subset in any order (a masked Pi0.5 prefix attends its visible rows without a mask).
-
-Math: float32 scores and softmax, probabilities rounded to q's dtype for the P @ V
-product (as FlashAttention does), float32 accumulation, one rounding of the output.
+With `key_rows` ([B, T] int32) the keys are rows key_rows[b, 0 .. used[b] - 1]: any subset, in any
+order. Math: float32 scores and softmax, probabilities rounded to q's dtype for P @ V (as
+FlashAttention does), float32 accumulation, one rounding of the output.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """x @ weight.T for a few rows (M <= 128): the weight-read-bound GEMMs of a small-batch step.
 
-cuBLAS serves such GEMMs well below HBM bandwidth. Here every program reads one
-[BLOCK_N, K / parts] slice of the weight once, with all rows of x in one tile, so the launch
-streams the weight exactly once.
+Every program reads one [BLOCK_N, K / parts] slice of the weight once, with all rows of x in one
+tile, so the launch streams the weight exactly once (cuBLAS stays well below HBM bandwidth here).
 
 parts > 1 splits K: the result is `Partials` (float32 [parts, ..., N], summed in a fixed order by
 its consumer: ada_rms_norm's `add`, rope_qkv's `qkv`): no reduce kernel, no atomics. parts == 1

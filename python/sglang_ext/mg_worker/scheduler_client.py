@@ -5,11 +5,10 @@ Targets: sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.for
 Upstream PR: none (0.5.23 still opens a socket per request)
 Retire when: upstream keeps its scheduler sockets across requests
 
-Why: every request creates a REQ socket, connects it over TCP to the scheduler and closes it: a
-TCP handshake and a ZMTP greeting per request, on the critical path of a robot's control loop.
-How: sockets that completed a round trip go back to an idle list on the client; the next request
-takes one (or a new one). A socket whose round trip did not complete is closed, never reused (a
-REQ socket must alternate send and receive). `close()` closes the idle sockets first.
+Why: every request connects a new REQ socket to the scheduler: a TCP handshake and a ZMTP greeting
+on the critical path of a robot's control loop.
+How: sockets that completed a round trip go back to an idle list for the next request; one that
+did not is closed (a REQ socket must alternate send and receive).
 """
 
 from __future__ import annotations

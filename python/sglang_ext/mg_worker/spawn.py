@@ -5,13 +5,10 @@ Targets: sglang.multimodal_gen.runtime.launch_server:run_scheduler_process, sgla
 Upstream PR: (multimodal_gen plugin group, sglang 0.5.21)
 Retire when: the minimum supported sglang loads sglang.multimodal_gen.plugins in workers (>= 0.5.21)
 
-Why: 0.5.17 spawns the GPU workers (and, with `--webui`, the HTTP server) and nothing under
-multimodal_gen loads plugins there, so Pi0.5 patches applied in the `sglang serve` process would
-not exist where the graphs run.
+Why: 0.5.17 spawns the GPU workers (and the `--webui` HTTP server) without loading plugins there.
 How: the launch_server globals used as process targets are rebound to `entries.ENTRIES` objects
 that pickle as a call of `entries.worker_entry(name)`: the child activates while unpickling its
-target, then runs sglang's original entry (a function installed into launch_server would pickle
-by that module's name and resolve to the unpatched original).
+target (a function installed into launch_server would resolve to the original in the child).
 """
 
 from __future__ import annotations

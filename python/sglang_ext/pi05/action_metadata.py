@@ -7,9 +7,8 @@ Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19
 
 Why: 0.5.17 answers `cuda_graph` from `enable_action_cuda_graph` alone ("auto" even when the
 action graph is off) and says nothing about the prefix graph.
-How: wrapped: 0.5.19's `runtime.cuda_graph` block, either graph available in `defaults` /
-`capabilities`, and `runtime.cuda_graph_mode`. 0.5.18's `entrypoints.action.protocol` is aliased
-(upstream's tests import it); api and ws_utils are rebound.
+How: wrapped: 0.5.19's `runtime.cuda_graph` block and `runtime.cuda_graph_mode`; 0.5.18's
+`entrypoints.action.protocol` aliased (upstream's tests import it); api and ws_utils rebound.
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ Targets: sglang.multimodal_gen.runtime.entrypoints.vla.api:create_action_generat
 Upstream PR: none (0.5.23 parses and decodes the same way)
 Retire when: upstream parses action requests with a fast JSON parser and decodes cameras concurrently
 
-Why: per request the HTTP process parses JSON and base64 with the standard library and decodes
-the frames one after another, all on the event loop.
-How: the endpoint's `request.json()` parses with orjson (json.loads for what orjson refuses or may
-read differently); `_decode_b64_image` uses pybase64 (stdlib fallback); `_normalize_observation`
-decodes two or more cameras on a small thread pool (the first failure in request order raises).
+Why: the HTTP process parses JSON and base64 with the standard library and decodes the frames one
+after another, all on the event loop.
+How: `request.json()` parses with orjson, `_decode_b64_image` uses pybase64 (stdlib fallbacks for
+what they refuse), `_normalize_observation` decodes two or more cameras on a small thread pool.
 """
 
 from __future__ import annotations

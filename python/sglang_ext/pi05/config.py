@@ -7,9 +7,8 @@ Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19
 
 Why: the graph caches and prompt buckets need their settings on the config, checked at start-up;
 0.5.17's `update_pipeline_config` silently drops unknown keys, so a typo would leave them off.
-How: the four fields are added to the class in place; `__post_init__` applies the `--ext-pi05-*`
-knobs, then validates; graph-like unknown keys raise ExtConfigError. Also installs 0.5.19's
-`vla.prompt_bucketing` module.
+How: the four fields added to the class in place; `__post_init__` applies the `--ext-pi05-*` knobs,
+then validates; graph-like unknown keys raise. Also installs 0.5.19's `vla.prompt_bucketing`.
 """
 
 from __future__ import annotations
@@ -123,7 +122,6 @@ def action_cuda_graph_available(self) -> bool:
 
 
 def patch_pipeline_config(ctx, module) -> None:
-    """Part for `sglang.multimodal_gen.configs.pipeline_configs.pi05`."""
     cls = module.Pi05PipelineConfig
     for graph_field in _EXT_PI05_GRAPH_FIELDS:
         ctx.setitem(cls.__dataclass_fields__, graph_field.name, graph_field)

@@ -5,9 +5,8 @@ Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:create_sinusoidal_p
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
 Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has vla/cuda_graph.py (>= 0.5.19)
 
-Why: 0.5.17's prefix copies its attention marks from a host list and probes its mask with
-.item() (neither is capturable); every denoise step rebuilds the suffix mask, the positions
-and the sinusoid scaling.
+Why: 0.5.17's prefix copies its attention marks from a host list and probes its mask with .item()
+(neither capturable); every denoise step rebuilds the suffix mask, positions and sinusoid scaling.
 How: create_sinusoidal_pos_embedding wrapped (optional precomputed `scaling`); the four methods
 replaced by 0.5.19's behaviour in our code, plus prepare_denoise_layout.
 """
@@ -135,7 +134,6 @@ def denoise_step(self, prefix_pad_masks, past_key_values, x_t, timestep, prefix_
 
 
 def patch_core(ctx, module) -> None:
-    """Part for `...models.vlas.pi05_core`."""
     ctx.setattr(module, "create_sinusoidal_pos_embedding", _with_scaling(module.create_sinusoidal_pos_embedding))
     for method in (embed_prefix, embed_suffix, prepare_denoise_layout, encode_prefix, denoise_step):
         ctx.setattr(module.Pi05CoreModel, method.__name__, method)

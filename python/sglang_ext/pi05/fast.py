@@ -341,11 +341,9 @@ def _find_prefix_unsupported(core):
 
 
 def encode_prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks):
-    """The prefix K/V (VLADensePrefixCache) from the prefix embeddings, or None (the exact path)
-    after a first use that raised.
-
-    A mask is pad_masks[i] & pad_masks[j], so attention reads just the visible keys, no mask.
-    Padded rows then differ from the exact path's, and nothing reads them."""
+    """The prefix K/V (VLADensePrefixCache), or None (the exact path) after a first use that raised.
+    A mask is pad_masks[i] & pad_masks[j], so attention reads just the visible keys, without it
+    (padded rows then differ from the exact path's; nothing reads them)."""
     def run():
         return _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
 

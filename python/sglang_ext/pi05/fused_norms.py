@@ -53,6 +53,5 @@ def _single_op(original):
 
 
 def patch_pi05_core(ctx, module) -> None:
-    """Part for `...models.vlas.pi05_core`."""
     ctx.setattr(module.PiGemmaRMSNorm, "forward", forward)
     ctx.setattr(module, "gated_residual", _single_op(module.gated_residual))

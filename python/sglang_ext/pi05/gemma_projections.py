@@ -5,11 +5,9 @@ Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaAttention, s
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
 Retire when: the minimum supported sglang has MergedReplicatedLinear (>= 0.5.19)
 
-Why: 0.5.17's non-TP branch runs q/k/v as three GEMMs and gate/up as two plus a torch.cat, per
-layer and step; Pi0.5 is launch-bound.
-How: 0.5.17's __init__ builds the layers, then the separate projections are replaced by one
-MergedReplicatedLinear; project_qkv, forward and projection_dtype read it. Checkpoint tensors
-reach its shards through 0.5.17's own `Pi05PolicyModel._FUSED_WEIGHT_MAPPINGS`.
+Why: 0.5.17's non-TP branch runs q/k/v as three GEMMs and gate/up as two plus a torch.cat.
+How: after 0.5.17's __init__ the separate projections are replaced by one MergedReplicatedLinear;
+checkpoint tensors reach its shards through 0.5.17's own `_FUSED_WEIGHT_MAPPINGS`.
 """
 
 from __future__ import annotations
@@ -61,7 +59,6 @@ def mlp_forward(self, x):
 
 
 def patch_pi05_core(ctx, module) -> None:
-    """Part for `...models.vlas.pi05_core`."""
     attention, mlp = module.PiGemmaAttention, module.PiGemmaMLP
     ctx.setattr(attention, "__init__", _packed_attention(attention.__dict__["__init__"]))
     ctx.setattr(attention, "project_qkv", project_qkv)

@@ -75,5 +75,4 @@ class MergedReplicatedLinear(ReplicatedLinear):
 
 
 def patch_linear(ctx, module) -> None:
-    """Part for `sglang.multimodal_gen.runtime.layers.linear`: add the class."""
     ctx.setattr(module, "MergedReplicatedLinear", MergedReplicatedLinear)

@@ -7,9 +7,9 @@ Retire when: upstream preprocesses Pi0.5 observations on the device
 
 Why: the worker scales every frame in float32 on the CPU and copies 4x its bytes to the GPU
 synchronously; the tokenizer call spends most of its time in transformers' Python wrappers.
-How: `_preprocess_image` and `Pi05Preprocessor.__init__` / `__call__` wrapped: a uint8 frame at the
-model's size is copied as uint8 and scaled on the GPU (same float32 ops, same bits); the noise
-follows; the tokenizer call goes to the Rust tokenizer, checked against transformers' call.
+How: a uint8 frame at the model's size is copied as uint8 and scaled on the GPU (same float32 ops,
+same bits), the noise with it; the tokenizer call goes to the Rust tokenizer, checked against
+transformers' call on its first answers.
 """
 
 from __future__ import annotations

@@ -299,7 +299,6 @@ def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offs
 
 
 def patch_policy(ctx, module) -> None:
-    """Part for `...models.vlas.pi05_policy`."""
     # Bound by `from ... import` when pi05_policy was imported before activation: 0.5.17's __init__
     # builds a runner through this name (replaced right after).
     ctx.setattr(module, "VLADenoiseGraphRunner", VLADenoiseGraphRunner)

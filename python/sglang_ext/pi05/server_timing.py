@@ -5,11 +5,10 @@ Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:infer_action, sg
 Upstream PR: none (sglang-ext only)
 Retire when: upstream reports per-request hop times itself (not in 0.5.23)
 
-Why: an answer's timings hold the stage times only; nothing says where the rest of a request's
-latency goes (parsing, decoding, the ZMQ hops, the worker around the pipeline).
+Why: an answer's timings hold the stage times only, not where the rest of the latency goes.
 How: wrappers stamp CLOCK_MONOTONIC times (one clock for all processes of the host) that travel
-with the request (`Req.extra["ext_trace"]`) and back; the HTTP process adds the hop times. Knob
-off: the wrappers only call sglang's functions.
+with the request (`Req.extra["ext_trace"]`); the HTTP process adds the hop times. Knob off: the
+wrappers only call sglang's functions.
 """
 
 from __future__ import annotations

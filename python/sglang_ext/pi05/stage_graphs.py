@@ -8,8 +8,7 @@ Retire when: upstream keys the action-graph K/V refresh on something id()-free a
 Why: 0.5.17's prefix stage calls the policy without the request's `enable_cuda_graph` option,
 and a prefix-graph output (rewritten by the next replay) must not be shared by two requests.
 How: wrapped: during a request the policy is seen through a view that passes the option on and
-owns the graph's output when several requests are in flight; grouped requests are grouped by the
-option too.
+owns the graph's output when several requests are in flight; grouping also keys on the option.
 """
 
 from __future__ import annotations
@@ -89,7 +88,6 @@ def _with_graph_option(original):
 
 
 def patch_stages(ctx, module) -> None:
-    """Part for `...pipelines_core.stages.vla`."""
     ctx.setattr(module, "_grouped_fingerprint", _with_graph_option(module._grouped_fingerprint))
     cls = module.VLAPrefixEncodingStage
     for name, method in (("forward", forward), ("_send_prefix_result", _send_prefix_result),

@@ -383,8 +383,7 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
 
 
 def install(ctx, module) -> None:
-    """Part for `sglang.multimodal_gen.runtime.vla`: this module as `vla.cuda_graph` (0.5.19's
-    name, importable before any Pi0.5 model module) and as 0.5.17's `vla.denoise_cuda_graph`."""
+    """This module as `vla.cuda_graph` (0.5.19's name) and as 0.5.17's `vla.denoise_cuda_graph`."""
     this = sys.modules[__name__]
     install_module(ctx, f"{module.__name__}.cuda_graph", this)
     install_module(ctx, f"{module.__name__}.denoise_cuda_graph", this)

@@ -5,13 +5,11 @@ Targets: sglang.srt.layers.cp.bcg:PrefillCPBCGInput, sglang.srt.model_executor.r
 Upstream PR: sgl-project/sglang#33906
 Retire when: upstream stores the admitted bucket with the batch instead of recomputing it at replay and holds breakable-graph break inputs strongly (#37448)
 
-Why: with CP v2 (zigzag) and breakable prefill graphs, a batch can need more CP-local rows than
-the smallest global bucket it fits was captured with; 0.5.17 pads to that bucket anyway and the
-replay raises, killing the request. Break inputs are held only weakly, so later captures reuse
-their memory.
-How: `PrefillCPBCGInput` gains upstream's bucket search; `can_run_graph` decides once and stores
-the decision on the forward batch, `load_batch` pads to exactly that bucket (a ContextVar read by
-a `_pad_to_bucket` override), and CP captures hold their break inputs strongly.
+Why: with CP v2 (zigzag) and breakable graphs, a batch can need more CP-local rows than the bucket
+0.5.17 pads it to: the replay raises. Break inputs are held weakly, so later captures reuse them.
+How: `PrefillCPBCGInput` gains upstream's bucket search; `can_run_graph` decides once, on the
+forward batch; `load_batch` pads to exactly that bucket (a ContextVar read by a `_pad_to_bucket`
+override); CP captures hold their break inputs strongly.
 """
 
 from __future__ import annotations

@@ -2,16 +2,10 @@
 
     sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
-Run again on the same folder it changes nothing (the same seed gives the same bytes).
-
-Why: a real-server test needs a model every GPU machine has without a download, with outputs that
-depend on the input (`--load-format dummy` weights are too small for that): a seeded random
-checkpoint at the scale of a Hugging Face initialisation, a few MB in bfloat16.
-
-Real: the architectures, the vision towers' patch / temporal / merge sizes, window attention
-(Qwen2.5-VL) and deepstack layers (Qwen3-VL). Small: every width and depth, and the tokenizer (a
-byte-level BPE trained here, plus Qwen's special tokens). Tensor names follow the checkpoints each
-sglang loader reads (Qwen2.5-VL: the original hub layout; Qwen3-VL: transformers >= 4.57's).
+A real-server test needs a model without a download, with outputs that depend on the input
+(`--load-format dummy` weights are too small): a seeded random checkpoint at the scale of a Hugging
+Face initialisation, a few MB. Real architectures and vision geometry; every width, depth and the
+tokenizer small. The same seed writes the same bytes, so a second run changes nothing.
 """
 
 from __future__ import annotations
@@ -309,11 +303,7 @@ def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
 
 def ensure_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) -> Tuple[pathlib.Path, bool]:
     """Make `path` hold the `kind` model of `seed`; returns (the folder, whether anything was written).
-
-    A folder already holding these files is left as it is (missing ones are added); any other
-    non-empty folder needs `force`, which overwrites our files only. Raises TinyModelError, with
-    nothing written, for bad arguments, an unusable folder or missing packages.
-    """
+    A non-empty folder holding anything else needs `force` (which overwrites our files only)."""
     out = _check_args(kind, path, seed, force)
     missing = missing_modules(REQUIRED_MODULES)
     if missing:

@@ -120,12 +120,8 @@ def _ext_capture_budget(self, sample, budget):
 
 
 def _ext_probe_ladder(self, sample, ladder):
-    """The budgets whose graph beats eager on this GPU and model, agreed by every rank.
-
-    Smallest first: capture, time a replay of the smallest call the budget serves against its eager
-    run, drop the graph; stop at the first budget where eager wins on any rank or the capture fails
-    (larger calls are device-bound). TP collectives run as local stand-ins.
-    """
+    """The budgets whose graph beats eager on this GPU and model, agreed by every rank: smallest
+    first, a replay of the smallest call each serves against its eager run, up to the first loss."""
     on_cuda = self.device.type == "cuda" if isinstance(self.device, torch.device) else False
     sync = torch.cuda.synchronize if on_cuda else None
     kept, previous = [], 0

@@ -5,11 +5,10 @@ Targets: sglang.srt.model_executor.model_runner:ModelRunner.init_cuda_graphs
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Why: without it the probe and the captures run inside the first image request; and captured
-after sglang's own graphs, no graph captured later into the shared pool keeps an output that a
-ViT replay could overwrite.
+Why: otherwise the probe and the captures run inside the first image request; after sglang's own
+graphs, no later capture into the shared pool keeps an output a ViT replay could overwrite.
 How: wraps init_cuda_graphs: sglang's captures, then `_ext_precapture_at_load` on every ViT graph
-runner of the loaded model (TP ranks in lockstep), bounded by the server's prefill limits.
+runner of the loaded model.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ def init_cuda_graphs(self, *args, **kwargs):
 
 
 def patch_model_runner(ctx, module) -> None:
-    """Part for `sglang.srt.model_executor.model_runner`."""
     cls = module.ModelRunner
     ctx.setattr(cls, "_ext_orig_init_cuda_graphs", cls.__dict__["init_cuda_graphs"])
     ctx.setattr(cls, "init_cuda_graphs", init_cuda_graphs)

@@ -87,6 +87,5 @@ def forward_with_cuda_graph(self, x, grid_thw):
 
 
 def patch_qwen2_5_vl(ctx, module) -> None:
-    """Part for `sglang.srt.models.qwen2_5_vl`."""
     check_runner_binding(module)
     ctx.setattr(module.Qwen2_5_VisionTransformer, "forward_with_cuda_graph", forward_with_cuda_graph)

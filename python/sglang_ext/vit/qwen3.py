@@ -5,11 +5,10 @@ Targets: sglang.srt.models.qwen3_vl:Qwen3VLMoeVisionModel.forward_with_cuda_grap
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Why: 0.5.17's graph inputs (`_prepare_graph_inputs`) interpolate the position embedding by
-another rule than the eager `forward`, so graphs on never equalled graphs off, and pass the
-runner device cu_seqlens only (a key needs a sync).
+Why: 0.5.17's `_prepare_graph_inputs` interpolates the position embedding by another rule than
+the eager `forward` (graphs on never equalled graphs off) and gives the runner device cu_seqlens only.
 How: the inputs built as `forward` builds them, the per-frame boundaries as Python ints (the
-runner's attention_layout_key); inherited by qwen3_omni_moe's vision encoder.
+runner's attention_layout_key); qwen3_omni_moe's vision encoder inherits it.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ def graph_inputs(vit, x, grid_thw):
 
 
 def forward_with_cuda_graph(self, x, grid_thw):
-    """Qwen3VLMoeVisionModel.forward_with_cuda_graph."""
     x, full_layout, rotary_pos_emb_cos, rotary_pos_emb_sin = graph_inputs(self, x, grid_thw)
     cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
     # no windows, rotary as cos/sin tables, rows in the tower's order

@@ -5,11 +5,10 @@ Targets: sglang.srt.multimodal.vit_cuda_graph_runner:ViTCudaGraphRunner
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Why: 0.5.17 keys ViT graphs by token count only: equal-length batches with other image boundaries
-replay stale cu_seqlens (wrong embeddings), a grown rotary workspace moves under captured graphs,
-and graphs are never freed.
+Why: 0.5.17 keys ViT graphs by token count only (other image boundaries replay stale cu_seqlens),
+moves the rotary workspace under captured graphs, and never frees a graph.
 How: the runner's methods are replaced on the class: keys from CPU layouts, a bounded LRU cache
-with an eager fallback, owned outputs (capture.py, budget.py, tp.py; docs/how-it-works.md).
+with an eager fallback, owned outputs (capture.py, budget.py, tp.py).
 """
 
 from __future__ import annotations
@@ -342,7 +341,6 @@ def check_runner_binding(module) -> None:
 
 
 def patch_runner(ctx, module) -> None:
-    """Part for `sglang.srt.multimodal.vit_cuda_graph_runner`: the methods, replaced or added on the class."""
     cls = module.ViTCudaGraphRunner
     for fn in METHODS + capture.METHODS + budget.METHODS + tp.METHODS:
         ctx.setattr(cls, fn.__name__, fn)
