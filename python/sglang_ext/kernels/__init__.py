@@ -7,8 +7,6 @@ interpreter (how the CPU tests check them). The interpreter truncates float32 ->
 of rounding, so interpreted bf16 outputs may differ from the reference by one ulp.
 """
 
-from __future__ import annotations
-
 from sglang_ext.kernels.attention import first_rows_attention, first_rows_attention_reference
 from sglang_ext.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference
 from sglang_ext.kernels.rms_norm import ada_rms_norm, ada_rms_norm_reference

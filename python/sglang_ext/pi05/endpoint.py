@@ -1,7 +1,5 @@
 """A replacement of a FastAPI endpoint that FastAPI still serves like the original."""
 
-from __future__ import annotations
-
 import inspect
 
 

@@ -3,8 +3,6 @@
 Methods of sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
 """
 
-from __future__ import annotations
-
 import logging
 import math
 import time

@@ -4,8 +4,6 @@ Methods of sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.pa
 docs/how-it-works.md (ViT CUDA graphs) says why each step is safe.
 """
 
-from __future__ import annotations
-
 import logging
 
 import torch

@@ -4,8 +4,6 @@ Every rank encoding a batch votes on each capture (graphs.agreement) before any 
 Methods of sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch
