@@ -131,8 +131,7 @@ def activate(*, environ: Optional[Mapping[str, str]] = None, force: bool = False
 
 
 def sglang_carries_sglang_ext() -> Optional[str]:
-    """The importable sglang's directory when it vendors sglang-ext (a tree patched with the fork
-    series in patches/, which activates that copy itself), unless this module is that copy."""
+    """The importable sglang's directory when it vendors sglang-ext (the fork series), unless this is that copy."""
     if __name__.startswith("sglang."):
         return None
     path = installed_sglang_path()
@@ -158,8 +157,7 @@ def deactivate() -> None:
 
 
 def verify_applied() -> Dict[str, List[str]]:
-    """Re-check that every swap of every (partly) applied patch is still live (something may rebind
-    a target later); `doctor` reports this."""
+    """Re-check that every swap of every (partly) applied patch is still live (for `doctor`)."""
     out: Dict[str, List[str]] = {}
     for name, st in _state.statuses.items():
         ctx = _state.contexts.get(name)
@@ -217,13 +215,11 @@ def _check_requirements(decided: Dict[str, PatchStatus], settings: Settings) -> 
                 knobs_set = [knob(k) for k in req.when_knobs if settings.values[k] != knob(k).default]
                 if req.when_knobs and not knobs_set:
                     continue
-                why = f" while {', '.join(k.env for k in knobs_set)} is set" if knobs_set else ""
-                how = f"list {spec.name} in {knob('disable').env} too"
-                if knobs_set:
-                    how += f", or unset {', '.join(k.env for k in knobs_set)}"
+                envs = ", ".join(k.env for k in knobs_set)
                 st.state = SKIPPED
-                st.detail = (f"requires patch {req.patch}{why}, which is {needed.state}; allowed: enable "
-                             f"{req.patch}, or {how}")
+                st.detail = (f"requires patch {req.patch}{f' while {envs} is set' if envs else ''}, which is "
+                             f"{needed.state}; allowed: enable {req.patch}, or list {spec.name} in "
+                             f"{knob('disable').env} too{f', or unset {envs}' if envs else ''}")
                 st.parts_pending, st.parts_applied = [], []
                 changed = True
                 break
@@ -234,22 +230,17 @@ def _release(version: str) -> str:
 
 
 def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_root: Optional[str]) -> PatchStatus:
-    st = PatchStatus(spec.name, ARMED)
     if spec.name in settings.disable:
-        st.state, st.detail = DISABLED, f"listed in {knob('disable').env}"
-        return st
+        return PatchStatus(spec.name, DISABLED, f"listed in {knob('disable').env}")
     if version is None:
-        st.state = SKIPPED
-        st.detail = (f"no sglang version found in {source_root}/sglang/_version.py; give one with "
-                     f"{knob('assume_sglang').env}" if source_root else "sglang is not installed")
-        return st
+        return PatchStatus(spec.name, SKIPPED, f"no sglang version found in {source_root}/sglang/_version.py; give "
+                           f"one with {knob('assume_sglang').env}" if source_root else "sglang is not installed")
     if spec.upstream_equivalent and spec.upstream_since and at_least(version, spec.upstream_since):
-        st.state, st.detail = NOT_NEEDED, f"upstream has it since {spec.upstream_since}"
-        return st
+        return PatchStatus(spec.name, NOT_NEEDED, f"upstream has it since {spec.upstream_since}")
     if _release(version) not in spec.supported:
-        st.state = SKIPPED
-        st.detail = f"sglang {version} is not supported; supported: {', '.join(spec.supported)}"
-        return st
+        return PatchStatus(spec.name, SKIPPED, f"sglang {version} is not supported; supported: "
+                           f"{', '.join(spec.supported)}")
+    st = PatchStatus(spec.name, ARMED)
     changed, absent, unrecorded = [], [], []
     for target in spec.targets:
         live = fp.fingerprint(target.module, target.qualname, source_root)
@@ -285,8 +276,7 @@ def _pending_detail(st: PatchStatus) -> str:
 
 
 def _report_refusals(source_root: Optional[str]) -> None:
-    """One warning per skipped patch (one in total for an unsupported sglang), or in strict mode one
-    exception carrying the same text."""
+    """One warning per skipped patch (one for an unsupported sglang); strict mode raises the same text."""
     skipped = [st for st in _state.statuses.values() if st.state == SKIPPED]
     if not skipped:
         return

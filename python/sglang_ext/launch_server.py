@@ -16,8 +16,7 @@ PROG = "python -m sglang_ext.launch_server"
 
 
 def run_sglang_launch_server(argv: List[str]) -> None:
-    """Run sglang's `python -m sglang.launch_server` entry with `argv` (runpy with alter_sys, so
-    spawned children re-import it as `__mp_main__` as without sglang-ext)."""
+    """Run `python -m sglang.launch_server` with `argv` (alter_sys: children re-import it as `__mp_main__`)."""
     sys.argv = [sys.argv[0], *argv]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

@@ -189,8 +189,7 @@ _finder_installed = False
 
 
 def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
-    """Run `callback(module)` once `module_name` has finished importing (now, if it has); its
-    exceptions propagate to the importer."""
+    """Run `callback(module)` once `module_name` has finished importing (now, if it has)."""
     global _finder_installed
     with _lock:
         mod = sys.modules.get(module_name)

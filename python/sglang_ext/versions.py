@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
+import importlib.util
+import os
 from typing import Optional, Tuple
 
 # The adapters are written against this release; fingerprints gate everything else.
@@ -31,8 +34,6 @@ def at_least(version: str, since: str) -> bool:
 
 def installed_sglang_path() -> Optional[str]:
     """Directory of the importable `sglang` package, found without importing it."""
-    import importlib.util
-
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -41,9 +42,6 @@ def installed_sglang_path() -> Optional[str]:
 
 def source_tree_version(source_root: str) -> Optional[str]:
     """sglang version of an unpacked tree (`<source_root>/sglang/_version.py`), without importing it."""
-    import ast
-    import os
-
     path = os.path.join(source_root, "sglang", "_version.py")
     if not os.path.exists(path):
         return None

@@ -71,8 +71,7 @@ class Outcome:
 
 def agreed_capture(vote: Vote, prepare: Callable[[], Any], capture: Callable[[], Any],
                    discard: Callable[[], None]) -> Outcome:
-    """Run `prepare()`, vote, `capture()`, vote. On an agreed failure `discard()` undoes what
-    they left; their exceptions are voted on and returned in the outcome, never raised."""
+    """Run `prepare()`, vote, `capture()`, vote; on an agreed failure `discard()` (exceptions are returned)."""
     votes = 0
     for stage, step in (("prepare", prepare), ("capture", capture)):
         error: Optional[BaseException] = None

@@ -45,8 +45,7 @@ MAX_RETRY_BACKOFF = 1024
 
 
 def is_transient_failure(exc: Optional[BaseException]) -> bool:
-    """Whether a failed capture may succeed later: out of (device or host) memory, matched by
-    message (torch's OutOfMemoryError and CUDA's own errors say it) so no torch is needed."""
+    """Whether a failed capture may succeed later: out of memory, matched by message (no torch needed)."""
     if isinstance(exc, MemoryError):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
@@ -61,8 +60,7 @@ class _Quarantined:
 
 
 def release_entry(entry: Any) -> None:
-    """Default release: `entry.release()`, else `entry.graph.reset()`, else `entry.reset()`
-    (returns the graph's blocks to its pool now, not whenever the GC gets to it)."""
+    """Default release: `entry.release()`, else `entry.graph.reset()`, else `entry.reset()`."""
     release = getattr(entry, "release", None)
     if callable(release):
         release()
@@ -256,8 +254,8 @@ class BoundedGraphCache(Generic[K, E]):
 
     @_publishes
     def fail(self, key: K, exc: Optional[BaseException] = None, *, transient: Optional[bool] = None) -> None:
-        """Quarantine `key` after a failed capture: transient (default `is_transient_failure(exc)`;
-        pass `transient=` when agreed across ranks) for the next 2**n misses, else until `clear()`."""
+        """Quarantine `key` after a failed capture: if transient (or `transient=`, agreed across ranks)
+        for its next 2**n misses, else until `clear()`."""
         self.failures += 1
         if transient is None:
             transient = is_transient_failure(exc)

@@ -73,8 +73,7 @@ def capture_stream(device: Any = None) -> Any:
 
 @contextlib.contextmanager
 def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[Any]:
-    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe from the GC and safe to fail
-    (the error propagates). `pool=None`: a fresh private pool; `stream=None`: `capture_stream()`."""
+    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe from the GC and safe to fail."""
     import torch
 
     if pool is None:
@@ -178,8 +177,7 @@ _CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 
 def _end_capture_in_place(graph: Any, stream: Any) -> bool:
-    """Re-open an empty capture on `stream` and let `graph.capture_end()` finish its clean-up
-    (False: use the fallback)."""
+    """Re-open an empty capture and let `graph.capture_end()` clean up (False: use the fallback)."""
     import warnings
 
     begin = _runtime_begin_capture()

@@ -17,8 +17,7 @@ class DeviceSyncError(ValueError):
 
 @dataclass(frozen=True)
 class GraphKey:
-    """Hashable identity of one graph: (padded) token count, attention boundaries, and any other
-    `variant` of the captured code path (backend, masked prefix)."""
+    """Hashable identity of one graph: token count, attention boundaries, other `variant`s of its code path."""
 
     num_tokens: int
     layout: tuple = ()
@@ -60,8 +59,7 @@ def _host_values(values: Any, *, field: str, allow_device_sync: bool) -> Any:
 
 
 def cpu_ints(values: Any, *, field: str, allow_device_sync: bool = False) -> Tuple[int, ...]:
-    """Flat tuple of Python ints from a list, tuple, numpy array or CPU tensor (a device tensor
-    raises `DeviceSyncError` unless `allow_device_sync`)."""
+    """Flat tuple of Python ints from a list, tuple, numpy array or CPU tensor (else DeviceSyncError)."""
     host = _host_values(values, field=field, allow_device_sync=allow_device_sync)
     items = (host,) if _is_int(host) else host
     out = []

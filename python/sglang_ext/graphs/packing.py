@@ -58,8 +58,7 @@ def whole_sequence_chunks(layouts: Sequence[Optional[Sequence[int]]], total: int
 
 def median_wall_ms(run: Callable[[], Any], *, repeats: int = 5, synchronize: Optional[Callable[[], Any]] = None
                    ) -> float:
-    """Median wall time of `run()` in ms from an idle device (one warm-up first). Wall, not device
-    time: launch-bound calls are exactly what a graph saves."""
+    """Median wall (not device: launches are what a graph saves) time of `run()` in ms, after a warm-up."""
     sync = synchronize or (lambda: None)
     times = []
     for i in range(repeats + 1):

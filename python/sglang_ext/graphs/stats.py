@@ -44,8 +44,7 @@ def _weak_callable(info_fn: Callable[[], Any], owner: Any) -> Callable[[], Optio
 
 
 def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str:
-    """Register `info_fn` (returns a CacheInfo or dict) under `name`, or `name#2`, ... when a live
-    registration holds it; returns the name used."""
+    """Register `info_fn` (a CacheInfo or dict) under `name` (or `name#2`, ...); returns the name used."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name: {name!r} is not allowed; allowed: a non-empty string")
     if not callable(info_fn):
@@ -77,8 +76,7 @@ def snapshot() -> Dict[str, Dict[str, Any]]:
 
 
 def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
-    """Debug-log a one-line summary per cache, at most once per `interval_s` (0: never); returns
-    whether it logged."""
+    """Debug-log a line per cache at most once per `interval_s` (0: never); returns whether it logged."""
     if interval_s < 0:
         raise ValueError(f"interval_s: {interval_s!r} is not allowed; allowed: numbers >= 0 (0 = never)")
     if interval_s == 0:

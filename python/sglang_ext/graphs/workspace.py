@@ -65,8 +65,7 @@ class WorkspaceLease:
 
 
 class StableWorkspacePool:
-    """Backing buffers (flat 1-D tensors) from which graphs lease fixed-address slices. The
-    current buffer stays when its last lease goes (the next capture uses it)."""
+    """Backing buffers from which graphs lease fixed-address slices (the current one outlives its leases)."""
 
     def __init__(self, name: str, *, allocate: Optional[Callable[[int], Any]] = None, dtype: Any = None,
                  device: Any = None, growth: float = 2.0) -> None:
@@ -149,8 +148,7 @@ class GraphInputMovedError(AssertionError):
 
 
 class AddressGuard:
-    """Debug check that a graph's inputs still have their capture-time addresses (knob
-    debug_addresses: costs host time per replay). A mapping of tensors names the one that moved."""
+    """Debug check (knob debug_addresses) that a graph's inputs still have their capture-time addresses."""
 
     def __init__(self, enabled: Optional[bool] = None) -> None:
         if enabled is None:

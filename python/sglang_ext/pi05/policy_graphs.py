@@ -103,8 +103,7 @@ def _prompt_token_bucketing_enabled(self) -> bool:
 
 
 def build_prefix_cache_key(self, observation, *, bucket_prompt=False):
-    """0.5.17's key over the prompt up to its last visible token, with the prompt layout (exact,
-    bucket-N, bucket-miss-exact) in the positions version."""
+    """0.5.17's key over the prompt up to its last visible token, the prompt layout in the positions version."""
     token_len = effective_token_length(observation.token_masks)
     prompt_layout = "exact"
     if bucket_prompt and self._prompt_token_bucketing_enabled():
@@ -277,8 +276,7 @@ def _exact_loop(self, full_attention, dt, offset):
 
 
 def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offset, graph):
-    """The fused-kernel loop (one graph per request, or eager); None when it failed on its first
-    use on this model."""
+    """The fused-kernel loop (one graph per request, or eager); None when its first use here failed."""
     core = self.core_model
     table = fast.time_conditioning(core, num_steps, x_t.shape[0], x_t.device)
 

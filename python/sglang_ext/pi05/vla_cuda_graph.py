@@ -256,8 +256,7 @@ class _VLAGraphRunnerBase:
 
     def _run(self, signature: Any, eager: Callable[[], Any], capture: Callable[[], Any],
              load: Callable[[Any], None], result: Callable[[Any], Any]) -> Any:
-        """Replay `signature`'s graph (captured first when admitted), else `eager()`; a failure
-        quarantines the signature and runs eager, a moved static tensor raises."""
+        """Replay `signature`'s graph (captured first when admitted), else `eager()` (also on a failure)."""
         captured = self._cache.get(signature)
         if captured is None and not self._admit(signature):
             return eager()
@@ -322,8 +321,7 @@ class VLAPrefixGraphRunner(_VLAGraphRunnerBase):
 
 
 class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
-    """CUDA graphs of the action denoise: one step per graph (upstream), or every step of a
-    request in one graph (`capture_or_run_loop`)."""
+    """CUDA graphs of the action denoise: one step per graph, or all steps (`capture_or_run_loop`)."""
 
     _cache_name = "action-denoise"
 

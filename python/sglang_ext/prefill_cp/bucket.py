@@ -75,9 +75,9 @@ def select_fitting_bucket(bucket_local_tokens: Dict[int, int], num_tokens: int, 
 def required_local_tokens(self, extend_seq_lens: Any) -> Optional[int]:
     """Aligned CP-local rows a live zigzag layout needs (max over ranks); None if unknown."""
     strategy = get_cp_strategy()
-    if not isinstance(strategy, ZigzagCPStrategy) or extend_seq_lens is None:
-        return None
-    return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size, cp_padding.get_cp_padding_align_size())
+    if isinstance(strategy, ZigzagCPStrategy) and extend_seq_lens is not None:
+        return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size, cp_padding.get_cp_padding_align_size())
+    return None
 
 
 def replay_bucket_decision(self, *, num_tokens: int, extend_seq_lens: Any, capture_num_tokens: Sequence[int],

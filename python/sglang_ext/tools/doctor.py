@@ -98,8 +98,7 @@ def read_records(directory: str) -> List[Dict[str, Any]]:
 
 def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
            environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """The doctor report of this process: live statuses and graph caches, or (not activated, or
-    another tree) statuses planned from the fingerprints."""
+    """The doctor report of this process: live statuses, else statuses planned from the fingerprints."""
     env = os.environ if environ is None else environ
     live = activation.statuses() if source_root is None else {}
     settings: Optional[Settings] = activation.current_settings() if live else None
@@ -133,8 +132,7 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
 
 @contextlib.contextmanager
 def held_stderr(lines: List[str]) -> Iterator[None]:
-    """Hold back everything written to file descriptor 2 into `lines` (written back if the block
-    raises, so a traceback keeps its context)."""
+    """Hold back everything written to file descriptor 2 into `lines` (written back if the block raises)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:

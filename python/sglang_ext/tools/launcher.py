@@ -82,8 +82,7 @@ def env_text(knob: Knob, value) -> str:
 
 
 def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """Environment entries to export for these flag values (SGLANG_EXT=1 included), validated with
-    the inherited environment as a whole. Raises ExtConfigError."""
+    """Environment entries to export for these flag values, validated with the inherited environment."""
     base = dict(os.environ if base_env is None else base_env)
     # The launcher sets SGLANG_EXT=1 itself; an inherited value it would overwrite must still be
     # one the children's plugin loader accepts, or it hides a typo (SGLANG_EXT=2).
@@ -99,8 +98,7 @@ def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, s
 
 
 def prepare_activation_dir(env: Mapping[str, str]) -> None:
-    """Create the activation-record folder now, or raise ExtConfigError saying why it cannot be
-    (the server's processes would only warn)."""
+    """Create the activation-record folder now, or raise ExtConfigError (the servers would only warn)."""
     directory = load_settings(env).activation_dir
     if not directory:
         return

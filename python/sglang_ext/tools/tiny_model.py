@@ -123,8 +123,7 @@ CHAT_TEMPLATE = (
 
 
 def train_byte_level_bpe(vocab_size: int = BPE_VOCAB, leading_special_tokens=()):
-    """A small byte-level BPE with Qwen's pre-tokenisation, trained on the built-in text
-    (deterministic); `leading_special_tokens` get ids 0, 1, ... (Gemma style)."""
+    """A small deterministic byte-level BPE with Qwen's pre-tokenisation; `leading_special_tokens` get ids 0, 1."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
@@ -281,8 +280,7 @@ def _model_files(kind: str, seed: int) -> Dict[str, bytes]:
 
 
 def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
-    """Each file is written whole beside its place, then renamed over it, so a failure changes none
-    of them and leaves no partial file."""
+    """Write each file beside its place, then rename: a failure changes none and leaves no partial file."""
     temporary = {name: out / f".{name}.tmp-{os.getpid()}" for name in files}
     try:
         for name, data in files.items():

@@ -68,16 +68,13 @@ def padded_layout(layout, real_tokens, bucket, chunk):
 
 def pad_rows(tensor, pad):
     """`tensor` with `pad` zero rows appended along dim 0 (one kernel)."""
-    if tensor is None:
-        return None
-    return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, pad))
+    return None if tensor is None else torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, pad))
 
 
 def zero_rows(tensor, rows):
     """Zeros shaped like `tensor` with `rows` rows (None stays None)."""
-    if tensor is None:
-        return None
-    return torch.zeros((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    return None if tensor is None else torch.zeros((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                                                   device=tensor.device)
 
 
 def _now_ms():
@@ -112,8 +109,7 @@ def _ext_capture_budget(self, sample, budget):
     """Capture the graph of one budget (agreed by every TP rank: raises on all of them or none)."""
     layout_key, x, pos, cos, sin = self._ext_synthetic_call(sample, budget)
     full, window = layout_key.layout
-    return self.create_graph(x, torch.tensor(full, dtype=torch.int32),
-                             None if window is None else torch.tensor(window, dtype=torch.int32), pos, cos, sin,
+    return self.create_graph(x, torch.tensor(full, dtype=torch.int32), device_layout(window, "cpu"), pos, cos, sin,
                              attention_layout_key=(full, window))
 
 
@@ -157,8 +153,7 @@ def _ext_probe_ladder(self, sample, ladder):
 
 
 def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
-    """Decide the replay ladder and capture it (at load, else at the first run); bucket mode never
-    captures after this. A failure on any rank leaves every rank eager."""
+    """Decide the replay ladder and capture it (at load, else at the first run); nothing is captured later."""
     self._ext_precaptured = True
     if not self._ext_bucket_mode():
         return
@@ -259,8 +254,7 @@ def _ext_budget_batch(self, layout_key, x_3d, position_embeddings, rotary_pos_em
 
 def _ext_replay_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
                        counted=True):
-    """The call's merger rows from its budget graph (owned), or None when no graph serves it
-    (counted=False: the probe, no counters)."""
+    """The call's merger rows from its budget graph, or None (counted=False: the probe, no counters)."""
     batch = self._ext_budget_batch(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
     if batch is None:
         return None

@@ -195,8 +195,7 @@ def retired_sin_cos_ws(self):
 
 
 def _ext_fill_rotary(self, graph_key, seq_len, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
-    """Copy this call's cos/sin into the graph's stable rotary buffers; the block kwargs that
-    pass those buffers (empty for a tower without rotary inputs)."""
+    """Copy this call's cos/sin into the graph's rotary buffers; returns the block kwargs passing them."""
     if position_embeddings is not None:
         cos, sin = position_embeddings
     elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
@@ -212,8 +211,7 @@ def _ext_fill_rotary(self, graph_key, seq_len, position_embeddings, rotary_pos_e
 
 
 def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
-    """Class mode: write this batch's boundaries into the graph's buffers (no sync); unused trailing
-    sequences get length 0."""
+    """Class mode: this batch's boundaries into the graph's buffers (no sync); unused sequences get length 0."""
     tokens = graph_key.num_tokens
     pairs = [(self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key], cu_seqlens)]
     if self._fullatt_block_indexes:

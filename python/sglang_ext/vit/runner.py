@@ -160,8 +160,7 @@ def _ext_graph_info(self):
 
 
 def _get_graph_key(self, x_3d, cu_seqlens=None, cu_window_seqlens=None, attention_layout_key=None):
-    """Include attention boundaries so equal-length batches stay distinct (one argument, as 0.5.17's
-    NPU subclass calls it: the token count)."""
+    """Include attention boundaries so equal-length batches stay distinct (one argument: the token count)."""
     num_tokens = int(x_3d.shape[0])
     if attention_layout_key is None:
         if cu_seqlens is None and cu_window_seqlens is None:

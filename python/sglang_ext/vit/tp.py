@@ -48,8 +48,7 @@ def min_over_ranks(runner, value):
 
 
 class LocalCollectives:
-    """The group's all-reduce / all-gather as local stand-ins (same shapes, no communication), for
-    the warm-up: a rank whose warm-up fails then leaves no peer inside a device collective."""
+    """The group's all-reduce / all-gather as local stand-ins for the warm-up (no peer can be left waiting)."""
 
     _MISSING = object()
 
