@@ -117,16 +117,14 @@ KNOBS: tuple[Knob, ...] = (
          "Anti-thrash admission: capture a layout only once it has been seen this many times.",
          minimum=1),
     Knob("vit_graph_mode", "choice", "bucket",
-         "'bucket' (vision attention triton_attn, fa3 or fa4; the default): one graph per token budget, all "
-         "captured when the model loads, none while serving. A call is padded to the smallest budget that fits "
-         "(padding forms its own attention sequences and is dropped from the output); calls whose graph would "
-         "lose to eager (above the break-even measured at load) run eager in one call; above a lower limit "
-         "(--ext-vit-graph-replay-max-tokens, or the ladder cut to its capacity) a call is split into chunks of "
-         "whole images that replay. Equal to eager within bf16 rounding (GEMMs see more "
-         "rows), not guaranteed bitwise. 'class' (same backends): graphs shared by layouts with the same token "
-         "count, sequence-count class and longest-sequence class, captured on first use; 'layout': one graph per "
-         "(tokens, attention layout), captured on first use. Both are bitwise equal to eager on triton_attn and "
-         "fa3 (fa4: unverified on hardware). Other backends (sdpa) always run eager.",
+         "'bucket' (the default): one graph per token budget, all captured when the model loads, none while "
+         "serving; a call is padded to the smallest budget that fits, runs eager in one call above the "
+         "break-even measured at load, and above a lower limit (--ext-vit-graph-replay-max-tokens, or the "
+         "ladder cut to its capacity) is split into chunks of whole images that replay. Equal to eager within "
+         "bf16 rounding, not bitwise. 'class': graphs shared by layouts with the same token count, "
+         "sequence-count class and longest-sequence class; 'layout': one graph per (tokens, attention layout); "
+         "both captured on first use and bitwise equal to eager on triton_attn and fa3 (fa4: unverified). "
+         "Graphs need vision attention triton_attn, fa3 or fa4; other backends (sdpa) always run eager.",
          choices=("layout", "class", "bucket")),
     Knob("vit_graph_token_buckets", "int_list", (),
          "Bucket mode only: token budgets (patches before merging) to capture, each a multiple of 4 (the "
@@ -157,15 +155,10 @@ KNOBS: tuple[Knob, ...] = (
          "Opt-in: capture all denoise steps of a Pi0.5 request (including the x_t update) as "
          "one CUDA graph: one replay per request instead of one per step."),
     Knob("pi05_fast", "bool", False,
-         "Opt-in: Pi0.5's denoise steps on fused Triton kernels (skinny split-K GEMMs for the 50 "
-         "action rows, the qkv GEMM with RoPE in its epilogue writing a per-request K/V buffer, "
-         "attention over the prefix K/V split across the SMs, adaRMS norm with its gated residual, "
-         "gelu-and-mul in the gate_up GEMM, programmatic dependent launch on sm90+; the time "
-         "conditioning of every step computed once per step count; implies pi05_fused_denoise), and "
-         "the prefix language model's layers on the same kernels (a masked prefix attends its visible "
-         "keys without a mask; the last layer's unused attention output and MLP skipped). Equal "
-         "to the exact path within bf16 tolerance, not bitwise. Action sequence parallelism and a "
-         "tensor-parallel prefix take the exact path."),
+         "Opt-in: Pi0.5's denoise steps (implies pi05_fused_denoise) and the prefix language model's layers "
+         "on fused Triton kernels; the time conditioning computed once per step count. Equal to the exact "
+         "path within bf16 tolerance, not bitwise. Action sequence parallelism and a tensor-parallel prefix "
+         "take the exact path."),
     Knob("pi05_server_timing", "bool", False,
          "Benchmarks: every Pi0.5 action answer's `timings` also carries the server's hop times "
          "(http_parse_ms, http_decode_ms, to_worker_ms, worker_queue_ms, worker_forward_ms, "

@@ -7,15 +7,14 @@ Retire when: upstream reports per-request hop times itself (not in 0.5.23)
 
 Why: an answer's timings hold the stage times only, not where the rest of the latency goes.
 How: wrappers stamp CLOCK_MONOTONIC times (one clock for all processes of the host) that travel
-with the request (`Req.extra["ext_trace"]`); the HTTP process adds the hop times. Knob off: the
-wrappers only call sglang's functions.
+with the request (`Req.extra["ext_trace"]`); the HTTP process adds the hop times. Knob off:
+sglang's own functions stay installed.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
 import sys
 import time
 
@@ -34,22 +33,9 @@ def _enabled(ctx) -> bool:
     return bool(ctx.settings.pi05_server_timing)
 
 
-def _passthrough(original, traced, enabled: bool):
-    """`traced` when the knob is on, else a wrapper that only calls `original` (a part must install something)."""
-    if enabled:
-        return traced
-    if inspect.iscoroutinefunction(original):
-        @functools.wraps(original)
-        async def untraced_async(*args, **kwargs):
-            return await original(*args, **kwargs)
-
-        return untraced_async
-
-    @functools.wraps(original)
-    def untraced(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    return untraced
+def _traced(original, trace, enabled: bool):
+    """`trace(original)` when the knob is on, else sglang's own function (installed as it is)."""
+    return trace(original) if enabled else original
 
 
 def _ms(later: float, earlier: float) -> float:
@@ -101,7 +87,7 @@ def patch_protocol(ctx, module) -> None:
     on = _enabled(ctx)
     for name, trace in (("infer_action", _traced_infer_action), ("prepare_request", _stamping_prepare_request)):
         original = getattr(module, name)
-        ctx.setattr(module, name, _passthrough(original, trace(original), on))
+        ctx.setattr(module, name, _traced(original, trace, on))
 
 
 def _stamp_arrival(endpoint, enabled: bool, request_cls):
@@ -143,7 +129,7 @@ def patch_ws_utils(ctx, module) -> None:
     protocol = sys.modules["sglang.multimodal_gen.runtime.entrypoints.vla.protocol"]
     ctx.setattr(module, "infer_action", protocol.infer_action)
     original = module.unpack_msgpack
-    ctx.setattr(module, "unpack_msgpack", _passthrough(original, _stamping_unpack(original), _enabled(ctx)))
+    ctx.setattr(module, "unpack_msgpack", _traced(original, _stamping_unpack, _enabled(ctx)))
 
 
 def _stamping_recv_reqs(original):
@@ -163,7 +149,7 @@ def _stamping_recv_reqs(original):
 def patch_scheduler(ctx, module) -> None:
     """Part for managers.scheduler: stamp each request when the scheduler has unpickled it."""
     original = module.Scheduler.__dict__["recv_reqs"]
-    ctx.setattr(module.Scheduler, "recv_reqs", _passthrough(original, _stamping_recv_reqs(original), _enabled(ctx)))
+    ctx.setattr(module.Scheduler, "recv_reqs", _traced(original, _stamping_recv_reqs, _enabled(ctx)))
 
 
 def _timed_execute_forward(original):
@@ -191,5 +177,4 @@ def _timed_execute_forward(original):
 def patch_gpu_worker(ctx, module) -> None:
     """Part for managers.gpu_worker: time execute_forward, put the worker's stamps in the answer."""
     original = module.GPUWorker.__dict__["execute_forward"]
-    ctx.setattr(module.GPUWorker, "execute_forward",
-                _passthrough(original, _timed_execute_forward(original), _enabled(ctx)))
+    ctx.setattr(module.GPUWorker, "execute_forward", _traced(original, _timed_execute_forward, _enabled(ctx)))
