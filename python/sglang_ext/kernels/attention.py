@@ -186,12 +186,10 @@ def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *
     pdl = uses_pdl(q)
     _split_attention_kernel[(batch * kv_heads * q_blocks, splits)](
         q, keys, values, out if used is None else used, out if key_rows is None else key_rows, out, acc, stats,
-        seq, total, keys_per_split, float(scale),
-        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, Q_BLOCKS=q_blocks,
-        HAS_USED=used is not None, HAS_ROWS=key_rows is not None, DIRECT=direct, UPCAST=DOT_UPCAST,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, PDL=pdl, launch_pdl=pdl,
-        num_warps=8 if head_dim >= 128 else 4, num_stages=2,
-    )
+        seq, total, keys_per_split, float(scale), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        Q_BLOCKS=q_blocks, HAS_USED=used is not None, HAS_ROWS=key_rows is not None, DIRECT=direct,
+        UPCAST=DOT_UPCAST, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, PDL=pdl, launch_pdl=pdl,
+        num_warps=8 if head_dim >= 128 else 4, num_stages=2)
     if not direct:
         _combine_kernel[(all_rows,)](acc, stats, out, seq, all_rows, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                                      SPLITS=splits, SPLITS_BLOCK=block_size(splits), PDL=pdl, launch_pdl=pdl,

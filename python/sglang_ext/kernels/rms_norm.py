@@ -117,6 +117,5 @@ def ada_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Ten
         x, add.contiguous() if add is not None else x, gate.contiguous() if gate is not None else scale, scale,
         shift.contiguous() if shift is not None else scale, out, n, group, float(eps), rows * n,
         HAS_ADD=add is not None, ADD_PARTS=parts, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None,
-        BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4 if block <= 2048 else 8,
-    )
+        BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4 if block <= 2048 else 8)
     return out

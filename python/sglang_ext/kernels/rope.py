@@ -125,11 +125,9 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
     if cos_sin.dtype != torch.float32:
         raise ValueError(f"rope_qkv: cos_sin dtype {cos_sin.dtype}; allowed: torch.float32")
     _rope_qkv_kernel[(batch * seq, num_heads + 2 * num_kv_heads)](
-        qkv, cos_sin, q_out, k_out, v_out,
-        seq, k_out.shape[1], int(kv_start), qkv[0].numel(),
-        PARTS=parts, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2),
-        PDL=pdl, launch_pdl=pdl, num_warps=1 if head_dim <= 256 else 2,
-    )
+        qkv, cos_sin, q_out, k_out, v_out, seq, k_out.shape[1], int(kv_start), qkv[0].numel(), PARTS=parts,
+        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2), PDL=pdl,
+        launch_pdl=pdl, num_warps=1 if head_dim <= 256 else 2)
 
 
 def linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim,
@@ -194,9 +192,7 @@ def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_k
         raise ValueError("linear_rope_qkv: x and weight share one dtype, q/k/v_out another, cos_sin is float32")
     pdl = uses_pdl(x)
     _linear_rope_qkv_kernel[((num_heads + 2 * num_kv_heads) * (head_dim // 2 // block_n),)](
-        x, weight, cos_sin, q_out, k_out, v_out,
-        batch * seq, x.shape[-1], seq, k_out.shape[1], int(kv_start),
+        x, weight, cos_sin, q_out, k_out, v_out, batch * seq, x.shape[-1], seq, k_out.shape[1], int(kv_start),
         NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=max(16, block_size(batch * seq)),
         BLOCK_N=block_n, BLOCK_K=block_k, F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, PDL=pdl,
-        launch_pdl=pdl, num_warps=4, num_stages=4,
-    )
+        launch_pdl=pdl, num_warps=4, num_stages=4)

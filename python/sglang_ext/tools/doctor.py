@@ -262,11 +262,9 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
                  f"[{support}; supported: {', '.join(sg['supported_versions'])} ({sg['supported_range']})]")
     if sg["installed_version"] != sg["version"]:
         lines.append(f"           (installed sglang: {sg['installed_version'] or 'none'})")
-    lines.append(f"  torch    {rep['torch'] or '(not installed)'}")
-    lines.append(f"  python   {rep['python']}  {rep['executable']}")
-    lines.append(f"  switch   {MASTER_ENV}={'1' if rep['enabled_in_environment'] else 'unset/0'} in this environment; "
-                 f"strict {'on' if rep['strict'] else 'off'} ({knob('strict').env})")
-    lines.append(f"  mode     {rep['mode']}")
+    lines += [f"  torch    {rep['torch'] or '(not installed)'}", f"  python   {rep['python']}  {rep['executable']}",
+              f"  switch   {MASTER_ENV}={'1' if rep['enabled_in_environment'] else 'unset/0'} in this environment; "
+              f"strict {'on' if rep['strict'] else 'off'} ({knob('strict').env})", f"  mode     {rep['mode']}"]
     if rep.get("config_error"):
         lines.append(f"  CONFIG ERROR: {rep['config_error']}")
     if rep.get("missing_prerequisites"):
@@ -279,12 +277,8 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
         lines.append(f"{p['name']:<{width}}  {p['status']}{check[p['verified_live']]}")
         lines.append(f"{'':<{width}}  {p['summary']}")
         for t in p["targets"]:
-            if t["match"]:
-                match_text = "matches " + ", ".join(p["supported"])
-            elif t["fingerprint"] is None:
-                match_text = "ABSENT"
-            else:
-                match_text = "CHANGED"
+            match_text = ("matches " + ", ".join(p["supported"]) if t["match"]
+                          else "ABSENT" if t["fingerprint"] is None else "CHANGED")
             same = ", ".join(t["same_as_releases"]) or "no recorded release"
             lines.append(f"{'':<{width}}    {t['target']}: {match_text} (identical in: {same})")
         up = p["upstream"]
