@@ -8,6 +8,7 @@ Qwen-VL or multimodal_gen stacks.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import sys
@@ -78,10 +79,8 @@ class PatchContext:
                 else:
                     s.owner.mapping[s.name] = s.original
             elif s.original is _MISSING:
-                try:
+                with contextlib.suppress(AttributeError):
                     delattr(s.owner, s.name)
-                except AttributeError:
-                    pass
             else:
                 setattr(s.owner, s.name, s.original)
             _forget(s)
@@ -200,11 +199,6 @@ def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> N
         if not _finder_installed:
             sys.meta_path.insert(0, _PostImportFinder())
             _finder_installed = True
-
-
-def pending_triggers() -> Dict[str, int]:
-    with _lock:
-        return {k: len(v) for k, v in _pending.items()}
 
 
 def cancel_trigger(module_name: str, callback: Callable[[ModuleType], None]) -> None:

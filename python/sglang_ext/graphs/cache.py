@@ -179,13 +179,6 @@ class BoundedGraphCache(Generic[K, E]):
     def bytes_resident(self) -> int:
         return sum(self._nbytes.values())
 
-    def is_quarantined(self, key: K) -> bool:
-        return key in self._quarantine
-
-    def quarantine_reason(self, key: K) -> Optional[str]:
-        entry = self._quarantine.get(key)
-        return None if entry is None else entry.reason
-
     def retry_in(self, key: K) -> Optional[int]:
         """Misses of `key` left before it is tried again; None if not quarantined or permanent."""
         entry = self._quarantine.get(key)

@@ -59,10 +59,6 @@ def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str
     return used
 
 
-def unregister(name: str) -> None:
-    _registry.pop(name, None)
-
-
 def snapshot() -> Dict[str, Dict[str, Any]]:
     """Counters of every live registration, by name (sorted)."""
     out = {}
@@ -93,12 +89,8 @@ def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
 # --- Prometheus ---
 
 # Registration name (before ":" or "#") -> the `cache` label of the sglang_ext_graph_* metrics.
-CACHE_LABELS = {
-    "vit_cuda_graph": "vit_cuda_graph",
-    "vla.prefix": "pi05_prefix_graph",
-    "vla.action-denoise": "pi05_action_graph",
-    "prefill_cp_bucket": "prefill_cp_bucket",
-}
+CACHE_LABELS = {"vit_cuda_graph": "vit_cuda_graph", "vla.prefix": "pi05_prefix_graph",
+                "vla.action-denoise": "pi05_action_graph", "prefill_cp_bucket": "prefill_cp_bucket"}
 PREFIX = "sglang_ext_"
 # family -> (type, help). Counters are exposed with the `_total` suffix.
 _FAMILIES = {
@@ -160,12 +152,6 @@ def _create_metrics() -> Dict[str, Any]:
         cls = prom.Counter if kind == "counter" else prom.Gauge
         metrics[family] = cls(PREFIX + family, doc, labels, registry=registry)
     return metrics
-
-
-def metrics_registry():
-    """The CollectorRegistry holding this process's sglang-ext metrics (None before the first publish)."""
-    metrics = _prom["metrics"]
-    return None if metrics is None else metrics["registry"]
 
 
 def publish() -> None:

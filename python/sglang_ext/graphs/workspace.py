@@ -40,10 +40,6 @@ class WorkspaceLease:
         self._tensors = tensors
 
     @property
-    def released(self) -> bool:
-        return self._backing is None
-
-    @property
     def tensors(self) -> Tuple[Any, ...]:
         if self._backing is None:
             raise RuntimeError(f"workspace lease of {self.owner!r} used after release")

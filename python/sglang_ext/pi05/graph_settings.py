@@ -22,11 +22,9 @@ class GraphConfigFields:
 GRAPH_FIELDS = fields(GraphConfigFields)
 
 # config field -> knob that overrides it ("-1" / empty = keep the config value).
-KNOB_OF = {
-    "prefix_cuda_graph_max_entries": "pi05_prefix_graph_max_entries",
-    "action_cuda_graph_max_entries": "pi05_action_graph_max_entries",
-    "prompt_token_buckets": "pi05_prompt_token_buckets",
-}
+KNOB_OF = {"prefix_cuda_graph_max_entries": "pi05_prefix_graph_max_entries",
+           "action_cuda_graph_max_entries": "pi05_action_graph_max_entries",
+           "prompt_token_buckets": "pi05_prompt_token_buckets"}
 
 # Prefix graphs need the prefix modules resident: any of these offload settings turns them off.
 PREFIX_OFFLOAD_FLAGS = ("offload_prefix_image_encoder", "offload_prefix_image_encoder_after_embed",

@@ -10,6 +10,7 @@ tokenizer small. The same seed writes the same bytes, so a second run changes no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -257,10 +258,8 @@ def _create_folder(out: pathlib.Path) -> List[pathlib.Path]:
 
 def _remove_folders(created: List[pathlib.Path]) -> None:
     for folder in reversed(created):
-        try:
+        with contextlib.suppress(OSError):  # not empty any more: someone else wrote there; leave it
             folder.rmdir()
-        except OSError:
-            pass  # not empty any more: someone else wrote there; leave it
 
 
 def _model_files(kind: str, seed: int) -> Dict[str, bytes]:
@@ -290,10 +289,8 @@ def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
             os.replace(temporary[name], out / name)
     except OSError as exc:
         for tmp in temporary.values():
-            try:
+            with contextlib.suppress(OSError):
                 tmp.unlink()
-            except OSError:
-                pass
         where = exc.filename or out
         raise TinyModelError(f"make-tiny-model: DIR {str(out)!r}: cannot write {str(where)!r} ({exc.strerror}); "
                              "allowed: a folder this user can write, with room for a few MB") from None

@@ -21,11 +21,12 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
 from activation_env import clean_activation  # noqa: F401  (autouse fixture)
-from sglang_ext import activation, patching, plugin, registry
+from sglang_ext import activation, plugin, registry
 from sglang_ext.tools import doctor
 from sglang_ext.errors import SglangExtActivationError
 from sglang_ext.registry import PATCH_NAMES, PATCHES, Part, PatchSpec
 from sglang_ext.versions import at_least
+from sglang_ext_testkit import internals
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
@@ -172,11 +173,11 @@ def test_activation_is_reentrant_from_inside_a_part(fake):
 
 def test_installed_but_not_enabled_changes_nothing(fake):
     f = fake()
-    pending_before = patching.pending_triggers()
+    pending_before = internals.pending_triggers()
     assert activation.activate(environ={}) == {}
     assert activation.activate(environ={"SGLANG_EXT": "0", "SGLANG_EXT_DISABLE": "no_such_patch"}) == {}
     assert activation.statuses() == {}
-    assert patching.pending_triggers() == pending_before
+    assert internals.pending_triggers() == pending_before
     f.module("target_a"), f.module("target_b")
     assert f.calls == []
     f.assert_original()
@@ -234,7 +235,7 @@ def test_deactivate_restores_and_cancels_pending_parts(fake):
     assert f.module("target_a").Engine().run() == "patched e"
     activation.deactivate()
     assert f.module("target_a").Engine().run() == "original e"
-    assert f"{f.pkg}.target_b" not in patching.pending_triggers()
+    assert f"{f.pkg}.target_b" not in internals.pending_triggers()
     f.module("target_b")  # the cancelled part must not run
     assert f.calls == ["a"]
     f.assert_original()
@@ -361,7 +362,7 @@ def assert_same(before, after):
 
 def test_unsupported_sglang_applies_nothing_with_one_clear_warning(released_tree, live_sglang, caplog):
     tree = released_tree("0.5.23")
-    before, pending = live_sglang(), patching.pending_triggers()
+    before, pending = live_sglang(), internals.pending_triggers()
     with caplog.at_level(logging.WARNING, logger="sglang_ext"):
         got = activation.activate(environ={"SGLANG_EXT": "1"}, source_root=tree)
     assert activation.activated_version() == "0.5.23"  # read from the tree's sglang/_version.py
@@ -375,7 +376,7 @@ def test_unsupported_sglang_applies_nothing_with_one_clear_warning(released_tree
     assert len(warnings) == 1
     assert "sglang 0.5.23" in warnings[0] and "is not supported" in warnings[0]
     assert "supported: 0.5.17" in warnings[0] and "Nothing was applied" in warnings[0]
-    assert patching.pending_triggers() == pending
+    assert internals.pending_triggers() == pending
     assert_same(before, live_sglang())
 
 
@@ -393,7 +394,7 @@ def test_changed_fingerprints_apply_nothing(release, released_tree, live_sglang,
     """The tree claims to be 0.5.17 (as a source build with SGLANG_EXT_ASSUME_SGLANG would), but its
     code is another release's: every patch is refused by its fingerprints, the live sglang untouched."""
     tree = released_tree(release)
-    before, pending = live_sglang(), patching.pending_triggers()
+    before, pending = live_sglang(), internals.pending_triggers()
     with caplog.at_level(logging.WARNING, logger="sglang_ext"):
         got = activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.17"},
                                   source_root=tree)
@@ -406,7 +407,7 @@ def test_changed_fingerprints_apply_nothing(release, released_tree, live_sglang,
         bad = [k for k, ok in st.fingerprints.items() if not ok]
         assert all(k in st.detail for k in bad)
         assert f"patch {spec.name} skipped, nothing of it applied" in caplog.text
-    assert patching.pending_triggers() == pending
+    assert internals.pending_triggers() == pending
     assert_same(before, live_sglang())
 
 
@@ -433,12 +434,12 @@ def test_matching_fingerprints_arm_every_patch(released_tree, monkeypatch):
 
 
 def test_plugin_register_without_switch_touches_no_sglang_attribute(live_sglang):
-    before, pending = live_sglang(), patching.pending_triggers()
+    before, pending = live_sglang(), internals.pending_triggers()
     meta_path = list(sys.meta_path)
     plugin.register()
     plugin.register()
     assert activation.statuses() == {}
-    assert patching.pending_triggers() == pending and sys.meta_path == meta_path
+    assert internals.pending_triggers() == pending and sys.meta_path == meta_path
     assert_same(before, live_sglang())
 
 

@@ -20,6 +20,7 @@ from activation_env import clean_activation  # noqa: F401  (autouse fixture)
 from sglang_ext import activation
 from sglang_ext.tools import cli, doctor
 from sglang_ext.registry import PATCH_NAMES, PATCHES
+from sglang_ext_testkit import internals
 
 register_cpu_ci(est_time=45, suite="base-a-test-cpu")
 
@@ -167,7 +168,7 @@ def test_report_inside_a_patched_process_shows_live_statuses_and_graph_caches(ex
     try:
         rep = doctor.report()
     finally:
-        stats.unregister(name)
+        internals.unregister(name)
     assert rep["mode"] == doctor.MODE_LIVE
     assert {p["name"]: p["status"] for p in rep["patches"]} == {k: str(v) for k, v in statuses.items()}
     assert rep["graph_caches"][name]["hits"] == 3

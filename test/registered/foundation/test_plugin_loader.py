@@ -32,6 +32,7 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 ext_modules = sorted(m for m in sys.modules if m.startswith("sglang_ext"))
 from sglang_ext import activation, patching
+from sglang_ext_testkit import internals
 before = {k: str(v) for k, v in activation.statuses().items()}
 ext_attrs = None
 if os.environ.get("PROBE_IMPORT_TARGET") == "1":
@@ -56,7 +57,7 @@ print("PROBE " + json.dumps({
     "after_load_plugins": before,
     "ext_modules_after_load_plugins": ext_modules,
     "after_import": {k: str(v) for k, v in activation.statuses().items()},
-    "pending": patching.pending_triggers(),
+    "pending": internals.pending_triggers(),
     "ext_attrs_on_PrefillCPBCGInput": ext_attrs,
     "finders": [type(f).__name__ for f in sys.meta_path],
 }))

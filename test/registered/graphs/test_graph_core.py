@@ -27,6 +27,7 @@ from sglang_ext.graphs import cache as cache_module
 from sglang_ext.graphs import stats
 from sglang_ext.graphs import capture
 from sglang_ext_testkit import graph_capture
+from sglang_ext_testkit import internals
 from sglang_ext.graphs.buckets import BucketDecision, geometric_buckets, select_bucket, validate_buckets
 from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, release_entry
 from sglang_ext.graphs.keys import (
@@ -476,13 +477,13 @@ def test_failed_capture_quarantines_key_and_cache_keeps_working():
     assert run_step(cache, "a", events, graphs) == "captured"
     assert run_step(cache, "bad", events, graphs, fail=True) == "failed"
     assert [run_step(cache, "bad", events, graphs) for _ in range(3)] == ["EAGER_QUARANTINED"] * 3
-    assert cache.is_quarantined("bad") and "RuntimeError: capture failed" in cache.quarantine_reason("bad")
+    assert internals.is_quarantined(cache, "bad") and "RuntimeError: capture failed" in internals.quarantine_reason(cache, "bad")
     assert [run_step(cache, k, events, graphs) for k in "bca"] == ["captured", "captured", "captured"]
     assert cache.put("bad", FakeGraph("bad", events)) is False  # never stored once quarantined
     info = cache.info()
     assert (info.failures, info.quarantined, info.size) == (1, 1, 2)
     cache.clear()
-    assert not cache.is_quarantined("bad") and cache.info() == CacheInfo(
+    assert not internals.is_quarantined(cache, "bad") and cache.info() == CacheInfo(
         "fail", 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, "lru", 1, 0
     )
 
@@ -508,7 +509,7 @@ def test_transient_failure_is_retried_after_a_doubling_backoff(monkeypatch):
         waits.append(eager)
     assert waits == [2, 4, 8, 8]  # capped at MAX_RETRY_BACKOFF
     assert cache.put("k", FakeGraph("k", events)) is True  # the retry succeeded: failures forgotten
-    assert not cache.is_quarantined("k") and cache.get("k") is not None
+    assert not internals.is_quarantined(cache, "k") and cache.get("k") is not None
     cache.discard("k")
     _fail_with(cache, "k", MemoryError("host"), events, graphs)
     assert cache.retry_in("k") == 2  # the backoff starts over
@@ -536,7 +537,7 @@ def test_quarantine_and_warming_bookkeeping_are_bounded(monkeypatch):
     cache = BoundedGraphCache("bounded", 2, min_hits=2)
     for i in range(5):
         cache.fail(f"k{i}")
-    assert [cache.is_quarantined(f"k{i}") for i in range(5)] == [False, False, True, True, True]
+    assert [internals.is_quarantined(cache, f"k{i}") for i in range(5)] == [False, False, True, True, True]
     for i in range(5):
         assert cache.admit(f"w{i}") is Admission.EAGER_WARMING
     assert cache.admit("w0") is Admission.EAGER_WARMING  # forgotten: starts over
@@ -599,7 +600,7 @@ def test_cache_invariants_under_random_operations(ops, capacity, policy, max_byt
         resident = set(tuple(cache.entries))
         assert len(cache) <= capacity
         assert max_bytes == 0 or cache.bytes_resident <= max_bytes or len(cache) == 1
-        assert not any(cache.is_quarantined(k) for k in resident)
+        assert not any(internals.is_quarantined(cache, k) for k in resident)
         if policy == "exact" and op == "step" and len(before) == capacity:
             assert resident == before  # exact: a full cache keeps what it has
         info = cache.info()
@@ -666,7 +667,7 @@ def test_stats_snapshot_follows_live_caches():
     del cache
     gc.collect()
     assert "stats-vit" not in stats.snapshot()  # a dead cache disappears by itself
-    stats.unregister(name2)
+    internals.unregister(name2)
     assert "stats-vit#2" not in stats.snapshot()
 
 
@@ -711,7 +712,7 @@ def test_stats_maybe_log_is_rate_limited(monkeypatch, caplog):
         with pytest.raises(ValueError, match="^interval_s:"):
             stats.maybe_log(logger, -1)
     finally:
-        stats.unregister(name)
+        internals.unregister(name)
 
 
 # ------------------------------------------------------------------------ capture

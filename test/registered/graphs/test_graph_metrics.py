@@ -18,6 +18,7 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang_ext_testkit.metrics import reset_metrics
+from sglang_ext_testkit import internals
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -26,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = r'''
 import json, sys
 from sglang_ext.graphs import stats
+from sglang_ext_testkit import internals
 from sglang_ext.graphs.cache import BoundedGraphCache
 from graph_core_fakes import run_step
 
@@ -49,7 +51,7 @@ run_step(prefix, 9, events, graphs, nbytes=7)
 print("INFO " + json.dumps({"prefix_before_clear": before_clear, "prefix": prefix.info().as_dict(),
                             "action": action.info().as_dict(), "pid": __import__("os").getpid(),
                             "prometheus_imported": "prometheus_client" in sys.modules,
-                            "created": stats.metrics_registry() is not None}))
+                            "created": internals.metrics_registry() is not None}))
 '''
 
 
@@ -159,7 +161,7 @@ def test_prefill_cp_bucket_decisions_reach_the_metrics(monkeypatch, tmp_path):
         record_bucket_decision(counters, BucketDecision(live_size=300, bucket=None), captured)
         record_bucket_decision(counters, None, captured)
         got = {}
-        for family in stats.metrics_registry().collect():
+        for family in internals.metrics_registry().collect():
             for s in family.samples:
                 if not s.name.endswith("_created"):
                     got[(s.name, tuple(sorted(s.labels.items())))] = s.value
@@ -196,10 +198,10 @@ def test_reserved_memory_gauge_survives_repeated_publishes(monkeypatch, tmp_path
             stats.publish()
         assert stats._prom["on"] is True, "publishing switched itself off"
         got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in stats.metrics_registry().collect() for s in family.samples}
+               for family in internals.metrics_registry().collect() for s in family.samples}
         assert got[("sglang_ext_cuda_memory_reserved_bytes", ())] == 3 << 20
         assert got[("sglang_ext_graph_captures_total", (("cache", "pi05_prefix_graph"),))] == 3
         assert got[("sglang_ext_graph_resident", (("cache", "pi05_prefix_graph"),))] == 2
     finally:
-        stats.unregister(name)
+        internals.unregister(name)
         reset_metrics(stats)

@@ -18,6 +18,7 @@ from graph_core_fakes import FakeGraph
 
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.workspace import ALIGN_BYTES, AddressGuard, StableWorkspacePool
+from sglang_ext_testkit import internals
 
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 
@@ -99,7 +100,7 @@ def test_release_is_idempotent_and_use_after_release_fails():
     other = pool.lease("b", 4)
     lease.release()
     lease.release()
-    assert lease.released and pool.live_leases == 1
+    assert internals.lease_released(lease) and pool.live_leases == 1
     with pytest.raises(RuntimeError, match="'a'.*after release"):
         lease.tensors
     other.release()

@@ -12,6 +12,7 @@ import prometheus_client  # before PROMETHEUS_MULTIPROC_DIR is set below: plain 
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang_ext_testkit.metrics import reset_metrics
+from sglang_ext_testkit import internals
 
 from conftest import ext_core  # test/registered/conftest.py
 from test_vit_cuda_graph_runner import StubTower, ViTCudaGraphRunner, call, fake_cuda, vit_patch  # noqa: F401
@@ -38,7 +39,7 @@ def metrics_on(monkeypatch, tmp_path):
 
 def read(stats):
     out = {}
-    for family in stats.metrics_registry().collect():
+    for family in internals.metrics_registry().collect():
         for s in family.samples:
             if s.name.endswith("_created"):
                 continue

@@ -1,0 +1,38 @@
+"""Test-only views of sglang-ext's internal state (not part of the package's API)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from sglang_ext import patching
+from sglang_ext.graphs import stats
+
+
+def pending_triggers() -> Dict[str, int]:
+    """Callbacks still waiting for their trigger module to be imported, by module."""
+    with patching._lock:
+        return {k: len(v) for k, v in patching._pending.items()}
+
+
+def is_quarantined(cache: Any, key: Any) -> bool:
+    return key in cache._quarantine
+
+
+def quarantine_reason(cache: Any, key: Any) -> Optional[str]:
+    entry = cache._quarantine.get(key)
+    return None if entry is None else entry.reason
+
+
+def lease_released(lease: Any) -> bool:
+    return lease._backing is None
+
+
+def metrics_registry():
+    """The CollectorRegistry holding this process's sglang-ext metrics (None before the first publish)."""
+    metrics = stats._prom["metrics"]
+    return None if metrics is None else metrics["registry"]
+
+
+def unregister(name: str) -> None:
+    """Drop a graph-cache registration (tests that register their own caches)."""
+    stats._registry.pop(name, None)
