@@ -55,8 +55,10 @@ def _canonical(node: object) -> str:
     if isinstance(node, ast.AST):
         fields = []
         for name, value in ast.iter_fields(node):
-            if name == "body" and isinstance(value, list):
-                value = _without_docstring(node, value)
+            if (name == "body" and isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Module))
+                    and value and isinstance(value[0], ast.Expr) and isinstance(value[0].value, ast.Constant)
+                    and isinstance(value[0].value.value, str)):
+                value = value[1:]  # the docstring
             if value is None or value == []:
                 continue
             fields.append(f"{name}={_canonical(value)}")
@@ -64,14 +66,6 @@ def _canonical(node: object) -> str:
     if isinstance(node, list):
         return "[" + ", ".join(_canonical(v) for v in node) + "]"
     return repr(node)
-
-
-def _without_docstring(owner: ast.AST, body: list) -> list:
-    if (isinstance(owner, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)) and body
-            and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)):
-        return body[1:]
-    return body
 
 
 def digest(node: ast.AST) -> str:

@@ -36,14 +36,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _device_type(values: Any) -> str | None:
-    if getattr(values, "is_cuda", False):
-        return "cuda"
-    device = getattr(values, "device", None)
-    kind = getattr(device, "type", None)
-    return kind if isinstance(kind, str) else None
-
-
 def _host_values(values: Any, *, field: str, allow_device_sync: bool) -> Any:
     """Lists/tuples pass through; numpy arrays and tensors become nested lists."""
     if isinstance(values, (list, tuple)) or _is_int(values):
@@ -51,8 +43,8 @@ def _host_values(values: Any, *, field: str, allow_device_sync: bool) -> Any:
     if not hasattr(values, "tolist"):
         raise ValueError(f"{field}: {type(values).__name__} is not allowed; allowed: list, tuple, numpy array or "
                          "CPU tensor of ints")
-    device = _device_type(values)
-    if device not in (None, "cpu") and not allow_device_sync:
+    device = "cuda" if getattr(values, "is_cuda", False) else getattr(getattr(values, "device", None), "type", None)
+    if isinstance(device, str) and device != "cpu" and not allow_device_sync:
         raise DeviceSyncError(f"{field}: a {device} tensor would force a device sync to build a graph key; "
                               "allowed: list, tuple, numpy array or CPU tensor (or pass allow_device_sync=True)")
     return values.tolist()

@@ -14,13 +14,13 @@ then validates; graph-like unknown keys raise. Also installs 0.5.19's `vla.promp
 from __future__ import annotations
 
 import difflib
-import numbers
 from dataclasses import MISSING, fields
 
 from sglang.multimodal_gen.configs.pipeline_configs.base import PipelineConfig
 from sglang_ext import knobs as _ext_knobs
 from sglang_ext.pi05 import graph_settings as _ext_pi05_settings
 from sglang_ext.errors import ExtConfigError
+from sglang_ext.graphs.keys import _is_int
 from sglang_ext.patching import install_module
 
 
@@ -28,10 +28,6 @@ _EXT_PI05_GRAPH_FIELDS = _ext_pi05_settings.GRAPH_FIELDS
 
 # Keys a misspelling is checked against: the new fields and 0.5.17's action flag.
 _EXT_PI05_GRAPH_KEYS = tuple(f.name for f in _EXT_PI05_GRAPH_FIELDS) + ("enable_action_cuda_graph",)
-
-
-def _ext_is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _ext_apply_pi05_graph_knobs(config) -> list:
@@ -84,7 +80,7 @@ def _validate_cuda_graph_config(self) -> None:
         raise ValueError(f"prompt_token_buckets must contain integers, got {raw!r}")
     buckets = list(raw)
     for index, bucket in enumerate(buckets):
-        if not _ext_is_int(bucket):
+        if not _is_int(bucket):
             raise ValueError(f"prompt_token_buckets must contain integers (not bool), got {bucket!r} at index {index}")
         if bucket <= 0:
             raise ValueError(f"prompt_token_buckets must contain positive lengths, got {bucket} at index {index}")
@@ -95,7 +91,7 @@ def _validate_cuda_graph_config(self) -> None:
         raise ValueError(f"prompt_token_buckets cannot exceed max_token_len ({self.max_token_len}), got {buckets[-1]}")
     for name in ("prefix_cuda_graph_max_entries", "action_cuda_graph_max_entries"):
         value = getattr(self, name)
-        if not _ext_is_int(value):
+        if not _is_int(value):
             raise ValueError(f"{name} must be an integer (not bool), got {value!r}")
         if value < 0:
             raise ValueError(f"{name} must be non-negative (0 disables these graphs), got {value}")

@@ -16,6 +16,7 @@ from sglang_ext.knobs import FLAG_PREFIX, KNOBS, MASTER_ENV, Knob, knob, knob_en
 from sglang_ext.tools.prerequisites import interpreter, missing_message, missing_modules
 
 USAGE_EXIT = 2  # argparse's exit status for bad command lines
+PLUGIN_NAME = "sglang_ext"  # entry-point name in setup.py; what SGLANG_PLUGINS filters on
 NO_GPU_EXIT = 1  # the command line is fine; this machine cannot serve
 SERVING_MODULES = ("sglang", "torch")  # what every launcher hands over to
 
@@ -88,12 +89,17 @@ def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, s
     # one the children's plugin loader accepts, or it hides a typo (SGLANG_EXT=2).
     knob_enabled(base)
     updates = {MASTER_ENV: "1"}
-    by_name = {k.name: k for k in KNOBS}
     for name, raw in values.items():
-        k = by_name[name]
+        k = knob(name)
         updates[k.env] = env_text(k, k.parse(raw))
     load_settings({**base, **updates})
-    _check_plugin_whitelist(base)
+    # sglang's loader runs only the entry points SGLANG_PLUGINS lists, when it is set: without
+    # sglang_ext there, the srt scheduler processes would run unpatched.
+    raw = base.get("SGLANG_PLUGINS", "")
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    if names and PLUGIN_NAME not in names:
+        raise ExtConfigError(f"SGLANG_PLUGINS={raw!r} leaves out {PLUGIN_NAME}, so sglang would not load it in its "
+                             f"scheduler processes; allowed: unset/empty, or a list that includes {PLUGIN_NAME}")
     return updates
 
 
@@ -112,19 +118,6 @@ def prepare_activation_dir(env: Mapping[str, str]) -> None:
         raise k.error(f"cannot create folder {directory!r} ({exc.strerror}); {allowed}") from None
     if not writable:
         raise k.error(f"folder {directory!r} is not writable; {allowed}")
-
-
-PLUGIN_NAME = "sglang_ext"  # entry-point name in setup.py; what SGLANG_PLUGINS filters on
-
-
-def _check_plugin_whitelist(env: Mapping[str, str]) -> None:
-    # sglang's loader runs only whitelisted entry points when SGLANG_PLUGINS is set; without
-    # sglang_ext there, the srt scheduler processes would run unpatched.
-    raw = env.get("SGLANG_PLUGINS", "")
-    names = [n.strip() for n in raw.split(",") if n.strip()]
-    if names and PLUGIN_NAME not in names:
-        raise ExtConfigError(f"SGLANG_PLUGINS={raw!r} leaves out {PLUGIN_NAME}, so sglang would not load it in its "
-                             f"scheduler processes; allowed: unset/empty, or a list that includes {PLUGIN_NAME}")
 
 
 def ext_help(prog: str) -> str:

@@ -162,14 +162,6 @@ def _tokenizer_files(kind: str) -> Tuple[Dict[str, str], Dict[str, int]]:
     return files, vocab
 
 
-def _hf_model_class(kind: str):
-    import transformers
-
-    return {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-            "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
-            "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration)}[kind]
-
-
 def checkpoint_name(kind: str, hf_name: str) -> str:
     """The checkpoint name of a transformers 5 state-dict entry."""
     if kind == "qwen2_5_vl":
@@ -182,8 +174,12 @@ def checkpoint_name(kind: str, hf_name: str) -> str:
 def parameter_shapes(kind: str, config: dict) -> Dict[str, Tuple[int, ...]]:
     """{checkpoint name: shape} of the transformers model class for `config` (built on meta)."""
     import torch
+    import transformers
 
-    config_cls, model_cls = _hf_model_class(kind)
+    config_cls, model_cls = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration)}[kind]
     hf_config = config_cls(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")})
     with torch.device("meta"):
         model = model_cls(hf_config)

@@ -24,13 +24,6 @@ from sglang_ext.vit.runner import check_runner_binding
 PIN_MAX_BYTES = 64 << 20
 
 
-def host_grid(grid_thw):
-    """grid_thw as CPU rows (0.5.17 already reads it on the host in get_window_index / rot_pos_emb)."""
-    if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
-        return grid_thw.cpu()
-    return grid_thw
-
-
 def to_device(tensor, device, dtype=None):
     """`tensor.to(device, dtype)` without a stream sync for host tensors bound for the GPU (staged
     through pinned memory, which the caching host allocator keeps until the copy has run)."""
@@ -55,7 +48,8 @@ def rot_pos_emb(vit, grid_thw):
 def forward_with_cuda_graph(self, x, grid_thw):
     """Qwen2_5_VisionTransformer: 0.5.17's body, plus the attention layout key from CPU metadata,
     and no device sync (host-to-device copies non-blocking from pinned memory)."""
-    grid_thw = host_grid(grid_thw)
+    if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
+        grid_thw = grid_thw.cpu()  # 0.5.17 reads it on the host anyway (get_window_index, rot_pos_emb)
     x = to_device(x, self.device, self.dtype)
     x = self.patch_embed(x)
     rotary_pos_emb = rot_pos_emb(self, grid_thw)

@@ -38,13 +38,6 @@ FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_la
 AUTO_BUDGET = dict(fraction=0.25, floor=256 << 20, cap=4 << 30)
 
 
-def auto_budget(free_bytes):
-    """The default byte budget for `free_bytes` of free device memory (None: no device, no limit)."""
-    if free_bytes is None:
-        return 0
-    return int(min(AUTO_BUDGET["cap"], max(AUTO_BUDGET["floor"], free_bytes * AUTO_BUDGET["fraction"])))
-
-
 def layout_ints(values, field):
     """CPU layout as a tuple of ints; None for None; DeviceSyncError for device tensors."""
     return None if values is None else cpu_ints(values, field=field)
@@ -130,11 +123,12 @@ def _ext_graph_budget(self):
     configured = ext_knobs.current("vit_graph_max_bytes")
     if configured >= 0:
         return configured
-    free = None
+    free, auto = None, 0  # no device: no limit
     device = getattr(self.vit, "device", None)
     if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
         free = int(torch.cuda.mem_get_info(device)[0])
-    limit = tp.min_over_ranks(self, auto_budget(free))
+        auto = int(min(AUTO_BUDGET["cap"], max(AUTO_BUDGET["floor"], free * AUTO_BUDGET["fraction"])))
+    limit = tp.min_over_ranks(self, auto)
     logger.info("ViT CUDA graph byte budget: %d MiB (%s)", limit >> 20,
                 "no device: no limit" if free is None else f"{free >> 20} MiB free at first use")
     return limit
