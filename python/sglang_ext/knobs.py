@@ -1,8 +1,8 @@
 """Every user-facing setting of sglang-ext, declared once.
 
-Each knob has a flag (`--ext-<name>`, for the launchers) and an environment spelling
-(`SGLANG_EXT_<NAME>`, inherited by child processes); every process reads the environment through
-`load_settings()`, which raises `ExtConfigError` naming the knob and the allowed values.
+Each knob has a flag (`--ext-<name>`, for `python -m sglang_ext.launch_server`) and an environment
+spelling (`SGLANG_EXT_<NAME>`, inherited by child processes); every process reads the environment
+through `load_settings()`, which raises `ExtConfigError` naming the knob and the allowed values.
 """
 
 from __future__ import annotations
