@@ -27,9 +27,10 @@ def lease_released(lease: Any) -> bool:
     return lease._backing is None
 
 
-def metrics_registry():
-    """The CollectorRegistry holding this process's sglang-ext metrics (None before the first publish)."""
-    metrics = stats._prom["metrics"]
+def metrics_registry(stats_module: Any = stats):
+    """The CollectorRegistry holding this process's sglang-ext metrics (None before the first publish);
+    `stats_module`: sglang_ext's, or the patched tree's copy."""
+    metrics = stats_module._prom["metrics"]
     return None if metrics is None else metrics["registry"]
 
 

@@ -477,7 +477,8 @@ def test_failed_capture_quarantines_key_and_cache_keeps_working():
     assert run_step(cache, "a", events, graphs) == "captured"
     assert run_step(cache, "bad", events, graphs, fail=True) == "failed"
     assert [run_step(cache, "bad", events, graphs) for _ in range(3)] == ["EAGER_QUARANTINED"] * 3
-    assert internals.is_quarantined(cache, "bad") and "RuntimeError: capture failed" in internals.quarantine_reason(cache, "bad")
+    assert internals.is_quarantined(cache, "bad")
+    assert "RuntimeError: capture failed" in internals.quarantine_reason(cache, "bad")
     assert [run_step(cache, k, events, graphs) for k in "bca"] == ["captured", "captured", "captured"]
     assert cache.put("bad", FakeGraph("bad", events)) is False  # never stored once quarantined
     info = cache.info()

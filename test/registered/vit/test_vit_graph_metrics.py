@@ -39,7 +39,7 @@ def metrics_on(monkeypatch, tmp_path):
 
 def read(stats):
     out = {}
-    for family in internals.metrics_registry().collect():
+    for family in internals.metrics_registry(stats).collect():
         for s in family.samples:
             if s.name.endswith("_created"):
                 continue
