@@ -1,7 +1,8 @@
 """The multimodal_gen HTTP process reuses its ZMQ REQ sockets to the scheduler.
 
 Patch: mg_scheduler_client_reuse
-Targets: sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.forward, sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.close
+Targets: sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.forward,
+sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.close
 Upstream PR: none (0.5.23 still opens a socket per request)
 Retire when: upstream keeps its scheduler sockets across requests
 

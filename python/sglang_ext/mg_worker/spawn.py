@@ -1,7 +1,9 @@
 """Activate sglang-ext inside the multimodal_gen processes that 0.5.17 spawns.
 
 Patch: mg_worker_activation
-Targets: sglang.multimodal_gen.runtime.launch_server:run_scheduler_process, sglang.multimodal_gen.runtime.launch_server:_run_disagg_role_process, sglang.multimodal_gen.runtime.launch_server:_run_http_server_process
+Targets: sglang.multimodal_gen.runtime.launch_server:run_scheduler_process,
+sglang.multimodal_gen.runtime.launch_server:_run_disagg_role_process,
+sglang.multimodal_gen.runtime.launch_server:_run_http_server_process
 Upstream PR: (multimodal_gen plugin group, sglang 0.5.21)
 Retire when: the minimum supported sglang loads sglang.multimodal_gen.plugins in workers (>= 0.5.21)
 

@@ -3,7 +3,8 @@
 Patch: pi05_config
 Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:action_metadata
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
-Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline config keys
+Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline
+config keys
 
 Why: 0.5.17 answers `cuda_graph` from `enable_action_cuda_graph` alone ("auto" even when the
 action graph is off) and says nothing about the prefix graph.

@@ -3,7 +3,8 @@
 Patch: pi05_config
 Targets: sglang.multimodal_gen.configs.pipeline_configs.pi05:Pi05PipelineConfig
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
-Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline config keys
+Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline
+config keys
 
 Why: the graph caches and prompt buckets need their settings on the config, checked at start-up;
 0.5.17's `update_pipeline_config` silently drops unknown keys, so a typo would leave them off.

@@ -1,9 +1,14 @@
 """Pi0.5 core on sglang 0.5.19's graph-ready API: capturable prefix, hoisted denoise layout, cached time scaling.
 
 Patch: pi05_graphs
-Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:create_sinusoidal_pos_embedding, sglang.multimodal_gen.runtime.models.vlas.pi05_core:Pi05CoreModel.embed_prefix, sglang.multimodal_gen.runtime.models.vlas.pi05_core:Pi05CoreModel.embed_suffix, sglang.multimodal_gen.runtime.models.vlas.pi05_core:Pi05CoreModel.encode_prefix, sglang.multimodal_gen.runtime.models.vlas.pi05_core:Pi05CoreModel.denoise_step
+Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:create_sinusoidal_pos_embedding,
+sglang.multimodal_gen.runtime.models.vlas.pi05_core:Pi05CoreModel.embed_prefix,
+sglang.multimodal_gen.runtime.models.vlas.pi05_core:Pi05CoreModel.embed_suffix,
+sglang.multimodal_gen.runtime.models.vlas.pi05_core:Pi05CoreModel.encode_prefix,
+sglang.multimodal_gen.runtime.models.vlas.pi05_core:Pi05CoreModel.denoise_step
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
-Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has vla/cuda_graph.py (>= 0.5.19)
+Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has
+vla/cuda_graph.py (>= 0.5.19)
 
 Why: 0.5.17's prefix copies its attention marks from a host list and probes its mask with .item()
 (neither capturable); every denoise step rebuilds the suffix mask, positions and sinusoid scaling.

@@ -1,7 +1,8 @@
 """PiGemma (adaptive) RMSNorm and gated residual in fewer CUDA kernels, the same float32 math.
 
 Patch: pi05_fused_norms
-Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaRMSNorm, sglang.multimodal_gen.runtime.models.vlas.pi05_core:gated_residual
+Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaRMSNorm,
+sglang.multimodal_gen.runtime.models.vlas.pi05_core:gated_residual
 Upstream PR: none (sglang-ext only)
 Retire when: upstream PiGemmaRMSNorm uses a fused rms_norm and gated_residual is a single op
 

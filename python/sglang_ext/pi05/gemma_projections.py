@@ -1,7 +1,8 @@
 """Non-TP PiGemma attention and MLP on one packed weight each: Q/K/V and gate/up as one GEMM.
 
 Patch: pi05_merged_linear
-Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaAttention, sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaMLP
+Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaAttention,
+sglang.multimodal_gen.runtime.models.vlas.pi05_core:PiGemmaMLP
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
 Retire when: the minimum supported sglang has MergedReplicatedLinear (>= 0.5.19)
 

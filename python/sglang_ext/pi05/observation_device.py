@@ -1,7 +1,8 @@
 """Pi0.5 camera frames go to the GPU once, as uint8, and are scaled there; the prompt goes to the Rust tokenizer.
 
 Patch: pi05_observation_device
-Targets: sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess:_preprocess_image, sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess:Pi05Preprocessor
+Targets: sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess:_preprocess_image,
+sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess:Pi05Preprocessor
 Upstream PR: none (0.5.23 preprocesses on the CPU)
 Retire when: upstream preprocesses Pi0.5 observations on the device
 

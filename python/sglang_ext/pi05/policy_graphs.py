@@ -1,9 +1,15 @@
 """Pi0.5 policy on bounded prefix and action graphs (sglang 0.5.19's API), with prompt buckets and fused denoise loops.
 
 Patch: pi05_graphs
-Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05ActionExpert.forward, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.__init__, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.build_prefix_cache_key, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.encode_prefix, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.denoise_step, sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.sample_actions
+Targets: sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05ActionExpert.forward,
+sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.__init__,
+sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.build_prefix_cache_key,
+sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.encode_prefix,
+sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.denoise_step,
+sglang.multimodal_gen.runtime.models.vlas.pi05_policy:Pi05PolicyModel.sample_actions
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
-Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has vla/cuda_graph.py (>= 0.5.19)
+Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has
+vla/cuda_graph.py (>= 0.5.19)
 
 Why: 0.5.17 graphs only full-attention denoise steps, one unbounded graph per prompt length,
 and never the prefix.

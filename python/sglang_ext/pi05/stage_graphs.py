@@ -1,9 +1,13 @@
 """Pi0.5 prefix stage: the request's graph option reaches the policy; prefix-graph outputs owned while requests wait.
 
 Patch: pi05_graphs
-Targets: sglang.multimodal_gen.runtime.pipelines_core.stages.vla:_grouped_fingerprint, sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage.forward, sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage.run_grouped_requests, sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage._send_prefix_result
+Targets: sglang.multimodal_gen.runtime.pipelines_core.stages.vla:_grouped_fingerprint,
+sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage.forward,
+sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage.run_grouped_requests,
+sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAPrefixEncodingStage._send_prefix_result
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
-Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has vla/cuda_graph.py (>= 0.5.19)
+Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has
+vla/cuda_graph.py (>= 0.5.19)
 
 Why: 0.5.17's prefix stage calls the policy without the request's `enable_cuda_graph` option,
 and a prefix-graph output (rewritten by the next replay) must not be shared by two requests.

@@ -1,9 +1,14 @@
 """Prefill context-parallel graph bucket chosen by CP-local capacity, once per batch.
 
 Patch: prefill_cp_bucket
-Targets: sglang.srt.layers.cp.bcg:PrefillCPBCGInput, sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph, sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.load_batch, sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.capture_one_shape, sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:_weak_ref_if_tensor
+Targets: sglang.srt.layers.cp.bcg:PrefillCPBCGInput,
+sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph,
+sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.load_batch,
+sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.capture_one_shape,
+sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:_weak_ref_if_tensor
 Upstream PR: sgl-project/sglang#33906
-Retire when: upstream stores the admitted bucket with the batch instead of recomputing it at replay and holds breakable-graph break inputs strongly (#37448)
+Retire when: upstream stores the admitted bucket with the batch instead of recomputing it at replay and holds
+breakable-graph break inputs strongly (#37448)
 
 Why: with CP v2 (zigzag) and breakable graphs, a batch can need more CP-local rows than the bucket
 0.5.17 pads it to: the replay raises. Break inputs are held weakly, so later captures reuse them.
