@@ -117,6 +117,9 @@ def clean_env(**extra) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k != "SGLANG_EXT" and not k.startswith("SGLANG_EXT_") and k != "PROMETHEUS_MULTIPROC_DIR"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", **extra)
+    # The servers import this checkout's package and testkit (the stand-in policy, --cpu-logic-check).
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python"), os.path.join(REPO, "test")]
+                                        + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 

@@ -40,10 +40,13 @@ sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit
 import bench_results  # noqa: E402
 import server_trace  # noqa: E402
 
-CONFIGS = {  # name -> (launcher module, ViT graphs on)
-    "ext": ("sglang_ext.launch_server", True),
-    "graphs-off": ("sglang.launch_server", False),
-    "0517-graphs-on": ("sglang.launch_server", True),
+CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
+    "ext": ("sglang_ext.launch_server", True, {}),
+    "graphs-off": ("sglang.launch_server", False, {}),
+    "0517-graphs-on": ("sglang.launch_server", True, {}),
+    # Diagnostic: sglang-ext's sync-free tower and embedding path with no graph replayed (every call
+    # eager), which splits ext's difference from graphs-off into the eager path's part and the replays'.
+    "ext-no-replay": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": "0"}),
 }
 # Real-scale shapes over the tiny model's folder (tokenizer, processor, chat template).
 REAL_SCALE = {
@@ -128,10 +131,11 @@ def build_model(kind: str, path: str, seed: int = 0) -> float:
 
 def server_env(name: str, workdir: str, trace: bool = False) -> Dict[str, str]:
     env = dict(os.environ)
-    module, graphs = CONFIGS[name]
+    module, graphs, knobs = CONFIGS[name]
     env["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1" if graphs else "0"
     for key in [k for k in env if k.startswith("SGLANG_EXT")]:
         del env[key]
+    env.update(knobs)
     if module.startswith("sglang_ext"):
         env["SGLANG_EXT_ACTIVATION_DIR"] = os.path.join(workdir, f"activation-{name}")
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"prom-{name}-", dir=workdir)
@@ -148,7 +152,7 @@ def server_env(name: str, workdir: str, trace: bool = False) -> Dict[str, str]:
 def start(name: str, backend: str, model: str, workdir: str, args):
     from sglang_ext_testkit.server_process import free_port, start_server
 
-    module, _ = CONFIGS[name]
+    module = CONFIGS[name][0]
     port = free_port()
     argv = [sys.executable, "-m", module, "--model-path", model, "--port", str(port), "--host", "127.0.0.1",
             "--mm-attention-backend", backend, "--mem-fraction-static", str(args.mem_fraction),
