@@ -8,8 +8,8 @@ Retire when: upstream preprocesses Pi0.5 observations on the device
 
 Why: the worker scales every frame in float32 on the CPU and copies 4x its bytes to the GPU
 synchronously; the tokenizer call spends most of its time in transformers' Python wrappers.
-How: a uint8 frame at the model's size is copied as uint8 and scaled on the GPU (same float32 ops,
-same bits), the noise with it; the tokenizer call goes to the Rust tokenizer, checked against
+How: a uint8 frame at the model's size is copied as uint8 and mapped on the GPU through a 256-entry
+table of sglang's float32 values (same bits), the noise with it; the tokenizer call goes to the Rust tokenizer, checked against
 transformers' call on its first answers.
 """
 
@@ -25,6 +25,18 @@ logger = logging.getLogger("sglang_ext")
 
 # Tokenizer answers compared with transformers' own call before the Rust path is trusted alone.
 _EXT_TOKENIZER_CHECKS = 16
+
+
+# uint8 level -> sglang's float32 value, computed on the CPU with sglang's ops and kept per device. Scaling
+# on the GPU would not give the same bits: CUDA divides by a scalar as a multiply by its reciprocal.
+_LEVELS = {}
+
+
+def _levels_on(device):
+    table = _LEVELS.get(device)
+    if table is None:
+        table = _LEVELS[device] = (torch.arange(256, dtype=torch.float32) / 255.0 * 2.0 - 1.0).to(device)
+    return table
 
 
 def _ext_observation_device():
@@ -61,8 +73,7 @@ def preprocess_frame_on(arr: np.ndarray, size, device: torch.device, *, hwc: boo
         return None  # sglang raises its own ValueError for this shape
     if tuple(chw.shape[-2:]) != tuple(size):
         return None
-    on_device = chw.to(device)
-    return on_device.to(dtype=torch.float32) / 255.0 * 2.0 - 1.0
+    return _levels_on(device)[chw.to(device).long()]
 
 
 def _wrap_preprocess_image(original):

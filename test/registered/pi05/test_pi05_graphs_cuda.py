@@ -130,8 +130,8 @@ def test_graph_mode_matches_eager(policy, masked, prompt_len):
     assert action.hits >= before_action.hits + 2 * NUM_STEPS - 1
 
 
-def test_fused_denoise_matches_eager(policy, monkeypatch):
-    monkeypatch.setenv("SGLANG_EXT_PI05_FUSED_DENOISE", "1")
+def test_fused_denoise_matches_eager(policy, set_knob):
+    set_knob("pi05_fused_denoise", "1")
     for masked in (False, True):
         eager = _request(policy, prompt_len=33, masked=masked, seed=7, graph=False)
         first = _request(policy, prompt_len=33, masked=masked, seed=7, graph=True)

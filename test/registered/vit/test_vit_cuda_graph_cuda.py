@@ -170,7 +170,7 @@ def _expected_sequence_length_output(x, layout, position):
     return x.cpu() * 0.5 + owner_len + position
 
 
-def test_capacity_overflow_falls_back_to_eager_with_identical_output(vit_patch, monkeypatch):
+def test_capacity_overflow_falls_back_to_eager_with_identical_output(vit_patch, set_knob):
     vit_patch(vit_graph_max_entries=2, vit_graph_policy="exact")
     from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
 
@@ -189,7 +189,7 @@ def test_capacity_overflow_falls_back_to_eager_with_identical_output(vit_patch, 
         want = _expected_sequence_length_output(x, layout, pos[:, :1].cpu())
         torch.testing.assert_close(out.cpu(), want)
     # The eager results equal what a graph computes for the same layouts.
-    monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES", "8")  # read when a runner is first used
+    set_knob("vit_graph_max_entries", "8")  # read when a runner is first used
     roomy = ViTCudaGraphRunner(Tower(SequenceLengthBlock(hidden)))
     for layout, out in zip(layouts[2:], outs[2:]):
         cu = torch.tensor(layout, dtype=torch.int32, device="cuda")
@@ -417,7 +417,7 @@ def test_fa3_qwen2_5_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_run
 
 
 @pytest.mark.parametrize("mode", ["class", "bucket"])
-def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runtime, monkeypatch, mode):
+def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runtime, monkeypatch, set_knob, mode):
     """References: the same tower through the runner's eager fallback (capacity 0: the same blocks and
     merger run eagerly; bitwise in class mode) and sglang's eager `forward` (within bf16 rounding; the
     bitwise count is printed). Before our Qwen3 graph inputs, 0.5.17's graph path was 0.129 from the
@@ -438,9 +438,9 @@ def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runti
         pixels, grid = batches[rng.randrange(len(batches))] if step % 3 else kit.random_batch(
             rng, sides, patch_dim=kit.QWEN3_PATCH_DIM, dtype=torch.bfloat16)
         graphed = kit.forward_qwen3(graphed_vit, pixels, grid, graph=True).clone()
-        monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES", "0")  # read at the runner's first run
+        set_knob("vit_graph_max_entries", "0")  # read at the runner's first run
         pairs.append((graphed, kit.forward_qwen3(eager_vit, pixels, grid, graph=True)))
-        monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES", "16")
+        set_knob("vit_graph_max_entries", "16")
         forward_pairs.append((graphed, kit.forward_qwen3(eager_vit, pixels, grid, graph=False)))
     info = graphed_vit.graph_runners._ext_graph_info()
     eager_info = eager_vit.graph_runners._ext_graph_info()
@@ -532,31 +532,27 @@ def test_bucket_ladder_is_captured_at_load_and_serving_never_captures(vit_patch,
 
 
 def test_bucket_probe_keeps_only_budgets_that_beat_eager(vit_patch, any_backend):
-    """The load-time probe on Qwen2.5-VL-7B's real tower: the ladder ends where eager wins, and a
-    fresh measurement after the probe confirms each kept budget's graph beats eager at its worst
-    (smallest) call."""
+    """The load-time probe on Qwen2.5-VL-7B's real tower: the replay ladder is the run of budgets,
+    smallest first, whose measured graph beat eager, and it ends at the first that did not.
+    (How much a graph wins is for scripts/bench_vit.py to say, not a timed assertion here.)"""
     kit, backend = any_backend
     vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=-1)
     vit = kit.build_qwen2_5_tower(kit.QWEN2_5_VL_7B_CONFIG, dtype=torch.bfloat16, seed=1)
     runner = vit.cuda_graph_runner
+    from sglang_ext.vit.budget import DEFAULT_BUCKETS, token_buckets
+
+    candidates = token_buckets((), 4, 16384)
+    assert candidates[0] == DEFAULT_BUCKETS["smallest"]
     runner._ext_precapture_at_load(vit, 16384)
     gate = runner._ext_gate
     print(f"\n{backend} probe: " + "; ".join(f"{r['budget']}: graph {r['graph_ms']} / eager {r['eager_ms']} ms"
                                          for r in gate))
     kept = runner._ext_token_buckets
+    # 512 tokens of a 7B tower: eager launches ~600 kernels for ~1 ms of device work (5x apart on the H200)
     assert kept and kept[0] == 512, f"a 7B tower at 512 tokens is launch-bound: the graph must win ({gate})"
     assert [r["budget"] for r in gate if r["replay"]] == list(kept)
-    sample = (torch.zeros(1, 1, 1280, dtype=torch.bfloat16, device="cuda"),
-              tuple(torch.zeros(1, 80, dtype=torch.bfloat16, device="cuda") for _ in range(2)), None, None)
-    from sglang_ext.graphs.packing import median_wall_ms
-
-    previous = 0
-    for budget in kept:
-        call = runner._ext_synthetic_call(sample, previous + 4)
-        with torch.inference_mode():
-            graph_ms = median_wall_ms(lambda: runner._ext_replay_budget(*call, counted=False),
-                                      synchronize=torch.cuda.synchronize)
-            eager_ms = median_wall_ms(lambda: runner._ext_run_eager_call(*call), synchronize=torch.cuda.synchronize)
-        print(f"{backend} re-measured {budget}: graph {graph_ms:.3f} / eager {eager_ms:.3f} ms")
-        assert graph_ms < eager_ms * 1.1, f"budget {budget} kept but its graph does not beat eager"
-        previous = budget
+    assert all(r["replay"] == (r["graph_ms"] < r["eager_ms"]) for r in gate), gate
+    assert [r["budget"] for r in gate] == list(candidates[:len(gate)]), gate
+    assert all(r["replay"] for r in gate[:-1]), "the probe goes on only while graphs win"
+    assert len(gate) == len(candidates) or not gate[-1]["replay"], gate
+    assert runner._ext_graph_info()["captures"] >= len(kept)
