@@ -130,15 +130,17 @@ def test_graph_mode_matches_eager(policy, masked, prompt_len):
     assert action.hits >= before_action.hits + 2 * NUM_STEPS - 1
 
 
-def test_fused_denoise_matches_eager(policy, set_knob):
-    set_knob("pi05_fused_denoise", "1")
-    for masked in (False, True):
-        eager = _request(policy, prompt_len=33, masked=masked, seed=7, graph=False)
-        first = _request(policy, prompt_len=33, masked=masked, seed=7, graph=True)
-        second = _request(policy, prompt_len=33, masked=masked, seed=7, graph=True)
-        label = f"fused {'masked' if masked else 'full'}"
-        _compare(label + " capture", first, eager)
-        _compare(label + " replay", second, eager)
+def test_fused_denoise_matches_eager(policy):
+    from sglang_ext_testkit.pi05_random import pi05_knobs
+
+    with pi05_knobs(policy, fused_denoise=True):  # a policy reads its knobs once, when built
+        for masked in (False, True):
+            eager = _request(policy, prompt_len=33, masked=masked, seed=7, graph=False)
+            first = _request(policy, prompt_len=33, masked=masked, seed=7, graph=True)
+            second = _request(policy, prompt_len=33, masked=masked, seed=7, graph=True)
+            label = f"fused {'masked' if masked else 'full'}"
+            _compare(label + " capture", first, eager)
+            _compare(label + " replay", second, eager)
     loop_signatures = [s for s in policy.graph_runner._cache.entries if hasattr(s, "num_steps")]
     print("fused graphs:", loop_signatures)
     assert len(loop_signatures) == 2
