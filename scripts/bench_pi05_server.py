@@ -22,7 +22,10 @@ Wires (--wires), each with this script's own client (sglang_ext_testkit.pi05_cli
            server-sampled noise); its p50/p90 only. Its LIBERO profile names the cameras `image`,
            `image2`; sglang 0.5.17's HTTP process matches `observation.images.<key>` against the
            default image_keys (the checkpoint's config is applied in the worker only), so those frames
-           are dropped and the prefix is masked: the latency of that workload, not of the others
+           are dropped and the prefix is masked: the latency of that workload, not of the others.
+           Not in the default --wires: on the H200 (random-weight checkpoint, torch_sdpa) its first
+           request ends every server, unpatched 0.5.17 included, in a CUDA device-side assert (an
+           out-of-bounds gather in the prefix), and the server is unusable after it
 Latency = from the payload (dict) ready to the actions as a numpy array: the client's encode and
 decode included. Per request the breakdown splits it into client encode/decode, transport (the
 client's round trip minus the server's span: sockets, uvicorn, encoding the answer), parsing and
@@ -90,7 +93,7 @@ def log(message: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated subset of {', '.join(SERVERS)}")
-    ap.add_argument("--wires", default=",".join(WIRES), help=f"comma-separated subset of {', '.join(WIRES)}")
+    ap.add_argument("--wires", default="openpi,json", help=f"comma-separated subset of {', '.join(WIRES)}")
     ap.add_argument("--requests", type=int, default=30, help="timed requests per server and wire")
     ap.add_argument("--warmup", type=int, default=5, help="untimed requests first (graph captures, JIT)")
     ap.add_argument("--steps", type=int, default=10, help="denoise steps")
@@ -285,7 +288,9 @@ def print_table(results: List[Dict[str, Any]]) -> None:
     print(" | ".join(head))
     for r in results:
         if r.get("error"):
-            print(f"{r['server']} | {r['wire']} | error: {r['error'][:160]}")
+            lines = [line.strip() for line in r["error"].splitlines() if line.strip()]
+            # the exception's own line and the last line of the output behind it (a child's traceback)
+            print(f"{r['server']} | {r['wire']} | error: {lines[0][:100]} ... {lines[-1][:160]}")
             continue
         print(" | ".join([r["server"], r["wire"], str(r.get("requests")), _fmt(r.get("p50_ms")), _fmt(r.get("p90_ms")),
                           _fmt(r.get("p99_ms")), _fmt(r.get("p99_over_p50")), _fmt(r.get("stage_sum_p50_ms")),

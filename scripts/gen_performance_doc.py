@@ -425,7 +425,8 @@ tokens; a varied warm-up pass first). req/s: median over passes (min-max); vs of
 ratio to graphs-off in the same slot; TTFT p50 / p99: medians over passes (ms). `ext` is
 sglang-ext's default ViT graph mode (bucket: ladder captured at load and ended where eager wins,
 calls above it eager; the multimodal embedding without its device sync); `0517-graphs-on` is
-unpatched sglang with its own ViT graphs. With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
+unpatched sglang with its own ViT graphs; `ext-no-replay` is sglang-ext's path with no graph replayed
+(a diagnostic: every call eager through the sync-free tower). With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
 eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end. Accuracy:
 input-token logprobs of a mixed-size stream against graphs-off at concurrency 1, and at 16 next
 to graphs-off against itself in another pass (batch composition alone moves logprobs)."""
@@ -466,7 +467,20 @@ def _vit_server_section():
         f"completed, {cfg.get('requests')} requests each "
         f"(concurrency 1: a quarter); images {cfg.get('resolution')}; {cfg.get('seconds')} s in all.", "",
         "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
-        f"Command: `{cfg.get('command')}`", ""])
+        f"Command: `{cfg.get('command')}`", "", *_vit_server_other_runs()])
+
+
+def _vit_server_other_runs() -> list:
+    """Other bench_vit_server.py runs kept in docs/bench (vit_server_<name>.json): table and command."""
+    import bench_vit_server
+
+    lines = []
+    for path in sorted(glob.glob(os.path.join(BENCH_DIR, "vit_server_*.json"))):
+        run, name = _load(path), os.path.basename(path)
+        lines += [f"### Other run: `docs/bench/{name}`", "", *_provenance([(name, run)]),
+                  f"{len({r['pass'] for r in run['passes']})} passes of {run['config'].get('requests')} requests.", "",
+                  "```", bench_vit_server.table(run), "```", f"Command: `{run['config'].get('command')}`", ""]
+    return lines
 
 
 def _cp_section():
