@@ -86,6 +86,8 @@ VIT_TESTS = "test/registered/vit/test_vit_cuda_graph_runner.py"
 BUDGET_TESTS = "test/registered/vit/test_vit_budget_mode.py"
 MM_EMBED = "sglang_ext/vit/mm_embedding.py"
 MM_EMBED_TESTS = "test/registered/vit/test_mm_embedding_sync_free.py"
+VIT_ROTARY = "sglang_ext/vit/vision_rotary.py"
+VIT_ROTARY_TESTS = "test/registered/vit/test_vision_rotary.py"
 CACHE = "sglang_ext/graphs/cache.py"
 CORE_TESTS = "test/registered/graphs/test_graph_core.py"
 WORKSPACE = "sglang_ext/graphs/workspace.py"
@@ -177,6 +179,17 @@ MUTANTS: List[Mutant] = [
            "        if True:\n",
            (f"{MM_EMBED_TESTS}::test_without_a_matching_host_count_sglangs_own_check_runs",),
            "sync-free embedding: sglang's length check skipped even when the host count disagrees"),
+    Mutant("vit-rotary-compiled-outside-bucket-eager", VIT_ROTARY,
+           "        if _eager_depth[0] and compiled_allowed(q):\n",
+           "        if compiled_allowed(q):\n",
+           (f"{VIT_ROTARY_TESTS}::test_outside_the_bucket_eager_block_the_original_runs",),
+           "ViT rotary: the compiled kernel also runs outside bucket mode's eager calls (captures' warm-up, "
+           "class and layout modes)"),
+    Mutant("vit-rotary-eager-call-outside-the-block", VIT_BUDGET,
+           "    with compiled_rotary():\n",
+           "    with torch.no_grad():\n",
+           (f"{VIT_ROTARY_TESTS}::test_the_bucket_runners_eager_call_runs_inside_the_block",),
+           "ViT rotary: bucket mode's eager calls keep the unfused eager rotary"),
     Mutant("vit-precapture-sample-not-voted", VIT_BUDGET,
            "    if self._ext_vote()(failure_vote(error)) != OK:\n",
            "    if error is not None:\n",

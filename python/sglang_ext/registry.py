@@ -88,7 +88,8 @@ PATCHES: Tuple[PatchSpec, ...] = (
         # Relied on, not replaced: metadata takes precedence over the graph path (eager fallback),
         # max_seqlen is only the triton kernel's grid bound (class mode), the shared graph pool.
         + T("sglang.srt.layers.attention.vision", "prepare_vision_attention_metadata",
-            "VisionTritonAttention.forward")
+            "VisionTritonAttention.forward", "VisionAttention.forward")
+        + T("sglang.srt.layers.rotary_embedding.utils", "apply_rotary_pos_emb_native_eager")
         + T("sglang.kernels.ops.attention.prefill_attention", "context_attention_fwd", "_fwd_kernel")
         + T("sglang.srt.model_executor.runner_utils.pool", "get_or_create_global_graph_memory_pool")
         + T(_MODEL_RUNNER, "ModelRunner.init_cuda_graphs"),
@@ -98,8 +99,11 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(_QWEN3, "sglang_ext.vit.qwen3:patch_qwen3_vl"),
             # bucket mode: capture the ladder when the model loads, after sglang's own graphs
             Part(_MODEL_RUNNER, "sglang_ext.vit.model_runner:patch_model_runner"),
+            # bucket mode's eager calls: the compiled rotary graphs-off runs
+            Part("sglang.srt.layers.attention.vision", "sglang_ext.vit.vision_rotary:patch_vision"),
         ),
-        rebinds=(f"{_QWEN3}.graph_runners_dict", f"{_QWEN25}.ViTCudaGraphRunner", f"{_QWEN3}.ViTCudaGraphRunner"),
+        rebinds=(f"{_QWEN3}.graph_runners_dict", f"{_QWEN25}.ViTCudaGraphRunner", f"{_QWEN3}.ViTCudaGraphRunner",
+                 "sglang.srt.layers.attention.vision.apply_rotary_pos_emb_native_eager"),
         upstream_pr="sgl-project/sglang#37043",
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream is unbounded, keeps retired workspaces, syncs on fallback

@@ -14,6 +14,7 @@ from sglang_ext.graphs.buckets import geometric_buckets, select_bucket
 from sglang_ext.graphs.keys import GraphKey
 from sglang_ext.graphs.packing import median_wall_ms, sequences_between, whole_sequence_chunks
 from sglang_ext.vit.capture import max_len
+from sglang_ext.vit.vision_rotary import compiled_rotary
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
@@ -275,11 +276,12 @@ def _ext_replay_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_e
 
 
 def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
-    """The sync-free eager run of one call given by its CPU layout."""
+    """The sync-free eager run of one call given by its CPU layout, rotary on graphs-off's compiled kernel."""
     full, window = layout_key.layout
-    return self._ext_run_eager(x_3d, device_layout(full, x_3d.device), device_layout(window, x_3d.device),
-                               position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin, None,
-                               max_len(full), max_len(window))
+    with compiled_rotary():
+        return self._ext_run_eager(x_3d, device_layout(full, x_3d.device), device_layout(window, x_3d.device),
+                                   position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin, None,
+                                   max_len(full), max_len(window))
 
 
 def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,

@@ -555,3 +555,33 @@ def test_bucket_probe_keeps_only_budgets_that_beat_eager(vit_patch, any_backend)
     assert all(r["replay"] for r in gate[:-1]), "the probe goes on only while graphs win"
     assert len(gate) == len(candidates) or not gate[-1]["replay"], gate
     assert runner._ext_graph_info()["captures"] >= len(kept)
+
+
+def test_bucket_eager_calls_use_the_compiled_rotary_and_captures_the_eager_one(vit_patch, any_backend, monkeypatch):
+    """Bucket mode's eager calls apply rotary with sglang's compiled kernel (what a graphs-off server
+    runs), the capture and its replays with sglang's capture-safe eager function; outputs within
+    bf16 rounding of sglang's forward."""
+    kit, backend = any_backend
+    from sglang.srt.layers.attention import vision
+
+    compiled, reached = vision.apply_rotary_pos_emb, []
+
+    def recording(*args, **kwargs):
+        reached.append(torch.cuda.is_current_stream_capturing())
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(vision, "apply_rotary_pos_emb", recording)
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="512", vit_graph_replay_max_tokens=512)
+    vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.bfloat16, seed=1)
+    runner = vit.cuda_graph_runner
+    runner._ext_precapture_at_load(vit, 4096)
+    assert runner._ext_token_buckets == (512,) and reached == [], reached
+    rng = random.Random(5)
+    small = kit.random_batch(rng, (8,), max_images=1, dtype=torch.bfloat16)  # 64 tokens: a replay
+    large = kit.random_batch(rng, (32,), max_images=1, dtype=torch.bfloat16)  # 1,024 tokens: eager
+    pairs = [(kit.forward(vit, *small, graph=True), kit.forward(vit, *small, graph=False))]
+    assert reached == [], "a replay reached the compiled rotary"
+    pairs.append((kit.forward(vit, *large, graph=True), kit.forward(vit, *large, graph=False)))
+    assert reached == [False] * len(vit.blocks), reached  # once per block, never inside a capture
+    assert runner._ext_graph_info()["hits"] == 1
+    _compare(f"{backend} qwen2.5 bf16 bucket: compiled rotary on eager calls", pairs, bitwise_expected=False)

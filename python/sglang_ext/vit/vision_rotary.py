@@ -1,0 +1,46 @@
+"""Bucket-mode ViT calls that run eager apply rotary with the compiled kernel graphs-off runs.
+
+Patch: vit_cuda_graph
+Targets: sglang.srt.layers.attention.vision:VisionAttention.forward
+Upstream PR: sgl-project/sglang#37043
+Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
+
+Why: with ViT graphs on, 0.5.17's VisionAttention applies rotary through its unfused eager function
+on every call, because compiling inside a capture is illegal; a call that runs eager then pays a
+dozen memory-bound kernels per layer where graphs-off runs one compiled kernel.
+How: the name VisionAttention calls is wrapped: inside `compiled_rotary()` (the bucket runner's
+eager calls), on CUDA and not capturing, it calls sglang's compiled `apply_rotary_pos_emb`; else
+the original. Captures and the class and layout modes keep the original (their bitwise claims).
+"""
+
+import contextlib
+
+import torch
+
+_eager_depth = [0]  # nesting depth of compiled_rotary()
+
+
+@contextlib.contextmanager
+def compiled_rotary():
+    """ViT attention inside this block (the bucket runner's eager calls) may use the compiled rotary."""
+    _eager_depth[0] += 1
+    try:
+        yield
+    finally:
+        _eager_depth[0] -= 1
+
+
+def compiled_allowed(q) -> bool:
+    """The compiled kernel runs on CUDA tensors outside a capture (sglang compiles it at first use)."""
+    return q.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
+def patch_vision(ctx, module) -> None:
+    capture_safe = module.apply_rotary_pos_emb_native_eager
+
+    def apply_rotary_pos_emb_native_eager(q, k, cos, sin, unsqueeze_dim=1):
+        if _eager_depth[0] and compiled_allowed(q):
+            return module.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+        return capture_safe(q, k, cos, sin, unsqueeze_dim)
+
+    ctx.setattr(module, "apply_rotary_pos_emb_native_eager", apply_rotary_pos_emb_native_eager)

@@ -1,0 +1,96 @@
+"""Bucket-mode ViT calls that run eager reach sglang's compiled rotary; captures and other calls keep the eager one.
+
+Real sglang 0.5.17 `sglang.srt.layers.attention.vision` with patch vit_cuda_graph applied (CPU): the
+name VisionAttention.forward calls when ViT graphs are on is wrapped. Which rotary function a call
+reaches is checked with recording stand-ins for sglang's two, the CUDA / capture condition set
+through `compiled_allowed`; the bucket runner's eager call is checked to run inside the block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from sglang_ext.graphs.keys import GraphKey
+
+from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
+
+register_cpu_ci(est_time=5, suite="base-a-test-cpu")
+
+
+@pytest.fixture
+def vision(ext_patches):
+    from sglang.srt.layers.attention import vision as module
+
+    statuses = ext_patches()
+    assert statuses["vit_cuda_graph"].state == "applied", statuses["vit_cuda_graph"]
+    return module
+
+
+@pytest.fixture
+def calls(vision, monkeypatch):
+    """Calls that reached sglang's compiled rotary (a recording stand-in); the others must return
+    exactly what sglang's eager rotary returns."""
+    from sglang.srt.layers.rotary_embedding import utils
+
+    assert vision.apply_rotary_pos_emb_native_eager is not utils.apply_rotary_pos_emb_native_eager, "not wrapped"
+    seen = []
+    monkeypatch.setattr(vision, "apply_rotary_pos_emb", lambda *a, **k: seen.append("compiled") or "compiled")
+    return seen
+
+
+def _eager_result(vision, q, k, cos, sin):
+    from sglang.srt.layers.rotary_embedding import utils
+
+    got = vision.apply_rotary_pos_emb_native_eager(q, k, cos, sin)
+    want = utils.apply_rotary_pos_emb_native_eager(q, k, cos, sin)
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _qk():
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(12, 2, 8, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = torch.randn(12, 8, generator=gen).cos(), torch.randn(12, 8, generator=gen).sin()
+    return q, k, cos, sin
+
+
+def test_outside_the_bucket_eager_block_the_original_runs(vision, calls, monkeypatch):
+    rotary = ext_core("vit.vision_rotary")
+    monkeypatch.setattr(rotary, "compiled_allowed", lambda q: True)  # as on CUDA, not capturing
+    assert _eager_result(vision, *_qk())
+    assert calls == []
+
+
+def test_inside_it_on_cuda_the_compiled_kernel_runs(vision, calls, monkeypatch):
+    rotary = ext_core("vit.vision_rotary")
+    monkeypatch.setattr(rotary, "compiled_allowed", lambda q: True)
+    with rotary.compiled_rotary():
+        assert vision.apply_rotary_pos_emb_native_eager(*_qk()) == "compiled"
+    assert _eager_result(vision, *_qk())
+    assert calls == ["compiled"]
+
+
+@pytest.mark.parametrize("allowed", [False, None], ids=["capturing", "cpu-tensors"])
+def test_inside_it_a_capture_or_a_cpu_tensor_keeps_the_original(vision, calls, monkeypatch, allowed):
+    rotary = ext_core("vit.vision_rotary")
+    if allowed is not None:
+        monkeypatch.setattr(rotary, "compiled_allowed", lambda q: allowed)
+    with rotary.compiled_rotary():
+        assert _eager_result(vision, *_qk())
+    assert calls == []
+
+
+def test_the_bucket_runners_eager_call_runs_inside_the_block():
+    budget, rotary = ext_core("vit.budget"), ext_core("vit.vision_rotary")
+    depths = []
+
+    class Runner:
+        def _ext_run_eager(self, *args):
+            depths.append(rotary._eager_depth[0])
+            return "rows"
+
+    key = GraphKey(8, layout=((0, 0, 8), (0, 4, 8)))
+    assert budget._ext_run_eager_call(Runner(), key, torch.zeros(8, 1, 4), None, None, None) == "rows"
+    assert depths == [1] and rotary._eager_depth[0] == 0
