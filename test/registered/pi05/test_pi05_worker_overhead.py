@@ -1,7 +1,7 @@
 """The multimodal_gen worker around the Pi0.5 pipeline, on sglang 0.5.17's real code, CPU only.
 
-Patch mg_worker_request_overhead. Memory snapshots: sglang's own `capture_memory_snapshot` against ours on the same CUDA
-allocator statistics (the only fake: the table a GPU's allocator would return).
+Patch mg_worker_request_overhead. Memory snapshots: sglang's own `capture_memory_snapshot` against
+ours on the same CUDA allocator statistics (the only fake: the table a GPU's allocator would return).
 Stage logs: sglang's four Pi0.5 stages, run through their real `PipelineStage.__call__` on
 requests built by sglang's own action endpoint code (real preprocessor, `StandInPi05Policy` for
 the 3.35 B model): the same answers, their stage lines at debug level, other requests unchanged.
@@ -149,13 +149,11 @@ class _StageLines(logging.Handler):
             self.lines.append((record.levelno, message))
 
     def __enter__(self):
-        self._level = self._logger.level
         self._logger.addHandler(self)
         return self
 
     def __exit__(self, *exc):
         self._logger.removeHandler(self)
-        self._logger.setLevel(self._level)
 
 
 @pytest.fixture
