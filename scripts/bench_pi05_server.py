@@ -9,7 +9,8 @@ the answer is back, after --warmup requests.
 Servers (--servers):
   0517                  unpatched `sglang serve` 0.5.17
   ext-no-transport      `python -m sglang_ext.serve` (exact path) with the transport patches off
-                        (mg_scheduler_client_reuse, pi05_action_transport, pi05_observation_device):
+                        (mg_scheduler_client_reuse, pi05_action_transport, pi05_observation_device,
+                        mg_worker_request_overhead):
                         0.5.17's request path, measured hop by hop (knob pi05_server_timing)
   ext-exact             sglang-ext, exact path, transport patches on, hop times on
   ext-fast              ext-exact plus --ext-pi05-fast
@@ -65,7 +66,8 @@ from sglang_ext_testkit import pi05_clients as clients  # noqa: E402
 
 SERVERS = ("0517", "ext-no-transport", "ext-exact", "ext-fast")
 WIRES = ("openpi", "json", "sglang")
-TRANSPORT_PATCHES = "mg_scheduler_client_reuse,pi05_action_transport,pi05_observation_device"
+TRANSPORT_PATCHES = ",".join(("mg_scheduler_client_reuse", "pi05_action_transport", "pi05_observation_device",
+                              "mg_worker_request_overhead"))
 REFERENCE_SERVER = "ext-exact"
 OBSERVATIONS = 8  # distinct observations, cycled
 SGLANG_UNPATCHED = "import sys; from sglang.cli.main import main; sys.argv = ['sglang', 'serve', *sys.argv[1:]]; main()"

@@ -99,6 +99,7 @@ AGREEMENT = "sglang_ext/graphs/agreement.py"
 TP_TESTS = "test/registered/vit/test_vit_tp_agreement.py"
 VLA = "sglang_ext/pi05/vla_cuda_graph.py"
 PI05_TESTS = "test/registered/pi05/test_pi05_graphs.py"
+WORKER_TESTS = "test/registered/pi05/test_pi05_worker_overhead.py"
 KNOBS = "sglang_ext/knobs.py"
 LAUNCHER = "sglang_ext/tools/launcher.py"
 LAUNCHER_TESTS = "test/registered/foundation/test_launchers.py"
@@ -272,6 +273,17 @@ MUTANTS: List[Mutant] = [
            "        if (\n",
            (f"{PI05_TESTS}::test_generation_refresh_skips_the_copy_for_the_same_context",),
            "a prefix-graph output rewritten in place is not copied again into the action graph"),
+    # --- the multimodal_gen worker around the Pi0.5 pipeline (mg_worker/memory_snapshot.py, pi05/stage_logs.py) ---
+    Mutant("worker-snapshot-peak-reads-current", "sglang_ext/mg_worker/memory_snapshot.py",
+           'peak_reserved_mb=_counter(stats, "reserved_bytes", "peak")',
+           'peak_reserved_mb=_counter(stats, "reserved_bytes", "current")',
+           (f"{WORKER_TESTS}::test_worker_snapshots_equal_sglangs_from_one_read",),
+           "the one-read memory snapshot reports the current reserved bytes as the peak"),
+    Mutant("stage-lines-stay-at-info", "sglang_ext/pi05/stage_logs.py",
+           "        return self._logger.debug(msg, *args, **kwargs)\n",
+           "        return self._logger.info(msg, *args, **kwargs)\n",
+           (f"{WORKER_TESTS}::test_action_stage_lines_go_to_debug_with_the_same_answers",),
+           "an action request's stage start/finish lines still go out at info level"),
     # --- knob validation and exit codes (knobs.py, launcher.py) ---
     Mutant("knob-int-list-accepts-duplicates", KNOBS,
            "if any(b <= a for a, b in zip(values, values[1:])):",

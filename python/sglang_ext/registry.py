@@ -310,6 +310,29 @@ PATCHES: Tuple[PatchSpec, ...] = (
         process="multimodal_gen worker",
     ),
     PatchSpec(
+        name="mg_worker_request_overhead",
+        summary="The multimodal_gen worker around each request's pipeline: its memory snapshots (before and after "
+        "each request) read the CUDA allocator's statistics once each instead of flattening them four times "
+        "(same values); Pi0.5 action requests log their stages' start and finish at debug level, as sglang logs "
+        "the action request itself, not as eight info lines per request",
+        targets=T(f"{_MG}.utils.perf_logger", "capture_memory_snapshot", "MemorySnapshot", "StageProfiler")
+        + T(f"{_MG}.pipelines_core.stages.base", "PipelineStage.__call__")
+        # relied on: the per-request snapshots call the module global rebound here; sglang's own
+        # action-request test and its debug-level action logs
+        + T(f"{_MG}.managers.gpu_worker", "GPUWorker._execute_forward_common")
+        + T(f"{_MG}.pipelines_core.schedule_batch", "Req.log"),
+        parts=(
+            Part(f"{_MG}.managers.gpu_worker", "sglang_ext.mg_worker.memory_snapshot:patch_gpu_worker"),
+            Part(f"{_MG}.pipelines_core.stages.base", "sglang_ext.pi05.stage_logs:patch_stage_base"),
+        ),
+        rebinds=(f"{_MG}.managers.gpu_worker.capture_memory_snapshot",
+                 f"{_MG}.pipelines_core.stages.base.StageProfiler"),
+        upstream_pr="none (0.5.23 still reads the statistics four times per snapshot and logs every stage at info)",
+        retire_when="upstream reads the allocator's statistics once per snapshot and logs the stages of action "
+        "requests at debug level",
+        process="multimodal_gen worker",
+    ),
+    PatchSpec(
         name="pi05_server_timing",
         summary="Knob pi05_server_timing: every Pi0.5 action answer's timings also carry the server's hop "
         "times (parse, decode, to/from the worker, queue, worker forward); off: nothing added",

@@ -130,6 +130,34 @@ def write_pi05_assets(path) -> pathlib.Path:
     return out
 
 
+def serve_args(folder, port: int, scheduler_port: int):
+    """`sglang serve`'s own ServerArgs for the assets folder `folder` (weights are never read), with the
+    checkpoint's config applied and set as the process's global server args."""
+    import argparse
+
+    from sglang.multimodal_gen.runtime.entrypoints.cli.serve import add_multimodal_gen_serve_args
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
+    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
+
+    folder = str(folder)
+    argv = ["--model-path", folder, "--pipeline-config-path", f"{folder}/pipeline_config.json", "--num-gpus", "1",
+            "--warmup-mode", "off", "--host", "127.0.0.1", "--port", str(port)]
+    saved = sys.argv
+    sys.argv = ["sglang", "serve", *argv]
+    try:
+        parser = argparse.ArgumentParser()
+        add_multimodal_gen_serve_args(parser)
+        parsed, rest = parser.parse_known_args(argv)
+        args = ServerArgs.from_cli_args(parsed, rest, default_args={"warmup_mode": "server"})
+    finally:
+        sys.argv = saved
+    args.scheduler_port = scheduler_port
+    args.broker_port  # noqa: B018 - property; settles the broker port now
+    Pi05PolicyModel._apply_checkpoint_config(folder, args.pipeline_config)
+    set_global_server_args(args)
+    return args
+
+
 def _checkpoint_tensors(policy) -> dict:
     """The core model's state dict on the CPU, every name its own contiguous tensor."""
     seen = {}

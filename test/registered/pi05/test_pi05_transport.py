@@ -12,13 +12,11 @@ equal the unpatched ones; bad payloads get sglang's own error, unchanged.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import io
 import json
 import pickle
-import sys
 import threading
 
 import numpy as np
@@ -41,29 +39,11 @@ def server_args(tmp_path_factory):
     """sglang serve's own ServerArgs for the checkpoint folder (weights are never read)."""
     import os
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from sglang.multimodal_gen.runtime.entrypoints.cli.serve import add_multimodal_gen_serve_args
-    from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
-    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
     from sglang_ext_testkit.server_process import free_port
 
-    folder = str(pc.write_pi05_assets(tmp_path_factory.mktemp("assets") / "random-pi05"))
-    argv = ["--model-path", folder, "--pipeline-config-path", f"{folder}/pipeline_config.json", "--num-gpus", "1",
-            "--warmup-mode", "off", "--host", "127.0.0.1", "--port", str(free_port())]
-    saved = sys.argv
-    sys.argv = ["sglang", "serve", *argv]
-    try:
-        parser = argparse.ArgumentParser()
-        add_multimodal_gen_serve_args(parser)
-        parsed, rest = parser.parse_known_args(argv)
-        args = ServerArgs.from_cli_args(parsed, rest, default_args={"warmup_mode": "server"})
-    finally:
-        sys.argv = saved
-    args.scheduler_port = free_port()
-    args.broker_port  # noqa: B018 - property; settles the broker port now
-    Pi05PolicyModel._apply_checkpoint_config(folder, args.pipeline_config)
-    set_global_server_args(args)
-    return args
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = pc.write_pi05_assets(tmp_path_factory.mktemp("assets") / "random-pi05")
+    return pc.serve_args(folder, free_port(), free_port())
 
 
 class SchedulerStandIn(threading.Thread):
