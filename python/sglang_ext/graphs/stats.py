@@ -36,11 +36,10 @@ def _read(name: str, *, copy: bool = True) -> Optional[Dict[str, Any]]:
 def _weak_callable(info_fn: Callable[[], Any], owner: Any) -> Callable[[], Optional[Callable[[], Any]]]:
     """A resolver returning `info_fn` while its object (and `owner`) live, else None."""
     owner_ref = weakref.ref(owner) if owner is not None else None
-    if hasattr(info_fn, "__self__") and hasattr(info_fn, "__func__"):
-        # Held weakly: a strong bound method would keep its object alive.
-        method = weakref.WeakMethod(info_fn)
-        return lambda: None if owner_ref is not None and owner_ref() is None else method()
-    return lambda: None if owner_ref is not None and owner_ref() is None else info_fn
+    is_method = hasattr(info_fn, "__self__") and hasattr(info_fn, "__func__")
+    # Held weakly: a strong bound method would keep its object alive.
+    fn_ref = weakref.WeakMethod(info_fn) if is_method else (lambda: info_fn)
+    return lambda: None if owner_ref is not None and owner_ref() is None else fn_ref()
 
 
 def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str:

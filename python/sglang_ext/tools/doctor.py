@@ -68,12 +68,11 @@ def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str]) -> List[Dict[
 
 def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus],
                  source_root: Optional[str], live_problems: Optional[List[str]]) -> Dict[str, Any]:
+    st = status or activation.PatchStatus(spec.name, state=None)  # state None: not activated
     return {"name": spec.name, "summary": spec.summary,
             "status": str(status) if status is not None else "not activated",
-            "state": status.state if status is not None else None,
-            "detail": status.detail if status is not None else "",
-            "parts_applied": list(status.parts_applied) if status is not None else [],
-            "parts_pending": list(status.parts_pending) if status is not None else [],
+            "state": st.state, "detail": st.detail,
+            "parts_applied": list(st.parts_applied), "parts_pending": list(st.parts_pending),
             # applied parts re-checked now: None = nothing applied in this process to check
             "verified_live": None if live_problems is None else not live_problems,
             "live_problems": list(live_problems or []), "process": spec.process, "supported": list(spec.supported),

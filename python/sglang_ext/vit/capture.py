@@ -196,18 +196,13 @@ def retired_sin_cos_ws(self):
 
 def _ext_fill_rotary(self, graph_key, seq_len, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
     """Copy this call's cos/sin into the graph's rotary buffers; returns the block kwargs passing them."""
-    if position_embeddings is not None:
-        cos, sin = position_embeddings
-    elif rotary_pos_emb_cos is not None and rotary_pos_emb_sin is not None:
-        cos, sin = rotary_pos_emb_cos, rotary_pos_emb_sin
-    else:
+    cos, sin = position_embeddings if position_embeddings is not None else (rotary_pos_emb_cos, rotary_pos_emb_sin)
+    if cos is None or sin is None:
         return {}
     cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, cos.shape[1], cos.dtype)
     cos_ws.copy_(cos)
     sin_ws.copy_(sin)
-    if position_embeddings is not None:
-        return {"position_embeddings": (cos_ws, sin_ws)}
-    return {"rotary_pos_emb_cos": cos_ws, "rotary_pos_emb_sin": sin_ws}
+    return rotary_kwargs(None if position_embeddings is None else (cos_ws, sin_ws), cos_ws, sin_ws)
 
 
 def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
