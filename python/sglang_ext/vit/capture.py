@@ -122,21 +122,26 @@ def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=
     """Capture the tower for `graph_key` from its prepared buffers, outside 0.5.17's
     `_capture_context()` (its custom all-reduce registrations are never freed)."""
     graph = torch.cuda.CUDAGraph()
-    vit = self.vit
     kwargs = rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
     self.block_graphs[graph_key] = graph  # registered before capture: a failed capture is reset too
     pool = self._ext_graph_pool()
     with guarded_capture(graph, pool=pool, stream=capture_stream()):
-        y = self.block_input[graph_key]
-        deepstack_outs = []
-        for layer_num, blk in enumerate(vit.blocks):
-            y = blk(y, **self._ext_block_kwargs(graph_key, layer_num), **kwargs)
-            if self._deepstack_visual_indexes and layer_num in self._deepstack_visual_indexes:
-                if self._deepstack_merger_list is None:
-                    raise RuntimeError("deepstack_visual_indexes exists but deepstack_merger_list is missing.")
-                deepstack_outs.append(self._deepstack_merger_list[len(deepstack_outs)](y))
-        main_out = vit.merger(y)
-        self.block_output[graph_key] = torch.cat([main_out] + deepstack_outs, dim=1) if deepstack_outs else main_out
+        self.block_output[graph_key] = self._ext_tower(
+            self.block_input[graph_key], lambda layer_num, y: self._ext_block_kwargs(graph_key, layer_num), kwargs)
+
+
+def _ext_tower(self, y, block_kwargs, rotary):
+    """The blocks (attention kwargs `block_kwargs(layer_num, y)`, rotary kwargs `rotary`), deepstack
+    mergers and merger on `y`: what a graph captures and the eager path runs."""
+    deepstack_outs = []
+    for layer_num, blk in enumerate(self.vit.blocks):
+        y = blk(y, **block_kwargs(layer_num, y), **rotary)
+        if self._deepstack_visual_indexes and layer_num in self._deepstack_visual_indexes:
+            if self._deepstack_merger_list is None:
+                raise RuntimeError("deepstack_visual_indexes exists but deepstack_merger_list is missing.")
+            deepstack_outs.append(self._deepstack_merger_list[len(deepstack_outs)](y))
+    out = self.vit.merger(y)
+    return torch.cat([out] + deepstack_outs, dim=1) if deepstack_outs else out
 
 
 def _ext_graph_pool(self):
@@ -296,7 +301,7 @@ def _ext_drop_graph_state(self, graph_key):
 
 
 METHODS = (
-    create_graph, _ext_prepare_graph, _create_graph, _ext_graph_pool, _ext_shared_rows, _get_sin_cos_ws,
+    create_graph, _ext_prepare_graph, _create_graph, _ext_tower, _ext_graph_pool, _ext_shared_rows, _get_sin_cos_ws,
     _ext_fill_rotary, _ext_write_layout, _ext_attention_kwargs, _ext_block_is_full, _ext_block_kwargs,
     _ext_graph_tensors, _ext_expected_bytes, _ext_release_graph, _ext_drop_graph_state,
 )

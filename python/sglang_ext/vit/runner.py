@@ -215,7 +215,6 @@ def _ext_run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, position_embedding
                    rotary_pos_emb_sin, output_indices, max_full_len, max_window_len):
     """The captured computation, run eagerly through the same blocks (same kernels, same result)."""
     self._ext_ensure_state()
-    vit = self.vit
     device = x_3d.device
     backend = self._attn_backend
     full_md = window_md = None
@@ -228,30 +227,21 @@ def _ext_run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, position_embedding
         if self._fullatt_block_indexes:
             cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32)
 
-    kwargs = rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
-
-    y = x_3d
-    deepstack_outs = []
-    for layer_num, blk in enumerate(vit.blocks):
+    def block_kwargs(layer_num, y):
         full = self._ext_block_is_full(layer_num)
         if self._ext_blk_accepts_metadata:
             md = full_md if full else window_md
-            y = blk(y, cu_seqlens=md.cu_seqlens, forward_metadata=md, **kwargs)
-        else:
-            cu, bound = (cu_full, max_full_len) if full else (cu_window, max_window_len)
-            seqlens = [cu, cu[1:] - cu[:-1], bound] if backend != "fa3" else [cu, bound]
-            attn = blk.attn
-            output_ws = torch.empty(y.shape[0], attn.num_attention_heads_per_partition, attn.head_size,
-                                    device=device, dtype=self.dtype)
-            y = blk(y, cu_seqlens=seqlens, output_ws=output_ws, **kwargs)
-        if self._deepstack_visual_indexes and layer_num in self._deepstack_visual_indexes:
-            deepstack_outs.append(self._deepstack_merger_list[len(deepstack_outs)](y))
-    out = vit.merger(y)
-    if deepstack_outs:
-        out = torch.cat([out] + deepstack_outs, dim=1)
-    if output_indices is not None:
-        out = out.index_select(0, output_indices)
-    return out
+            return {"cu_seqlens": md.cu_seqlens, "forward_metadata": md}
+        cu, bound = (cu_full, max_full_len) if full else (cu_window, max_window_len)
+        seqlens = [cu, cu[1:] - cu[:-1], bound] if backend != "fa3" else [cu, bound]
+        attn = self.vit.blocks[layer_num].attn
+        output_ws = torch.empty(y.shape[0], attn.num_attention_heads_per_partition, attn.head_size,
+                                device=device, dtype=self.dtype)
+        return {"cu_seqlens": seqlens, "output_ws": output_ws}
+
+    rotary = rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+    out = self._ext_tower(x_3d, block_kwargs, rotary)
+    return out if output_indices is None else out.index_select(0, output_indices)
 
 
 def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
