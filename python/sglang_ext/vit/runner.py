@@ -106,13 +106,7 @@ def _ext_ensure_state(self):
     self._ext_fallbacks = {reason: 0 for reason in FALLBACK_REASONS}
     # --ext-debug-addresses: assert at every replay that no captured tensor moved.
     self._ext_address_guard = AddressGuard()
-    blocks = getattr(self.vit, "blocks", None) or [None]
-    forward = getattr(blocks[0], "forward", None)
-    try:
-        params = inspect.signature(forward).parameters if forward is not None else {}
-    except (TypeError, ValueError):
-        params = {}
-    self._ext_blk_accepts_metadata = "forward_metadata" in params
+    self._ext_blk_accepts_metadata = "forward_metadata" in inspect.signature(self.vit.blocks[0].forward).parameters
     self._ext_stats_name = f"vit_cuda_graph:{type(self.vit).__name__}@{id(self):x}"
     ext_graph_stats.register(self._ext_stats_name, self._ext_graph_info)
 
