@@ -232,9 +232,8 @@ def knob_enabled(env: Mapping[str, str]) -> bool:
     raise ExtConfigError(f"{MASTER_ENV}: {raw!r} is not allowed; allowed: 1 or 0")
 
 
-def unknown_env_names(env: Optional[Mapping[str, str]] = None) -> list[str]:
+def unknown_env_names(env: Mapping[str, str]) -> list[str]:
     """SGLANG_EXT_* variables that name no knob (typos would otherwise be ignored)."""
-    env = os.environ if env is None else env
     known = {k.env for k in KNOBS}
     return sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in known)
 

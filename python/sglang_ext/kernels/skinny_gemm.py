@@ -154,7 +154,7 @@ if triton is not None:
 
 
 def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None, out_dtype=None,
-                  add_to=None, alpha=1.0, num_stages=4):
+                  add_to=None, alpha=1.0):
     """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows: [..., N] (gated: N / 2) in out_dtype
     (default x's), or add_to updated; parts > 1: Partials."""
     if not runs_triton(x):
@@ -182,5 +182,5 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
         x, weight, out, bias if bias is not None else weight, rows, width, k, k // parts, width, float(alpha),
         BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=parts > 1,
         GATED=gated, HAS_BIAS=bias is not None, ADD_TO=add_to is not None, F32=x.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=num_stages)
+        UPCAST=DOT_UPCAST, PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=4)
     return out if parts == 1 else Partials(out)

@@ -158,12 +158,12 @@ class _BoundedCaptureCache(BoundedGraphCache):
     def prepare_admission(self, signature: Any) -> Admission:
         return self.admit(signature)
 
-    def mark_failure(self, signature: Any = None, exc: BaseException | None = None) -> None:
+    def mark_failure(self, signature: Any = None) -> None:
         """Count a failure; with a signature, quarantine it too (eager from now on)."""
         if signature is None:
             self.failures += 1
         else:
-            self.fail(signature, exc)
+            self.fail(signature)
 
     def info(self) -> VLAGraphCacheInfo:
         return VLAGraphCacheInfo(**dataclasses.asdict(super().info()), evict_on_miss=self.evict_on_miss)

@@ -161,12 +161,11 @@ def missing_prerequisites(*, import_targets: bool, source_root: Optional[str]) -
 
 
 def run_checks(*, import_targets: bool = True, source_root: Optional[str] = None,
-               version: Optional[str] = None, strict: Optional[bool] = None,
-               environ: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+               version: Optional[str] = None) -> Dict[str, Any]:
     """What the console script does: activate in this (throw-away) process, then report. With
     `import_targets` every trigger module is imported (what sglang and torch print meanwhile goes
     to `import_messages`); another tree is only fingerprinted."""
-    env = dict(os.environ if environ is None else environ)
+    env = dict(os.environ)
     missing = missing_prerequisites(import_targets=import_targets, source_root=source_root)
     try:
         settings = load_settings(env)
@@ -174,7 +173,6 @@ def run_checks(*, import_targets: bool = True, source_root: Optional[str] = None
         out = report(source_root=source_root, version=version, environ=env)
         out.update(config_error=str(exc), missing_prerequisites=missing, import_messages=[])
         return out
-    want_strict = settings.strict if strict is None else strict
     messages: List[str] = []
     if source_root is None and import_targets and not activation.statuses() and not missing:
         with held_stderr(messages):
@@ -184,7 +182,7 @@ def run_checks(*, import_targets: bool = True, source_root: Optional[str] = None
         out["mode"] = MODE_IMPORT
     else:
         out = report(source_root=source_root, version=version, environ=env)
-    out.update(strict=want_strict, missing_prerequisites=missing, import_messages=messages)
+    out.update(strict=settings.strict, missing_prerequisites=missing, import_messages=messages)
     return out
 
 

@@ -82,9 +82,9 @@ def env_text(knob: Knob, value) -> str:
     return str(value)
 
 
-def ext_environment(values: Mapping[str, str], base_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+def ext_environment(values: Mapping[str, str]) -> Dict[str, str]:
     """Environment entries to export for these flag values, validated with the inherited environment."""
-    base = dict(os.environ if base_env is None else base_env)
+    base = dict(os.environ)
     # The launcher sets SGLANG_EXT=1 itself; an inherited value it would overwrite must still be
     # one the children's plugin loader accepts, or it hides a typo (SGLANG_EXT=2).
     knob_enabled(base)

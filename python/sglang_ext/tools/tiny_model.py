@@ -123,7 +123,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_byte_level_bpe(vocab_size: int = BPE_VOCAB, leading_special_tokens=()):
+def train_byte_level_bpe(leading_special_tokens=()):
     """A small deterministic byte-level BPE with Qwen's pre-tokenisation; `leading_special_tokens` get ids 0, 1."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -133,7 +133,7 @@ def train_byte_level_bpe(vocab_size: int = BPE_VOCAB, leading_special_tokens=())
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, min_frequency=1, show_progress=False,
                                   special_tokens=list(leading_special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
