@@ -9,8 +9,8 @@ Retire when: upstream preprocesses Pi0.5 observations on the device
 Why: the worker scales every frame in float32 on the CPU and copies 4x its bytes to the GPU
 synchronously; the tokenizer call spends most of its time in transformers' Python wrappers.
 How: a uint8 frame at the model's size is copied as uint8 and mapped on the GPU through a 256-entry
-table of sglang's float32 values (same bits), the noise with it; the tokenizer call goes to the Rust tokenizer, checked against
-transformers' call on its first answers.
+table of sglang's float32 values (same bits), the noise with it; the tokenizer call goes to the Rust
+tokenizer, checked against transformers' call on its first answers.
 """
 
 from __future__ import annotations
