@@ -47,6 +47,9 @@ CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
     # Diagnostic: sglang-ext's sync-free tower and embedding path with no graph replayed (every call
     # eager), which splits ext's difference from graphs-off into the eager path's part and the replays'.
     "ext-no-replay": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": "0"}),
+    # Ceiling: graphs off with a vision tower that answers zeros without running (scripts/server_trace.py),
+    # so its req/s is what no ViT change (graphs, kernels) can take a slot past.
+    "vit-free": ("sglang.launch_server", False, {"SGX_SERVER_VIT_FREE": "1"}),
 }
 # Real-scale shapes over the tiny model's folder (tokenizer, processor, chat template).
 REAL_SCALE = {
@@ -139,7 +142,7 @@ def server_env(name: str, workdir: str, trace: bool = False) -> Dict[str, str]:
     if module.startswith("sglang_ext"):
         env["SGLANG_EXT_ACTIVATION_DIR"] = os.path.join(workdir, f"activation-{name}")
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"prom-{name}-", dir=workdir)
-    if trace:  # scripts/server_trace.py, loaded by sglang's own plugin loader in every server process
+    if trace or "SGX_SERVER_VIT_FREE" in knobs:  # scripts/server_trace.py, loaded by sglang's plugin loader
         import server_trace
 
         env["SGX_SERVER_TRACE_DIR"] = tempfile.mkdtemp(prefix=f"trace-{name}-", dir=workdir)
@@ -298,8 +301,8 @@ def _spread(values):
     return statistics.median(values), min(values), max(values)
 
 
-def ext_ratios(report: dict) -> Dict[tuple, float]:
-    """{(backend, concurrency, images): median req/s of ext / median of graphs-off} over the passes."""
+def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
+    """{(backend, concurrency, images): median req/s of `config` / median of graphs-off} over the passes."""
     medians = {}
     for row in report["passes"]:
         if row["req_s"] is not None:
@@ -307,7 +310,7 @@ def ext_ratios(report: dict) -> Dict[tuple, float]:
                 row["req_s"])
     return {key[:3]: statistics.median(values) / statistics.median(medians[key[:3] + ("graphs-off",)])
             for key, values in sorted(medians.items())
-            if key[3] == "ext" and key[:3] + ("graphs-off",) in medians}
+            if key[3] == config and key[:3] + ("graphs-off",) in medians}
 
 
 def table(report: dict) -> str:
