@@ -313,6 +313,18 @@ def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
             if key[3] == config and key[:3] + ("graphs-off",) in medians}
 
 
+def below_graphs_off(report: dict, config: str = "ext") -> List[tuple]:
+    """Slots where `config`'s median req/s is below the slowest graphs-off pass: slower than graphs-off by
+    more than graphs-off's own pass-to-pass spread (a median a hair under graphs-off's is noise here)."""
+    runs = {}
+    for row in report["passes"]:
+        if row["req_s"] is not None:
+            runs.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(
+                row["config"], []).append(row["req_s"])
+    return [slot for slot, by in sorted(runs.items())
+            if config in by and "graphs-off" in by and statistics.median(by[config]) < min(by["graphs-off"])]
+
+
 def table(report: dict) -> str:
     """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off."""
     lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'req/s median (min-max)':>26} {'vs off':>7} "

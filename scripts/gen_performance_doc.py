@@ -475,15 +475,16 @@ def _vit_server_section():
 
 
 def _vit_server_other_runs() -> list:
-    """Other bench_vit_server.py runs kept in docs/bench (vit_server_<name>.json): table and command."""
+    """Other bench_vit_server.py runs kept in docs/bench (vit_server_<name>.json), newest first: table and command."""
     import bench_vit_server
 
     lines = []
-    for path in sorted(glob.glob(os.path.join(BENCH_DIR, "vit_server_*.json"))):
-        run, name = _load(path), os.path.basename(path)
+    runs = [(_load(path), os.path.basename(path)) for path in glob.glob(os.path.join(BENCH_DIR, "vit_server_*.json"))]
+    for run, name in sorted(runs, key=lambda pair: pair[0].get("run_id") or "", reverse=True):
         lines += [f"### Other run: `docs/bench/{name}`", "", *_provenance([(name, run)]),
                   f"{len({r['pass'] for r in run['passes']})} passes of {run['config'].get('requests')} requests.", "",
-                  "```", bench_vit_server.table(run), "```", f"Command: `{run['config'].get('command')}`", ""]
+                  "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
+                  f"Command: `{run['config'].get('command')}`", ""]
     return lines
 
 
@@ -554,10 +555,10 @@ def _vit_server_headline():
         return None
     cfg = run["config"]
     captures = [s["captures_after_start"] for s in run["servers"] if s["config"] == "ext"]
-    below = sorted({f"{c}" + ("" if images == "1" else f" ({images} images)")
-                    for (_, c, images), ratio in all_ratios.items() if ratio < 1.0})
+    below = sorted(f"{c}" + ("" if images == "1" else f" ({images} images)")
+                   for (_, c, images) in bench_vit_server.below_graphs_off(run))
     verdict = (f"below graphs off at concurrency {', '.join(below)}: keep ViT graphs off on a server loaded like that"
-               if below else "never below graphs off in this run")
+               if below else "never below graphs off beyond graphs-off's own spread over the passes")
     return (f"- **Qwen2.5-VL in a real server** ({cfg.get('model')}, {cfg.get('parameters_b')} B, "
             f"{run.get('attention')} vision attention, {cfg.get('device')}): requests per second with "
             f"sglang-ext's ViT graphs against ViT graphs off: {', '.join(ratios)}; "
