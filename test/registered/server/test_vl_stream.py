@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import sys
-import textwrap
 
 import pytest
 
