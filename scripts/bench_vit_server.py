@@ -177,6 +177,8 @@ def metrics(server) -> Dict[str, float]:
         out[name] = vs.metric_sum(text, "sglang_ext_" + name, cache="vit_cuda_graph") or 0.0
     out["graph_eager_fallbacks_total"] = vs.metric_sum(text, "sglang_ext_graph_eager_fallbacks_total",
                                                        cache="vit_cuda_graph") or 0.0
+    out["graph_gate_fallbacks_total"] = vs.metric_sum(text, "sglang_ext_graph_eager_fallbacks_total",
+                                                      cache="vit_cuda_graph", reason="gate") or 0.0
     out["graph_resident_bytes"] = vs.metric_sum(text, "sglang_ext_graph_resident_bytes", cache="vit_cuda_graph") or 0.0
     out["cuda_memory_reserved_bytes"] = vs.metric_sum(text, "sglang_ext_cuda_memory_reserved_bytes") or 0.0
     return out
@@ -325,6 +327,18 @@ def below_graphs_off(report: dict, config: str = "ext") -> List[tuple]:
             if config in by and "graphs-off" in by and statistics.median(by[config]) < min(by["graphs-off"])]
 
 
+def eligible_replayed(server: dict) -> float:
+    """Share of the calls a graph may serve that replayed, over the server's run (start to end): calls the
+    load-time gate sends eager on purpose (above the break-even) are not eligible. None without counters."""
+    end, start = server.get("metrics_end") or {}, server.get("metrics_start") or {}
+    if "graph_gate_fallbacks_total" not in end:
+        return None
+    delta = {k: end.get(k, 0) - start.get(k, 0) for k in ("graph_hits_total", "graph_eager_fallbacks_total",
+                                                        "graph_gate_fallbacks_total")}
+    eligible = delta["graph_hits_total"] + delta["graph_eager_fallbacks_total"] - delta["graph_gate_fallbacks_total"]
+    return delta["graph_hits_total"] / eligible if eligible > 0 else None
+
+
 def table(report: dict) -> str:
     """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off."""
     lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'req/s median (min-max)':>26} {'vs off':>7} "
@@ -347,7 +361,8 @@ def table(report: dict) -> str:
                          f"{ratio:>7} {p50:>9.1f} {p99:>9.1f}")
     lines.append("")
     lines.append(f"{'backend':<12} {'config':<15} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
-                 f"{'hits':>6} {'fallbacks':>9} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12}")
+                 f"{'hits':>6} {'fallbacks':>9} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12} "
+                 f"{'eligible replayed':>17}")
     for s in report["servers"]:
         end, start_m = s.get("metrics_end") or {}, s.get("metrics_start") or {}
         if s.get("error"):
@@ -358,7 +373,8 @@ def table(report: dict) -> str:
                      f"{end.get('graph_eager_fallbacks_total', 0) - start_m.get('graph_eager_fallbacks_total', 0):>9.0f}"
                      f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
                      f"{end.get('graph_resident_bytes', 0) / 2**20:>9.1f} "
-                     f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f}")
+                     f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f} "
+                     f"{'-' if eligible_replayed(s) is None else f'{eligible_replayed(s):.1%}':>17}")
     lines += trace_table(report)
     if report.get("accuracy"):
         lines.append("")

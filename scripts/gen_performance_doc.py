@@ -448,6 +448,9 @@ def _vit_server_targets(run) -> list:
         if server["config"] == "ext" and server.get("captures_after_start") is not None:
             lines.append(_target(f"{server['backend']}: ViT captures after start-up", server["captures_after_start"],
                                  "<=", 0, "{:.0f}"))
+            share = bench_vit_server.eligible_replayed(server)
+            if share is not None:
+                lines.append(_target(f"{server['backend']}: eligible ViT calls replayed", share, ">=", 0.95))
     for row in run.get("accuracy") or []:
         if row["config"] == "ext" and row["concurrency"] == 1 and row.get("beyond_0_05") is not None:
             lines.append(_target(f"{row['backend']} c=1: requests beyond 0.05 of graphs-off", row["beyond_0_05"],
