@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit
 sys.path.insert(0, os.path.join(REPO, "test", "registered", "vit"))  # qwen_vit_kit: sgl_kernel / FA3 probes
 
 import bench_results  # noqa: E402
+import pi05_roofline  # noqa: E402
 from sglang_ext_testkit import pi05_random  # noqa: E402
 
 MODES = {
@@ -314,6 +315,7 @@ SCHEMA = {
     "sglang_ext": bench_results.ANY,  # patch name -> status
     "settings": {a.dest: None for a in build_parser()._actions if a.dest not in ("help", "out")},
     "reference_actions": dict.fromkeys(("saved_to", "saved_mode", "compared_with", "status")),
+    "work": bench_results.ANY,  # pi05_roofline.measure(): one full-layout request's FLOPs and bytes per phase
     "results": [{
         **dict.fromkeys(("impl", "mode", "requests", "p50_ms", "p90_ms", "mean_ms", "min_ms", "warmup_s",
                          "prefix_p50_ms", "denoise_p50_ms",
@@ -628,6 +630,11 @@ def main() -> int:
     log(f"[bench] attention: {attention_summary(attention)}")
     kernels = kernels_record(custom_ops)
     log(f"[bench] kernels: {kernels}")
+    full = sorted([i for i in inputs if i[0][0] == "full"] or inputs, key=lambda i: i[0][1])
+    (_, prompt_len), observation, noise = full[len(full) // 2]
+    work = {"layout": "full", "prompt_len": prompt_len,
+            **pi05_roofline.measure(policy, observation, noise, args.num_steps, one_request)}
+    log(f"[bench] work per request: {work}")
     modes = [m for m in REFERENCE_MODES if m in args.modes] + [m for m in args.modes if m not in REFERENCE_MODES]
     timed: Dict[str, List[torch.Tensor]] = {}
     reference = {"saved_to": None, "saved_mode": args.save_mode if args.save_actions else None,
@@ -650,6 +657,7 @@ def main() -> int:
             "sglang_ext": statuses,
             "settings": {k: v for k, v in vars(args).items() if k != "out"},
             "reference_actions": reference,
+            "work": work,
             "results": results,
         }
 
@@ -668,6 +676,8 @@ def main() -> int:
         if args.out:
             bench_results.write(args.out, report(), SCHEMA, default=str)
     print_table(results)
+    print()
+    print(pi05_roofline.table(work, results))
     return 0
 
 

@@ -254,10 +254,22 @@ def _pi05_section():
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
              f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
-             "", "```", out.getvalue().strip("\n"), "```", *_pi05_attention_kernels(results),
+             "", "```", out.getvalue().strip("\n"), "```", *_pi05_roofline(runs, results), *_pi05_attention_kernels(results),
              *_pi05_targets(results), *_pi05_issue17(results), "",
              *_pi05_commands(runs)]
     return "\n".join(lines)
+
+
+def _pi05_roofline(runs, results) -> list:
+    """Issue 29's per-phase floor: the work one request asks for (scripts/pi05_roofline.py) against each mode."""
+    work = next((run["work"] for run in runs if run.get("work")), None)
+    if work is None:
+        return []
+    import pi05_roofline
+
+    return ["", "How far each mode is from the floor (`scripts/pi05_roofline.py`: FLOPs and unavoidable HBM bytes "
+            f"counted on one eager request of the full layout, prompt {work.get('prompt_len')} tokens; floor = "
+            "max(FLOPs / peak, bytes / bandwidth) per phase):", "", "```", pi05_roofline.table(work, results), "```"]
 
 
 PI05_SERVER_MEANING = """\
