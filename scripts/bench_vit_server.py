@@ -47,6 +47,8 @@ CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
     # Diagnostic: sglang-ext's sync-free tower and embedding path with no graph replayed (every call
     # eager), which splits ext's difference from graphs-off into the eager path's part and the replays'.
     "ext-no-replay": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": "0"}),
+    # sglang-ext with knob vit_triton_rotary: one rotary kernel per layer in replays and eager calls.
+    "ext-triton-rotary": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_TRITON_ROTARY": "1"}),
     # Ceiling: graphs off with a vision tower that answers zeros without running (scripts/server_trace.py),
     # so its req/s is what no ViT change (graphs, kernels) can take a slot past.
     "vit-free": ("sglang.launch_server", False, {"SGX_SERVER_VIT_FREE": "1"}),

@@ -88,6 +88,8 @@ MM_EMBED = "sglang_ext/vit/mm_embedding.py"
 MM_EMBED_TESTS = "test/registered/vit/test_mm_embedding_sync_free.py"
 VIT_ROTARY = "sglang_ext/vit/vision_rotary.py"
 VIT_ROTARY_TESTS = "test/registered/vit/test_vision_rotary.py"
+ROTATE_HALF = "sglang_ext/kernels/rotate_half.py"
+ROTATE_HALF_TESTS = "test/registered/kernels/test_rotate_half.py"
 CACHE = "sglang_ext/graphs/cache.py"
 CORE_TESTS = "test/registered/graphs/test_graph_core.py"
 WORKSPACE = "sglang_ext/graphs/workspace.py"
@@ -191,6 +193,15 @@ MUTANTS: List[Mutant] = [
            "    with torch.no_grad():\n",
            (f"{VIT_ROTARY_TESTS}::test_the_bucket_runners_eager_call_runs_inside_the_block",),
            "ViT rotary: bucket mode's eager calls keep the unfused eager rotary"),
+    Mutant("vit-triton-rotary-ignores-refusals", VIT_ROTARY,
+           "unsqueeze_dim == 1 and not rotate_half_qk_supports(q, k, cos, sin):\n",
+           "unsqueeze_dim == 1:\n",
+           (f"{VIT_ROTARY_TESTS}::test_knob_vit_triton_rotary_sends_every_supported_call_to_the_one_kernel",),
+           "ViT rotary: the one-kernel rotary is asked for layouts it does not take (non-contiguous q)"),
+    Mutant("rotate-half-launch-contracts", ROTATE_HALF,
+           "enable_fp_fusion=False", "enable_fp_fusion=True",
+           (f"{ROTATE_HALF_TESTS}::test_the_launch_asks_for_the_build_without_contraction",),
+           "rotate_half_qk: the GPU build fuses multiply-adds, no longer rounding as sglang's eager rotary"),
     Mutant("vit-precapture-sample-not-voted", VIT_BUDGET,
            "    if self._ext_vote()(failure_vote(error)) != OK:\n",
            "    if error is not None:\n",

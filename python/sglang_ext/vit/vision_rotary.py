@@ -11,11 +11,17 @@ dozen memory-bound kernels per layer where graphs-off runs one compiled kernel.
 How: the name VisionAttention calls is wrapped: inside `compiled_rotary()` (the bucket runner's
 eager calls), on CUDA and not capturing, it calls sglang's compiled `apply_rotary_pos_emb`; else
 the original. Captures and the class and layout modes keep the original (their bitwise claims).
+With knob vit_triton_rotary every CUDA call takes sglang_ext.kernels' one-kernel rotary instead,
+rounded as the original, so replays lose the dozen kernels per layer and every claim stands.
 """
 
 import contextlib
 
 import torch
+
+from sglang_ext import knobs
+from sglang_ext.kernels.backend import runs_triton
+from sglang_ext.kernels.rotate_half import rotate_half_qk, rotate_half_qk_supports
 
 _eager_depth = [0]  # nesting depth of compiled_rotary()
 
@@ -37,8 +43,11 @@ def compiled_allowed(q) -> bool:
 
 def patch_vision(ctx, module) -> None:
     capture_safe = module.apply_rotary_pos_emb_native_eager
+    one_kernel = knobs.current("vit_triton_rotary")
 
     def apply_rotary_pos_emb_native_eager(q, k, cos, sin, unsqueeze_dim=1):
+        if one_kernel and runs_triton(q) and unsqueeze_dim == 1 and not rotate_half_qk_supports(q, k, cos, sin):
+            return rotate_half_qk(q, k, cos, sin)
         if _eager_depth[0] and compiled_allowed(q):
             return module.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
         return capture_safe(q, k, cos, sin, unsqueeze_dim)

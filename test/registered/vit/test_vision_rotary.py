@@ -4,6 +4,7 @@ Real sglang 0.5.17 `sglang.srt.layers.attention.vision` with patch vit_cuda_grap
 name VisionAttention.forward calls when ViT graphs are on is wrapped. Which rotary function a call
 reaches is checked with recording stand-ins for sglang's two, the CUDA / capture condition set
 through `compiled_allowed`; the bucket runner's eager call is checked to run inside the block.
+Knob vit_triton_rotary sends every supported call to the one-kernel rotary instead (kernel: test_rotate_half.py).
 """
 
 from __future__ import annotations
@@ -94,3 +95,28 @@ def test_the_bucket_runners_eager_call_runs_inside_the_block():
     key = GraphKey(8, layout=((0, 0, 8), (0, 4, 8)))
     assert budget._ext_run_eager_call(Runner(), key, torch.zeros(8, 1, 4), None, None, None) == "rows"
     assert depths == [1] and rotary._eager_depth[0] == 0
+
+
+@pytest.mark.parametrize("knob", [1, 0])
+def test_knob_vit_triton_rotary_sends_every_supported_call_to_the_one_kernel(ext_patches, monkeypatch, knob):
+    """Eager and captured calls alike (no block needed). Layouts the kernel does not take, CPU tensors
+    outside the interpreter, and the knob off keep sglang's own function."""
+    from sglang.srt.layers.attention import vision
+
+    assert ext_patches(vit_triton_rotary=knob)["vit_cuda_graph"].state == "applied"
+    rotary = ext_core("vit.vision_rotary")
+    seen = []
+    monkeypatch.setattr(rotary, "rotate_half_qk", lambda *a: seen.append(a) or "kernel")
+    monkeypatch.setattr(rotary, "runs_triton", lambda q: True)  # as on CUDA
+    q, k, cos, sin = _qk()
+    if knob:
+        assert vision.apply_rotary_pos_emb_native_eager(q, k, cos, sin) == "kernel"
+        assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], (q, k, cos, sin)))
+    else:
+        assert _eager_result(vision, q, k, cos, sin) and seen == []
+    seen.clear()
+    strided_q = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, not contiguous: refused
+    assert _eager_result(vision, strided_q, k, cos, sin)
+    monkeypatch.setattr(rotary, "runs_triton", lambda q: False)  # CPU tensors, no interpreter
+    assert _eager_result(vision, q, k, cos, sin)
+    assert seen == []

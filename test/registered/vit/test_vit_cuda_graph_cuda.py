@@ -585,3 +585,35 @@ def test_bucket_eager_calls_use_the_compiled_rotary_and_captures_the_eager_one(v
     assert reached == [False] * len(vit.blocks), reached  # once per block, never inside a capture
     assert runner._ext_graph_info()["hits"] == 1
     _compare(f"{backend} qwen2.5 bf16 bucket: compiled rotary on eager calls", pairs, bitwise_expected=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_knob_triton_rotary_is_sglangs_eager_rotary_bit_for_bit_in_calls_and_captures(vit_patch, any_backend,
+                                                                                    monkeypatch, dtype):
+    """vit_triton_rotary: the one-kernel rotary returns sglang's eager rotary bit for bit at the 7B tower's
+    head shape, and layout mode keeps graph == eager bitwise with the kernel in its captures and its
+    eager calls (both reached)."""
+    kit, backend = any_backend
+    from sglang.srt.layers.rotary_embedding.utils import apply_rotary_pos_emb_native_eager
+
+    from conftest import ext_core
+
+    rotate_half_qk = ext_core("kernels.rotate_half").rotate_half_qk
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for tokens in (1, 63, 4096):
+        q, k = (torch.randn(tokens, 16, 80, device="cuda", generator=gen).to(dtype) for _ in range(2))
+        angles = torch.randn(tokens, 40, device="cuda", generator=gen) * 8
+        cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+        assert all(torch.equal(a, b) for a, b in zip(rotate_half_qk(q, k, cos, sin),
+                                                     apply_rotary_pos_emb_native_eager(q, k, cos, sin))), tokens
+    vit_patch(vit_triton_rotary=1)
+    rotary = ext_core("vit.vision_rotary")
+    reached = []
+    monkeypatch.setattr(rotary, "rotate_half_qk",
+                        lambda *a: reached.append(torch.cuda.is_current_stream_capturing()) or rotate_half_qk(*a))
+    vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=dtype, seed=1)
+    rng = random.Random(7)
+    batches = [kit.random_batch(rng, (4, 8, 16), dtype=dtype) for _ in range(6)]
+    pairs = [(kit.forward(vit, *b, graph=True), kit.forward(vit, *b, graph=False)) for b in batches]
+    assert True in reached and False in reached, "the kernel ran in no capture or in no eager call"
+    _compare(f"{backend} qwen2.5 {dtype} layout: one-kernel rotary", pairs, bitwise_expected=True)
