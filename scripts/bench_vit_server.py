@@ -74,6 +74,7 @@ SCHEMA = {
                "concurrencies": None, "image_counts": None, "resolution": None, "command": None, "seconds": None,
                "sglang": None},
     "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": bench_results.ANY,
+                 "metrics_warm": bench_results.ANY,
                  "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None,
                  "warmup_syncs": bench_results.ANY}],
     "passes": [{"backend": None, "config": None, "pass": None, "concurrency": None, "images": None,
@@ -341,6 +342,17 @@ def eligible_replayed(server: dict) -> float:
     return delta["graph_hits_total"] / eligible if eligible > 0 else None
 
 
+def reserved_growth(report: dict, server: dict):
+    """(MiB the server's reserved memory grew from the end of its warm-up to the end, requests it served
+    in between), or None without both readings (sglang-ext's /metrics only)."""
+    warm, end = server.get("metrics_warm") or {}, server.get("metrics_end") or {}
+    if not warm.get("cuda_memory_reserved_bytes") or not end.get("cuda_memory_reserved_bytes"):
+        return None
+    served = sum(r.get("completed") or 0 for r in report["passes"]
+                 if (r["backend"], r["config"]) == (server["backend"], server["config"]))
+    return (end["cuda_memory_reserved_bytes"] - warm["cuda_memory_reserved_bytes"]) / 2**20, served
+
+
 def table(report: dict) -> str:
     """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off."""
     lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'req/s median (min-max)':>26} {'vs off':>7} "
@@ -364,7 +376,7 @@ def table(report: dict) -> str:
     lines.append("")
     lines.append(f"{'backend':<12} {'config':<15} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
                  f"{'hits':>6} {'fallbacks':>9} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12} "
-                 f"{'eligible replayed':>17}")
+                 f"{'eligible replayed':>17} {'reserved +MiB after warm-up':>27}")
     for s in report["servers"]:
         end, start_m = s.get("metrics_end") or {}, s.get("metrics_start") or {}
         if s.get("error"):
@@ -376,7 +388,8 @@ def table(report: dict) -> str:
                      f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
                      f"{end.get('graph_resident_bytes', 0) / 2**20:>9.1f} "
                      f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f} "
-                     f"{'-' if eligible_replayed(s) is None else f'{eligible_replayed(s):.1%}':>17}")
+                     f"{'-' if eligible_replayed(s) is None else f'{eligible_replayed(s):.1%}':>17} "
+                     f"{_growth_cell(report, s):>27}")
     lines += trace_table(report)
     if report.get("accuracy"):
         lines.append("")
@@ -390,6 +403,11 @@ def table(report: dict) -> str:
             lines.append(f"{a['backend']:<12} {a['config']:<15} {a['concurrency']:>3} {a['requests']:>8} "
                          f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19}")
     return "\n".join(lines)
+
+
+def _growth_cell(report: dict, server: dict) -> str:
+    growth = reserved_growth(report, server)
+    return "-" if growth is None else f"{growth[0]:+.0f} ({growth[1]} req)"
 
 
 def trace_table(report: dict) -> List[str]:
@@ -522,6 +540,10 @@ def main(argv=None) -> int:
                     bench_serving(server, model, 8, image_counts[-1], 64, 999, workdir, args.resolution)
                 except Exception as exc:  # noqa: BLE001
                     records[name]["error"] = f"warm-up: {exc}"[:400]
+                try:  # reserved memory from here on must stay flat
+                    records[name]["metrics_warm"] = metrics(server)
+                except Exception:  # noqa: BLE001 - the growth column then says "-"
+                    pass
                 if flag:
                     os.remove(flag)
                     time.sleep(0.6)

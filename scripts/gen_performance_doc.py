@@ -440,7 +440,9 @@ calls above it eager; the multimodal embedding without its device sync); `0517-g
 unpatched sglang with its own ViT graphs; `ext-no-replay` is sglang-ext's path with no graph replayed
 (a diagnostic: every call eager through the sync-free tower); `vit-free` is graphs-off with a vision
 tower that answers zeros without running (a ceiling: no ViT change can take a slot past it). With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
-eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end. Accuracy:
+eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end, the share of
+eligible calls replayed (the load-time gate's deliberate eager calls left out), and how much reserved
+memory grew from the end of the warm-up to the end. Accuracy:
 input-token logprobs of a mixed-size stream against graphs-off at concurrency 1, and at 16 next
 to graphs-off against itself in another pass (batch composition alone moves logprobs)."""
 
@@ -463,6 +465,10 @@ def _vit_server_targets(run) -> list:
             share = bench_vit_server.eligible_replayed(server)
             if share is not None:
                 lines.append(_target(f"{server['backend']}: eligible ViT calls replayed", share, ">=", 0.95))
+            growth = bench_vit_server.reserved_growth(run, server)
+            if growth is not None:
+                lines.append(_target(f"{server['backend']}: reserved memory growth after warm-up, MiB "
+                                     f"({growth[1]} requests)", growth[0], "<=", 64, "{:.0f}"))
     for row in run.get("accuracy") or []:
         if row["config"] == "ext" and row["concurrency"] == 1 and row.get("beyond_0_05") is not None:
             lines.append(_target(f"{row['backend']} c=1: requests beyond 0.05 of graphs-off", row["beyond_0_05"],

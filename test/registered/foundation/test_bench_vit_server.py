@@ -1,0 +1,63 @@
+"""scripts/bench_vit_server.py's verdicts from a run's numbers (CPU): ratios against graphs-off, the
+ceiling, 'below graphs off' beyond graphs-off's own spread, eligible calls replayed, reserved growth."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="base-a-test-cpu")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
+
+import bench_vit_server  # noqa: E402
+
+MIB = 2**20
+
+
+def _row(config, c, req_s, completed=100):
+    return {"backend": "fa3", "config": config, "concurrency": c, "images": "1", "req_s": req_s, "completed": completed,
+            "pass": 0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0}
+
+
+def _report():
+    passes = ([_row("graphs-off", 8, v) for v in (20.0, 24.0, 30.0)] + [_row("ext", 8, v) for v in (19.0, 21.0, 22.0)]
+              + [_row("vit-free", 8, v) for v in (30.0, 33.0, 36.0)]
+              + [_row("graphs-off", 32, v) for v in (40.0, 41.0, 42.0)] + [_row("ext", 32, v) for v in (37.0, 38.0, 39.0)])
+    ext = dict(backend="fa3", config="ext", startup_s=50.0, vit_calls=166, captures_after_start=0, error=None,
+               metrics_start={"graph_hits_total": 10, "graph_eager_fallbacks_total": 5, "graph_gate_fallbacks_total": 2},
+               metrics_warm={"cuda_memory_reserved_bytes": 1000 * MIB},
+               metrics_end={"graph_hits_total": 106, "graph_eager_fallbacks_total": 60, "graph_gate_fallbacks_total": 53,
+                            "cuda_memory_reserved_bytes": 1010 * MIB})
+    return {"passes": passes, "servers": [ext, dict(backend="fa3", config="graphs-off", metrics_end={}, startup_s=60.0,
+                                                          vit_calls=0, captures_after_start=0, error=None)]}
+
+
+def test_ratios_are_medians_against_graphs_off_per_slot():
+    report = _report()
+    assert bench_vit_server.ratios(report) == {("fa3", 8, "1"): pytest.approx(21.0 / 24.0),
+                                               ("fa3", 32, "1"): pytest.approx(38.0 / 41.0)}
+    assert bench_vit_server.ratios(report, "vit-free") == {("fa3", 8, "1"): pytest.approx(33.0 / 24.0)}
+
+
+def test_below_graphs_off_only_beyond_its_slowest_pass():
+    # c=8: ext's median 21 is above graphs-off's slowest pass (20): noise; c=32: 38 < 40: below
+    assert bench_vit_server.below_graphs_off(_report()) == [("fa3", 32, "1")]
+
+
+def test_eligible_calls_leave_the_gates_eager_calls_out():
+    ext, off = _report()["servers"]
+    # 96 hits, 55 fallbacks of which 51 by the gate: 96 of 100 eligible calls replayed
+    assert bench_vit_server.eligible_replayed(ext) == pytest.approx(0.96)
+    assert bench_vit_server.eligible_replayed(off) is None
+
+
+def test_reserved_growth_counts_from_the_warm_up_over_the_requests_served():
+    report = _report()
+    ext, off = report["servers"]
+    assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(10.0), 600)
+    assert bench_vit_server.reserved_growth(report, off) is None
+    assert "+10 (600 req)" in bench_vit_server.table(report)
