@@ -134,6 +134,8 @@ def _vit_free(cls) -> None:
     def forward(self, x, *args, **kwargs):
         if not seen:
             out = original(self, x, *args, **kwargs)
+            if not (torch.is_tensor(out) and out.dim() == 2 and out.shape[0]):
+                return out  # not one [rows, width] tensor: this tower is never made free
             seen.update(patches_per_row=x.shape[0] // out.shape[0], width=out.shape[1], dtype=out.dtype)
             return out
         return torch.zeros(x.shape[0] // seen["patches_per_row"], seen["width"], dtype=seen["dtype"], device=x.device)
