@@ -580,6 +580,10 @@ def _vit_server_headline():
                    for (_, c, images) in bench_vit_server.below_graphs_off(run))
     verdict = (f"below graphs off at concurrency {', '.join(below)}: keep ViT graphs off on a server loaded like that"
                if below else "never below graphs off beyond graphs-off's own spread over the passes")
+    ceilings = [f"{ratio:.2f}x" for (_, c, images), ratio in bench_vit_server.ratios(run, "vit-free").items()
+                if images == "1"]
+    if ceilings:
+        verdict += f" (a server whose vision tower costs nothing: {', '.join(ceilings)})"
     return (f"- **Qwen2.5-VL in a real server** ({cfg.get('model')}, {cfg.get('parameters_b')} B, "
             f"{run.get('attention')} vision attention, {cfg.get('device')}): requests per second with "
             f"sglang-ext's ViT graphs against ViT graphs off: {', '.join(ratios)}; "
