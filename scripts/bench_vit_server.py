@@ -74,7 +74,7 @@ SCHEMA = {
                "concurrencies": None, "image_counts": None, "resolution": None, "command": None, "seconds": None,
                "sglang": None},
     "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": bench_results.ANY,
-                 "metrics_warm": bench_results.ANY,
+                 "metrics_warm": bench_results.ANY, "metrics_after_passes": bench_results.ANY,
                  "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None,
                  "warmup_syncs": bench_results.ANY}],
     "passes": [{"backend": None, "config": None, "pass": None, "concurrency": None, "images": None,
@@ -139,7 +139,7 @@ def server_env(name: str, workdir: str, trace: bool = False) -> Dict[str, str]:
     env = dict(os.environ)
     module, graphs, knobs = CONFIGS[name]
     env["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = "1" if graphs else "0"
-    for key in [k for k in env if k.startswith("SGLANG_EXT")]:
+    for key in [k for k in env if k.startswith(("SGLANG_EXT", "SGX_SERVER_"))]:  # only this config's own
         del env[key]
     env.update(knobs)
     if module.startswith("sglang_ext"):
@@ -148,7 +148,8 @@ def server_env(name: str, workdir: str, trace: bool = False) -> Dict[str, str]:
     if trace or "SGX_SERVER_VIT_FREE" in knobs:  # scripts/server_trace.py, loaded by sglang's plugin loader
         import server_trace
 
-        env["SGX_SERVER_TRACE_DIR"] = tempfile.mkdtemp(prefix=f"trace-{name}-", dir=workdir)
+        if trace:
+            env["SGX_SERVER_TRACE_DIR"] = tempfile.mkdtemp(prefix=f"trace-{name}-", dir=workdir)
         dist = server_trace.write_dist_info(os.path.join(workdir, "trace-dist"))
         env["PYTHONPATH"] = os.pathsep.join([dist, os.path.join(REPO, "scripts")]
                                             + [p for p in [env.get("PYTHONPATH")] if p])
@@ -315,7 +316,7 @@ def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
                 row["req_s"])
     return {key[:3]: statistics.median(values) / statistics.median(medians[key[:3] + ("graphs-off",)])
             for key, values in sorted(medians.items())
-            if key[3] == config and key[:3] + ("graphs-off",) in medians}
+            if key[3] == config and statistics.median(medians.get(key[:3] + ("graphs-off",), [0.0])) > 0}
 
 
 def below_graphs_off(report: dict, config: str = "ext") -> List[tuple]:
@@ -326,14 +327,15 @@ def below_graphs_off(report: dict, config: str = "ext") -> List[tuple]:
         if row["req_s"] is not None:
             runs.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(
                 row["config"], []).append(row["req_s"])
-    return [slot for slot, by in sorted(runs.items())
+    return [slot for slot, by in sorted(runs.items())  # one graphs-off pass has no spread: any shortfall counts
             if config in by and "graphs-off" in by and statistics.median(by[config]) < min(by["graphs-off"])]
 
 
 def eligible_replayed(server: dict) -> float:
-    """Share of the calls a graph may serve that replayed, over the server's run (start to end): calls the
-    load-time gate sends eager on purpose (above the break-even) are not eligible. None without counters."""
-    end, start = server.get("metrics_end") or {}, server.get("metrics_start") or {}
+    """Share of the calls a graph may serve that replayed, from the end of the warm-up (else the start) to the
+    end: calls the load-time gate sends eager on purpose (above the break-even) are not eligible. None
+    without counters."""
+    end, start = server.get("metrics_end") or {}, server.get("metrics_warm") or server.get("metrics_start") or {}
     if "graph_gate_fallbacks_total" not in end:
         return None
     delta = {k: end.get(k, 0) - start.get(k, 0) for k in ("graph_hits_total", "graph_eager_fallbacks_total",
@@ -345,7 +347,8 @@ def eligible_replayed(server: dict) -> float:
 def reserved_growth(report: dict, server: dict):
     """(MiB the server's reserved memory grew from the end of its warm-up to the end, requests it served
     in between), or None without both readings (sglang-ext's /metrics only)."""
-    warm, end = server.get("metrics_warm") or {}, server.get("metrics_end") or {}
+    warm = server.get("metrics_warm") or {}
+    end = server.get("metrics_after_passes") or server.get("metrics_end") or {}
     if not warm.get("cuda_memory_reserved_bytes") or not end.get("cuda_memory_reserved_bytes"):
         return None
     served = sum(r.get("completed") or 0 for r in report["passes"]
@@ -575,6 +578,8 @@ def main(argv=None) -> int:
                 collect_metrics(live, records)
                 report["servers"] = [r for r in report["servers"] if r["backend"] != backend] + list(records.values())
                 save()
+            for record in records.values():  # memory growth is judged over the timed passes only
+                record["metrics_after_passes"] = record.get("metrics_end")
             if args.accuracy and "graphs-off" in live:
                 unit = 28 if args.model == "qwen2_5_vl" else 32
                 report["accuracy"] += accuracy(live, backend, unit, args.accuracy)

@@ -49,7 +49,8 @@ def measure(policy, observation, noise, num_steps: int, run_request: Callable) -
             tower_of[id(module)] = name
     state = {"phase": None}
     totals = {phase: {"matrix_flop": 0.0, "bytes": 0.0, "conditioning_bytes": 0.0} for phase in ("prefix", "denoise")}
-    rows: Dict[str, int] = {"vision_images": 0, "vision_patches": 0, "language": 0, "expert": 0}
+    # per sequence (attention is per sequence); `batch` sequences per call
+    rows: Dict[str, int] = {"batch": 0, "vision_images": 0, "vision_patches": 0, "language": 0, "expert": 0}
     activation_bytes = [0]
 
     def hook(module, inputs, output):
@@ -68,7 +69,7 @@ def measure(policy, observation, noise, num_steps: int, run_request: Callable) -
         if tower == "vision" and x.dim() == 3:
             rows["vision_images"], rows["vision_patches"] = max(rows["vision_images"], x.shape[0]), x.shape[1]
         elif tower in ("language", "expert") and x.dim() == 3:
-            rows[tower] = max(rows[tower], x.numel() // x.shape[-1])
+            rows[tower], rows["batch"] = max(rows[tower], x.shape[1]), max(rows["batch"], x.shape[0])
             if tower == "language":
                 activation_bytes[0] = x.element_size()  # the prefix K/V's element size
 
@@ -81,12 +82,17 @@ def measure(policy, observation, noise, num_steps: int, run_request: Callable) -
     finally:
         for handle in handles:
             handle.remove()
-    v, lm, ex = vision.config, language.config, expert.config
+    if not rows["language"] or not rows["expert"]:
+        raise RuntimeError("pi05_roofline: no language-model or action-expert projection ran through a module "
+                           "(a fused path?); measure the exact eager path")
+    v, lm, ex, batch = vision.config, language.config, expert.config, rows["batch"]
     prefix_attention = (4.0 * v.num_hidden_layers * rows["vision_images"] * rows["vision_patches"] ** 2 * v.hidden_size
-                        + 4.0 * lm.num_hidden_layers * rows["language"] ** 2 * lm.num_attention_heads * lm.head_dim)
+                        + 4.0 * lm.num_hidden_layers * batch * rows["language"] ** 2 * lm.num_attention_heads
+                        * lm.head_dim)
     keys = rows["language"] + rows["expert"]
-    step_attention = 4.0 * ex.num_hidden_layers * rows["expert"] * keys * ex.num_attention_heads * ex.head_dim
-    step_kv_bytes = 2.0 * ex.num_hidden_layers * rows["language"] * lm.num_key_value_heads * lm.head_dim * activation_bytes[0]
+    step_attention = 4.0 * ex.num_hidden_layers * batch * rows["expert"] * keys * ex.num_attention_heads * ex.head_dim
+    step_kv_bytes = (2.0 * ex.num_hidden_layers * batch * rows["language"] * lm.num_key_value_heads * lm.head_dim
+                     * activation_bytes[0])
     totals["prefix"]["attention_flop"] = prefix_attention
     totals["denoise"]["attention_flop"] = num_steps * step_attention
     totals["denoise"]["bytes"] += num_steps * step_kv_bytes

@@ -136,9 +136,11 @@ def _vit_free(cls) -> None:
             out = original(self, x, *args, **kwargs)
             if not (torch.is_tensor(out) and out.dim() == 2 and out.shape[0]):
                 return out  # not one [rows, width] tensor: this tower is never made free
-            seen.update(patches_per_row=x.shape[0] // out.shape[0], width=out.shape[1], dtype=out.dtype)
+            seen.update(patches_per_row=x.shape[0] // out.shape[0], width=out.shape[1], dtype=out.dtype,
+                        device=out.device)  # x may arrive on the CPU (Qwen3-VL moves it inside forward)
             return out
-        return torch.zeros(x.shape[0] // seen["patches_per_row"], seen["width"], dtype=seen["dtype"], device=x.device)
+        return torch.zeros(x.shape[0] // seen["patches_per_row"], seen["width"], dtype=seen["dtype"],
+                           device=seen["device"])
 
     cls.forward = forward
 
@@ -148,10 +150,19 @@ def _vit_size(self, x, grid_thw=None, *rest):
 
 
 def activate() -> None:
-    """The plugin entry point: wrap what this process has (a scheduler has all of it)."""
-    if not os.environ.get("SGX_SERVER_TRACE_DIR"):
-        return
+    """The plugin entry point: wrap what this process has (a scheduler has all of it). Without a trace
+    folder only the vit-free tower (when asked for), so that server is timed as the others are."""
     import importlib
+
+    if not os.environ.get("SGX_SERVER_TRACE_DIR"):
+        if os.environ.get("SGX_SERVER_VIT_FREE") == "1":
+            for module_name, cls_name in (("sglang.srt.models.qwen2_5_vl", "Qwen2_5_VisionTransformer"),
+                                          ("sglang.srt.models.qwen3_vl", "Qwen3VLMoeVisionModel")):
+                try:
+                    _vit_free(getattr(importlib.import_module(module_name), cls_name))
+                except Exception:  # noqa: BLE001 - a process without this class (the HTTP process) skips it
+                    continue
+        return
 
     targets = [
         ("sglang.srt.managers.scheduler", "Scheduler", "run_batch", "run_batch", False, None),

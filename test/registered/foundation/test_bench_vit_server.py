@@ -28,10 +28,12 @@ def _report():
               + [_row("vit-free", 8, v) for v in (30.0, 33.0, 36.0)]
               + [_row("graphs-off", 32, v) for v in (40.0, 41.0, 42.0)] + [_row("ext", 32, v) for v in (37.0, 38.0, 39.0)])
     ext = dict(backend="fa3", config="ext", startup_s=50.0, vit_calls=166, captures_after_start=0, error=None,
-               metrics_start={"graph_hits_total": 10, "graph_eager_fallbacks_total": 5, "graph_gate_fallbacks_total": 2},
-               metrics_warm={"cuda_memory_reserved_bytes": 1000 * MIB},
+               metrics_start={"graph_hits_total": 0, "graph_eager_fallbacks_total": 0, "graph_gate_fallbacks_total": 0},
+               metrics_warm={"graph_hits_total": 10, "graph_eager_fallbacks_total": 5, "graph_gate_fallbacks_total": 2,
+                             "cuda_memory_reserved_bytes": 1000 * MIB},
+               metrics_after_passes={"cuda_memory_reserved_bytes": 1010 * MIB},
                metrics_end={"graph_hits_total": 106, "graph_eager_fallbacks_total": 60, "graph_gate_fallbacks_total": 53,
-                            "cuda_memory_reserved_bytes": 1010 * MIB})
+                            "cuda_memory_reserved_bytes": 1500 * MIB})  # after the accuracy requests
     return {"passes": passes, "servers": [ext, dict(backend="fa3", config="graphs-off", metrics_end={}, startup_s=60.0,
                                                           vit_calls=0, captures_after_start=0, error=None)]}
 
@@ -50,12 +52,12 @@ def test_below_graphs_off_only_beyond_its_slowest_pass():
 
 def test_eligible_calls_leave_the_gates_eager_calls_out():
     ext, off = _report()["servers"]
-    # 96 hits, 55 fallbacks of which 51 by the gate: 96 of 100 eligible calls replayed
+    # from the end of the warm-up: 96 hits, 55 fallbacks of which 51 by the gate: 96 of 100 eligible calls
     assert bench_vit_server.eligible_replayed(ext) == pytest.approx(0.96)
     assert bench_vit_server.eligible_replayed(off) is None
 
 
-def test_reserved_growth_counts_from_the_warm_up_over_the_requests_served():
+def test_reserved_growth_counts_from_the_warm_up_to_the_last_timed_pass():
     report = _report()
     ext, off = report["servers"]
     assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(10.0), 600)

@@ -82,7 +82,7 @@ def test_prefix_reads_every_prefix_weight_once_and_sees_its_rows(measured):
     works, expected = measured
     work = works[(20, 2)]
     assert work["prefix"]["gb"] * 1e9 == expected["prefix_bytes"]
-    assert work["rows"] == {"vision_images": 2, "vision_patches": 256, "language": 512 + 20, "expert": 50}
+    assert work["rows"] == {"batch": 1, "vision_images": 2, "vision_patches": 256, "language": 512 + 20, "expert": 50}
     # the language model's matrix FLOPs grow with the prompt; SigLIP's do not
     matrix = {p: works[(p, 2)]["prefix"]["tflop"] - works[(p, 2)]["prefix"]["attention_tflop"] for p in (20, 40)}
     assert (matrix[40] - matrix[20]) * 1e12 == pytest.approx(2.0 * 20 * expected["language_params"], rel=1e-9)
