@@ -307,27 +307,30 @@ def _spread(values):
     return statistics.median(values), min(values), max(values)
 
 
-def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
-    """{(backend, concurrency, images): median req/s of `config` / median of graphs-off} over the passes."""
-    medians = {}
+def _req_s_by_slot(report: dict) -> Dict[tuple, Dict[str, List[float]]]:
+    """{(backend, concurrency, images): {config: req/s of each completed pass}}."""
+    slots: Dict[tuple, Dict[str, List[float]]] = {}
     for row in report["passes"]:
         if row["req_s"] is not None:
-            medians.setdefault((row["backend"], row["concurrency"], row["images"], row["config"]), []).append(
-                row["req_s"])
-    return {key[:3]: statistics.median(values) / statistics.median(medians[key[:3] + ("graphs-off",)])
-            for key, values in sorted(medians.items())
-            if key[3] == config and statistics.median(medians.get(key[:3] + ("graphs-off",), [0.0])) > 0}
+            slots.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(
+                row["config"], []).append(row["req_s"])
+    return dict(sorted(slots.items()))
+
+
+def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
+    """{(backend, concurrency, images): median req/s of `config` / median of graphs-off} over the passes."""
+    out = {}
+    for slot, by in _req_s_by_slot(report).items():
+        off = statistics.median(by["graphs-off"]) if "graphs-off" in by else 0.0
+        if config in by and off > 0:
+            out[slot] = statistics.median(by[config]) / off
+    return out
 
 
 def below_graphs_off(report: dict, config: str = "ext") -> List[tuple]:
     """Slots where `config`'s median req/s is below the slowest graphs-off pass: slower than graphs-off by
     more than graphs-off's own pass-to-pass spread (a median a hair under graphs-off's is noise here)."""
-    runs = {}
-    for row in report["passes"]:
-        if row["req_s"] is not None:
-            runs.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(
-                row["config"], []).append(row["req_s"])
-    return [slot for slot, by in sorted(runs.items())  # one graphs-off pass has no spread: any shortfall counts
+    return [slot for slot, by in _req_s_by_slot(report).items()  # one graphs-off pass has no spread
             if config in by and "graphs-off" in by and statistics.median(by[config]) < min(by["graphs-off"])]
 
 
@@ -391,8 +394,7 @@ def table(report: dict) -> str:
                      f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
                      f"{end.get('graph_resident_bytes', 0) / 2**20:>9.1f} "
                      f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f} "
-                     f"{'-' if eligible_replayed(s) is None else f'{eligible_replayed(s):.1%}':>17} "
-                     f"{_growth_cell(report, s):>27}")
+                     f"{_share_cell(s):>17} {_growth_cell(report, s):>27}")
     lines += trace_table(report)
     if report.get("accuracy"):
         lines.append("")
@@ -406,6 +408,11 @@ def table(report: dict) -> str:
             lines.append(f"{a['backend']:<12} {a['config']:<15} {a['concurrency']:>3} {a['requests']:>8} "
                          f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19}")
     return "\n".join(lines)
+
+
+def _share_cell(server: dict) -> str:
+    share = eligible_replayed(server)
+    return "-" if share is None else f"{share:.1%}"
 
 
 def _growth_cell(report: dict, server: dict) -> str:

@@ -149,6 +149,10 @@ def _vit_size(self, x, grid_thw=None, *rest):
     return int(x.shape[0]), int(grid_thw.shape[0]) if grid_thw is not None else 0
 
 
+VIT_TOWERS = (("sglang.srt.models.qwen2_5_vl", "Qwen2_5_VisionTransformer"),
+              ("sglang.srt.models.qwen3_vl", "Qwen3VLMoeVisionModel"))
+
+
 def activate() -> None:
     """The plugin entry point: wrap what this process has (a scheduler has all of it). Without a trace
     folder only the vit-free tower (when asked for), so that server is timed as the others are."""
@@ -156,8 +160,7 @@ def activate() -> None:
 
     if not os.environ.get("SGX_SERVER_TRACE_DIR"):
         if os.environ.get("SGX_SERVER_VIT_FREE") == "1":
-            for module_name, cls_name in (("sglang.srt.models.qwen2_5_vl", "Qwen2_5_VisionTransformer"),
-                                          ("sglang.srt.models.qwen3_vl", "Qwen3VLMoeVisionModel")):
+            for module_name, cls_name in VIT_TOWERS:
                 try:
                     _vit_free(getattr(importlib.import_module(module_name), cls_name))
                 except Exception:  # noqa: BLE001 - a process without this class (the HTTP process) skips it
@@ -171,9 +174,7 @@ def activate() -> None:
          "recv", False, None),
         ("sglang.srt.managers.scheduler", "Scheduler", "process_input_requests", "process_input", False, None),
         ("sglang.srt.model_executor.model_runner", "ModelRunner", "forward", "forward", True, None),
-        ("sglang.srt.models.qwen2_5_vl", "Qwen2_5_VisionTransformer", "forward", "vit", True, _vit_size),
-        ("sglang.srt.models.qwen3_vl", "Qwen3VLMoeVisionModel", "forward", "vit", True, _vit_size),
-    ]
+    ] + [(module_name, cls_name, "forward", "vit", True, _vit_size) for module_name, cls_name in VIT_TOWERS]
     for module_name, cls_name, method, name, device, tokens in targets:
         try:
             cls = getattr(importlib.import_module(module_name), cls_name)
