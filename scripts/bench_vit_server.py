@@ -8,6 +8,7 @@ measured in interleaved passes (the machine is shared and noisy: medians and spr
   graphs-off       `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=0 (the baseline)
   ext              `python -m sglang_ext.launch_server` with sglang-ext's default ViT graph mode
   0517-graphs-on   `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=1 (unpatched)
+Every server holds a KV pool of the same size (`--kv-tokens`), so batching is equal between them.
 The model is a random-weight checkpoint at real scale, written on the machine itself
 (`--model qwen2_5_vl`: the 7B vision tower, a 3B-shaped text model; `qwen3_vl`: the 4B tower with
 deepstack, a 4B-shaped text model). Load: `sglang.bench_serving`'s image dataset (random images of
@@ -47,8 +48,9 @@ CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
     # Diagnostic: sglang-ext's sync-free tower and embedding path with no graph replayed (every call
     # eager), which splits ext's difference from graphs-off into the eager path's part and the replays'.
     "ext-no-replay": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": "0"}),
-    # sglang-ext with knob vit_triton_rotary: one rotary kernel per layer in replays and eager calls.
-    "ext-triton-rotary": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_TRITON_ROTARY": "1"}),
+    # Diagnostic: sglang-ext with knob vit_triton_rotary off (sglang's own rotary functions, as before
+    # 2026-12-02), which gives the one-kernel rotary's share. Runs before that day name this "ext".
+    "ext-eager-rotary": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_TRITON_ROTARY": "0"}),
     # Ceiling: graphs off with a vision tower that answers zeros without running (scripts/server_trace.py),
     # so its req/s is what no ViT change (graphs, kernels) can take a slot past.
     "vit-free": ("sglang.launch_server", False, {"SGX_SERVER_VIT_FREE": "1"}),
@@ -76,7 +78,7 @@ SCHEMA = {
     "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": bench_results.ANY,
                  "metrics_warm": bench_results.ANY, "metrics_after_passes": bench_results.ANY,
                  "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None,
-                 "warmup_syncs": bench_results.ANY}],
+                 "warmup_syncs": bench_results.ANY, "kv_tokens": None}],
     "passes": [{"backend": None, "config": None, "pass": None, "concurrency": None, "images": None,
                 "req_s": None, "ttft_p50_ms": None, "ttft_p99_ms": None, "completed": None, "error": None,
                 "trace": bench_results.ANY}],
@@ -163,7 +165,8 @@ def start(name: str, backend: str, model: str, workdir: str, args):
     port = free_port()
     argv = [sys.executable, "-m", module, "--model-path", model, "--port", str(port), "--host", "127.0.0.1",
             "--mm-attention-backend", backend, "--mem-fraction-static", str(args.mem_fraction),
-            "--enable-metrics", "--disable-radix-cache", "--log-level", "info"] + args.server_arg
+            "--max-total-tokens", str(args.kv_tokens), "--enable-metrics", "--disable-radix-cache",
+            "--log-level", "info"] + args.server_arg
     log_path = os.path.join(workdir, f"{backend}-{name}.log")
     env = server_env(name, workdir, args.trace)
     server = start_server(argv, env, port, log_path)
@@ -359,6 +362,16 @@ def reserved_growth(report: dict, server: dict):
     return (end["cuda_memory_reserved_bytes"] - warm["cuda_memory_reserved_bytes"]) / 2**20, served
 
 
+def unequal_kv_pools(report: dict) -> Dict[str, Dict[str, int]]:
+    """{backend: {config: KV tokens}} where that backend's servers hold KV pools of different sizes (their
+    req/s at high concurrency then differ by batching, not by the ViT). Runs before kv_tokens: none."""
+    pools: Dict[str, Dict[str, int]] = {}
+    for s in report["servers"]:
+        if s.get("kv_tokens"):
+            pools.setdefault(s["backend"], {})[s["config"]] = s["kv_tokens"]
+    return {b: by for b, by in pools.items() if len(set(by.values())) > 1}
+
+
 def table(report: dict) -> str:
     """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off."""
     lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'req/s median (min-max)':>26} {'vs off':>7} "
@@ -368,7 +381,7 @@ def table(report: dict) -> str:
         groups.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(row["config"], []).append(row)
     for (backend, c, images), by_config in sorted(groups.items()):
         off = _spread(r["req_s"] for r in by_config.get("graphs-off", []))[0]
-        for name in [n for n in CONFIGS if n in by_config]:
+        for name in [n for n in CONFIGS if n in by_config] + sorted(set(by_config) - set(CONFIGS)):
             rows = by_config.get(name, [])
             med, lo, hi = _spread(r["req_s"] for r in rows)
             if med is None:
@@ -382,7 +395,7 @@ def table(report: dict) -> str:
     lines.append("")
     lines.append(f"{'backend':<12} {'config':<15} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
                  f"{'hits':>6} {'fallbacks':>9} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12} "
-                 f"{'eligible replayed':>17} {'reserved +MiB after warm-up':>27}")
+                 f"{'eligible replayed':>17} {'reserved +MiB after warm-up':>27} {'KV tokens':>9}")
     for s in report["servers"]:
         end, start_m = s.get("metrics_end") or {}, s.get("metrics_start") or {}
         if s.get("error"):
@@ -394,7 +407,10 @@ def table(report: dict) -> str:
                      f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
                      f"{end.get('graph_resident_bytes', 0) / 2**20:>9.1f} "
                      f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f} "
-                     f"{_share_cell(s):>17} {_growth_cell(report, s):>27}")
+                     f"{_share_cell(s):>17} {_growth_cell(report, s):>27} {s.get('kv_tokens') or '-':>9}")
+    for backend, by in unequal_kv_pools(report).items():
+        lines.append(f"WARNING {backend}: the servers' KV pools differ ("
+                     + ", ".join(f"{n} {t}" for n, t in by.items()) + "): req/s are not comparable")
     lines += trace_table(report)
     if report.get("accuracy"):
         lines.append("")
@@ -471,7 +487,13 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--resolution", default="random:224x224-896x896")
     ap.add_argument("--accuracy", type=int, default=0, help="requests of the logprob comparison (0: none)")
-    ap.add_argument("--mem-fraction", type=float, default=0.15)
+    ap.add_argument("--mem-fraction", type=float, default=0.5,
+                    help="each server's --mem-fraction-static: enough that every one can hold --kv-tokens while "
+                    "the others load beside it (the pool itself is capped)")
+    ap.add_argument("--kv-tokens", type=int, default=98304,
+                    help="every server's KV pool (--max-total-tokens). sglang sizes a pool from the memory free "
+                    "when the server profiles it, so servers started beside each other got unequal pools (and "
+                    "unequal batching at high concurrency) before this cap; the servers table shows each pool")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "bench", "vit_server.json"))
     ap.add_argument("--server-arg", action="append", default=[], help="extra launch_server argument (repeatable)")
@@ -536,6 +558,7 @@ def main(argv=None) -> int:
                 healthy = server.wait_healthy(timeout=900)
                 rec["startup_s"] = round(first_start if i == 0 and first_start is not None else healthy, 1)
                 rec["metrics_start"] = metrics(server)
+                rec["kv_tokens"] = json.loads(server.get_text("/server_info")).get("max_total_num_tokens")
             except Exception as exc:  # noqa: BLE001 - reported
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
             records[name] = rec

@@ -1,5 +1,6 @@
 """scripts/bench_vit_server.py's verdicts from a run's numbers (CPU): ratios against graphs-off, the
-ceiling, 'below graphs off' beyond graphs-off's own spread, eligible calls replayed, reserved growth."""
+ceiling, 'below graphs off' beyond graphs-off's own spread, eligible calls replayed, reserved growth,
+unequal KV pools."""
 
 from __future__ import annotations
 
@@ -63,3 +64,22 @@ def test_reserved_growth_counts_from_the_warm_up_to_the_last_timed_pass():
     assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(10.0), 600)
     assert bench_vit_server.reserved_growth(report, off) is None
     assert "+10 (600 req)" in bench_vit_server.table(report)
+
+
+def test_unequal_kv_pools_are_named_and_the_table_warns():
+    report = _report()
+    assert bench_vit_server.unequal_kv_pools(report) == {}  # runs before the pools were recorded
+    ext, off = report["servers"]
+    ext["kv_tokens"], off["kv_tokens"] = 131072, 131072
+    assert bench_vit_server.unequal_kv_pools(report) == {} and "WARNING" not in bench_vit_server.table(report)
+    ext["kv_tokens"] = 52000
+    assert bench_vit_server.unequal_kv_pools(report) == {"fa3": {"ext": 52000, "graphs-off": 131072}}
+    assert "WARNING fa3: the servers' KV pools differ (ext 52000, graphs-off 131072)" in bench_vit_server.table(report)
+
+
+def test_the_table_keeps_configs_an_older_run_named():
+    report = _report()
+    report["passes"].append(dict(_row("ext-triton-rotary", 8, 25.0)))
+    assert "ext-triton-rotary" not in bench_vit_server.CONFIGS
+    line = next(x for x in bench_vit_server.table(report).splitlines() if "ext-triton-rotary" in x)
+    assert "25.00 (25.00-25.00)" in line and "1.04x" in line
