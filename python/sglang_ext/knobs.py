@@ -136,10 +136,12 @@ KNOBS: tuple[Knob, ...] = (
          "probed smallest first and the ladder ends at the first whose graph is slower than eager on this GPU "
          "and model (agreed by every TP rank); N = the budgets up to N tokens, no probe.",
          minimum=-1),
-    Knob("vit_triton_rotary", "bool", False,
-         "Opt-in, ViT graphs on: every vision attention call, eager and captured, rotates q and k with one "
-         "Triton kernel rounded as sglang's eager rotary (bitwise equal to it on the GPU) instead of a dozen "
-         "float32 kernels per layer in replays and the compiled kernel in bucket-mode eager calls."),
+    Knob("vit_triton_rotary", "bool", True,
+         "ViT graphs on: every vision attention call, eager and captured, rotates q and k with one Triton "
+         "kernel rounded as sglang's eager rotary (bitwise equal to it on the GPU) instead of a dozen float32 "
+         "kernels per layer in replays and the compiled kernel in bucket-mode eager calls (one H200 server run: "
+         "ViT device time per token 18-29 % lower at four of five loads). Off = sglang's functions. Without "
+         "Triton: always off."),
     Knob("vit_graph_precapture", "bool", True,
          "Bucket mode: capture the budget ladder when the model loads (after sglang's own CUDA graphs, before "
          "the server reports healthy); off = at the tower's first call."),

@@ -99,7 +99,8 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(_QWEN3, "sglang_ext.vit.qwen3:patch_qwen3_vl"),
             # bucket mode: capture the ladder when the model loads, after sglang's own graphs
             Part(_MODEL_RUNNER, "sglang_ext.vit.model_runner:patch_model_runner"),
-            # bucket mode's eager calls: the compiled rotary graphs-off runs (knob vit_triton_rotary: one kernel)
+            # vision rotary: one Triton kernel (knob vit_triton_rotary, default), else in bucket mode's
+            # eager calls the compiled rotary graphs-off runs
             Part("sglang.srt.layers.attention.vision", "sglang_ext.vit.vision_rotary:patch_vision"),
         ),
         rebinds=(f"{_QWEN3}.graph_runners_dict", f"{_QWEN25}.ViTCudaGraphRunner", f"{_QWEN3}.ViTCudaGraphRunner",

@@ -1,4 +1,4 @@
-"""Bucket-mode ViT calls that run eager apply rotary with the compiled kernel graphs-off runs.
+"""Vision rotary with ViT graphs on: one Triton kernel, or sglang's compiled kernel in eager calls.
 
 Patch: vit_cuda_graph
 Targets: sglang.srt.layers.attention.vision:VisionAttention.forward
@@ -8,11 +8,11 @@ Retire when: upstream bounds the ViT graph count, frees retired workspaces and r
 Why: with ViT graphs on, 0.5.17's VisionAttention applies rotary through its unfused eager function
 on every call, because compiling inside a capture is illegal; a call that runs eager then pays a
 dozen memory-bound kernels per layer where graphs-off runs one compiled kernel.
-How: the name VisionAttention calls is wrapped: inside `compiled_rotary()` (the bucket runner's
-eager calls), on CUDA and not capturing, it calls sglang's compiled `apply_rotary_pos_emb`; else
-the original. Captures and the class and layout modes keep the original (their bitwise claims).
-With knob vit_triton_rotary every CUDA call takes sglang_ext.kernels' one-kernel rotary instead,
-rounded as the original, so replays lose the dozen kernels per layer and every claim stands.
+How: the name VisionAttention calls is wrapped. With knob vit_triton_rotary (the default), a CUDA
+call in a layout the kernel takes runs sglang_ext.kernels' one-kernel rotary, rounded as the original,
+in captures and eager calls alike: replays lose the dozen kernels per layer, every bitwise claim
+stands. Else, inside `compiled_rotary()` (the bucket runner's eager calls), on CUDA and not capturing,
+sglang's compiled `apply_rotary_pos_emb`; else the original.
 """
 
 import contextlib

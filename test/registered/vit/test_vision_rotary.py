@@ -1,10 +1,11 @@
-"""Bucket-mode ViT calls that run eager reach sglang's compiled rotary; captures and other calls keep the eager one.
+"""Vision rotary: the one-kernel rotary by default; knob off, bucket-mode eager calls reach sglang's compiled one.
 
 Real sglang 0.5.17 `sglang.srt.layers.attention.vision` with patch vit_cuda_graph applied (CPU): the
 name VisionAttention.forward calls when ViT graphs are on is wrapped. Which rotary function a call
 reaches is checked with recording stand-ins for sglang's two, the CUDA / capture condition set
 through `compiled_allowed`; the bucket runner's eager call is checked to run inside the block.
-Knob vit_triton_rotary sends every supported call to the one-kernel rotary instead (kernel: test_rotate_half.py).
+Knob vit_triton_rotary (the default; off in the fixture) sends every supported call to the one-kernel rotary
+instead (kernel: test_rotate_half.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 def vision(ext_patches):
     from sglang.srt.layers.attention import vision as module
 
-    statuses = ext_patches()
+    statuses = ext_patches(vit_triton_rotary=0)  # sglang's rotary functions; the kernel: the knob's test
     assert statuses["vit_cuda_graph"].state == "applied", statuses["vit_cuda_graph"]
     return module
 
@@ -97,19 +98,21 @@ def test_the_bucket_runners_eager_call_runs_inside_the_block():
     assert depths == [1] and rotary._eager_depth[0] == 0
 
 
-@pytest.mark.parametrize("knob", [1, 0])
+@pytest.mark.parametrize("knob", [None, 1, 0])
 def test_knob_vit_triton_rotary_sends_every_supported_call_to_the_one_kernel(ext_patches, monkeypatch, knob):
-    """Eager and captured calls alike (no block needed). Layouts the kernel does not take, CPU tensors
-    outside the interpreter, and the knob off keep sglang's own function."""
+    """Eager and captured calls alike (no block needed), by default (None: the knob not given). Layouts
+    the kernel does not take, CPU tensors outside the interpreter, and the knob off keep sglang's own
+    function."""
     from sglang.srt.layers.attention import vision
 
-    assert ext_patches(vit_triton_rotary=knob)["vit_cuda_graph"].state == "applied"
+    knobs = {} if knob is None else {"vit_triton_rotary": knob}
+    assert ext_patches(**knobs)["vit_cuda_graph"].state == "applied"
     rotary = ext_core("vit.vision_rotary")
     seen = []
     monkeypatch.setattr(rotary, "rotate_half_qk", lambda *a: seen.append(a) or "kernel")
     monkeypatch.setattr(rotary, "runs_triton", lambda q: True)  # as on CUDA
     q, k, cos, sin = _qk()
-    if knob:
+    if knob is None or knob:
         assert vision.apply_rotary_pos_emb_native_eager(q, k, cos, sin) == "kernel"
         assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], (q, k, cos, sin)))
     else:

@@ -558,9 +558,9 @@ def test_bucket_probe_keeps_only_budgets_that_beat_eager(vit_patch, any_backend)
 
 
 def test_bucket_eager_calls_use_the_compiled_rotary_and_captures_the_eager_one(vit_patch, any_backend, monkeypatch):
-    """Bucket mode's eager calls apply rotary with sglang's compiled kernel (what a graphs-off server
-    runs), the capture and its replays with sglang's capture-safe eager function; outputs within
-    bf16 rounding of sglang's forward."""
+    """Knob vit_triton_rotary off: bucket mode's eager calls apply rotary with sglang's compiled kernel
+    (what a graphs-off server runs), the capture and its replays with sglang's capture-safe eager
+    function; outputs within bf16 rounding of sglang's forward."""
     kit, backend = any_backend
     from sglang.srt.layers.attention import vision
 
@@ -571,7 +571,8 @@ def test_bucket_eager_calls_use_the_compiled_rotary_and_captures_the_eager_one(v
         return compiled(*args, **kwargs)
 
     monkeypatch.setattr(vision, "apply_rotary_pos_emb", recording)
-    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="512", vit_graph_replay_max_tokens=512)
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="512", vit_graph_replay_max_tokens=512,
+              vit_triton_rotary=0)
     vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.bfloat16, seed=1)
     runner = vit.cuda_graph_runner
     runner._ext_precapture_at_load(vit, 4096)
@@ -590,9 +591,9 @@ def test_bucket_eager_calls_use_the_compiled_rotary_and_captures_the_eager_one(v
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_knob_triton_rotary_is_sglangs_eager_rotary_bit_for_bit_in_calls_and_captures(vit_patch, any_backend,
                                                                                     monkeypatch, dtype):
-    """vit_triton_rotary: the one-kernel rotary returns sglang's eager rotary bit for bit at the 7B tower's
-    head shape, and layout mode keeps graph == eager bitwise with the kernel in its captures and its
-    eager calls (both reached)."""
+    """vit_triton_rotary (the default): the one-kernel rotary returns sglang's eager rotary bit for bit at
+    the head shapes of the 7B Qwen2.5-VL tower (16 x 80) and the Qwen3-VL tower (16 x 64), and layout mode
+    keeps graph == eager bitwise with the kernel in its captures and its eager calls (both reached)."""
     kit, backend = any_backend
     from sglang.srt.layers.rotary_embedding.utils import apply_rotary_pos_emb_native_eager
 
@@ -600,12 +601,13 @@ def test_knob_triton_rotary_is_sglangs_eager_rotary_bit_for_bit_in_calls_and_cap
 
     rotate_half_qk = ext_core("kernels.rotate_half").rotate_half_qk
     gen = torch.Generator(device="cuda").manual_seed(3)
-    for tokens in (1, 63, 4096):
-        q, k = (torch.randn(tokens, 16, 80, device="cuda", generator=gen).to(dtype) for _ in range(2))
-        angles = torch.randn(tokens, 40, device="cuda", generator=gen) * 8
+    for tokens, head_dim in ((1, 80), (63, 80), (4096, 80), (63, 64), (4096, 64)):
+        q, k = (torch.randn(tokens, 16, head_dim, device="cuda", generator=gen).to(dtype) for _ in range(2))
+        angles = torch.randn(tokens, head_dim // 2, device="cuda", generator=gen) * 8
         cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
         assert all(torch.equal(a, b) for a, b in zip(rotate_half_qk(q, k, cos, sin),
-                                                     apply_rotary_pos_emb_native_eager(q, k, cos, sin))), tokens
+                                                     apply_rotary_pos_emb_native_eager(q, k, cos, sin))), \
+            (tokens, head_dim)
     vit_patch(vit_triton_rotary=1)
     rotary = ext_core("vit.vision_rotary")
     reached = []
