@@ -635,9 +635,11 @@ def main() -> int:
     (_, prompt_len), observation, noise = full[len(full) // 2]
     exact = pi05_random.pi05_knobs(policy, fast=False, fused_denoise=False) if hasattr(policy, "_ext_options") \
         else contextlib.nullcontext()
-    with exact:  # the module path: a fused fast path would bypass the hooks
-        work = {"layout": "full", "prompt_len": prompt_len,
-                **pi05_roofline.measure(policy, observation, noise, args.num_steps, one_request)}
+    work = None  # the same model's work: counted by the 0.5.17 processes (0.5.19's towers keep no config)
+    if args.impl != "0519":
+        with exact:  # the module path: a fused fast path would bypass the hooks
+            work = {"layout": "full", "prompt_len": prompt_len,
+                    **pi05_roofline.measure(policy, observation, noise, args.num_steps, one_request)}
     log(f"[bench] work per request: {work}")
     modes = [m for m in REFERENCE_MODES if m in args.modes] + [m for m in args.modes if m not in REFERENCE_MODES]
     timed: Dict[str, List[torch.Tensor]] = {}
