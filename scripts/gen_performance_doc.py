@@ -442,7 +442,9 @@ unpatched sglang with its own ViT graphs; `ext-no-replay` is sglang-ext's path w
 tower that answers zeros without running (a ceiling: no ViT change can take a slot past it). With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
 eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end, the share of
 eligible calls replayed (the load-time gate's deliberate eager calls left out), and how much reserved
-memory grew from the end of the warm-up to the end. Accuracy:
+memory grew from the end of the warm-up to the end; KV tokens: each server's KV pool (pinned to one
+size since 2026-12-02; earlier runs let sglang size each pool from the memory free when that server
+started, so their pools differed and their ratios at concurrency 32-64 are partly batching). Accuracy:
 input-token logprobs of a mixed-size stream against graphs-off at concurrency 1, and at 16 next
 to graphs-off against itself in another pass (batch composition alone moves logprobs)."""
 
@@ -503,6 +505,7 @@ def _vit_server_other_runs() -> list:
     runs = [(_load(path), os.path.basename(path)) for path in glob.glob(os.path.join(BENCH_DIR, "vit_server_*.json"))]
     for run, name in sorted(runs, key=lambda pair: pair[0].get("run_id") or "", reverse=True):
         lines += [f"### Other run: `docs/bench/{name}`", "", *_provenance([(name, run)]),
+                  f"{run['config'].get('model')} ({run['config'].get('parameters_b')} B); "
                   f"{len({r['pass'] for r in run['passes']})} passes of {run['config'].get('requests')} requests.", "",
                   "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
                   f"Command: `{run['config'].get('command')}`", ""]
