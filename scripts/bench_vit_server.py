@@ -13,7 +13,8 @@ The model is a random-weight checkpoint at real scale, written on the machine it
 (`--model qwen2_5_vl`: the 7B vision tower, a 3B-shaped text model; `qwen3_vl`: the 4B tower with
 deepstack, a 4B-shaped text model). Load: `sglang.bench_serving`'s image dataset (random images of
 random:224x224-896x896, 32 input / 8 output tokens), after a warm-up pass of the same dataset with
-another seed (varied, not copies of one request). Per pass, concurrency and image count (`1` =
+another seed (varied, not copies of one request) at the run's highest concurrency and image count,
+so reserved memory is judged after the largest calls were made once. Per pass, concurrency and image count (`1` =
 one image per request, `1-4` = one to four): req/s, TTFT p50/p99. From `/metrics` at start and at
 the end: ViT graph captures (after start-up: must be 0), hits, misses, eager fallbacks, padding,
 resident graph bytes and reserved memory. `--accuracy`: input-token logprobs of a mixed-size
@@ -565,12 +566,14 @@ def main(argv=None) -> int:
             log(f"{backend} {name}: " + (rec["error"] or f"healthy after {rec['startup_s']} s"))
         live = {n: s for n, s in servers.items() if not records[n]["error"]}
         try:
+            top = max(concurrencies)  # the warm-up makes the run's largest ViT calls before memory is judged
             for name, server in live.items():  # warm-up: a varied stream (another seed), not timed
                 flag = os.path.join(server.trace_dir, server_trace.SYNCS_FLAG) if server.trace_dir else None
                 if flag:  # where the forward syncs: counted in the warm-up only (the debug mode costs time)
                     open(flag, "w").close()
                 try:
-                    bench_serving(server, model, 8, image_counts[-1], 64, 999, workdir, args.resolution)
+                    bench_serving(server, model, top, image_counts[-1], max(64, 2 * top), 999, workdir,
+                                  args.resolution)
                 except Exception as exc:  # noqa: BLE001
                     records[name]["error"] = f"warm-up: {exc}"[:400]
                 try:  # reserved memory from here on must stay flat
