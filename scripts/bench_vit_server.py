@@ -170,8 +170,9 @@ def start(name: str, backend: str, model: str, workdir: str, args):
             "--log-level", "info"] + args.server_arg
     log_path = os.path.join(workdir, f"{backend}-{name}.log")
     env = server_env(name, workdir, args.trace)
+    started = time.time()
     server = start_server(argv, env, port, log_path)
-    server.trace_dir = env.get("SGX_SERVER_TRACE_DIR")
+    server.trace_dir, server.started = env.get("SGX_SERVER_TRACE_DIR"), started
     return server
 
 
@@ -375,7 +376,7 @@ def unequal_kv_pools(report: dict) -> Dict[str, Dict[str, int]]:
 
 def table(report: dict) -> str:
     """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off."""
-    lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'req/s median (min-max)':>26} {'vs off':>7} "
+    lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<18} {'req/s median (min-max)':>26} {'vs off':>7} "
              f"{'TTFT p50':>9} {'TTFT p99':>9}"]
     groups = {}
     for row in report["passes"]:
@@ -386,23 +387,23 @@ def table(report: dict) -> str:
             rows = by_config.get(name, [])
             med, lo, hi = _spread(r["req_s"] for r in rows)
             if med is None:
-                lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<15} {'failed':>26}")
+                lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<18} {'failed':>26}")
                 continue
             p50 = _spread(r["ttft_p50_ms"] for r in rows)[0]
             p99 = _spread(r["ttft_p99_ms"] for r in rows)[0]
             ratio = f"{med / off:.2f}x" if off else "-"
-            lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<15} {f'{med:.2f} ({lo:.2f}-{hi:.2f})':>26} "
+            lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<18} {f'{med:.2f} ({lo:.2f}-{hi:.2f})':>26} "
                          f"{ratio:>7} {p50:>9.1f} {p99:>9.1f}")
     lines.append("")
-    lines.append(f"{'backend':<12} {'config':<15} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
+    lines.append(f"{'backend':<12} {'config':<18} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
                  f"{'hits':>6} {'fallbacks':>9} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12} "
                  f"{'eligible replayed':>17} {'reserved +MiB after warm-up':>27} {'KV tokens':>9}")
     for s in report["servers"]:
         end, start_m = s.get("metrics_end") or {}, s.get("metrics_start") or {}
         if s.get("error"):
-            lines.append(f"{s['backend']:<12} {s['config']:<15} error: {s['error'][:80]}")
+            lines.append(f"{s['backend']:<12} {s['config']:<18} error: {s['error'][:80]}")
             continue
-        lines.append(f"{s['backend']:<12} {s['config']:<15} {s['startup_s'] or 0:>8.0f} {s['vit_calls'] or 0:>9.0f} "
+        lines.append(f"{s['backend']:<12} {s['config']:<18} {s['startup_s'] or 0:>8.0f} {s['vit_calls'] or 0:>9.0f} "
                      f"{s['captures_after_start'] or 0:>21.0f} {end.get('graph_hits_total', 0):>6.0f} "
                      f"{end.get('graph_eager_fallbacks_total', 0) - start_m.get('graph_eager_fallbacks_total', 0):>9.0f}"
                      f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
@@ -415,14 +416,14 @@ def table(report: dict) -> str:
     lines += trace_table(report)
     if report.get("accuracy"):
         lines.append("")
-        lines.append(f"{'backend':<12} {'config':<15} {'c':>3} {'requests':>8} {'max |dlogprob|':>15} "
+        lines.append(f"{'backend':<12} {'config':<18} {'c':>3} {'requests':>8} {'max |dlogprob|':>15} "
                      f"{'> 0.05':>7} {'floor (off vs off)':>19}")
         for a in report["accuracy"]:
             if a.get("error"):
-                lines.append(f"{a['backend']:<12} {a['config']:<15} {a['concurrency']:>3} error: {a['error'][:70]}")
+                lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} error: {a['error'][:70]}")
                 continue
             floor = "-" if a["floor_max_abs"] is None else f"{a['floor_max_abs']:.4f}"
-            lines.append(f"{a['backend']:<12} {a['config']:<15} {a['concurrency']:>3} {a['requests']:>8} "
+            lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} {a['requests']:>8} "
                          f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19}")
     return "\n".join(lines)
 
@@ -460,11 +461,11 @@ def trace_table(report: dict) -> List[str]:
         return []
     lines = ["", "scheduler (median over passes): per request, host ms launching batches and forward device span; "
              "per ViT call: tokens, host ms, device span ms",
-             f"{'backend':<12} {'c':>3} {'img':>4} {'config':<15} {'launch/req':>10} {'span/req':>9} {'ViT calls':>9} "
+             f"{'backend':<12} {'c':>3} {'img':>4} {'config':<18} {'launch/req':>10} {'span/req':>9} {'ViT calls':>9} "
              f"{'tok/call':>8} {'ViT host':>8} {'ViT span':>8}"]
     for (backend, c, images, name), rows in sorted(groups.items()):
         m = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<15} {m['launch']:>10.1f} {m['span']:>9.1f} "
+        lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<18} {m['launch']:>10.1f} {m['span']:>9.1f} "
                      f"{m['calls']:>9.0f} {m['tokens']:>8.0f} {m['vit_host']:>8.1f} {m['vit_span']:>8.1f}")
     syncs = [(s["config"], s["warmup_syncs"]) for s in report["servers"] if s.get("warmup_syncs")]
     for name, sites in syncs:
@@ -488,9 +489,10 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--resolution", default="random:224x224-896x896")
     ap.add_argument("--accuracy", type=int, default=0, help="requests of the logprob comparison (0: none)")
-    ap.add_argument("--mem-fraction", type=float, default=0.5,
-                    help="each server's --mem-fraction-static: enough that every one can hold --kv-tokens while "
-                    "the others load beside it (the pool itself is capped)")
+    ap.add_argument("--mem-fraction", type=float, default=0.85,
+                    help="each server's --mem-fraction-static, high because --kv-tokens caps the pool: sglang's "
+                    "budget is what is free when the server profiles minus (1 - this) x what was free before it "
+                    "loaded, and the servers started together load beside each other")
     ap.add_argument("--kv-tokens", type=int, default=98304,
                     help="every server's KV pool (--max-total-tokens). sglang sizes a pool from the memory free "
                     "when the server profiles it, so servers started beside each other got unequal pools (and "
@@ -543,27 +545,31 @@ def main(argv=None) -> int:
         servers, records = {}, {}
         # The first configuration starts alone (it fills the JIT caches, and sglang-ext's load-time
         # probe then times graph against eager on a quiet GPU); the others start together after it.
-        first_start = None
+        healthy_at = {}
         for i, name in enumerate(configs):
             servers[name] = start(name, backend, model, workdir, args)
             if i == 0:
                 try:
-                    first_start = servers[name].wait_healthy(timeout=900)
+                    servers[name].wait_healthy(timeout=900)
+                    healthy_at[name] = time.time()
                 except Exception:  # noqa: BLE001 - reported below
                     pass
-        for i, name in enumerate(servers):
-            server = servers[name]
+        for name, server in servers.items():
             rec = dict(backend=backend, config=name, startup_s=None, error=None, metrics_start=None,
                        metrics_end=None, vit_calls=None, captures_after_start=None)
             try:
-                healthy = server.wait_healthy(timeout=900)
-                rec["startup_s"] = round(first_start if i == 0 and first_start is not None else healthy, 1)
+                server.wait_healthy(timeout=900)
+                rec["startup_s"] = round(healthy_at.get(name, time.time()) - server.started, 1)
                 rec["metrics_start"] = metrics(server)
-                rec["kv_tokens"] = json.loads(server.get_text("/server_info")).get("max_total_num_tokens")
             except Exception as exc:  # noqa: BLE001 - reported
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+            try:  # a diagnostic: its failure leaves the server in the run (the column then says "-")
+                rec["kv_tokens"] = json.loads(server.get_text("/server_info")).get("max_total_num_tokens")
+            except Exception as exc:  # noqa: BLE001
+                log(f"{backend} {name}: /server_info: {type(exc).__name__}: {exc}")
             records[name] = rec
-            log(f"{backend} {name}: " + (rec["error"] or f"healthy after {rec['startup_s']} s"))
+            log(f"{backend} {name}: " + (rec["error"] or f"healthy after {rec['startup_s']} s, KV pool "
+                                         f"{rec.get('kv_tokens')} tokens (asked {args.kv_tokens})"))
         live = {n: s for n, s in servers.items() if not records[n]["error"]}
         try:
             top = max(concurrencies)  # the warm-up makes the run's largest ViT calls before memory is judged
