@@ -442,9 +442,8 @@ unpatched sglang with its own ViT graphs; `ext-no-replay` is sglang-ext's path w
 tower that answers zeros without running (a ceiling: no ViT change can take a slot past it). With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
 eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end, the share of
 eligible calls replayed (the load-time gate's deliberate eager calls left out), and how much reserved
-memory grew from the end of the warm-up to the end; KV tokens: each server's KV pool (pinned to one
-size since 2026-12-02; earlier runs let sglang size each pool from the memory free when that server
-started, so their pools differed and their ratios at concurrency 32-64 are partly batching). Accuracy:
+memory grew from the end of the warm-up to the end; KV tokens: each server's KV pool, the same for
+all (`--kv-tokens`; "-": a run from before the cap, see its note). Accuracy:
 input-token logprobs of a mixed-size stream against graphs-off at concurrency 1, and at 16 next
 to graphs-off against itself in another pass (batch composition alone moves logprobs)."""
 
@@ -478,6 +477,22 @@ def _vit_server_targets(run) -> list:
     return lines + [""]
 
 
+# The first run id after which `ext` has the one-kernel rotary (knob vit_triton_rotary on by default).
+ROTARY_KERNEL_DEFAULT_FROM = "20261202T170000Z"
+
+
+def _vit_server_notes(run) -> list:
+    """What a run's table cannot say by itself: defaults and conditions that changed after it."""
+    notes = []
+    if not any(s.get("kv_tokens") for s in run["servers"]):
+        notes.append("KV pools not capped in this run: sglang sized each from the memory free when that server "
+                     "started, so the pools may have differed and ratios at concurrency 32-64 may partly reflect batching.")
+    if (run.get("run_id") or "") < ROTARY_KERNEL_DEFAULT_FROM:
+        notes.append("`ext` here ran sglang's rotary functions (the default then); `ext-triton-rotary`, where "
+                     "present, is today's default (the one-kernel rotary).")
+    return [f"Note: {n}" for n in notes] + ([""] if notes else [])
+
+
 def _vit_server_section():
     path = os.path.join(BENCH_DIR, "vit_server.json")
     if not os.path.exists(path):
@@ -493,7 +508,7 @@ def _vit_server_section():
         f"sglang {cfg.get('sglang')}; {len({r['pass'] for r in run['passes']})} of {cfg.get('passes')} passes "
         f"completed, {cfg.get('requests')} requests each "
         f"(concurrency 1: a quarter); images {cfg.get('resolution')}; {cfg.get('seconds')} s in all.", "",
-        "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
+        *_vit_server_notes(run), "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
         f"Command: `{cfg.get('command')}`", "", *_vit_server_other_runs()])
 
 
@@ -507,7 +522,7 @@ def _vit_server_other_runs() -> list:
         lines += [f"### Other run: `docs/bench/{name}`", "", *_provenance([(name, run)]),
                   f"{run['config'].get('model')} ({run['config'].get('parameters_b')} B); "
                   f"{len({r['pass'] for r in run['passes']})} passes of {run['config'].get('requests')} requests.", "",
-                  "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
+                  *_vit_server_notes(run), "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
                   f"Command: `{run['config'].get('command')}`", ""]
     return lines
 
@@ -590,7 +605,8 @@ def _vit_server_headline():
     return (f"- **Qwen2.5-VL in a real server** ({cfg.get('model')}, {cfg.get('parameters_b')} B, "
             f"{run.get('attention')} vision attention, {cfg.get('device')}): requests per second with "
             f"sglang-ext's ViT graphs against ViT graphs off: {', '.join(ratios)}; "
-            f"{'no' if captures and not any(captures) else 'some'} graph captured while serving; {verdict}. "
+            f"{'no' if captures and not any(captures) else 'some'} graph captured while serving; {verdict}"
+            f"{'' if _vit_server_notes(run) == [] else ' (an earlier run: see the notes above its table)'}. "
             f"[Table]({_anchor(VIT_SERVER_HEADING)})")
 
 
