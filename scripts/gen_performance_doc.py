@@ -60,7 +60,9 @@ it), on the same observations, noise and weights ("-": not measured; `x/-`: a fi
 cosines were recorded, its difference taken over the warm-up pass).
 Modes: `graph` = exact mode (first N signatures captured, later ones eager), `graph-bucket` =
 prompt buckets + LRU, `graph-fused` = one graph for all denoise steps, `graph-fast` = knob
-`pi05_fast` (fused kernels inside the fused denoise graph; sglang-ext only).
+`pi05_fast` (fused kernels inside the fused denoise graph; sglang-ext only), `graph-fast-nopdl` =
+the same without programmatic dependent launch (a diagnostic: with PDL a kernel's profiled time
+includes its wait for the kernel before, so only this mode's kernel table shows each kernel's own).
 `0517-ext` includes `pi05_fused_norms` (fewer, fused norm kernels in every mode); its actions
 match 0.5.17's norm math within bf16 rounding (checked on the GPU by
 `test_pi05_graphs_cuda.py::test_fused_norms_change_actions_only_within_rounding`)."""
@@ -254,7 +256,8 @@ def _pi05_section():
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
              f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
-             "", "```", out.getvalue().strip("\n"), "```", *_pi05_roofline(runs, results), *_pi05_attention_kernels(results),
+             "", "```", out.getvalue().strip("\n"), "```", *_pi05_roofline(runs, results), *_pi05_kernel_table(results),
+             *_pi05_attention_kernels(results),
              *_pi05_targets(results), *_pi05_issue17(results), "",
              *_pi05_commands(runs)]
     return "\n".join(lines)
@@ -270,6 +273,22 @@ def _pi05_roofline(runs, results) -> list:
     return ["", "How far each mode is from the floor (`scripts/pi05_roofline.py`: FLOPs and unavoidable HBM bytes "
             f"counted on one eager request of the full layout, prompt {work.get('prompt_len')} tokens; floor = "
             "max(FLOPs / peak, bytes / bandwidth) per phase):", "", "```", pi05_roofline.table(work, results), "```"]
+
+
+def _pi05_kernel_table(results) -> list:
+    """Issue 29's profile: where the fast path's device time goes, kernel by kernel, from the mode whose
+    kernel times are their own (graph-fast-nopdl)."""
+    row = next((r for r in results if r.get("mode") == "graph-fast-nopdl" and r.get("top_kernels_per_request")),
+               None)
+    if row is None:
+        return []
+    total_us = 1000.0 * row["kernel_time_ms_per_request"]
+    lines = [f"{'kernel':<64} {'launches':>8} {'us':>8} {'share':>6}"]
+    for name, (count, us) in row["top_kernels_per_request"].items():
+        lines.append(f"{name[:64]:<64} {count:>8.1f} {us:>8.1f} {us / total_us:>6.1%}")
+    return ["", f"Where the fast path's device time goes (graph-fast-nopdl: p50 {row['p50_ms']:.1f} ms; per request "
+            f"{row['device_kernels_per_request']:.0f} kernels, {row['kernel_time_ms_per_request']:.2f} ms of kernel "
+            "time; the costliest kernels, per request):", "", "```", *lines, "```"]
 
 
 PI05_SERVER_MEANING = """\
@@ -563,7 +582,8 @@ def _anchor(heading: str) -> str:
 def _pi05_headline():
     runs = [_load(p) for p in sorted(glob.glob(os.path.join(BENCH_DIR, "pi05_*.json")))]
     rows = {(r["impl"], r["mode"]): r for run in runs for r in run["results"] if "p50_ms" in r}
-    ext = [r for (impl, mode), r in rows.items() if impl == "0517-ext" and mode.startswith("graph")]
+    ext = [r for (impl, mode), r in rows.items()
+           if impl == "0517-ext" and mode.startswith("graph") and mode != "graph-fast-nopdl"]  # a diagnostic
     if not ext or ("0517", "eager") not in rows:
         return None
     best = min(ext, key=lambda r: r["p50_ms"])

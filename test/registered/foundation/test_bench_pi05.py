@@ -163,6 +163,7 @@ def test_graph_fast_is_skipped_with_a_reason_where_the_tree_lacks_it(monkeypatch
     assert bench_pi05.unavailable("0517-ext", "graph-fused") == ""
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert "no package sglang_ext.kernels" in bench_pi05.unavailable("0517-ext", "graph-fast")
+    assert "no package sglang_ext.kernels" in bench_pi05.unavailable("0517-ext", "graph-fast-nopdl")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     assert bench_pi05.unavailable("0517-ext", "graph-fast") == ""
     monkeypatch.setattr(knobs, "KNOBS", tuple(k for k in knobs.KNOBS if k.name != "pi05_fast"))
@@ -241,6 +242,28 @@ def test_performance_doc_checks_issue_17_and_says_one_run_only_for_one_run_id(tm
     assert gen_performance_doc.main(["--bench-dir", str(tmp_path), "--doc", str(doc)]) == 0
     text = doc.read_text()
     assert "not shown to be one run: 0517: run r0; 0517-ext: run r1" in text and "One process per" not in text
+
+
+def test_kernel_table_comes_from_the_run_without_pdl_and_the_headline_ignores_that_diagnostic(tmp_path, monkeypatch):
+    for name in ("BENCH_DIR", "DOC"):  # main() points them at its arguments; restored after the test
+        monkeypatch.setattr(gen_performance_doc, name, getattr(gen_performance_doc, name))
+    kernels = {"_skinny_gemm_kernel": [560.0, 3000.0], "_ada_rms_norm_kernel": [405.0, 1000.0]}
+    pdl = _row("graph-fast", 14.0, top_kernels_per_request=kernels, kernel_time_ms_per_request=18.0,
+               device_kernels_per_request=2088.0)
+    _write_run(tmp_path, "0517", "r1", [{**_row("eager", 260.0), "impl": "0517"}])
+    _write_run(tmp_path, "0517-ext", "r1", [_row("eager", 190.0), pdl])
+    doc = tmp_path / "performance.md"
+    assert gen_performance_doc.main(["--bench-dir", str(tmp_path), "--doc", str(doc)]) == 0
+    assert "Where the fast path's device time goes" not in doc.read_text()  # PDL-inflated times: no table
+    nopdl = {**pdl, "mode": "graph-fast-nopdl", "p50_ms": 13.0, "kernel_time_ms_per_request": 8.0}
+    _write_run(tmp_path, "0517-ext", "r1", [_row("eager", 190.0), pdl, nopdl])
+    assert gen_performance_doc.main(["--bench-dir", str(tmp_path), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "graph-fast-nopdl: p50 13.0 ms; per request 2088 kernels, 8.00 ms of kernel time" in text
+    row = next(line for line in text.splitlines() if line.startswith("_skinny_gemm_kernel"))
+    assert row.split()[1:] == ["560.0", "3000.0", "37.5%"]
+    monkeypatch.setattr(gen_performance_doc, "BENCH_DIR", str(tmp_path))
+    assert "14.0 ms with sglang-ext (`--ext-pi05-fast`)" in gen_performance_doc._pi05_headline()
 
 
 def test_committed_pi05_results_still_pass_the_schema():
