@@ -65,7 +65,7 @@ step_cmd() {
     unit) echo "python3 -m pytest -q -rA -p no:cacheprovider test/registered/graphs/test_graph_core_cuda.py \
 test/registered/vit/test_vit_cuda_graph_cuda.py test/registered/pi05/test_pi05_graphs_cuda.py \
 test/registered/pi05/test_pi05_fused_norms_cuda.py test/registered/cp/test_prefill_cp_graph_1gpu.py \
-test/registered/cp/test_prefill_bcg_break_inputs_cuda.py" ;;
+test/registered/cp/test_prefill_bcg_break_inputs_cuda.py test/registered/vit/test_mm_embedding_sync_free_cuda.py" ;;
     # Default subset: fits ~5 min under memcheck. Left out: the failed-capture tests (they raise CUDA
     # API errors 900/901 on purpose, which memcheck counts) and two memory-accounting tests whose
     # numbers memcheck's own allocations change (all pass in `unit`).

@@ -112,14 +112,17 @@ PATCHES: Tuple[PatchSpec, ...] = (
     ),
     PatchSpec(
         name="mm_embedding_sync_free",
-        summary="Multimodal embedding checks its length against a host-side token count instead of a device "
-        "sync after the vision tower (ViT graph replays then overlap the language model's launch)",
+        summary="Multimodal embedding without device syncs: its length checked against a host-side token "
+        "count after the vision tower (ViT graph replays then overlap the language model's launch), the "
+        "placeholder ids copied to the device from pinned memory before it",
         targets=T(_MM_UTILS, "get_embedding_and_mask", "_adjust_embedding_length")
         # relied on: the extend ranges the host count mirrors, and the module-global calls it rebinds
         + T(_MM_UTILS, "get_embedding_chunk", "embed_mm_inputs"),
         parts=(Part(_MM_UTILS, "sglang_ext.vit.mm_embedding:patch_mm_utils"),),
         upstream_pr="none (sglang-ext only)",
-        retire_when="upstream checks the multimodal embedding length without a device sync",
+        retire_when="upstream checks the multimodal embedding length without a device sync and copies the "
+        "placeholder ids to the device without one",
+        rebinds=(f"{_MM_UTILS}.torch (a proxy: its own as_tensor, torch's other names)",),
     ),
     PatchSpec(
         name="prefill_cp_bucket",

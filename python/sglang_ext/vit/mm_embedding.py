@@ -1,15 +1,21 @@
-"""Multimodal embedding without a device sync after the vision tower.
+"""Multimodal embedding without a device sync before or after the vision tower.
 
 Patch: mm_embedding_sync_free
-Targets: sglang.srt.managers.mm_utils:get_embedding_and_mask, sglang.srt.managers.mm_utils:_adjust_embedding_length
+Targets: sglang.srt.managers.mm_utils:get_embedding_and_mask, sglang.srt.managers.mm_utils:_adjust_embedding_length,
+    sglang.srt.managers.mm_utils:torch
 Upstream PR: none (sglang-ext only)
-Retire when: upstream checks the multimodal embedding length without a device sync
+Retire when: upstream checks the multimodal embedding length without a device sync and copies the
+    placeholder ids to the device without one
 
 Why: `_adjust_embedding_length` compares the embedding's rows with `mask.sum().item()`, a device
-sync right after the vision tower.
+sync right after the vision tower; before it, `embed_mm_inputs` builds the placeholder ids with
+`torch.as_tensor(list, device=...)`, a pageable copy that waits for the stream, so each multimodal
+forward first drains the GPU of the batch before it.
 How: the wrapped `get_embedding_and_mask` counts the multimodal tokens on the host; the replaced
 `_adjust_embedding_length` returns the embedding as is when the count equals its rows, else runs
-the original.
+the original. mm_utils sees `torch` through a proxy whose only own name is `as_tensor`: a list of
+Python ints bound for a CUDA device is copied from pinned memory without a wait (same values and
+dtype); everything else is torch's.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import types
+
+import torch
 
 # Multimodal tokens of the current get_embedding_and_mask call's extend range, counted on the host.
 _host_count = contextvars.ContextVar("sglang_ext_mm_tokens_in_extend", default=None)
@@ -61,7 +70,38 @@ def _replace_adjust_embedding_length(original):
     return _adjust_embedding_length
 
 
+def copies_without_a_wait(data, device) -> bool:
+    """A list (or tuple) of Python ints bound for a CUDA device, outside a capture."""
+    return (isinstance(data, (list, tuple)) and len(data) > 0 and all(type(v) is int for v in data)
+            and device is not None and torch.device(device).type == "cuda"
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def pinned_copy(data, dtype, device):
+    """`data` on `device` through pinned memory, not waiting for the stream (the caching host allocator
+    keeps the pinned block until the copy is done)."""
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class TorchForMmUtils(types.ModuleType):
+    """`torch` as mm_utils sees it: torch's names, and an `as_tensor` that copies int lists to CUDA
+    without waiting for the stream."""
+
+    def __init__(self):
+        super().__init__("torch", "torch for sglang.srt.managers.mm_utils (sglang-ext)")
+
+    def __getattr__(self, name):  # every name but as_tensor (looked up each time: patches of torch show)
+        return getattr(torch, name)
+
+    @staticmethod
+    def as_tensor(data, dtype=None, device=None):
+        if copies_without_a_wait(data, device):
+            return pinned_copy(data, dtype, device)
+        return torch.as_tensor(data, dtype=dtype, device=device)
+
+
 def patch_mm_utils(ctx, module) -> None:
-    """Part for `sglang.srt.managers.mm_utils` (both names are called through the module's globals)."""
+    """Part for `sglang.srt.managers.mm_utils` (the names are looked up through the module's globals)."""
     ctx.setattr(module, "get_embedding_and_mask", _wrap_get_embedding_and_mask(module.get_embedding_and_mask))
     ctx.setattr(module, "_adjust_embedding_length", _replace_adjust_embedding_length(module._adjust_embedding_length))
+    ctx.setattr(module, "torch", TorchForMmUtils())

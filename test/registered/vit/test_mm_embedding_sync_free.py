@@ -5,6 +5,8 @@ text-only requests between them and chunked prefill (extend ranges that start or
 image), a tower stand-in that returns one distinct row per patch. Checked: the host count equals
 the device mask's count, the patched embedding equals the unpatched one bit for bit, no
 `Tensor.item()` runs when the counts agree, and a disagreement still takes sglang's own path.
+mm_utils's `torch`: torch's names, an `as_tensor` equal to torch's, and the pinned copy only for
+Python int lists bound for CUDA outside a capture (on the GPU: test_mm_embedding_sync_free_cuda.py).
 """
 
 from __future__ import annotations
@@ -142,3 +144,28 @@ def test_without_a_matching_host_count_sglangs_own_check_runs(sync_free, monkeyp
     finally:
         adapter._host_count.reset(token)
     assert items == []
+
+
+def test_mm_utils_sees_torchs_names_and_an_as_tensor_equal_to_torchs(sync_free):
+    proxy = mm_utils.torch
+    assert proxy is not torch and type(proxy).__name__ == "TorchForMmUtils"
+    assert proxy.zeros is torch.zeros and proxy.Tensor is torch.Tensor and proxy.cuda is torch.cuda
+    for data, kwargs in (([3, 5], {}), ([3, 5], {"device": "cpu"}), ((7,), {"dtype": torch.int32}),
+                         ([1.5, 2.0], {}), ([True, False], {}), ([], {}), (torch.arange(3), {"device": "cpu"})):
+        got, want = proxy.as_tensor(data, **kwargs), torch.as_tensor(data, **kwargs)
+        assert torch.equal(got, want) and (got.dtype, got.device) == (want.dtype, want.device), (data, kwargs)
+
+
+def test_only_python_int_lists_bound_for_cuda_skip_the_wait(sync_free, monkeypatch):
+    adapter = ext_core("vit.mm_embedding")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for data, device in (([151655, 151656], "cuda"), ((3,), torch.device("cuda", 0)), ([3], "cuda:1")):
+        assert adapter.copies_without_a_wait(data, device), (data, device)
+    for data, device in (([3], "cpu"), ([3], None), ([3.0], "cuda"), ([True], "cuda"), ([], "cuda"),
+                         (torch.tensor([3]), "cuda"), ([3, 4.0], "cuda")):
+        assert not adapter.copies_without_a_wait(data, device), (data, device)
+    copies = []
+    monkeypatch.setattr(adapter, "pinned_copy", lambda *args: copies.append(args) or "pinned")
+    assert mm_utils.torch.as_tensor([4, 2], device="cuda") == "pinned" and copies == [([4, 2], None, "cuda")]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # a capture: torch's own copy
+    assert not adapter.copies_without_a_wait([4, 2], "cuda")
