@@ -20,7 +20,8 @@ Implementations (one per process; the sglang on PYTHONPATH decides):
   0517-ext  0.5.17 + sglang-ext: eager, graph (exact), graph-bucket, graph-fused,
             graph-fast (knob pi05_fast: fused kernels + the fused denoise loop; skipped, with
             the reason, where this tree has no fast path), graph-fast-nopdl (the same without
-            programmatic dependent launch: its kernel table gives each kernel's own time)
+            programmatic dependent launch: its kernel table gives each kernel's own time),
+            graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in)
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
 
 On the GPU machine (docs/gpu-harness.md): `bash scripts/gpu_steps.sh bench-pi05` runs the three
@@ -57,13 +58,13 @@ from sglang_ext_testkit import pi05_random  # noqa: E402
 
 MODES = {
     "0517": ("eager", "graph"),
-    "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl"),
+    "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl", "graph-fast-fp8"),
     "0519": ("eager", "graph", "graph-bucket"),
 }
 REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared with them
 # The fast path; -nopdl without programmatic dependent launch, a diagnostic: with PDL a kernel's profiled
 # time includes its wait for the one before, without it each kernel's time is its own (issue 29's table).
-FAST_MODES = ("graph-fast", "graph-fast-nopdl")
+FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8")  # -fp8: knob pi05_fp8_expert
 ACTIONS_FORMAT = "bench_pi05 actions v1"
 # Device kernels that are attention (SDPA's flash / memory-efficient / cuDNN kernels, FA3, Triton).
 ATTENTION_KERNEL = re.compile(r"attn|attention|fmha|flash|sdpa|cudnn", re.IGNORECASE)
@@ -171,7 +172,8 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
     config.action_cuda_graph_max_entries = args.action_entries
     if impl == "0517-ext" and hasattr(policy, "_ext_options"):  # the knobs a policy reads when it is built
         policy._ext_options = dataclasses.replace(
-            policy._ext_options, fused_denoise=mode in ("graph-fused", *FAST_MODES), fast=mode in FAST_MODES)
+            policy._ext_options, fused_denoise=mode in ("graph-fused", *FAST_MODES), fast=mode in FAST_MODES,
+            **({"fp8_expert": mode == "graph-fast-fp8"} if hasattr(policy._ext_options, "fp8_expert") else {}))
         if importlib.util.find_spec("sglang_ext.kernels") is not None:  # read at every launch and capture
             importlib.import_module("sglang_ext.kernels.backend").PDL_ENABLED = mode != "graph-fast-nopdl"
     evict = policy._prompt_token_bucketing_enabled()
@@ -195,6 +197,7 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "action_entries": args.action_entries,
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
+        "fp8_expert": mode == "graph-fast-fp8",
     }
 
 
@@ -331,7 +334,7 @@ SCHEMA = {
                          "profiled_requests", "kernel_launches_per_request", "graph_launches_per_request",
                          "device_kernels_per_request", "kernel_time_ms_per_request", "skipped", "error", "note")),
         "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
-                                 "prefix_entries", "action_entries", "fused_denoise", "fast")),
+                                 "prefix_entries", "action_entries", "fused_denoise", "fast", "fp8_expert")),
         "accuracy": {"vs_eager": _ACCURACY, "vs_graph": _ACCURACY, "vs_saved": _ACCURACY},
         "p50_ms_by_layout": bench_results.ANY,  # layout (full, masked) -> p50 of its timed requests
         "attention_kernels_per_request": bench_results.ANY,  # device kernel name -> count

@@ -90,6 +90,10 @@ VIT_ROTARY = "sglang_ext/vit/vision_rotary.py"
 VIT_ROTARY_TESTS = "test/registered/vit/test_vision_rotary.py"
 ROTATE_HALF = "sglang_ext/kernels/rotate_half.py"
 ROTATE_HALF_TESTS = "test/registered/kernels/test_rotate_half.py"
+SKINNY = "sglang_ext/kernels/skinny_gemm.py"
+FUSED_KERNEL_TESTS = "test/registered/kernels/test_fused_kernels.py"
+PI05_POLICY = "sglang_ext/pi05/policy_graphs.py"
+PI05_FAST_TESTS = "test/registered/pi05/test_pi05_fast.py"
 CACHE = "sglang_ext/graphs/cache.py"
 CORE_TESTS = "test/registered/graphs/test_graph_core.py"
 WORKSPACE = "sglang_ext/graphs/workspace.py"
@@ -210,6 +214,15 @@ MUTANTS: List[Mutant] = [
            '    Knob("vit_triton_rotary", "bool", True,\n', '    Knob("vit_triton_rotary", "bool", False,\n',
            (f"{VIT_ROTARY_TESTS}::test_knob_vit_triton_rotary_sends_every_supported_call_to_the_one_kernel",),
            "ViT rotary: the one-kernel rotary (measured faster, bitwise equal) no longer the default"),
+    Mutant("skinny-fp8-columns-unscaled", SKINNY,
+           "            acc *= tl.load(W_SCALE + rn, mask=rn < n_cols, other=0.0)[None, :]\n",
+           "            acc *= 1.0\n",
+           (f"{FUSED_KERNEL_TESTS}::test_kernel_matches_reference[gemm]",),
+           "skinny_linear with FP8 weights: the row scales never applied"),
+    Mutant("pi05-fp8-knob-ignored", PI05_POLICY,
+           'fp8_expert=bool(value("pi05_fp8_expert")))', "fp8_expert=False)",
+           (f"{PI05_FAST_TESTS}::test_fast_and_exact_fused_loops_get_separate_graphs",),
+           "knob pi05_fp8_expert read but never reaching the fast loop"),
     Mutant("rotate-half-launch-contracts", ROTATE_HALF,
            "enable_fp_fusion=False", "enable_fp_fusion=True",
            (f"{ROTATE_HALF_TESTS}::test_the_launch_asks_for_the_build_without_contraction",),

@@ -12,6 +12,9 @@ returns [..., N], rounded once, after an optional epilogue:
     add_to: float32 [..., N] updated in place, add_to += alpha * result (returned)
 float32 x and weight multiply as three TF32 products (tf32x3: float32-level accuracy on tensor
 cores): the Pi0.5 action in/out projections, which sglang keeps in float32.
+FP8 weights (opt-in, `quantize_rows_fp8`): a float8_e4m3fn weight with a float32 scale per row is
+read as is (half the bytes), widened to x's dtype for the products (exact), and each product column
+multiplied by its row's scale before any epilogue (split-K parts too: the scale is linear).
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block
                                         uses_pdl)
 
 MAX_ROWS = 128
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_rows_fp8(weight):
+    """(float8_e4m3fn weight, float32 scale per row) with weight ~ q * scale[:, None]: each row's
+    largest magnitude maps to FP8_MAX (an all-zero row gets scale 1)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w / scale[:, None]).to(FP8).contiguous(), scale.contiguous()
 
 
 class Partials(NamedTuple):
@@ -68,12 +82,14 @@ def _epilogue(gated, bias, add_to):
 
 
 def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None,
-                            out_dtype=None, add_to=None, alpha=1.0):
+                            out_dtype=None, add_to=None, alpha=1.0, weight_scale=None):
     """torch version of `skinny_linear` (float32 accumulation per part, same epilogue)."""
     rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     xs = x.reshape(rows, k).float().chunk(parts, dim=1)
     ws = weight.float().chunk(parts, dim=1)
     products = torch.stack([a @ w.t() for a, w in zip(xs, ws)]).reshape(parts, *x.shape[:-1], n)
+    if weight_scale is not None:
+        products = products * weight_scale.float()
     if parts > 1:
         return Partials(products)
     out = products[0]
@@ -106,7 +122,7 @@ if triton is not None:
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for _ in range(0, k_len, BLOCK_K):
             a = tl.load(x_ptrs, mask=row_mask, other=0.0)
-            b = tl.load(w_ptrs, mask=col_mask, other=0.0)
+            b = tl.load(w_ptrs, mask=col_mask, other=0.0).to(X.dtype.element_ty)  # FP8 weights: widened
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             if F32:
@@ -114,7 +130,7 @@ if triton is not None:
             else:
                 acc += tl.dot(a, b)
             if SECOND:
-                b2 = tl.load(w_ptrs + second_offset * k_dim, mask=col_mask, other=0.0)
+                b2 = tl.load(w_ptrs + second_offset * k_dim, mask=col_mask, other=0.0).to(X.dtype.element_ty)
                 if UPCAST:
                     b2 = b2.to(tl.float32)
                 acc2 += tl.dot(a, b2)
@@ -124,10 +140,10 @@ if triton is not None:
 
     @triton.jit
     def _skinny_gemm_kernel(
-        X, W, OUT, BIAS, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
+        X, W, OUT, BIAS, W_SCALE, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
         GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_TO: tl.constexpr, F32: tl.constexpr,
-        UPCAST: tl.constexpr, PDL: tl.constexpr,
+        UPCAST: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
     ):
         after_previous_kernel(PDL)
         part = tl.program_id(1)
@@ -137,6 +153,10 @@ if triton is not None:
             X, W, rm, rn, rows, n_cols, k_dim, part * k_per_part, k_per_part, gate_offset,
             BLOCK_M, BLOCK_N, BLOCK_K, GATED, F32, UPCAST,
         )
+        if SCALED:  # FP8 weights: each column times its weight row's scale
+            acc *= tl.load(W_SCALE + rn, mask=rn < n_cols, other=0.0)[None, :]
+            if GATED:
+                up *= tl.load(W_SCALE + gate_offset + rn, mask=rn < n_cols, other=0.0)[None, :]
         row_mask = rm[:, None] < rows
         col_mask = rn[None, :] < n_cols
         mask = row_mask & col_mask
@@ -154,16 +174,29 @@ if triton is not None:
 
 
 def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None, out_dtype=None,
-                  add_to=None, alpha=1.0):
+                  add_to=None, alpha=1.0, weight_scale=None):
     """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows: [..., N] (gated: N / 2) in out_dtype
-    (default x's), or add_to updated; parts > 1: Partials."""
+    (default x's), or add_to updated; parts > 1: Partials. A float8_e4m3fn weight comes with
+    weight_scale (float32 [N]) and a bfloat16 or float16 x."""
     if not runs_triton(x):
         return skinny_linear_reference(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=gated,
-                                       bias=bias, out_dtype=out_dtype, add_to=add_to, alpha=alpha)
+                                       bias=bias, out_dtype=out_dtype, add_to=add_to, alpha=alpha,
+                                       weight_scale=weight_scale)
     rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     if not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError("skinny_linear: x and weight must be contiguous")
-    if x.dtype != weight.dtype:
+    scaled = FP8 is not None and weight.dtype == FP8
+    if scaled:
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"skinny_linear: x {x.dtype} with float8_e4m3fn weights; allowed: bfloat16, float16")
+        if (weight_scale is None or weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,)
+                or not weight_scale.is_contiguous()):
+            got = None if weight_scale is None else tuple(weight_scale.shape)
+            raise ValueError(f"skinny_linear: weight_scale {got}; allowed: contiguous float32 [{n}] with "
+                             "float8_e4m3fn weights")
+    elif weight_scale is not None:
+        raise ValueError(f"skinny_linear: weight_scale with {weight.dtype} weights; allowed: float8_e4m3fn weights")
+    elif x.dtype != weight.dtype:
         raise ValueError(f"skinny_linear: x {x.dtype}, weight {weight.dtype}; allowed: one dtype")
     width = n // 2 if gated else n
     if gated and n % 2:
@@ -179,8 +212,9 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
         out = torch.empty((parts, *x.shape[:-1], n), dtype=torch.float32, device=x.device)
     pdl = uses_pdl(x)
     _skinny_gemm_kernel[(triton.cdiv(width, block_n), parts)](
-        x, weight, out, bias if bias is not None else weight, rows, width, k, k // parts, width, float(alpha),
-        BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PARTIAL=parts > 1,
-        GATED=gated, HAS_BIAS=bias is not None, ADD_TO=add_to is not None, F32=x.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=4)
+        x, weight, out, bias if bias is not None else weight, weight_scale if scaled else weight, rows, width, k,
+        k // parts, width, float(alpha), BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        PARTIAL=parts > 1, GATED=gated, HAS_BIAS=bias is not None, ADD_TO=add_to is not None,
+        F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, SCALED=scaled, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        num_stages=4)
     return out if parts == 1 else Partials(out)

@@ -203,12 +203,15 @@ def _one_head_sdpa(q, keys, values, scale):
 
 
 class _Projections(NamedTuple):
-    """One expert layer's plan per GEMM: (weight, parts, block_n, block_k); qkv: (weight, block_n, block_k)."""
+    """One expert layer's plan per GEMM: (weight, parts, block_n, block_k); qkv: (weight, block_n, block_k).
+    With FP8 weights (knob pi05_fp8_expert) o, gate_up and down hold float8_e4m3fn weights, their row
+    scales in `scales` by name."""
 
     qkv: tuple
     o: tuple
     gate_up: tuple  # gated: gelu-and-mul in the GEMM's epilogue
     down: tuple
+    scales: dict
 
 
 def _plain_weight(module, dtype, *, bias_ok=False):
@@ -267,8 +270,30 @@ def _skinny_serves(state) -> bool:
     return runs_triton(state) and state.shape[0] * state.shape[1] <= MAX_ROWS
 
 
-def _expert_projections(expert, state, dtype):
-    """Per layer _Projections, or None (not plain bias-free GEMMs, too many rows, no Triton)."""
+def fp8_rows(weight):
+    """`weight` as float8_e4m3fn with a float32 scale per row, quantized once (kept on the parameter)."""
+    from sglang_ext.kernels import quantize_rows_fp8
+
+    cached = getattr(weight, "_ext_fp8_rows", None)
+    if cached is None:
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():  # the copies would live in the graph
+            raise RuntimeError("pi05_fp8_expert: weights not quantized before the capture (prepare_fp8)")
+        cached = weight._ext_fp8_rows = quantize_rows_fp8(weight)
+    return cached
+
+
+def prepare_fp8(core) -> None:
+    """Quantize the expert's plain o, gate-up and down weights once, outside any capture."""
+    for layer in _expert(core).layers:
+        for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            plain = _plain_weight(module, layer.self_attn.projection_dtype)
+            if plain is not None and plain[1] is None:
+                fp8_rows(plain[0])
+
+
+def _expert_projections(expert, state, dtype, fp8=False):
+    """Per layer _Projections, or None (not plain bias-free GEMMs, too many rows, no Triton). fp8: the
+    o, gate-up and down weights in FP8 with row scales (half their bytes per step)."""
     if not _skinny_serves(state):
         return None
     sms = _sm_count(state.device)
@@ -280,8 +305,11 @@ def _expert_projections(expert, state, dtype):
         if any(p is None or p[1] is not None for p in plain):
             return None
         qkv, o, gate_up, down = (p[0] for p in plain)
+        scales = {}
+        if fp8:
+            (o, scales["o"]), (gate_up, scales["gate_up"]), (down, scales["down"]) = map(fp8_rows, (o, gate_up, down))
         plan = _Projections(_rope_plan(qkv, attn.head_dim, sms), _skinny_plan(o, sms),
-                            _skinny_plan(gate_up, sms, splittable=False, gated=True), _skinny_plan(down, sms))
+                            _skinny_plan(gate_up, sms, splittable=False, gated=True), _skinny_plan(down, sms), scales)
         if None in plan:
             return None
         plans.append(plan)
@@ -405,8 +433,9 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
     return VLADensePrefixCache(tuple(cache))
 
 
-def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0):
-    """Every denoise step of one request; `state` (x_t, float32) is updated in place."""
+def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, fp8=False):
+    """Every denoise step of one request; `state` (x_t, float32) is updated in place. fp8: the expert's
+    o, gate-up and down GEMMs read FP8 weights (knob pi05_fp8_expert)."""
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
 
@@ -421,7 +450,7 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     dtype = attn0.projection_dtype
     batch, seq = state.shape[:2]
     norms = _adaptive_norms(expert)
-    projections = _expert_projections(expert, state, dtype)
+    projections = _expert_projections(expert, state, dtype, fp8)
     actions = _action_projections(core, state) if projections is not None else None
 
     def gemm(index, name, module, x):
@@ -429,7 +458,8 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
             out = linear_forward(module, x)
             return gelu_tanh_and_mul(out) if name == "gate_up" else out
         weight, parts, block_n, block_k = getattr(projections[index], name)
-        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
+        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up",
+                             weight_scale=projections[index].scales.get(name))
 
     def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
         shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start)

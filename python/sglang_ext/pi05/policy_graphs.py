@@ -48,10 +48,12 @@ class Pi05Options:
 
     fast: bool = False  # pi05_fast: the fused-kernel denoise loop and prefix layers
     fused_denoise: bool = False  # pi05_fused_denoise: every denoise step in one graph
+    fp8_expert: bool = False  # pi05_fp8_expert: the fast denoise loop reads FP8 expert weights
 
     @classmethod
     def read(cls, value=knobs.current) -> "Pi05Options":
-        return cls(fast=bool(value("pi05_fast")), fused_denoise=bool(value("pi05_fused_denoise")))
+        return cls(fast=bool(value("pi05_fast")), fused_denoise=bool(value("pi05_fused_denoise")),
+                   fp8_expert=bool(value("pi05_fp8_expert")))
 
 
 def _buckets(config) -> tuple:
@@ -285,16 +287,19 @@ def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offs
     """The fused-kernel loop (one graph per request, or eager); None when its first use here failed."""
     core = self.core_model
     table = fast.time_conditioning(core, num_steps, x_t.shape[0], x_t.device)
+    fp8 = self._ext_options.fp8_expert
+    if fp8:
+        fast.prepare_fp8(core)  # once, before any capture (later calls find the copies)
 
     def loop_fn(context, state, current_table):
         return fast.denoise(core, context, state, current_table, dt=dt, full_attention=full_attention,
-                            action_position_offset=offset)
+                            action_position_offset=offset, fp8=fp8)
 
     def run(state):
         if not graph:
             return loop_fn(prefix_context, state, table)
         # The table is the loop's step input: the graph keeps its own copy.
-        return _loop_graph(self, prefix_context, state, table, loop_fn, offset, "fast")
+        return _loop_graph(self, prefix_context, state, table, loop_fn, offset, "fast-fp8" if fp8 else "fast")
 
     if fast.verified(core):
         return run(x_t)

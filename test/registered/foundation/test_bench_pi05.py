@@ -244,7 +244,7 @@ def test_performance_doc_checks_issue_17_and_says_one_run_only_for_one_run_id(tm
     assert "not shown to be one run: 0517: run r0; 0517-ext: run r1" in text and "One process per" not in text
 
 
-def test_kernel_table_comes_from_the_run_without_pdl_and_the_headline_ignores_that_diagnostic(tmp_path, monkeypatch):
+def test_kernel_table_from_the_run_without_pdl_issue_29_targets_and_a_headline_of_the_default(tmp_path, monkeypatch):
     for name in ("BENCH_DIR", "DOC"):  # main() points them at its arguments; restored after the test
         monkeypatch.setattr(gen_performance_doc, name, getattr(gen_performance_doc, name))
     kernels = {"_skinny_gemm_kernel": [560.0, 3000.0], "_ada_rms_norm_kernel": [405.0, 1000.0]}
@@ -262,7 +262,16 @@ def test_kernel_table_comes_from_the_run_without_pdl_and_the_headline_ignores_th
     assert "graph-fast-nopdl: p50 13.0 ms; per request 2088 kernels, 8.00 ms of kernel time" in text
     row = next(line for line in text.splitlines() if line.startswith("_skinny_gemm_kernel"))
     assert row.split()[1:] == ["560.0", "3000.0", "37.5%"]
-    monkeypatch.setattr(gen_performance_doc, "BENCH_DIR", str(tmp_path))
+    assert "| bf16 fast path (graph-fast) p50 ms | 14.0 | <= 11.0 | NOT met |" in text  # issue 29
+    fp8 = {**_row("graph-fast-fp8", 7.5), "accuracy": {"vs_graph": {"reference": "this process's graph",
+                                                                     "requests": 32, "max_rel_diff": 0.02,
+                                                                     "min_cosine": 0.9995}}}
+    _write_run(tmp_path, "0517-ext", "r1", [_row("eager", 190.0), pdl, nopdl, fp8])
+    assert gen_performance_doc.main(["--bench-dir", str(tmp_path), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "| FP8 mode (graph-fast-fp8) p50 ms | 7.5 | <= 8.0 | met |" in text
+    assert "| FP8 mode min cosine vs the exact graph path, 32 requests | 0.999500 | >= 0.999000 | met |" in text
+    monkeypatch.setattr(gen_performance_doc, "BENCH_DIR", str(tmp_path))  # neither diagnostic nor opt-in FP8 leads
     assert "14.0 ms with sglang-ext (`--ext-pi05-fast`)" in gen_performance_doc._pi05_headline()
 
 
