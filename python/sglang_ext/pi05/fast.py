@@ -282,13 +282,27 @@ def fp8_rows(weight):
     return cached
 
 
-def prepare_fp8(core) -> None:
-    """Quantize the expert's plain o, gate-up and down weights once, outside any capture."""
+def _fp8_candidates(core):
     for layer in _expert(core).layers:
         for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             plain = _plain_weight(module, layer.self_attn.projection_dtype)
             if plain is not None and plain[1] is None:
-                fp8_rows(plain[0])
+                yield plain[0]
+
+
+def prepare_fp8(core) -> None:
+    """Quantize the expert's plain o, gate-up and down weights once, outside any capture."""
+    if not core.__dict__.get("_ext_fp8_prepared"):
+        for weight in _fp8_candidates(core):
+            fp8_rows(weight)
+        core.__dict__["_ext_fp8_prepared"] = True
+
+
+def drop_fp8(core) -> None:
+    """Drop the FP8 copies (with the action graphs, or after new weights: the next use quantizes again)."""
+    if core.__dict__.pop("_ext_fp8_prepared", None):
+        for weight in _fp8_candidates(core):
+            weight.__dict__.pop("_ext_fp8_rows", None)
 
 
 def _expert_projections(expert, state, dtype, fp8=False):

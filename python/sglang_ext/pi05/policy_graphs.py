@@ -77,7 +77,7 @@ def __init__(self, config, **kwargs):
     self.graph_runner = VLADenoiseGraphRunner(
         enabled=graph_settings.action_graph_available(config), evict_on_miss=bucket_mode,
         max_entries=graph_settings.setting(config, "action_cuda_graph_max_entries"))
-    # The fast path's time-conditioning tables go with the action graphs.
+    # The fast path's time-conditioning tables and FP8 weight copies go with the action graphs.
     self.graph_runner.add_clear_hook(functools.partial(_reset_time_tables, weakref.ref(self)))
     logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s fused_denoise=%s fast=%s",
                 self.prefix_graph_runner.enabled, self.prefix_graph_runner.max_entries, self.graph_runner.enabled,
@@ -89,6 +89,7 @@ def _reset_time_tables(policy_ref) -> None:
     core = getattr(policy_ref(), "core_model", None)
     if core is not None:
         fast.reset_time_conditioning(core)
+        fast.drop_fp8(core)
 
 
 def _prefix_tensor_parallel_enabled(self) -> bool:

@@ -374,3 +374,29 @@ def test_fast_path_with_interpreted_triton_kernels_matches_exact_path():
         fp8 = layout.startswith("fp8")  # FP8 rounding of the weights: the FP8 bound, cosine >= 0.999
         assert relative <= (FP8_RELATIVE_TOLERANCE if fp8 else RELATIVE_TOLERANCE), (layout, relative, cosine)
         assert cosine >= (FP8_COSINE_FLOOR if fp8 else COSINE_FLOOR), (layout, relative, cosine)
+
+
+def test_fp8_copies_are_made_once_and_go_with_the_action_graphs(pi05, monkeypatch):
+    m = pi05(pi05_fast=1, pi05_fp8_expert=1)
+    fast_module = _fast_module()
+    model = _tiny_policy(m, _tiny_core(m))
+    weights = list(fast_module._fp8_candidates(model.core_model))
+    assert len(weights) == 3 * len(fast_module._expert(model.core_model).layers)
+    quantized = _count_calls(monkeypatch, fast_module, "fp8_rows")
+    fast_module.prepare_fp8(model.core_model)
+    fast_module.prepare_fp8(model.core_model)  # the second call finds them made
+    assert len(quantized) == len(weights)
+    for weight in weights:
+        q, scale = weight._ext_fp8_rows
+        assert q.dtype == torch.float8_e4m3fn and q.shape == weight.shape and scale.shape == (weight.shape[0],)
+    import functools
+    import importlib
+    import weakref
+
+    policy_graphs = importlib.import_module(fast_module.__name__.rsplit(".", 1)[0] + ".policy_graphs")
+    # as Pi05PolicyModel.__init__ registers it (_tiny_policy skips __init__)
+    model.graph_runner.add_clear_hook(functools.partial(policy_graphs._reset_time_tables, weakref.ref(model)))
+    model.graph_runner.clear()  # new weights or a reset: the copies go, the next use quantizes again
+    assert all("_ext_fp8_rows" not in weight.__dict__ for weight in weights)
+    fast_module.prepare_fp8(model.core_model)
+    assert len(quantized) == 2 * len(weights)
