@@ -169,7 +169,8 @@ KNOBS: tuple[Knob, ...] = (
          "Opt-in, with pi05_fast: the action expert's o, gate-up and down weights (85 % of its weight bytes, "
          "read every denoise step) in FP8 e4m3 with a float32 scale per row, quantized once at first use and kept "
          "beside the bf16 ones; products in bf16 from the exact FP8 values, float32 sums. Not equal to the "
-         "exact path beyond FP8 rounding: bench_pi05's graph-fast-fp8 row states how far; never a default."),
+         "exact path beyond FP8 rounding: bench_pi05's graph-fast-fp8 row states how far; never a default. "
+         "Weights changed in place need the action graphs reset (the copies go with them)."),
     Knob("pi05_server_timing", "bool", False,
          "Benchmarks: every Pi0.5 action answer's `timings` also carries the server's hop times "
          "(http_parse_ms, http_decode_ms, to_worker_ms, worker_queue_ms, worker_forward_ms, "

@@ -36,7 +36,7 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 def quantize_rows_fp8(weight):
     """(float8_e4m3fn weight, float32 scale per row) with weight ~ q * scale[:, None]: each row's
     largest magnitude maps to FP8_MAX (an all-zero row gets scale 1)."""
-    w = weight.float()
+    w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (w / scale[:, None]).to(FP8).contiguous(), scale.contiguous()
@@ -190,10 +190,10 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
         if x.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"skinny_linear: x {x.dtype} with float8_e4m3fn weights; allowed: bfloat16, float16")
         if (weight_scale is None or weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,)
-                or not weight_scale.is_contiguous()):
+                or not weight_scale.is_contiguous() or weight_scale.device != x.device):
             got = None if weight_scale is None else tuple(weight_scale.shape)
-            raise ValueError(f"skinny_linear: weight_scale {got}; allowed: contiguous float32 [{n}] with "
-                             "float8_e4m3fn weights")
+            raise ValueError(f"skinny_linear: weight_scale {got}; allowed: contiguous float32 [{n}] on x's device "
+                             "with float8_e4m3fn weights")
     elif weight_scale is not None:
         raise ValueError(f"skinny_linear: weight_scale with {weight.dtype} weights; allowed: float8_e4m3fn weights")
     elif x.dtype != weight.dtype:

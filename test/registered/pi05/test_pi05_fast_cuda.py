@@ -54,7 +54,7 @@ def _ext(name):
 @pytest.fixture(scope="module")
 def policy():
     env = _ext_environment(
-        PI05_ACTION_GRAPH_MAX_ENTRIES="64",  # every signature of this file gets its graph
+        PI05_ACTION_GRAPH_MAX_ENTRIES="128",  # every signature of this file gets its graph
         PI05_GRAPH_MIN_HITS="1",  # captured at the first sighting
     )
     with random_policy(env, unset=("SGLANG_EXT_PI05_FAST",)) as model:
@@ -276,6 +276,7 @@ def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(pol
         relative, cosine = _agreement(eager, exact)
         worst = (max(worst[0], relative), min(worst[1], cosine), label if cosine < worst[1] else worst[2])
     expert = fast_module._expert(policy.core_model)
+    assert policy.core_model.__dict__.get("_ext_fp8_prepared")  # made by prepare_fp8, before the captures
     copies = [getattr(layer.mlp.down_proj.weight, "_ext_fp8_rows", None) for layer in expert.layers]
     assert all(c is not None and c[0].dtype == torch.float8_e4m3fn for c in copies)
     signatures = [s.kernels for s in policy.graph_runner._cache.entries]
