@@ -311,36 +311,26 @@ for name in calls:
         fp8_calls[0] += _name == "skinny_linear" and args[1].dtype == torch.float8_e4m3fn
         return _original(*args, **kwargs)
     setattr(kernels, name, counting)
-for masked in (False, True):
-    context = _random_prefix(m, seed=70, masked=masked)
-    noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(70))
-    os.environ.pop("SGLANG_EXT_PI05_FAST", None)
-    knobs.use(knobs.load_settings())  # as a server started without / with --ext-pi05-fast
-    exact = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
-    os.environ["SGLANG_EXT_PI05_FAST"] = "1"
-    knobs.use(knobs.load_settings())
-    fast = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
-    f, e = fast.double().flatten(), exact.double().flatten()
-    results["masked" if masked else "full"] = [
-        float((f - e).abs().max() / e.abs().max()),
-        float(torch.nn.functional.cosine_similarity(f, e, dim=0)),
-    ]
+KNOB_ENV = ("SGLANG_EXT_PI05_FAST", "SGLANG_EXT_PI05_FP8_EXPERT")
+def against_exact(prefix, fast_env):  # the fast loop under fast_env vs the exact path (no knobs)
+    for masked in (False, True):
+        context = _random_prefix(m, seed=70, masked=masked)
+        noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(70))
+        for name in KNOB_ENV:
+            os.environ.pop(name, None)
+        knobs.use(knobs.load_settings())
+        exact = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
+        os.environ.update(fast_env)
+        knobs.use(knobs.load_settings())
+        fast = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
+        f, e = fast.double().flatten(), exact.double().flatten()
+        results[prefix + ("masked" if masked else "full")] = [
+            float((f - e).abs().max() / e.abs().max()),
+            float(torch.nn.functional.cosine_similarity(f, e, dim=0)),
+        ]
+against_exact("", {"SGLANG_EXT_PI05_FAST": "1"})
 bf16_calls = dict(calls)
-for masked in (False, True):  # knob pi05_fp8_expert: the same loop on FP8 expert weights
-    context = _random_prefix(m, seed=70, masked=masked)
-    noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(70))
-    os.environ.pop("SGLANG_EXT_PI05_FAST", None)
-    os.environ.pop("SGLANG_EXT_PI05_FP8_EXPERT", None)
-    knobs.use(knobs.load_settings())
-    exact = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
-    os.environ.update({"SGLANG_EXT_PI05_FAST": "1", "SGLANG_EXT_PI05_FP8_EXPERT": "1"})
-    knobs.use(knobs.load_settings())
-    fp8 = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
-    f, e = fp8.double().flatten(), exact.double().flatten()
-    results["fp8 masked" if masked else "fp8 full"] = [
-        float((f - e).abs().max() / e.abs().max()),
-        float(torch.nn.functional.cosine_similarity(f, e, dim=0)),
-    ]
+against_exact("fp8 ", {"SGLANG_EXT_PI05_FAST": "1", "SGLANG_EXT_PI05_FP8_EXPERT": "1"})  # FP8 expert weights
 fast_module = importlib.import_module("sglang_ext.pi05.fast")
 results["calls"] = bf16_calls
 results["fp8_calls"] = fp8_calls[0]

@@ -81,6 +81,19 @@ def _requests():
     return [(prompt_len, masked) for masked in (False, True) for prompt_len in PROMPT_LENS]
 
 
+def _each_request(policy, seed):
+    """(label, observation, prefix context, noise, exact eager actions) for every request layout."""
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation
+
+    for index, (prompt_len, masked) in enumerate(_requests()):
+        observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=seed + index)
+        noise = make_noise(policy, seed + index)
+        with torch.inference_mode():
+            context = policy.encode_prefix(observation, use_cuda_graph=False)
+        exact = _sample(policy, observation, context, noise, fast=False, graph=False)
+        yield f"{'masked' if masked else 'full'} prompt={prompt_len}", observation, context, noise, exact
+
+
 def test_triton_kernels_match_references_on_gpu():
     kernels = _ext("kernels")
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -180,18 +193,13 @@ def test_triton_kernels_match_references_on_gpu():
 
 
 def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
-    from sglang_ext_testkit.pi05_random import finite, make_noise, make_observation
+    from sglang_ext_testkit.pi05_random import finite
 
     fast_module, backend = _ext("pi05.fast"), _ext("kernels.backend")
     assert fast_module.unsupported_reason(policy.core_model) is None
     graph_vs_eager, fast_vs_exact, replay_vs_capture = [], [], []
     bitwise = plain_equal = 0
-    for index, (prompt_len, masked) in enumerate(_requests()):
-        observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=100 + index)
-        noise = make_noise(policy, 100 + index)
-        with torch.inference_mode():
-            context = policy.encode_prefix(observation, use_cuda_graph=False)
-        exact = _sample(policy, observation, context, noise, fast=False, graph=False)
+    for label, observation, context, noise, exact in _each_request(policy, 100):
         fast_eager = _sample(policy, observation, context, noise, fast=True, graph=False)
         backend.PDL_ENABLED = False  # programmatic dependent launch only schedules: same bits without it
         try:
@@ -200,7 +208,6 @@ def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
             backend.PDL_ENABLED = True
         captured = _sample(policy, observation, context, noise, fast=True, graph=True)
         replayed = _sample(policy, observation, context, noise, fast=True, graph=True)
-        label = f"{'masked' if masked else 'full'} prompt={prompt_len}"
         assert finite(exact) and finite(fast_eager) and finite(captured) and finite(replayed), label
         graph_vs_eager.append((_agreement(replayed, fast_eager)[0], label))
         replay_vs_capture.append(torch.equal(replayed, captured))
@@ -257,20 +264,14 @@ def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(pol
     every request layout (issue 29's bound: cosine >= 0.999); a replay equals its capture bitwise and its
     eager run within the fast path's graph-vs-eager bound; the quantized copies made once, before any
     capture, and reused."""
-    from sglang_ext_testkit.pi05_random import finite, make_noise, make_observation, pi05_knobs
+    from sglang_ext_testkit.pi05_random import finite, pi05_knobs
 
     fast_module = _ext("pi05.fast")
     worst = (0.0, 1.0, "")
-    for index, (prompt_len, masked) in enumerate(_requests()):
-        observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=300 + index)
-        noise = make_noise(policy, 300 + index)
-        with torch.inference_mode():
-            context = policy.encode_prefix(observation, use_cuda_graph=False)
-        exact = _sample(policy, observation, context, noise, fast=False, graph=False)
+    for label, observation, context, noise, exact in _each_request(policy, 300):
         with pi05_knobs(policy, fp8_expert=True):
             eager = _sample(policy, observation, context, noise, fast=True, graph=False)
             captured, replayed = (_sample(policy, observation, context, noise, fast=True, graph=True) for _ in range(2))
-        label = f"{'masked' if masked else 'full'} prompt={prompt_len}"
         assert finite(eager) and torch.equal(replayed, captured), label
         assert _agreement(replayed, eager)[0] <= GRAPH_VS_EAGER_TOLERANCE, label
         relative, cosine = _agreement(eager, exact)
