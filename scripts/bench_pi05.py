@@ -201,25 +201,18 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
     }
 
 
-def _knob_names() -> set:
-    from sglang_ext import knobs
-
-    return {k.name for k in knobs.KNOBS}
-
-
-def _has_fast_knob() -> bool:
-    return "pi05_fast" in _knob_names()
-
-
 def unavailable(impl: str, mode: str) -> str:
     """Why this tree cannot run the mode ("" when it can)."""
     if mode not in FAST_MODES:
         return ""
-    if not _has_fast_knob():
+    from sglang_ext import knobs
+
+    knob_names = {k.name for k in knobs.KNOBS}
+    if "pi05_fast" not in knob_names:
         return "knob pi05_fast is not in this tree's sglang_ext.knobs"
     if importlib.util.find_spec("sglang_ext.kernels") is None:
         return "the fast path is not in this tree (no package sglang_ext.kernels)"
-    if mode == "graph-fast-fp8" and "pi05_fp8_expert" not in _knob_names():
+    if mode == "graph-fast-fp8" and "pi05_fp8_expert" not in knob_names:
         return "knob pi05_fp8_expert is not in this tree's sglang_ext.knobs"
     if mode == "graph-fast-nopdl" and not hasattr(importlib.import_module("sglang_ext.kernels.backend"), "PDL_ENABLED"):
         return "this tree's kernels have no PDL switch (sglang_ext.kernels.backend.PDL_ENABLED)"

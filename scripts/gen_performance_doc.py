@@ -525,7 +525,8 @@ def _vit_server_notes(run) -> list:
     notes = []
     if not any(s.get("kv_tokens") for s in run["servers"]):
         notes.append("KV pools not capped in this run: sglang sized each from the memory free when that server "
-                     "started, so the pools may have differed and ratios at concurrency 32-64 may partly reflect batching.")
+                     "started, so the pools may have differed and ratios at concurrency 32-64 may partly reflect "
+                     "batching.")
     if (run.get("run_id") or "") < ROTARY_KERNEL_DEFAULT_FROM:
         notes.append("`ext` here ran sglang's rotary functions (the default then); `ext-triton-rotary`, where "
                      "present, is today's default (the one-kernel rotary).")
@@ -646,7 +647,7 @@ def _vit_server_headline():
             f"{run.get('attention')} vision attention, {cfg.get('device')}): requests per second with "
             f"sglang-ext's ViT graphs against ViT graphs off: {', '.join(ratios)}; "
             f"{'no' if captures and not any(captures) else 'some'} graph captured while serving; {verdict}"
-            f"{'' if _vit_server_notes(run) == [] else ' (an earlier run: see the notes above its table)'}. "
+            f"{' (an earlier run: see the notes above its table)' if _vit_server_notes(run) else ''}. "
             f"[Table]({_anchor(VIT_SERVER_HEADING)})")
 
 
