@@ -2,14 +2,16 @@
 """Per-call device time of the Pi0.5 action expert's kernels at its real shapes, in CUDA graphs.
 
 For each denoise GEMM (M = 50 rows: qkv, o_proj, gate_up, down) together with the kernel that
-consumes its output (rope_qkv, ada_rms_norm's gated residual, gelu_tanh_and_mul), and for the
-attention of 50 action tokens x 8 heads over one K/V head: cuBLAS / torch's FlashAttention (what
-the fast path ran before) against sglang_ext.kernels' skinny_linear and first_rows_attention in
-several configurations. One graph holds 18 calls with 18 distinct weights (one per layer, so the
-weights stream from HBM as in a denoise step, not from L2) and is replayed 50 times.
+consumes its output (rope_qkv, ada_rms_norm's gated residual; gate_up: gelu_tanh_and_mul after
+cuBLAS, skinny_linear's gated epilogue), and for the attention of 50 action tokens x 8 heads over
+one K/V head: cuBLAS / torch's FlashAttention (what the fast path ran before) against
+sglang_ext.kernels' skinny_linear and first_rows_attention in several configurations, skinny_linear
+with bf16 and with FP8 weights (knob pi05_fp8_expert: row-scaled float8_e4m3fn, widened to bf16 in
+the kernel). One graph holds 18 calls with 18 distinct weights (one per layer, so the weights
+stream from HBM as in a denoise step, not from L2) and is replayed 50 times.
 Prints one table; no results file (docs/gpu-notes.md quotes it).
 
-    python3 scripts/probe_pi05_kernels.py [--layers 18] [--replays 50]
+    python3 scripts/probe_pi05_kernels.py [--layers 18] [--replays 50] [--gemms-only]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sglang_ext.kernels import (  # noqa: E402
     ada_rms_norm,
     first_rows_attention,
     gelu_tanh_and_mul,
+    quantize_rows_fp8,
     rope_qkv,
     skinny_linear,
 )
@@ -76,45 +79,55 @@ def gemm_rows(layers, replays):
             rope_qkv(out if isinstance(out, Partials) else out.view(1, ROWS, -1), cos_sin, q, kv[0], kv[1],
                      num_heads=HEADS, num_kv_heads=1, head_dim=HEAD_DIM, kv_start=600)
         elif name == "gate_up":
-            gelu_tanh_and_mul(out)
+            if out.shape[-1] == 2 * MLP:  # cuBLAS; skinny_linear's gated epilogue did it
+                gelu_tanh_and_mul(out)
         else:
             ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
 
-    rows = []
     for name, (n, k) in GEMMS.items():
         a = x[name] if name in ("gate_up",) else x[name].view(1, ROWS, k)
         ws = weights[name]
         mb = n * k * 2 / 1e6
+        fp8 = [quantize_rows_fp8(w) for w in ws] if name != "qkv" else None  # qkv: the rope kernel's, bf16 only
         configs = [("cuBLAS", None)]
         for parts in (1, 2, 4, 8, 16):
             if k % (parts * 128) or k // parts < 128 or (name == "gate_up" and parts > 1):
                 continue
             for block_n in (32, 64, 128):
-                configs.append((f"skinny p={parts} n={block_n}", (parts, block_n)))
+                configs.append((f"skinny p={parts} n={block_n}", (parts, block_n, False)))
+                if fp8 and block_n < 128 and parts < 16:
+                    configs.append((f"skinny fp8 p={parts} n={block_n}", (parts, block_n, True)))
         for label, cfg in configs:
             if cfg is None:
                 def run(i, a=a, ws=ws):
                     consume(name, F.linear(a, ws[i]))
             else:
-                def run(i, a=a, ws=ws, cfg=cfg):
-                    consume(name, skinny_linear(a, ws[i], parts=cfg[0], block_n=cfg[1]))
+                def run(i, a=a, ws=ws, cfg=cfg, fp8=fp8):
+                    parts, block_n, quantized = cfg
+                    weight, scale = fp8[i] if quantized else (ws[i], None)
+                    consume(name, skinny_linear(a, weight, parts=parts, block_n=block_n, gated=name == "gate_up",
+                                                weight_scale=scale))
             try:
                 us = graph_time_us(run, layers, replays)
             except Exception as exc:  # noqa: BLE001 - a config the kernel refuses: shown, not fatal
-                rows.append((name, label, float("nan"), f"failed: {type(exc).__name__}: {str(exc)[:80]}"))
+                yield (name, label, float("nan"), f"failed: {type(exc).__name__}: {str(exc)[:80]}")
                 continue
-            rows.append((name, label, us, f"{mb / us:.2f} TB/s of weight"))
-        # agreement of the default-style config with cuBLAS on one layer
+            size = mb / 2 if cfg and cfg[2] else mb
+            yield (name, label, us, f"{size / us:.2f} TB/s of weight")
+        # agreement with cuBLAS on one layer (FP8: with the FP8 rounding of the weights)
         ref = F.linear(a, ws[0]).float()
-        got = skinny_linear(a, ws[0], parts=1)
-        rows.append((name, "max|skinny-cuBLAS|/max", float("nan"),
-                     f"{float((got.float() - ref).abs().max() / ref.abs().max()):.2e}"))
-    return rows
+        gated = name == "gate_up"
+        if gated:
+            gate, up = ref.chunk(2, dim=-1)
+            ref = F.gelu(gate, approximate="tanh") * up
+        for label, weight, scale in [("", ws[0], None)] + ([(" fp8", *fp8[0])] if fp8 else []):
+            got = skinny_linear(a, weight, gated=gated, weight_scale=scale)
+            yield (name, f"max|skinny{label}-cuBLAS|/max", float("nan"),
+                   f"{float((got.float() - ref).abs().max() / ref.abs().max()):.2e}")
 
 
 def attention_rows(layers, replays):
     dev, bf16 = "cuda", torch.bfloat16
-    rows = []
     for total in (610, 690):
         q = torch.randn(1, ROWS, HEADS, HEAD_DIM, device=dev, dtype=bf16)
         kvs = [torch.randn(2, 1, total, 1, HEAD_DIM, device=dev, dtype=bf16) for _ in range(layers)]
@@ -144,22 +157,22 @@ def attention_rows(layers, replays):
         for label, fn in configs:
             try:
                 us = graph_time_us(fn, layers, replays)
-                rows.append((f"attn T={total}", label, us, ""))
+                yield (f"attn T={total}", label, us, "")
             except Exception as exc:  # noqa: BLE001
-                rows.append((f"attn T={total}", label, float("nan"), f"failed: {type(exc).__name__}: {str(exc)[:80]}"))
+                yield (f"attn T={total}", label, float("nan"), f"failed: {type(exc).__name__}: {str(exc)[:80]}")
         k, v = kvs[0][0], kvs[0][1]
         ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).expand(1, HEADS, total, HEAD_DIM),
                                              v.transpose(1, 2).expand(1, HEADS, total, HEAD_DIM), scale=scale)
         got = first_rows_attention(q, k, v, None, scale=scale, splits=10).transpose(1, 2)
-        rows.append((f"attn T={total}", "max|ours-SDPA|/max", float("nan"),
-                     f"{float((got.float() - ref.float()).abs().max() / ref.float().abs().max()):.2e}"))
-    return rows
+        yield (f"attn T={total}", "max|ours-SDPA|/max", float("nan"),
+               f"{float((got.float() - ref.float()).abs().max() / ref.float().abs().max()):.2e}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--gemms-only", action="store_true", help="skip the attention rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_pi05_kernels: needs a CUDA GPU")
@@ -168,10 +181,10 @@ def main():
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{args.layers} calls per graph, {args.replays} replays")
     print(f"{'what':<12} {'config':<52} {'us/call':>8}  note")
-    for rows in (gemm_rows(args.layers, args.replays), attention_rows(args.layers, args.replays)):
-        for what, label, us, note in rows:
-            print(f"{what:<12} {label:<52} {us:>8.2f}  {note}")
-        sys.stdout.flush()
+    tables = [gemm_rows] + ([] if args.gemms_only else [attention_rows])
+    for table in tables:  # rows printed as they come: a run cut short keeps them
+        for what, label, us, note in table(args.layers, args.replays):
+            print(f"{what:<12} {label:<52} {us:>8.2f}  {note}", flush=True)
 
 
 if __name__ == "__main__":
