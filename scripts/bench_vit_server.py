@@ -353,14 +353,18 @@ def eligible_replayed(server: dict) -> float:
 
 
 def reserved_growth(report: dict, server: dict):
-    """(MiB the server's reserved memory grew from the end of its warm-up to the end, requests it served
-    in between), or None without both readings (sglang-ext's /metrics only)."""
+    """(MiB the server's reserved memory grew from the end of its warm-up to the end of its timed passes,
+    else to the end of the run, requests it served in between), or None without both readings
+    (sglang-ext's /metrics only)."""
     warm = server.get("metrics_warm") or {}
     end = server.get("metrics_after_passes") or server.get("metrics_end") or {}
     if not warm.get("cuda_memory_reserved_bytes") or not end.get("cuda_memory_reserved_bytes"):
         return None
-    served = sum(r.get("completed") or 0 for r in report["passes"]
-                 if (r["backend"], r["config"]) == (server["backend"], server["config"]))
+    mine = (server["backend"], server["config"])
+    served = sum(r.get("completed") or 0 for r in report["passes"] if (r["backend"], r["config"]) == mine)
+    if not server.get("metrics_after_passes"):  # judged to the end of the run: the accuracy requests too
+        served += sum(a["requests"] for a in report.get("accuracy") or []
+                      if (a["backend"], a["config"]) == mine and not a.get("error"))
     return (end["cuda_memory_reserved_bytes"] - warm["cuda_memory_reserved_bytes"]) / 2**20, served
 
 

@@ -510,9 +510,15 @@ def _vit_server_targets(run) -> list:
                 lines.append(_target(f"{server['backend']}: reserved memory growth after warm-up, MiB "
                                      f"({growth[1]} requests)", growth[0], "<=", 64, "{:.0f}"))
     for row in run.get("accuracy") or []:
-        if row["config"] == "ext" and row["concurrency"] == 1 and row.get("beyond_0_05") is not None:
+        if row["config"] != "ext" or row.get("max_abs") is None:
+            continue
+        if row["concurrency"] == 1:
             lines.append(_target(f"{row['backend']} c=1: requests beyond 0.05 of graphs-off", row["beyond_0_05"],
                                  "<=", 0, "{:.0f}"))
+        elif row.get("floor_max_abs") is not None:
+            lines.append(_target(f"{row['backend']} c={row['concurrency']}: max abs logprob difference from "
+                                 "graphs-off, against graphs-off's own (floor)", row["max_abs"], "<=",
+                                 row["floor_max_abs"], "{:.4f}"))
     return lines + [""]
 
 

@@ -83,3 +83,34 @@ def test_the_table_keeps_configs_an_older_run_named():
     assert "ext-triton-rotary" not in bench_vit_server.CONFIGS
     line = next(x for x in bench_vit_server.table(report).splitlines() if "ext-triton-rotary" in x)
     assert "25.00 (25.00-25.00)" in line and "1.04x" in line
+
+
+def test_reserved_growth_of_a_run_without_timed_passes_counts_the_accuracy_requests():
+    report = _report()
+    report["passes"] = []
+    ext = report["servers"][0]
+    ext["metrics_after_passes"] = None  # no timed pass: judged to the end of the run
+    report["accuracy"] = [dict(backend="fa3", config=name, concurrency=c, requests=200, max_abs=0.0, beyond_0_05=0,
+                               floor_max_abs=None, error=error)
+                          for name, c, error in (("ext", 1, None), ("ext", 16, None), ("ext", 1, "died"),
+                                                 ("0517-graphs-on", 1, None))]
+    assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(500.0), 400)
+
+
+def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_against_itself():
+    import gen_performance_doc  # scripts/, on the path above
+
+    report = _report()
+    report["accuracy"] = [
+        dict(backend="fa3", config="ext", concurrency=1, requests=200, max_abs=0.0, beyond_0_05=0, floor_max_abs=None,
+             error=None),
+        dict(backend="fa3", config="ext", concurrency=16, requests=200, max_abs=0.097, beyond_0_05=12,
+             floor_max_abs=0.0789, error=None),
+        dict(backend="fa3", config="0517-graphs-on", concurrency=16, requests=200, max_abs=None, beyond_0_05=None,
+             floor_max_abs=0.0789, error="died")]
+    rows = [r for r in gen_performance_doc._vit_server_targets(report) if "graphs-off" in r and "c=" in r]
+    assert "| fa3 c=1: requests beyond 0.05 of graphs-off | 0 | <= 0 | met |" in rows
+    assert ("| fa3 c=16: max abs logprob difference from graphs-off, against graphs-off's own (floor) | 0.0970 "
+            "| <= 0.0789 | NOT met |") in rows
+    report["accuracy"][1]["max_abs"] = 0.05
+    assert any("| 0.0500 | <= 0.0789 | met |" in r for r in gen_performance_doc._vit_server_targets(report))
