@@ -170,6 +170,7 @@ KNOBS: tuple[Knob, ...] = (
          "read every denoise step) in FP8 e4m3 with a float32 scale per row, quantized once at first use and kept "
          "beside the bf16 ones; products in bf16 from the exact FP8 values, float32 sums. Not equal to the "
          "exact path beyond FP8 rounding: bench_pi05's graph-fast-fp8 row states how far; never a default. "
+         "Measured slower than bf16 on an H200 (docs/gpu-notes.md). "
          "Weights changed in place need the action graphs reset (the copies go with them)."),
     Knob("pi05_server_timing", "bool", False,
          "Benchmarks: every Pi0.5 action answer's `timings` also carries the server's hop times "
