@@ -49,6 +49,9 @@ CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
     # Diagnostic: sglang-ext's sync-free tower and embedding path with no graph replayed (every call
     # eager), which splits ext's difference from graphs-off into the eager path's part and the replays'.
     "ext-no-replay": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": "0"}),
+    # Diagnostic: calls above the load-time break-even split into whole-image chunks that replay instead of
+    # one eager call (knob vit_graph_above_ladder=split): fewer host launches, more device time for padding.
+    "ext-split": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "split"}),
     # Diagnostic: sglang-ext with knob vit_triton_rotary off (sglang's own rotary functions, as before
     # 2026-12-02), which gives the one-kernel rotary's share. Runs before that day name this "ext".
     "ext-eager-rotary": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_TRITON_ROTARY": "0"}),

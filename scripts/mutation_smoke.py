@@ -172,7 +172,8 @@ MUTANTS: List[Mutant] = [
            (f"{BUDGET_TESTS}::test_adjacent_chunks_no_graph_serves_run_as_one_eager_call",),
            "bucket mode: adjacent chunks no graph serves run as several eager calls"),
     Mutant("vit-probe-limit-still-splits", VIT_BUDGET,
-           "    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed)\n",
+           "    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed) or "
+           "self._ext_split_above_break_even\n",
            "    self._ext_split_above_limit = True\n",
            (f"{BUDGET_TESTS}::test_above_the_probes_break_even_a_call_runs_as_one_eager_call",),
            "bucket mode: a call above the probe's break-even is split into chunk replays"),

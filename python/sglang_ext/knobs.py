@@ -136,6 +136,12 @@ KNOBS: tuple[Knob, ...] = (
          "probed smallest first and the ladder ends at the first whose graph is slower than eager on this GPU "
          "and model (agreed by every TP rank); N = the budgets up to N tokens, no probe.",
          minimum=-1),
+    Knob("vit_graph_above_ladder", "choice", "eager",
+         "Bucket mode with the ladder measured at load: a call above the probe's break-even runs as one eager "
+         "call ('eager', the default: least device time on an idle GPU) or is split into chunks of whole images "
+         "that replay ('split': far fewer host launches, some device time for padding; for a host-bound "
+         "loaded server, to be measured with bench_vit_server's ext-split configuration).",
+         choices=("eager", "split")),
     Knob("vit_triton_rotary", "bool", True,
          "ViT graphs on: every vision attention call, eager and captured, rotates q and k with one Triton "
          "kernel rounded as sglang's eager rotary (bitwise equal to it on the GPU) instead of a dozen float32 "

@@ -183,9 +183,10 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
             break
     self._ext_token_buckets = tuple(sorted(k.num_tokens for k in captured))
     self._ext_replay_limit = self._ext_token_buckets[-1] if captured else 0
-    # Above the probe's break-even a call runs as one eager call; above a limit set by the knob or by
-    # the capacity / byte cut graphs still win, so it is split into chunks that replay.
-    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed)
+    # Above the probe's break-even a call runs as one eager call (unless knob vit_graph_above_ladder says
+    # split); above a limit set by the knob or by the capacity / byte cut graphs still win, so it is
+    # split into chunks that replay.
+    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed) or self._ext_split_above_break_even
     info = self._ext_precapture_info
     info["precapture_graphs"] = len(captured)
     info["precapture_ms"] = int(_now_ms() - started)

@@ -235,6 +235,28 @@ def test_above_the_probes_break_even_a_call_runs_as_one_eager_call(vit_patch, fa
     assert (info["chunked_calls"], info["fallback_gate"], info["hits"]) == (0, 1, 1)
 
 
+def test_above_ladder_split_replays_whole_image_chunks_above_the_break_even(vit_patch, fake_cuda, monkeypatch):
+    """Knob vit_graph_above_ladder=split: the call the test above runs eager replays in chunks of whole images."""
+    runner = budget_runner(vit_patch, replay=-1, vit_graph_above_ladder="split")
+    times = iter([1.0, 2.0, 1.5, 2.0, 3.0, 2.5])  # as above: 8 and 16 win, 32 loses
+
+    def fake_median(run, *, repeats, synchronize=None):
+        run()
+        return next(times)
+
+    monkeypatch.setattr(vit_budget, "median_wall_ms", fake_median)
+    merged_call(runner, *CALLS[3], 0)
+    tower = runner.vit
+    rows_before = len(tower.blocks[0].rows)
+    tokens, full, window = 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26)
+    out, want = merged_call(runner, tokens, full, window, 1)
+    torch.testing.assert_close(out, want)
+    info = runner._ext_graph_info()
+    assert info["replay_limit_tokens"] == 16 and tower.blocks[0].rows[rows_before:] == []  # no eager row
+    assert (info["chunked_calls"], info["fallback_gate"], info["hits"]) == (1, 0, 1 + info["chunks"])
+    assert info["chunks"] >= 2
+
+
 def test_a_ladder_cut_below_the_break_even_still_splits(vit_patch, fake_cuda, monkeypatch):
     runner = budget_runner(vit_patch, replay=-1, vit_graph_max_entries=1)
     times = iter([1.0, 2.0] * 3)  # graph, eager per budget: every budget wins
