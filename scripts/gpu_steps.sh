@@ -12,7 +12,8 @@
 #   sanitizer                graph-core, ViT and Pi0.5 GPU tests under compute-sanitizer memcheck
 #   bench-vit                scripts/bench_vit.py (BENCH_VIT_ARGS)
 #   bench-vit-server         scripts/bench_vit_server.py (BENCH_VIT_SERVER_ARGS; the real-scale checkpoint is
-#                            kept in /tmp/sgx/models while the machine is held)
+#                            kept in /tmp/sgx/models while the machine is held); the servers' ViT graph lines
+#                            and errors in server_log_excerpts.txt
 #   pi05-loop                robot closed loop over /openpi/policy (200 steps, fast path vs exact server) and the
 #                            observation-on-device GPU test; needs `websockets` (requirements/gpu-carry.txt)
 #   bench-pi05-server        scripts/bench_pi05_server.py: 0517, ext-no-transport, ext-exact, ext-fast servers one
@@ -81,7 +82,8 @@ test/registered/pi05/test_pi05_robot_loop_cuda.py" ;;
     bench-vit) echo "python3 scripts/bench_vit.py ${BENCH_VIT_ARGS:-} --out $OUT/vit.json" ;;
     bench-vit-server) echo "python3 scripts/bench_vit_server.py ${BENCH_VIT_SERVER_ARGS:-} --workdir /tmp/sgx/vit-server \
 --model-dir /tmp/sgx/models/${VIT_SERVER_MODEL:-qwen2_5_vl}-real --model ${VIT_SERVER_MODEL:-qwen2_5_vl} \
---out $OUT/vit_server.json" ;;
+--out $OUT/vit_server.json; rc=\$?; grep -H -E 'ViT CUDA graph|Traceback|Error' /tmp/sgx/vit-server/*.log 2>/dev/null \
+| tail -n 300 >\$OUT/server_log_excerpts.txt; exit \$rc" ;;
     bench-pi05) echo "bench_pi05_all" ;;
     *) echo "unknown step: $1 (allowed: server-q25, server-q3, pi05-server, pi05-fast, pi05-loop, unit, sanitizer, bench-vit, bench-vit-server, bench-pi05, bench-pi05-server)" >&2; return 2 ;;
   esac
