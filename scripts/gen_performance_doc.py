@@ -478,7 +478,8 @@ sglang-ext's default ViT graph mode (bucket: ladder captured at load and ended w
 calls above it eager; the multimodal embedding without its device sync); `0517-graphs-on` is
 unpatched sglang with its own ViT graphs; `ext-no-replay` is sglang-ext's path with no graph replayed
 (a diagnostic: every call eager through the sync-free tower); `vit-free` is graphs-off with a vision
-tower that answers zeros without running (a ceiling: no ViT change can take a slot past it). With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
+tower that answers zeros without running (the tower's cost: about what a ViT change can give; it
+keeps the embedding's device syncs, which ext removes, so ext can pass it slightly). With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
 eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end, the share of
 eligible calls replayed (the load-time gate's deliberate eager calls left out), and how much reserved
 memory grew from the end of the warm-up to the end; KV tokens: each server's KV pool, the same for

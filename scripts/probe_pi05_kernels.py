@@ -95,7 +95,7 @@ def gemm_rows(layers, replays):
                 continue
             for block_n in (32, 64, 128):
                 configs.append((f"skinny p={parts} n={block_n}", (parts, block_n, False)))
-                if fp8 and block_n < 128 and parts < 16:
+                if fp8 and block_n < 128 and parts < 16:  # where the bf16 rows show the best configs
                     configs.append((f"skinny fp8 p={parts} n={block_n}", (parts, block_n, True)))
         for label, cfg in configs:
             if cfg is None:
