@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 import textwrap
-import types
 
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci

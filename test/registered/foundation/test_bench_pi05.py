@@ -4,7 +4,6 @@ and gpu_steps.sh's bench-pi05 sequence (issues 17, 18)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
