@@ -335,6 +335,21 @@ def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
     return out
 
 
+def paired_ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
+    """{(backend, concurrency, images): median over the passes of `config`'s req/s / graphs-off's in the same
+    pass}. The configurations of a pass run back to back, so this cancels the machine's drift between passes."""
+    by_pass: Dict[tuple, Dict[str, float]] = {}
+    for row in report["passes"]:
+        if row["req_s"] is not None:
+            by_pass.setdefault((row["backend"], row["concurrency"], row["images"], row["pass"]), {})[
+                row["config"]] = row["req_s"]
+    per_slot: Dict[tuple, List[float]] = {}
+    for (*slot, _), by in sorted(by_pass.items()):
+        if config in by and by.get("graphs-off"):
+            per_slot.setdefault(tuple(slot), []).append(by[config] / by["graphs-off"])
+    return {slot: statistics.median(values) for slot, values in per_slot.items()}
+
+
 def below_graphs_off(report: dict, config: str = "ext") -> List[tuple]:
     """Slots where `config`'s median req/s is below the slowest graphs-off pass: slower than graphs-off by
     more than graphs-off's own pass-to-pass spread (a median a hair under graphs-off's is noise here)."""
@@ -382,9 +397,11 @@ def unequal_kv_pools(report: dict) -> Dict[str, Dict[str, int]]:
 
 
 def table(report: dict) -> str:
-    """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off."""
+    """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off (of the medians,
+    and the median of each pass's own ratio)."""
     lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<18} {'req/s median (min-max)':>26} {'vs off':>7} "
-             f"{'TTFT p50':>9} {'TTFT p99':>9}"]
+             f"{'per pass':>8} {'TTFT p50':>9} {'TTFT p99':>9}"]
+    paired = {name: paired_ratios(report, name) for name in {r["config"] for r in report["passes"]}}
     groups = {}
     for row in report["passes"]:
         groups.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(row["config"], []).append(row)
@@ -399,8 +416,10 @@ def table(report: dict) -> str:
             p50 = _spread(r["ttft_p50_ms"] for r in rows)[0]
             p99 = _spread(r["ttft_p99_ms"] for r in rows)[0]
             ratio = f"{med / off:.2f}x" if off else "-"
+            per_pass = paired[name].get((backend, c, images))
+            per_pass = "-" if per_pass is None else f"{per_pass:.2f}x"
             lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<18} {f'{med:.2f} ({lo:.2f}-{hi:.2f})':>26} "
-                         f"{ratio:>7} {p50:>9.1f} {p99:>9.1f}")
+                         f"{ratio:>7} {per_pass:>8} {p50:>9.1f} {p99:>9.1f}")
     lines.append("")
     lines.append(f"{'backend':<12} {'config':<18} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
                  f"{'hits':>6} {'fallbacks':>9} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12} "

@@ -46,6 +46,21 @@ def test_ratios_are_medians_against_graphs_off_per_slot():
     assert bench_vit_server.ratios(report, "vit-free") == {("fa3", 8, "1"): pytest.approx(33.0 / 24.0)}
 
 
+def test_per_pass_ratios_pair_each_pass_with_graphs_off_of_the_same_pass():
+    report = _report()
+    for i, row in enumerate(report["passes"]):
+        row["pass"] = i % 3  # c=8: off 20 / 24 / 30, ext 19 / 21 / 22 in passes 0 / 1 / 2
+    assert bench_vit_server.paired_ratios(report) == {("fa3", 8, "1"): pytest.approx(21.0 / 24.0),
+                                                      ("fa3", 32, "1"): pytest.approx(38.0 / 41.0)}
+    report["passes"][3]["req_s"] = 28.0  # per pass 1.4, 0.875, 0.733: the median of the ratios
+    assert bench_vit_server.paired_ratios(report)[("fa3", 8, "1")] == pytest.approx(21.0 / 24.0)
+    report["passes"][5]["req_s"] = 36.0  # per pass 1.4, 0.875, 1.2
+    assert bench_vit_server.paired_ratios(report)[("fa3", 8, "1")] == pytest.approx(36.0 / 30.0)
+    assert bench_vit_server.ratios(report)[("fa3", 8, "1")] == pytest.approx(28.0 / 24.0)
+    line = next(x for x in bench_vit_server.table(report).splitlines() if " ext " in x and "   8 " in x)
+    assert "1.17x" in line and "1.20x" in line
+
+
 def test_below_graphs_off_only_beyond_its_slowest_pass():
     # c=8: ext's median 21 is above graphs-off's slowest pass (20): noise; c=32: 38 < 40: below
     assert bench_vit_server.below_graphs_off(_report()) == [("fa3", 32, "1")]
