@@ -14,7 +14,8 @@ The model is a random-weight checkpoint at real scale, written on the machine it
 deepstack, a 4B-shaped text model). Load: `sglang.bench_serving`'s image dataset (random images of
 random:224x224-896x896, 32 input / 8 output tokens), after a warm-up pass of the same dataset with
 another seed (varied, not copies of one request) at the run's highest concurrency and image count,
-so reserved memory is judged after the largest calls were made once. Per pass, concurrency and image count (`1` =
+so reserved memory is judged after the largest calls were made once (every dataset is built in a thread
+while the servers start: about 90 ms per request). Per pass, concurrency and image count (`1` =
 one image per request, `1-4` = one to four): req/s, TTFT p50/p99. From `/metrics` at start and at
 the end: ViT graph captures (after start-up: must be 0), hits, misses, eager fallbacks, padding,
 resident graph bytes and reserved memory. `--accuracy`: input-token logprobs of a mixed-size
@@ -30,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
@@ -215,18 +217,69 @@ def _serving_module(workdir: str):
     import sglang.benchmark.serving as serving
 
     if not hasattr(serving.get_dataset, "cache"):  # one dataset per (seed, size, images...), shared by the configs
-        make = serving.get_dataset
-
-        def get_dataset(args, tokenizer, model_id=None):
-            key = (args.dataset_name, args.num_prompts, args.image_count, args.random_image_count, args.seed,
-                   args.image_resolution, args.random_input_len, args.random_output_len, model_id)
-            if key not in get_dataset.cache:
-                get_dataset.cache[key] = make(args, tokenizer, model_id)
-            return get_dataset.cache[key]
-
-        get_dataset.cache = {}
-        serving.get_dataset = get_dataset
+        serving.get_dataset = _one_build_per_key(serving.get_dataset)
     return serving
+
+
+def _one_build_per_key(make):
+    """`make` (bench_serving's get_dataset) cached per dataset; a build under way in another thread
+    (prebuild_datasets) is waited for, not repeated."""
+    def get_dataset(args, tokenizer, model_id=None):
+        key = (args.dataset_name, args.num_prompts, args.image_count, args.random_image_count, args.seed,
+               args.image_resolution, args.random_input_len, args.random_output_len, model_id)
+        with get_dataset.lock:
+            entry = get_dataset.cache.setdefault(key, {"lock": threading.Lock()})
+        with entry["lock"]:
+            if "dataset" not in entry:
+                entry["dataset"] = make(args, tokenizer, model_id)
+        return entry["dataset"]
+
+    get_dataset.cache, get_dataset.lock = {}, threading.Lock()
+    return get_dataset
+
+
+def _serving_argv(port: int, model: str, concurrency: int, images: str, requests: int, seed: int, resolution: str,
+                  out: str) -> List[str]:
+    argv = ["bench_serving", "--backend", "sglang-oai-chat", "--host", "127.0.0.1",
+            "--port", str(port), "--model", model, "--tokenizer", model, "--dataset-name", "image",
+            "--image-count", images.split("-")[-1], "--image-resolution", resolution, "--image-content", "random",
+            "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", str(requests),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(seed),
+            "--warmup-requests", "1", "--disable-tqdm", "--output-file", out]
+    return argv + (["--random-image-count"] if "-" in images else [])
+
+
+def _parsed_args(serving, argv: List[str]):
+    """The namespace `sglang.bench_serving` parses from `argv` (its parser lives inside cli_main)."""
+    captured, real, saved = [], serving.run_benchmark, sys.argv
+    serving.run_benchmark, sys.argv = captured.append, argv
+    try:
+        serving.cli_main()
+    finally:
+        serving.run_benchmark, sys.argv = real, saved
+    return captured[0]
+
+
+def prebuild_datasets(model: str, plan: List[tuple], workdir: str, resolution: str) -> threading.Thread:
+    """Build the image datasets of `plan` ((concurrency, images, requests, seed) each) in a thread while the
+    servers start (about 90 ms per request; the timed runs then find them built). Call from the main
+    thread, before any run: the arguments are parsed here."""
+    serving = _serving_module(workdir)
+    namespaces = [_parsed_args(serving, _serving_argv(0, model, *item, resolution, os.devnull)) for item in plan]
+
+    def build():
+        started = time.time()
+        try:
+            tokenizer = serving.get_tokenizer(model)
+            for args in namespaces:
+                serving.get_dataset(args, tokenizer, args.served_model_name or args.model)
+            log(f"datasets: {len(namespaces)} built in {time.time() - started:.0f} s while the servers started")
+        except Exception as exc:  # noqa: BLE001 - the timed runs build what is missing themselves
+            log(f"datasets: prebuild stopped: {type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=build, name="prebuild-datasets", daemon=True)
+    thread.start()
+    return thread
 
 
 def bench_serving(server, model: str, concurrency: int, images: str, requests: int, seed: int, workdir: str,
@@ -234,14 +287,7 @@ def bench_serving(server, model: str, concurrency: int, images: str, requests: i
     """One `sglang.bench_serving` run (its own command line, in this process: no import per run)."""
     serving = _serving_module(workdir)
     out = os.path.join(workdir, f"bs-{server.port}-{concurrency}-{images}-{seed}.jsonl")
-    argv = ["bench_serving", "--backend", "sglang-oai-chat", "--host", "127.0.0.1",
-            "--port", str(server.port), "--model", model, "--tokenizer", model, "--dataset-name", "image",
-            "--image-count", images.split("-")[-1], "--image-resolution", resolution, "--image-content", "random",
-            "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", str(requests),
-            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(seed),
-            "--warmup-requests", "1", "--disable-tqdm", "--output-file", out]
-    if "-" in images:
-        argv.append("--random-image-count")
+    argv = _serving_argv(server.port, model, concurrency, images, requests, seed, resolution, out)
     saved = sys.argv
     sys.argv = argv
     try:
@@ -333,6 +379,15 @@ def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
         if config in by and off > 0:
             out[slot] = statistics.median(by[config]) / off
     return out
+
+
+def ttft_p99(report: dict, config: str) -> Dict[tuple, float]:
+    """{(backend, concurrency, images): `config`'s TTFT p99 in ms, the median over the passes}."""
+    per_slot: Dict[tuple, List[float]] = {}
+    for row in report["passes"]:
+        if row["config"] == config and row.get("ttft_p99_ms") is not None:
+            per_slot.setdefault((row["backend"], row["concurrency"], row["images"]), []).append(row["ttft_p99_ms"])
+    return {slot: statistics.median(values) for slot, values in sorted(per_slot.items())}
 
 
 def paired_ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
@@ -563,6 +618,12 @@ def main(argv=None) -> int:
         report["config"]["sglang"] = getattr(sglang, "__version__", None)
     report["kernels"] = {n: _package_version(n) for n in bench_results.KERNELS_SCHEMA}
 
+    top = max(concurrencies)  # the warm-up makes the run's largest ViT calls before memory is judged
+    warm_up = (top, image_counts[-1], max(64, 2 * top), 999)  # a varied stream (another seed), not timed
+    slots = [(c, images, max(args.requests // 4, 16) if c == 1 else args.requests, 1000 + c)
+             for c in concurrencies for images in image_counts if "-" not in images or c in mixed_at]
+    prebuild_datasets(model, [warm_up] + (slots if args.passes else []), workdir, args.resolution)
+
     def save():
         report["config"]["seconds"] = round(time.time() - t0)
         bench_results.write(args.out, report, SCHEMA)
@@ -598,14 +659,12 @@ def main(argv=None) -> int:
                                          f"{rec.get('kv_tokens')} tokens (asked {args.kv_tokens})"))
         live = {n: s for n, s in servers.items() if not records[n]["error"]}
         try:
-            top = max(concurrencies)  # the warm-up makes the run's largest ViT calls before memory is judged
-            for name, server in live.items():  # warm-up: a varied stream (another seed), not timed
+            for name, server in live.items():  # warm-up
                 flag = os.path.join(server.trace_dir, server_trace.SYNCS_FLAG) if server.trace_dir else None
                 if flag:  # where the forward syncs: counted in the warm-up only (the debug mode costs time)
                     open(flag, "w").close()
                 try:
-                    bench_serving(server, model, top, image_counts[-1], max(64, 2 * top), 999, workdir,
-                                  args.resolution)
+                    bench_serving(server, model, *warm_up, workdir, args.resolution)
                 except Exception as exc:  # noqa: BLE001
                     records[name]["error"] = f"warm-up: {exc}"[:400]
                 try:  # reserved memory from here on must stay flat
@@ -619,27 +678,25 @@ def main(argv=None) -> int:
                                                      server_trace.read_totals(server.trace_dir).items()
                                                      if k.startswith("sync@")}
             for p in range(args.passes):
-                for c in concurrencies:
-                    for images in [i for i in image_counts if "-" not in i or c in mixed_at]:
-                        # interleaved: every config in every slot, the order reversed every other pass
-                        for name, server in (list(live.items()) if p % 2 == 0 else list(live.items())[::-1]):
-                            row = dict(backend=backend, config=name, concurrency=c, images=images,
-                                       error=None, req_s=None, ttft_p50_ms=None, ttft_p99_ms=None, completed=None)
-                            row["pass"] = p
-                            before = server_trace.read_totals(server.trace_dir) if server.trace_dir else None
-                            try:
-                                n = max(args.requests // 4, 16) if c == 1 else args.requests
-                                row.update(bench_serving(server, model, c, images, n, 1000 + c, workdir,
-                                                         args.resolution))
-                            except Exception as exc:  # noqa: BLE001 - reported
-                                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
-                            if before is not None:
-                                time.sleep(0.6)  # the trace files are rewritten every 0.25 s
-                                row["trace"] = server_trace.difference(server_trace.read_totals(server.trace_dir),
-                                                                       before)
-                            report["passes"].append(row)
-                            log(f"{backend} pass {p} c={c} img={images} {name}: {row['req_s']} req/s "
-                                f"{row['error'] or ''}")
+                for c, images, n, seed in slots:
+                    # interleaved: every config in every slot, the order reversed every other pass
+                    for name, server in (list(live.items()) if p % 2 == 0 else list(live.items())[::-1]):
+                        row = dict(backend=backend, config=name, concurrency=c, images=images,
+                                   error=None, req_s=None, ttft_p50_ms=None, ttft_p99_ms=None, completed=None)
+                        row["pass"] = p
+                        before = server_trace.read_totals(server.trace_dir) if server.trace_dir else None
+                        try:
+                            row.update(bench_serving(server, model, c, images, n, seed, workdir,
+                                                     args.resolution))
+                        except Exception as exc:  # noqa: BLE001 - reported
+                            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                        if before is not None:
+                            time.sleep(0.6)  # the trace files are rewritten every 0.25 s
+                            row["trace"] = server_trace.difference(server_trace.read_totals(server.trace_dir),
+                                                                   before)
+                        report["passes"].append(row)
+                        log(f"{backend} pass {p} c={c} img={images} {name}: {row['req_s']} req/s "
+                            f"{row['error'] or ''}")
                 collect_metrics(live, records)
                 report["servers"] = [r for r in report["servers"] if r["backend"] != backend] + list(records.values())
                 save()

@@ -504,6 +504,12 @@ def _vit_server_targets(run) -> list:
         notes += [f"ceiling {ceilings[slot]:.2f}: vit-free"] if slot in ceilings else []
         lines.append(_target(f"{backend} c={c} img={images}: ext / graphs-off req/s"
                              + (f" ({'; '.join(notes)})" if notes else ""), ratio, ">=", floors.get(c, 1.0)))
+    off_p99 = bench_vit_server.ttft_p99(run, "graphs-off")
+    for slot, p99 in bench_vit_server.ttft_p99(run, "ext").items():
+        if slot in off_p99:
+            backend, c, images = slot
+            lines.append(_target(f"{backend} c={c} img={images}: ext TTFT p99, ms (median over passes), against "
+                                 "graphs-off's", p99, "<=", off_p99[slot], "{:.1f}"))
     for server in run["servers"]:  # a server that died keeps its last counters: no verdict from them
         if server["config"] == "ext" and server.get("captures_after_start") is not None and not server.get("error"):
             lines.append(_target(f"{server['backend']}: ViT captures after start-up", server["captures_after_start"],

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -59,6 +62,22 @@ def test_per_pass_ratios_pair_each_pass_with_graphs_off_of_the_same_pass():
     assert bench_vit_server.ratios(report)[("fa3", 8, "1")] == pytest.approx(28.0 / 24.0)
     line = next(x for x in bench_vit_server.table(report).splitlines() if " ext " in x and "   8 " in x)
     assert "1.17x" in line and "1.20x" in line
+
+
+def test_ttft_p99_is_the_median_over_passes_per_slot():
+    report = _report()
+    for row, p99 in zip([r for r in report["passes"] if r["config"] == "ext" and r["concurrency"] == 8],
+                        (300.0, 100.0, 250.0)):
+        row["ttft_p99_ms"] = p99
+    assert bench_vit_server.ttft_p99(report, "ext") == {("fa3", 8, "1"): 250.0, ("fa3", 32, "1"): 200.0}
+    assert bench_vit_server.ttft_p99(report, "0517-graphs-on") == {}
+    import gen_performance_doc  # scripts/, on the path above
+
+    rows = [r for r in gen_performance_doc._vit_server_targets(report) if "TTFT p99" in r]
+    assert rows == ["| fa3 c=8 img=1: ext TTFT p99, ms (median over passes), against graphs-off's | 250.0 | <= 200.0 "
+                    "| NOT met |",
+                    "| fa3 c=32 img=1: ext TTFT p99, ms (median over passes), against graphs-off's | 200.0 | <= 200.0 "
+                    "| met |"]
 
 
 def test_below_graphs_off_only_beyond_its_slowest_pass():
@@ -133,3 +152,36 @@ def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_ag
             "| <= 0.0789 | NOT met |") in rows
     report["accuracy"][1]["max_abs"] = 0.05
     assert any("| 0.0500 | <= 0.0789 | met |" in r for r in gen_performance_doc._vit_server_targets(report))
+
+
+def _dataset_args(seed):
+    return SimpleNamespace(dataset_name="image", num_prompts=8, image_count=1, random_image_count=False, seed=seed,
+                           image_resolution="random:224x224-896x896", random_input_len=32, random_output_len=8)
+
+
+def test_a_dataset_under_way_in_another_thread_is_waited_for_not_built_again():
+    builds = []
+
+    def make(args, tokenizer, model_id):
+        builds.append(args.seed)
+        time.sleep(0.3)
+        return [f"request of seed {args.seed}"]
+
+    get_dataset = bench_vit_server._one_build_per_key(make)
+    prebuild = threading.Thread(target=get_dataset, args=(_dataset_args(1008), None, "m"))
+    prebuild.start()
+    time.sleep(0.05)  # the timed run asks while the prebuild is still building
+    assert get_dataset(_dataset_args(1008), None, "m") == ["request of seed 1008"]
+    prebuild.join()
+    assert get_dataset(_dataset_args(1032), None, "m") == ["request of seed 1032"]
+    assert builds == [1008, 1032]
+
+
+def test_prebuilt_arguments_are_the_ones_bench_serving_parses_and_nothing_runs(tmp_path):
+    serving = bench_vit_server._serving_module(str(tmp_path))
+    real = serving.run_benchmark
+    argv = bench_vit_server._serving_argv(0, "/models/m", 8, "1-4", 64, 1008, "random:224x224-896x896", os.devnull)
+    args = bench_vit_server._parsed_args(serving, argv)
+    assert serving.run_benchmark is real
+    assert (args.dataset_name, args.num_prompts, args.seed, args.image_count, args.random_image_count,
+            args.max_concurrency, args.tokenizer) == ("image", 64, 1008, 4, True, 8, "/models/m")
