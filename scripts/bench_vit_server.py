@@ -257,27 +257,33 @@ def _parsed_args(serving, argv: List[str]):
         serving.cli_main()
     finally:
         serving.run_benchmark, sys.argv = real, saved
+    if not captured:
+        raise RuntimeError("sglang.bench_serving's cli_main did not reach run_benchmark")
     return captured[0]
 
 
 def prebuild_datasets(model: str, plan: List[tuple], workdir: str, resolution: str) -> threading.Thread:
     """Build the image datasets of `plan` ((concurrency, images, requests, seed) each) in a thread while the
-    servers start (about 90 ms per request; the timed runs then find them built). Call from the main
-    thread, before any run: the arguments are parsed here."""
-    serving = _serving_module(workdir)
-    namespaces = [_parsed_args(serving, _serving_argv(0, model, *item, resolution, os.devnull)) for item in plan]
-
+    servers start (about 90 ms per request). Call from the main thread and join the thread before the first
+    run: a build seeds the process's `random` / `np.random`, which a run reseeds. A failure here only leaves
+    the runs to build what is missing."""
     def build():
         started = time.time()
         try:
             tokenizer = serving.get_tokenizer(model)
             for args in namespaces:
                 serving.get_dataset(args, tokenizer, args.served_model_name or args.model)
-            log(f"datasets: {len(namespaces)} built in {time.time() - started:.0f} s while the servers started")
-        except Exception as exc:  # noqa: BLE001 - the timed runs build what is missing themselves
+            log(f"datasets: {len(namespaces)} built in {time.time() - started:.0f} s")
+        except Exception as exc:  # noqa: BLE001
             log(f"datasets: prebuild stopped: {type(exc).__name__}: {exc}")
 
-    thread = threading.Thread(target=build, name="prebuild-datasets", daemon=True)
+    try:
+        serving = _serving_module(workdir)
+        namespaces = [_parsed_args(serving, _serving_argv(0, model, *item, resolution, os.devnull)) for item in plan]
+    except Exception as exc:  # noqa: BLE001
+        log(f"datasets: not prebuilt: {type(exc).__name__}: {exc}")
+        namespaces = []
+    thread = threading.Thread(target=build if namespaces else (lambda: None), name="prebuild-datasets", daemon=True)
     thread.start()
     return thread
 
@@ -622,7 +628,7 @@ def main(argv=None) -> int:
     warm_up = (top, image_counts[-1], max(64, 2 * top), 999)  # a varied stream (another seed), not timed
     slots = [(c, images, max(args.requests // 4, 16) if c == 1 else args.requests, 1000 + c)
              for c in concurrencies for images in image_counts if "-" not in images or c in mixed_at]
-    prebuild_datasets(model, [warm_up] + (slots if args.passes else []), workdir, args.resolution)
+    prebuild = prebuild_datasets(model, [warm_up] + (slots if args.passes else []), workdir, args.resolution)
 
     def save():
         report["config"]["seconds"] = round(time.time() - t0)
@@ -658,6 +664,7 @@ def main(argv=None) -> int:
             log(f"{backend} {name}: " + (rec["error"] or f"healthy after {rec['startup_s']} s, KV pool "
                                          f"{rec.get('kv_tokens')} tokens (asked {args.kv_tokens})"))
         live = {n: s for n, s in servers.items() if not records[n]["error"]}
+        prebuild.join()  # no build beside a run (they share the random generators and the interpreter)
         try:
             for name, server in live.items():  # warm-up
                 flag = os.path.join(server.trace_dir, server_trace.SYNCS_FLAG) if server.trace_dir else None

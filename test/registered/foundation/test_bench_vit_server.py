@@ -181,7 +181,55 @@ def test_prebuilt_arguments_are_the_ones_bench_serving_parses_and_nothing_runs(t
     serving = bench_vit_server._serving_module(str(tmp_path))
     real = serving.run_benchmark
     argv = bench_vit_server._serving_argv(0, "/models/m", 8, "1-4", 64, 1008, "random:224x224-896x896", os.devnull)
+    saved = list(sys.argv)
     args = bench_vit_server._parsed_args(serving, argv)
-    assert serving.run_benchmark is real
+    assert serving.run_benchmark is real and sys.argv == saved
     assert (args.dataset_name, args.num_prompts, args.seed, args.image_count, args.random_image_count,
             args.max_concurrency, args.tokenizer) == ("image", 64, 1008, 4, True, 8, "/models/m")
+
+
+class _FakeServing:
+    """sglang.benchmark.serving's surface that prebuild_datasets uses; cli_main parses two flags."""
+
+    def __init__(self, reaches_run=True):
+        self.reaches_run, self.built = reaches_run, []
+        self.get_dataset = bench_vit_server._one_build_per_key(self.make)
+
+    def make(self, args, tokenizer, model_id):
+        self.built.append((args.num_prompts, args.seed, model_id, tokenizer))
+        return []
+
+    def cli_main(self):
+        argv = sys.argv
+        if self.reaches_run:
+            self.run_benchmark(SimpleNamespace(
+                dataset_name="image", num_prompts=int(argv[argv.index("--num-prompts") + 1]),
+                seed=int(argv[argv.index("--seed") + 1]), image_count=1, random_image_count=False,
+                image_resolution="r", random_input_len=32, random_output_len=8, served_model_name=None,
+                model=argv[argv.index("--model") + 1]))
+
+    def run_benchmark(self, args):
+        raise AssertionError("a prebuild must not run a benchmark")
+
+    @staticmethod
+    def get_tokenizer(model):
+        return f"tokenizer of {model}"
+
+
+def test_prebuild_builds_every_planned_dataset_in_its_thread(monkeypatch, tmp_path):
+    fake = _FakeServing()
+    monkeypatch.setattr(bench_vit_server, "_serving_module", lambda workdir: fake)
+    thread = bench_vit_server.prebuild_datasets("/models/m", [(64, "1-4", 128, 999), (1, "1", 16, 1001)],
+                                                str(tmp_path), "r")
+    thread.join(timeout=10)
+    assert fake.built == [(128, 999, "/models/m", "tokenizer of /models/m"), (16, 1001, "/models/m",
+                                                                             "tokenizer of /models/m")]
+
+
+def test_a_prebuild_that_cannot_parse_builds_nothing_and_raises_nothing(monkeypatch, tmp_path, capsys):
+    fake = _FakeServing(reaches_run=False)
+    monkeypatch.setattr(bench_vit_server, "_serving_module", lambda workdir: fake)
+    bench_vit_server.prebuild_datasets("/models/m", [(8, "1", 64, 1008)], str(tmp_path), "r").join(timeout=10)
+    assert fake.built == []
+    assert "datasets: not prebuilt: RuntimeError: sglang.bench_serving's cli_main did not reach run_benchmark" in (
+        capsys.readouterr().out)
