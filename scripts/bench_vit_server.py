@@ -182,7 +182,8 @@ def start(name: str, backend: str, model: str, workdir: str, args):
 
 
 def metrics(server) -> Dict[str, float]:
-    """sglang-ext's ViT graph counters and the process's reserved memory from /metrics (0 where absent)."""
+    """sglang-ext's ViT graph counters and the process's reserved memory from /metrics (0 where absent;
+    with --trace the reserved memory of any server, as server_trace last wrote it)."""
     from sglang_ext_testkit import vl_stream as vs
 
     text = server.get_text("/metrics")
@@ -195,6 +196,9 @@ def metrics(server) -> Dict[str, float]:
                                                       cache="vit_cuda_graph", reason="gate") or 0.0
     out["graph_resident_bytes"] = vs.metric_sum(text, "sglang_ext_graph_resident_bytes", cache="vit_cuda_graph") or 0.0
     out["cuda_memory_reserved_bytes"] = vs.metric_sum(text, "sglang_ext_cuda_memory_reserved_bytes") or 0.0
+    if not out["cuda_memory_reserved_bytes"] and getattr(server, "trace_dir", None):  # --trace: any server's
+        out["cuda_memory_reserved_bytes"] = server_trace.read_totals(server.trace_dir).get(server_trace.RESERVED,
+                                                                                           [0.0])[0]
     return out
 
 

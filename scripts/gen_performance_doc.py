@@ -519,8 +519,11 @@ def _vit_server_targets(run) -> list:
                 lines.append(_target(f"{server['backend']}: eligible ViT calls replayed", share, ">=", 0.95))
             growth = bench_vit_server.reserved_growth(run, server)
             if growth is not None:
+                off = next((bench_vit_server.reserved_growth(run, s) for s in run["servers"]
+                            if s["config"] == "graphs-off" and s["backend"] == server["backend"]), None)
+                baseline = "" if off is None else f"; graphs-off {off[0]:+.0f} MiB"
                 lines.append(_target(f"{server['backend']}: reserved memory growth after warm-up, MiB "
-                                     f"({growth[1]} requests)", growth[0], "<=", 64, "{:.0f}"))
+                                     f"({growth[1]} requests{baseline})", growth[0], "<=", 64, "{:.0f}"))
     for row in run.get("accuracy") or []:
         if row["config"] != "ext" or row.get("max_abs") is None:
             continue

@@ -13,8 +13,9 @@ scheduler it wraps, by calling the original:
                                   site (torch's sync debug mode; the bench sets it during the warm-up only)
   with SGX_SERVER_VIT_FREE=1: the vision tower answers zeros of its output's shape without running (after one
                                   real call), so the server's throughput is what no ViT change can exceed
-Cumulative totals go to $SGX_SERVER_TRACE_DIR/<pid>.json every 0.25 s; the bench reads them before
-and after a pass and reports the differences next to the pass's req/s.
+Cumulative totals go to $SGX_SERVER_TRACE_DIR/<pid>.json every 0.25 s, with the process's reserved CUDA
+memory (a reading, not a total: servers without sglang-ext's /metrics report it here); the bench reads
+them before and after a pass and reports the differences next to the pass's req/s.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import threading
 import time
 
 SYNCS_FLAG = "syncs"
+RESERVED = "cuda_memory_reserved_bytes"  # [bytes at the last write, 1]
 _TOTALS: dict = {}
 _PENDING: list = []  # (name, start event, end event)
 _LOCK = threading.Lock()
@@ -52,7 +54,11 @@ def _drain_events() -> None:
     if now - _LAST_WRITE[0] > 0.25:
         _LAST_WRITE[0] = now
         path = os.path.join(os.environ["SGX_SERVER_TRACE_DIR"], f"{os.getpid()}.json")
+        import torch
+
+        reserved = float(torch.cuda.memory_reserved()) if torch.cuda.is_available() else 0.0
         with _LOCK:
+            _TOTALS[RESERVED] = [reserved, 1]
             text = json.dumps({k: v for k, v in _TOTALS.items()})
         with open(path + ".tmp", "w") as f:
             f.write(text)

@@ -233,3 +233,41 @@ def test_a_prebuild_that_cannot_parse_builds_nothing_and_raises_nothing(monkeypa
     assert fake.built == []
     assert "datasets: not prebuilt: RuntimeError: sglang.bench_serving's cli_main did not reach run_benchmark" in (
         capsys.readouterr().out)
+
+
+def test_the_trace_plugin_writes_the_reserved_memory_as_a_reading_not_a_sum(monkeypatch, tmp_path):
+    import server_trace  # scripts/, on the path above
+    import torch
+
+    monkeypatch.setenv("SGX_SERVER_TRACE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(server_trace, "_TOTALS", {})
+    for reserved in (100 * MIB, 140 * MIB):
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda reserved=reserved: reserved)
+        server_trace._LAST_WRITE[0] = 0.0  # due for a write
+        server_trace._drain_events()
+    assert server_trace.read_totals(str(tmp_path))[server_trace.RESERVED] == [140.0 * MIB, 1]
+
+
+def test_a_server_without_sglang_ext_metrics_reports_reserved_memory_from_its_trace(tmp_path):
+    import json
+
+    import server_trace
+
+    (tmp_path / "4242.json").write_text(json.dumps({server_trace.RESERVED: [float(300 * MIB), 1]}))
+    server = SimpleNamespace(get_text=lambda path: "# sglang's own metrics, none of sglang-ext's\n",
+                             trace_dir=str(tmp_path))
+    assert bench_vit_server.metrics(server)["cuda_memory_reserved_bytes"] == 300 * MIB
+    server.trace_dir = None  # not traced: no reading
+    assert bench_vit_server.metrics(server)["cuda_memory_reserved_bytes"] == 0.0
+
+
+def test_ext_growth_target_names_graphs_off_growth_on_the_same_stream():
+    import gen_performance_doc
+
+    report = _report()
+    report["servers"][1].update(metrics_warm={"cuda_memory_reserved_bytes": 2000 * MIB},
+                                metrics_after_passes={"cuda_memory_reserved_bytes": 2070 * MIB})
+    rows = [r for r in gen_performance_doc._vit_server_targets(report) if "reserved memory growth" in r]
+    assert rows == ["| fa3: reserved memory growth after warm-up, MiB (600 requests; graphs-off +70 MiB) | 10 | <= 64 "
+                    "| met |"]
