@@ -77,7 +77,8 @@ REAL_SCALE = {
         vision=dict(depth=24, hidden_size=1024, num_heads=16, intermediate_size=4096, out_hidden_size=2560,
                     deepstack_visual_indexes=[5, 11, 17])),
 }
-COUNTERS = ("graph_captures_total", "graph_hits_total", "graph_misses_total", "graph_padding_tokens_total")
+COUNTERS = ("graph_captures_total", "graph_hits_total", "graph_misses_total", "graph_padding_tokens_total",
+            "graph_chunked_calls_total")
 SCHEMA = {
     "run_id": None, "kernels": bench_results.KERNELS_SCHEMA, "attention": None,
     "config": {"device": None, "model": None, "parameters_b": None, "requests": None, "passes": None,
@@ -185,7 +186,7 @@ def start(name: str, backend: str, model: str, workdir: str, args):
 
 def metrics(server) -> Dict[str, float]:
     """sglang-ext's ViT graph counters and the process's reserved memory from /metrics (0 where absent;
-    with --trace the reserved memory of any server, as server_trace last wrote it)."""
+    with --trace every server's reserved memory as server_trace last wrote it)."""
     from sglang_ext_testkit import vl_stream as vs
 
     text = server.get_text("/metrics")
@@ -198,7 +199,7 @@ def metrics(server) -> Dict[str, float]:
                                                       cache="vit_cuda_graph", reason="gate") or 0.0
     out["graph_resident_bytes"] = vs.metric_sum(text, "sglang_ext_graph_resident_bytes", cache="vit_cuda_graph") or 0.0
     out["cuda_memory_reserved_bytes"] = vs.metric_sum(text, "sglang_ext_cuda_memory_reserved_bytes") or 0.0
-    if not out["cuda_memory_reserved_bytes"] and getattr(server, "trace_dir", None):  # --trace: any server's
+    if getattr(server, "trace_dir", None):  # --trace: every server's from one source, read every 0.25 s
         out["cuda_memory_reserved_bytes"] = server_trace.read_totals(server.trace_dir).get(server_trace.RESERVED,
                                                                                            [0.0])[0]
     return out
@@ -440,7 +441,7 @@ def eligible_replayed(server: dict) -> float:
 def reserved_growth(report: dict, server: dict):
     """(MiB the server's reserved memory grew from the end of its warm-up to the end of its timed passes,
     else to the end of the run, requests it served in between), or None without both readings
-    (sglang-ext's /metrics only)."""
+    (sglang-ext's /metrics; with --trace any server's)."""
     warm = server.get("metrics_warm") or {}
     end = server.get("metrics_after_passes") or server.get("metrics_end") or {}
     if not warm.get("cuda_memory_reserved_bytes") or not end.get("cuda_memory_reserved_bytes"):
@@ -489,7 +490,7 @@ def table(report: dict) -> str:
                          f"{ratio:>7} {per_pass:>8} {p50:>9.1f} {p99:>9.1f}")
     lines.append("")
     lines.append(f"{'backend':<12} {'config':<18} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
-                 f"{'hits':>6} {'fallbacks':>9} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12} "
+                 f"{'hits':>6} {'fallbacks':>9} {'chunked':>7} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12} "
                  f"{'eligible replayed':>17} {'reserved +MiB after warm-up':>27} {'KV tokens':>9}")
     for s in report["servers"]:
         end, start_m = s.get("metrics_end") or {}, s.get("metrics_start") or {}
@@ -499,6 +500,7 @@ def table(report: dict) -> str:
         lines.append(f"{s['backend']:<12} {s['config']:<18} {s['startup_s'] or 0:>8.0f} {s['vit_calls'] or 0:>9.0f} "
                      f"{s['captures_after_start'] or 0:>21.0f} {end.get('graph_hits_total', 0):>6.0f} "
                      f"{end.get('graph_eager_fallbacks_total', 0) - start_m.get('graph_eager_fallbacks_total', 0):>9.0f}"
+                     f" {_chunked_cell(end):>7}"
                      f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
                      f"{end.get('graph_resident_bytes', 0) / 2**20:>9.1f} "
                      f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f} "
@@ -519,6 +521,11 @@ def table(report: dict) -> str:
             lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} {a['requests']:>8} "
                          f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19}")
     return "\n".join(lines)
+
+
+def _chunked_cell(end: dict) -> str:
+    """Calls split into chunks, to the end ("-": a run from before the counter was published)."""
+    return "-" if "graph_chunked_calls_total" not in end else f"{end['graph_chunked_calls_total']:.0f}"
 
 
 def _share_cell(server: dict) -> str:
@@ -680,13 +687,15 @@ def main(argv=None) -> int:
                     bench_serving(server, model, *warm_up, workdir, args.resolution)
                 except Exception as exc:  # noqa: BLE001
                     records[name]["error"] = f"warm-up: {exc}"[:400]
+                if flag:
+                    os.remove(flag)
+                if server.trace_dir:
+                    time.sleep(0.6)  # the trace files are rewritten every 0.25 s
                 try:  # reserved memory from here on must stay flat
                     records[name]["metrics_warm"] = metrics(server)
                 except Exception:  # noqa: BLE001 - the growth column then says "-"
                     pass
                 if flag:
-                    os.remove(flag)
-                    time.sleep(0.6)
                     records[name]["warmup_syncs"] = {k[5:]: v[1] for k, v in
                                                      server_trace.read_totals(server.trace_dir).items()
                                                      if k.startswith("sync@")}

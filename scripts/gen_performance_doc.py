@@ -484,7 +484,8 @@ device has caught up with the host, `when-idle`); `ext-no-replay` is sglang-ext'
 (a diagnostic: every call eager through the sync-free tower); `vit-free` is graphs-off with a vision
 tower that answers zeros without running (the tower's cost: about what a ViT change can give; it
 keeps the embedding's device syncs, which ext removes, so ext can pass it slightly). With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
-eager fallbacks, padding tokens, resident graph MiB and reserved MiB at the end, the share of
+eager fallbacks, calls split into chunks ("-": not published then), padding tokens, resident graph MiB
+and reserved MiB at the end (with `--trace`, every server's reserved MiB from the trace), the share of
 eligible calls replayed (the load-time gate's deliberate eager calls left out), and how much reserved
 memory grew from the end of the warm-up to the end; KV tokens: each server's KV pool, the same for
 all (`--kv-tokens`; "-": a run from before the cap, see its note). Accuracy:

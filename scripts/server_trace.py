@@ -56,7 +56,7 @@ def _drain_events() -> None:
         path = os.path.join(os.environ["SGX_SERVER_TRACE_DIR"], f"{os.getpid()}.json")
         import torch
 
-        reserved = float(torch.cuda.memory_reserved()) if torch.cuda.is_available() else 0.0
+        reserved = float(torch.cuda.memory_reserved()) if torch.cuda.is_initialized() else 0.0
         with _LOCK:
             _TOTALS[RESERVED] = [reserved, 1]
             text = json.dumps({k: v for k, v in _TOTALS.items()})
@@ -224,5 +224,6 @@ def read_totals(folder: str) -> dict:
 
 
 def difference(after: dict, before: dict) -> dict:
+    """Totals accrued between two readings (the reserved-memory reading left out: it is not a total)."""
     return {k: [round(v[0] - before.get(k, [0, 0])[0], 2), v[1] - before.get(k, [0, 0])[1]]
-            for k, v in after.items()}
+            for k, v in after.items() if k != RESERVED}

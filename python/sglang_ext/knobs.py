@@ -141,9 +141,9 @@ KNOBS: tuple[Knob, ...] = (
          "call ('eager', the default: least device time on an idle GPU) or is split into chunks of whole images "
          "that replay ('split': far fewer host launches, more device time for padding; one H200 server run per "
          "backend, req/s medians against graphs off: 1.20-1.28x at concurrency 8 with one image per request "
-         "against eager's 1.10-1.14x, 0.89-0.91x at 64 against 0.97-1.01x); 'when-idle': split when the device "
-         "has finished all earlier work as the call starts (the host bounds the server then), else eager; "
-         "without TP only (with ranks to agree it acts as eager); not yet measured).",
+         "against eager's 1.10-1.14x, 0.89-0.91x at 64 against 0.97-1.01x); 'when-idle': split when the ViT's "
+         "stream had run all earlier work as the call began (the host bounds the server then), else eager; "
+         "where TP ranks must agree it acts as eager; not yet measured.",
          choices=("eager", "split", "when-idle")),
     Knob("vit_triton_rotary", "bool", True,
          "ViT graphs on: every vision attention call, eager and captured, rotates q and k with one Triton "

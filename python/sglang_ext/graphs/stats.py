@@ -99,6 +99,7 @@ _FAMILIES = {
     "graph_evictions": ("counter", "Graphs evicted to make room (released with reset())"),
     "graph_eager_fallbacks": ("counter", "Runner calls that ran eager instead of a graph, by reason"),
     "graph_padding_tokens": ("counter", "Padding rows added to reach a graph's size"),
+    "graph_chunked_calls": ("counter", "Runner calls split into chunks of whole sequences"),
     "graph_resident": ("gauge", "Graphs resident now"),
     "graph_resident_bytes": ("gauge", "Bytes held by resident graphs' static buffers"),
     "graph_capacity": ("gauge", "Most graphs a cache keeps (max entries)"),
@@ -111,6 +112,7 @@ _COUNTER_FIELDS = {
     "graph_captures": ("captures",),
     "graph_evictions": ("evictions",),
     "graph_padding_tokens": ("padding_tokens", "padding_rows_total"),
+    "graph_chunked_calls": ("chunked_calls",),
 }
 _FALLBACK_FIELDS = {"rejections": "capacity", "failures": "capture_failed",
                     "rejected_no_fit": "no_fit", "rejected_unknown_layout": "unknown_layout"}

@@ -288,13 +288,29 @@ def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_
                                    max_len(full), max_len(window))
 
 
+def mark_call_start(runner) -> None:
+    """Knob when-idle: an event on the ViT's stream before a call queues any work of its own (the tower's
+    forward_with_cuda_graph calls this first); queried if the call is above the ladder."""
+    if runner.__dict__.get("_ext_split_when_idle") and _on_cuda(runner):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(runner.device))
+        runner._ext_call_start = event
+
+
+def _on_cuda(runner) -> bool:
+    return isinstance(runner.device, torch.device) and runner.device.type == "cuda"
+
+
 def _ext_device_idle(self):
-    """Whether the device has run every kernel queued before this call (an event's query, never a sync).
-    Then the host bounds the server and replays, which save launches, pay for their padding."""
-    if not (isinstance(self.device, torch.device) and self.device.type == "cuda"):
-        return True
-    event = torch.cuda.Event()
-    event.record()
+    """Whether the ViT's stream had run everything queued before this call when it began (the event
+    mark_call_start recorded, else one recorded now; a query, never a sync). Then the host bounds the
+    server, and replays, which save launches, pay for their padding."""
+    event = self.__dict__.pop("_ext_call_start", None)
+    if event is None:
+        if not _on_cuda(self):
+            return True
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
     return event.query()
 
 

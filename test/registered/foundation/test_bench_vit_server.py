@@ -240,13 +240,15 @@ def test_the_trace_plugin_writes_the_reserved_memory_as_a_reading_not_a_sum(monk
     import torch
 
     monkeypatch.setenv("SGX_SERVER_TRACE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(server_trace, "_TOTALS", {})
     for reserved in (100 * MIB, 140 * MIB):
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda reserved=reserved: reserved)
         server_trace._LAST_WRITE[0] = 0.0  # due for a write
         server_trace._drain_events()
-    assert server_trace.read_totals(str(tmp_path))[server_trace.RESERVED] == [140.0 * MIB, 1]
+    after = server_trace.read_totals(str(tmp_path))
+    assert after[server_trace.RESERVED] == [140.0 * MIB, 1]
+    assert server_trace.RESERVED not in server_trace.difference(after, {})  # a reading, not a total to difference
 
 
 def test_a_server_without_sglang_ext_metrics_reports_reserved_memory_from_its_trace(tmp_path):
@@ -260,6 +262,11 @@ def test_a_server_without_sglang_ext_metrics_reports_reserved_memory_from_its_tr
     assert bench_vit_server.metrics(server)["cuda_memory_reserved_bytes"] == 300 * MIB
     server.trace_dir = None  # not traced: no reading
     assert bench_vit_server.metrics(server)["cuda_memory_reserved_bytes"] == 0.0
+    ext_text = 'sglang_ext_cuda_memory_reserved_bytes{pid="7"} 104857600.0\n'
+    server.get_text = lambda path: ext_text
+    assert bench_vit_server.metrics(server)["cuda_memory_reserved_bytes"] == 100 * MIB  # untraced: /metrics
+    server.trace_dir = str(tmp_path)
+    assert bench_vit_server.metrics(server)["cuda_memory_reserved_bytes"] == 300 * MIB  # traced: the trace, for all
 
 
 def test_ext_growth_target_names_graphs_off_growth_on_the_same_stream():

@@ -272,6 +272,23 @@ def test_above_ladder_when_idle_splits_only_while_the_device_has_caught_up(vit_p
     assert (info["chunked_calls"], info["chunks"], info["fallback_gate"]) == (1, 2, 1)
 
 
+def test_the_idle_reading_is_the_event_marked_as_the_call_began_else_idle_off_the_gpu():
+    from types import SimpleNamespace
+
+    class Marked:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    runner = SimpleNamespace(device=torch.device("cpu"), _ext_split_when_idle=True)
+    vit_budget.mark_call_start(runner)  # no event off the GPU
+    assert "_ext_call_start" not in runner.__dict__ and vit_budget._ext_device_idle(runner)
+    runner._ext_call_start = Marked(False)  # what mark_call_start leaves on the GPU: read once, then dropped
+    assert not vit_budget._ext_device_idle(runner) and "_ext_call_start" not in runner.__dict__
+
+
 def test_above_ladder_when_idle_acts_as_eager_when_ranks_must_agree(vit_patch, fake_cuda, monkeypatch):
     monkeypatch.setattr(vit_budget, "agreeing_group", lambda runner: object())  # a TP group of several ranks
     runner = _probed_runner(vit_patch, monkeypatch, vit_graph_above_ladder="when-idle")

@@ -627,10 +627,16 @@ def test_device_idle_is_false_while_a_kernel_runs_and_true_after_it_without_a_sy
 
     from sglang_ext.vit import budget
 
-    runner = SimpleNamespace(device=torch.device("cuda", torch.cuda.current_device()))
+    runner = SimpleNamespace(device=torch.device("cuda", torch.cuda.current_device()), _ext_split_when_idle=True)
     torch.cuda.synchronize()
-    assert budget._ext_device_idle(runner)
-    torch.cuda._sleep(200_000_000)  # about 0.1 s of one spinning kernel
-    assert not budget._ext_device_idle(runner)
+    torch.cuda.set_sync_debug_mode("error")  # a sync in the reading raises
+    try:
+        assert budget._ext_device_idle(runner)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of one spinning kernel
+        assert not budget._ext_device_idle(runner)
+        budget.mark_call_start(runner)  # marked behind the spinning kernel: not idle when read
+        assert "_ext_call_start" in runner.__dict__ and not budget._ext_device_idle(runner)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert budget._ext_device_idle(runner)

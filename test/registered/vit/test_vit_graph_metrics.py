@@ -71,3 +71,16 @@ def test_vit_runner_calls_are_current_in_the_metrics_after_each_call(vit_patch, 
     assert got[("sglang_ext_graph_resident_bytes", label)] == total("bytes_resident")
     call(runner, 8, (0, 0, 4, 8), (0, 2, 4, 8))  # one more hit shows at once
     assert read(stats)[("sglang_ext_graph_hits_total", label)] == total("hits") + 1
+
+
+def test_bucket_mode_chunked_calls_reach_the_metrics(vit_patch, fake_cuda, metrics_on, monkeypatch):
+    from test_vit_budget_mode import _probed_runner, merged_call
+
+    gc.collect()
+    stats = metrics_on()
+    runner = _probed_runner(vit_patch, monkeypatch, vit_graph_above_ladder="split")
+    merged_call(runner, 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26), 1)  # above the ladder: two chunks
+    assert runner._ext_graph_info()["chunked_calls"] == 1
+    vit = [v for name, v in stats.snapshot().items() if stats.cache_label(name) == "vit_cuda_graph"]
+    assert read(stats)[("sglang_ext_graph_chunked_calls_total", (("cache", "vit_cuda_graph"),))] == sum(
+        v["chunked_calls"] for v in vit) >= 1
