@@ -374,20 +374,20 @@ def _spread(values):
     return statistics.median(values), min(values), max(values)
 
 
-def _req_s_by_slot(report: dict) -> Dict[tuple, Dict[str, List[float]]]:
-    """{(backend, concurrency, images): {config: req/s of each completed pass}}."""
+def _by_slot(report: dict, field: str = "req_s") -> Dict[tuple, Dict[str, List[float]]]:
+    """{(backend, concurrency, images): {config: `field` of each completed pass}}."""
     slots: Dict[tuple, Dict[str, List[float]]] = {}
     for row in report["passes"]:
-        if row["req_s"] is not None:
+        if row.get(field) is not None:
             slots.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(
-                row["config"], []).append(row["req_s"])
+                row["config"], []).append(row[field])
     return dict(sorted(slots.items()))
 
 
 def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
     """{(backend, concurrency, images): median req/s of `config` / median of graphs-off} over the passes."""
     out = {}
-    for slot, by in _req_s_by_slot(report).items():
+    for slot, by in _by_slot(report).items():
         off = statistics.median(by["graphs-off"]) if "graphs-off" in by else 0.0
         if config in by and off > 0:
             out[slot] = statistics.median(by[config]) / off
@@ -396,11 +396,8 @@ def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
 
 def ttft_p99(report: dict, config: str) -> Dict[tuple, float]:
     """{(backend, concurrency, images): `config`'s TTFT p99 in ms, the median over the passes}."""
-    per_slot: Dict[tuple, List[float]] = {}
-    for row in report["passes"]:
-        if row["config"] == config and row.get("ttft_p99_ms") is not None:
-            per_slot.setdefault((row["backend"], row["concurrency"], row["images"]), []).append(row["ttft_p99_ms"])
-    return {slot: statistics.median(values) for slot, values in sorted(per_slot.items())}
+    return {slot: statistics.median(by[config]) for slot, by in _by_slot(report, "ttft_p99_ms").items()
+            if config in by}
 
 
 def paired_ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
@@ -421,7 +418,7 @@ def paired_ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
 def below_graphs_off(report: dict, config: str = "ext") -> List[tuple]:
     """Slots where `config`'s median req/s is below the slowest graphs-off pass: slower than graphs-off by
     more than graphs-off's own pass-to-pass spread (a median a hair under graphs-off's is noise here)."""
-    return [slot for slot, by in _req_s_by_slot(report).items()  # one graphs-off pass has no spread
+    return [slot for slot, by in _by_slot(report).items()  # one graphs-off pass has no spread
             if config in by and "graphs-off" in by and statistics.median(by[config]) < min(by["graphs-off"])]
 
 

@@ -118,8 +118,7 @@ def _ext_capture_budget(self, sample, budget):
 def _ext_probe_ladder(self, sample, ladder):
     """The budgets whose graph beats eager on this GPU and model, agreed by every rank: smallest
     first, a replay of the smallest call each serves against its eager run, up to the first loss."""
-    on_cuda = self.device.type == "cuda" if isinstance(self.device, torch.device) else False
-    sync = torch.cuda.synchronize if on_cuda else None
+    sync = torch.cuda.synchronize if _on_cuda(self) else None
     kept, previous = [], 0
     for budget in ladder:
         try:
