@@ -173,13 +173,13 @@ MUTANTS: List[Mutant] = [
            "bucket mode: adjacent chunks no graph serves run as several eager calls"),
     Mutant("vit-probe-limit-still-splits", VIT_BUDGET,
            "    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed) or "
-           "self._ext_split_above_break_even\n",
+           "self._ext_above_ladder == \"split\"\n",
            "    self._ext_split_above_limit = True\n",
            (f"{BUDGET_TESTS}::test_above_the_probes_break_even_a_call_runs_as_one_eager_call",),
            "bucket mode: a call above the probe's break-even is split into chunk replays"),
     Mutant("vit-above-ladder-split-ignored", VIT_BUDGET,
            "    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed) or "
-           "self._ext_split_above_break_even\n",
+           "self._ext_above_ladder == \"split\"\n",
            "    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed)\n",
            (f"{BUDGET_TESTS}::test_above_ladder_split_replays_whole_image_chunks_above_the_break_even",),
            "bucket mode: knob vit_graph_above_ladder=split leaves calls above the break-even eager"),

@@ -186,8 +186,8 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
     # Above the probe's break-even a call runs as one eager call (unless knob vit_graph_above_ladder says
     # split); above a limit set by the knob or by the capacity / byte cut graphs still win, so it is
     # split into chunks that replay.
-    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed) or self._ext_split_above_break_even
-    # when-idle: per call, on this rank's own device (ranks that must agree would answer differently).
+    self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed) or self._ext_above_ladder == "split"
+    # when-idle: per call, from this rank's own stream (ranks that must agree would answer differently).
     self._ext_split_when_idle = self._ext_above_ladder == "when-idle" and agreeing_group(self) is None
     info = self._ext_precapture_info
     info["precapture_graphs"] = len(captured)
