@@ -54,8 +54,6 @@ CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
     # Diagnostic: calls above the load-time break-even split into whole-image chunks that replay instead of
     # one eager call (knob vit_graph_above_ladder=split): fewer host launches, more device time for padding.
     "ext-split": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "split"}),
-    # Diagnostic: split above the break-even only while the device has caught up with the host (when-idle).
-    "ext-idle-split": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "when-idle"}),
     # Diagnostic: sglang-ext with knob vit_triton_rotary off (sglang's own rotary functions, as before
     # 2026-12-02), which gives the one-kernel rotary's share. Runs before that day name this "ext".
     "ext-eager-rotary": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_TRITON_ROTARY": "0"}),

@@ -14,7 +14,6 @@ from sglang_ext.graphs.buckets import geometric_buckets, select_bucket
 from sglang_ext.graphs.keys import GraphKey
 from sglang_ext.graphs.packing import median_wall_ms, sequences_between, whole_sequence_chunks
 from sglang_ext.vit.capture import max_len
-from sglang_ext.vit.tp import agreeing_group
 from sglang_ext.vit.vision_rotary import compiled_rotary
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
@@ -187,8 +186,6 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
     # split); above a limit set by the knob or by the capacity / byte cut graphs still win, so it is
     # split into chunks that replay.
     self._ext_split_above_limit = limit >= 0 or len(captured) < len(probed) or self._ext_above_ladder == "split"
-    # when-idle: per call, from this rank's own stream (ranks that must agree would answer differently).
-    self._ext_split_when_idle = self._ext_above_ladder == "when-idle" and agreeing_group(self) is None
     info = self._ext_precapture_info
     info["precapture_graphs"] = len(captured)
     info["precapture_ms"] = int(_now_ms() - started)
@@ -287,30 +284,8 @@ def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_
                                    max_len(full), max_len(window))
 
 
-def mark_call_start(runner) -> None:
-    """Knob when-idle: an event on the ViT's stream before a call queues any work of its own (the tower's
-    forward_with_cuda_graph calls this first); queried if the call is above the ladder."""
-    if runner.__dict__.get("_ext_split_when_idle") and _on_cuda(runner):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(runner.device))
-        runner._ext_call_start = event
-
-
 def _on_cuda(runner) -> bool:
     return isinstance(runner.device, torch.device) and runner.device.type == "cuda"
-
-
-def _ext_device_idle(self):
-    """Whether the ViT's stream had run everything queued before this call when it began (the event
-    mark_call_start recorded, else one recorded now; a query, never a sync). Then the host bounds the
-    server, and replays, which save launches, pay for their padding."""
-    event = self.__dict__.pop("_ext_call_start", None)
-    if event is None:
-        if not _on_cuda(self):
-            return True
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-    return event.query()
 
 
 def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
@@ -320,8 +295,7 @@ def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_
     full, window = layout_key.layout
     limit = self._ext_replay_limit
     ranges = [(0, tokens)]
-    if limit and tokens > limit and not (self._ext_split_above_limit
-                                         or self._ext_split_when_idle and self._ext_device_idle()):
+    if limit and tokens > limit and not self._ext_split_above_limit:
         limit = 0  # above the probe's break-even: one eager call
     elif limit and tokens > limit:
         ranges = whole_sequence_chunks((full, window), tokens, limit, BUCKET_SEQUENCES - 1)
@@ -358,6 +332,5 @@ def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_
 
 METHODS = (
     _ext_budget_fits, _ext_synthetic_call, _ext_capture_budget, _ext_probe_ladder, _ext_precapture,
-    _ext_precapture_at_load, _ext_budget_batch, _ext_replay_budget, _ext_run_eager_call, _ext_device_idle,
-    _ext_run_budget,
+    _ext_precapture_at_load, _ext_budget_batch, _ext_replay_budget, _ext_run_eager_call, _ext_run_budget,
 )

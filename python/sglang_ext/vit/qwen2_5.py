@@ -17,7 +17,6 @@ import torch
 
 from sglang.srt.models.utils import permute_inv
 from sglang_ext.graphs.keys import cumulative_lengths, dedup_consecutive, grid_thw_lengths
-from sglang_ext.vit.budget import mark_call_start
 from sglang_ext.vit.runner import check_runner_binding
 
 # Host tensors up to this size reach the device through pinned memory without a sync (bounds the
@@ -49,7 +48,6 @@ def rot_pos_emb(vit, grid_thw):
 def forward_with_cuda_graph(self, x, grid_thw):
     """Qwen2_5_VisionTransformer: 0.5.17's body, plus the attention layout key from CPU metadata,
     and no device sync (host-to-device copies non-blocking from pinned memory)."""
-    mark_call_start(self.cuda_graph_runner)
     if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
         grid_thw = grid_thw.cpu()  # 0.5.17 reads it on the host anyway (get_window_index, rot_pos_emb)
     x = to_device(x, self.device, self.dtype)

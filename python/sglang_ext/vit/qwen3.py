@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from sglang_ext.vit.budget import mark_call_start
 from sglang_ext.vit.runner import check_runner_binding
 
 
@@ -37,7 +36,6 @@ def graph_inputs(vit, x, grid_thw):
 
 
 def forward_with_cuda_graph(self, x, grid_thw):
-    mark_call_start(self.graph_runners)
     x, full_layout, rotary_pos_emb_cos, rotary_pos_emb_sin = graph_inputs(self, x, grid_thw)
     cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
     # no windows, rotary as cos/sin tables, rows in the tower's order

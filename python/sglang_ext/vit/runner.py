@@ -80,7 +80,6 @@ def _ext_ensure_state(self):
     self._ext_replay_max_tokens = ext_knobs.current("vit_graph_replay_max_tokens")
     self._ext_precapture_enabled = ext_knobs.current("vit_graph_precapture")
     self._ext_above_ladder = ext_knobs.current("vit_graph_above_ladder")
-    self._ext_split_when_idle = False  # decided at pre-capture (knob when-idle, no ranks to agree with)
     # Bucket mode: calls up to this many tokens replay (decided at pre-capture; the ladder's top until then).
     self._ext_replay_limit = self._ext_token_buckets[-1] if self._ext_token_buckets else 0
     self._ext_gate = []  # load-time probe: one row per budget measured

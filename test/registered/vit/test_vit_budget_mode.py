@@ -255,50 +255,6 @@ def test_above_ladder_split_replays_whole_image_chunks_above_the_break_even(vit_
     assert info["chunks"] == 2  # [0, 12) and [12, 26)
 
 
-def test_above_ladder_when_idle_splits_only_while_the_device_has_caught_up(vit_patch, fake_cuda, monkeypatch):
-    """Knob vit_graph_above_ladder=when-idle: the call above the break-even replays in chunks when the device
-    has run everything queued before it, and runs as one eager call while work is still queued."""
-    runner = _probed_runner(vit_patch, monkeypatch, vit_graph_above_ladder="when-idle")
-    tower = runner.vit
-    answers = iter([True, False])
-    runner._ext_device_idle = lambda: next(answers)
-    tokens, full, window = 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26)
-    rows_before = len(tower.blocks[0].rows)
-    for _ in range(2):
-        out, want = merged_call(runner, tokens, full, window, 1)
-        torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
-    assert tower.blocks[0].rows[rows_before:] == [26]  # only the busy call ran eager
-    assert (info["chunked_calls"], info["chunks"], info["fallback_gate"]) == (1, 2, 1)
-
-
-def test_the_idle_reading_is_the_event_marked_as_the_call_began_else_idle_off_the_gpu():
-    from types import SimpleNamespace
-
-    class Marked:
-        def __init__(self, done):
-            self.done = done
-
-        def query(self):
-            return self.done
-
-    runner = SimpleNamespace(device=torch.device("cpu"), _ext_split_when_idle=True)
-    vit_budget.mark_call_start(runner)  # no event off the GPU
-    assert "_ext_call_start" not in runner.__dict__ and vit_budget._ext_device_idle(runner)
-    runner._ext_call_start = Marked(False)  # what mark_call_start leaves on the GPU: read once, then dropped
-    assert not vit_budget._ext_device_idle(runner) and "_ext_call_start" not in runner.__dict__
-
-
-def test_above_ladder_when_idle_acts_as_eager_when_ranks_must_agree(vit_patch, fake_cuda, monkeypatch):
-    monkeypatch.setattr(vit_budget, "agreeing_group", lambda runner: object())  # a TP group of several ranks
-    runner = _probed_runner(vit_patch, monkeypatch, vit_graph_above_ladder="when-idle")
-    runner._ext_device_idle = lambda: True
-    out, want = merged_call(runner, 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26), 1)
-    torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
-    assert (info["chunked_calls"], info["fallback_gate"]) == (0, 1)
-
-
 def test_a_ladder_cut_below_the_break_even_still_splits(vit_patch, fake_cuda, monkeypatch):
     runner = budget_runner(vit_patch, replay=-1, vit_graph_max_entries=1)
     times = iter([1.0, 2.0] * 3)  # graph, eager per budget: every budget wins

@@ -619,24 +619,3 @@ def test_knob_triton_rotary_is_sglangs_eager_rotary_bit_for_bit_in_calls_and_cap
     pairs = [(kit.forward(vit, *b, graph=True), kit.forward(vit, *b, graph=False)) for b in batches]
     assert True in reached and False in reached, "the kernel ran in no capture or in no eager call"
     _compare(f"{backend} qwen2.5 {dtype} layout: one-kernel rotary", pairs, bitwise_expected=True)
-
-
-def test_device_idle_is_false_while_a_kernel_runs_and_true_after_it_without_a_sync():
-    """Knob vit_graph_above_ladder=when-idle reads the device's queue with an event's query (never a sync)."""
-    from types import SimpleNamespace
-
-    from sglang_ext.vit import budget
-
-    runner = SimpleNamespace(device=torch.device("cuda", torch.cuda.current_device()), _ext_split_when_idle=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # a sync in the reading raises
-    try:
-        assert budget._ext_device_idle(runner)
-        torch.cuda._sleep(200_000_000)  # about 0.1 s of one spinning kernel
-        assert not budget._ext_device_idle(runner)
-        budget.mark_call_start(runner)  # marked behind the spinning kernel: not idle when read
-        assert "_ext_call_start" in runner.__dict__ and not budget._ext_device_idle(runner)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert budget._ext_device_idle(runner)
