@@ -3,8 +3,8 @@
 
     python scripts/bench_vit_server.py --backends fa3,triton_attn --out docs/bench/vit_server.json
 
-Per vision attention backend, one process per configuration, all resident on the GPU at once and
-measured in interleaved passes (the machine is shared and noisy: medians and spread are reported):
+Per vision attention backend, one process per configuration, started one after another (each alone
+while it loads and probes), all resident on the GPU at once and measured in interleaved passes (the machine is shared and noisy: medians and spread are reported):
   graphs-off       `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=0 (the baseline)
   ext              `python -m sglang_ext.launch_server` with sglang-ext's default ViT graph mode
   0517-graphs-on   `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=1 (unpatched)
@@ -15,7 +15,8 @@ deepstack, a 4B-shaped text model). Load: `sglang.bench_serving`'s image dataset
 random:224x224-896x896, 32 input / 8 output tokens), after a warm-up pass of the same dataset with
 another seed (varied, not copies of one request) at the run's highest concurrency and image count,
 so reserved memory is judged after the largest calls were made once (every dataset is built in a thread
-while the servers start: about 90 ms per request). Per pass, concurrency and image count (`1` =
+while the servers start: about 90 ms per request with one image, 230 ms with 1-4; one larger than 256
+requests in slices by worker processes). Per pass, concurrency and image count (`1` =
 one image per request, `1-4` = one to four): req/s, TTFT p50/p99. From `/metrics` at start and at
 the end: ViT graph captures (after start-up: must be 0), hits, misses, eager fallbacks, padding,
 resident graph bytes and reserved memory. `--accuracy`: input-token logprobs of a mixed-size
@@ -27,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,13 +224,45 @@ def _serving_module(workdir: str):
     import sglang.benchmark.serving as serving
 
     if not hasattr(serving.get_dataset, "cache"):  # one dataset per (seed, size, images...), shared by the configs
-        serving.get_dataset = _one_build_per_key(serving.get_dataset)
+        serving.get_dataset = _one_build_per_key(serving.get_dataset, lambda args: build_in_slices(args, workdir))
     return serving
 
 
-def _one_build_per_key(make):
+# A dataset of more requests than this is built in slices of SLICE_REQUESTS by worker processes: one
+# thread took 460 s for 2,000 requests of 1-4 images on the GPU machine (session 15).
+PARALLEL_FROM = 256
+SLICE_REQUESTS = 128
+
+
+def slice_args(args) -> list:
+    """`args` cut into datasets of at most SLICE_REQUESTS requests, slice k seeded with seed * 1000 + k."""
+    n = args.num_prompts
+    return [argparse.Namespace(**{**vars(args), "num_prompts": min(SLICE_REQUESTS, n - start),
+                                  "seed": args.seed * 1000 + k})
+            for k, start in enumerate(range(0, n, SLICE_REQUESTS))]
+
+
+def _build_slice(job):
+    """One slice, in a worker process (its own sglang import and tokenizer)."""
+    args, workdir = job
+    serving = _serving_module(workdir)
+    return serving.get_dataset(args, serving.get_tokenizer(args.tokenizer or args.model),
+                               args.served_model_name or args.model)
+
+
+def build_in_slices(args, workdir: str, worker=_build_slice) -> list:
+    """The dataset `args` names, its slices built in parallel by spawned processes (no fork beside the
+    threads that poll the servers), in slice order."""
+    jobs = [(a, workdir) for a in slice_args(args)]
+    workers = min(len(jobs), max(1, (os.cpu_count() or 2) - 2))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [row for part in pool.map(worker, jobs) for row in part]
+
+
+def _one_build_per_key(make, build_large=None):
     """`make` (bench_serving's get_dataset) cached per dataset; a build under way in another thread
-    (prebuild_datasets) is waited for, not repeated."""
+    (prebuild_datasets) is waited for, not repeated; one of more than PARALLEL_FROM requests goes to
+    `build_large` where given."""
     def get_dataset(args, tokenizer, model_id=None):
         key = (args.dataset_name, args.num_prompts, args.image_count, args.random_image_count, args.seed,
                args.image_resolution, args.random_input_len, args.random_output_len, model_id)
@@ -236,7 +270,8 @@ def _one_build_per_key(make):
             entry = get_dataset.cache.setdefault(key, {"lock": threading.Lock()})
         with entry["lock"]:
             if "dataset" not in entry:
-                entry["dataset"] = make(args, tokenizer, model_id)
+                large = build_large is not None and args.num_prompts > PARALLEL_FROM
+                entry["dataset"] = build_large(args) if large else make(args, tokenizer, model_id)
         return entry["dataset"]
 
     get_dataset.cache, get_dataset.lock = {}, threading.Lock()
@@ -587,7 +622,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.85,
                     help="each server's --mem-fraction-static, high because --kv-tokens caps the pool: sglang's "
                     "budget is what is free when the server profiles minus (1 - this) x what was free before it "
-                    "loaded, and the servers started together load beside each other")
+                    "loaded, and each server loads after the one before it is up")
     ap.add_argument("--kv-tokens", type=int, default=98304,
                     help="every server's KV pool (--max-total-tokens). sglang sizes a pool from the memory free "
                     "when the server profiles it, so servers started beside each other got unequal pools (and "
@@ -599,6 +634,10 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="store_true", help="per pass: where each server's scheduler spent its time "
                     "(scripts/server_trace.py); during the warm-up, every device sync inside a forward by call site")
     args = ap.parse_args(argv)
+    mixed = {int(c) for c in args.mixed_at.split(",") if c} & {int(c) for c in args.concurrencies.split(",")}
+    if args.passes and not mixed and any("-" in i for i in args.image_counts.split(",")):
+        ap.error(f"--image-counts: a range like 1-4 runs only at the --mixed-at concurrencies ({args.mixed_at}), "
+                 f"none of which is in --concurrencies ({args.concurrencies})")
     import signal
 
     # A time limit still stops the servers (finally); give `timeout -k` at least 30 s for that.
@@ -636,7 +675,10 @@ def main(argv=None) -> int:
     warm_up = (top, image_counts[-1], max(64, 2 * top), 999)  # a varied stream (another seed), not timed
     slots = [(c, images, max(args.requests // 4, 16) if c == 1 else args.requests, 1000 + c)
              for c in concurrencies for images in image_counts if "-" not in images or c in mixed_at]
-    prebuild = prebuild_datasets(model, [warm_up] + (slots if args.passes else []), workdir, args.resolution)
+    plan = [warm_up] + (slots if args.passes else [])
+    prebuild = prebuild_datasets(model, plan, workdir, args.resolution)
+    if any(n > PARALLEL_FROM for _, _, n, _ in plan):
+        prebuild.join()  # its worker processes would load the host while a server probes
 
     def save():
         report["config"]["seconds"] = round(time.time() - t0)
@@ -644,23 +686,24 @@ def main(argv=None) -> int:
 
     for backend in args.backends.split(","):
         servers, records = {}, {}
-        # The first configuration starts alone (it fills the JIT caches, and sglang-ext's load-time
-        # probe then times graph against eager on a quiet GPU); the others start together after it.
-        healthy_at = {}
-        for i, name in enumerate(configs):
+        # Every server starts alone: sglang-ext's load-time probe times graph against eager (host-bound),
+        # and two ext servers loading together ended their ladders at 5184 and 8256 tokens (run
+        # 20261203T132116Z-1635).
+        healthy_at, failed = {}, {}
+        for name in configs:
             servers[name] = start(name, backend, model, workdir, args)
-            if i == 0:
-                try:
-                    servers[name].wait_healthy(timeout=900)
-                    healthy_at[name] = time.time()
-                except Exception:  # noqa: BLE001 - reported below
-                    pass
+            try:
+                servers[name].wait_healthy(timeout=900)
+                healthy_at[name] = time.time()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                failed[name] = exc
         for name, server in servers.items():
             rec = dict(backend=backend, config=name, startup_s=None, error=None, metrics_start=None,
                        metrics_end=None, vit_calls=None, captures_after_start=None)
             try:
-                server.wait_healthy(timeout=900)
-                rec["startup_s"] = round(healthy_at.get(name, time.time()) - server.started, 1)
+                if name in failed:
+                    raise failed[name]
+                rec["startup_s"] = round(healthy_at[name] - server.started, 1)
                 rec["metrics_start"] = metrics(server)
             except Exception as exc:  # noqa: BLE001 - reported
                 rec["error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"

@@ -278,3 +278,66 @@ def test_ext_growth_target_names_graphs_off_growth_on_the_same_stream():
     rows = [r for r in gen_performance_doc._vit_server_targets(report) if "reserved memory growth" in r]
     assert rows == ["| fa3: reserved memory growth after warm-up, MiB (600 requests; graphs-off +70 MiB) | 10 | <= 64 "
                     "| met |"]
+
+
+def _rows_of_slice(job):
+    """A stand-in for bench_vit_server._build_slice in the spawned workers: one row per request."""
+    args, workdir = job
+    return [(args.seed, i, workdir) for i in range(args.num_prompts)]
+
+
+def test_a_large_dataset_is_cut_into_seeded_slices_and_built_by_worker_processes_in_order(tmp_path):
+    args = SimpleNamespace(**{**vars(_dataset_args(1016)), "num_prompts": 300})
+    slices = bench_vit_server.slice_args(args)
+    assert [(s.num_prompts, s.seed) for s in slices] == [(128, 1016000), (128, 1016001), (44, 1016002)]
+    assert all(s.image_resolution == args.image_resolution for s in slices) and args.num_prompts == 300
+    rows = bench_vit_server.build_in_slices(args, str(tmp_path), worker=_rows_of_slice)
+    assert rows == [(1016000 + k, i, str(tmp_path)) for k, n in enumerate((128, 128, 44)) for i in range(n)]
+
+
+def test_only_a_dataset_above_the_parallel_threshold_goes_to_the_slice_build():
+    made, sliced = [], []
+    get_dataset = bench_vit_server._one_build_per_key(lambda args, tok, m: made.append(args.num_prompts) or ["in"],
+                                                      lambda args: sliced.append(args.num_prompts) or ["sliced"])
+    small = SimpleNamespace(**{**vars(_dataset_args(1)), "num_prompts": bench_vit_server.PARALLEL_FROM})
+    large = SimpleNamespace(**{**vars(_dataset_args(1)), "num_prompts": bench_vit_server.PARALLEL_FROM + 1})
+    assert get_dataset(small, None, "m") == ["in"] and get_dataset(large, None, "m") == ["sliced"]
+    assert get_dataset(large, None, "m") == ["sliced"]  # cached, not rebuilt
+    assert (made, sliced) == ([bench_vit_server.PARALLEL_FROM], [bench_vit_server.PARALLEL_FROM + 1])
+
+
+def test_a_slice_worker_builds_with_the_tokenizer_and_model_its_arguments_name(monkeypatch, tmp_path):
+    fake = _FakeServing()
+    monkeypatch.setattr(bench_vit_server, "_serving_module", lambda workdir: fake)
+    args = SimpleNamespace(**{**vars(_dataset_args(7)), "tokenizer": "/models/t", "model": "/models/m",
+                              "served_model_name": None})
+    assert bench_vit_server._build_slice((args, str(tmp_path))) == []
+    assert fake.built == [(8, 7, "/models/m", "tokenizer of /models/t")]
+
+
+def test_a_range_of_image_counts_that_no_concurrency_runs_is_refused_before_anything_starts(capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_vit_server.main(["--concurrencies", "16", "--image-counts", "1-4", "--mixed-at", "8",
+                               "--model-dir", "/nonexistent/never-built"])
+    assert stop.value.code == 2
+    assert ("--image-counts: a range like 1-4 runs only at the --mixed-at concurrencies (8), none of which is in "
+            "--concurrencies (16)") in capsys.readouterr().err
+
+
+def test_the_slice_build_runs_sglangs_image_dataset_in_spawned_workers(tmp_path):
+    """Real sglang 0.5.17 bench_serving on a tiny Qwen2.5-VL: the slices come back whole and in order, each the
+    dataset an in-process build of its arguments makes."""
+    from sglang_ext.tools import tiny_model
+
+    model = str(tmp_path / "tiny")
+    tiny_model.make_tiny_model("qwen2_5_vl", model, seed=0, force=True)
+    serving = bench_vit_server._serving_module(str(tmp_path))
+    argv = bench_vit_server._serving_argv(0, model, 8, "1-2", 300, 1008, "random:224x224-256x256", os.devnull)
+    args = bench_vit_server._parsed_args(serving, argv)
+    rows = bench_vit_server.build_in_slices(args, str(tmp_path))
+    assert len(rows) == 300 and all(r.image_data and r.vision_prompt_len > 0 for r in rows)
+    first, second = bench_vit_server.slice_args(args)[:2]
+    tokenizer = serving.get_tokenizer(model)
+    want = [r.image_data for r in serving.get_dataset(first, tokenizer, model)]
+    assert [r.image_data for r in rows[:128]] == want
+    assert [r.image_data for r in rows[128:256]] != want  # another seed
