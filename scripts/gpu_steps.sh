@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/gpu-notes.md, as named steps, on the GPU machine after
 # `source scripts/gpu_env.sh` (docs/gpu-harness.md). Steps given together run CONCURRENTLY on the
-# one GPU (tiny servers and unit tests fit beside each other); each step's log and its test
-# artefacts go to one tarball under $OUT, so a call brings back few files.
+# one GPU (tiny servers and unit tests fit beside each other); each step's log goes to $OUT/STEP.log as
+# it is written and its test artefacts to one tarball under $OUT, so a call brings back few files.
 #   bash scripts/gpu_steps.sh STEP [STEP ...]
 # Steps:
 #   server-q25 / server-q3   real-server ViT tests (tiny Qwen2.5-VL / Qwen3-VL), SGX_BACKENDS selects backends
@@ -95,8 +95,9 @@ for step in "$@"; do
   cmd=$(step_cmd "$step") || exit 2
   mkdir -p "$work/$step"
   # Test artefacts (server logs, activation records) under $work/$step via OUT / SGX_TEST_LOG_DIR.
+  # The log is written straight into $OUT: a call cut off by its time limit still brings it back.
   ( OUT="$work/$step" SGX_TEST_LOG_DIR="$work/$step" timeout -k 10 "$LIMIT" bash -c "$cmd" \
-      >"$work/$step/log.txt" 2>&1; echo "step $step rc=$?" >>"$work/$step/log.txt" ) &
+      >"$OUT/$step.log" 2>&1; echo "step $step rc=$?" >>"$OUT/$step.log" ) &
   pids+=($!)
   names+=("$step")
   sleep "${SGX_STEP_STAGGER:-20}"  # let the first step's processes start (JIT caches) before the next
@@ -105,5 +106,5 @@ for i in "${!pids[@]}"; do
   wait "${pids[$i]}"
   tar czf "$OUT/${names[$i]}.tgz" -C "$work" "${names[$i]}" 2>/dev/null
   echo "===== ${names[$i]} ====="
-  grep -E "^\[|passed|failed|error|rc=|^(FAILED|ERROR)" "$work/${names[$i]}/log.txt" | tail -n "${SGX_TAIL:-40}"
+  grep -E "^\[|passed|failed|error|rc=|^(FAILED|ERROR)" "$OUT/${names[$i]}.log" | tail -n "${SGX_TAIL:-40}"
 done

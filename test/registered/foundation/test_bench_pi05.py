@@ -321,3 +321,4 @@ def test_gpu_step_runs_every_implementation_even_after_failures(tmp_path):
     assert "gen_performance_doc.py --bench-dir" in calls[2]
     assert "rc=1" in done.stdout and "0517-ext rc=0" in done.stdout and "0519 rc=" in done.stdout
     assert (out / "bench-pi05.tgz").exists()
+    assert "step bench-pi05 rc=0" in (out / "bench-pi05.log").read_text()  # in $OUT as written, not only at the end
