@@ -3,8 +3,8 @@
 
     python scripts/bench_vit_server.py --backends fa3,triton_attn --out docs/bench/vit_server.json
 
-Per vision attention backend, one process per configuration, started one after another (each alone
-while it loads and probes), all resident on the GPU at once and measured in interleaved passes (the machine is shared and noisy: medians and spread are reported):
+Per vision attention backend, one process per configuration, started one after another (each
+alone while it loads and probes), all resident on the GPU at once and measured in interleaved passes (the machine is shared and noisy: medians and spread are reported):
   graphs-off       `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=0 (the baseline)
   ext              `python -m sglang_ext.launch_server` with sglang-ext's default ViT graph mode
   0517-graphs-on   `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=1 (unpatched)
@@ -14,9 +14,9 @@ The model is a random-weight checkpoint at real scale, written on the machine it
 deepstack, a 4B-shaped text model). Load: `sglang.bench_serving`'s image dataset (random images of
 random:224x224-896x896, 32 input / 8 output tokens), after a warm-up pass of the same dataset with
 another seed (varied, not copies of one request) at the run's highest concurrency and image count,
-so reserved memory is judged after the largest calls were made once (every dataset is built in a thread
-while the servers start: about 90 ms per request with one image, 230 ms with 1-4; one larger than 256
-requests in slices by worker processes). Per pass, concurrency and image count (`1` =
+so reserved memory is judged after the largest calls were made once (datasets take about 90 ms per
+request to build with one image, 230 ms with 1-4: built in a thread while the servers start, or, where
+one has more than 256 requests, in slices by worker processes before they start). Per pass, concurrency and image count (`1` =
 one image per request, `1-4` = one to four): req/s, TTFT p50/p99. From `/metrics` at start and at
 the end: ViT graph captures (after start-up: must be 0), hits, misses, eager fallbacks, padding,
 resident graph bytes and reserved memory. `--accuracy`: input-token logprobs of a mixed-size
@@ -231,7 +231,7 @@ def _serving_module(workdir: str):
 # A dataset of more requests than this is built in slices of SLICE_REQUESTS by worker processes: one
 # thread took 460 s for 2,000 requests of 1-4 images on the GPU machine (session 15).
 PARALLEL_FROM = 256
-SLICE_REQUESTS = 128
+SLICE_REQUESTS = 128  # <= PARALLEL_FROM: a worker builds its slice itself
 
 
 def slice_args(args) -> list:
@@ -250,11 +250,11 @@ def _build_slice(job):
                                args.served_model_name or args.model)
 
 
-def build_in_slices(args, workdir: str, worker=_build_slice) -> list:
+def build_in_slices(args, workdir: str, worker=_build_slice, workers=None) -> list:
     """The dataset `args` names, its slices built in parallel by spawned processes (no fork beside the
-    threads that poll the servers), in slice order."""
+    threads that poll the servers), in slice order; `workers` defaults to the usable cores but two."""
     jobs = [(a, workdir) for a in slice_args(args)]
-    workers = min(len(jobs), max(1, (os.cpu_count() or 2) - 2))
+    workers = min(len(jobs), workers or max(1, len(os.sched_getaffinity(0)) - 2))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         return [row for part in pool.map(worker, jobs) for row in part]
 
@@ -303,8 +303,8 @@ def _parsed_args(serving, argv: List[str]):
 
 
 def prebuild_datasets(model: str, plan: List[tuple], workdir: str, resolution: str) -> threading.Thread:
-    """Build the image datasets of `plan` ((concurrency, images, requests, seed) each) in a thread while the
-    servers start (about 90 ms per request). Call from the main thread and join the thread before the first
+    """Build the image datasets of `plan` ((concurrency, images, requests, seed) each) in a thread (while
+    the servers start, unless main joins it first). Call from the main thread and join the thread before the first
     run: a build seeds the process's `random` / `np.random`, which a run reseeds. A failure here only leaves
     the runs to build what is missing."""
     def build():
@@ -607,6 +607,13 @@ def trace_table(report: dict) -> List[str]:
 # ---------------------------------------------------------------------------
 
 
+def timed_slots(concurrencies: List[int], image_counts: List[str], mixed_at: set, requests: int) -> List[tuple]:
+    """(concurrency, image count, requests, seed) of each timed run of a pass: a range like 1-4 runs only at
+    the mixed-at concurrencies; concurrency 1 runs a quarter of the requests."""
+    return [(c, images, max(requests // 4, 16) if c == 1 else requests, 1000 + c)
+            for c in concurrencies for images in image_counts if "-" not in images or c in mixed_at]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(REAL_SCALE), default="qwen2_5_vl")
@@ -634,10 +641,15 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="store_true", help="per pass: where each server's scheduler spent its time "
                     "(scripts/server_trace.py); during the warm-up, every device sync inside a forward by call site")
     args = ap.parse_args(argv)
-    mixed = {int(c) for c in args.mixed_at.split(",") if c} & {int(c) for c in args.concurrencies.split(",")}
-    if args.passes and not mixed and any("-" in i for i in args.image_counts.split(",")):
-        ap.error(f"--image-counts: a range like 1-4 runs only at the --mixed-at concurrencies ({args.mixed_at}), "
-                 f"none of which is in --concurrencies ({args.concurrencies})")
+    configs = [c for c in args.configs.split(",") if c]
+    if not configs or set(configs) - set(CONFIGS):
+        ap.error(f"--configs: {args.configs!r}; allowed: names from {', '.join(CONFIGS)}")
+    concurrencies = [int(c) for c in args.concurrencies.split(",")]
+    image_counts = args.image_counts.split(",")
+    slots = timed_slots(concurrencies, image_counts, {int(c) for c in args.mixed_at.split(",") if c}, args.requests)
+    if args.passes and not slots:
+        ap.error(f"--image-counts {args.image_counts}: nothing runs; a range like 1-4 runs only at the --mixed-at "
+                 f"concurrencies ({args.mixed_at}), none of which is in --concurrencies ({args.concurrencies})")
     import signal
 
     # A time limit still stops the servers (finally); give `timeout -k` at least 30 s for that.
@@ -650,10 +662,6 @@ def main(argv=None) -> int:
 
     params = build_model(args.model, model)
     log(f"model {model}: {params} B parameters")
-    configs = [c for c in args.configs.split(",") if c]
-    concurrencies = [int(c) for c in args.concurrencies.split(",")]
-    image_counts = args.image_counts.split(",")
-    mixed_at = {int(c) for c in args.mixed_at.split(",") if c}
     report = {"run_id": bench_results.RUN_ID, "kernels": None, "attention": args.backends,
               "config": dict(device=torch.cuda.get_device_name(0), model=f"{args.model} real-scale random",
                              parameters_b=params, requests=args.requests, passes=args.passes,
@@ -673,8 +681,6 @@ def main(argv=None) -> int:
 
     top = max(concurrencies)  # the warm-up makes the run's largest ViT calls before memory is judged
     warm_up = (top, image_counts[-1], max(64, 2 * top), 999)  # a varied stream (another seed), not timed
-    slots = [(c, images, max(args.requests // 4, 16) if c == 1 else args.requests, 1000 + c)
-             for c in concurrencies for images in image_counts if "-" not in images or c in mixed_at]
     plan = [warm_up] + (slots if args.passes else [])
     prebuild = prebuild_datasets(model, plan, workdir, args.resolution)
     if any(n > PARALLEL_FROM for _, _, n, _ in plan):
@@ -686,37 +692,39 @@ def main(argv=None) -> int:
 
     for backend in args.backends.split(","):
         servers, records = {}, {}
-        # Every server starts alone: sglang-ext's load-time probe times graph against eager (host-bound),
-        # and two ext servers loading together ended their ladders at 5184 and 8256 tokens (run
-        # 20261203T132116Z-1635).
-        healthy_at, failed = {}, {}
-        for name in configs:
-            servers[name] = start(name, backend, model, workdir, args)
-            try:
-                servers[name].wait_healthy(timeout=900)
-                healthy_at[name] = time.time()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                failed[name] = exc
-        for name, server in servers.items():
-            rec = dict(backend=backend, config=name, startup_s=None, error=None, metrics_start=None,
-                       metrics_end=None, vit_calls=None, captures_after_start=None)
-            try:
-                if name in failed:
-                    raise failed[name]
-                rec["startup_s"] = round(healthy_at[name] - server.started, 1)
-                rec["metrics_start"] = metrics(server)
-            except Exception as exc:  # noqa: BLE001 - reported
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
-            try:  # a diagnostic: its failure leaves the server in the run (the column then says "-")
-                rec["kv_tokens"] = json.loads(server.get_text("/server_info")).get("max_total_num_tokens")
-            except Exception as exc:  # noqa: BLE001
-                log(f"{backend} {name}: /server_info: {type(exc).__name__}: {exc}")
-            records[name] = rec
-            log(f"{backend} {name}: " + (rec["error"] or f"healthy after {rec['startup_s']} s, KV pool "
-                                         f"{rec.get('kv_tokens')} tokens (asked {args.kv_tokens})"))
-        live = {n: s for n, s in servers.items() if not records[n]["error"]}
-        prebuild.join()  # no build beside a run (they share the random generators and the interpreter)
-        try:
+        try:  # every server started is stopped (finally), a failure or a time limit in start-up too
+            # Every server starts alone: sglang-ext's load-time probe times graph against eager (host-bound),
+            # and two ext servers loading together ended their ladders at 5184 and 8256 tokens (run
+            # 20261203T132116Z-1635).
+            healthy_at, failed = {}, {}
+            for name in configs:
+                servers[name] = start(name, backend, model, workdir, args)
+                try:
+                    servers[name].wait_healthy(timeout=900)
+                    healthy_at[name] = time.time()
+                except Exception as exc:  # noqa: BLE001 - reported below; stopped so the next loads alone
+                    failed[name] = exc
+                    servers[name].stop()
+            for name, server in servers.items():
+                rec = dict(backend=backend, config=name, startup_s=None, error=None, metrics_start=None,
+                           metrics_end=None, vit_calls=None, captures_after_start=None)
+                try:
+                    if name in failed:
+                        raise failed[name]
+                    server.wait_healthy(timeout=30)  # still up after the others loaded
+                    rec["startup_s"] = round(healthy_at[name] - server.started, 1)
+                    rec["metrics_start"] = metrics(server)
+                except Exception as exc:  # noqa: BLE001 - reported
+                    rec["error"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+                try:  # a diagnostic: its failure leaves the server in the run (the column then says "-")
+                    rec["kv_tokens"] = json.loads(server.get_text("/server_info")).get("max_total_num_tokens")
+                except Exception as exc:  # noqa: BLE001
+                    log(f"{backend} {name}: /server_info: {type(exc).__name__}: {exc}")
+                records[name] = rec
+                log(f"{backend} {name}: " + (rec["error"] or f"healthy after {rec['startup_s']} s, KV pool "
+                                             f"{rec.get('kv_tokens')} tokens (asked {args.kv_tokens})"))
+            live = {n: s for n, s in servers.items() if not records[n]["error"]}
+            prebuild.join()  # no build beside a run (they share the random generators and the interpreter)
             for name, server in live.items():  # warm-up
                 flag = os.path.join(server.trace_dir, server_trace.SYNCS_FLAG) if server.trace_dir else None
                 if flag:  # where the forward syncs: counted in the warm-up only (the debug mode costs time)

@@ -139,9 +139,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("vit_graph_above_ladder", "choice", "eager",
          "Bucket mode with the ladder measured at load: a call above the probe's break-even runs as one eager "
          "call ('eager', the default: least device time on an idle GPU) or is split into chunks of whole images "
-         "that replay ('split': far fewer host launches, more device time for padding; three H200 server runs, "
-         "req/s medians against graphs off: 1.20-1.40x at concurrency 8 with one image per request against "
-         "eager's 1.10-1.29x, 0.89-0.99x at 64 against 0.97-1.03x).",
+         "that replay ('split': far fewer host launches, more device time for padding; one H200 server run per "
+         "backend, req/s medians against graphs off: 1.20-1.28x at concurrency 8 with one image per request "
+         "against eager's 1.10-1.14x, 0.89-0.91x at 64 against 0.97-1.01x).",
          choices=("eager", "split")),
     Knob("vit_triton_rotary", "bool", True,
          "ViT graphs on: every vision attention call, eager and captured, rotates q and k with one Triton "

@@ -114,6 +114,10 @@ def _ext_capture_budget(self, sample, budget):
                              attention_layout_key=(full, window))
 
 
+def _on_cuda(runner) -> bool:
+    return isinstance(runner.device, torch.device) and runner.device.type == "cuda"
+
+
 def _ext_probe_ladder(self, sample, ladder):
     """The budgets whose graph beats eager on this GPU and model, agreed by every rank: smallest
     first, a replay of the smallest call each serves against its eager run, up to the first loss."""
@@ -282,10 +286,6 @@ def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_
         return self._ext_run_eager(x_3d, device_layout(full, x_3d.device), device_layout(window, x_3d.device),
                                    position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin, None,
                                    max_len(full), max_len(window))
-
-
-def _on_cuda(runner) -> bool:
-    return isinstance(runner.device, torch.device) and runner.device.type == "cuda"
 
 
 def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,

@@ -298,6 +298,7 @@ def test_gpu_step_runs_every_implementation_even_after_failures(tmp_path):
     (bin_dir / "python3").write_text(
         "#!/bin/bash\n"
         f'echo "$SGX_BENCH_RUN_ID $*" >> {log}\n'
+        f'[ -f "{tmp_path}/out/bench-pi05.log" ] && touch {tmp_path}/log-seen-mid-run\n'
         'case "$*" in *"--impl 0517 "*) exit 1 ;; esac\n'
         "exit 0\n")
     (bin_dir / "python3").chmod(0o755)
@@ -321,4 +322,5 @@ def test_gpu_step_runs_every_implementation_even_after_failures(tmp_path):
     assert "gen_performance_doc.py --bench-dir" in calls[2]
     assert "rc=1" in done.stdout and "0517-ext rc=0" in done.stdout and "0519 rc=" in done.stdout
     assert (out / "bench-pi05.tgz").exists()
-    assert "step bench-pi05 rc=0" in (out / "bench-pi05.log").read_text()  # in $OUT as written, not only at the end
+    assert (tmp_path / "log-seen-mid-run").exists()  # the step's log is in $OUT while it runs, not only after
+    assert "step bench-pi05 rc=0" in (out / "bench-pi05.log").read_text()

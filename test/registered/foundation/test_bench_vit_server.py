@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=5, suite="base-a-test-cpu")
+register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
 
@@ -291,7 +291,7 @@ def test_a_large_dataset_is_cut_into_seeded_slices_and_built_by_worker_processes
     slices = bench_vit_server.slice_args(args)
     assert [(s.num_prompts, s.seed) for s in slices] == [(128, 1016000), (128, 1016001), (44, 1016002)]
     assert all(s.image_resolution == args.image_resolution for s in slices) and args.num_prompts == 300
-    rows = bench_vit_server.build_in_slices(args, str(tmp_path), worker=_rows_of_slice)
+    rows = bench_vit_server.build_in_slices(args, str(tmp_path), worker=_rows_of_slice, workers=2)
     assert rows == [(1016000 + k, i, str(tmp_path)) for k, n in enumerate((128, 128, 44)) for i in range(n)]
 
 
@@ -315,13 +315,23 @@ def test_a_slice_worker_builds_with_the_tokenizer_and_model_its_arguments_name(m
     assert fake.built == [(8, 7, "/models/m", "tokenizer of /models/t")]
 
 
-def test_a_range_of_image_counts_that_no_concurrency_runs_is_refused_before_anything_starts(capsys):
+def test_a_range_of_image_counts_runs_only_at_the_mixed_at_concurrencies():
+    assert bench_vit_server.timed_slots([1, 8, 32], ["1", "1-4"], {8}, 64) == [
+        (1, "1", 16, 1001), (8, "1", 64, 1008), (8, "1-4", 64, 1008), (32, "1", 64, 1032)]
+    assert bench_vit_server.timed_slots([1, 32], ["1", "1-4"], {8}, 64) == [(1, "1", 16, 1001), (32, "1", 64, 1032)]
+
+
+def test_a_run_where_nothing_would_be_timed_or_an_unknown_configuration_is_refused_before_anything_starts(capsys):
+    never = ["--model-dir", "/nonexistent/never-built"]
     with pytest.raises(SystemExit) as stop:
-        bench_vit_server.main(["--concurrencies", "16", "--image-counts", "1-4", "--mixed-at", "8",
-                               "--model-dir", "/nonexistent/never-built"])
+        bench_vit_server.main(["--concurrencies", "16", "--image-counts", "1-4", "--mixed-at", "8"] + never)
     assert stop.value.code == 2
-    assert ("--image-counts: a range like 1-4 runs only at the --mixed-at concurrencies (8), none of which is in "
-            "--concurrencies (16)") in capsys.readouterr().err
+    assert ("--image-counts 1-4: nothing runs; a range like 1-4 runs only at the --mixed-at concurrencies (8), none "
+            "of which is in --concurrencies (16)") in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        bench_vit_server.main(["--configs", "graphs-off,ext-idle-split"] + never)
+    assert stop.value.code == 2 and "--configs: 'graphs-off,ext-idle-split'; allowed: names from ext, graphs-off" in (
+        capsys.readouterr().err)
 
 
 def test_the_slice_build_runs_sglangs_image_dataset_in_spawned_workers(tmp_path):
@@ -334,7 +344,7 @@ def test_the_slice_build_runs_sglangs_image_dataset_in_spawned_workers(tmp_path)
     serving = bench_vit_server._serving_module(str(tmp_path))
     argv = bench_vit_server._serving_argv(0, model, 8, "1-2", 300, 1008, "random:224x224-256x256", os.devnull)
     args = bench_vit_server._parsed_args(serving, argv)
-    rows = bench_vit_server.build_in_slices(args, str(tmp_path))
+    rows = bench_vit_server.build_in_slices(args, str(tmp_path), workers=2)
     assert len(rows) == 300 and all(r.image_data and r.vision_prompt_len > 0 for r in rows)
     first, second = bench_vit_server.slice_args(args)[:2]
     tokenizer = serving.get_tokenizer(model)
