@@ -152,6 +152,28 @@ def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_ag
             "| <= 0.0789 | NOT met |") in rows
     report["accuracy"][1]["max_abs"] = 0.05
     assert any("| 0.0500 | <= 0.0789 | met |" in r for r in gen_performance_doc._vit_server_targets(report))
+    assert not any("beyond 0.05 of graphs-off, against" in r for r in rows)  # a run without the floor's count
+    report["accuracy"][1]["floor_beyond_0_05"] = 9
+    assert ("| fa3 c=16: requests beyond 0.05 of graphs-off, against graphs-off's own (floor) | 12 | <= 9 "
+            "| NOT met |") in gen_performance_doc._vit_server_targets(report)
+
+
+def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_05(monkeypatch):
+    same = [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+    answers = {  # in the order accuracy() asks: c=1 graphs-off, ext; c=16 graphs-off, graphs-off again, ext
+        "graphs-off": iter([same, same, [[0.0, 0.06], [1.0, 1.01], [2.0, 2.2]]]),
+        "ext": iter([same, [[0.0, 0.07], [1.0, 1.0], [2.0, 2.0]]])}
+
+    def signatures(server, specs, concurrency):
+        return next(answers[server])
+
+    monkeypatch.setattr(bench_vit_server, "signatures", signatures)
+    monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda unit, n, seed: [None] * 3)
+    rows = bench_vit_server.accuracy({"graphs-off": "graphs-off", "ext": "ext"}, "fa3", 28, 3)
+    by_c = {r["concurrency"]: r for r in rows}
+    assert (by_c[1]["max_abs"], by_c[1]["floor_max_abs"], by_c[1]["floor_beyond_0_05"]) == (0.0, None, None)
+    assert (by_c[16]["max_abs"], by_c[16]["beyond_0_05"]) == (0.07, 1)
+    assert (by_c[16]["floor_max_abs"], by_c[16]["floor_beyond_0_05"]) == (0.2, 2)
 
 
 def _dataset_args(seed):
