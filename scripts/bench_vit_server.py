@@ -3,8 +3,9 @@
 
     python scripts/bench_vit_server.py --backends fa3,triton_attn --out docs/bench/vit_server.json
 
-Per vision attention backend, one process per configuration, started one after another (each
-alone while it loads and probes), all resident on the GPU at once and measured in interleaved passes (the machine is shared and noisy: medians and spread are reported):
+Per vision attention backend, one process per configuration, started one after another (each alone
+while it loads and probes), all resident on the GPU at once and measured in interleaved passes (the
+machine is shared and noisy: medians and spread are reported):
   graphs-off       `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=0 (the baseline)
   ext              `python -m sglang_ext.launch_server` with sglang-ext's default ViT graph mode
   0517-graphs-on   `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=1 (unpatched)
@@ -15,13 +16,13 @@ deepstack, a 4B-shaped text model). Load: `sglang.bench_serving`'s image dataset
 random:224x224-896x896, 32 input / 8 output tokens), after a warm-up pass of the same dataset with
 another seed (varied, not copies of one request) at the run's highest concurrency and image count,
 so reserved memory is judged after the largest calls were made once (datasets take about 90 ms per
-request to build with one image, 230 ms with 1-4: built in a thread while the servers start, or, where
-one has more than 256 requests, in slices by worker processes before they start). Per pass, concurrency and image count (`1` =
-one image per request, `1-4` = one to four): req/s, TTFT p50/p99. From `/metrics` at start and at
-the end: ViT graph captures (after start-up: must be 0), hits, misses, eager fallbacks, padding,
-resident graph bytes and reserved memory. `--accuracy`: input-token logprobs of a mixed-size
-stream at concurrency 1 (each server against graphs-off) and at 16 (against graphs-off, next to
-the floor of graphs-off against itself in another pass).
+request to build with one image, 230 ms with 1-4: built in a thread while the servers start, or,
+where one has more than 256 requests, in slices by worker processes before they start). Per pass,
+concurrency and image count (`1` = one image per request, `1-4` = one to four): req/s, TTFT p50/p99.
+From `/metrics` at start and at the end: ViT graph captures (after start-up: must be 0), hits,
+misses, eager fallbacks, padding, resident graph bytes and reserved memory. `--accuracy`:
+input-token logprobs of a mixed-size stream at concurrency 1 (each server against graphs-off) and at
+16 (against graphs-off, next to the floor of graphs-off against itself in another pass).
 """
 
 from __future__ import annotations
@@ -304,9 +305,9 @@ def _parsed_args(serving, argv: List[str]):
 
 def prebuild_datasets(model: str, plan: List[tuple], workdir: str, resolution: str) -> threading.Thread:
     """Build the image datasets of `plan` ((concurrency, images, requests, seed) each) in a thread (while
-    the servers start, unless main joins it first). Call from the main thread and join the thread before the first
-    run: a build seeds the process's `random` / `np.random`, which a run reseeds. A failure here only leaves
-    the runs to build what is missing."""
+    the servers start, unless main joins it first). Call from the main thread and join the thread before
+    the first run: a build seeds the process's `random` / `np.random`, which a run reseeds. A failure here
+    only leaves the runs to build what is missing."""
     def build():
         started = time.time()
         try:
