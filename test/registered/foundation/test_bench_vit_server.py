@@ -176,9 +176,10 @@ def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_
     assert (by_c[16]["floor_max_abs"], by_c[16]["floor_beyond_0_05"]) == (0.2, 2)
 
 
-def _dataset_args(seed):
-    return SimpleNamespace(dataset_name="image", num_prompts=8, image_count=1, random_image_count=False, seed=seed,
-                           image_resolution="random:224x224-896x896", random_input_len=32, random_output_len=8)
+def _dataset_args(seed, num_prompts=8, **more):
+    return SimpleNamespace(dataset_name="image", num_prompts=num_prompts, image_count=1, random_image_count=False,
+                           seed=seed, image_resolution="random:224x224-896x896", random_input_len=32,
+                           random_output_len=8, **more)
 
 
 def test_a_dataset_under_way_in_another_thread_is_waited_for_not_built_again():
@@ -309,7 +310,7 @@ def _rows_of_slice(job):
 
 
 def test_a_large_dataset_is_cut_into_seeded_slices_and_built_by_worker_processes_in_order(tmp_path):
-    args = SimpleNamespace(**{**vars(_dataset_args(1016)), "num_prompts": 300})
+    args = _dataset_args(1016, 300)
     slices = bench_vit_server.slice_args(args)
     assert [(s.num_prompts, s.seed) for s in slices] == [(128, 1016000), (128, 1016001), (44, 1016002)]
     assert all(s.image_resolution == args.image_resolution for s in slices) and args.num_prompts == 300
@@ -321,8 +322,8 @@ def test_only_a_dataset_above_the_parallel_threshold_goes_to_the_slice_build():
     made, sliced = [], []
     get_dataset = bench_vit_server._one_build_per_key(lambda args, tok, m: made.append(args.num_prompts) or ["in"],
                                                       lambda args: sliced.append(args.num_prompts) or ["sliced"])
-    small = SimpleNamespace(**{**vars(_dataset_args(1)), "num_prompts": bench_vit_server.PARALLEL_FROM})
-    large = SimpleNamespace(**{**vars(_dataset_args(1)), "num_prompts": bench_vit_server.PARALLEL_FROM + 1})
+    small = _dataset_args(1, bench_vit_server.PARALLEL_FROM)
+    large = _dataset_args(1, bench_vit_server.PARALLEL_FROM + 1)
     assert get_dataset(small, None, "m") == ["in"] and get_dataset(large, None, "m") == ["sliced"]
     assert get_dataset(large, None, "m") == ["sliced"]  # cached, not rebuilt
     assert (made, sliced) == ([bench_vit_server.PARALLEL_FROM], [bench_vit_server.PARALLEL_FROM + 1])
@@ -331,8 +332,7 @@ def test_only_a_dataset_above_the_parallel_threshold_goes_to_the_slice_build():
 def test_a_slice_worker_builds_with_the_tokenizer_and_model_its_arguments_name(monkeypatch, tmp_path):
     fake = _FakeServing()
     monkeypatch.setattr(bench_vit_server, "_serving_module", lambda workdir: fake)
-    args = SimpleNamespace(**{**vars(_dataset_args(7)), "tokenizer": "/models/t", "model": "/models/m",
-                              "served_model_name": None})
+    args = _dataset_args(7, tokenizer="/models/t", model="/models/m", served_model_name=None)
     assert bench_vit_server._build_slice((args, str(tmp_path))) == []
     assert fake.built == [(8, 7, "/models/m", "tokenizer of /models/t")]
 
