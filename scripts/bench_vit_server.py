@@ -22,7 +22,8 @@ concurrency and image count (`1` = one image per request, `1-4` = one to four): 
 From `/metrics` at start and at the end: ViT graph captures (after start-up: must be 0), hits,
 misses, eager fallbacks, padding, resident graph bytes and reserved memory. `--accuracy`:
 input-token logprobs of a mixed-size stream at concurrency 1 (each server against graphs-off) and at
-16 (against graphs-off, next to the floor of graphs-off against itself in another pass).
+16 (against graphs-off, next to the floor of graphs-off against itself; each server passes
+BATCHED_SAMPLES times there and the largest difference counts).
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ SCHEMA = {
     "passes": [{"backend": None, "config": None, "pass": None, "concurrency": None, "images": None,
                 "req_s": None, "ttft_p50_ms": None, "ttft_p99_ms": None, "completed": None, "error": None,
                 "trace": bench_results.ANY}],
-    "accuracy": [{"backend": None, "config": None, "concurrency": None, "requests": None, "max_abs": None,
-                  "beyond_0_05": None, "floor_max_abs": None, "floor_beyond_0_05": None, "error": None}],
+    "accuracy": [{"backend": None, "config": None, "concurrency": None, "requests": None, "samples": None,
+                  "max_abs": None, "beyond_0_05": None, "floor_max_abs": None, "floor_beyond_0_05": None, "error": None}],
 }
 
 
@@ -367,30 +368,38 @@ def signatures(server, specs, concurrency: int) -> List[List[float]]:
         return list(pool.map(one, specs))
 
 
+BATCHED_SAMPLES = 3  # passes of each server at concurrency 16: batch composition varies, so one sample decides nothing
+
+
 def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> List[dict]:
+    """Per request, max |dlogprob| against graphs-off's first pass. At concurrency 16 each server (graphs-off
+    itself included: the floor) runs BATCHED_SAMPLES passes; a row keeps the largest max and count of them."""
     from sglang_ext_testkit import vl_stream as vs
 
     specs = vs.build_stream(unit, n, seed=7)
+
+    def samples(server, reference, concurrency, times):
+        """(max |d|, requests beyond 0.05), each the largest over `times` passes."""
+        diffs = [[vs.max_abs_diff(a, b) for a, b in zip(signatures(server, specs, concurrency), reference)]
+                 for _ in range(times)]
+        return round(max(max(d) for d in diffs), 4), max(sum(x > 0.05 for x in d) for d in diffs)
+
     rows = []
     for concurrency in (1, 16):
+        times = 1 if concurrency == 1 else BATCHED_SAMPLES
         try:
             reference = signatures(servers["graphs-off"], specs, concurrency)
-            floor = []  # graphs-off against itself, batched anew: how far batch composition alone moves them
-            if concurrency > 1:
-                floor = [vs.max_abs_diff(a, b) for a, b in zip(signatures(servers["graphs-off"], specs, concurrency),
-                                                               reference)]
+            floor = samples(servers["graphs-off"], reference, concurrency, times) if concurrency > 1 else (None, None)
         except Exception as exc:  # noqa: BLE001 - reported in the table
-            rows.append(dict(backend=backend, config="graphs-off", concurrency=concurrency, requests=n, max_abs=None,
-                             beyond_0_05=None, floor_max_abs=None, error=f"{type(exc).__name__}: {exc}"[:300]))
+            rows.append(dict(backend=backend, config="graphs-off", concurrency=concurrency, requests=n, samples=times,
+                             max_abs=None, beyond_0_05=None, floor_max_abs=None, floor_beyond_0_05=None,
+                             error=f"{type(exc).__name__}: {exc}"[:300]))
             continue
         for name in [n for n in ("ext", "0517-graphs-on") if n in servers]:
-            row = dict(backend=backend, config=name, concurrency=concurrency, requests=n, max_abs=None,
-                       beyond_0_05=None, floor_max_abs=round(max(floor), 4) if floor else None,
-                       floor_beyond_0_05=sum(d > 0.05 for d in floor) if floor else None, error=None)
+            row = dict(backend=backend, config=name, concurrency=concurrency, requests=n, samples=times, max_abs=None,
+                       beyond_0_05=None, floor_max_abs=floor[0], floor_beyond_0_05=floor[1], error=None)
             try:
-                diffs = [vs.max_abs_diff(a, b) for a, b in zip(signatures(servers[name], specs, concurrency),
-                                                               reference)]
-                row.update(max_abs=round(max(diffs), 4), beyond_0_05=sum(d > 0.05 for d in diffs))
+                row["max_abs"], row["beyond_0_05"] = samples(servers[name], reference, concurrency, times)
             except Exception as exc:  # noqa: BLE001 - a crash is a result (0.5.17 graphs on)
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -544,7 +553,7 @@ def table(report: dict) -> str:
     if report.get("accuracy"):
         lines.append("")
         lines.append(f"{'backend':<12} {'config':<18} {'c':>3} {'requests':>8} {'max |dlogprob|':>15} "
-                     f"{'> 0.05':>7} {'floor (off vs off)':>19}")
+                     f"{'> 0.05':>7} {'floor (off vs off)':>19} {'passes':>6}")
         for a in report["accuracy"]:
             if a.get("error"):
                 lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} error: {a['error'][:70]}")
@@ -552,7 +561,7 @@ def table(report: dict) -> str:
             floor = "-" if a["floor_max_abs"] is None else f"{a['floor_max_abs']:.4f}" + (
                 "" if a.get("floor_beyond_0_05") is None else f" ({a['floor_beyond_0_05']} > 0.05)")
             lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} {a['requests']:>8} "
-                         f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19}")
+                         f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19} {a.get('samples') or 1:>6}")
     return "\n".join(lines)
 
 
