@@ -11,7 +11,7 @@ the kernel). One graph holds 18 calls with 18 distinct weights (one per layer, s
 stream from HBM as in a denoise step, not from L2) and is replayed 50 times.
 Prints one table; no results file (docs/gpu-notes.md quotes it).
 
-    python3 scripts/probe_pi05_kernels.py [--layers 18] [--replays 50] [--gemms-only]
+    python3 scripts/probe_pi05_kernels.py [--layers 18] [--replays 50] [--gemms-only | --layer-only]
 """
 
 from __future__ import annotations
@@ -168,11 +168,73 @@ def attention_rows(layers, replays):
                f"{float((got.float() - ref.float()).abs().max() / ref.float().abs().max()):.2e}")
 
 
+def layer_rows(layers, replays):
+    """One action-expert layer as the fast path runs it (qkv+RoPE, attention, o, gated residual norm, gate-up,
+    down, gated residual norm), 18 layers with their own weights per graph: us per layer, by early_k (weight
+    columns each GEMM program reads before it waits for the previous kernel), PDL on and off."""
+    from sglang_ext.kernels import backend, linear_rope_qkv
+    from sglang_ext.kernels.attention import key_splits
+    from sglang_ext.pi05.fast import _rope_plan, _skinny_plan
+
+    dev, bf16, total = "cuda", torch.bfloat16, 650
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weights = [{name: torch.randn(n, k, device=dev, dtype=bf16) * 0.02 for name, (n, k) in GEMMS.items()}
+               for _ in range(layers)]
+    plans = [dict(qkv=_rope_plan(w["qkv"], HEAD_DIM, sms), o=_skinny_plan(w["o"], sms),
+                  gate_up=_skinny_plan(w["gate_up"], sms, splittable=False, gated=True),
+                  down=_skinny_plan(w["down"], sms)) for w in weights]
+    hidden = torch.randn(1, ROWS, WIDTH, device=dev, dtype=bf16)
+    state = {"normed": torch.randn(1, ROWS, WIDTH, device=dev, dtype=bf16)}  # one layer's output, the next's input
+    cond = torch.randn(3, 1, WIDTH, device=dev)
+    cos_sin = torch.randn(ROWS, HEAD_DIM, device=dev)
+    q = torch.empty(1, ROWS, HEADS, HEAD_DIM, device=dev, dtype=bf16)
+    kvs = [torch.randn(2, 1, total, 1, HEAD_DIM, device=dev, dtype=bf16) for _ in range(layers)]
+    used = torch.tensor([total - 40], device=dev, dtype=torch.int32)
+    splits = key_splits(1, ROWS, HEADS, 1, total, sms)
+
+    def early_for(plan, k, early):
+        per_part = k // (plan[1] if len(plan) == 4 else 1)
+        return min(early, per_part)
+
+    def layer(i, early):
+        p, kv = plans[i], kvs[i]
+        weight, block_n, block_k = p["qkv"]
+        linear_rope_qkv(state["normed"], weight, cos_sin, q, kv[0], kv[1], num_heads=HEADS, num_kv_heads=1,
+                        head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n, block_k=block_k,
+                        early_k=early_for(p["qkv"], WIDTH, early))
+        out = first_rows_attention(q, kv[0], kv[1], used, scale=HEAD_DIM ** -0.5, splits=splits)
+
+        def gemm(name, x, k):
+            weight, parts, block_n, block_k = p[name]
+            return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up",
+                                 early_k=early_for(p[name], k, early))
+        out = gemm("o", out.view(1, ROWS, HEADS * HEAD_DIM), HEADS * HEAD_DIM)
+        mid = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
+        out = gemm("down", gemm("gate_up", mid, WIDTH), MLP)
+        state["normed"] = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
+
+    saved = backend.PDL_ENABLED
+    try:
+        for pdl in (True, False):
+            backend.PDL_ENABLED = pdl
+            for early in (0, 128, 256, 512, 1024):
+                try:
+                    us = graph_time_us(lambda i, early=early: layer(i, early), layers, replays)
+                    yield ("layer", f"early_k={early} pdl={'on' if pdl else 'off'}", us,
+                           f"x180 = {us * 0.18:.2f} ms/request")
+                except Exception as exc:  # noqa: BLE001 - a config the compiler refuses: shown, not fatal
+                    yield ("layer", f"early_k={early} pdl={'on' if pdl else 'off'}", float("nan"),
+                           f"failed: {type(exc).__name__}: {str(exc)[:80]}")
+    finally:
+        backend.PDL_ENABLED = saved
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--gemms-only", action="store_true", help="skip the attention rows")
+    parser.add_argument("--layer-only", action="store_true", help="only the whole-layer rows (by early_k)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_pi05_kernels: needs a CUDA GPU")
@@ -181,7 +243,7 @@ def main():
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{args.layers} calls per graph, {args.replays} replays")
     print(f"{'what':<12} {'config':<52} {'us/call':>8}  note")
-    tables = [gemm_rows] + ([] if args.gemms_only else [attention_rows])
+    tables = [layer_rows] if args.layer_only else [gemm_rows] + ([] if args.gemms_only else [attention_rows])
     for table in tables:  # rows printed as they come: a run cut short keeps them
         for what, label, us, note in table(args.layers, args.replays):
             print(f"{what:<12} {label:<52} {us:>8.2f}  {note}", flush=True)
