@@ -174,7 +174,7 @@ def layer_rows(layers, replays):
     columns each GEMM program reads before it waits for the previous kernel), PDL on and off."""
     from sglang_ext.kernels import backend, linear_rope_qkv
     from sglang_ext.kernels.attention import key_splits
-    from sglang_ext.pi05.fast import _rope_plan, _skinny_plan
+    from sglang_ext.pi05.fast import _rope_plan, _skinny_plan, early_columns
 
     dev, bf16, total = "cuda", torch.bfloat16, 650
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -193,8 +193,7 @@ def layer_rows(layers, replays):
     splits = key_splits(1, ROWS, HEADS, 1, total, sms)
 
     def early_for(plan, k, early):
-        per_part = k // (plan[1] if len(plan) == 4 else 1)
-        return min(early, per_part)
+        return early_columns(k // (plan[1] if len(plan) == 4 else 1), plan[-1], early)
 
     def layer(i, early):
         p, kv = plans[i], kvs[i]
