@@ -180,6 +180,21 @@ def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_
     assert not any(answers[name].__length_hint__() for name in answers)  # every pass asked for, none more
 
 
+def test_a_second_graphs_off_server_gives_the_floor_where_it_runs(monkeypatch):
+    monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 1)
+    same = [[0.0, 0.0], [1.0, 1.0]]
+    answers = {"graphs-off": iter([same, same]), "graphs-off-2": iter([[[0.0, 0.3], [1.0, 1.0]]]),
+               "ext": iter([same, [[0.0, 0.1], [1.0, 1.0]]])}
+    monkeypatch.setattr(bench_vit_server, "signatures", lambda server, specs, concurrency: next(answers[server]))
+    monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda unit, n, seed: [None] * 2)
+    servers = {name: name for name in answers}
+    by_c = {r["concurrency"]: r for r in bench_vit_server.accuracy(servers, "fa3", 28, 2)}
+    floor = by_c[16]["floor_max_abs"], by_c[16]["floor_beyond_0_05"], by_c[16]["floor_server"]
+    assert floor == (0.3, 1, "graphs-off-2")
+    assert (by_c[16]["max_abs"], by_c[16]["beyond_0_05"]) == (0.1, 1) and by_c[1]["floor_server"] is None
+    assert not any(answers[name].__length_hint__() for name in answers)
+
+
 def _dataset_args(seed, num_prompts=8, **more):
     return SimpleNamespace(dataset_name="image", num_prompts=num_prompts, image_count=1, random_image_count=False,
                            seed=seed, image_resolution="random:224x224-896x896", random_input_len=32,
