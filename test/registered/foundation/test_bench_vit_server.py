@@ -183,15 +183,18 @@ def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_
 def test_a_second_graphs_off_server_gives_the_floor_where_it_runs(monkeypatch):
     monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 1)
     same = [[0.0, 0.0], [1.0, 1.0]]
-    answers = {"graphs-off": iter([same, same]), "graphs-off-2": iter([[[0.0, 0.3], [1.0, 1.0]]]),
+    answers = {"graphs-off": iter([same, same]), "graphs-off-2": iter([same, [[0.0, 0.3], [1.0, 1.0]]]),
                "ext": iter([same, [[0.0, 0.1], [1.0, 1.0]]])}
     monkeypatch.setattr(bench_vit_server, "signatures", lambda server, specs, concurrency: next(answers[server]))
     monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda unit, n, seed: [None] * 2)
     servers = {name: name for name in answers}
-    by_c = {r["concurrency"]: r for r in bench_vit_server.accuracy(servers, "fa3", 28, 2)}
+    rows = bench_vit_server.accuracy(servers, "fa3", 28, 2)
+    by_c = {r["concurrency"]: r for r in rows if r["config"] == "ext"}
     floor = by_c[16]["floor_max_abs"], by_c[16]["floor_beyond_0_05"], by_c[16]["floor_server"]
     assert floor == (0.3, 1, "graphs-off-2")
     assert (by_c[16]["max_abs"], by_c[16]["beyond_0_05"]) == (0.1, 1) and by_c[1]["floor_server"] is None
+    off_2 = {r["concurrency"]: r for r in rows if r["config"] == "graphs-off-2"}  # compared at 1, the floor at 16
+    assert (off_2[1]["max_abs"], off_2[16]["max_abs"], off_2[16]["beyond_0_05"]) == (0.0, 0.3, 1)
     assert not any(answers[name].__length_hint__() for name in answers)
 
 
