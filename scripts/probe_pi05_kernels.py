@@ -170,11 +170,11 @@ def attention_rows(layers, replays):
 
 def layer_rows(layers, replays):
     """One action-expert layer as the fast path runs it (qkv+RoPE, attention, o, gated residual norm, gate-up,
-    down, gated residual norm), 18 layers with their own weights per graph: us per layer, by early_k (weight
-    columns each GEMM program reads before it waits for the previous kernel), PDL on and off."""
+    down, gated residual norm), 18 layers with their own weights per graph: us per layer, PDL on and off.
+    (Weight columns read before each GEMM's wait, tried 2026-12-03, gained nothing: docs/gpu-notes.md.)"""
     from sglang_ext.kernels import backend, linear_rope_qkv
     from sglang_ext.kernels.attention import key_splits
-    from sglang_ext.pi05.fast import _rope_plan, _skinny_plan, early_columns
+    from sglang_ext.pi05.fast import _rope_plan, _skinny_plan
 
     dev, bf16, total = "cuda", torch.bfloat16, 650
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -192,38 +192,27 @@ def layer_rows(layers, replays):
     used = torch.tensor([total - 40], device=dev, dtype=torch.int32)
     splits = key_splits(1, ROWS, HEADS, 1, total, sms)
 
-    def early_for(plan, k, early):
-        return early_columns(k // (plan[1] if len(plan) == 4 else 1), plan[-1], early)
-
-    def layer(i, early):
+    def layer(i):
         p, kv = plans[i], kvs[i]
         weight, block_n, block_k = p["qkv"]
         linear_rope_qkv(state["normed"], weight, cos_sin, q, kv[0], kv[1], num_heads=HEADS, num_kv_heads=1,
-                        head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n, block_k=block_k,
-                        early_k=early_for(p["qkv"], WIDTH, early))
+                        head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n, block_k=block_k)
         out = first_rows_attention(q, kv[0], kv[1], used, scale=HEAD_DIM ** -0.5, splits=splits)
 
-        def gemm(name, x, k):
+        def gemm(name, x):
             weight, parts, block_n, block_k = p[name]
-            return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up",
-                                 early_k=early_for(p[name], k, early))
-        out = gemm("o", out.view(1, ROWS, HEADS * HEAD_DIM), HEADS * HEAD_DIM)
+            return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
+        out = gemm("o", out.view(1, ROWS, HEADS * HEAD_DIM))
         mid = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
-        out = gemm("down", gemm("gate_up", mid, WIDTH), MLP)
+        out = gemm("down", gemm("gate_up", mid))
         state["normed"] = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
 
     saved = backend.PDL_ENABLED
     try:
         for pdl in (True, False):
             backend.PDL_ENABLED = pdl
-            for early in (0, 128, 256, 512, 1024):
-                try:
-                    us = graph_time_us(lambda i, early=early: layer(i, early), layers, replays)
-                    yield ("layer", f"early_k={early} pdl={'on' if pdl else 'off'}", us,
-                           f"x180 = {us * 0.18:.2f} ms/request")
-                except Exception as exc:  # noqa: BLE001 - a config the compiler refuses: shown, not fatal
-                    yield ("layer", f"early_k={early} pdl={'on' if pdl else 'off'}", float("nan"),
-                           f"failed: {type(exc).__name__}: {str(exc)[:80]}")
+            us = graph_time_us(layer, layers, replays)
+            yield ("layer", f"pdl={'on' if pdl else 'off'}", us, f"x180 = {us * 0.18:.2f} ms/request")
     finally:
         backend.PDL_ENABLED = saved
 
@@ -233,7 +222,7 @@ def main():
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--gemms-only", action="store_true", help="skip the attention rows")
-    parser.add_argument("--layer-only", action="store_true", help="only the whole-layer rows (by early_k)")
+    parser.add_argument("--layer-only", action="store_true", help="only the whole-layer rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_pi05_kernels: needs a CUDA GPU")

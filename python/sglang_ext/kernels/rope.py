@@ -131,18 +131,18 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
 
 
 def linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim,
-                              kv_start, block_n=16, block_k=128, early_k=0):
+                              kv_start, block_n=16, block_k=128):
     """torch version of `linear_rope_qkv`: the float32 product, then rope_qkv's float32 math."""
-    _check_linear(x, weight, head_dim, block_n, block_k, early_k)
+    _check_linear(x, weight, head_dim, block_n, block_k)
     qkv = (x.float() @ weight.float().t()).reshape(*x.shape[:-1], weight.shape[0])
     rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, kv_start=kv_start)
 
 
-def _check_linear(x, weight, head_dim, block_n, block_k, early_k):
+def _check_linear(x, weight, head_dim, block_n, block_k):
     if x.dim() != 3:
         raise ValueError(f"linear_rope_qkv: x {tuple(x.shape)}; allowed: [B, S, K]")
-    check_rows_and_blocks(x, weight, 1, block_n, block_k, what="linear_rope_qkv", early_k=early_k)
+    check_rows_and_blocks(x, weight, 1, block_n, block_k, what="linear_rope_qkv")
     if (head_dim // 2) % block_n:
         raise ValueError(f"linear_rope_qkv: block_n={block_n}; allowed: dividing head_dim / 2={head_dim // 2}")
 
@@ -155,15 +155,16 @@ if triton is not None:
         rows, k_dim, seq_len, kv_len, kv_start,
         NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
-        PDL: tl.constexpr, EARLY_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        after_previous_kernel(PDL)
         half: tl.constexpr = HEAD_DIM // 2
         blocks: tl.constexpr = half // BLOCK_N
         head = tl.program_id(0) // blocks
         c = (tl.program_id(0) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the first half
         rm = tl.arange(0, BLOCK_M)
         first, second = slice_products(X, W, rm, head * HEAD_DIM + c, rows, (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM, k_dim,
-                                       0, k_dim, half, BLOCK_M, BLOCK_N, BLOCK_K, True, F32, UPCAST, PDL, EARLY_K)
+                                       0, k_dim, half, BLOCK_M, BLOCK_N, BLOCK_K, True, F32, UPCAST)
         row_ok = (rm < rows)[:, None]
         table = COS_SIN + rm[:, None] * HEAD_DIM + c[None, :]
         cos = tl.load(table, mask=row_ok, other=1.0)
@@ -173,14 +174,14 @@ if triton is not None:
 
 
 def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start,
-                    block_n=16, block_k=128, early_k=0):
+                    block_n=16, block_k=128):
     """rope_qkv of the projection x [B, S, K] @ weight [(H + 2 KV) * D, K].T, in one kernel
-    (block_n column pairs per program, block_k the K step, early_k as skinny_linear's)."""
+    (block_n column pairs per program, block_k the K step)."""
     if not runs_triton(q_out):
         return linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, num_heads=num_heads,
                                          num_kv_heads=num_kv_heads, head_dim=head_dim, kv_start=kv_start,
-                                         block_n=block_n, block_k=block_k, early_k=early_k)
-    _check_linear(x, weight, head_dim, block_n, block_k, early_k)
+                                         block_n=block_n, block_k=block_k)
+    _check_linear(x, weight, head_dim, block_n, block_k)
     batch, seq = _check((*x.shape[:-1], weight.shape[0]), cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads,
                         head_dim, kv_start)
     for name, t in (("x", x), ("weight", weight), ("cos_sin", cos_sin), ("q_out", q_out), ("k_out", k_out),
@@ -194,4 +195,4 @@ def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_k
         x, weight, cos_sin, q_out, k_out, v_out, batch * seq, x.shape[-1], seq, k_out.shape[1], int(kv_start),
         NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=max(16, block_size(batch * seq)),
         BLOCK_N=block_n, BLOCK_K=block_k, F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, PDL=pdl,
-        EARLY_K=early_k, launch_pdl=pdl, num_warps=4, num_stages=4)
+        launch_pdl=pdl, num_warps=4, num_stages=4)

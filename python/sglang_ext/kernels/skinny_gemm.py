@@ -60,7 +60,7 @@ class Partials(NamedTuple):
         return total
 
 
-def check_rows_and_blocks(x, weight, parts, block_n, block_k, epilogue=(), what="skinny_linear", early_k=0):
+def check_rows_and_blocks(x, weight, parts, block_n, block_k, epilogue=(), what="skinny_linear"):
     """(rows, N, K) of x @ weight.T after the checks every skinny GEMM kernel needs (`what`: the caller)."""
     rows = x.numel() // x.shape[-1]
     n, k = weight.shape
@@ -72,9 +72,6 @@ def check_rows_and_blocks(x, weight, parts, block_n, block_k, epilogue=(), what=
         raise ValueError(f"{what}: parts={parts}, block_k={block_k}; allowed: parts * block_k dividing K={k}")
     if block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"{what}: block_n={block_n}, block_k={block_k}; allowed: powers of two")
-    if early_k and (early_k % block_k or early_k & (early_k - 1) or early_k > k // parts):
-        raise ValueError(f"{what}: early_k={early_k}; allowed: 0, or a power-of-two multiple of block_k={block_k} "
-                         f"up to K / parts={k // parts}")
     if parts > 1 and epilogue:
         raise ValueError(f"{what}: parts={parts} with {', '.join(epilogue)}; allowed: parts=1 with an epilogue")
     return rows, n, k
@@ -85,10 +82,9 @@ def _epilogue(gated, bias, add_to):
 
 
 def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None,
-                            out_dtype=None, add_to=None, alpha=1.0, weight_scale=None, early_k=0):
+                            out_dtype=None, add_to=None, alpha=1.0, weight_scale=None):
     """torch version of `skinny_linear` (float32 accumulation per part, same epilogue)."""
-    rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to),
-                                       early_k=early_k)
+    rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     xs = x.reshape(rows, k).float().chunk(parts, dim=1)
     ws = weight.float().chunk(parts, dim=1)
     products = torch.stack([a @ w.t() for a, w in zip(xs, ws)]).reshape(parts, *x.shape[:-1], n)
@@ -110,49 +106,34 @@ def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gate
 if triton is not None:
 
     @triton.jit
-    def _accumulate(acc, a, b, F32: tl.constexpr, UPCAST: tl.constexpr):
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        if F32:  # three TF32 products: float32-level accuracy
-            return tl.dot(a, b, acc, input_precision="tf32x3")
-        return tl.dot(a, b, acc)
-
-    @triton.jit
     def slice_products(
         X, W, rm, rn, rows, n_cols, k_dim, k_start, k_len, second_offset,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SECOND: tl.constexpr,
-        F32: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY_K: tl.constexpr,
+        F32: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """float32 x[rm, k_start:k_start + k_len] @ W[rn, same].T ([BLOCK_M, BLOCK_N]) and, with
-        SECOND, the same product for weight rows rn + second_offset (else zeros). Waits for the
-        previous kernel (after_previous_kernel) inside: the first EARLY_K columns of the weight slice
-        (0, or a power of two <= k_len) are loaded before the wait, since no kernel writes weights."""
+        SECOND, the same product for weight rows rn + second_offset (else zeros)."""
+        rk = k_start + tl.arange(0, BLOCK_K)
+        x_ptrs = X + rm[:, None] * k_dim + rk[None, :]
+        w_ptrs = W + rn[None, :] * k_dim + rk[:, None]  # [BLOCK_K, BLOCK_N] view of weight rows
         row_mask = rm[:, None] < rows
         col_mask = rn[None, :] < n_cols
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if EARLY_K > 0:
-            ek = k_start + tl.arange(0, EARLY_K)
-            early_ptrs = W + rn[None, :] * k_dim + ek[:, None]
-            early = tl.load(early_ptrs, mask=col_mask, other=0.0).to(X.dtype.element_ty)
-            if SECOND:
-                early2 = tl.load(early_ptrs + second_offset * k_dim, mask=col_mask, other=0.0).to(X.dtype.element_ty)
-        after_previous_kernel(PDL)
-        if EARLY_K > 0:
-            early_x = tl.load(X + rm[:, None] * k_dim + ek[None, :], mask=row_mask, other=0.0)
-            acc = _accumulate(acc, early_x, early, F32, UPCAST)
-            if SECOND:
-                acc2 = _accumulate(acc2, early_x, early2, F32, UPCAST)
-        rk = k_start + EARLY_K + tl.arange(0, BLOCK_K)
-        x_ptrs = X + rm[:, None] * k_dim + rk[None, :]
-        w_ptrs = W + rn[None, :] * k_dim + rk[:, None]  # [BLOCK_K, BLOCK_N] view of weight rows
-        for _ in range(EARLY_K, k_len, BLOCK_K):
+        for _ in range(0, k_len, BLOCK_K):
             a = tl.load(x_ptrs, mask=row_mask, other=0.0)
             b = tl.load(w_ptrs, mask=col_mask, other=0.0).to(X.dtype.element_ty)  # FP8 weights: widened
-            acc = _accumulate(acc, a, b, F32, UPCAST)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            if F32:
+                acc += tl.dot(a, b, input_precision="tf32x3")
+            else:
+                acc += tl.dot(a, b)
             if SECOND:
                 b2 = tl.load(w_ptrs + second_offset * k_dim, mask=col_mask, other=0.0).to(X.dtype.element_ty)
-                acc2 = _accumulate(acc2, a, b2, F32, UPCAST)
+                if UPCAST:
+                    b2 = b2.to(tl.float32)
+                acc2 += tl.dot(a, b2)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         return acc, acc2
@@ -162,14 +143,15 @@ if triton is not None:
         X, W, OUT, BIAS, W_SCALE, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
         GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_TO: tl.constexpr, F32: tl.constexpr,
-        UPCAST: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr, EARLY_K: tl.constexpr,
+        UPCAST: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
     ):
+        after_previous_kernel(PDL)
         part = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, up = slice_products(  # with GATED the up rows sit gate_offset rows below the gate rows
             X, W, rm, rn, rows, n_cols, k_dim, part * k_per_part, k_per_part, gate_offset,
-            BLOCK_M, BLOCK_N, BLOCK_K, GATED, F32, UPCAST, PDL, EARLY_K,
+            BLOCK_M, BLOCK_N, BLOCK_K, GATED, F32, UPCAST,
         )
         if SCALED:  # FP8 weights: each column times its weight row's scale
             acc *= tl.load(W_SCALE + rn, mask=rn < n_cols, other=0.0)[None, :]
@@ -192,17 +174,15 @@ if triton is not None:
 
 
 def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None, out_dtype=None,
-                  add_to=None, alpha=1.0, weight_scale=None, early_k=0):
+                  add_to=None, alpha=1.0, weight_scale=None):
     """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows: [..., N] (gated: N / 2) in out_dtype
     (default x's), or add_to updated; parts > 1: Partials. A float8_e4m3fn weight comes with
-    weight_scale (float32 [N]) and a bfloat16 or float16 x. early_k: weight columns of each program's
-    slice read before it waits for the previous kernel (under PDL that read overlaps it)."""
+    weight_scale (float32 [N]) and a bfloat16 or float16 x."""
     if not runs_triton(x):
         return skinny_linear_reference(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=gated,
                                        bias=bias, out_dtype=out_dtype, add_to=add_to, alpha=alpha,
-                                       weight_scale=weight_scale, early_k=early_k)
-    rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to),
-                                       early_k=early_k)
+                                       weight_scale=weight_scale)
+    rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     if not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError("skinny_linear: x and weight must be contiguous")
     scaled = FP8 is not None and weight.dtype == FP8
@@ -235,6 +215,6 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
         x, weight, out, bias if bias is not None else weight, weight_scale if scaled else weight, rows, width, k,
         k // parts, width, float(alpha), BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         PARTIAL=parts > 1, GATED=gated, HAS_BIAS=bias is not None, ADD_TO=add_to is not None,
-        F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, SCALED=scaled, PDL=pdl, EARLY_K=early_k, launch_pdl=pdl,
-        num_warps=4, num_stages=4)
+        F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, SCALED=scaled, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        num_stages=4)
     return out if parts == 1 else Partials(out)

@@ -344,21 +344,6 @@ def _action_projections(core, state):
     return tuple(pair)
 
 
-# Weight columns each GEMM program of the denoise reads before it waits for the previous kernel
-# (skinny_linear's early_k): under PDL that read overlaps the kernel before. Chosen by
-# `scripts/probe_pi05_kernels.py --layer-only` (docs/gpu-notes.md); 0: none.
-EARLY_WEIGHT_COLUMNS = 0
-
-
-def early_columns(k_slice: int, block_k: int, limit: int = None) -> int:
-    """The early_k for a program's K slice: the largest power-of-two multiple of block_k up to
-    min(limit, k_slice) (limit: EARLY_WEIGHT_COLUMNS), else 0."""
-    limit = min(EARLY_WEIGHT_COLUMNS if limit is None else limit, k_slice)
-    if limit < block_k:
-        return 0
-    return block_k << ((limit // block_k).bit_length() - 1)
-
-
 def _block_k(k: int) -> int:
     """The widest power-of-two K block (at most 128) that divides K."""
     return min(128, k & -k)
@@ -488,16 +473,14 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
             return gelu_tanh_and_mul(out) if name == "gate_up" else out
         weight, parts, block_n, block_k = getattr(projections[index], name)
         return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up",
-                             weight_scale=projections[index].scales.get(name),
-                             early_k=early_columns(weight.shape[1] // parts, block_k))
+                             weight_scale=projections[index].scales.get(name))
 
     def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
         shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start)
         if projections is None:
             return rope_qkv(linear_forward(module, x), cos_sin, q, keys, values, **shape)
         weight, block_n, block_k = projections[index].qkv
-        return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k,
-                               early_k=early_columns(weight.shape[1], block_k), **shape)
+        return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k, **shape)
 
     def action_in(x_t):
         if actions is None:

@@ -121,8 +121,8 @@ def _rope_cases(generator):
 def _linear_rope_cases(generator):
     cases = []
     for dtype in DTYPES:
-        for heads, kv_heads, head_dim, batch, seq, prefix, k, block_n, early_k in (
-            (2, 1, 32, 1, 50, 9, 64, 16, 64), (3, 1, 64, 2, 5, 0, 96, 32, 32), (8, 2, 64, 1, 4, 7, 128, 16, 0),
+        for heads, kv_heads, head_dim, batch, seq, prefix, k, block_n in (
+            (2, 1, 32, 1, 50, 9, 64, 16), (3, 1, 64, 2, 5, 0, 96, 32), (8, 2, 64, 1, 4, 7, 128, 16),
         ):
             total = prefix + seq
             args = {
@@ -133,10 +133,10 @@ def _linear_rope_cases(generator):
                 "k_out": torch.randn(batch, total, kv_heads, head_dim, generator=generator).to(dtype),
                 "v_out": torch.randn(batch, total, kv_heads, head_dim, generator=generator).to(dtype),
                 "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "kv_start": prefix,
-                "block_n": block_n, "block_k": 32, "early_k": early_k,
+                "block_n": block_n, "block_k": 32,
             }
-            cases.append({"kind": "linear_rope", "args": args, "name": f"linear_rope {dtype} h={heads}/{kv_heads} "
-                                                                       f"d={head_dim} p={prefix} n={block_n} early={early_k}"})
+            cases.append({"kind": "linear_rope", "args": args,
+                          "name": f"linear_rope {dtype} h={heads}/{kv_heads} d={head_dim} p={prefix} n={block_n}"})
     return cases
 
 
@@ -155,19 +155,17 @@ def _gelu_cases(generator):
 def _gemm_cases(generator):
     cases = []
     for dtype in DTYPES:
-        for rows, n, k, parts, block_n, early_k in ((50, 96, 256, 1, 32, 64), (50, 96, 256, 2, 64, 128),
-                                                    (3, 40, 128, 4, 32, 0), (128, 64, 64, 1, 64, 0)):
+        for rows, n, k, parts, block_n in ((50, 96, 256, 1, 32), (50, 96, 256, 2, 64), (3, 40, 128, 4, 32), (128, 64, 64, 1, 64)):
             args = {
                 "x": torch.randn(rows, k, generator=generator).to(dtype),
                 "weight": (torch.randn(n, k, generator=generator) * 0.1).to(dtype),
-                "parts": parts, "block_n": block_n, "block_k": 32, "early_k": early_k,
+                "parts": parts, "block_n": block_n, "block_k": 32,
             }
-            cases.append({"kind": "gemm", "name": f"gemm {dtype} {rows}x{k}->{n} parts={parts} early={early_k}",
-                          "args": args})
+            cases.append({"kind": "gemm", "name": f"gemm {dtype} {rows}x{k}->{n} parts={parts}", "args": args})
         x = torch.randn(2, 25, 64, generator=generator).to(dtype)
         gate_up = (torch.randn(2 * 48, 64, generator=generator) * 0.2).to(dtype)
         cases.append({"kind": "gemm", "name": f"gemm gated {dtype}",
-                      "args": {"x": x, "weight": gate_up, "gated": True, "block_n": 16, "block_k": 32, "early_k": 32}})
+                      "args": {"x": x, "weight": gate_up, "gated": True, "block_n": 16, "block_k": 32}})
     # float32 action projections: bias + bf16 output; and x_t += dt * (x @ w.T + b) in place
     state = torch.randn(1, 50, 32, generator=generator)
     w_in, b_in = torch.randn(64, 32, generator=generator) * 0.2, torch.randn(64, generator=generator)
@@ -176,15 +174,14 @@ def _gemm_cases(generator):
     normed, w_out = torch.randn(1, 50, 64, generator=generator), torch.randn(32, 64, generator=generator) * 0.2
     cases.append({"kind": "gemm", "name": "gemm f32 add_to",
                   "args": {"x": normed, "weight": w_out, "bias": torch.randn(32, generator=generator), "add_to": state.clone(),
-                           "alpha": -0.1, "block_n": 16, "block_k": 32, "early_k": 32}})
+                           "alpha": -0.1, "block_n": 16, "block_k": 32}})
     # FP8 weights (knob pi05_fp8_expert): plain, split-K and gated, rows of very different magnitudes
     for rows, n, k, parts, gated in ((50, 96, 256, 1, False), (50, 96, 256, 4, False), (25, 96, 64, 1, True)):
         weight = torch.randn(n, k, generator=generator) * torch.logspace(-3, 1, n).unsqueeze(1)
         q, scale = quantize_rows_fp8(weight)
         cases.append({"kind": "gemm", "name": f"gemm fp8 {rows}x{k}->{n} parts={parts} gated={gated}",
                       "args": {"x": torch.randn(rows, k, generator=generator).to(torch.bfloat16), "weight": q,
-                               "weight_scale": scale, "parts": parts, "gated": gated, "block_n": 16, "block_k": 32,
-                               "early_k": 0 if gated else 64}})
+                               "weight_scale": scale, "parts": parts, "gated": gated, "block_n": 16, "block_k": 32}})
     return cases
 
 
@@ -347,21 +344,18 @@ _HOPPER_BUILDS = [
      {"X": "*bf16", "W": "*bf16", "OUT": "*fp32", "BIAS": "*bf16", "W_SCALE": "*bf16", "rows": "i32", "n_cols": "i32",
       "k_dim": "i32", "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
      [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=partial, GATED=gated, HAS_BIAS=False, ADD_TO=False, F32=False,
-           UPCAST=False, SCALED=False, PDL=pdl, EARLY_K=early)
-      for partial, gated in ((True, False), (False, False), (False, True)) for pdl, early in
-      ((False, 0), (True, 0), (True, 256))]),
+           UPCAST=False, SCALED=False, PDL=pdl)
+      for partial, gated in ((True, False), (False, False), (False, True)) for pdl in (False, True)]),
     ("skinny_gemm", "_skinny_gemm_kernel",  # FP8 weights (knob pi05_fp8_expert)
      {"X": "*bf16", "W": "*fp8e4nv", "OUT": "*fp32", "BIAS": "*fp8e4nv", "W_SCALE": "*fp32", "rows": "i32",
       "n_cols": "i32", "k_dim": "i32", "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
      [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=partial, GATED=gated, HAS_BIAS=False, ADD_TO=False, F32=False,
-           UPCAST=False, SCALED=True, PDL=True, EARLY_K=early)
-      for partial, gated in ((True, False), (False, False), (False, True)) for early in (0, 128)]),
+           UPCAST=False, SCALED=True, PDL=True) for partial, gated in ((True, False), (False, False), (False, True))]),
     ("skinny_gemm", "_skinny_gemm_kernel",
      {"X": "*fp32", "W": "*fp32", "OUT": "*fp32", "BIAS": "*fp32", "W_SCALE": "*fp32", "rows": "i32", "n_cols": "i32",
       "k_dim": "i32", "k_per_part": "i32", "gate_offset": "i32", "alpha": "fp32"},
      [dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32, PARTIAL=False, GATED=False, HAS_BIAS=True, ADD_TO=add_to, F32=True,
-           UPCAST=False, SCALED=False, PDL=True, EARLY_K=early) for block_n, add_to, early in
-      ((64, False, 0), (16, True, 32))]),
+           UPCAST=False, SCALED=False, PDL=True) for block_n, add_to in ((64, False), (16, True))]),
     ("attention", "_split_attention_kernel",
      {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "USED": "*i32", "ROWS": "*i32", "OUT": "*bf16", "ACC": "*fp32",
       "STATS": "*fp32", "seq": "i32", "total": "i32", "keys_per_split": "i32", "scale": "fp32"},
@@ -383,7 +377,7 @@ _HOPPER_BUILDS = [
      {"X": "*bf16", "W": "*bf16", "COS_SIN": "*fp32", "Q_OUT": "*bf16", "K_OUT": "*bf16", "V_OUT": "*bf16",
       "rows": "i32", "k_dim": "i32", "seq_len": "i32", "kv_len": "i32", "kv_start": "i32"},
      [dict(NUM_HEADS=8, NUM_KV=1, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, F32=False, UPCAST=False,
-           PDL=True, EARLY_K=early) for early in (0, 256)]),
+           PDL=True)]),
     ("activation", "_gelu_tanh_and_mul_kernel", {"X": "*bf16", "OUT": "*bf16", "n_inner": "i32"}, [dict(BLOCK=1024, PDL=True)]),
 ]
 
@@ -404,13 +398,11 @@ def test_kernels_build_for_hopper(module, kernel, types, variants):
                                   target=GPUTarget("cuda", 90, 32))
         assert compiled.asm.get("cubin"), (kernel, constexprs)
         ptx = compiled.asm["ptx"]
-        # under PDL nothing may touch memory before the wait, except the EARLY_K weight columns' loads
+        # under PDL nothing may touch memory before the wait
         assert ("griddepcontrol.wait" in ptx) == bool(constexprs.get("PDL")), (kernel, constexprs)
         if constexprs.get("PDL"):
             before_wait = ptx[: ptx.index("griddepcontrol.wait")]
-            assert not any(op in before_wait for op in ("st.global", "atom.")), (kernel, constexprs)
-            early_reads = "ld.global" in before_wait or "cp.async" in before_wait
-            assert early_reads == bool(constexprs.get("EARLY_K")), (kernel, constexprs)
+            assert not any(op in before_wait for op in ("ld.global", "st.global", "cp.async", "atom.")), (kernel, constexprs)
 
 
 def test_kernels_build_without_grid_dependency_control(monkeypatch):
