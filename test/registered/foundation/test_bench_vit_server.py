@@ -331,6 +331,19 @@ def _rows_of_slice(job):
     return [(args.seed, i, workdir) for i in range(args.num_prompts)]
 
 
+def _threads_of_slice(job):
+    import torch
+
+    return [(os.environ.get("OMP_NUM_THREADS"), os.environ.get("TOKENIZERS_PARALLELISM"), torch.get_num_threads())]
+
+
+def test_slice_workers_run_one_thread_each(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # a parent's setting does not reach the workers' libraries
+    rows = bench_vit_server.build_in_slices(_dataset_args(1016, 300), str(tmp_path), worker=_threads_of_slice,
+                                            workers=2)
+    assert rows == [("1", "false", 1)] * 3
+
+
 def test_a_large_dataset_is_cut_into_seeded_slices_and_built_by_worker_processes_in_order(tmp_path):
     args = _dataset_args(1016, 300)
     slices = bench_vit_server.slice_args(args)
