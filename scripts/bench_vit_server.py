@@ -9,6 +9,7 @@ machine is shared and noisy: medians and spread are reported):
   graphs-off       `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=0 (the baseline)
   ext              `python -m sglang_ext.launch_server` with sglang-ext's default ViT graph mode
   0517-graphs-on   `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=1 (unpatched)
+  graphs-off-2     a second graphs-off process: the accuracy floor (its batches follow its own timing)
 Every server holds a KV pool of the same size (`--kv-tokens`), so batching is equal between them.
 The model is a random-weight checkpoint at real scale, written on the machine itself
 (`--model qwen2_5_vl`: the 7B vision tower, a 3B-shaped text model; `qwen3_vl`: the 4B tower with
@@ -22,8 +23,8 @@ concurrency and image count (`1` = one image per request, `1-4` = one to four): 
 From `/metrics` at start and at the end: ViT graph captures (after start-up: must be 0), hits,
 misses, eager fallbacks, padding, resident graph bytes and reserved memory. `--accuracy`:
 input-token logprobs of a mixed-size stream at concurrency 1 (each server against graphs-off) and at
-16 (against graphs-off, next to the floor of graphs-off against itself; each server passes
-BATCHED_SAMPLES times there and the largest difference counts).
+16 (against graphs-off, next to the floor: a second graphs-off process, `graphs-off-2`, where it runs,
+else graphs-off's own later passes; each makes BATCHED_SAMPLES passes there, the largest counts).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
     "ext": ("sglang_ext.launch_server", True, {}),
     "graphs-off": ("sglang.launch_server", False, {}),
     # The accuracy floor at concurrency 16: a second graphs-off process, with batches of its own timing
-    # (without it, graphs-off's own further passes, which tend to repeat its batches).
+    # (without it, graphs-off's own further passes, which may repeat its batches).
     "graphs-off-2": ("sglang.launch_server", False, {}),
     "0517-graphs-on": ("sglang.launch_server", True, {}),
     # Diagnostic: sglang-ext's sync-free tower and embedding path with no graph replayed (every call
@@ -386,43 +387,57 @@ def signatures(server, specs, concurrency: int) -> List[List[float]]:
 BATCHED_SAMPLES = 3  # passes of each server at concurrency 16: batch composition varies, so one sample decides nothing
 
 
+def _error(exc) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> List[dict]:
     """Per request, max |dlogprob| against graphs-off's first pass. At concurrency 16 each server and the
-    floor (graphs-off-2 where it runs, else graphs-off again) run BATCHED_SAMPLES passes; a row keeps the
-    largest max and count of them."""
+    floor (graphs-off-2 where it runs, else graphs-off again) make BATCHED_SAMPLES passes; a row keeps
+    the largest max and, apart, the largest count beyond 0.05 of them (`requests` is per pass)."""
     from sglang_ext_testkit import vl_stream as vs
 
     specs = vs.build_stream(unit, n, seed=7)
 
-    def samples(server, reference, concurrency, times):
-        """(max |d|, requests beyond 0.05), each the largest over `times` passes."""
+    def worst_of(server, reference, concurrency, samples):
+        """(max |d|, requests beyond 0.05), each the largest over `samples` passes of `server`."""
         diffs = [[vs.max_abs_diff(a, b) for a, b in zip(signatures(server, specs, concurrency), reference)]
-                 for _ in range(times)]
+                 for _ in range(samples)]
         return round(max(max(d) for d in diffs), 4), max(sum(x > 0.05 for x in d) for d in diffs)
 
     rows = []
     floor_server = "graphs-off-2" if "graphs-off-2" in servers else "graphs-off"
     for concurrency in (1, 16):
-        times = 1 if concurrency == 1 else BATCHED_SAMPLES
+        samples, batched = (1, False) if concurrency == 1 else (BATCHED_SAMPLES, True)
+
+        def row(config, **more):
+            return dict(dict(backend=backend, config=config, concurrency=concurrency, requests=n, samples=samples,
+                             max_abs=None, beyond_0_05=None, floor_max_abs=None, floor_beyond_0_05=None,
+                             floor_server=floor_server if batched else None, error=None), **more)
+
         try:
             reference = signatures(servers["graphs-off"], specs, concurrency)
-            floor = (samples(servers[floor_server], reference, concurrency, times) if concurrency > 1
-                     else (None, None))
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            rows.append(dict(backend=backend, config="graphs-off", concurrency=concurrency, requests=n, samples=times,
-                             max_abs=None, beyond_0_05=None, floor_max_abs=None, floor_beyond_0_05=None,
-                             floor_server=floor_server, error=f"{type(exc).__name__}: {exc}"[:300]))
+        except Exception as exc:  # noqa: BLE001 - reported in the table; nothing to compare with
+            rows.append(row("graphs-off", error=_error(exc)))
             continue
+        floor = (None, None)
+        if batched:
+            try:
+                floor = worst_of(servers[floor_server], reference, concurrency, samples)
+            except Exception as exc:  # noqa: BLE001 - the others are still compared, without a floor
+                rows.append(row(floor_server, error=_error(exc)))
         for name in [n for n in ("graphs-off-2", "ext", "0517-graphs-on") if n in servers]:
-            row = dict(backend=backend, config=name, concurrency=concurrency, requests=n, samples=times, max_abs=None,
-                       beyond_0_05=None, floor_max_abs=floor[0], floor_beyond_0_05=floor[1],
-                       floor_server=floor_server if concurrency > 1 else None, error=None)
-            try:  # the floor's own row: its passes above
-                row["max_abs"], row["beyond_0_05"] = (floor if name == floor_server and concurrency > 1
-                                                      else samples(servers[name], reference, concurrency, times))
+            if name == floor_server and batched:  # its floor passes are its row
+                if floor[0] is not None:
+                    rows.append(row(name, max_abs=floor[0], beyond_0_05=floor[1], floor_max_abs=floor[0],
+                                    floor_beyond_0_05=floor[1]))
+                continue
+            entry = row(name, floor_max_abs=floor[0], floor_beyond_0_05=floor[1])
+            try:
+                entry["max_abs"], entry["beyond_0_05"] = worst_of(servers[name], reference, concurrency, samples)
             except Exception as exc:  # noqa: BLE001 - a crash is a result (0.5.17 graphs on)
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
+                entry["error"] = _error(exc)
+            rows.append(entry)
     return rows
 
 
@@ -499,6 +514,18 @@ def eligible_replayed(server: dict) -> float:
     return delta["graph_hits_total"] / eligible if eligible > 0 else None
 
 
+def accuracy_requests(report: dict, backend: str, config: str) -> int:
+    """Requests `config` served in the accuracy comparison: its rows' passes (the floor's row is its floor
+    passes), and graphs-off's reference pass at each concurrency (with its floor passes where it was the floor)."""
+    rows = [a for a in report.get("accuracy") or [] if a["backend"] == backend]
+    served = sum(a["requests"] * (a.get("samples") or 1) for a in rows if a["config"] == config and not a.get("error"))
+    if config == "graphs-off":
+        by_c = {a["concurrency"]: a for a in rows}
+        served += sum(a["requests"] * (1 + ((a.get("samples") or 1) if floor_source(a) == "graphs-off" else 0))
+                      for a in by_c.values())
+    return served
+
+
 def reserved_growth(report: dict, server: dict):
     """(MiB the server's reserved memory grew from the end of its warm-up to the end of its timed passes,
     else to the end of the run, requests it served in between), or None without both readings
@@ -510,8 +537,7 @@ def reserved_growth(report: dict, server: dict):
     mine = (server["backend"], server["config"])
     served = sum(r.get("completed") or 0 for r in report["passes"] if (r["backend"], r["config"]) == mine)
     if not server.get("metrics_after_passes"):  # judged to the end of the run: the accuracy requests too
-        served += sum(a["requests"] for a in report.get("accuracy") or []
-                      if (a["backend"], a["config"]) == mine and not a.get("error"))
+        served += accuracy_requests(report, *mine)
     return (end["cuda_memory_reserved_bytes"] - warm["cuda_memory_reserved_bytes"]) / 2**20, served
 
 
@@ -573,7 +599,7 @@ def table(report: dict) -> str:
     if report.get("accuracy"):
         lines.append("")
         lines.append(f"{'backend':<12} {'config':<18} {'c':>3} {'requests':>8} {'max |dlogprob|':>15} "
-                     f"{'> 0.05':>7} {'floor (off vs off)':>19} {'passes':>6} floor from")
+                     f"{'> 0.05':>7} {'floor (off vs off)':>19} {'samples':>7} floor from")
         for a in report["accuracy"]:
             if a.get("error"):
                 lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} error: {a['error'][:70]}")
@@ -581,9 +607,16 @@ def table(report: dict) -> str:
             floor = "-" if a["floor_max_abs"] is None else f"{a['floor_max_abs']:.4f}" + (
                 "" if a.get("floor_beyond_0_05") is None else f" ({a['floor_beyond_0_05']} > 0.05)")
             lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} {a['requests']:>8} "
-                         f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19} {a.get('samples') or 1:>6} "
-                         f"{a.get('floor_server') or '-'}")
+                         f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19} {a.get('samples') or 1:>7} "
+                         f"{floor_source(a) or '-'}")
     return "\n".join(lines)
+
+
+def floor_source(row: dict):
+    """The server whose passes gave `row`'s floor (runs before graphs-off-2 existed: graphs-off), or None."""
+    if row.get("floor_max_abs") is None:
+        return None
+    return row.get("floor_server") or "graphs-off"
 
 
 def _chunked_cell(end: dict) -> str:
@@ -652,7 +685,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=sorted(REAL_SCALE), default="qwen2_5_vl")
     ap.add_argument("--model-dir", default=None, help="where the real-scale checkpoint is (written if absent)")
     ap.add_argument("--backends", default="fa3,triton_attn")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(n for n in CONFIGS if n != "graphs-off-2"),
+                    help="default: all but graphs-off-2 (asked for with --accuracy: the floor at concurrency 16)")
     ap.add_argument("--concurrencies", default="1,8,32,64")
     ap.add_argument("--image-counts", default="1,1-4", help="per request: N, or 1-N (random)")
     ap.add_argument("--requests", type=int, default=128, help="per pass (concurrency 1: a quarter)")

@@ -36,6 +36,7 @@ from sglang_ext.kernels import (  # noqa: E402
 )
 
 ROWS, WIDTH, HEADS, HEAD_DIM, MLP = 50, 1024, 8, 256, 4096
+LAYER_CALLS = 18 * 10  # expert layers x denoise steps of one request
 GEMMS = {"qkv": (HEADS * HEAD_DIM + 2 * HEAD_DIM, WIDTH), "o": (WIDTH, HEADS * HEAD_DIM),
          "gate_up": (2 * MLP, WIDTH), "down": (WIDTH, MLP)}
 
@@ -212,7 +213,8 @@ def layer_rows(layers, replays):
         for pdl in (True, False):
             backend.PDL_ENABLED = pdl
             us = graph_time_us(layer, layers, replays)
-            yield ("layer", f"pdl={'on' if pdl else 'off'}", us, f"x180 = {us * 0.18:.2f} ms/request")
+            yield ("layer", f"pdl={'on' if pdl else 'off'}", us,
+                   f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request")
     finally:
         backend.PDL_ENABLED = saved
 
@@ -221,8 +223,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument("--gemms-only", action="store_true", help="skip the attention rows")
-    parser.add_argument("--layer-only", action="store_true", help="only the whole-layer rows")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--gemms-only", action="store_true", help="skip the attention rows")
+    only.add_argument("--layer-only", action="store_true", help="only the whole-layer rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_pi05_kernels: needs a CUDA GPU")

@@ -133,6 +133,20 @@ def test_reserved_growth_of_a_run_without_timed_passes_counts_the_accuracy_reque
                                                           ("fa3", "ext", 1, "died"), ("fa3", "0517-graphs-on", 1, None),
                                                           ("triton_attn", "ext", 1, None))]
     assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(500.0), 400)
+    report["accuracy"][1]["samples"] = 3  # three passes at concurrency 16
+    assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(500.0), 800)
+
+
+def test_graphs_off_counts_its_reference_passes_and_its_floor_passes_where_it_was_the_floor():
+    rows = [dict(backend="fa3", config="ext", concurrency=1, requests=100, samples=1, floor_max_abs=None),
+            dict(backend="fa3", config="ext", concurrency=16, requests=100, samples=3, floor_max_abs=0.1)]
+    assert bench_vit_server.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off") == 100 + 100 * (1 + 3)
+    rows[1]["floor_server"] = "graphs-off-2"
+    rows.append(dict(backend="fa3", config="graphs-off-2", concurrency=16, requests=100, samples=3,
+                     floor_max_abs=0.1, floor_server="graphs-off-2"))
+    assert bench_vit_server.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off") == 100 + 100
+    assert bench_vit_server.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off-2") == 300
+    assert bench_vit_server.accuracy_requests({"accuracy": rows}, "fa3", "ext") == 400
 
 
 def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_against_itself():
@@ -156,14 +170,18 @@ def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_ag
     report["accuracy"][1]["floor_beyond_0_05"] = 9
     assert ("| fa3 c=16: requests beyond 0.05 of graphs-off, against graphs-off's own (floor) | 12 | <= 9 "
             "| NOT met |") in gen_performance_doc._vit_server_targets(report)
+    report["accuracy"][1].update(samples=3, floor_server="graphs-off-2")
+    assert ("| fa3 c=16: requests beyond 0.05 of graphs-off, against graphs-off-2's (floor), largest of 3 passes "
+            "each | 12 | <= 9 | NOT met |") in gen_performance_doc._vit_server_targets(report)
 
 
 def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_05(monkeypatch):
     monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 2)
     same = [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
     answers = {  # in the order accuracy() asks: c=1 graphs-off, ext; c=16 graphs-off, graphs-off twice, ext twice
-        "graphs-off": iter([same, same, [[0.0, 0.06], [1.0, 1.01], [2.0, 2.2]], [[0.0, 0.1], [1.0, 1.0], [2.0, 2.0]]]),
-        "ext": iter([same, [[0.0, 0.07], [1.0, 1.0], [2.0, 2.0]], [[0.0, 0.0], [1.0, 1.3], [2.0, 2.06]]])}
+        # the largest max and the largest count come from different passes of each server
+        "graphs-off": iter([same, same, [[0.0, 0.06], [1.0, 1.01], [2.0, 2.07]], [[0.0, 0.2], [1.0, 1.0], [2.0, 2.0]]]),
+        "ext": iter([same, [[0.0, 0.07], [1.0, 1.06], [2.0, 2.06]], [[0.0, 0.0], [1.0, 1.3], [2.0, 2.0]]])}
 
     def signatures(server, specs, concurrency):
         return next(answers[server])
@@ -174,17 +192,19 @@ def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_
     by_c = {r["concurrency"]: r for r in rows}
     assert (by_c[1]["max_abs"], by_c[1]["floor_max_abs"], by_c[1]["floor_beyond_0_05"]) == (0.0, None, None)
     assert by_c[1]["samples"] == 1 and by_c[16]["samples"] == 2
-    # the largest of each server's passes: max 0.3 and 2 requests from ext's second pass
-    assert (by_c[16]["max_abs"], by_c[16]["beyond_0_05"]) == (0.3, 2)
-    assert (by_c[16]["floor_max_abs"], by_c[16]["floor_beyond_0_05"]) == (0.2, 2)
+    # the largest of each server's passes, apart: ext's max from its second pass, its count from its first
+    assert (by_c[16]["max_abs"], by_c[16]["beyond_0_05"]) == (0.3, 3)
+    floor = by_c[16]["floor_max_abs"], by_c[16]["floor_beyond_0_05"], by_c[16]["floor_server"]
+    assert floor == (0.2, 2, "graphs-off")
     assert not any(answers[name].__length_hint__() for name in answers)  # every pass asked for, none more
 
 
 def test_a_second_graphs_off_server_gives_the_floor_where_it_runs(monkeypatch):
-    monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 1)
+    monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 2)
     same = [[0.0, 0.0], [1.0, 1.0]]
-    answers = {"graphs-off": iter([same, same]), "graphs-off-2": iter([same, [[0.0, 0.3], [1.0, 1.0]]]),
-               "ext": iter([same, [[0.0, 0.1], [1.0, 1.0]]])}
+    answers = {"graphs-off": iter([same, same]),  # its reference at 1 and 16; graphs-off-2: compared at 1, floor at 16
+               "graphs-off-2": iter([same, [[0.0, 0.3], [1.0, 1.0]], same]),
+               "ext": iter([same, [[0.0, 0.1], [1.0, 1.0]], same])}
     monkeypatch.setattr(bench_vit_server, "signatures", lambda server, specs, concurrency: next(answers[server]))
     monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda unit, n, seed: [None] * 2)
     servers = {name: name for name in answers}
@@ -196,6 +216,32 @@ def test_a_second_graphs_off_server_gives_the_floor_where_it_runs(monkeypatch):
     off_2 = {r["concurrency"]: r for r in rows if r["config"] == "graphs-off-2"}  # compared at 1, the floor at 16
     assert (off_2[1]["max_abs"], off_2[16]["max_abs"], off_2[16]["beyond_0_05"]) == (0.0, 0.3, 1)
     assert not any(answers[name].__length_hint__() for name in answers)
+
+
+def test_a_failing_floor_server_is_named_and_the_others_are_still_compared(monkeypatch):
+    monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 1)
+    same = [[0.0, 0.0]]
+
+    def signatures(server, specs, concurrency):
+        if server == "graphs-off-2" and concurrency == 16:
+            raise RuntimeError("died")
+        return same
+
+    monkeypatch.setattr(bench_vit_server, "signatures", signatures)
+    monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda unit, n, seed: [None])
+    rows = bench_vit_server.accuracy({n: n for n in ("graphs-off", "graphs-off-2", "ext")}, "fa3", 28, 1)
+    at_16 = {r["config"]: r for r in rows if r["concurrency"] == 16}
+    assert at_16["graphs-off-2"]["error"] == "RuntimeError: died" and at_16["graphs-off-2"]["max_abs"] is None
+    assert (at_16["ext"]["max_abs"], at_16["ext"]["floor_max_abs"], at_16["ext"]["error"]) == (0.0, None, None)
+    assert "graphs-off-2        16 error: RuntimeError: died" in bench_vit_server.table(
+        dict(_report(), accuracy=rows))
+
+
+def test_the_table_names_graphs_off_as_the_floor_of_runs_before_graphs_off_2():
+    old = dict(backend="fa3", config="ext", concurrency=16, requests=200, max_abs=0.1, beyond_0_05=5,
+               floor_max_abs=0.06, floor_beyond_0_05=None, error=None)  # no samples, no floor_server
+    line = bench_vit_server.table(dict(_report(), accuracy=[old])).splitlines()[-1]
+    assert line.split()[-2:] == ["1", "graphs-off"] and "0.0600" in line
 
 
 def _dataset_args(seed, num_prompts=8, **more):
