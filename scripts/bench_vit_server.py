@@ -257,8 +257,8 @@ def _build_slice(job):
                                args.served_model_name or args.model)
 
 
-# Each worker process one thread (set before it imports torch or a tokenizer): a slice costs 30-45 % more
-# CPU time with their thread pools (measured on 2 cores), which a pool of workers oversubscribes.
+# One thread per worker process (set before it imports torch or a tokenizer): with their thread pools a
+# slice cost 45-70 % more CPU time (measured on 2 cores), which a pool of workers oversubscribes.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
               "RAYON_NUM_THREADS": "1"}
 
