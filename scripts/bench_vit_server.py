@@ -15,10 +15,11 @@ The model is a random-weight checkpoint at real scale, written on the machine it
 (`--model qwen2_5_vl`: the 7B vision tower, a 3B-shaped text model; `qwen3_vl`: the 4B tower with
 deepstack, a 4B-shaped text model). Load: `sglang.bench_serving`'s image dataset (random images of
 random:224x224-896x896, 32 input / 8 output tokens), after a warm-up pass of the same dataset with
-another seed (varied, not copies of one request) at the run's highest concurrency and image count,
-so reserved memory is judged after the largest calls were made once (datasets take about 90 ms per
-request to build with one image, 230 ms with 1-4: built in a thread while the servers start, or,
-where one has more than 256 requests, in slices by worker processes before they start). Per pass,
+another seed (varied, not copies of one request) at the run's highest concurrency and image count
+(runs with timed passes only), so reserved memory is judged after the largest calls were made once
+(datasets take about 90 ms per request to build with one image, 230 ms with 1-4: built in a thread
+while the servers start, or, where one has more than 256 requests, in slices by worker processes
+before they start). Per pass,
 concurrency and image count (`1` = one image per request, `1-4` = one to four): req/s, TTFT p50/p99.
 From `/metrics` at start and at the end: ViT graph captures (after start-up: must be 0), hits,
 misses, eager fallbacks, padding, resident graph bytes and reserved memory. `--accuracy`:
@@ -680,6 +681,16 @@ def timed_slots(concurrencies: List[int], image_counts: List[str], mixed_at: set
             for c in concurrencies for images in image_counts if "-" not in images or c in mixed_at]
 
 
+def warm_up_slot(passes: int, concurrencies: List[int], image_counts: List[str]):
+    """(concurrency, images, requests, seed) of the untimed warm-up: the run's largest ViT calls, made once
+    before reserved memory is judged, in a varied stream (another seed); None for a run without timed
+    passes (accuracy only: no memory claim, and about a minute less per server)."""
+    if not passes:
+        return None
+    top = max(concurrencies)
+    return top, image_counts[-1], max(64, 2 * top), 999
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(REAL_SCALE), default="qwen2_5_vl")
@@ -746,9 +757,8 @@ def main(argv=None) -> int:
         report["config"]["sglang"] = getattr(sglang, "__version__", None)
     report["kernels"] = {n: _package_version(n) for n in bench_results.KERNELS_SCHEMA}
 
-    top = max(concurrencies)  # the warm-up makes the run's largest ViT calls before memory is judged
-    warm_up = (top, image_counts[-1], max(64, 2 * top), 999)  # a varied stream (another seed), not timed
-    plan = [warm_up] + (slots if args.passes else [])
+    warm_up = warm_up_slot(args.passes, concurrencies, image_counts)
+    plan = [warm_up] + slots if warm_up else []
     prebuild = prebuild_datasets(model, plan, workdir, args.resolution)
     if any(n > PARALLEL_FROM for _, _, n, _ in plan):
         prebuild.join()  # its worker processes would load the host while a server probes
@@ -792,7 +802,7 @@ def main(argv=None) -> int:
                                              f"{rec.get('kv_tokens')} tokens (asked {args.kv_tokens})"))
             live = {n: s for n, s in servers.items() if not records[n]["error"]}
             prebuild.join()  # no build beside a run (they share the random generators and the interpreter)
-            for name, server in live.items():  # warm-up
+            for name, server in (live.items() if warm_up else ()):  # warm-up
                 flag = os.path.join(server.trace_dir, server_trace.SYNCS_FLAG) if server.trace_dir else None
                 if flag:  # where the forward syncs: counted in the warm-up only (the debug mode costs time)
                     open(flag, "w").close()

@@ -418,6 +418,12 @@ def test_a_slice_worker_builds_with_the_tokenizer_and_model_its_arguments_name(m
     assert fake.built == [(8, 7, "/models/m", "tokenizer of /models/t")]
 
 
+def test_only_a_run_with_timed_passes_warms_up_first():
+    assert bench_vit_server.warm_up_slot(3, [1, 8, 64], ["1", "1-4"]) == (64, "1-4", 128, 999)
+    assert bench_vit_server.warm_up_slot(3, [1, 8], ["1"]) == (8, "1", 64, 999)
+    assert bench_vit_server.warm_up_slot(0, [1, 8, 64], ["1", "1-4"]) is None
+
+
 def test_a_range_of_image_counts_runs_only_at_the_mixed_at_concurrencies():
     assert bench_vit_server.timed_slots([1, 8, 32], ["1", "1-4"], {8}, 64) == [
         (1, "1", 16, 1001), (8, "1", 64, 1008), (8, "1-4", 64, 1008), (32, "1", 64, 1032)]
