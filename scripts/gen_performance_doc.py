@@ -583,6 +583,13 @@ def _vit_server_section():
         f"Command: `{cfg.get('command')}`", "", *_vit_server_other_runs()])
 
 
+def _passes_line(run) -> str:
+    passes = len({r["pass"] for r in run["passes"]})
+    if not passes:
+        return "no timed pass (accuracy only)."
+    return f"{passes} passes of {run['config'].get('requests')} requests."
+
+
 def _vit_server_other_runs() -> list:
     """Other bench_vit_server.py runs kept in docs/bench (vit_server_<name>.json), newest first: table and command."""
     import bench_vit_server
@@ -591,8 +598,7 @@ def _vit_server_other_runs() -> list:
     runs = [(_load(path), os.path.basename(path)) for path in glob.glob(os.path.join(BENCH_DIR, "vit_server_*.json"))]
     for run, name in sorted(runs, key=lambda pair: pair[0].get("run_id") or "", reverse=True):
         lines += [f"### Other run: `docs/bench/{name}`", "", *_provenance([(name, run)]),
-                  f"{run['config'].get('model')} ({run['config'].get('parameters_b')} B); "
-                  f"{len({r['pass'] for r in run['passes']})} passes of {run['config'].get('requests')} requests.", "",
+                  f"{run['config'].get('model')} ({run['config'].get('parameters_b')} B); " + _passes_line(run), "",
                   *_vit_server_notes(run), "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
                   f"Command: `{run['config'].get('command')}`", ""]
     return lines

@@ -418,6 +418,17 @@ def test_a_slice_worker_builds_with_the_tokenizer_and_model_its_arguments_name(m
     assert fake.built == [(8, 7, "/models/m", "tokenizer of /models/t")]
 
 
+def test_an_accuracy_only_run_is_described_as_such():
+    import gen_performance_doc  # scripts/, on the path above
+
+    report = _report()
+    report["config"] = {"requests": 64}
+    passes = len({r["pass"] for r in report["passes"]})
+    assert passes and gen_performance_doc._passes_line(report) == f"{passes} passes of 64 requests."
+    report["passes"] = []
+    assert gen_performance_doc._passes_line(report) == "no timed pass (accuracy only)."
+
+
 def test_only_a_run_with_timed_passes_warms_up_first():
     assert bench_vit_server.warm_up_slot(3, [1, 8, 64], ["1", "1-4"]) == (64, "1-4", 128, 999)
     assert bench_vit_server.warm_up_slot(3, [1, 8], ["1"]) == (8, "1", 64, 999)
