@@ -19,13 +19,13 @@ another seed (varied, not copies of one request) at the run's highest concurrenc
 (runs with timed passes only), so reserved memory is judged after the largest calls were made once
 (datasets take about 90 ms per request to build with one image, 230 ms with 1-4: built in a thread
 while the servers start, or, where one has more than 256 requests, in slices by worker processes
-before they start). Per pass,
-concurrency and image count (`1` = one image per request, `1-4` = one to four): req/s, TTFT p50/p99.
-From `/metrics` at start and at the end: ViT graph captures (after start-up: must be 0), hits,
-misses, eager fallbacks, padding, resident graph bytes and reserved memory. `--accuracy`:
-input-token logprobs of a mixed-size stream at concurrency 1 (each server against graphs-off) and at
-16 (against graphs-off, next to the floor: a second graphs-off process, `graphs-off-2`, where it runs,
-else graphs-off's own later passes; each makes BATCHED_SAMPLES passes there, the largest counts).
+before they start). Per pass, concurrency and image count (`1` = one image per request, `1-4` = one
+to four): req/s, TTFT p50/p99. From `/metrics` at start and at the end: ViT graph captures (after
+start-up: must be 0), hits, misses, eager fallbacks, padding, resident graph bytes and reserved
+memory. `--accuracy`: input-token logprobs of a mixed-size stream at concurrency 1 (each server
+against graphs-off) and at 16 (against graphs-off, next to the floor: a second graphs-off process,
+`graphs-off-2`, where it runs, else graphs-off's own later passes; each makes BATCHED_SAMPLES passes
+there, the largest counts).
 """
 
 from __future__ import annotations
