@@ -427,7 +427,7 @@ def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> Lis
                 floor = worst_of(servers[floor_server], reference, concurrency, samples)
             except Exception as exc:  # noqa: BLE001 - the others are still compared, without a floor
                 rows.append(row(floor_server, error=_error(exc)))
-        for name in [n for n in ("graphs-off-2", "ext", "0517-graphs-on") if n in servers]:
+        for name in [n for n in servers if n != "graphs-off"]:  # the run's order; diagnostics compared too
             if name == floor_server and batched:  # its floor passes are its row
                 if floor[0] is not None:
                     rows.append(row(name, max_abs=floor[0], beyond_0_05=floor[1], floor_max_abs=floor[0],

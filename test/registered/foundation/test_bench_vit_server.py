@@ -218,6 +218,17 @@ def test_a_second_graphs_off_server_gives_the_floor_where_it_runs(monkeypatch):
     assert not any(answers[name].__length_hint__() for name in answers)
 
 
+def test_every_server_of_the_run_is_compared_diagnostics_too_in_the_runs_order(monkeypatch):
+    monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 1)
+    shifted = {"ext-no-replay": 0.2, "ext": 0.1}
+    monkeypatch.setattr(bench_vit_server, "signatures",
+                        lambda server, specs, concurrency: [[0.0, shifted.get(server, 0.0)]])
+    monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda unit, n, seed: [None])
+    rows = bench_vit_server.accuracy({n: n for n in ("graphs-off", "ext-no-replay", "ext")}, "fa3", 28, 1)
+    at_16 = [(r["config"], r["max_abs"], r["beyond_0_05"]) for r in rows if r["concurrency"] == 16]
+    assert at_16 == [("ext-no-replay", 0.2, 1), ("ext", 0.1, 1)]
+
+
 def test_a_failing_floor_server_is_named_and_the_others_are_still_compared(monkeypatch):
     monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 1)
     same = [[0.0, 0.0]]
