@@ -542,6 +542,21 @@ def reserved_growth(report: dict, server: dict):
     return (end["cuda_memory_reserved_bytes"] - warm["cuda_memory_reserved_bytes"]) / 2**20, served
 
 
+def reserved_against(report: dict, server: dict, config: str = "graphs-off"):
+    """(MiB `server` reserved beyond `config`'s server of its backend at the end of the timed passes, else of
+    the run; the same at start-up), or None without both servers' readings."""
+    other = next((s for s in report["servers"] if s["config"] == config and s["backend"] == server["backend"]), None)
+
+    def reading(record, key):
+        metrics = record.get(key) or (record.get("metrics_end") if key == "metrics_after_passes" else None) or {}
+        return metrics.get("cuda_memory_reserved_bytes")
+
+    values = [reading(r, k) for k in ("metrics_after_passes", "metrics_start") for r in (server, other or {})]
+    if other is None or not all(values):
+        return None
+    return (values[0] - values[1]) / 2**20, (values[2] - values[3]) / 2**20
+
+
 def unequal_kv_pools(report: dict) -> Dict[str, Dict[str, int]]:
     """{backend: {config: KV tokens}} where that backend's servers hold KV pools of different sizes (their
     req/s at high concurrency then differ by batching, not by the ViT). Runs before kv_tokens: none."""
@@ -842,7 +857,7 @@ def main(argv=None) -> int:
                         report["passes"].append(row)
                         log(f"{backend} pass {p} c={c} img={images} {name}: {row['req_s']} req/s "
                             f"{row['error'] or ''}")
-                collect_metrics(live, records)
+                collect_metrics(live, records, after_pass=True)
                 report["servers"] = [r for r in report["servers"] if r["backend"] != backend] + list(records.values())
                 save()
             for record in records.values():  # memory growth is judged over the timed passes only
@@ -860,11 +875,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def collect_metrics(live: dict, records: dict) -> None:
-    """Counters now (after every pass, so a run cut short keeps them)."""
+def collect_metrics(live: dict, records: dict, after_pass: bool = False) -> None:
+    """Counters now (after every pass, so a run cut short keeps them); after_pass: the reserved memory
+    is also added to the server's per-pass series (a step after a larger call, or steady growth)."""
     for name, server in live.items():
         try:
             end = records[name]["metrics_end"] = metrics(server)
+            if after_pass:
+                records[name].setdefault("reserved_mib_after_pass", []).append(
+                    round(end["cuda_memory_reserved_bytes"] / 2**20))
             start_m = records[name]["metrics_start"]
             # every ViT call (each chunk of a split call) replays or falls back to eager
             records[name]["vit_calls"] = end["graph_hits_total"] + end["graph_eager_fallbacks_total"]

@@ -382,6 +382,37 @@ def test_ext_growth_target_names_graphs_off_growth_on_the_same_stream():
                     "| met |"]
 
 
+def test_growth_target_shows_ext_against_graphs_off_at_the_end_and_at_start_up_and_each_later_pass():
+    import gen_performance_doc
+
+    report = _report()
+    ext, off = report["servers"]
+    ext["metrics_start"]["cuda_memory_reserved_bytes"] = 900 * MIB
+    ext["reserved_mib_after_pass"] = [1010, 1012, 1012]
+    off.update(metrics_start={"cuda_memory_reserved_bytes": 400 * MIB},
+               metrics_warm={"cuda_memory_reserved_bytes": 950 * MIB},
+               metrics_after_passes={"cuda_memory_reserved_bytes": 950 * MIB})
+    assert bench_vit_server.reserved_against(report, ext) == (pytest.approx(60.0), pytest.approx(500.0))
+    assert bench_vit_server.reserved_against(report, off, "vit-free") is None  # no such server
+    rows = [r for r in gen_performance_doc._vit_server_targets(report) if "reserved memory growth" in r]
+    assert rows == ["| fa3: reserved memory growth after warm-up, MiB (600 requests; graphs-off +0 MiB; ext ends "
+                    "+60 MiB from graphs-off, +500 at start-up; after each pass +2, +0) | 10 | <= 64 | met |"]
+
+
+def test_each_pass_adds_the_reserved_memory_to_the_servers_series_and_the_end_of_run_reading_does_not(monkeypatch):
+    readings = iter([100 * MIB, 130 * MIB, 190 * MIB])
+    live = {"ext": SimpleNamespace()}
+    records = {"ext": {"metrics_start": {"graph_captures_total": 0.0}}}
+    monkeypatch.setattr(bench_vit_server, "metrics", lambda server: dict(
+        graph_hits_total=0.0, graph_eager_fallbacks_total=0.0, graph_captures_total=0.0,
+        cuda_memory_reserved_bytes=next(readings)))
+    bench_vit_server.collect_metrics(live, records, after_pass=True)
+    bench_vit_server.collect_metrics(live, records, after_pass=True)
+    bench_vit_server.collect_metrics(live, records)  # after the accuracy requests
+    assert "error" not in records["ext"] and records["ext"]["reserved_mib_after_pass"] == [100, 130]
+    assert records["ext"]["metrics_end"]["cuda_memory_reserved_bytes"] == 190 * MIB
+
+
 def _rows_of_slice(job):
     """A stand-in for bench_vit_server._build_slice in the spawned workers: one row per request."""
     args, workdir = job
