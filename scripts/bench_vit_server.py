@@ -94,7 +94,7 @@ SCHEMA = {
     "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": bench_results.ANY,
                  "metrics_warm": bench_results.ANY, "metrics_after_passes": bench_results.ANY,
                  "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None,
-                 "warmup_syncs": bench_results.ANY, "kv_tokens": None}],
+                 "warmup_syncs": bench_results.ANY, "kv_tokens": None, "reserved_mib_after_pass": None}],
     "passes": [{"backend": None, "config": None, "pass": None, "concurrency": None, "images": None,
                 "req_s": None, "ttft_p50_ms": None, "ttft_p99_ms": None, "completed": None, "error": None,
                 "trace": bench_results.ANY}],
@@ -392,6 +392,10 @@ def _error(exc) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
+# Left out of the accuracy rows: the reference itself, and vit-free, whose tower answers zeros by design.
+NOT_COMPARED = ("graphs-off", "vit-free")
+
+
 def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> List[dict]:
     """Per request, max |dlogprob| against graphs-off's first pass. At concurrency 16 each server and the
     floor (graphs-off-2 where it runs, else graphs-off again) make BATCHED_SAMPLES passes; a row keeps
@@ -427,7 +431,7 @@ def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> Lis
                 floor = worst_of(servers[floor_server], reference, concurrency, samples)
             except Exception as exc:  # noqa: BLE001 - the others are still compared, without a floor
                 rows.append(row(floor_server, error=_error(exc)))
-        for name in [n for n in servers if n != "graphs-off"]:  # the run's order; diagnostics compared too
+        for name in [n for n in servers if n not in NOT_COMPARED]:  # the run's order; diagnostics too
             if name == floor_server and batched:  # its floor passes are its row
                 if floor[0] is not None:
                     rows.append(row(name, max_abs=floor[0], beyond_0_05=floor[1], floor_max_abs=floor[0],
@@ -544,15 +548,17 @@ def reserved_growth(report: dict, server: dict):
 
 def reserved_against(report: dict, server: dict, config: str = "graphs-off"):
     """(MiB `server` reserved beyond `config`'s server of its backend at the end of the timed passes, else of
-    the run; the same at start-up), or None without both servers' readings."""
+    the run; the same at start-up), or None without both servers' readings or where either one failed."""
     other = next((s for s in report["servers"] if s["config"] == config and s["backend"] == server["backend"]), None)
+    if other is None or server.get("error") or other.get("error"):  # a dead server's last reading is older
+        return None
 
     def reading(record, key):
         metrics = record.get(key) or (record.get("metrics_end") if key == "metrics_after_passes" else None) or {}
         return metrics.get("cuda_memory_reserved_bytes")
 
-    values = [reading(r, k) for k in ("metrics_after_passes", "metrics_start") for r in (server, other or {})]
-    if other is None or not all(values):
+    values = [reading(r, k) for k in ("metrics_after_passes", "metrics_start") for r in (server, other)]
+    if not all(values):
         return None
     return (values[0] - values[1]) / 2**20, (values[2] - values[3]) / 2**20
 
@@ -877,13 +883,15 @@ def main(argv=None) -> int:
 
 def collect_metrics(live: dict, records: dict, after_pass: bool = False) -> None:
     """Counters now (after every pass, so a run cut short keeps them); after_pass: the reserved memory
-    is also added to the server's per-pass series (a step after a larger call, or steady growth)."""
+    is also added to the server's per-pass series (a step after a larger call, or steady growth; None
+    where there was no reading)."""
     for name, server in live.items():
+        if after_pass:
+            records[name].setdefault("reserved_mib_after_pass", []).append(None)
         try:
             end = records[name]["metrics_end"] = metrics(server)
-            if after_pass:
-                records[name].setdefault("reserved_mib_after_pass", []).append(
-                    round(end["cuda_memory_reserved_bytes"] / 2**20))
+            if after_pass and end["cuda_memory_reserved_bytes"]:
+                records[name]["reserved_mib_after_pass"][-1] = round(end["cuda_memory_reserved_bytes"] / 2**20)
             start_m = records[name]["metrics_start"]
             # every ViT call (each chunk of a split call) replays or falls back to eager
             records[name]["vit_calls"] = end["graph_hits_total"] + end["graph_eager_fallbacks_total"]

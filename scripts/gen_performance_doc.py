@@ -530,7 +530,8 @@ def _vit_server_targets(run) -> list:
                     baseline += f"; ext ends {against[0]:+.0f} MiB from graphs-off, {against[1]:+.0f} at start-up"
                 series = server.get("reserved_mib_after_pass") or []
                 if len(series) > 1:
-                    baseline += "; after each pass " + ", ".join(f"{b - a:+d}" for a, b in zip(series, series[1:]))
+                    baseline += "; after each pass " + ", ".join(
+                        "?" if None in (a, b) else f"{b - a:+d}" for a, b in zip(series, series[1:]))
                 lines.append(_target(f"{server['backend']}: reserved memory growth after warm-up, MiB "
                                      f"({growth[1]} requests{baseline})", growth[0], "<=", 64, "{:.0f}"))
     for row in run.get("accuracy") or []:

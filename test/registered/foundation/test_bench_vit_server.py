@@ -400,17 +400,60 @@ def test_growth_target_shows_ext_against_graphs_off_at_the_end_and_at_start_up_a
 
 
 def test_each_pass_adds_the_reserved_memory_to_the_servers_series_and_the_end_of_run_reading_does_not(monkeypatch):
-    readings = iter([100 * MIB, 130 * MIB, 190 * MIB])
+    import bench_results
+
+    readings = iter([100 * MIB, 0.0, RuntimeError("down"), 130 * MIB, 190 * MIB])
+
+    def metrics(server):
+        value = next(readings)
+        if isinstance(value, Exception):
+            raise value
+        return dict(graph_hits_total=0.0, graph_eager_fallbacks_total=0.0, graph_captures_total=0.0,
+                    cuda_memory_reserved_bytes=value)
+
+    monkeypatch.setattr(bench_vit_server, "metrics", metrics)
     live = {"ext": SimpleNamespace()}
     records = {"ext": {"metrics_start": {"graph_captures_total": 0.0}}}
-    monkeypatch.setattr(bench_vit_server, "metrics", lambda server: dict(
-        graph_hits_total=0.0, graph_eager_fallbacks_total=0.0, graph_captures_total=0.0,
-        cuda_memory_reserved_bytes=next(readings)))
-    bench_vit_server.collect_metrics(live, records, after_pass=True)
-    bench_vit_server.collect_metrics(live, records, after_pass=True)
+    for _ in range(4):  # a reading, none (untraced: 0), a failed read, a reading
+        bench_vit_server.collect_metrics(live, records, after_pass=True)
     bench_vit_server.collect_metrics(live, records)  # after the accuracy requests
-    assert "error" not in records["ext"] and records["ext"]["reserved_mib_after_pass"] == [100, 130]
+    assert records["ext"]["reserved_mib_after_pass"] == [100, None, None, 130]
     assert records["ext"]["metrics_end"]["cuda_memory_reserved_bytes"] == 190 * MIB
+    # the key is declared: the run's results file can be written
+    assert bench_results.undeclared({"servers": list(records.values())}, bench_vit_server.SCHEMA) == []
+
+
+def test_ext_against_graphs_off_reads_the_end_of_the_run_without_passes_and_gives_none_for_a_failed_server():
+    import gen_performance_doc
+
+    report = _report()
+    ext, off = report["servers"]
+    ext.pop("metrics_after_passes")
+    ext["metrics_start"]["cuda_memory_reserved_bytes"] = 900 * MIB
+    ext["reserved_mib_after_pass"] = [1000, None, 1010]
+    off.update(metrics_start={"cuda_memory_reserved_bytes": 400 * MIB},
+               metrics_end={"cuda_memory_reserved_bytes": 1400 * MIB})
+    assert bench_vit_server.reserved_against(report, ext) == (pytest.approx(100.0), pytest.approx(500.0))
+    assert any("after each pass ?, ?" in r for r in gen_performance_doc._vit_server_targets(report))
+    off["metrics_start"]["cuda_memory_reserved_bytes"] = 0.0  # no reading
+    assert bench_vit_server.reserved_against(report, ext) is None
+    off["metrics_start"]["cuda_memory_reserved_bytes"] = 400 * MIB
+    off["error"] = "metrics: died"  # its last reading is older than ext's
+    assert bench_vit_server.reserved_against(report, ext) is None
+
+
+def test_vit_free_is_not_compared_for_accuracy(monkeypatch):
+    monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 1)
+    asked = []
+
+    def signatures(server, specs, concurrency):
+        asked.append(server)
+        return [[0.0, 0.0]]
+
+    monkeypatch.setattr(bench_vit_server, "signatures", signatures)
+    monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda unit, n, seed: [None])
+    rows = bench_vit_server.accuracy({n: n for n in ("graphs-off", "vit-free", "ext")}, "fa3", 28, 1)
+    assert "vit-free" not in asked and {r["config"] for r in rows} == {"ext"}
 
 
 def _rows_of_slice(job):
