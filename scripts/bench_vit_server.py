@@ -535,15 +535,19 @@ def reserved_growth(report: dict, server: dict):
     """(MiB the server's reserved memory grew from the end of its warm-up to the end of its timed passes,
     else to the end of the run, requests it served in between), or None without both readings
     (sglang-ext's /metrics; with --trace any server's)."""
-    warm = server.get("metrics_warm") or {}
-    end = server.get("metrics_after_passes") or server.get("metrics_end") or {}
-    if not warm.get("cuda_memory_reserved_bytes") or not end.get("cuda_memory_reserved_bytes"):
+    warm, end = (server.get("metrics_warm") or {}).get("cuda_memory_reserved_bytes"), _reserved_at_end(server)
+    if not warm or not end:
         return None
     mine = (server["backend"], server["config"])
     served = sum(r.get("completed") or 0 for r in report["passes"] if (r["backend"], r["config"]) == mine)
     if not server.get("metrics_after_passes"):  # judged to the end of the run: the accuracy requests too
         served += accuracy_requests(report, *mine)
-    return (end["cuda_memory_reserved_bytes"] - warm["cuda_memory_reserved_bytes"]) / 2**20, served
+    return (end - warm) / 2**20, served
+
+
+def _reserved_at_end(server: dict):
+    """The server's reserved bytes at the end of its timed passes, else of the run (None: no reading)."""
+    return (server.get("metrics_after_passes") or server.get("metrics_end") or {}).get("cuda_memory_reserved_bytes")
 
 
 def reserved_against(report: dict, server: dict, config: str = "graphs-off"):
@@ -553,14 +557,11 @@ def reserved_against(report: dict, server: dict, config: str = "graphs-off"):
     if other is None or server.get("error") or other.get("error"):  # a dead server's last reading is older
         return None
 
-    def reading(record, key):
-        metrics = record.get(key) or (record.get("metrics_end") if key == "metrics_after_passes" else None) or {}
-        return metrics.get("cuda_memory_reserved_bytes")
-
-    values = [reading(r, k) for k in ("metrics_after_passes", "metrics_start") for r in (server, other)]
-    if not all(values):
+    ends = [_reserved_at_end(r) for r in (server, other)]
+    starts = [(r.get("metrics_start") or {}).get("cuda_memory_reserved_bytes") for r in (server, other)]
+    if not all(ends + starts):
         return None
-    return (values[0] - values[1]) / 2**20, (values[2] - values[3]) / 2**20
+    return (ends[0] - ends[1]) / 2**20, (starts[0] - starts[1]) / 2**20
 
 
 def unequal_kv_pools(report: dict) -> Dict[str, Dict[str, int]]:
