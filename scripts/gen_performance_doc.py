@@ -594,7 +594,7 @@ def _passes_line(run) -> str:
     passes = len({r["pass"] for r in run["passes"]})
     if not passes:
         return "no timed pass (accuracy only)."
-    return f"{passes} passes of {run['config'].get('requests')} requests."
+    return f"{passes} pass{'es' if passes > 1 else ''} of {run['config'].get('requests')} requests."
 
 
 def _vit_server_other_runs() -> list:
