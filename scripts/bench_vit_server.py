@@ -550,10 +550,15 @@ def _reserved_at_end(server: dict):
     return (server.get("metrics_after_passes") or server.get("metrics_end") or {}).get("cuda_memory_reserved_bytes")
 
 
+def server_of(report: dict, config: str, backend: str):
+    """The record of `config`'s server on `backend` in the run, or None."""
+    return next((s for s in report["servers"] if s["config"] == config and s["backend"] == backend), None)
+
+
 def reserved_against(report: dict, server: dict, config: str = "graphs-off"):
     """(MiB `server` reserved beyond `config`'s server of its backend at the end of the timed passes, else of
     the run; the same at start-up), or None without both servers' readings or where either one failed."""
-    other = next((s for s in report["servers"] if s["config"] == config and s["backend"] == server["backend"]), None)
+    other = server_of(report, config, server["backend"])
     if other is None or server.get("error") or other.get("error"):  # a dead server's last reading is older
         return None
 

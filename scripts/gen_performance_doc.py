@@ -522,8 +522,8 @@ def _vit_server_targets(run) -> list:
                 lines.append(_target(f"{server['backend']}: eligible ViT calls replayed", share, ">=", 0.95))
             growth = bench_vit_server.reserved_growth(run, server)
             if growth is not None:
-                off = next((bench_vit_server.reserved_growth(run, s) for s in run["servers"]
-                            if s["config"] == "graphs-off" and s["backend"] == server["backend"]), None)
+                off_server = bench_vit_server.server_of(run, "graphs-off", server["backend"])
+                off = None if off_server is None else bench_vit_server.reserved_growth(run, off_server)
                 baseline = "" if off is None else f"; graphs-off {off[0]:+.0f} MiB"
                 against = bench_vit_server.reserved_against(run, server)
                 if against is not None:
