@@ -499,27 +499,28 @@ def _vit_server_targets(run) -> list:
 
     lines = ["| target (issue 31) | measured | bound | |", "|---|---|---|---|"]
     floors = {1: 1.3, 8: 1.15, 32: 1.3, 64: 1.3}
+    mode = " (deterministic inference)" if _deterministic(run) else ""  # a diagnostic run, not the issue's servers
     ceilings = bench_vit_server.ratios(run, "vit-free")
     paired = bench_vit_server.paired_ratios(run)
     for slot, ratio in bench_vit_server.ratios(run).items():
         backend, c, images = slot
         notes = [f"median of per-pass ratios {paired[slot]:.2f}"] if slot in paired else []
         notes += [f"ceiling {ceilings[slot]:.2f}: vit-free"] if slot in ceilings else []
-        lines.append(_target(f"{backend} c={c} img={images}: ext / graphs-off req/s"
+        lines.append(_target(f"{backend}{mode} c={c} img={images}: ext / graphs-off req/s"
                              + (f" ({'; '.join(notes)})" if notes else ""), ratio, ">=", floors.get(c, 1.0)))
     off_p99 = bench_vit_server.ttft_p99(run, "graphs-off")
     for slot, p99 in bench_vit_server.ttft_p99(run, "ext").items():
         if slot in off_p99:
             backend, c, images = slot
-            lines.append(_target(f"{backend} c={c} img={images}: ext TTFT p99, ms (median over passes), against "
+            lines.append(_target(f"{backend}{mode} c={c} img={images}: ext TTFT p99, ms (median over passes), against "
                                  "graphs-off's", p99, "<=", off_p99[slot], "{:.1f}"))
     for server in run["servers"]:  # a server that died keeps its last counters: no verdict from them
         if server["config"] == "ext" and server.get("captures_after_start") is not None and not server.get("error"):
-            lines.append(_target(f"{server['backend']}: ViT captures after start-up", server["captures_after_start"],
-                                 "<=", 0, "{:.0f}"))
+            lines.append(_target(f"{server['backend']}{mode}: ViT captures after start-up",
+                                 server["captures_after_start"], "<=", 0, "{:.0f}"))
             share = bench_vit_server.eligible_replayed(server)
             if share is not None:
-                lines.append(_target(f"{server['backend']}: eligible ViT calls replayed", share, ">=", 0.95))
+                lines.append(_target(f"{server['backend']}{mode}: eligible ViT calls replayed", share, ">=", 0.95))
             growth = bench_vit_server.reserved_growth(run, server)
             if growth is not None:
                 off_server = bench_vit_server.server_of(run, "graphs-off", server["backend"])
@@ -532,24 +533,24 @@ def _vit_server_targets(run) -> list:
                 if len(series) > 1:
                     baseline += "; after each pass " + ", ".join(
                         "?" if None in (a, b) else f"{b - a:+d}" for a, b in zip(series, series[1:]))
-                lines.append(_target(f"{server['backend']}: reserved memory growth after warm-up, MiB "
+                lines.append(_target(f"{server['backend']}{mode}: reserved memory growth after warm-up, MiB "
                                      f"({growth[1]} requests{baseline})", growth[0], "<=", 64, "{:.0f}"))
     for row in run.get("accuracy") or []:
         if row["config"] != "ext" or row.get("max_abs") is None:
             continue
         if row["concurrency"] == 1:
-            lines.append(_target(f"{row['backend']} c=1: requests beyond 0.05 of graphs-off", row["beyond_0_05"],
+            lines.append(_target(f"{row['backend']}{mode} c=1: requests beyond 0.05 of graphs-off", row["beyond_0_05"],
                                  "<=", 0, "{:.0f}"))
         elif row.get("floor_max_abs") is not None:
             each = f", largest of {row['samples']} passes each" if (row.get("samples") or 1) > 1 else ""
             source = bench_vit_server.floor_source(row)
             floor = f"{source}'s{' own' if source == 'graphs-off' else ''} (floor){each}"
-            lines.append(_target(f"{row['backend']} c={row['concurrency']}: max abs logprob difference from "
+            lines.append(_target(f"{row['backend']}{mode} c={row['concurrency']}: max abs logprob difference from "
                                  f"graphs-off, against {floor}", row["max_abs"], "<=",
                                  row["floor_max_abs"], "{:.4f}"))
             if row.get("floor_beyond_0_05") is not None:
-                lines.append(_target(f"{row['backend']} c={row['concurrency']}: requests beyond 0.05 of graphs-off, "
-                                     f"against {floor}", row["beyond_0_05"], "<=",
+                lines.append(_target(f"{row['backend']}{mode} c={row['concurrency']}: requests beyond 0.05 of "
+                                     f"graphs-off, against {floor}", row["beyond_0_05"], "<=",
                                      row["floor_beyond_0_05"], "{:.0f}"))
     return lines + [""]
 
@@ -568,7 +569,15 @@ def _vit_server_notes(run) -> list:
     if (run.get("run_id") or "") < ROTARY_KERNEL_DEFAULT_FROM:
         notes.append("`ext` here ran sglang's rotary functions (the default then); `ext-triton-rotary`, where "
                      "present, is today's default (the one-kernel rotary).")
+    if _deterministic(run):
+        notes.append("every server ran with `--enable-deterministic-inference` (sglang's batch-invariant GEMMs and "
+                     "log-softmax, so batching no longer moves logprobs): a diagnostic of the ViT path's own numerics; "
+                     "issue 31's targets are for servers without it.")
     return [f"Note: {n}" for n in notes] + ([""] if notes else [])
+
+
+def _deterministic(run) -> bool:
+    return "--enable-deterministic-inference" in ((run.get("config") or {}).get("command") or "")
 
 
 def _vit_server_section():

@@ -175,6 +175,23 @@ def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_ag
             "each | 12 | <= 9 | NOT met |") in gen_performance_doc._vit_server_targets(report)
 
 
+def test_a_deterministic_inference_run_is_named_so_in_its_targets_and_notes():
+    import gen_performance_doc  # scripts/, on the path above
+
+    report = _report()
+    report["accuracy"] = [dict(backend="fa3", config="ext", concurrency=16, requests=200, samples=3, max_abs=0.0,
+                               beyond_0_05=0, floor_max_abs=0.0, floor_beyond_0_05=0, floor_server="graphs-off-2")]
+    report["config"] = {"command": "python scripts/bench_vit_server.py --accuracy 200"}
+    assert not any("deterministic" in r for r in gen_performance_doc._vit_server_targets(report))
+    assert not any("deterministic" in n for n in gen_performance_doc._vit_server_notes(report))
+    report["config"]["command"] += " --server-arg=--enable-deterministic-inference"
+    rows = gen_performance_doc._vit_server_targets(report)
+    assert ("| fa3 (deterministic inference) c=16: requests beyond 0.05 of graphs-off, against graphs-off-2's "
+            "(floor), largest of 3 passes each | 0 | <= 0 | met |") in rows
+    assert all("(deterministic inference)" in r for r in rows[2:] if r)
+    assert any("--enable-deterministic-inference" in n for n in gen_performance_doc._vit_server_notes(report))
+
+
 def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_05(monkeypatch):
     monkeypatch.setattr(bench_vit_server, "BATCHED_SAMPLES", 2)
     same = [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
