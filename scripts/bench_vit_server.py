@@ -22,7 +22,7 @@ while the servers start, or, where one has more than 256 requests, in slices by 
 before they start). Per pass, concurrency and image count (`1` = one image per request, `1-4` = one
 to four): req/s, TTFT p50/p99. From `/metrics` at start and at the end: ViT graph captures (after
 start-up: must be 0), hits, misses, eager fallbacks, padding, resident graph bytes and reserved
-memory. `--accuracy`: input-token logprobs of a mixed-size stream at concurrency 1 (each server
+memory. `--accuracy`: input-token logprobs of a mixed-size stream (`--accuracy-sizes`) at concurrency 1 (each server
 against graphs-off) and at 16 (against graphs-off, next to the floor: a second graphs-off process,
 `graphs-off-2`, where it runs, else graphs-off's own later passes; each makes BATCHED_SAMPLES passes
 there, the largest counts).
@@ -90,7 +90,7 @@ SCHEMA = {
     "run_id": None, "kernels": bench_results.KERNELS_SCHEMA, "attention": None,
     "config": {"device": None, "model": None, "parameters_b": None, "requests": None, "passes": None,
                "concurrencies": None, "image_counts": None, "resolution": None, "command": None, "seconds": None,
-               "sglang": None},
+               "sglang": None, "accuracy_sizes": None},
     "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": bench_results.ANY,
                  "metrics_warm": bench_results.ANY, "metrics_after_passes": bench_results.ANY,
                  "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None,
@@ -396,13 +396,13 @@ def _error(exc) -> str:
 NOT_COMPARED = ("graphs-off", "vit-free")
 
 
-def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int) -> List[dict]:
+def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int, sizes: str = "random") -> List[dict]:
     """Per request, max |dlogprob| against graphs-off's first pass. At concurrency 16 each server and the
     floor (graphs-off-2 where it runs, else graphs-off again) make BATCHED_SAMPLES passes; a row keeps
     the largest max and, apart, the largest count beyond 0.05 of them (`requests` is per pass)."""
     from sglang_ext_testkit import vl_stream as vs
 
-    specs = vs.build_stream(unit, n, seed=7)
+    specs = (vs.random_size_stream if sizes == "random" else vs.build_stream)(unit, n, seed=7)
 
     def worst_of(server, reference, concurrency, samples):
         """(max |d|, requests beyond 0.05), each the largest over `samples` passes of `server`."""
@@ -731,6 +731,10 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--resolution", default="random:224x224-896x896")
     ap.add_argument("--accuracy", type=int, default=0, help="requests of the logprob comparison (0: none)")
+    ap.add_argument("--accuracy-sizes", choices=("random", "layouts"), default="random",
+                    help="random: 1-2 images of random sides (224-896 px), like the timed passes; layouts: the "
+                    "tiny-server tests' 13 layouts, whose patch counts are all multiples of 64 (a GEMM's row "
+                    "tiling can hide padding there)")
     ap.add_argument("--mem-fraction", type=float, default=0.85,
                     help="each server's --mem-fraction-static, high because --kv-tokens caps the pool: sglang's "
                     "budget is what is free when the server profiles minus (1 - this) x what was free before it "
@@ -772,7 +776,8 @@ def main(argv=None) -> int:
                              parameters_b=params, requests=args.requests, passes=args.passes,
                              concurrencies=concurrencies, image_counts=image_counts, resolution=args.resolution,
                              command="python scripts/bench_vit_server.py " + " ".join(argv or sys.argv[1:]),
-                             seconds=None, sglang=None),
+                             seconds=None, sglang=None,
+                             accuracy_sizes=args.accuracy_sizes if args.accuracy else None),
               "servers": [], "passes": [], "accuracy": []}
     import importlib.metadata as md
 
@@ -876,7 +881,7 @@ def main(argv=None) -> int:
                 record["metrics_after_passes"] = record.get("metrics_end")
             if args.accuracy and "graphs-off" in live:
                 unit = 28 if args.model == "qwen2_5_vl" else 32
-                report["accuracy"] += accuracy(live, backend, unit, args.accuracy)
+                report["accuracy"] += accuracy(live, backend, unit, args.accuracy, args.accuracy_sizes)
             collect_metrics(live, records)
         finally:
             for server in servers.values():

@@ -489,7 +489,9 @@ and reserved MiB at the end (with `--trace`, every server's reserved MiB from th
 eligible calls replayed (the load-time gate's deliberate eager calls left out), and how much reserved
 memory grew from the end of the warm-up to the end; KV tokens: each server's KV pool, the same for
 all (`--kv-tokens`; "-": a run from before the cap, see its note). Accuracy:
-input-token logprobs of a mixed-size stream against graphs-off at concurrency 1, and at 16 next
+input-token logprobs of a mixed-size stream (layout sizes: the tiny-server tests' 13 layouts, whose patch
+counts are all multiples of 64; random sizes: 1-2 images of 224-896 px sides, `--accuracy-sizes`, the
+default since run 20261203T211111Z) against graphs-off at concurrency 1, and at 16 next
 to the floor (batch composition alone moves logprobs): a second graphs-off process where the run had
 one ("floor from"), else graphs-off against itself in later passes."""
 
@@ -535,12 +537,14 @@ def _vit_server_targets(run) -> list:
                         "?" if None in (a, b) else f"{b - a:+d}" for a, b in zip(series, series[1:]))
                 lines.append(_target(f"{server['backend']}{mode}: reserved memory growth after warm-up, MiB "
                                      f"({growth[1]} requests{baseline})", growth[0], "<=", 64, "{:.0f}"))
+    # runs before --accuracy-sizes used the layouts
+    stream = {"random": "random sizes"}.get((run.get("config") or {}).get("accuracy_sizes"), "layout sizes")
     for row in run.get("accuracy") or []:
         if row["config"] != "ext" or row.get("max_abs") is None:
             continue
         if row["concurrency"] == 1:
-            lines.append(_target(f"{row['backend']}{mode} c=1: requests beyond 0.05 of graphs-off", row["beyond_0_05"],
-                                 "<=", 0, "{:.0f}"))
+            lines.append(_target(f"{row['backend']}{mode} c=1: requests beyond 0.05 of graphs-off ({stream})",
+                                 row["beyond_0_05"], "<=", 0, "{:.0f}"))
         elif row.get("floor_max_abs") is not None:
             each = f", largest of {row['samples']} passes each" if (row.get("samples") or 1) > 1 else ""
             source = bench_vit_server.floor_source(row)

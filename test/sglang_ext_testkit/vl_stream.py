@@ -69,6 +69,21 @@ def build_stream(unit: int, n: int, seed: int = 0) -> List[RequestSpec]:
     return specs
 
 
+def random_size_stream(unit: int, n: int, seed: int = 0, units: Tuple[int, int] = (8, 32),
+                       max_images: int = 2) -> List[RequestSpec]:
+    """`n` requests of 1-`max_images` images, each side a random multiple of `unit` in `units` (8-32: 224-896 px
+    on Qwen2.5-VL). LAYOUTS' patch counts are all multiples of 64, which a GEMM's row tiling can hide; these
+    are not."""
+    rng = random.Random(seed)
+    specs, next_seed = [], seed * 1_000_003
+    for i in range(n):
+        sizes = tuple((rng.randint(*units) * unit, rng.randint(*units) * unit)
+                      for _ in range(rng.randint(1, max_images)))
+        specs.append(RequestSpec(i, sizes, tuple(range(next_seed, next_seed + len(sizes)))))
+        next_seed += len(sizes)
+    return specs
+
+
 def warmup_stream(unit: int, seed: int = 10_000) -> List[RequestSpec]:
     """One request per layout (captures every graph the stream needs), images unlike the stream's."""
     return [RequestSpec(-1 - i, tuple((w * unit, h * unit) for w, h in lay),

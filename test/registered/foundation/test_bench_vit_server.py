@@ -161,7 +161,11 @@ def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_ag
         dict(backend="fa3", config="0517-graphs-on", concurrency=16, requests=200, max_abs=None, beyond_0_05=None,
              floor_max_abs=0.0789, error="died")]
     rows = [r for r in gen_performance_doc._vit_server_targets(report) if "graphs-off" in r and "c=" in r]
-    assert "| fa3 c=1: requests beyond 0.05 of graphs-off | 0 | <= 0 | met |" in rows
+    assert "| fa3 c=1: requests beyond 0.05 of graphs-off (layout sizes) | 0 | <= 0 | met |" in rows
+    report["config"] = {"accuracy_sizes": "random"}
+    assert ("| fa3 c=1: requests beyond 0.05 of graphs-off (random sizes) | 0 | <= 0 | met |"
+            in gen_performance_doc._vit_server_targets(report))
+    del report["config"]
     assert ("| fa3 c=16: max abs logprob difference from graphs-off, against graphs-off's own (floor) | 0.0970 "
             "| <= 0.0789 | NOT met |") in rows
     report["accuracy"][1]["max_abs"] = 0.05
@@ -204,7 +208,8 @@ def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_
         return next(answers[server])
 
     monkeypatch.setattr(bench_vit_server, "signatures", signatures)
-    monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda unit, n, seed: [None] * 3)
+    monkeypatch.setattr("sglang_ext_testkit.vl_stream.random_size_stream", lambda unit, n, seed: [None] * 3)
+    monkeypatch.setattr("sglang_ext_testkit.vl_stream.build_stream", lambda *a, **k: pytest.fail("not the default"))
     rows = bench_vit_server.accuracy({"graphs-off": "graphs-off", "ext": "ext"}, "fa3", 28, 3)
     by_c = {r["concurrency"]: r for r in rows}
     assert (by_c[1]["max_abs"], by_c[1]["floor_max_abs"], by_c[1]["floor_beyond_0_05"]) == (0.0, None, None)

@@ -103,3 +103,15 @@ def test_metrics_summed_over_pids_from_real_exposition():
     m = vs.vit_graph_counters(generate_latest(reg).decode())
     assert m["hits"] == 7 and m["resident"] == 5 and m["reserved_bytes"] == 2**30
     assert m["captures"] is None and m["capacity"] is None  # absent is not zero
+
+
+def test_the_random_size_stream_is_seeded_and_its_patch_counts_are_not_all_multiples_of_64():
+    stream = vs.random_size_stream(28, 200, seed=7)
+    assert stream == vs.random_size_stream(28, 200, seed=7) and stream != vs.random_size_stream(28, 200, seed=8)
+    assert {s.units for s in stream} == {1, 2} and [s.index for s in stream] == list(range(200))
+    assert all(224 <= side <= 896 and side % 28 == 0 for s in stream for size in s.sizes for side in size)
+    counts = [vs.patch_count(s.sizes, 14) for s in stream]
+    assert any(c % 64 for c in counts) and all(c % 4 == 0 for c in counts)
+    assert all(vs.patch_count(tuple((w * 28, h * 28) for w, h in lay), 14) % 64 == 0 for lay in vs.LAYOUTS)
+    seeds = [seed for s in stream for seed in s.seeds]
+    assert len(seeds) == len(set(seeds))  # no two images alike
