@@ -733,8 +733,7 @@ def main(argv=None) -> int:
     ap.add_argument("--accuracy", type=int, default=0, help="requests of the logprob comparison (0: none)")
     ap.add_argument("--accuracy-sizes", choices=("random", "layouts"), default="random",
                     help="random: 1-2 images of random sides (224-896 px), like the timed passes; layouts: the "
-                    "tiny-server tests' 13 layouts, whose patch counts are all multiples of 64 (a GEMM's row "
-                    "tiling can hide padding there)")
+                    "tiny-server tests' 13 layouts (9 patch counts, all multiples of 64)")
     ap.add_argument("--mem-fraction", type=float, default=0.85,
                     help="each server's --mem-fraction-static, high because --kv-tokens caps the pool: sglang's "
                     "budget is what is free when the server profiles minus (1 - this) x what was free before it "

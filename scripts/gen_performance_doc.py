@@ -489,9 +489,9 @@ and reserved MiB at the end (with `--trace`, every server's reserved MiB from th
 eligible calls replayed (the load-time gate's deliberate eager calls left out), and how much reserved
 memory grew from the end of the warm-up to the end; KV tokens: each server's KV pool, the same for
 all (`--kv-tokens`; "-": a run from before the cap, see its note). Accuracy:
-input-token logprobs of a mixed-size stream (layout sizes: the tiny-server tests' 13 layouts, whose patch
-counts are all multiples of 64; random sizes: 1-2 images of 224-896 px sides, `--accuracy-sizes`, the
-default since run 20261203T211111Z) against graphs-off at concurrency 1, and at 16 next
+input-token logprobs of a mixed-size stream (each target names it: layout sizes, the tiny-server tests'
+13 layouts with 9 patch counts, all multiples of 64; random sizes, 1-2 images of 224-896 px sides,
+`--accuracy-sizes`) against graphs-off at concurrency 1, and at 16 next
 to the floor (batch composition alone moves logprobs): a second graphs-off process where the run had
 one ("floor from"), else graphs-off against itself in later passes."""
 
@@ -550,11 +550,11 @@ def _vit_server_targets(run) -> list:
             source = bench_vit_server.floor_source(row)
             floor = f"{source}'s{' own' if source == 'graphs-off' else ''} (floor){each}"
             lines.append(_target(f"{row['backend']}{mode} c={row['concurrency']}: max abs logprob difference from "
-                                 f"graphs-off, against {floor}", row["max_abs"], "<=",
+                                 f"graphs-off ({stream}), against {floor}", row["max_abs"], "<=",
                                  row["floor_max_abs"], "{:.4f}"))
             if row.get("floor_beyond_0_05") is not None:
                 lines.append(_target(f"{row['backend']}{mode} c={row['concurrency']}: requests beyond 0.05 of "
-                                     f"graphs-off, against {floor}", row["beyond_0_05"], "<=",
+                                     f"graphs-off ({stream}), against {floor}", row["beyond_0_05"], "<=",
                                      row["floor_beyond_0_05"], "{:.0f}"))
     return lines + [""]
 

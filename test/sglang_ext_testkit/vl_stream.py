@@ -72,8 +72,7 @@ def build_stream(unit: int, n: int, seed: int = 0) -> List[RequestSpec]:
 def random_size_stream(unit: int, n: int, seed: int = 0, units: Tuple[int, int] = (8, 32),
                        max_images: int = 2) -> List[RequestSpec]:
     """`n` requests of 1-`max_images` images, each side a random multiple of `unit` in `units` (8-32: 224-896 px
-    on Qwen2.5-VL). LAYOUTS' patch counts are all multiples of 64, which a GEMM's row tiling can hide; these
-    are not."""
+    on Qwen2.5-VL): the sizes a server meets, where LAYOUTS have 9 patch counts, all multiples of 64."""
     rng = random.Random(seed)
     specs, next_seed = [], seed * 1_000_003
     for i in range(n):

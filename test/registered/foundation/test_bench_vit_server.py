@@ -166,17 +166,17 @@ def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_ag
     assert ("| fa3 c=1: requests beyond 0.05 of graphs-off (random sizes) | 0 | <= 0 | met |"
             in gen_performance_doc._vit_server_targets(report))
     del report["config"]
-    assert ("| fa3 c=16: max abs logprob difference from graphs-off, against graphs-off's own (floor) | 0.0970 "
-            "| <= 0.0789 | NOT met |") in rows
+    assert ("| fa3 c=16: max abs logprob difference from graphs-off (layout sizes), against graphs-off's own "
+            "(floor) | 0.0970 | <= 0.0789 | NOT met |") in rows
     report["accuracy"][1]["max_abs"] = 0.05
     assert any("| 0.0500 | <= 0.0789 | met |" in r for r in gen_performance_doc._vit_server_targets(report))
-    assert not any("beyond 0.05 of graphs-off, against" in r for r in rows)  # a run without the floor's count
+    assert not any("beyond 0.05 of graphs-off (layout sizes), against" in r for r in rows)  # no floor count
     report["accuracy"][1]["floor_beyond_0_05"] = 9
-    assert ("| fa3 c=16: requests beyond 0.05 of graphs-off, against graphs-off's own (floor) | 12 | <= 9 "
-            "| NOT met |") in gen_performance_doc._vit_server_targets(report)
+    assert ("| fa3 c=16: requests beyond 0.05 of graphs-off (layout sizes), against graphs-off's own (floor) | 12 "
+            "| <= 9 | NOT met |") in gen_performance_doc._vit_server_targets(report)
     report["accuracy"][1].update(samples=3, floor_server="graphs-off-2")
-    assert ("| fa3 c=16: requests beyond 0.05 of graphs-off, against graphs-off-2's (floor), largest of 3 passes "
-            "each | 12 | <= 9 | NOT met |") in gen_performance_doc._vit_server_targets(report)
+    assert ("| fa3 c=16: requests beyond 0.05 of graphs-off (layout sizes), against graphs-off-2's (floor), largest "
+            "of 3 passes each | 12 | <= 9 | NOT met |") in gen_performance_doc._vit_server_targets(report)
 
 
 def test_a_deterministic_inference_run_is_named_so_in_its_targets_and_notes():
@@ -190,10 +190,21 @@ def test_a_deterministic_inference_run_is_named_so_in_its_targets_and_notes():
     assert not any("deterministic" in n for n in gen_performance_doc._vit_server_notes(report))
     report["config"]["command"] += " --server-arg=--enable-deterministic-inference"
     rows = gen_performance_doc._vit_server_targets(report)
-    assert ("| fa3 (deterministic inference) c=16: requests beyond 0.05 of graphs-off, against graphs-off-2's "
-            "(floor), largest of 3 passes each | 0 | <= 0 | met |") in rows
+    assert ("| fa3 (deterministic inference) c=16: requests beyond 0.05 of graphs-off (layout sizes), against "
+            "graphs-off-2's (floor), largest of 3 passes each | 0 | <= 0 | met |") in rows
     assert all("(deterministic inference)" in r for r in rows[2:] if r)
     assert any("--enable-deterministic-inference" in n for n in gen_performance_doc._vit_server_notes(report))
+
+
+def test_accuracy_takes_the_stream_it_is_asked_for(monkeypatch):
+    asked = []
+    monkeypatch.setattr(bench_vit_server, "signatures", lambda server, specs, concurrency: [[0.0]] * len(specs))
+    for name in ("random_size_stream", "build_stream"):
+        monkeypatch.setattr(f"sglang_ext_testkit.vl_stream.{name}",
+                            lambda unit, n, seed, name=name: asked.append(name) or [None] * n)
+    bench_vit_server.accuracy({"graphs-off": "off", "ext": "ext"}, "fa3", 28, 2, sizes="layouts")
+    bench_vit_server.accuracy({"graphs-off": "off", "ext": "ext"}, "fa3", 28, 2)
+    assert asked == ["build_stream", "random_size_stream"]
 
 
 def test_the_floor_is_graphs_off_against_itself_per_request_and_counts_beyond_0_05(monkeypatch):
