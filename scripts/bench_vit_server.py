@@ -63,6 +63,10 @@ CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
     # Diagnostic: calls above the load-time break-even split into whole-image chunks that replay instead of
     # one eager call (knob vit_graph_above_ladder=split): fewer host launches, more device time for padding.
     "ext-split": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "split"}),
+    # Diagnostic: the whole ladder captured (up to the server's largest call, cut by the graph byte budget) and
+    # every call replayed, no probe: an eager call costs the scheduler's thread 20-30 ms of launches (the probe's
+    # eager times of small calls), a replay almost none, which may pay for the padding where the host bounds.
+    "ext-full-ladder": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": str(1 << 20)}),
     # Diagnostic: sglang-ext with knob vit_triton_rotary off (sglang's own rotary functions, as before
     # 2026-12-02), which gives the one-kernel rotary's share. Runs before that day name this "ext".
     "ext-eager-rotary": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_TRITON_ROTARY": "0"}),

@@ -480,7 +480,7 @@ sglang-ext's default ViT graph mode (bucket: ladder captured at load and ended w
 calls above it eager; the multimodal embedding without its device sync); `0517-graphs-on` is
 unpatched sglang with its own ViT graphs; `ext-split` is `ext` with calls above the break-even split
 into whole-image chunks that replay (knob `vit_graph_above_ladder=split`; `ext-idle-split`: only while the
-ViT's stream has caught up with the host, a knob value since removed); `ext-no-replay` is sglang-ext's path with no graph replayed
+ViT's stream has caught up with the host, a knob value since removed); `ext-full-ladder` is `ext` with every budget up to the server's largest call captured and replayed (no probe); `ext-no-replay` is sglang-ext's path with no graph replayed
 (a diagnostic: every call eager through the sync-free tower); `vit-free` is graphs-off with a vision
 tower that answers zeros without running (the tower's cost: about what a ViT change can give; it
 keeps the embedding's device syncs, which ext removes, so ext can pass it slightly). With `--trace`, where each scheduler's time went. Counters from `/metrics` (sglang-ext only): captures after start (must be 0), hits,
