@@ -61,12 +61,7 @@ def build_stream(unit: int, n: int, seed: int = 0) -> List[RequestSpec]:
         rng.shuffle(block)
         for item in block:
             layouts.extend(item if item is EQUAL_PATCH_PAIR else [item])  # type: ignore[list-item]
-    specs, next_seed = [], seed * 1_000_003
-    for i, lay in enumerate(layouts[:n]):
-        sizes = tuple((w * unit, h * unit) for w, h in lay)
-        specs.append(RequestSpec(i, sizes, tuple(range(next_seed, next_seed + len(sizes)))))
-        next_seed += len(sizes)
-    return specs
+    return _numbered([tuple((w * unit, h * unit) for w, h in lay) for lay in layouts[:n]], seed)
 
 
 def random_size_stream(unit: int, n: int, seed: int = 0, units: Tuple[int, int] = (8, 32),
@@ -74,10 +69,14 @@ def random_size_stream(unit: int, n: int, seed: int = 0, units: Tuple[int, int] 
     """`n` requests of 1-`max_images` images, each side a random multiple of `unit` in `units` (8-32: 224-896 px
     on Qwen2.5-VL): the sizes a server meets, where LAYOUTS have 9 patch counts, all multiples of 64."""
     rng = random.Random(seed)
+    return _numbered([tuple((rng.randint(*units) * unit, rng.randint(*units) * unit)
+                            for _ in range(rng.randint(1, max_images))) for _ in range(n)], seed)
+
+
+def _numbered(requests: List[Tuple[Tuple[int, int], ...]], seed: int) -> List[RequestSpec]:
+    """Requests 0, 1, ... with these image sizes; every image its own seed, counted from seed * 1_000_003."""
     specs, next_seed = [], seed * 1_000_003
-    for i in range(n):
-        sizes = tuple((rng.randint(*units) * unit, rng.randint(*units) * unit)
-                      for _ in range(rng.randint(1, max_images)))
+    for i, sizes in enumerate(requests):
         specs.append(RequestSpec(i, sizes, tuple(range(next_seed, next_seed + len(sizes)))))
         next_seed += len(sizes)
     return specs
