@@ -169,9 +169,25 @@ def attention_rows(layers, replays):
                f"{float((got.float() - ref.float()).abs().max() / ref.float().abs().max()):.2e}")
 
 
+LAYER_KERNELS = 8  # the fast path's kernels per expert layer (attention: split + combine)
+
+if torch.cuda.is_available():
+    import triton
+    import triton.language as tl
+
+    from sglang_ext.kernels.backend import after_previous_kernel
+
+    @triton.jit
+    def touch_kernel(FLAG, PDL: tl.constexpr):
+        """Wait for the previous kernel, let the next launch, write one int: a launch and nothing more."""
+        after_previous_kernel(PDL)
+        tl.store(FLAG + tl.program_id(0), 1)
+
+
 def layer_rows(layers, replays):
     """One action-expert layer as the fast path runs it (qkv+RoPE, attention, o, gated residual norm, gate-up,
-    down, gated residual norm), 18 layers with their own weights per graph: us per layer, PDL on and off.
+    down, gated residual norm), 18 layers with their own weights per graph: us per layer, PDL on and off;
+    then its four GEMMs alone and as many no-op kernels as it launches (the launch chain's share).
     (Weight columns read before each GEMM's wait, tried 2026-12-03, gained nothing: docs/gpu-notes.md.)"""
     from sglang_ext.kernels import backend, linear_rope_qkv
     from sglang_ext.kernels.attention import key_splits
@@ -208,6 +224,23 @@ def layer_rows(layers, replays):
         out = gemm("down", gemm("gate_up", mid))
         state["normed"] = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
 
+    def gemms(i):  # the four weight reads alone: the layer's bandwidth part
+        p, kv = plans[i], kvs[i]
+        weight, block_n, block_k = p["qkv"]
+        linear_rope_qkv(state["normed"], weight, cos_sin, q, kv[0], kv[1], num_heads=HEADS, num_kv_heads=1,
+                        head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n, block_k=block_k)
+        for name, x in (("o", q.view(1, ROWS, HEADS * HEAD_DIM)), ("gate_up", state["normed"])):
+            weight, parts, block_n, block_k = p[name]
+            out = skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
+        weight, parts, block_n, block_k = p["down"]
+        skinny_linear(out, weight, parts=parts, block_n=block_n, block_k=block_k)
+
+    flag = torch.zeros(sms, device=dev, dtype=torch.int32)
+
+    def empty(i):  # as many one-wave kernels as the layer launches, doing nothing: the launch chain's floor
+        for _ in range(LAYER_KERNELS):
+            touch_kernel[(sms,)](flag, PDL=backend.uses_pdl(flag), launch_pdl=backend.uses_pdl(flag))
+
     saved = backend.PDL_ENABLED
     try:
         for pdl in (True, False):
@@ -215,6 +248,12 @@ def layer_rows(layers, replays):
             us = graph_time_us(layer, layers, replays)
             yield ("layer", f"pdl={'on' if pdl else 'off'}", us,
                    f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request")
+        for pdl in (True, False):
+            backend.PDL_ENABLED = pdl
+            for what, fn in (("gemms", gemms), ("empty", empty)):
+                us = graph_time_us(fn, layers, replays)
+                note = "qkv+rope, o, gate_up, down only" if what == "gemms" else f"{LAYER_KERNELS} no-op kernels"
+                yield (what, f"pdl={'on' if pdl else 'off'}", us, f"per layer; {note}")
     finally:
         backend.PDL_ENABLED = saved
 
