@@ -73,11 +73,12 @@ if triton is not None:
         _rotate_heads(K, K_OUT, token, cos_first, sin_first, cos_second, sin_second, K_HEADS, HEAD_DIM, K_BLOCK, BLOCK)
 
 
-def rotate_half_qk(q, k, cos, sin):
-    """(q rotated, k rotated), new tensors of q's and k's dtypes."""
+def rotate_half_qk(q, k, cos, sin, *, checked=False):
+    """(q rotated, k rotated), new tensors of q's and k's dtypes. checked=True: the caller has just
+    had "" from `rotate_half_qk_supports` for these tensors (the per-layer hot path checks once)."""
     if not runs_triton(q):
         return rotate_half_qk_reference(q, k, cos, sin)
-    problem = rotate_half_qk_supports(q, k, cos, sin)
+    problem = "" if checked else rotate_half_qk_supports(q, k, cos, sin)
     if problem:
         raise ValueError(f"rotate_half_qk: {problem}")
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)

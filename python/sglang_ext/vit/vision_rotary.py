@@ -47,7 +47,7 @@ def patch_vision(ctx, module) -> None:
 
     def apply_rotary_pos_emb_native_eager(q, k, cos, sin, unsqueeze_dim=1):
         if one_kernel and runs_triton(q) and unsqueeze_dim == 1 and not rotate_half_qk_supports(q, k, cos, sin):
-            return rotate_half_qk(q, k, cos, sin)
+            return rotate_half_qk(q, k, cos, sin, checked=True)
         if _eager_depth[0] and compiled_allowed(q):
             return module.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
         return capture_safe(q, k, cos, sin, unsqueeze_dim)

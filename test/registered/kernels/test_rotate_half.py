@@ -113,3 +113,28 @@ def test_the_launch_asks_for_the_build_without_contraction(monkeypatch):
     assert len(launches) == 1 and launches[0][0] == (6,)
     assert launches[0][1]["enable_fp_fusion"] is False
     assert (launches[0][1]["Q_HEADS"], launches[0][1]["K_HEADS"], launches[0][1]["BLOCK"]) == (4, 2, 4)
+
+
+def test_the_wrapper_checks_unless_told_its_caller_did(monkeypatch):
+    import pytest
+    import torch
+
+    from sglang_ext.kernels import rotate_half
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid)
+
+    monkeypatch.setattr(rotate_half, "_rotate_half_qk_kernel", Recorder(), raising=False)
+    monkeypatch.setattr(rotate_half, "runs_triton", lambda t: True)
+    q, k, cos = torch.zeros(4, 2, 7), torch.zeros(4, 1, 7), torch.zeros(4, 7)
+    with pytest.raises(ValueError, match=r"^rotate_half_qk: .*D even"):
+        rotate_half.rotate_half_qk(q, k, cos, cos)
+    assert launches == []
+    checks = []
+    monkeypatch.setattr(rotate_half, "rotate_half_qk_supports", lambda *a: checks.append(a) or "")
+    good_q, good_k, good_cos = torch.zeros(4, 2, 8), torch.zeros(4, 1, 8), torch.zeros(4, 8)
+    rotate_half.rotate_half_qk(good_q, good_k, good_cos, good_cos, checked=True)
+    assert checks == [] and launches == [(4,)]

@@ -109,12 +109,14 @@ def test_knob_vit_triton_rotary_sends_every_supported_call_to_the_one_kernel(ext
     assert ext_patches(**knobs)["vit_cuda_graph"].state == "applied"
     rotary = ext_core("vit.vision_rotary")
     seen = []
-    monkeypatch.setattr(rotary, "rotate_half_qk", lambda *a: seen.append(a) or "kernel")
+    monkeypatch.setattr(rotary, "rotate_half_qk", lambda *a, **kw: seen.append((a, kw)) or "kernel")
     monkeypatch.setattr(rotary, "runs_triton", lambda q: True)  # as on CUDA
     q, k, cos, sin = _qk()
     if knob is None or knob:
         assert vision.apply_rotary_pos_emb_native_eager(q, k, cos, sin) == "kernel"
-        assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], (q, k, cos, sin)))
+        # Checked once, by the patch: the kernel's wrapper is told so instead of checking again.
+        assert len(seen) == 1 and all(a is b for a, b in zip(seen[0][0], (q, k, cos, sin)))
+        assert seen[0][1] == {"checked": True}
     else:
         assert _eager_result(vision, q, k, cos, sin) and seen == []
     seen.clear()

@@ -612,7 +612,8 @@ def test_knob_triton_rotary_is_sglangs_eager_rotary_bit_for_bit_in_calls_and_cap
     rotary = ext_core("vit.vision_rotary")
     reached = []
     monkeypatch.setattr(rotary, "rotate_half_qk",
-                        lambda *a: reached.append(torch.cuda.is_current_stream_capturing()) or rotate_half_qk(*a))
+                        lambda *a, **kw: reached.append(torch.cuda.is_current_stream_capturing())
+                        or rotate_half_qk(*a, **kw))
     vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=dtype, seed=1)
     rng = random.Random(7)
     batches = [kit.random_batch(rng, (4, 8, 16), dtype=dtype) for _ in range(6)]
