@@ -187,9 +187,10 @@ if torch.cuda.is_available():
 def layer_rows(layers, replays):
     """One action-expert layer as the fast path runs it (qkv+RoPE, attention, o, gated residual norm, gate-up,
     down, gated residual norm), 18 layers with their own weights per graph: us per layer, PDL on and off;
+    the same layer with both norms folded into its GEMMs (skinny_linear_residual, NormedRows: 6 kernels);
     then its four GEMMs alone and as many no-op kernels as it launches (the launch chain's share).
     (Weight columns read before each GEMM's wait, tried 2026-12-03, gained nothing: docs/gpu-notes.md.)"""
-    from sglang_ext.kernels import backend, linear_rope_qkv
+    from sglang_ext.kernels import NormedRows, backend, linear_rope_qkv, skinny_linear_residual
     from sglang_ext.kernels.attention import key_splits
     from sglang_ext.pi05.fast import _rope_plan, _skinny_plan
 
@@ -235,6 +236,27 @@ def layer_rows(layers, replays):
         weight, parts, block_n, block_k = p["down"]
         skinny_linear(out, weight, parts=parts, block_n=block_n, block_k=block_k)
 
+    counters = torch.zeros(64, device=dev, dtype=torch.int32)
+    folded = {}  # the previous layer's output as NormedRows
+
+    def fused_layer(i):  # the same layer with both norms folded into the GEMMs around them
+        p, kv = plans[i], kvs[i]
+        weight, block_n, block_k = p["qkv"]
+        linear_rope_qkv(state["normed"] if i == 0 else folded["rows"], weight, cos_sin, q, kv[0], kv[1],
+                        num_heads=HEADS, num_kv_heads=1, head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n,
+                        block_k=block_k)
+        out = first_rows_attention(q, kv[0], kv[1], used, scale=HEAD_DIM ** -0.5, splits=splits)
+
+        def residual(name, x):
+            weight, parts, block_n, block_k = p[name]
+            sumsq = skinny_linear_residual(x, weight, hidden, counters, gate=cond[2], parts=parts, block_n=block_n,
+                                           block_k=block_k)
+            return NormedRows(hidden, sumsq, cond[0], cond[1], 1e-6)
+        mid = residual("o", out.view(1, ROWS, HEADS * HEAD_DIM))
+        weight, parts, block_n, block_k = p["gate_up"]
+        folded["rows"] = residual("down", skinny_linear(mid, weight, parts=parts, block_n=block_n, block_k=block_k,
+                                                        gated=True))
+
     flag = torch.zeros(sms, device=dev, dtype=torch.int32)
 
     def empty(i):  # as many one-wave kernels as the layer launches, doing nothing: the launch chain's floor
@@ -245,9 +267,11 @@ def layer_rows(layers, replays):
     try:
         for pdl in (True, False):
             backend.PDL_ENABLED = pdl
-            us = graph_time_us(layer, layers, replays)
-            yield ("layer", f"pdl={'on' if pdl else 'off'}", us,
-                   f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request")
+            for what, fn in (("layer", layer), ("layer-fused", fused_layer)):
+                us = graph_time_us(fn, layers, replays)
+                yield (what, f"pdl={'on' if pdl else 'off'}", us,
+                       f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request"
+                       + ("; norms folded into the GEMMs (6 kernels)" if what == "layer-fused" else ""))
         for pdl in (True, False):
             backend.PDL_ENABLED = pdl
             for what, fn in (("gemms", gemms), ("empty", empty)):
