@@ -21,7 +21,8 @@ Implementations (one per process; the sglang on PYTHONPATH decides):
             graph-fast (knob pi05_fast: fused kernels + the fused denoise loop; skipped, with
             the reason, where this tree has no fast path), graph-fast-nopdl (the same without
             programmatic dependent launch: its kernel table gives each kernel's own time),
-            graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in)
+            graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in), graph-fast-folded
+            (sglang_ext.pi05.fast.FOLD_NORMS: each layer's norms folded into its GEMMs, an experiment)
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
 
 On the GPU machine (docs/gpu-harness.md): `bash scripts/gpu_steps.sh bench-pi05` runs the three
@@ -58,13 +59,14 @@ from sglang_ext_testkit import pi05_random  # noqa: E402
 
 MODES = {
     "0517": ("eager", "graph"),
-    "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl", "graph-fast-fp8"),
+    "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl", "graph-fast-fp8",
+                 "graph-fast-folded"),
     "0519": ("eager", "graph", "graph-bucket"),
 }
 REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared with them
 # The fast path; -nopdl without programmatic dependent launch, a diagnostic: with PDL a kernel's profiled
 # time includes its wait for the one before, without it each kernel's time is its own (issue 29's table).
-FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8")  # -fp8: knob pi05_fp8_expert
+FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8", "graph-fast-folded")  # -fp8: knob pi05_fp8_expert
 ACTIONS_FORMAT = "bench_pi05 actions v1"
 # Device kernels that are attention (SDPA's flash / memory-efficient / cuDNN kernels, FA3, Triton).
 ATTENTION_KERNEL = re.compile(r"attn|attention|fmha|flash|sdpa|cudnn", re.IGNORECASE)
@@ -176,6 +178,9 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
             **({"fp8_expert": mode == "graph-fast-fp8"} if hasattr(policy._ext_options, "fp8_expert") else {}))
         if importlib.util.find_spec("sglang_ext.kernels") is not None:  # read at every launch and capture
             importlib.import_module("sglang_ext.kernels.backend").PDL_ENABLED = mode != "graph-fast-nopdl"
+            fast = importlib.import_module("sglang_ext.pi05.fast")
+            if hasattr(fast, "FOLD_NORMS"):
+                fast.FOLD_NORMS = mode == "graph-fast-folded"
     evict = policy._prompt_token_bucketing_enabled()
     available = getattr(config, "action_cuda_graph_available", None)
     action_enabled = available() if callable(available) else bool(config.enable_action_cuda_graph)
@@ -198,6 +203,7 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
         "fp8_expert": mode == "graph-fast-fp8",
+        "fold_norms": mode == "graph-fast-folded",
     }
 
 
@@ -216,6 +222,8 @@ def unavailable(impl: str, mode: str) -> str:
         return "knob pi05_fp8_expert is not in this tree's sglang_ext.knobs"
     if mode == "graph-fast-nopdl" and not hasattr(importlib.import_module("sglang_ext.kernels.backend"), "PDL_ENABLED"):
         return "this tree's kernels have no PDL switch (sglang_ext.kernels.backend.PDL_ENABLED)"
+    if mode == "graph-fast-folded" and not hasattr(importlib.import_module("sglang_ext.pi05.fast"), "FOLD_NORMS"):
+        return "this tree's fast path has no folded norms (sglang_ext.pi05.fast.FOLD_NORMS)"
     return ""
 
 
@@ -335,7 +343,8 @@ SCHEMA = {
                          "profiled_requests", "kernel_launches_per_request", "graph_launches_per_request",
                          "device_kernels_per_request", "kernel_time_ms_per_request", "skipped", "error", "note")),
         "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
-                                 "prefix_entries", "action_entries", "fused_denoise", "fast", "fp8_expert")),
+                                 "prefix_entries", "action_entries", "fused_denoise", "fast", "fp8_expert",
+                                 "fold_norms")),
         "accuracy": {"vs_eager": _ACCURACY, "vs_graph": _ACCURACY, "vs_saved": _ACCURACY},
         "p50_ms_by_layout": bench_results.ANY,  # layout (full, masked) -> p50 of its timed requests
         "attention_kernels_per_request": bench_results.ANY,  # device kernel name -> count

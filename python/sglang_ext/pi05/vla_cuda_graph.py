@@ -73,7 +73,8 @@ class VLADenoiseLoopGraphSignature:
 
     step: VLADenoiseGraphSignature
     num_steps: int
-    kernels: str = "exact"  # "fast": the fused-kernel loop of knob pi05_fast; "fast-fp8": with pi05_fp8_expert
+    kernels: str = "exact"  # "fast": the fused-kernel loop of knob pi05_fast; "-fp8": with pi05_fp8_expert;
+    # "-folded": with fast.FOLD_NORMS
 
 
 @dataclass

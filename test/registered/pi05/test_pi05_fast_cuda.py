@@ -287,6 +287,33 @@ def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(pol
     assert worst[1] >= FP8_COSINE_FLOOR, worst
 
 
+def test_folded_norms_stay_within_the_fast_bound_and_replay_bit_for_bit(policy):
+    """fast.FOLD_NORMS (bench_pi05's graph-fast-folded; norms folded into the GEMMs around them): against
+    the exact path within the fast path's bounds on every request layout, a replay equal to its capture
+    bitwise and to its eager run within the graph-vs-eager bound, on graphs of their own."""
+    from sglang_ext_testkit.pi05_random import finite
+
+    fast_module = _ext("pi05.fast")
+    worst = (0.0, 1.0, "")
+    fast_module.FOLD_NORMS = True
+    try:
+        for label, observation, context, noise, exact in _each_request(policy, 400):
+            eager = _sample(policy, observation, context, noise, fast=True, graph=False)
+            captured, replayed = (_sample(policy, observation, context, noise, fast=True, graph=True) for _ in range(2))
+            assert finite(eager) and torch.equal(replayed, captured), label
+            assert _agreement(replayed, eager)[0] <= GRAPH_VS_EAGER_TOLERANCE, label
+            relative, cosine = _agreement(eager, exact)
+            worst = (max(worst[0], relative), min(worst[1], cosine), label if cosine < worst[1] else worst[2])
+    finally:
+        fast_module.FOLD_NORMS = False
+    signatures = [s.kernels for s in policy.graph_runner._cache.entries]
+    print(f"[summary folded norms vs exact] {len(_requests())} requests: max relative={worst[0]:.3e}, min cosine="
+          f"{worst[1]:.7f} ({worst[2]}); graphs fast-folded: {signatures.count('fast-folded')}")
+    assert fast_module.unsupported_reason(policy.core_model) is None
+    assert signatures.count("fast-folded") == len(_requests())
+    assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
+
+
 def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
     """The prefix language model's layers on the fused kernels: K/V of every layer (valid positions)."""
     from sglang_ext_testkit.pi05_random import make_observation, pi05_knobs
