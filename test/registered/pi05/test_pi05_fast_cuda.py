@@ -23,6 +23,7 @@ Checks, one summary line each:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import statistics
@@ -259,23 +260,33 @@ def test_fast_end_to_end_with_prefix_graph_matches_exact_graph(policy):
         assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR
 
 
-def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(policy):
-    """Knob pi05_fp8_expert: the fast loop on FP8 o / gate-up / down weights, against the exact path over
-    every request layout (issue 29's bound: cosine >= 0.999); a replay equals its capture bitwise and its
-    eager run within the fast path's graph-vs-eager bound; the quantized copies made once, before any
-    capture, and reused."""
-    from sglang_ext_testkit.pi05_random import finite, pi05_knobs
+def _variant_against_exact(policy, seed, variant):
+    """Every request layout's fast loop inside `variant()` (a context manager): eager, captured, replayed.
+    Asserts replay == capture bit for bit and replay within the graph-vs-eager bound of eager; returns
+    the worst (relative, cosine, label) of eager against the exact path."""
+    from sglang_ext_testkit.pi05_random import finite
 
-    fast_module = _ext("pi05.fast")
     worst = (0.0, 1.0, "")
-    for label, observation, context, noise, exact in _each_request(policy, 300):
-        with pi05_knobs(policy, fp8_expert=True):
+    for label, observation, context, noise, exact in _each_request(policy, seed):
+        with variant():
             eager = _sample(policy, observation, context, noise, fast=True, graph=False)
             captured, replayed = (_sample(policy, observation, context, noise, fast=True, graph=True) for _ in range(2))
         assert finite(eager) and torch.equal(replayed, captured), label
         assert _agreement(replayed, eager)[0] <= GRAPH_VS_EAGER_TOLERANCE, label
         relative, cosine = _agreement(eager, exact)
         worst = (max(worst[0], relative), min(worst[1], cosine), label if cosine < worst[1] else worst[2])
+    return worst
+
+
+def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(policy):
+    """Knob pi05_fp8_expert: the fast loop on FP8 o / gate-up / down weights, against the exact path over
+    every request layout (issue 29's bound: cosine >= 0.999); a replay equals its capture bitwise and its
+    eager run within the fast path's graph-vs-eager bound; the quantized copies made once, before any
+    capture, and reused."""
+    from sglang_ext_testkit.pi05_random import pi05_knobs
+
+    fast_module = _ext("pi05.fast")
+    worst = _variant_against_exact(policy, 300, lambda: pi05_knobs(policy, fp8_expert=True))
     expert = fast_module._expert(policy.core_model)
     assert policy.core_model.__dict__.get("_ext_fp8_prepared")  # made by prepare_fp8, before the captures
     copies = [getattr(layer.mlp.down_proj.weight, "_ext_fp8_rows", None) for layer in expert.layers]
@@ -291,21 +302,17 @@ def test_folded_norms_stay_within_the_fast_bound_and_replay_bit_for_bit(policy):
     """fast.FOLD_NORMS (bench_pi05's graph-fast-folded; norms folded into the GEMMs around them): against
     the exact path within the fast path's bounds on every request layout, a replay equal to its capture
     bitwise and to its eager run within the graph-vs-eager bound, on graphs of their own."""
-    from sglang_ext_testkit.pi05_random import finite
-
     fast_module = _ext("pi05.fast")
-    worst = (0.0, 1.0, "")
-    fast_module.FOLD_NORMS = True
-    try:
-        for label, observation, context, noise, exact in _each_request(policy, 400):
-            eager = _sample(policy, observation, context, noise, fast=True, graph=False)
-            captured, replayed = (_sample(policy, observation, context, noise, fast=True, graph=True) for _ in range(2))
-            assert finite(eager) and torch.equal(replayed, captured), label
-            assert _agreement(replayed, eager)[0] <= GRAPH_VS_EAGER_TOLERANCE, label
-            relative, cosine = _agreement(eager, exact)
-            worst = (max(worst[0], relative), min(worst[1], cosine), label if cosine < worst[1] else worst[2])
-    finally:
-        fast_module.FOLD_NORMS = False
+
+    @contextlib.contextmanager
+    def folded():
+        fast_module.FOLD_NORMS = True
+        try:
+            yield
+        finally:
+            fast_module.FOLD_NORMS = False
+
+    worst = _variant_against_exact(policy, 400, folded)
     signatures = [s.kernels for s in policy.graph_runner._cache.entries]
     print(f"[summary folded norms vs exact] {len(_requests())} requests: max relative={worst[0]:.3e}, min cosine="
           f"{worst[1]:.7f} ({worst[2]}); graphs fast-folded: {signatures.count('fast-folded')}")
