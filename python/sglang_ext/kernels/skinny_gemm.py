@@ -345,7 +345,7 @@ def skinny_linear_residual_reference(x, weight, residual, counters, *, gate=None
     if tuple(residual.shape) != (*x.shape[:-1], n):
         raise ValueError(f"skinny_linear_residual: residual {tuple(residual.shape)}; allowed: {(*x.shape[:-1], n)}")
     product = skinny_linear_reference(x, weight, parts=parts, block_n=block_n, block_k=block_k,
-                                      weight_scale=weight_scale)
+                                      weight_scale=weight_scale, out_dtype=torch.float32)  # never rounded first
     branch = (product.total() if isinstance(product, Partials) else product.float()).reshape(-1, n)
     if gate is not None:
         conds = gate.numel() // n
@@ -370,10 +370,11 @@ def skinny_linear_residual(x, weight, residual, counters, *, gate=None, parts=1,
     if tuple(residual.shape) != (*x.shape[:-1], n) or not residual.is_contiguous():
         raise ValueError(f"skinny_linear_residual: residual {tuple(residual.shape)}; allowed: contiguous "
                          f"{(*x.shape[:-1], n)}")
-    if counters.dtype != torch.int32 or counters.numel() < tiles:
-        raise ValueError(f"skinny_linear_residual: counters {counters.dtype} x {counters.numel()}; allowed: int32 "
-                         f"zeros, at least {tiles}")
-    if gate is not None and (gate.numel() % n or rows % (gate.numel() // n)):
+    if (counters.dtype != torch.int32 or counters.numel() < tiles or not counters.is_contiguous()
+            or counters.device != x.device):
+        raise ValueError(f"skinny_linear_residual: counters {counters.dtype} x {counters.numel()}; allowed: "
+                         f"contiguous int32 zeros on x's device, at least {tiles}")
+    if gate is not None and (gate.numel() == 0 or gate.numel() % n or rows % (gate.numel() // n)):
         raise ValueError(f"skinny_linear_residual: gate of {gate.numel()} elements; allowed: one row of {n} per "
                          f"group of the {rows} rows")
     if not (x.is_contiguous() and weight.is_contiguous()):

@@ -501,7 +501,8 @@ def test_norms_folded_into_the_gemms_equal_the_norm_kernel_between_them(tmp_path
     generator = torch.Generator().manual_seed(5)
     cases = []
     for dtype in DTYPES:
-        for rows, k, n, parts, block_n, conds in ((10, 64, 64, 2, 16, 2), (7, 128, 64, 4, 32, 1), (6, 64, 64, 1, 16, 1)):
+        # the real 50 rows (BLOCK_M 64), a last column tile cut short (N=96, block_n=64), one part
+        for rows, k, n, parts, block_n, conds in ((10, 64, 64, 2, 16, 2), (50, 128, 96, 4, 64, 1), (6, 64, 64, 1, 16, 1)):
             def rnd(*shape, scale=1.0, dt=dtype):
                 return (torch.randn(*shape, generator=generator) * scale).to(dt)
 
@@ -519,7 +520,9 @@ def test_norms_folded_into_the_gemms_equal_the_norm_kernel_between_them(tmp_path
         if case["parts"] > 1 or case["dtype"] == torch.float32:  # parts=1: ada_rms_norm adds the rounded product
             assert torch.equal(got["fused_resid"], got["unfused_resid"]), name
         assert not got["counters"].any(), name
-        want_sumsq = got["fused_resid"].float().square().reshape(case["x"].shape[0], -1, case["block_n"]).sum(-1).t()
+        squares = got["fused_resid"].float().square()
+        squares = torch.nn.functional.pad(squares, (0, -squares.shape[1] % case["block_n"]))
+        want_sumsq = squares.reshape(case["x"].shape[0], -1, case["block_n"]).sum(-1).t()
         torch.testing.assert_close(got["sumsq"], want_sumsq, rtol=1e-5, atol=1e-5, msg=name)
         for field in ("gemm", "qkv"):
             fused, unfused = got[f"fused_{field}"].float(), got[f"unfused_{field}"].float()
@@ -528,6 +531,24 @@ def test_norms_folded_into_the_gemms_equal_the_norm_kernel_between_them(tmp_path
             diff = float((fused - unfused).abs().max())
             print(f"[{name} {field}] max|fused-unfused|={diff:.3e} bound={bound:.3e}")
             assert diff <= bound, f"{name} {field}: {diff:.3e} > {bound:.3e}"
+
+
+def test_norm_folding_refuses_bad_counters_and_gates_in_one_line(monkeypatch):
+    from sglang_ext.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "runs_triton", lambda x: True)  # the checks before a launch
+    x, w, resid = torch.zeros(6, 32), torch.zeros(48, 32), torch.zeros(6, 48)
+    counters = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^skinny_linear_residual: counters torch.int32 x 2; allowed: contiguous "
+                                         r"int32 zeros on x's device, at least 3$"):
+        skinny_gemm.skinny_linear_residual(x, w, resid, counters[:2], block_n=16, block_k=16)
+    with pytest.raises(ValueError, match=r"^skinny_linear_residual: counters torch.int64"):
+        skinny_gemm.skinny_linear_residual(x, w, resid, counters.long(), block_n=16, block_k=16)
+    for gate in (torch.zeros(0), torch.zeros(4, 48)):  # none, or 4 groups of 6 rows
+        with pytest.raises(ValueError, match=r"^skinny_linear_residual: gate of \d+ elements; allowed: one row of 48"):
+            skinny_gemm.skinny_linear_residual(x, w, resid, counters, gate=gate, block_n=16, block_k=16)
+    with pytest.raises(ValueError, match=r"^skinny_linear_residual: residual \(6, 40\); allowed: contiguous \(6, 48\)$"):
+        skinny_gemm.skinny_linear_residual(x, w, resid[:, :40], counters, block_n=16, block_k=16)
 
 
 def test_norm_folding_references_are_the_norms_formulas():
@@ -544,6 +565,13 @@ def test_norm_folding_references_are_the_norms_formulas():
     folded = resid.clone()
     sumsq = skinny_linear_residual_reference(x, w, folded, None, gate=gate, parts=2, block_n=16, block_k=16)
     assert torch.equal(folded, stream) and sumsq.shape == (3, 6)
+    # one part: the float32 product goes into the stream unrounded, as the kernel adds it
+    low = resid.to(torch.bfloat16)
+    one_part = low.clone()
+    skinny_linear_residual_reference(x.to(torch.bfloat16), w.to(torch.bfloat16), one_part, None, gate=gate,
+                                     block_n=16, block_k=16)
+    product = x.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().t()
+    assert torch.equal(one_part, (low.float() + product * gate.repeat_interleave(3, dim=0)).to(torch.bfloat16))
     torch.testing.assert_close(sumsq.sum(0), stream.square().sum(-1))
     torch.testing.assert_close(NormedRows(folded, sumsq, scale, shift, 1e-6).normed(), normed)
     with pytest.raises(ValueError, match=r"^skinny_linear: NormedRows sumsq \(6,\) torch.float32; allowed: float32 \[tiles, 6\]$"):
