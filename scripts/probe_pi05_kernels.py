@@ -210,52 +210,43 @@ def layer_rows(layers, replays):
     used = torch.tensor([total - 40], device=dev, dtype=torch.int32)
     splits = key_splits(1, ROWS, HEADS, 1, total, sms)
 
-    def layer(i):
-        p, kv = plans[i], kvs[i]
-        weight, block_n, block_k = p["qkv"]
-        linear_rope_qkv(state["normed"], weight, cos_sin, q, kv[0], kv[1], num_heads=HEADS, num_kv_heads=1,
+    def qkv(i, x):  # qkv projection + RoPE of layer i into q and its K/V buffer
+        weight, block_n, block_k = plans[i]["qkv"]
+        linear_rope_qkv(x, weight, cos_sin, q, kvs[i][0], kvs[i][1], num_heads=HEADS, num_kv_heads=1,
                         head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n, block_k=block_k)
-        out = first_rows_attention(q, kv[0], kv[1], used, scale=HEAD_DIM ** -0.5, splits=splits)
 
-        def gemm(name, x):
-            weight, parts, block_n, block_k = p[name]
-            return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
-        out = gemm("o", out.view(1, ROWS, HEADS * HEAD_DIM))
-        mid = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
-        out = gemm("down", gemm("gate_up", mid))
+    def attention(i):
+        out = first_rows_attention(q, kvs[i][0], kvs[i][1], used, scale=HEAD_DIM ** -0.5, splits=splits)
+        return out.view(1, ROWS, HEADS * HEAD_DIM)
+
+    def gemm(i, name, x):
+        weight, parts, block_n, block_k = plans[i][name]
+        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
+
+    def layer(i):
+        qkv(i, state["normed"])
+        mid = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=gemm(i, "o", attention(i)), gate=cond[2])
+        out = gemm(i, "down", gemm(i, "gate_up", mid))
         state["normed"] = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
 
     def gemms(i):  # the four weight reads alone: the layer's bandwidth part
-        p, kv = plans[i], kvs[i]
-        weight, block_n, block_k = p["qkv"]
-        linear_rope_qkv(state["normed"], weight, cos_sin, q, kv[0], kv[1], num_heads=HEADS, num_kv_heads=1,
-                        head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n, block_k=block_k)
-        for name, x in (("o", q.view(1, ROWS, HEADS * HEAD_DIM)), ("gate_up", state["normed"])):
-            weight, parts, block_n, block_k = p[name]
-            out = skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
-        weight, parts, block_n, block_k = p["down"]
-        skinny_linear(out, weight, parts=parts, block_n=block_n, block_k=block_k)
+        qkv(i, state["normed"])
+        gemm(i, "o", q.view(1, ROWS, HEADS * HEAD_DIM))
+        gemm(i, "down", gemm(i, "gate_up", state["normed"]))
 
     counters = torch.zeros(64, device=dev, dtype=torch.int32)
     folded = {}  # the previous layer's output as NormedRows
 
     def fused_layer(i):  # the same layer with both norms folded into the GEMMs around them
-        p, kv = plans[i], kvs[i]
-        weight, block_n, block_k = p["qkv"]
-        linear_rope_qkv(state["normed"] if i == 0 else folded["rows"], weight, cos_sin, q, kv[0], kv[1],
-                        num_heads=HEADS, num_kv_heads=1, head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n,
-                        block_k=block_k)
-        out = first_rows_attention(q, kv[0], kv[1], used, scale=HEAD_DIM ** -0.5, splits=splits)
-
         def residual(name, x):
-            weight, parts, block_n, block_k = p[name]
+            weight, parts, block_n, block_k = plans[i][name]
             sumsq = skinny_linear_residual(x, weight, hidden, counters, gate=cond[2], parts=parts, block_n=block_n,
                                            block_k=block_k)
             return NormedRows(hidden, sumsq, cond[0], cond[1], 1e-6)
-        mid = residual("o", out.view(1, ROWS, HEADS * HEAD_DIM))
-        weight, parts, block_n, block_k = p["gate_up"]
-        folded["rows"] = residual("down", skinny_linear(mid, weight, parts=parts, block_n=block_n, block_k=block_k,
-                                                        gated=True))
+
+        qkv(i, state["normed"] if i == 0 else folded["rows"])
+        mid = residual("o", attention(i))
+        folded["rows"] = residual("down", gemm(i, "gate_up", mid))
 
     flag = torch.zeros(sms, device=dev, dtype=torch.int32)
 

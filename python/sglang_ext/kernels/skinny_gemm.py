@@ -359,9 +359,10 @@ def skinny_linear_residual(x, weight, residual, counters, *, gate=None, parts=1,
                            weight_scale=None):
     """residual [..., N] += gate * (x @ weight.T) in one launch: split-K parts summed in part order by
     each output tile's last program (as ada_rms_norm sums Partials; with parts=1 too the float32
-    product, not rounded first), which writes the tile back and its rows' sums of squares. Returns those (float32 [tiles, rows]: NormedRows' sumsq). gate: one
-    row of N per group of rows (as ada_rms_norm's). counters: int32 zeros, at least one per tile,
-    left at zero (one buffer serves every launch on a stream)."""
+    product, not rounded first), which writes the tile back and its rows' sums of squares. Returns
+    those (float32 [tiles, rows]: NormedRows' sumsq). gate: one row of N per group of rows (as
+    ada_rms_norm's). counters: int32 zeros, at least one per tile, left at zero (one buffer serves
+    every launch on a stream)."""
     if not runs_triton(x):
         return skinny_linear_residual_reference(x, weight, residual, counters, gate=gate, parts=parts, block_n=block_n,
                                                 block_k=block_k, weight_scale=weight_scale)
