@@ -21,8 +21,10 @@ Implementations (one per process; the sglang on PYTHONPATH decides):
             graph-fast (knob pi05_fast: fused kernels + the fused denoise loop; skipped, with
             the reason, where this tree has no fast path), graph-fast-nopdl (the same without
             programmatic dependent launch: its kernel table gives each kernel's own time),
-            graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in), graph-fast-folded
-            (sglang_ext.pi05.fast.FOLD_NORMS: each layer's norms folded into its GEMMs, an experiment)
+            graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in); experiments, each
+            the fast path with switches of sglang_ext.pi05.fast on (EXPERIMENTS): graph-fast-folded
+            (FOLD_NORMS: each layer's norms folded into its GEMMs), graph-fast-vision (FUSED_VISION:
+            SigLIP's layers on packed q/k/v, add+LayerNorm kernels, gelu in the GEMM), graph-fast-vision-folded
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
 
 On the GPU machine (docs/gpu-harness.md): `bash scripts/gpu_steps.sh bench-pi05` runs the three
@@ -60,13 +62,16 @@ from sglang_ext_testkit import pi05_random  # noqa: E402
 MODES = {
     "0517": ("eager", "graph"),
     "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl", "graph-fast-fp8",
-                 "graph-fast-folded"),
+                 "graph-fast-folded", "graph-fast-vision", "graph-fast-vision-folded"),
     "0519": ("eager", "graph", "graph-bucket"),
 }
 REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared with them
 # The fast path; -nopdl without programmatic dependent launch, a diagnostic: with PDL a kernel's profiled
 # time includes its wait for the one before, without it each kernel's time is its own (issue 29's table).
-FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8", "graph-fast-folded")  # -fp8: knob pi05_fp8_expert
+# Experiments: the fast path with the named switches of sglang_ext.pi05.fast on (off in every other mode).
+EXPERIMENTS = {"graph-fast-folded": ("FOLD_NORMS",), "graph-fast-vision": ("FUSED_VISION",),
+               "graph-fast-vision-folded": ("FUSED_VISION", "FOLD_NORMS")}
+FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8", *EXPERIMENTS)  # -fp8: knob pi05_fp8_expert
 ACTIONS_FORMAT = "bench_pi05 actions v1"
 # Device kernels that are attention (SDPA's flash / memory-efficient / cuDNN kernels, FA3, Triton).
 ATTENTION_KERNEL = re.compile(r"attn|attention|fmha|flash|sdpa|cudnn", re.IGNORECASE)
@@ -179,8 +184,9 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         if importlib.util.find_spec("sglang_ext.kernels") is not None:  # read at every launch and capture
             importlib.import_module("sglang_ext.kernels.backend").PDL_ENABLED = mode != "graph-fast-nopdl"
             fast = importlib.import_module("sglang_ext.pi05.fast")
-            if hasattr(fast, "FOLD_NORMS"):
-                fast.FOLD_NORMS = mode == "graph-fast-folded"
+            for switch in {name for names in EXPERIMENTS.values() for name in names}:
+                if hasattr(fast, switch):
+                    setattr(fast, switch, switch in EXPERIMENTS.get(mode, ()))
     evict = policy._prompt_token_bucketing_enabled()
     available = getattr(config, "action_cuda_graph_available", None)
     action_enabled = available() if callable(available) else bool(config.enable_action_cuda_graph)
@@ -203,7 +209,8 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
         "fp8_expert": mode == "graph-fast-fp8",
-        "fold_norms": mode == "graph-fast-folded",
+        "fold_norms": "FOLD_NORMS" in EXPERIMENTS.get(mode, ()),
+        "fused_vision": "FUSED_VISION" in EXPERIMENTS.get(mode, ()),
     }
 
 
@@ -222,8 +229,9 @@ def unavailable(impl: str, mode: str) -> str:
         return "knob pi05_fp8_expert is not in this tree's sglang_ext.knobs"
     if mode == "graph-fast-nopdl" and not hasattr(importlib.import_module("sglang_ext.kernels.backend"), "PDL_ENABLED"):
         return "this tree's kernels have no PDL switch (sglang_ext.kernels.backend.PDL_ENABLED)"
-    if mode == "graph-fast-folded" and not hasattr(importlib.import_module("sglang_ext.pi05.fast"), "FOLD_NORMS"):
-        return "this tree's fast path has no folded norms (sglang_ext.pi05.fast.FOLD_NORMS)"
+    for switch in EXPERIMENTS.get(mode, ()):
+        if not hasattr(importlib.import_module("sglang_ext.pi05.fast"), switch):
+            return f"this tree's fast path has no switch sglang_ext.pi05.fast.{switch}"
     return ""
 
 
@@ -342,9 +350,10 @@ SCHEMA = {
                          "max_relative_diff_vs_eager",  # files from before `accuracy`
                          "profiled_requests", "kernel_launches_per_request", "graph_launches_per_request",
                          "device_kernels_per_request", "kernel_time_ms_per_request", "skipped", "error", "note")),
+        "phase_kernels_per_request": bench_results.ANY,  # phase -> kernel class -> [kernels, us] per request
         "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
                                  "prefix_entries", "action_entries", "fused_denoise", "fast", "fp8_expert",
-                                 "fold_norms")),
+                                 "fold_norms", "fused_vision")),
         "accuracy": {"vs_eager": _ACCURACY, "vs_graph": _ACCURACY, "vs_saved": _ACCURACY},
         "p50_ms_by_layout": bench_results.ANY,  # layout (full, masked) -> p50 of its timed requests
         "attention_kernels_per_request": bench_results.ANY,  # device kernel name -> count
@@ -421,12 +430,13 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
     picked = [inputs[i * len(inputs) // count] for i in range(count)]
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _, observation, noise in picked:
-            one_request(policy, observation, noise, graph, args.num_steps)
+            one_request(policy, observation, noise, graph, args.num_steps, (_PhaseMark(),) * 3)
         sync()
     kernel_launches = graph_launches = kernels = 0
     kernel_us = 0.0
     attention: Dict[str, int] = {}
     by_name: Dict[str, List[float]] = {}  # where the device time goes (issue 17: measure first)
+    device_kernels = []  # (start, name, us): split by phase below
     for event in prof.events():
         name = event.name
         if name in LAUNCH_APIS:
@@ -434,6 +444,9 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
         elif name in GRAPH_LAUNCH_APIS:
             graph_launches += 1
         if event.device_type == DeviceType.CUDA and not name.startswith(("Memcpy", "Memset")):
+            device_kernels.append((float(event.time_range.start), name, float(event.device_time_total)))
+            if PHASE_MARK.search(name):
+                continue
             kernels += 1
             kernel_us += float(event.device_time_total)
             entry = by_name.setdefault(name[:100], [0.0, 0.0])
@@ -442,6 +455,7 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
             if ATTENTION_KERNEL.search(name):
                 attention[name[:120]] = attention.get(name[:120], 0) + 1
     return {
+        "phase_kernels_per_request": phase_kernels(device_kernels, count),
         "profiled_requests": count,
         "kernel_launches_per_request": kernel_launches / count,
         "graph_launches_per_request": graph_launches / count,
@@ -452,6 +466,47 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
         "top_kernels_per_request": {k: [n / count, round(us / count, 1)] for k, (n, us) in
                                     sorted(by_name.items(), key=lambda kv: -kv[1][1])[:20]},
     }
+
+
+PHASE_MARK = re.compile(r"spin_kernel|sleep", re.IGNORECASE)  # torch.cuda._sleep's kernel, at each phase boundary
+# Kernel classes of the per-phase table, first match wins (names of cuBLAS, cuDNN, torch and our Triton kernels).
+KERNEL_CLASSES = (("attention", re.compile(r"attn|attention|fmha|flash|sdpa|cudnn|_combine_kernel", re.IGNORECASE)),
+                  ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|splitKreduce|linear_rope|cublas", re.IGNORECASE)),
+                  ("norm", re.compile(r"norm", re.IGNORECASE)),
+                  ("activation", re.compile(r"gelu|silu", re.IGNORECASE)))
+
+
+class _PhaseMark:
+    """run_request's stamps while profiling: a 1-cycle marker kernel before the prefix, between the phases
+    and after the denoise, so the profile's kernels split by phase (they run in stream order)."""
+
+    def record(self):
+        if CUDA:
+            torch.cuda._sleep(1)
+
+
+def kernel_class(name: str) -> str:
+    return next((label for label, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
+
+
+def phase_kernels(device_kernels, requests: int) -> Dict[str, Dict[str, List[float]]]:
+    """{phase: {class: [kernels, us] per request}} from (start, name, us) of every profiled device kernel;
+    the marker kernels (three per request) open the prefix, the denoise, and close the request. Empty when
+    the markers are missing (no CUDA, or a profiler that does not see them)."""
+    phases: Dict[str, Dict[str, List[float]]] = {}
+    marks, phase = 0, None
+    for _, name, us in sorted(device_kernels):
+        if PHASE_MARK.search(name):
+            phase = ("prefix", "denoise", None)[marks % 3]
+            marks += 1
+            continue
+        if phase is not None:
+            entry = phases.setdefault(phase, {}).setdefault(kernel_class(name), [0.0, 0.0])
+            entry[0] += 1.0 / requests
+            entry[1] += us / requests
+    if marks != 3 * requests:
+        return {}
+    return {p: {c: [round(n, 1), round(us, 1)] for c, (n, us) in classes.items()} for p, classes in phases.items()}
 
 
 def percentile(values: List[float], q: float) -> float:

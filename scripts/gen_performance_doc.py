@@ -276,7 +276,8 @@ def _pi05_section():
              f"Device: {device}; torch {torch_versions}; timed requests per mode: {settings.get('requests')}; "
              f"prompt lengths {settings.get('prompt_lens')}; graph capacities prefix/action "
              f"{settings.get('prefix_entries')}/{settings.get('action_entries')}; buckets {settings.get('buckets')}.",
-             "", "```", out.getvalue().strip("\n"), "```", *_pi05_roofline(runs, results), *_pi05_kernel_table(results),
+             "", "```", out.getvalue().strip("\n"), "```", *_pi05_roofline(runs, results), *_pi05_phases(runs, results),
+             *_pi05_kernel_table(results),
              *_pi05_attention_kernels(results),
              *_pi05_targets(results), *_pi05_issue17(results), *_pi05_issue29(results), "",
              *_pi05_commands(runs)]
@@ -293,6 +294,26 @@ def _pi05_roofline(runs, results) -> list:
     return ["", "How far each mode is from the floor (`scripts/pi05_roofline.py`: FLOPs and unavoidable HBM bytes "
             f"counted on one eager request of the full layout, prompt {work.get('prompt_len')} tokens; floor = "
             "max(FLOPs / peak, bytes / bandwidth) per phase):", "", "```", pi05_roofline.table(work, results), "```"]
+
+
+def _pi05_phases(runs, results) -> list:
+    """Issue 29's per-phase kernel table: graph-fast-nopdl (each kernel's own time) and the fastest fast mode."""
+    work = next((run["work"] for run in runs if run.get("work")), None)
+    profiled = [r for r in results if r.get("phase_kernels_per_request") and r.get("mode", "").startswith("graph-fast")]
+    if work is None or not profiled:
+        return []
+    import pi05_roofline
+
+    picked = [r for r in profiled if r["mode"] == "graph-fast-nopdl"]
+    fastest = min(profiled, key=lambda r: r["p50_ms"])
+    picked += [fastest] if fastest not in picked else []
+    lines = []
+    for r in picked:
+        lines += ["", f"Per phase, {r['impl']} {r['mode']} (p50 {r['p50_ms']:.2f} ms: prefix {r['prefix_p50_ms']:.2f}, "
+                  f"denoise {r['denoise_p50_ms']:.2f}); kernels and ms per request by class; rates: the phase's "
+                  "counted work over the class's time (gemm: matrix FLOPs and weights, attention: its FLOPs and "
+                  "the prefix K/V):", "", "```", pi05_roofline.phase_table(work, r), "```"]
+    return lines
 
 
 def _pi05_kernel_table(results) -> list:

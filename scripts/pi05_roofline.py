@@ -95,11 +95,13 @@ def measure(policy, observation, noise, num_steps: int, run_request: Callable) -
                      * activation_bytes[0])
     totals["prefix"]["attention_flop"] = prefix_attention
     totals["denoise"]["attention_flop"] = num_steps * step_attention
-    totals["denoise"]["bytes"] += num_steps * step_kv_bytes
+    totals["prefix"]["kv_bytes"], totals["denoise"]["kv_bytes"] = 0.0, num_steps * step_kv_bytes
     out = {"rows": rows, "steps": num_steps, "peak_tflops": PEAK_TFLOPS, "peak_tb_s": PEAK_TB_S}
     for phase, t in totals.items():
         flop = t["matrix_flop"] + t["attention_flop"]
+        t["bytes"] += t["kv_bytes"]
         out[phase] = {"tflop": flop / 1e12, "gb": t["bytes"] / 1e9, "attention_tflop": t["attention_flop"] / 1e12,
+                      "matrix_tflop": t["matrix_flop"] / 1e12, "kv_gb": t["kv_bytes"] / 1e9,
                       "conditioning_gb": t["conditioning_bytes"] / 1e9,
                       "floor_ms": max(flop / (PEAK_TFLOPS * 1e12), t["bytes"] / (PEAK_TB_S * 1e12)) * 1e3}
     return out
@@ -125,4 +127,35 @@ def table(work: dict, results: List[dict]) -> str:
                      f"{p_ms / prefix['floor_ms']:>7.1f}x {d_ms:>10.2f} {d_rate:>7.0f} "
                      f"{d_rate / (work['peak_tb_s'] * 1e3):>7.1%} {d_ms / denoise['floor_ms']:>7.1f}x "
                      f"{r['p50_ms']:>7.2f} {r['p50_ms'] / floor:>7.1f}x")
+    return "\n".join(lines)
+
+
+# The work each kernel class is charged with in phase_table (None: no rate shown): GEMMs the matrix FLOPs
+# and the weights, attention its FLOPs and the prefix K/V the denoise reads.
+_CLASS_WORK = {"gemm": ("matrix_tflop", "weight_gb"), "attention": ("attention_tflop", "kv_gb")}
+
+
+def phase_table(work: dict, result: dict) -> str:
+    """Per phase of one mode: each kernel class's kernels and device time per request (torch.profiler),
+    its achieved rate against the peaks where the class has counted work, and the time no kernel covers
+    (phase p50 minus the kernels' sum: launch gaps and host waits; with PDL a kernel's time includes its
+    wait for the one before, so the sum can exceed the phase)."""
+    phases = result.get("phase_kernels_per_request") or {}
+    lines = [f"{'phase':<8} {'class':<11} {'kernels':>8} {'ms':>7} {'share':>6} {'TFLOP/s':>8} {'% peak':>7} "
+             f"{'GB/s':>7} {'% peak':>7}"]
+    for phase in ("prefix", "denoise"):
+        classes, phase_ms = phases.get(phase, {}), result.get(f"{phase}_p50_ms") or 0.0
+        amounts = dict(work[phase], weight_gb=work[phase]["gb"] - work[phase].get("kv_gb", 0.0))
+        for label, (kernels, us) in sorted(classes.items(), key=lambda kv: -kv[1][1]):
+            ms, rates = us / 1e3, ""
+            flop_key, byte_key = _CLASS_WORK.get(label, (None, None))
+            if flop_key and ms > 0:
+                tflops, gbs = amounts.get(flop_key, 0.0) / ms * 1e3, amounts.get(byte_key, 0.0) / ms * 1e3
+                rates = (f"{tflops:>8.0f} {tflops / work['peak_tflops']:>7.1%} {gbs:>7.0f} "
+                         f"{gbs / (work['peak_tb_s'] * 1e3):>7.1%}")
+            lines.append(f"{phase:<8} {label:<11} {kernels:>8.1f} {ms:>7.2f} {ms / phase_ms if phase_ms else 0:>6.1%} "
+                         f"{rates}".rstrip())
+        covered = sum(us for _, us in classes.values()) / 1e3
+        lines.append(f"{phase:<8} {'no kernel':<11} {'':>8} {phase_ms - covered:>7.2f} "
+                     f"{(phase_ms - covered) / phase_ms if phase_ms else 0:>6.1%}")
     return "\n".join(lines)

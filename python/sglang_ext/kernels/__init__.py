@@ -1,4 +1,5 @@
-"""Fused Triton kernels: small-batch transformer steps (Pi0.5's action expert) and the ViT's rotary.
+"""Fused Triton kernels: small-batch transformer steps (Pi0.5's action expert), the residual add and
+LayerNorm of Pi0.5's SigLIP layers, and the ViT's rotary.
 
 Knows nothing of sglang. Each public function runs its Triton kernel on CUDA tensors and its
 torch reference (`*_reference`, same signature, same float32 math) elsewhere; with
@@ -9,6 +10,7 @@ of rounding, so interpreted bf16 outputs may differ from the reference by one ul
 
 from sglang_ext.kernels.attention import first_rows_attention, first_rows_attention_reference
 from sglang_ext.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference
+from sglang_ext.kernels.layer_norm import add_layer_norm, add_layer_norm_reference
 from sglang_ext.kernels.rms_norm import ada_rms_norm, ada_rms_norm_reference
 from sglang_ext.kernels.backend import runs_triton
 from sglang_ext.kernels.rope import linear_rope_qkv, linear_rope_qkv_reference, rope_qkv, rope_qkv_reference
@@ -18,8 +20,8 @@ from sglang_ext.kernels.skinny_gemm import (NormedRows, Partials, quantize_rows_
                                              skinny_linear_residual_reference)
 
 
-__all__ = ["NormedRows", "Partials", "ada_rms_norm", "ada_rms_norm_reference", "first_rows_attention",
-           "first_rows_attention_reference", "gelu_tanh_and_mul", "gelu_tanh_and_mul_reference", "linear_rope_qkv",
-           "linear_rope_qkv_reference", "quantize_rows_fp8", "rope_qkv", "rope_qkv_reference", "rotate_half_qk",
-           "rotate_half_qk_reference", "runs_triton", "skinny_linear", "skinny_linear_reference",
-           "skinny_linear_residual", "skinny_linear_residual_reference"]
+__all__ = ["NormedRows", "Partials", "ada_rms_norm", "ada_rms_norm_reference", "add_layer_norm",
+           "add_layer_norm_reference", "first_rows_attention", "first_rows_attention_reference", "gelu_tanh_and_mul",
+           "gelu_tanh_and_mul_reference", "linear_rope_qkv", "linear_rope_qkv_reference", "quantize_rows_fp8",
+           "rope_qkv", "rope_qkv_reference", "rotate_half_qk", "rotate_half_qk_reference", "runs_triton",
+           "skinny_linear", "skinny_linear_reference", "skinny_linear_residual", "skinny_linear_residual_reference"]

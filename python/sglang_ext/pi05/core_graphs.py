@@ -101,7 +101,8 @@ def encode_prefix(self, images, image_masks, tokens, token_masks, prefix_full_at
         if not tokens_trimmed:
             tokens, token_masks = trim_trailing_padding_tokens(tokens, token_masks)
         self._prepare_prefix_image_encoder_for_embed()
-        embeds, pad_masks, att_marks = self.embed_prefix(images, image_masks, tokens, token_masks)
+        with fast.fused_vision(self, fast_layers):
+            embeds, pad_masks, att_marks = self.embed_prefix(images, image_masks, tokens, token_masks)
         self._offload_prefix_image_encoder_after_embed()
         positions = torch.cumsum(pad_masks, dim=1) - 1
         full_attention, mask = True, None

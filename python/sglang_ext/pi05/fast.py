@@ -7,6 +7,7 @@ use that raises take the exact path (docs/how-it-works.md, "Pi0.5").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from typing import NamedTuple
@@ -23,11 +24,17 @@ TIME_TABLE_ENTRIES = 4
 # (kernels.skinny_linear_residual, NormedRows: 6 kernels per layer instead of 8; docs/gpu-notes.md).
 # Off until the H200 shows it faster.
 FOLD_NORMS = False
+# Diagnostic switch (bench_pi05's graph-fast-vision mode), read by each fast prefix (its graphs are keyed
+# by it): the SigLIP encoder layers on one packed q/k/v GEMM, residual adds fused into the LayerNorms
+# and gelu in fc1's GEMM epilogue (7 kernels per layer instead of 13). Off until the H200 shows it faster.
+FUSED_VISION = False
 _TABLE_ATTR = "_ext_pi05_time_conditioning"
 _REASON_ATTR = "_ext_pi05_fast_unsupported"
 _VERIFIED_ATTR = "_ext_pi05_fast_verified"
 _PREFIX_REASON_ATTR = "_ext_pi05_fast_prefix_unsupported"
 _PREFIX_VERIFIED_ATTR = "_ext_pi05_fast_prefix_verified"
+_VISION_REASON_ATTR = "_ext_pi05_fast_vision_unsupported"
+_VISION_VERIFIED_ATTR = "_ext_pi05_fast_vision_verified"
 
 
 def _expert(core):
@@ -61,7 +68,8 @@ def unsupported_reason(core):
 
 # path -> (verified attribute, unsupported-reason attribute, name in the logs)
 _PATHS = {"denoise": (_VERIFIED_ATTR, _REASON_ATTR, "fast loop"),
-          "prefix": (_PREFIX_VERIFIED_ATTR, _PREFIX_REASON_ATTR, "fast prefix")}
+          "prefix": (_PREFIX_VERIFIED_ATTR, _PREFIX_REASON_ATTR, "fast prefix"),
+          "vision": (_VISION_VERIFIED_ATTR, _VISION_REASON_ATTR, "fused vision layers")}
 
 
 def verified(core, path: str = "denoise") -> bool:
@@ -450,6 +458,160 @@ def _prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks)
             following = layers[index + 1].input_layernorm
             normed = ada_rms_norm(hidden, following.weight, eps=following.eps, add=out)
     return VLADensePrefixCache(tuple(cache))
+
+
+# --- The prefix's vision tower (SigLIP encoder layers; FUSED_VISION) ---
+
+_GELU_TANH = ("gelu_pytorch_tanh",)  # the activations torch's tanh GELU (and cuBLASLt's epilogue) computes
+
+
+def _vision_encoder(core):
+    paligemma = core.paligemma_with_expert.paligemma
+    if paligemma is None:
+        return None
+    tower = paligemma.model.vision_tower
+    return getattr(tower, "vision_model", tower).encoder
+
+
+def vision_unsupported_reason(core):
+    """None when the SigLIP encoder layers can run fused, else why not (cached)."""
+    return _cached_reason(core, _VISION_REASON_ATTR, _find_vision_unsupported, "vision layers")
+
+
+def _find_vision_unsupported(core):
+    encoder = _vision_encoder(core)
+    if encoder is None:
+        return "no vision tower on this rank"
+    if getattr(core.config, "offload_prefix_image_encoder_after_embed", False):
+        return "the vision tower is offloaded after each use"
+    if not getattr(encoder, "layers", None):
+        return "vision tower without layers"
+    for layer in encoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        dtype = attn.q_proj.weight.dtype
+        modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2)
+        if any(_plain_weight(m, dtype, bias_ok=True) is None or m.bias is None for m in modules):
+            return "vision projections that are not plain biased GEMMs of one dtype"
+        if attn.q_proj.weight.shape[0] != attn.num_heads * attn.head_dim or getattr(attn, "attn", None) is None:
+            return "vision attention that is not the native multi-head one (patch_siglip_vision_attention_to_native)"
+        if getattr(getattr(mlp, "config", None), "hidden_act", None) not in _GELU_TANH:
+            return f"vision activation {getattr(getattr(mlp, 'config', None), 'hidden_act', None)!r}; allowed: {_GELU_TANH}"
+        for norm in (layer.layer_norm1, layer.layer_norm2):
+            if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
+                return "vision norms that are not affine LayerNorms"
+    return None
+
+
+def _packed_qkv(attn):
+    """(weight, bias) of q, k and v packed into one projection, or None inside a capture before packing.
+    Packed once, outside any capture: the three projections' parameters become views of it (no second
+    copy of the weights; loaders that copy into them keep it current). Checked per call: a parameter
+    replaced since (moved, reloaded by assignment) has it packed again."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    packed = attn.__dict__.get("_ext_packed_qkv")
+    if packed is not None and all(_views(packed, projections)):
+        return packed
+    if attn.q_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    with torch.inference_mode(False), torch.no_grad():  # parameters stay normal tensors (loaders write them)
+        packed = tuple(torch.cat([getattr(p, name).data for p in projections]) for name in ("weight", "bias"))
+        start = 0
+        for projection in projections:
+            rows = projection.weight.shape[0]
+            projection.weight.data, projection.bias.data = (t[start:start + rows] for t in packed)
+            start += rows
+    attn.__dict__["_ext_packed_qkv"] = packed
+    return packed
+
+
+def _views(packed, projections):
+    start = 0
+    for projection in projections:
+        for name, whole in zip(("weight", "bias"), packed):
+            yield getattr(projection, name).data_ptr() == whole[start:].data_ptr()
+        start += projection.weight.shape[0]
+
+
+def _linear_gelu_tanh(x, linear):
+    """gelu_tanh(x @ W.T + b): on CUDA one cuBLASLt GEMM with the GELU epilogue (tanh form, torch's
+    fallback too); elsewhere two ops (the CPU's fused addmm+gelu uses the erf form)."""
+    if x.is_cuda:
+        return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+    return F.gelu(F.linear(x, linear.weight, linear.bias), approximate="tanh")
+
+
+def prepare_vision(core) -> None:
+    """Pack every layer's q/k/v before a prefix capture (a no-op where the fused layers do not serve)."""
+    if vision_unsupported_reason(core) is None:
+        for layer in _vision_encoder(core).layers:
+            _packed_qkv(layer.self_attn)
+
+
+@contextlib.contextmanager
+def fused_vision(core, enabled: bool):
+    """While open: the SigLIP encoder's forward runs the fused layers (`enabled`, FUSED_VISION and
+    supported; a first use that raises restores the exact layers for this model)."""
+    encoder = _vision_encoder(core) if enabled and FUSED_VISION else None
+    if encoder is None or vision_unsupported_reason(core) is not None:
+        yield
+        return
+    exact = encoder.forward
+
+    def forward(inputs_embeds, attention_mask=None, **kwargs):
+        if attention_mask is not None or kwargs:
+            return exact(inputs_embeds, attention_mask, **kwargs)
+
+        def run():
+            return _vision_layers(encoder, inputs_embeds)
+
+        out = run() if verified(core, "vision") else first_use(core, "vision", run)
+        return exact(inputs_embeds) if out is None else out
+
+    previous = encoder.__dict__.get("forward")
+    encoder.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del encoder.forward
+        else:
+            encoder.forward = previous
+
+
+def _vision_layers(encoder, inputs_embeds):
+    """The encoder's output (BaseModelOutput) from its layers on fused kernels: per layer one packed q/k/v
+    GEMM, the attention module, out_proj, residual add + LayerNorm, fc1 with gelu in its epilogue, fc2,
+    residual add + the next layer's LayerNorm."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from sglang_ext.kernels import add_layer_norm
+
+    layers = encoder.layers
+    hidden = inputs_embeds.clone(memory_format=torch.contiguous_format)  # updated in place
+    batch, seq, width = hidden.shape
+    norm = layers[0].layer_norm1
+    with torch.no_grad():
+        normed = add_layer_norm(hidden, norm.weight, norm.bias, eps=norm.eps)
+        for index, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            packed = _packed_qkv(attn)
+            if packed is None:
+                q, k, v = (F.linear(normed, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            else:
+                q, k, v = F.linear(normed, *packed).unflatten(-1, (3, width)).unbind(-2)
+            heads = (batch, seq, attn.num_heads, attn.head_dim)
+            out = attn.attn(q.reshape(heads), k.reshape(heads), v.reshape(heads))
+            out = F.linear(out.reshape(batch, seq, width), attn.out_proj.weight, attn.out_proj.bias)
+            norm = layer.layer_norm2
+            normed = add_layer_norm(hidden, norm.weight, norm.bias, eps=norm.eps, add=out)
+            out = _linear_gelu_tanh(normed.view(-1, width), mlp.fc1)
+            out = F.linear(out, mlp.fc2.weight, mlp.fc2.bias).view(batch, seq, width)
+            if index + 1 == len(layers):
+                hidden.add_(out)
+                break
+            norm = layers[index + 1].layer_norm1
+            normed = add_layer_norm(hidden, norm.weight, norm.bias, eps=norm.eps, add=out)
+    return BaseModelOutput(last_hidden_state=hidden)
 
 
 def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, fp8=False,

@@ -153,6 +153,9 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     full_hint = bucket is None and bool(token_masks.all()) and all(
         bool(observation.image_masks[name].all()) for name in camera_order)
     fast_layers = _fast_prefix_layers(self)
+    fused_vision = fast_layers and fast.FUSED_VISION
+    if fused_vision:
+        fast.prepare_vision(self.core_model)  # q/k/v packed before any capture
     inputs = (*images, *image_masks, tokens.to(self.device), token_masks.to(self.device))
     count = len(images)
 
@@ -171,10 +174,11 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
         context = encode(inputs)
         prefix_context_generation(context)
         return context
+    kernels = (("fast",) if fast_layers else ()) + (("fused-vision",) if fused_vision else ())
     signature = VLAPrefixGraphSignature(
         batch_size=observation.batch_size, input_shapes=tuple(tuple(t.shape) for t in inputs),
         input_dtypes=tuple(str(t.dtype).replace("torch.", "") for t in inputs),
-        static_layout=(count, full_hint, bucket) + (("fast",) if fast_layers else ()),
+        static_layout=(count, full_hint, bucket) + kernels,
         parallel_layout=self.config.parallel_layout_version)
     return runner.capture_or_run(signature, encode, inputs)
 

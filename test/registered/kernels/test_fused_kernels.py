@@ -27,6 +27,7 @@ from conftest import REQUIRE_TRITON_ENV, import_triton  # noqa: E402  (test/regi
 from sglang_ext.kernels import (  # noqa: E402
     Partials,
     ada_rms_norm_reference,
+    add_layer_norm_reference,
     first_rows_attention_reference,
     gelu_tanh_and_mul_reference,
     linear_rope_qkv_reference,
@@ -70,6 +71,9 @@ for case in cases:
         outputs.append({"out": out.total() if isinstance(out, kernels.Partials) else out})
     elif kind == "attn":
         outputs.append({"out": kernels.first_rows_attention(a.pop("q"), a.pop("keys"), a.pop("values"), **a)})
+    elif kind == "layer_norm":
+        x = a.pop("x")
+        outputs.append({"out": kernels.add_layer_norm(x, **a), "x": x})
     else:
         outputs.append({"out": kernels.gelu_tanh_and_mul(a["x"])})
 torch.save(outputs, sys.argv[2])
@@ -95,6 +99,19 @@ def _norm_cases(generator):
                 if variant == "gated":
                     args["gate"] = rnd(conds, width, dt=torch.float32)
                 cases.append({"kind": "norm", "name": f"norm {variant} {dtype} w={width} b={batch}", "args": args})
+    return cases
+
+
+def _layer_norm_cases(generator):
+    cases = []
+    for dtype in DTYPES:
+        for width, rows, residual in ((64, 50, False), (100, 7, True), (1152, 5, True)):
+            args = {"x": (torch.randn(rows, width, generator=generator) * 3 + 1).to(dtype),
+                    "weight": (1 + 0.1 * torch.randn(width, generator=generator)).to(dtype),
+                    "bias": (0.1 * torch.randn(width, generator=generator)).to(dtype), "eps": 1e-6}
+            if residual:
+                args["add"] = torch.randn(rows, width, generator=generator).to(dtype)
+            cases.append({"kind": "layer_norm", "name": f"layer_norm {dtype} w={width} add={residual}", "args": args})
     return cases
 
 
@@ -212,7 +229,7 @@ def _attention_cases(generator):
 def interpreted(tmp_path_factory):
     import_triton()
     generator = torch.Generator().manual_seed(0)
-    cases = (_norm_cases(generator) + _rope_cases(generator) + _linear_rope_cases(generator) + _gelu_cases(generator)
+    cases = (_norm_cases(generator) + _layer_norm_cases(generator) + _rope_cases(generator) + _linear_rope_cases(generator) + _gelu_cases(generator)
              + _gemm_cases(generator) + _attention_cases(generator))
     folder = tmp_path_factory.mktemp("kernels")
     torch.save(cases, folder / "cases.pt")
@@ -251,10 +268,14 @@ def _reference(case):
         return {"out": out.total() if isinstance(out, Partials) else out}
     if case["kind"] == "attn":
         return {"out": first_rows_attention_reference(a.pop("q"), a.pop("keys"), a.pop("values"), **a)}
+    if case["kind"] == "layer_norm":
+        x = a.pop("x")
+        out = add_layer_norm_reference(x, **a)
+        return {"out": out, "x": x}
     return {"out": gelu_tanh_and_mul_reference(a["x"])}
 
 
-@pytest.mark.parametrize("kind", ["norm", "rope", "linear_rope", "gelu", "gemm", "attn"])
+@pytest.mark.parametrize("kind", ["norm", "layer_norm", "rope", "linear_rope", "gelu", "gemm", "attn"])
 def test_kernel_matches_reference(interpreted, kind):
     cases, outputs = interpreted
     checked = 0
@@ -387,6 +408,9 @@ _HOPPER_BUILDS = [
      [dict(NUM_HEADS=8, NUM_KV=1, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, F32=False, UPCAST=False,
            NORM=norm, HAS_SHIFT=norm, PDL=True) for norm in (False, True)]),
     ("activation", "_gelu_tanh_and_mul_kernel", {"X": "*bf16", "OUT": "*bf16", "n_inner": "i32"}, [dict(BLOCK=1024, PDL=True)]),
+    ("layer_norm", "_add_layer_norm_kernel",
+     {"X": "*bf16", "ADD": "*bf16", "W": "*bf16", "B": "*bf16", "OUT": "*bf16", "n_cols": "i32", "eps": "fp32"},
+     [dict(HAS_ADD=add, BLOCK=2048, PDL=True) for add in (False, True)]),
 ]
 
 

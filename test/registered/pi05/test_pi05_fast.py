@@ -280,6 +280,88 @@ def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked, 
     assert not policy_adapter()._fast_prefix_layers(reread_knobs(SimpleNamespace(core_model=core)))
 
 
+def _tiny_vision_tower(m, core, hidden_act="gelu_pytorch_tanh"):
+    """transformers' SiglipVisionModel at a tiny width as Pi05CoreModel sets it up (sglang's forward and
+    native attention, bf16 but the patch embedding), attached to `core`."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    config = SiglipVisionConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=28, patch_size=14, hidden_act=hidden_act)
+    torch.manual_seed(90)
+    tower = SiglipVisionModel(config)
+    vision_model = getattr(tower, "vision_model", tower)
+    vision_model.forward = m.core.siglip_vision_forward_with_openpi_dtype.__get__(vision_model, type(vision_model))
+    m.core.patch_siglip_vision_attention_to_native(vision_model)
+    tower.to(torch.bfloat16)
+    vision_model.embeddings.float()
+    with torch.no_grad():
+        for name, parameter in tower.named_parameters():
+            parameter.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.05)
+    core.paligemma_with_expert.paligemma = SimpleNamespace(model=SimpleNamespace(vision_tower=tower))
+    return tower.eval()
+
+
+def _features(m, tower, pixels):
+    """The tower's last hidden state, in the forward context Pi05CoreModel.embed_image opens."""
+    with m.core.set_forward_context(current_timestep=0, attn_metadata=None):
+        return tower(pixels).last_hidden_state
+
+
+def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, monkeypatch):
+    """fast.FUSED_VISION: SigLIP's encoder layers on packed q/k/v, add+LayerNorm and gelu-in-GEMM against
+    the exact tower; off, closed or failing: the exact layers bit for bit."""
+    from sglang_ext import kernels
+
+    m = pi05(pi05_fast=1)
+    fast_module = _fast_module()
+    core = _tiny_core(m)
+    tower = _tiny_vision_tower(m, core)
+    assert fast_module.vision_unsupported_reason(core) is None
+    norms = _count_calls(monkeypatch, kernels, "add_layer_norm")
+    pixels = torch.rand(2, 3, 28, 28, generator=torch.Generator().manual_seed(91)) * 2 - 1
+    with torch.inference_mode():
+        exact = _features(m, tower, pixels)
+        with fast_module.fused_vision(core, True):  # the switch is off: the exact layers
+            assert torch.equal(_features(m, tower, pixels), exact) and not norms
+        monkeypatch.setattr(fast_module, "FUSED_VISION", True)
+        with fast_module.fused_vision(core, False):  # not asked for (knob off or no fast prefix)
+            assert torch.equal(_features(m, tower, pixels), exact) and not norms
+        fast_module.prepare_vision(core)
+        with fast_module.fused_vision(core, True):
+            fused = _features(m, tower, pixels)
+        assert len(norms) == 2 * 2  # the first LayerNorm, then two per layer less the one after the last
+        assert torch.equal(_features(m, tower, pixels), exact)  # closed: exact layers, same (packed) weights
+    relative, cosine = _agreement(fused, exact)
+    print(f"[fused vision tiny] relative={relative:.3e} cosine={cosine:.7f}")
+    assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR  # (the norm calls above: it ran)
+    assert fast_module.verified(core, "vision")
+
+    attn = fast_module._vision_encoder(core).layers[1].self_attn
+    weight, bias = attn.__dict__["_ext_packed_qkv"]
+    assert attn.v_proj.weight.data_ptr() == weight[2 * 64:].data_ptr() and attn.k_proj.bias.data_ptr() == bias[64:].data_ptr()
+    attn.k_proj.weight.data = attn.k_proj.weight.data.clone()  # replaced, not copied into: packed again
+    with torch.inference_mode(), fast_module.fused_vision(core, True):
+        assert torch.equal(_features(m, tower, pixels), fused)
+    assert attn.__dict__["_ext_packed_qkv"][0] is not weight
+    assert not attn.k_proj.weight.is_inference()  # packed inside inference mode, still loadable
+
+    # an activation the GELU epilogue does not compute: the exact layers, the reason named
+    other = _tiny_core(m)
+    _tiny_vision_tower(m, other, hidden_act="gelu")
+    assert "vision activation 'gelu'" in fast_module.vision_unsupported_reason(other)
+
+    # a first use that raises: logged, the exact layers for this request and the next
+    failing = _tiny_core(m)
+    failing_tower = _tiny_vision_tower(m, failing)
+    monkeypatch.setattr(fast_module, "_vision_layers", lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel")))
+    with torch.inference_mode():
+        want = _features(m, failing_tower, pixels)
+        for _ in range(2):
+            with fast_module.fused_vision(failing, True):
+                assert torch.equal(_features(m, failing_tower, pixels), want)
+    assert "fused vision layers failed on first use: RuntimeError: no kernel" in fast_module.vision_unsupported_reason(failing)
+
+
 _INTERPRETED = r"""
 import json, os, sys
 import torch

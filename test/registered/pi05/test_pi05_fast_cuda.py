@@ -321,6 +321,80 @@ def test_folded_norms_stay_within_the_fast_bound_and_replay_bit_for_bit(policy):
     assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
 
 
+@contextlib.contextmanager
+def _switch(module, name):
+    """module.NAME set True for the block (the fast path's diagnostic switches), restored after."""
+    saved = getattr(module, name)
+    setattr(module, name, True)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy):
+    """fast.FUSED_VISION (bench_pi05's graph-fast-vision: SigLIP on packed q/k/v, add+LayerNorm kernels,
+    gelu in fc1's epilogue): the vision tower's output against the exact layers, and whole requests on
+    graphs (prefix graph + loop graph) against the exact graphs within the fast path's bounds; a replay
+    equal to its capture bitwise; the prefix graphs keyed apart; q/k/v packed without a second copy."""
+    import torch.nn.functional as F
+
+    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation, pi05_knobs, run_request
+
+    fast_module = _ext("pi05.fast")
+    core = policy.core_model
+    assert fast_module.vision_unsupported_reason(core) is None
+    # cuBLASLt's GELU epilogue is the tanh form SigLIP's gelu_pytorch_tanh computes
+    x, w, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((512, 1152), (4304, 1152), (4304,)))
+    fused = torch._addmm_activation(b, x, w.t(), use_gelu=True).float()
+    linear = F.linear(x, w, b)
+    tanh_form, erf_form = F.gelu(linear, approximate="tanh").float(), F.gelu(linear).float()
+    assert (fused - tanh_form).abs().max() < (fused - erf_form).abs().max()
+
+    tower = core.paligemma_with_expert.paligemma.model.vision_tower
+    pixels = torch.rand(2, 3, 224, 224, device="cuda") * 2 - 1
+
+    def features():  # in the forward context Pi05CoreModel.embed_image opens
+        with set_forward_context(current_timestep=0, attn_metadata=None):
+            return tower(pixels).last_hidden_state
+
+    with torch.inference_mode():
+        exact_features = features()
+        fast_module.prepare_vision(core)
+        with _switch(fast_module, "FUSED_VISION"), fast_module.fused_vision(core, True):
+            fused_features = features()
+        again = features()  # the context closed: the exact layers, on the packed weights
+    relative, cosine = _agreement(fused_features, exact_features)
+    print(f"[summary fused vision features vs exact] relative={relative:.3e} cosine={cosine:.7f}")
+    assert fast_module.verified(core, "vision")
+    assert torch.equal(again, exact_features)
+    assert relative <= 5e-2 and cosine >= 0.999, (relative, cosine)  # features: bf16 ulps over 27 layers
+    attn = fast_module._vision_encoder(core).layers[0].self_attn
+    packed_weight, _ = attn.__dict__["_ext_packed_qkv"]
+    assert attn.k_proj.weight.data_ptr() == packed_weight[attn.q_proj.weight.shape[0]:].data_ptr()
+
+    worst = (0.0, 1.0, "")
+    for masked in (False, True):
+        for prompt_len in (17, 48, 111):
+            label = f"{'masked' if masked else 'full'} prompt={prompt_len}"
+            observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=500 + prompt_len)
+            noise = make_noise(policy, 500 + prompt_len)
+            with pi05_knobs(policy, fused_denoise=True):
+                exact = run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
+            with pi05_knobs(policy, fused_denoise=True, fast=True), _switch(fast_module, "FUSED_VISION"):
+                captured, replayed = (run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
+                                      for _ in range(2))
+            assert torch.equal(replayed, captured), label
+            relative, cosine = _agreement(replayed, exact)
+            worst = (max(worst[0], relative), min(worst[1], cosine), label if cosine < worst[1] else worst[2])
+    keyed = [s for s in policy.prefix_graph_runner._cache.entries if "fused-vision" in s.static_layout]
+    print(f"[summary fused vision end-to-end graphs vs exact graphs] 6 requests: max relative={worst[0]:.3e}, "
+          f"min cosine={worst[1]:.7f} ({worst[2]}); prefix graphs fused-vision: {len(keyed)}")
+    assert len(keyed) == 6
+    assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
+
+
 def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
     """The prefix language model's layers on the fused kernels: K/V of every layer (valid positions)."""
     from sglang_ext_testkit.pi05_random import make_observation, pi05_knobs
