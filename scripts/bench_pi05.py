@@ -22,9 +22,9 @@ Implementations (one per process; the sglang on PYTHONPATH decides):
             the reason, where this tree has no fast path), graph-fast-nopdl (the same without
             programmatic dependent launch: its kernel table gives each kernel's own time),
             graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in); experiments, each
-            the fast path with switches of sglang_ext.pi05.fast on (EXPERIMENTS): graph-fast-folded
-            (FOLD_NORMS: each layer's norms folded into its GEMMs), graph-fast-vision (FUSED_VISION:
-            SigLIP's layers on packed q/k/v, add+LayerNorm kernels, gelu in the GEMM), graph-fast-vision-folded
+            the fast path with a switch of sglang_ext.pi05.fast set (EXPERIMENTS): graph-fast-folded
+            (FOLD_NORMS on: each layer's norms folded into its GEMMs), graph-fast-exact-vision
+            (FUSED_VISION off: SigLIP's layers as sglang runs them, for the same-run comparison)
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
 
 On the GPU machine (docs/gpu-harness.md): `bash scripts/gpu_steps.sh bench-pi05` runs the three
@@ -62,15 +62,14 @@ from sglang_ext_testkit import pi05_random  # noqa: E402
 MODES = {
     "0517": ("eager", "graph"),
     "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl", "graph-fast-fp8",
-                 "graph-fast-folded", "graph-fast-vision", "graph-fast-vision-folded"),
+                 "graph-fast-folded", "graph-fast-exact-vision"),
     "0519": ("eager", "graph", "graph-bucket"),
 }
 REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared with them
 # The fast path; -nopdl without programmatic dependent launch, a diagnostic: with PDL a kernel's profiled
 # time includes its wait for the one before, without it each kernel's time is its own (issue 29's table).
-# Experiments: the fast path with the named switches of sglang_ext.pi05.fast on (off in every other mode).
-EXPERIMENTS = {"graph-fast-folded": ("FOLD_NORMS",), "graph-fast-vision": ("FUSED_VISION",),
-               "graph-fast-vision-folded": ("FUSED_VISION", "FOLD_NORMS")}
+# Experiments: the fast path with switches of sglang_ext.pi05.fast set as named (every other mode: their defaults).
+EXPERIMENTS = {"graph-fast-folded": {"FOLD_NORMS": True}, "graph-fast-exact-vision": {"FUSED_VISION": False}}
 FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8", *EXPERIMENTS)  # -fp8: knob pi05_fp8_expert
 ACTIONS_FORMAT = "bench_pi05 actions v1"
 # Device kernels that are attention (SDPA's flash / memory-efficient / cuDNN kernels, FA3, Triton).
@@ -186,7 +185,8 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
             fast = importlib.import_module("sglang_ext.pi05.fast")
             for switch in {name for names in EXPERIMENTS.values() for name in names}:
                 if hasattr(fast, switch):
-                    setattr(fast, switch, switch in EXPERIMENTS.get(mode, ()))
+                    setattr(fast, switch, EXPERIMENTS.get(mode, {}).get(switch, _SWITCH_DEFAULTS.setdefault(
+                        switch, getattr(fast, switch))))
     evict = policy._prompt_token_bucketing_enabled()
     available = getattr(config, "action_cuda_graph_available", None)
     action_enabled = available() if callable(available) else bool(config.enable_action_cuda_graph)
@@ -209,9 +209,18 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
         "fp8_expert": mode == "graph-fast-fp8",
-        "fold_norms": "FOLD_NORMS" in EXPERIMENTS.get(mode, ()),
-        "fused_vision": "FUSED_VISION" in EXPERIMENTS.get(mode, ()),
+        "fold_norms": _switch("FOLD_NORMS"),
+        "fused_vision": _switch("FUSED_VISION"),
     }
+
+
+_SWITCH_DEFAULTS: Dict[str, bool] = {}  # the fast path's switches as imported, before a mode set them
+
+
+def _switch(name: str):
+    """The switch as the mode left it (None where this tree's fast path lacks it)."""
+    fast = importlib.import_module("sglang_ext.pi05.fast") if importlib.util.find_spec("sglang_ext.pi05") else None
+    return getattr(fast, name, None)
 
 
 def unavailable(impl: str, mode: str) -> str:

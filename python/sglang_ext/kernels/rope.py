@@ -18,8 +18,8 @@ import torch
 
 from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton,
                                         uses_pdl)
-from sglang_ext.kernels.skinny_gemm import (NormedRows, Partials, check_rows_and_blocks, norm_denominators,
-                                             slice_products)
+from sglang_ext.kernels.skinny_gemm import (NORM_STAGES, STAGES, NormedRows, Partials, check_rows_and_blocks,
+                                             norm_denominators, slice_products)
 
 
 def _check(shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start):
@@ -206,4 +206,4 @@ def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_k
         int(kv_start), tiles, group, eps, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=max(16, block_size(batch * seq)), BLOCK_N=block_n, BLOCK_K=block_k, F32=x.dtype == torch.float32,
         UPCAST=DOT_UPCAST, NORM=norm is not None, HAS_SHIFT=has_shift, PDL=pdl, launch_pdl=pdl, num_warps=4,
-        num_stages=4)
+        num_stages=NORM_STAGES if norm is not None else STAGES)

@@ -24,10 +24,11 @@ TIME_TABLE_ENTRIES = 4
 # (kernels.skinny_linear_residual, NormedRows: 6 kernels per layer instead of 8; docs/gpu-notes.md).
 # Off until the H200 shows it faster.
 FOLD_NORMS = False
-# Diagnostic switch (bench_pi05's graph-fast-vision mode), read by each fast prefix (its graphs are keyed
-# by it): the SigLIP encoder layers on one packed q/k/v GEMM, residual adds fused into the LayerNorms
-# and gelu in fc1's GEMM epilogue (7 kernels per layer instead of 13). Off until the H200 shows it faster.
-FUSED_VISION = False
+# Switch read by each fast prefix (its graphs are keyed by it): the SigLIP encoder layers on one packed
+# q/k/v GEMM, residual adds fused into the LayerNorms and gelu in fc1's GEMM epilogue (7 kernels per layer
+# instead of 13; the H200: 0.4-0.5 ms less per request, docs/performance.md). Off: bench_pi05's
+# graph-fast-exact-vision mode.
+FUSED_VISION = True
 _TABLE_ATTR = "_ext_pi05_time_conditioning"
 _REASON_ATTR = "_ext_pi05_fast_unsupported"
 _VERIFIED_ATTR = "_ext_pi05_fast_verified"

@@ -363,6 +363,7 @@ def test_bad_shapes_raise_one_line_errors():
 _SKINNY_TYPES = {"SUMSQ": "*fp32", "SCALE": "*fp32", "SHIFT": "*fp32", "RESID": "*bf16", "GATE": "*fp32",
                  "COUNTERS": "*i32", "rows": "i32", "n_cols": "i32", "k_dim": "i32", "k_per_part": "i32",
                  "gate_offset": "i32", "alpha": "fp32", "tiles": "i32", "group": "i32", "eps": "fp32"}
+HOPPER_SHARED_BYTES = 232448  # per block on sm90
 _NO_NORM = dict(NORM=False, HAS_SHIFT=False, REDUCE=False, HAS_GATE=False)
 _HOPPER_BUILDS = [
     ("skinny_gemm", "_skinny_gemm_kernel",
@@ -423,12 +424,18 @@ def test_kernels_build_for_hopper(module, kernel, types, variants):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from sglang_ext.kernels.skinny_gemm import NORM_STAGES, STAGES
+
     fn = getattr(importlib.import_module(f"sglang_ext.kernels.{module}"), kernel)
     for constexprs in variants:
         signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+        # the GEMM loops' stages as launched (skinny_gemm.STAGES / NORM_STAGES)
+        options = {"num_stages": NORM_STAGES if constexprs.get("NORM") else STAGES} if "BLOCK_K" in constexprs else {}
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32))
+                                  target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm.get("cubin"), (kernel, constexprs)
+        # shared memory with room: the H200's triton asked 1.36x what this one reports (311 KB vs 229 KB)
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES / 1.5, (kernel, constexprs, compiled.metadata.shared)
         ptx = compiled.asm["ptx"]
         # under PDL nothing may touch memory before the wait
         assert ("griddepcontrol.wait" in ptx) == bool(constexprs.get("PDL")), (kernel, constexprs)

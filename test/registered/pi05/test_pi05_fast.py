@@ -321,6 +321,7 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
     pixels = torch.rand(2, 3, 28, 28, generator=torch.Generator().manual_seed(91)) * 2 - 1
     with torch.inference_mode():
         exact = _features(m, tower, pixels)
+        monkeypatch.setattr(fast_module, "FUSED_VISION", False)
         with fast_module.fused_vision(core, True):  # the switch is off: the exact layers
             assert torch.equal(_features(m, tower, pixels), exact) and not norms
         monkeypatch.setattr(fast_module, "FUSED_VISION", True)
