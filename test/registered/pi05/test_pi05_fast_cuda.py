@@ -322,10 +322,10 @@ def test_folded_norms_stay_within_the_fast_bound_and_replay_bit_for_bit(policy):
 
 
 @contextlib.contextmanager
-def _switch(module, name):
-    """module.NAME set True for the block (the fast path's diagnostic switches), restored after."""
+def _switch(module, name, value=True):
+    """module.NAME set to `value` for the block (the fast path's switches), restored after."""
     saved = getattr(module, name)
-    setattr(module, name, True)
+    setattr(module, name, value)
     try:
         yield
     finally:
@@ -345,12 +345,13 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
     fast_module = _ext("pi05.fast")
     core = policy.core_model
     assert fast_module.vision_unsupported_reason(core) is None
-    # cuBLASLt's GELU epilogue is the tanh form SigLIP's gelu_pytorch_tanh computes
-    x, w, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((512, 1152), (4304, 1152), (4304,)))
-    fused = torch._addmm_activation(b, x, w.t(), use_gelu=True).float()
-    linear = F.linear(x, w, b)
-    tanh_form, erf_form = F.gelu(linear, approximate="tanh").float(), F.gelu(linear).float()
-    assert (fused - tanh_form).abs().max() < (fused - erf_form).abs().max()
+    # cuBLASLt's GELU epilogue is the tanh form SigLIP's gelu_pytorch_tanh computes (float32, pre-activations
+    # near 1, where the two forms differ by ~1e-4 and float32 GEMMs by ~1e-6)
+    x, w, b = (torch.randn(*shape, device="cuda") for shape in ((512, 1152), (4304, 1152), (4304,)))
+    x = x / 1152 ** 0.5
+    fused, linear = torch._addmm_activation(b, x, w.t(), use_gelu=True), F.linear(x, w, b)
+    tanh_gap, erf_gap = ((fused - form).abs().mean() for form in (F.gelu(linear, approximate="tanh"), F.gelu(linear)))
+    assert tanh_gap < erf_gap / 10, (tanh_gap, erf_gap)
 
     tower = core.paligemma_with_expert.paligemma.model.vision_tower
     pixels = torch.rand(2, 3, 224, 224, device="cuda") * 2 - 1
@@ -396,7 +397,9 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
 
 
 def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
-    """The prefix language model's layers on the fused kernels: K/V of every layer (valid positions)."""
+    """The prefix language model's layers on the fused kernels: K/V of every layer (valid positions), from the
+    same image features (fused vision off: its own test checks it; its ulps, carried through 18 layers, took
+    the K/V to 5.2e-2 / 0.99909 on the H200)."""
     from sglang_ext_testkit.pi05_random import make_observation, pi05_knobs
 
     fast_module = _ext("pi05.fast")
@@ -405,7 +408,7 @@ def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
         observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=prompt_len)
         contexts = {}
         for fast in (False, True):
-            with pi05_knobs(policy, fast=fast), torch.inference_mode():
+            with pi05_knobs(policy, fast=fast), _switch(fast_module, "FUSED_VISION", False), torch.inference_mode():
                 contexts[fast] = policy.encode_prefix(observation, use_cuda_graph=False)
         valid = contexts[False].prefix_pad_masks[0]
         for (fast_k, fast_v, _), (exact_k, exact_v, _) in zip(contexts[True].past_key_values, contexts[False].past_key_values):
