@@ -766,7 +766,8 @@ def main() -> int:
             bench_results.write(args.out, report(), SCHEMA, default=str)
     print_table(results)
     print()
-    print(pi05_roofline.table(work, results))
+    if work:  # None where the roofline hooks saw no projection (0.5.19's packed layers)
+        print(pi05_roofline.table(work, results))
     return 0
 
 

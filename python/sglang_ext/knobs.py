@@ -168,8 +168,8 @@ KNOBS: tuple[Knob, ...] = (
          "Opt-in: capture all denoise steps of a Pi0.5 request (including the x_t update) as "
          "one CUDA graph: one replay per request instead of one per step."),
     Knob("pi05_fast", "bool", False,
-         "Opt-in: Pi0.5's denoise steps (implies pi05_fused_denoise) and the prefix language model's layers "
-         "on fused Triton kernels; the time conditioning computed once per step count. Equal to the exact "
+         "Opt-in: Pi0.5's denoise steps (implies pi05_fused_denoise) and the prefix's SigLIP and language "
+         "model layers on fused kernels; the time conditioning computed once per step count. Equal to the exact "
          "path within bf16 tolerance, not bitwise. Action sequence parallelism and a tensor-parallel prefix "
          "take the exact path."),
     Knob("pi05_fp8_expert", "bool", False,

@@ -375,6 +375,9 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
     packed_weight, _ = attn.__dict__["_ext_packed_qkv"]
     assert attn.k_proj.weight.data_ptr() == packed_weight[attn.q_proj.weight.shape[0]:].data_ptr()
 
+    runners = importlib.import_module("sglang.multimodal_gen.runtime.vla.cuda_graph")
+    saved_runner = policy.prefix_graph_runner  # the fixture's config may leave prefix graphs off
+    policy.prefix_graph_runner = runners.VLAPrefixGraphRunner(enabled=True, max_entries=16)
     worst = (0.0, 1.0, "")
     for masked in (False, True):
         for prompt_len in (17, 48, 111):
@@ -390,6 +393,7 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
             relative, cosine = _agreement(replayed, exact)
             worst = (max(worst[0], relative), min(worst[1], cosine), label if cosine < worst[1] else worst[2])
     keyed = [s for s in policy.prefix_graph_runner._cache.entries if "fused-vision" in s.static_layout]
+    policy.prefix_graph_runner = saved_runner
     print(f"[summary fused vision end-to-end graphs vs exact graphs] 6 requests: max relative={worst[0]:.3e}, "
           f"min cosine={worst[1]:.7f} ({worst[2]}); prefix graphs fused-vision: {len(keyed)}")
     assert len(keyed) == 6
