@@ -445,15 +445,16 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
     kernel_us = 0.0
     attention: Dict[str, int] = {}
     by_name: Dict[str, List[float]] = {}  # where the device time goes (issue 17: measure first)
-    device_kernels = []  # (start, name, us): split by phase below
+    device_kernels = []  # (start, end, name) of kernels and copies: split by phase below
     for event in prof.events():
         name = event.name
         if name in LAUNCH_APIS:
             kernel_launches += 1
         elif name in GRAPH_LAUNCH_APIS:
             graph_launches += 1
+        if event.device_type == DeviceType.CUDA:
+            device_kernels.append((float(event.time_range.start), float(event.time_range.end), name))
         if event.device_type == DeviceType.CUDA and not name.startswith(("Memcpy", "Memset")):
-            device_kernels.append((float(event.time_range.start), name, float(event.device_time_total)))
             if PHASE_MARK.search(name):
                 continue
             kernels += 1
@@ -498,24 +499,44 @@ def kernel_class(name: str) -> str:
     return next((label for label, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
 
 
-def phase_kernels(device_kernels, requests: int) -> Dict[str, Dict[str, List[float]]]:
-    """{phase: {class: [kernels, us] per request}} from (start, name, us) of every profiled device kernel;
-    the marker kernels (three per request) open the prefix, the denoise, and close the request. Empty when
-    the markers are missing (no CUDA, or a profiler that does not see them)."""
+HOST_GAP_US = 10.0  # an idle stretch this long is the host's (a graph's launch gaps are about 1 us)
+
+
+def phase_kernels(device_events, requests: int) -> Dict[str, Dict[str, List[float]]]:
+    """{phase: {class: [count, us] per request}} from (start, end, name) of every profiled device event:
+    kernels by class, "copy" (memcpy / memset), and the time the device sat idle between them, as
+    "idle < 10 us" (launch gaps) and "idle >= 10 us" (waits for the host); each phase opens at the end of
+    its marker kernel (three per request: prefix, denoise, end), so kernels + copies + idle make up the
+    phase, less what overlaps (PDL). Empty when the markers are missing (no CUDA, or unseen)."""
     phases: Dict[str, Dict[str, List[float]]] = {}
-    marks, phase = 0, None
-    for _, name, us in sorted(device_kernels):
+    marks, phase, idle_from = 0, None, 0.0
+    for start, end, name in sorted(device_events):
         if PHASE_MARK.search(name):
-            phase = ("prefix", "denoise", None)[marks % 3]
+            if phase is not None and start > idle_from:
+                _add(phases, phase, _idle(start - idle_from), start - idle_from, requests)
+            phase, idle_from = ("prefix", "denoise", None)[marks % 3], end
             marks += 1
             continue
-        if phase is not None:
-            entry = phases.setdefault(phase, {}).setdefault(kernel_class(name), [0.0, 0.0])
-            entry[0] += 1.0 / requests
-            entry[1] += us / requests
+        if phase is None:
+            continue
+        _add(phases, phase, "copy" if name.startswith(("Memcpy", "Memset")) else kernel_class(name), end - start,
+             requests)
+        if start > idle_from:
+            _add(phases, phase, _idle(start - idle_from), start - idle_from, requests)
+        idle_from = max(idle_from, end)
     if marks != 3 * requests:
         return {}
     return {p: {c: [round(n, 1), round(us, 1)] for c, (n, us) in classes.items()} for p, classes in phases.items()}
+
+
+def _idle(us: float) -> str:
+    return f"idle {'>=' if us >= HOST_GAP_US else '<'} {HOST_GAP_US:.0f} us"
+
+
+def _add(phases, phase: str, label: str, us: float, requests: int) -> None:
+    entry = phases.setdefault(phase, {}).setdefault(label, [0.0, 0.0])
+    entry[0] += 1.0 / requests
+    entry[1] += max(0.0, us) / requests
 
 
 def percentile(values: List[float], q: float) -> float:

@@ -310,7 +310,7 @@ def _pi05_phases(runs, results) -> list:
     lines = []
     for r in picked:
         lines += ["", f"Per phase, {r['impl']} {r['mode']} (p50 {r['p50_ms']:.2f} ms: prefix {r['prefix_p50_ms']:.2f}, "
-                  f"denoise {r['denoise_p50_ms']:.2f}); kernels and ms per request by class; rates: the phase's "
+                  f"denoise {r['denoise_p50_ms']:.2f}); per request, by class: kernels, copies and the device's idle gaps; rates: the phase's "
                   "counted work over the class's time (gemm: matrix FLOPs and weights, attention: its FLOPs and "
                   "the prefix K/V):", "", "```", pi05_roofline.phase_table(work, r), "```"]
     return lines

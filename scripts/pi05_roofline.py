@@ -137,25 +137,30 @@ _CLASS_WORK = {"gemm": ("matrix_tflop", "weight_gb"), "attention": ("attention_t
 
 def phase_table(work: dict, result: dict) -> str:
     """Per phase of one mode: each kernel class's kernels and device time per request (torch.profiler),
-    its achieved rate against the peaks where the class has counted work, and the time no kernel covers
-    (phase p50 minus the kernels' sum: launch gaps and host waits; with PDL a kernel's time includes its
-    wait for the one before, so the sum can exceed the phase)."""
+    its achieved rate against the peaks where the class has counted work, the copies, the device's idle
+    gaps (short: launches; long: waits for the host) and the rest (phase p50 minus all rows: the p50 is
+    of timed requests, the rows of profiled ones; with PDL a kernel's time includes its wait for the one
+    before, so the rows can sum above the phase)."""
     phases = result.get("phase_kernels_per_request") or {}
-    lines = [f"{'phase':<8} {'class':<11} {'kernels':>8} {'ms':>7} {'share':>6} {'TFLOP/s':>8} {'% peak':>7} "
+    lines = [f"{'phase':<8} {'class':<15} {'count':>7} {'ms':>7} {'share':>6} {'TFLOP/s':>8} {'% peak':>7} "
              f"{'GB/s':>7} {'% peak':>7}"]
     for phase in ("prefix", "denoise"):
         classes, phase_ms = phases.get(phase, {}), result.get(f"{phase}_p50_ms") or 0.0
         amounts = dict(work[phase], weight_gb=work[phase]["gb"] - work[phase].get("kv_gb", 0.0))
-        for label, (kernels, us) in sorted(classes.items(), key=lambda kv: -kv[1][1]):
+
+        def order(item):  # kernel classes by time, then copies, then idle
+            label, (_, us) = item
+            return (label.startswith("idle"), label == "copy", -us)
+
+        for label, (count, us) in sorted(classes.items(), key=order):
             ms, rates = us / 1e3, ""
             flop_key, byte_key = _CLASS_WORK.get(label, (None, None))
             if flop_key and ms > 0:
                 tflops, gbs = amounts.get(flop_key, 0.0) / ms * 1e3, amounts.get(byte_key, 0.0) / ms * 1e3
                 rates = (f"{tflops:>8.0f} {tflops / work['peak_tflops']:>7.1%} {gbs:>7.0f} "
                          f"{gbs / (work['peak_tb_s'] * 1e3):>7.1%}")
-            lines.append(f"{phase:<8} {label:<11} {kernels:>8.1f} {ms:>7.2f} {ms / phase_ms if phase_ms else 0:>6.1%} "
+            lines.append(f"{phase:<8} {label:<15} {count:>7.1f} {ms:>7.2f} {ms / phase_ms if phase_ms else 0:>6.1%} "
                          f"{rates}".rstrip())
-        covered = sum(us for _, us in classes.values()) / 1e3
-        lines.append(f"{phase:<8} {'no kernel':<11} {'':>8} {phase_ms - covered:>7.2f} "
-                     f"{(phase_ms - covered) / phase_ms if phase_ms else 0:>6.1%}")
+        rest = phase_ms - sum(us for _, us in classes.values()) / 1e3
+        lines.append(f"{phase:<8} {'rest':<15} {'':>7} {rest:>7.2f} {rest / phase_ms if phase_ms else 0:>6.1%}")
     return "\n".join(lines)

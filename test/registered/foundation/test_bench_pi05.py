@@ -280,32 +280,40 @@ def test_kernel_table_from_the_run_without_pdl_issue_29_targets_and_a_headline_o
 
 
 def test_kernels_split_by_phase_marks_and_the_phase_table_charges_each_class_its_work():
-    """The profile's marker kernels (three per request) split the kernels into prefix and denoise; the
-    table charges GEMMs the matrix FLOPs and weights, attention its FLOPs and the K/V, and shows the
-    phase time no kernel covers."""
+    """The profile's marker kernels (three per request) split the device events into prefix and denoise:
+    kernels by class, copies, and the idle gaps between them (short: launches, long: the host); the table
+    charges GEMMs the matrix FLOPs and weights, attention its FLOPs and the K/V, and shows the rest."""
     import pi05_roofline
 
     mark = "spin_kernel(long)"
-    kernels = [(0, mark, 1.0), (1, "nvjet_sm90_tst_128x272", 400.0), (2, "_add_layer_norm_kernel", 50.0),
-               (3, "cudnn_generated_fort_native_sdpa", 100.0), (4, mark, 1.0), (5, "_skinny_gemm_kernel", 300.0),
-               (6, "_split_attention_kernel", 80.0), (7, "_combine_kernel", 20.0), (8, "triton_poi_fused_add", 5.0),
-               (9, mark, 1.0)]
-    second = [(t + 10, name, us) for t, name, us in kernels]  # a second request: per request = the mean
-    phases = bench_pi05.phase_kernels(second[::-1] + kernels, requests=2)  # ordered by start, not by arrival
-    assert phases == {"prefix": {"gemm": [1.0, 400.0], "norm": [1.0, 50.0], "attention": [1.0, 100.0]},
-                      "denoise": {"gemm": [1.0, 300.0], "attention": [2.0, 100.0], "other": [1.0, 5.0]}}
-    assert bench_pi05.phase_kernels(kernels[1:], requests=1) == {}  # a missing mark: no split at all
+    # (start, end, name) in us: prefix from 2 to 600, denoise from 602 to 1000
+    events = [(0, 2, mark), (40, 140, "Memcpy HtoD (Pageable -> Device)"), (141, 541, "nvjet_sm90_tst_128x272"),
+              (543, 593, "_add_layer_norm_kernel"), (593, 600, "cudnn_generated_fort_native_sdpa"), (600, 602, mark),
+              (603, 903, "_skinny_gemm_kernel"), (890, 970, "_split_attention_kernel"),  # overlaps (PDL)
+              (971, 991, "_combine_kernel"), (992, 997, "triton_poi_fused_add"), (998, 1000, mark)]
+    second = [(t + 2000, e + 2000, name) for t, e, name in events]  # a second request: per request = the mean
+    phases = bench_pi05.phase_kernels(second[::-1] + events, requests=2)  # ordered by start, not by arrival
+    assert phases == {
+        "prefix": {"idle >= 10 us": [1.0, 38.0], "copy": [1.0, 100.0], "idle < 10 us": [2.0, 3.0],
+                   "gemm": [1.0, 400.0], "norm": [1.0, 50.0], "attention": [1.0, 7.0]},
+        "denoise": {"idle < 10 us": [4.0, 4.0], "gemm": [1.0, 300.0], "attention": [2.0, 100.0],
+                    "other": [1.0, 5.0]}}
+    assert bench_pi05.phase_kernels(events[1:], requests=1) == {}  # a missing mark: no split at all
     work = {"peak_tflops": 1000.0, "peak_tb_s": 5.0,
             "prefix": {"tflop": 2.1, "matrix_tflop": 2.0, "attention_tflop": 0.1, "gb": 4.0, "kv_gb": 0.0},
             "denoise": {"tflop": 0.3, "matrix_tflop": 0.3, "attention_tflop": 0.0, "gb": 1.5, "kv_gb": 0.5}}
-    table = pi05_roofline.phase_table(work, {"phase_kernels_per_request": phases, "prefix_p50_ms": 1.0,
-                                             "denoise_p50_ms": 0.5})
-    rows = {tuple(line.split()[:2]): line.split()[2:] for line in table.splitlines()[1:]}
-    assert rows[("prefix", "gemm")] == ["1.0", "0.40", "40.0%", "5000", "500.0%", "10000", "200.0%"]
+    table = pi05_roofline.phase_table(work, {"phase_kernels_per_request": phases, "prefix_p50_ms": 0.6,
+                                             "denoise_p50_ms": 0.4})
+    lines = table.splitlines()[1:]
+    rows = {(line[:8].strip(), line[9:24].strip()): line[24:].split() for line in lines}
+    assert [label for phase, label in rows if phase == "prefix"] == [
+        "gemm", "norm", "attention", "copy", "idle >= 10 us", "idle < 10 us", "rest"]  # kernels, copies, idle
+    assert rows[("prefix", "gemm")] == ["1.0", "0.40", "66.7%", "5000", "500.0%", "10000", "200.0%"]
     assert rows[("denoise", "gemm")][5] == "3333"  # 1.0 GB of weights (the K/V charged to attention) in 0.3 ms
     assert rows[("denoise", "attention")][5:7] == ["5000", "100.0%"]  # 0.5 GB of K/V in 0.1 ms
-    assert rows[("prefix", "norm")] == ["1.0", "0.05", "5.0%"]  # no counted work: no rate
-    assert rows[("prefix", "no")] == ["kernel", "0.45", "45.0%"] and float(rows[("denoise", "no")][1]) == pytest.approx(0.095, abs=0.006)
+    assert rows[("prefix", "norm")] == ["1.0", "0.05", "8.3%"]  # no counted work: no rate
+    assert float(rows[("prefix", "rest")][0]) == pytest.approx(0.6 - 0.598, abs=0.006)
+    assert float(rows[("denoise", "rest")][0]) == pytest.approx(0.4 - 0.409, abs=0.006)  # PDL overlap: below 0
 
 
 def test_committed_pi05_results_still_pass_the_schema():

@@ -125,6 +125,14 @@ def test_triton_kernels_match_references_on_gpu():
                 check(f"norm-{label}-stream", got_x, want_x, dtype)
             gemma = kernels.ada_rms_norm(x, scale[:1], eps=1e-6)
             check("norm-gemma", gemma, kernels.ada_rms_norm_reference(x, scale[:1], eps=1e-6), dtype)
+        for rows, width in ((512, 1152), (7, 1000)):  # SigLIP's residual add + LayerNorm (fused vision)
+            x, add = rnd(rows, width, dtype=dtype, scale=3.0), rnd(rows, width, dtype=dtype)
+            weight, bias = rnd(width, dtype=dtype, scale=0.1) + 1, rnd(width, dtype=dtype, scale=0.1)
+            for label, kwargs in (("layer-norm", {}), ("add-layer-norm", {"add": add})):
+                got_x, want_x = x.clone(), x.clone()
+                check(label, kernels.add_layer_norm(got_x, weight, bias, eps=1e-6, **kwargs),
+                      kernels.add_layer_norm_reference(want_x, weight, bias, eps=1e-6, **kwargs), dtype)
+                check(f"{label}-stream", got_x, want_x, dtype)
         for rows, inner in ((50, 4096), (300, 16384), (3, 1000)):
             gate_up = rnd(rows, 2 * inner, dtype=dtype, scale=3.0)
             check("gelu", kernels.gelu_tanh_and_mul(gate_up), kernels.gelu_tanh_and_mul_reference(gate_up), dtype)
