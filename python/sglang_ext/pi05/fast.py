@@ -526,10 +526,11 @@ def _packed_qkv(attn):
 
 
 def _views(packed, projections):
-    start = 0
+    start = 0  # rows; addresses by arithmetic (a slice per check would cost host time every request)
     for projection in projections:
         for name, whole in zip(("weight", "bias"), packed):
-            yield getattr(projection, name).data_ptr() == whole[start:].data_ptr()
+            offset = start * whole.stride(0) * whole.element_size()
+            yield getattr(projection, name).data_ptr() == whole.data_ptr() + offset
         start += projection.weight.shape[0]
 
 
