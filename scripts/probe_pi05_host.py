@@ -32,7 +32,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--mode", default="graph-fast", choices=bench_pi05.FAST_MODES)
     args = ap.parse_args()
-    bench = bench_pi05.build_parser().parse_args(["--impl", "0517-ext", "--modes", args.mode])
+    sys.argv[1:] = ["--impl", "0517-ext", "--modes", args.mode]  # bench_pi05's own defaults otherwise
+    bench = bench_pi05.parse_args()
     pi05_random.activate_sglang_ext()
     policy = pi05_random.build_random_pi05(device="cuda", dtype=torch.bfloat16, seed=0, log=print)
     print(bench_pi05.configure(policy, "0517-ext", args.mode, bench))
