@@ -79,6 +79,7 @@ def __init__(self, config, **kwargs):
         max_entries=graph_settings.setting(config, "action_cuda_graph_max_entries"))
     # The fast path's time-conditioning tables and FP8 weight copies go with the action graphs.
     self.graph_runner.add_clear_hook(functools.partial(_reset_time_tables, weakref.ref(self)))
+    self.prefix_graph_runner.add_clear_hook(functools.partial(_forget_vision_packing, weakref.ref(self)))
     logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s fused_denoise=%s fast=%s",
                 self.prefix_graph_runner.enabled, self.prefix_graph_runner.max_entries, self.graph_runner.enabled,
                 self.graph_runner.max_entries, "bucket" if bucket_mode else "exact", options.fused_denoise,
@@ -90,6 +91,12 @@ def _reset_time_tables(policy_ref) -> None:
     if core is not None:
         fast.reset_time_conditioning(core)
         fast.drop_fp8(core)
+
+
+def _forget_vision_packing(policy_ref) -> None:
+    core = getattr(policy_ref(), "core_model", None)
+    if core is not None:
+        fast.forget_vision_packing(core)
 
 
 def _prefix_tensor_parallel_enabled(self) -> bool:
@@ -155,7 +162,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     fast_layers = _fast_prefix_layers(self)
     fused_vision = fast_layers and fast.FUSED_VISION
     if fused_vision:
-        fast.prepare_vision(self.core_model)  # q/k/v packed before any capture
+        fast.prepare_vision(self.core_model)  # q/k/v packed before any capture (once)
     inputs = (*images, *image_masks, tokens.to(self.device), token_masks.to(self.device))
     count = len(images)
 

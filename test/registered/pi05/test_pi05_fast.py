@@ -345,6 +345,12 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
         assert torch.equal(_features(m, tower, pixels), fused)
     assert attn.__dict__["_ext_packed_qkv"][0] is not weight
     assert not attn.k_proj.weight.is_inference()  # packed inside inference mode, still loadable
+    packings = _count_calls(monkeypatch, fast_module, "_packed_qkv")
+    fast_module.prepare_vision(core)
+    assert not packings  # checked once per model (each request would pay for it before its replay)...
+    fast_module.forget_vision_packing(core)  # ...until the prefix graphs are reset
+    fast_module.prepare_vision(core)
+    assert len(packings) == 2
 
     # an activation the GELU epilogue does not compute: the exact layers, the reason named
     other = _tiny_core(m)
