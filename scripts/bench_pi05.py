@@ -209,8 +209,8 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
         "fp8_expert": mode == "graph-fast-fp8",
-        "fold_norms": _switch("FOLD_NORMS"),
-        "fused_vision": _switch("FUSED_VISION"),
+        "fold_norms": _switch("FOLD_NORMS") if mode in FAST_MODES else None,
+        "fused_vision": _switch("FUSED_VISION") if mode in FAST_MODES else None,
     }
 
 
