@@ -46,7 +46,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -126,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = build_parser()
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 20)
         args.warmup = min(args.warmup, 2)
@@ -183,10 +183,11 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         if importlib.util.find_spec("sglang_ext.kernels") is not None:  # read at every launch and capture
             importlib.import_module("sglang_ext.kernels.backend").PDL_ENABLED = mode != "graph-fast-nopdl"
             fast = importlib.import_module("sglang_ext.pi05.fast")
-            for switch in {name for names in EXPERIMENTS.values() for name in names}:
-                if hasattr(fast, switch):
-                    setattr(fast, switch, EXPERIMENTS.get(mode, {}).get(switch, _SWITCH_DEFAULTS.setdefault(
-                        switch, getattr(fast, switch))))
+            if not _SWITCH_DEFAULTS:  # snapshot the switches as imported, before any mode sets them
+                _SWITCH_DEFAULTS.update({name: getattr(fast, name) for names in EXPERIMENTS.values()
+                                         for name in names if hasattr(fast, name)})
+            for switch, default in _SWITCH_DEFAULTS.items():
+                setattr(fast, switch, EXPERIMENTS.get(mode, {}).get(switch, default))
     evict = policy._prompt_token_bucketing_enabled()
     available = getattr(config, "action_cuda_graph_available", None)
     action_enabled = available() if callable(available) else bool(config.enable_action_cuda_graph)
@@ -441,7 +442,7 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
         for _, observation, noise in picked:
             one_request(policy, observation, noise, graph, args.num_steps, (_PhaseMark(),) * 3)
         sync()
-    kernel_launches = graph_launches = kernels = 0
+    kernel_launches = graph_launches = kernels = marks = 0
     kernel_us = 0.0
     attention: Dict[str, int] = {}
     by_name: Dict[str, List[float]] = {}  # where the device time goes (issue 17: measure first)
@@ -456,6 +457,7 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
             device_kernels.append((float(event.time_range.start), float(event.time_range.end), name))
         if event.device_type == DeviceType.CUDA and not name.startswith(("Memcpy", "Memset")):
             if PHASE_MARK.search(name):
+                marks += 1
                 continue
             kernels += 1
             kernel_us += float(event.device_time_total)
@@ -467,7 +469,7 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
     return {
         "phase_kernels_per_request": phase_kernels(device_kernels, count),
         "profiled_requests": count,
-        "kernel_launches_per_request": kernel_launches / count,
+        "kernel_launches_per_request": (kernel_launches - marks) / count,  # the markers' launches are ours
         "graph_launches_per_request": graph_launches / count,
         "device_kernels_per_request": kernels / count,
         "kernel_time_ms_per_request": kernel_us / 1000.0 / count,
@@ -787,7 +789,7 @@ def main() -> int:
             bench_results.write(args.out, report(), SCHEMA, default=str)
     print_table(results)
     print()
-    if work:  # None where the roofline hooks saw no projection (0.5.19's packed layers)
+    if work:  # None in a 0.5.19 process: the 0.5.17 processes count the work (see above)
         print(pi05_roofline.table(work, results))
     return 0
 

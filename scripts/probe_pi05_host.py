@@ -4,7 +4,8 @@
 bench_pi05's per-phase table shows the GPU idle for long stretches (>= 10 us) inside the prefix: the
 device waiting for the host. This runs bench_pi05's requests (graph-fast, after every layout was
 captured) under cProfile, the prefix and the action calls apart, and prints per phase the host time
-per request (no sync inside) and the functions that spend it. No results file (docs/gpu-notes.md).
+per request (the host time of the encode_prefix and sample_actions calls, graph replay launches
+included; no sync inside) and the functions that spend it. No results file (docs/gpu-notes.md).
 
     python3 scripts/probe_pi05_host.py [--requests 20] [--top 25]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
 import io
 import os
 import pstats
@@ -32,8 +34,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--mode", default="graph-fast", choices=bench_pi05.FAST_MODES)
     args = ap.parse_args()
-    sys.argv[1:] = ["--impl", "0517-ext", "--modes", args.mode]  # bench_pi05's own defaults otherwise
-    bench = bench_pi05.parse_args()
+    bench = bench_pi05.parse_args(["--impl", "0517-ext", "--modes", args.mode])  # bench's defaults otherwise
     pi05_random.activate_sglang_ext()
     policy = pi05_random.build_random_pi05(device="cuda", dtype=torch.bfloat16, seed=0, log=print)
     print(bench_pi05.configure(policy, "0517-ext", args.mode, bench))
@@ -49,14 +50,12 @@ def main() -> int:
                 _, observation, noise = inputs[index % len(inputs)]
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                profiles["prefix"].enable() if profiled else None
-                context = policy.encode_prefix(observation, use_cuda_graph=True)
-                profiles["prefix"].disable() if profiled else None
+                with _profiled(profiles["prefix"], profiled):
+                    context = policy.encode_prefix(observation, use_cuda_graph=True)
                 t1 = time.perf_counter()
-                profiles["denoise"].enable() if profiled else None
-                policy.sample_actions(observation, context, noise=noise, num_steps=bench.num_steps,
-                                      use_cuda_graph=True)
-                profiles["denoise"].disable() if profiled else None
+                with _profiled(profiles["denoise"], profiled):
+                    policy.sample_actions(observation, context, noise=noise, num_steps=bench.num_steps,
+                                          use_cuda_graph=True)
                 host["prefix"] += t1 - t0
                 host["denoise"] += time.perf_counter() - t1
         print(f"host ms per request{' (under cProfile)' if profiled else ''}: "
@@ -66,8 +65,22 @@ def main() -> int:
         out = io.StringIO()
         stats = pstats.Stats(profile, stream=out)
         stats.sort_stats("tottime").print_stats(args.top)
-        print(out.getvalue().split("\n", 6)[-1][:6000])
+        print(out.getvalue().split("\n", PSTATS_PREAMBLE_LINES)[-1][:6000])
     return 0
+
+
+PSTATS_PREAMBLE_LINES = 6  # pstats' header (call counts, ordering) before its table
+
+
+@contextlib.contextmanager
+def _profiled(profile: cProfile.Profile, enabled: bool):
+    if enabled:
+        profile.enable()
+    try:
+        yield
+    finally:
+        if enabled:
+            profile.disable()
 
 
 if __name__ == "__main__":

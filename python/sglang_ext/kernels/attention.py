@@ -22,6 +22,7 @@ from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block
 
 _BLOCK_M = 64
 _BLOCK_N = 64
+STAGES = 2  # the split kernel's K/V loop: shared memory for head_dim 256 at 64 x 64 blocks
 
 
 def _check(q, keys, values, used, key_rows=None):
@@ -189,7 +190,7 @@ def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *
         seq, total, keys_per_split, float(scale), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         Q_BLOCKS=q_blocks, HAS_USED=used is not None, HAS_ROWS=key_rows is not None, DIRECT=direct,
         UPCAST=DOT_UPCAST, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, PDL=pdl, launch_pdl=pdl,
-        num_warps=8 if head_dim >= 128 else 4, num_stages=2)
+        num_warps=8 if head_dim >= 128 else 4, num_stages=STAGES)
     if not direct:
         _combine_kernel[(all_rows,)](acc, stats, out, seq, all_rows, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                                      SPLITS=splits, SPLITS_BLOCK=block_size(splits), PDL=pdl, launch_pdl=pdl,

@@ -1,8 +1,11 @@
-"""Pi0.5 denoise loop and prefix layers on fused kernels (knob pi05_fast; no sglang symbol replaced).
+"""Pi0.5 denoise loop, prefix layers and SigLIP encoder layers on fused kernels (knob pi05_fast; no
+sglang symbol replaced).
 
-Called by the pi05_graphs policy adapter (sample_actions: the loop; encode_prefix: the prefix
-layers). Layouts it does not cover (`unsupported_reason`, `prefix_unsupported_reason`) and a first
-use that raises take the exact path (docs/how-it-works.md, "Pi0.5").
+Called by the pi05_graphs adapters (sample_actions: the loop; encode_prefix: the prefix layers, and
+the vision tower's encoder layers through `fused_vision`, which swaps that encoder instance's forward
+while the prefix is built: one request at a time per process, as the graph runners assume). Layouts
+it does not cover (`unsupported_reason`, `prefix_unsupported_reason`, `vision_unsupported_reason`) and
+a first use that raises take the exact path (docs/how-it-works.md, "Pi0.5").
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ TIME_TABLE_ENTRIES = 4
 FOLD_NORMS = False
 # Switch read by each fast prefix (its graphs are keyed by it): the SigLIP encoder layers on one packed
 # q/k/v GEMM, residual adds fused into the LayerNorms and gelu in fc1's GEMM epilogue (7 kernels per layer
-# instead of 13; the H200: 0.4-0.5 ms less per request, docs/performance.md). Off: bench_pi05's
-# graph-fast-exact-vision mode.
+# instead of 13; the H200: 13.8 against 14.1 ms per request in one bench_pi05 run, docs/gpu-notes.md).
+# Off: bench_pi05's graph-fast-exact-vision mode.
 FUSED_VISION = True
 _TABLE_ATTR = "_ext_pi05_time_conditioning"
 _REASON_ATTR = "_ext_pi05_fast_unsupported"
@@ -493,10 +496,14 @@ def _find_vision_unsupported(core):
         modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2)
         if any(_plain_weight(m, dtype, bias_ok=True) is None or m.bias is None for m in modules):
             return "vision projections that are not plain biased GEMMs of one dtype"
-        if attn.q_proj.weight.shape[0] != attn.num_heads * attn.head_dim or getattr(attn, "attn", None) is None:
+        width = attn.num_heads * attn.head_dim  # the packed q/k/v splits into three of these
+        if any(p.weight.shape != (width, width) for p in (attn.q_proj, attn.k_proj, attn.v_proj)):
+            return "vision q/k/v projections that are not square over the attention width"
+        if getattr(attn, "attn", None) is None:
             return "vision attention that is not the native multi-head one (patch_siglip_vision_attention_to_native)"
-        if getattr(getattr(mlp, "config", None), "hidden_act", None) not in _GELU_TANH:
-            return f"vision activation {getattr(getattr(mlp, 'config', None), 'hidden_act', None)!r}; allowed: {_GELU_TANH}"
+        activation = getattr(getattr(mlp, "config", None), "hidden_act", None)
+        if activation not in _GELU_TANH:
+            return f"vision activation {activation!r}; allowed: {_GELU_TANH}"
         for norm in (layer.layer_norm1, layer.layer_norm2):
             if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
                 return "vision norms that are not affine LayerNorms"
@@ -554,8 +561,15 @@ def prepare_vision(core) -> None:
 
 
 def forget_vision_packing(core) -> None:
-    """The next prepare_vision checks (and packs) every layer again (with the prefix graphs, after new weights)."""
-    core.__dict__.pop("_ext_vision_packed", None)
+    """The next prepare_vision checks (and packs) every layer again (with the prefix graphs, after new
+    weights); a packed copy whose projections were replaced since is dropped now (it holds memory)."""
+    if not core.__dict__.pop("_ext_vision_packed", None):
+        return
+    for layer in _vision_encoder(core).layers:
+        attn = layer.self_attn
+        packed = attn.__dict__.get("_ext_packed_qkv")
+        if packed is not None and not all(_views(packed, (attn.q_proj, attn.k_proj, attn.v_proj))):
+            del attn.__dict__["_ext_packed_qkv"]
 
 
 @contextlib.contextmanager

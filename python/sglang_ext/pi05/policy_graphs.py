@@ -160,7 +160,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     full_hint = bucket is None and bool(token_masks.all()) and all(
         bool(observation.image_masks[name].all()) for name in camera_order)
     fast_layers = _fast_prefix_layers(self)
-    fused_vision = fast_layers and fast.FUSED_VISION
+    fused_vision = fast_layers and fast.FUSED_VISION and fast.vision_unsupported_reason(self.core_model) is None
     if fused_vision:
         fast.prepare_vision(self.core_model)  # q/k/v packed before any capture (once)
     inputs = (*images, *image_masks, tokens.to(self.device), token_masks.to(self.device))

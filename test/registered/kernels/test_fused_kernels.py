@@ -424,13 +424,19 @@ def test_kernels_build_for_hopper(module, kernel, types, variants):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from sglang_ext.kernels import attention
     from sglang_ext.kernels.skinny_gemm import NORM_STAGES, STAGES
 
     fn = getattr(importlib.import_module(f"sglang_ext.kernels.{module}"), kernel)
     for constexprs in variants:
         signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
-        # the GEMM loops' stages as launched (skinny_gemm.STAGES / NORM_STAGES)
-        options = {"num_stages": NORM_STAGES if constexprs.get("NORM") else STAGES} if "BLOCK_K" in constexprs else {}
+        # the loops' stages and warps as launched (skinny_gemm.STAGES / NORM_STAGES, attention.STAGES)
+        if "BLOCK_K" in constexprs:
+            options = {"num_stages": NORM_STAGES if constexprs.get("NORM") else STAGES}
+        elif kernel == "_split_attention_kernel":
+            options = {"num_stages": attention.STAGES, "num_warps": 8}  # HEAD_DIM 256
+        else:
+            options = {}
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm.get("cubin"), (kernel, constexprs)

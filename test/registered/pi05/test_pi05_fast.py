@@ -332,6 +332,7 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
             fused = _features(m, tower, pixels)
         assert len(norms) == 2 * 2  # the first LayerNorm, then two per layer less the one after the last
         assert torch.equal(_features(m, tower, pixels), exact)  # closed: exact layers, same (packed) weights
+        assert len(norms) == 2 * 2 and "forward" not in fast_module._vision_encoder(core).__dict__
     relative, cosine = _agreement(fused, exact)
     print(f"[fused vision tiny] relative={relative:.3e} cosine={cosine:.7f}")
     assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR  # (the norm calls above: it ran)
@@ -351,6 +352,10 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
     fast_module.forget_vision_packing(core)  # ...until the prefix graphs are reset
     fast_module.prepare_vision(core)
     assert len(packings) == 2
+    stale = fast_module._vision_encoder(core).layers[0].self_attn
+    stale.q_proj.weight.data = stale.q_proj.weight.data.clone()  # replaced: its packed copy is stale
+    fast_module.forget_vision_packing(core)
+    assert "_ext_packed_qkv" not in stale.__dict__ and "_ext_packed_qkv" in attn.__dict__  # freed; kept
 
     # an activation the GELU epilogue does not compute: the exact layers, the reason named
     other = _tiny_core(m)
@@ -360,7 +365,10 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
     # a first use that raises: logged, the exact layers for this request and the next
     failing = _tiny_core(m)
     failing_tower = _tiny_vision_tower(m, failing)
-    monkeypatch.setattr(fast_module, "_vision_layers", lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel")))
+    def no_kernel(*_):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(fast_module, "_vision_layers", no_kernel)
     with torch.inference_mode():
         want = _features(m, failing_tower, pixels)
         for _ in range(2):

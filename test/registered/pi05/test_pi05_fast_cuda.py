@@ -306,29 +306,6 @@ def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(pol
     assert worst[1] >= FP8_COSINE_FLOOR, worst
 
 
-def test_folded_norms_stay_within_the_fast_bound_and_replay_bit_for_bit(policy):
-    """fast.FOLD_NORMS (bench_pi05's graph-fast-folded; norms folded into the GEMMs around them): against
-    the exact path within the fast path's bounds on every request layout, a replay equal to its capture
-    bitwise and to its eager run within the graph-vs-eager bound, on graphs of their own."""
-    fast_module = _ext("pi05.fast")
-
-    @contextlib.contextmanager
-    def folded():
-        fast_module.FOLD_NORMS = True
-        try:
-            yield
-        finally:
-            fast_module.FOLD_NORMS = False
-
-    worst = _variant_against_exact(policy, 400, folded)
-    signatures = [s.kernels for s in policy.graph_runner._cache.entries]
-    print(f"[summary folded norms vs exact] {len(_requests())} requests: max relative={worst[0]:.3e}, min cosine="
-          f"{worst[1]:.7f} ({worst[2]}); graphs fast-folded: {signatures.count('fast-folded')}")
-    assert fast_module.unsupported_reason(policy.core_model) is None
-    assert signatures.count("fast-folded") == len(_requests())
-    assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
-
-
 @contextlib.contextmanager
 def _switch(module, name, value=True):
     """module.NAME set to `value` for the block (the fast path's switches), restored after."""
@@ -340,15 +317,28 @@ def _switch(module, name, value=True):
         setattr(module, name, saved)
 
 
+def test_folded_norms_stay_within_the_fast_bound_and_replay_bit_for_bit(policy):
+    """fast.FOLD_NORMS (bench_pi05's graph-fast-folded; norms folded into the GEMMs around them): against
+    the exact path within the fast path's bounds on every request layout, a replay equal to its capture
+    bitwise and to its eager run within the graph-vs-eager bound, on graphs of their own."""
+    fast_module = _ext("pi05.fast")
+    worst = _variant_against_exact(policy, 400, lambda: _switch(fast_module, "FOLD_NORMS"))
+    signatures = [s.kernels for s in policy.graph_runner._cache.entries]
+    print(f"[summary folded norms vs exact] {len(_requests())} requests: max relative={worst[0]:.3e}, min cosine="
+          f"{worst[1]:.7f} ({worst[2]}); graphs fast-folded: {signatures.count('fast-folded')}")
+    assert fast_module.unsupported_reason(policy.core_model) is None
+    assert signatures.count("fast-folded") == len(_requests())
+    assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
+
+
 def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy):
-    """fast.FUSED_VISION (bench_pi05's graph-fast-vision: SigLIP on packed q/k/v, add+LayerNorm kernels,
+    """fast.FUSED_VISION (on by default; off in bench_pi05's graph-fast-exact-vision: SigLIP on packed q/k/v, add+LayerNorm kernels,
     gelu in fc1's epilogue): the vision tower's output against the exact layers, and whole requests on
     graphs (prefix graph + loop graph) against the exact graphs within the fast path's bounds; a replay
     equal to its capture bitwise; the prefix graphs keyed apart; q/k/v packed without a second copy."""
     import torch.nn.functional as F
 
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
-    from sglang_ext_testkit.pi05_random import make_noise, make_observation, pi05_knobs, run_request
 
     fast_module = _ext("pi05.fast")
     core = policy.core_model
@@ -386,6 +376,20 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
     runners = importlib.import_module("sglang.multimodal_gen.runtime.vla.cuda_graph")
     saved_runner = policy.prefix_graph_runner  # the fixture's config may leave prefix graphs off
     policy.prefix_graph_runner = runners.VLAPrefixGraphRunner(enabled=True, max_entries=16)
+    try:
+        worst, keyed = _fused_vision_requests(policy, fast_module)
+    finally:
+        policy.prefix_graph_runner = saved_runner
+    print(f"[summary fused vision end-to-end graphs vs exact graphs] 6 requests: max relative={worst[0]:.3e}, "
+          f"min cosine={worst[1]:.7f} ({worst[2]}); prefix graphs fused-vision: {len(keyed)}")
+    assert len(keyed) == 6
+    assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
+
+
+def _fused_vision_requests(policy, fast_module):
+    """(worst agreement, fused-vision prefix graphs) of 6 requests on graphs, fused vision against exact."""
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation, pi05_knobs, run_request
+
     worst = (0.0, 1.0, "")
     for masked in (False, True):
         for prompt_len in (17, 48, 111):
@@ -400,12 +404,7 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
             assert torch.equal(replayed, captured), label
             relative, cosine = _agreement(replayed, exact)
             worst = (max(worst[0], relative), min(worst[1], cosine), label if cosine < worst[1] else worst[2])
-    keyed = [s for s in policy.prefix_graph_runner._cache.entries if "fused-vision" in s.static_layout]
-    policy.prefix_graph_runner = saved_runner
-    print(f"[summary fused vision end-to-end graphs vs exact graphs] 6 requests: max relative={worst[0]:.3e}, "
-          f"min cosine={worst[1]:.7f} ({worst[2]}); prefix graphs fused-vision: {len(keyed)}")
-    assert len(keyed) == 6
-    assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
+    return worst, [s for s in policy.prefix_graph_runner._cache.entries if "fused-vision" in s.static_layout]
 
 
 def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
