@@ -847,3 +847,30 @@ def test_debug_addresses_forget_released_graphs(pi05, fake_graphs, monkeypatch):
     assert _signature(m.cg, 5) in guard
     runner.clear()
     assert _signature(m.cg, 5) not in guard and guard.keys() == ()
+
+
+def test_cameras_reach_the_gpu_through_pinned_memory_without_blocking(pi05):
+    """encode_prefix's camera copy: a CPU frame bound for a GPU is pinned, then copied without blocking
+    the host; anything else is a plain `.to`."""
+    pi05()
+    policy_graphs = importlib.import_module("sglang_ext.pi05.policy_graphs")
+    calls = []
+
+    class HostFrame:  # a CPU tensor's copy calls, as seen from here (no GPU on this machine)
+        device = torch.device("cpu")
+
+        def pin_memory(self):
+            calls.append("pin")
+            return self
+
+        def to(self, device, dtype=None, non_blocking=False):
+            calls.append((str(device), dtype, non_blocking))
+            return self
+
+    policy_graphs._to_device(HostFrame(), "cuda:0", torch.float32)
+    assert calls == ["pin", ("cuda:0", torch.float32, True)]
+    calls.clear()
+    policy_graphs._to_device(HostFrame(), torch.device("cpu"), torch.float32)
+    assert calls == [("cpu", torch.float32, False)]
+    frame = torch.arange(6, dtype=torch.uint8)
+    assert torch.equal(policy_graphs._to_device(frame, "cpu", torch.float32), frame.float())
