@@ -363,4 +363,3 @@ PATCHES: Tuple[PatchSpec, ...] = (
 )
 
 PATCH_NAMES: Tuple[str, ...] = tuple(p.name for p in PATCHES)
-

@@ -310,7 +310,9 @@ def _features(m, tower, pixels):
 def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, monkeypatch):
     """fast.FUSED_VISION: SigLIP's encoder layers on packed q/k/v, add+LayerNorm and gelu-in-GEMM against
     the exact tower; off, closed or failing: the exact layers bit for bit."""
-    from sglang_ext import kernels
+    from conftest import ext_core
+
+    kernels = ext_core("kernels")  # the copy fast.py calls (the patched tree vendors its own)
 
     m = pi05(pi05_fast=1)
     fast_module = _fast_module()

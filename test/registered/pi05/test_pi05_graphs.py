@@ -852,8 +852,10 @@ def test_debug_addresses_forget_released_graphs(pi05, fake_graphs, monkeypatch):
 def test_cameras_reach_the_gpu_through_pinned_memory_without_blocking(pi05):
     """encode_prefix's camera copy: a CPU frame bound for a GPU is pinned, then copied without blocking
     the host; anything else is a plain `.to`."""
+    from conftest import ext_core
+
     pi05()
-    policy_graphs = importlib.import_module("sglang_ext.pi05.policy_graphs")
+    policy_graphs = ext_core("pi05.policy_graphs")
     calls = []
 
     class HostFrame:  # a CPU tensor's copy calls, as seen from here (no GPU on this machine)
