@@ -22,8 +22,7 @@ Implementations (one per process; the sglang on PYTHONPATH decides):
             the reason, where this tree has no fast path), graph-fast-nopdl (the same without
             programmatic dependent launch: its kernel table gives each kernel's own time),
             graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in); experiments, each
-            the fast path with a switch of sglang_ext.pi05.fast set (EXPERIMENTS): graph-fast-folded
-            (FOLD_NORMS on: each layer's norms folded into its GEMMs), graph-fast-exact-vision
+            the fast path with a switch of sglang_ext.pi05.fast set (EXPERIMENTS): graph-fast-exact-vision
             (FUSED_VISION off: SigLIP's layers as sglang runs them, for the same-run comparison)
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
 
@@ -62,14 +61,14 @@ from sglang_ext_testkit import pi05_random  # noqa: E402
 MODES = {
     "0517": ("eager", "graph"),
     "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl", "graph-fast-fp8",
-                 "graph-fast-folded", "graph-fast-exact-vision"),
+                 "graph-fast-exact-vision"),
     "0519": ("eager", "graph", "graph-bucket"),
 }
 REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared with them
 # The fast path; -nopdl without programmatic dependent launch, a diagnostic: with PDL a kernel's profiled
 # time includes its wait for the one before, without it each kernel's time is its own (issue 29's table).
 # Experiments: the fast path with switches of sglang_ext.pi05.fast set as named (every other mode: their defaults).
-EXPERIMENTS = {"graph-fast-folded": {"FOLD_NORMS": True}, "graph-fast-exact-vision": {"FUSED_VISION": False}}
+EXPERIMENTS = {"graph-fast-exact-vision": {"FUSED_VISION": False}}
 FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8", *EXPERIMENTS)  # -fp8: knob pi05_fp8_expert
 ACTIONS_FORMAT = "bench_pi05 actions v1"
 # Device kernels that are attention (SDPA's flash / memory-efficient / cuDNN kernels, FA3, Triton).
@@ -210,7 +209,6 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
         "fp8_expert": mode == "graph-fast-fp8",
-        "fold_norms": _switch("FOLD_NORMS") if mode in FAST_MODES else None,
         "fused_vision": _switch("FUSED_VISION") if mode in FAST_MODES else None,
     }
 
@@ -363,7 +361,7 @@ SCHEMA = {
         "phase_kernels_per_request": bench_results.ANY,  # phase -> kernel class -> [kernels, us] per request
         "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
                                  "prefix_entries", "action_entries", "fused_denoise", "fast", "fp8_expert",
-                                 "fold_norms", "fused_vision")),
+                                 "fused_vision", "fold_norms")),  # fold_norms: files from before its removal
         "accuracy": {"vs_eager": _ACCURACY, "vs_graph": _ACCURACY, "vs_saved": _ACCURACY},
         "p50_ms_by_layout": bench_results.ANY,  # layout (full, masked) -> p50 of its timed requests
         "attention_kernels_per_request": bench_results.ANY,  # device kernel name -> count

@@ -187,10 +187,9 @@ if torch.cuda.is_available():
 def layer_rows(layers, replays):
     """One action-expert layer as the fast path runs it (qkv+RoPE, attention, o, gated residual norm, gate-up,
     down, gated residual norm), 18 layers with their own weights per graph: us per layer, PDL on and off;
-    the same layer with both norms folded into its GEMMs (skinny_linear_residual, NormedRows: 6 kernels);
     then its four GEMMs alone and as many no-op kernels as it launches (the launch chain's share).
     (Weight columns read before each GEMM's wait, tried 2026-12-03, gained nothing: docs/gpu-notes.md.)"""
-    from sglang_ext.kernels import NormedRows, backend, linear_rope_qkv, skinny_linear_residual
+    from sglang_ext.kernels import backend, linear_rope_qkv
     from sglang_ext.kernels.attention import key_splits
     from sglang_ext.pi05.fast import _rope_plan, _skinny_plan
 
@@ -234,20 +233,6 @@ def layer_rows(layers, replays):
         gemm(i, "o", q.view(1, ROWS, HEADS * HEAD_DIM))
         gemm(i, "down", gemm(i, "gate_up", state["normed"]))
 
-    counters = torch.zeros(64, device=dev, dtype=torch.int32)
-    folded = {}  # the previous layer's output as NormedRows
-
-    def fused_layer(i):  # the same layer with both norms folded into the GEMMs around them
-        def residual(name, x):
-            weight, parts, block_n, block_k = plans[i][name]
-            sumsq = skinny_linear_residual(x, weight, hidden, counters, gate=cond[2], parts=parts, block_n=block_n,
-                                           block_k=block_k)
-            return NormedRows(hidden, sumsq, cond[0], cond[1], 1e-6)
-
-        qkv(i, state["normed"] if i == 0 else folded["rows"])
-        mid = residual("o", attention(i))
-        folded["rows"] = residual("down", gemm(i, "gate_up", mid))
-
     flag = torch.zeros(sms, device=dev, dtype=torch.int32)
 
     def empty(i):  # as many one-wave kernels as the layer launches, doing nothing: the launch chain's floor
@@ -258,11 +243,8 @@ def layer_rows(layers, replays):
     try:
         for pdl in (True, False):
             backend.PDL_ENABLED = pdl
-            for what, fn in (("layer", layer), ("layer-fused", fused_layer)):
-                us = graph_time_us(fn, layers, replays)
-                yield (what, f"pdl={'on' if pdl else 'off'}", us,
-                       f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request"
-                       + ("; norms folded into the GEMMs (6 kernels)" if what == "layer-fused" else ""))
+            us = graph_time_us(layer, layers, replays)
+            yield ("layer", f"pdl={'on' if pdl else 'off'}", us, f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request")
         for pdl in (True, False):
             backend.PDL_ENABLED = pdl
             for what, fn in (("gemms", gemms), ("empty", empty)):

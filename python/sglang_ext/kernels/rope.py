@@ -18,8 +18,7 @@ import torch
 
 from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block_size, runs_triton, tl, triton,
                                         uses_pdl)
-from sglang_ext.kernels.skinny_gemm import (NORM_STAGES, STAGES, NormedRows, Partials, check_rows_and_blocks,
-                                             norm_denominators, slice_products)
+from sglang_ext.kernels.skinny_gemm import STAGES, Partials, check_rows_and_blocks, slice_products
 
 
 def _check(shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start):
@@ -134,8 +133,6 @@ def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head
 def linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim,
                               kv_start, block_n=16, block_k=128):
     """torch version of `linear_rope_qkv`: the float32 product, then rope_qkv's float32 math."""
-    if isinstance(x, NormedRows):
-        x = x.normed()
     _check_linear(x, weight, head_dim, block_n, block_k)
     qkv = (x.float() @ weight.float().t()).reshape(*x.shape[:-1], weight.shape[0])
     rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -154,11 +151,11 @@ if triton is not None:
 
     @triton.jit
     def _linear_rope_qkv_kernel(
-        X, W, COS_SIN, Q_OUT, K_OUT, V_OUT, SUMSQ, SCALE, SHIFT,
-        rows, k_dim, seq_len, kv_len, kv_start, tiles, group, eps,
+        X, W, COS_SIN, Q_OUT, K_OUT, V_OUT,
+        rows, k_dim, seq_len, kv_len, kv_start,
         NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, UPCAST: tl.constexpr,
-        NORM: tl.constexpr, HAS_SHIFT: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         after_previous_kernel(PDL)
         half: tl.constexpr = HEAD_DIM // 2
@@ -166,12 +163,8 @@ if triton is not None:
         head = tl.program_id(0) // blocks
         c = (tl.program_id(0) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the first half
         rm = tl.arange(0, BLOCK_M)
-        denominator = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if NORM:
-            denominator = norm_denominators(SUMSQ, rm, rows, tiles, k_dim, eps, BLOCK_M)
         first, second = slice_products(X, W, rm, head * HEAD_DIM + c, rows, (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM, k_dim,
-                                       0, k_dim, half, denominator, SCALE, SHIFT, group, BLOCK_M, BLOCK_N, BLOCK_K,
-                                       True, F32, UPCAST, NORM, HAS_SHIFT)
+                                       0, k_dim, half, BLOCK_M, BLOCK_N, BLOCK_K, True, F32, UPCAST)
         row_ok = (rm < rows)[:, None]
         table = COS_SIN + rm[:, None] * HEAD_DIM + c[None, :]
         cos = tl.load(table, mask=row_ok, other=1.0)
@@ -183,13 +176,11 @@ if triton is not None:
 def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start,
                     block_n=16, block_k=128):
     """rope_qkv of the projection x [B, S, K] @ weight [(H + 2 KV) * D, K].T, in one kernel
-    (block_n column pairs per program, block_k the K step). x may be NormedRows (normalised on load)."""
+    (block_n column pairs per program, block_k the K step)."""
     if not runs_triton(q_out):
         return linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, num_heads=num_heads,
                                          num_kv_heads=num_kv_heads, head_dim=head_dim, kv_start=kv_start,
                                          block_n=block_n, block_k=block_k)
-    norm = x.kernel_args("linear_rope_qkv") if isinstance(x, NormedRows) else None
-    x = x.x if norm else x
     _check_linear(x, weight, head_dim, block_n, block_k)
     batch, seq = _check((*x.shape[:-1], weight.shape[0]), cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads,
                         head_dim, kv_start)
@@ -199,11 +190,9 @@ def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_k
             raise ValueError(f"linear_rope_qkv: {name} must be contiguous")
     if x.dtype != weight.dtype or not (q_out.dtype == k_out.dtype == v_out.dtype) or cos_sin.dtype != torch.float32:
         raise ValueError("linear_rope_qkv: x and weight share one dtype, q/k/v_out another, cos_sin is float32")
-    sumsq, scale, shift, tiles, group, eps, has_shift = norm or (cos_sin, cos_sin, cos_sin, 0, 1, 0.0, False)
     pdl = uses_pdl(x)
     _linear_rope_qkv_kernel[((num_heads + 2 * num_kv_heads) * (head_dim // 2 // block_n),)](
-        x, weight, cos_sin, q_out, k_out, v_out, sumsq, scale, shift, batch * seq, x.shape[-1], seq, k_out.shape[1],
-        int(kv_start), tiles, group, eps, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_M=max(16, block_size(batch * seq)), BLOCK_N=block_n, BLOCK_K=block_k, F32=x.dtype == torch.float32,
-        UPCAST=DOT_UPCAST, NORM=norm is not None, HAS_SHIFT=has_shift, PDL=pdl, launch_pdl=pdl, num_warps=4,
-        num_stages=NORM_STAGES if norm is not None else STAGES)
+        x, weight, cos_sin, q_out, k_out, v_out, batch * seq, x.shape[-1], seq, k_out.shape[1], int(kv_start),
+        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=max(16, block_size(batch * seq)),
+        BLOCK_N=block_n, BLOCK_K=block_k, F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, PDL=pdl,
+        launch_pdl=pdl, num_warps=4, num_stages=STAGES)

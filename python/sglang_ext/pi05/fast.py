@@ -22,11 +22,6 @@ logger = logging.getLogger(__name__)
 
 # (steps, batch, device, dtype) entries kept per core model; a server uses one.
 TIME_TABLE_ENTRIES = 4
-# Diagnostic switch (bench_pi05's graph-fast-folded mode), read by each fast request (its loop graphs
-# are keyed by it): each layer's two adaRMS norms folded into the GEMMs around them
-# (kernels.skinny_linear_residual, NormedRows: 6 kernels per layer instead of 8; docs/gpu-notes.md).
-# Off until the H200 shows it faster.
-FOLD_NORMS = False
 # Switch read by each fast prefix (its graphs are keyed by it): the SigLIP encoder layers on one packed
 # q/k/v GEMM, residual adds fused into the LayerNorms and gelu in fc1's GEMM epilogue (7 kernels per layer
 # instead of 13; the H200: 13.8 against 14.1 ms per request in one bench_pi05 run, docs/gpu-notes.md).
@@ -639,16 +634,14 @@ def _vision_layers(encoder, inputs_embeds):
     return BaseModelOutput(last_hidden_state=hidden)
 
 
-def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, fp8=False,
-            fold=False):
+def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, fp8=False):
     """Every denoise step of one request; `state` (x_t, float32) is updated in place. fp8: the expert's
-    o, gate-up and down GEMMs read FP8 weights (knob pi05_fp8_expert). fold: the norms folded into the
-    GEMMs (FOLD_NORMS; where the skinny kernels serve)."""
+    o, gate-up and down GEMMs read FP8 weights (knob pi05_fp8_expert)."""
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
 
-    from sglang_ext.kernels import (NormedRows, ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, linear_rope_qkv,
-                                    rope_qkv, skinny_linear, skinny_linear_residual)
+    from sglang_ext.kernels import (ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, linear_rope_qkv, rope_qkv,
+                                    skinny_linear)
     from sglang_ext.kernels.attention import key_splits
 
     expert = _expert(core)
@@ -676,12 +669,6 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
         weight, block_n, block_k = projections[index].qkv
         return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k, **shape)
 
-    def folded_norm(index, name, x, gate, norm):  # hidden += gate * (x @ W.T); the next norm's input rows
-        weight, parts, block_n, block_k = getattr(projections[index], name)
-        sumsq = skinny_linear_residual(x, weight, hidden, counters, gate=gate, parts=parts, block_n=block_n,
-                                       block_k=block_k, weight_scale=projections[index].scales.get(name))
-        return NormedRows(hidden, sumsq, cond[norm, 0], cond[norm, 1], norms[norm].eps)
-
     def action_in(x_t):
         if actions is None:
             return core.action_in_proj(x_t.to(core.action_in_proj.weight.dtype)).to(dtype).contiguous()
@@ -700,9 +687,6 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
                                                       action_position_offset, dtype)
         splits = key_splits(batch, seq, heads, kv_heads, kv.shape[3], _sm_count(state.device))
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
-        fold = fold and projections is not None
-        # one counter per output tile of the folded GEMMs, left at zero by each launch
-        counters = torch.zeros(norms[0].dim, dtype=torch.int32, device=state.device) if fold else None
         for step in range(table.shape[0]):
             cond = table[step]  # [norms, 3, batch, width]
             hidden = action_in(state)
@@ -714,18 +698,12 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
                 out = first_rows_attention(q, keys, values, used, scale=attn.scaling, splits=splits)
                 out = out.view(batch, seq, heads * head_dim)
                 post = 2 * index + 1
-                if fold:
-                    normed = folded_norm(index, "o", out, cond[post - 1, 2], post)
-                else:
-                    normed = ada_rms_norm(hidden, cond[post, 0], cond[post, 1], eps=norms[post].eps,
-                                          add=gemm(index, "o", attn.o_proj, out), gate=cond[post - 1, 2])
+                normed = ada_rms_norm(hidden, cond[post, 0], cond[post, 1], eps=norms[post].eps,
+                                      add=gemm(index, "o", attn.o_proj, out), gate=cond[post - 1, 2])
                 mlp = layer.mlp
                 out = gemm(index, "gate_up", mlp.gate_up_proj, normed)
                 following = post + 1  # next layer's input norm, or the final norm
                 final = following == len(norms) - 1
-                if fold and not final:
-                    normed = folded_norm(index, "down", out, cond[post, 2], following)
-                    continue
                 # the float32 action_out_proj reads the final norm unrounded
                 normed = ada_rms_norm(hidden, cond[following, 0], cond[following, 1], eps=norms[following].eps,
                                       add=gemm(index, "down", mlp.down_proj, out), gate=cond[post, 2],

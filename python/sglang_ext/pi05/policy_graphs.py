@@ -309,19 +309,19 @@ def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offs
     """The fused-kernel loop (one graph per request, or eager); None when its first use here failed."""
     core = self.core_model
     table = fast.time_conditioning(core, num_steps, x_t.shape[0], x_t.device)
-    fp8, fold = self._ext_options.fp8_expert, fast.FOLD_NORMS
+    fp8 = self._ext_options.fp8_expert
     if fp8:
         fast.prepare_fp8(core)  # once, before any capture (later calls find the copies)
 
     def loop_fn(context, state, current_table):
         return fast.denoise(core, context, state, current_table, dt=dt, full_attention=full_attention,
-                            action_position_offset=offset, fp8=fp8, fold=fold)
+                            action_position_offset=offset, fp8=fp8)
 
     def run(state):
         if not graph:
             return loop_fn(prefix_context, state, table)
         # The table is the loop's step input: the graph keeps its own copy.
-        kernels = "fast" + ("-fp8" if fp8 else "") + ("-folded" if fold else "")
+        kernels = "fast-fp8" if fp8 else "fast"
         return _loop_graph(self, prefix_context, state, table, loop_fn, offset, kernels)
 
     if fast.verified(core):

@@ -73,8 +73,7 @@ class VLADenoiseLoopGraphSignature:
 
     step: VLADenoiseGraphSignature
     num_steps: int
-    kernels: str = "exact"  # "fast": the fused-kernel loop of knob pi05_fast; "-fp8": with pi05_fp8_expert;
-    # "-folded": with fast.FOLD_NORMS
+    kernels: str = "exact"  # "fast": the fused-kernel loop of knob pi05_fast; "fast-fp8": with pi05_fp8_expert
 
 
 @dataclass

@@ -402,7 +402,7 @@ m = SimpleNamespace(
 )
 model = _tiny_policy(m, _tiny_core(m))
 from sglang_ext import kernels, knobs
-calls = {"skinny_linear": 0, "linear_rope_qkv": 0, "first_rows_attention": 0, "skinny_linear_residual": 0}
+calls = {"skinny_linear": 0, "linear_rope_qkv": 0, "first_rows_attention": 0}
 fp8_calls = [0]
 for name in calls:
     def counting(*args, _name=name, _original=getattr(kernels, name), **kwargs):
@@ -431,11 +431,6 @@ against_exact("", {"SGLANG_EXT_PI05_FAST": "1"})
 bf16_calls = dict(calls)
 against_exact("fp8 ", {"SGLANG_EXT_PI05_FAST": "1", "SGLANG_EXT_PI05_FP8_EXPERT": "1"})  # FP8 expert weights
 fast_module = importlib.import_module("sglang_ext.pi05.fast")
-before = dict(calls)
-fast_module.FOLD_NORMS = True  # each layer's norms folded into its GEMMs
-against_exact("folded ", {"SGLANG_EXT_PI05_FAST": "1"})
-fast_module.FOLD_NORMS = False
-results["folded_calls"] = {name: calls[name] - before[name] for name in calls}
 results["calls"] = bf16_calls
 results["fp8_calls"] = fp8_calls[0]
 results["fallback"] = fast_module.unsupported_reason(model.core_model)
@@ -461,13 +456,7 @@ def test_fast_path_with_interpreted_triton_kernels_matches_exact_path():
     # 2 layouts x 2 steps x 2 layers: qkv with RoPE, 3 skinny GEMMs (o, gated gate_up, down) and
     # one attention; per step the action in / out projections
     assert calls == {"skinny_linear": 2 * 2 * (2 * 3 + 2), "linear_rope_qkv": 2 * 2 * 2,
-                     "first_rows_attention": 2 * 2 * 2, "skinny_linear_residual": 0}, calls
-    # folded norms: o and down add into the residual stream themselves (the last layer's down feeds the
-    # final norm, which stays: action_out reads it in float32); gate_up, that down and the action
-    # projections stay skinny_linear
-    assert results.pop("folded_calls") == {"skinny_linear": 2 * 2 * (2 + 1 + 2), "linear_rope_qkv": 2 * 2 * 2,
-                                           "first_rows_attention": 2 * 2 * 2,
-                                           "skinny_linear_residual": 2 * 2 * (2 + 1)}
+                     "first_rows_attention": 2 * 2 * 2}, calls
     # knob pi05_fp8_expert: o, gate_up and down of every layer and step read FP8 weights
     assert results.pop("fp8_calls") == 2 * 2 * 2 * 3
     for layout, (relative, cosine) in results.items():

@@ -317,20 +317,6 @@ def _switch(module, name, value=True):
         setattr(module, name, saved)
 
 
-def test_folded_norms_stay_within_the_fast_bound_and_replay_bit_for_bit(policy):
-    """fast.FOLD_NORMS (bench_pi05's graph-fast-folded; norms folded into the GEMMs around them): against
-    the exact path within the fast path's bounds on every request layout, a replay equal to its capture
-    bitwise and to its eager run within the graph-vs-eager bound, on graphs of their own."""
-    fast_module = _ext("pi05.fast")
-    worst = _variant_against_exact(policy, 400, lambda: _switch(fast_module, "FOLD_NORMS"))
-    signatures = [s.kernels for s in policy.graph_runner._cache.entries]
-    print(f"[summary folded norms vs exact] {len(_requests())} requests: max relative={worst[0]:.3e}, min cosine="
-          f"{worst[1]:.7f} ({worst[2]}); graphs fast-folded: {signatures.count('fast-folded')}")
-    assert fast_module.unsupported_reason(policy.core_model) is None
-    assert signatures.count("fast-folded") == len(_requests())
-    assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
-
-
 def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy):
     """fast.FUSED_VISION (on by default; off in bench_pi05's graph-fast-exact-vision: SigLIP on packed q/k/v, add+LayerNorm kernels,
     gelu in fc1's epilogue): the vision tower's output against the exact layers, and whole requests on
