@@ -50,10 +50,10 @@ def main() -> int:
                 _, observation, noise = inputs[index % len(inputs)]
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                with _profiled(profiles["prefix"], profiled):
+                with profiles["prefix"] if profiled else contextlib.nullcontext():
                     context = policy.encode_prefix(observation, use_cuda_graph=True)
                 t1 = time.perf_counter()
-                with _profiled(profiles["denoise"], profiled):
+                with profiles["denoise"] if profiled else contextlib.nullcontext():
                     policy.sample_actions(observation, context, noise=noise, num_steps=bench.num_steps,
                                           use_cuda_graph=True)
                 host["prefix"] += t1 - t0
@@ -70,17 +70,6 @@ def main() -> int:
 
 
 PSTATS_PREAMBLE_LINES = 6  # pstats' header (call counts, ordering) before its table
-
-
-@contextlib.contextmanager
-def _profiled(profile: cProfile.Profile, enabled: bool):
-    if enabled:
-        profile.enable()
-    try:
-        yield
-    finally:
-        if enabled:
-            profile.disable()
 
 
 if __name__ == "__main__":

@@ -244,7 +244,8 @@ def layer_rows(layers, replays):
         for pdl in (True, False):
             backend.PDL_ENABLED = pdl
             us = graph_time_us(layer, layers, replays)
-            yield ("layer", f"pdl={'on' if pdl else 'off'}", us, f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request")
+            yield ("layer", f"pdl={'on' if pdl else 'off'}", us,
+                   f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request")
         for pdl in (True, False):
             backend.PDL_ENABLED = pdl
             for what, fn in (("gemms", gemms), ("empty", empty)):

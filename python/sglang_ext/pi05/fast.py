@@ -510,10 +510,10 @@ def _packed_qkv(attn):
     Packed once, outside any capture: the three projections' parameters become views of it (no second
     copy of the weights; loaders that copy into them keep it current). Checked per call: a parameter
     replaced since (moved, reloaded by assignment) has it packed again."""
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    packed = attn.__dict__.get("_ext_packed_qkv")
-    if packed is not None and all(_views(packed, projections)):
+    packed = _current_packing(attn)
+    if packed is not None:
         return packed
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     if attn.q_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     with torch.inference_mode(False), torch.no_grad():  # parameters stay normal tensors (loaders write them)
@@ -525,6 +525,14 @@ def _packed_qkv(attn):
             start += rows
     attn.__dict__["_ext_packed_qkv"] = packed
     return packed
+
+
+def _current_packing(attn):
+    """The layer's packed (weight, bias) while q, k and v are still views of it, else None."""
+    packed = attn.__dict__.get("_ext_packed_qkv")
+    if packed is not None and all(_views(packed, (attn.q_proj, attn.k_proj, attn.v_proj))):
+        return packed
+    return None
 
 
 def _views(packed, projections):
@@ -561,10 +569,8 @@ def forget_vision_packing(core) -> None:
     if not core.__dict__.pop("_ext_vision_packed", None):
         return
     for layer in _vision_encoder(core).layers:
-        attn = layer.self_attn
-        packed = attn.__dict__.get("_ext_packed_qkv")
-        if packed is not None and not all(_views(packed, (attn.q_proj, attn.k_proj, attn.v_proj))):
-            del attn.__dict__["_ext_packed_qkv"]
+        if _current_packing(layer.self_attn) is None:
+            layer.self_attn.__dict__.pop("_ext_packed_qkv", None)
 
 
 @contextlib.contextmanager

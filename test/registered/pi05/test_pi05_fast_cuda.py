@@ -318,10 +318,11 @@ def _switch(module, name, value=True):
 
 
 def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy):
-    """fast.FUSED_VISION (on by default; off in bench_pi05's graph-fast-exact-vision: SigLIP on packed q/k/v, add+LayerNorm kernels,
-    gelu in fc1's epilogue): the vision tower's output against the exact layers, and whole requests on
-    graphs (prefix graph + loop graph) against the exact graphs within the fast path's bounds; a replay
-    equal to its capture bitwise; the prefix graphs keyed apart; q/k/v packed without a second copy."""
+    """fast.FUSED_VISION (on by default, off in bench_pi05's graph-fast-exact-vision: SigLIP on packed
+    q/k/v, add+LayerNorm kernels, gelu in fc1's epilogue): the vision tower's output against the exact
+    layers, and whole requests on graphs (prefix graph + loop graph) against the exact graphs within the
+    fast path's bounds; a replay equal to its capture bitwise; the prefix graphs keyed apart; q/k/v
+    packed without a second copy."""
     import torch.nn.functional as F
 
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
