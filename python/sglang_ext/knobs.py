@@ -160,7 +160,18 @@ KNOBS: tuple[Knob, ...] = (
          "Override action_cuda_graph_max_entries of the Pi0.5 pipeline config (-1 = keep config).",
          minimum=-1),
     Knob("pi05_prompt_token_buckets", "int_list", (),
-         "Override prompt_token_buckets of the Pi0.5 pipeline config (opt-in bucket mode).",),
+         "Override prompt_token_buckets of the Pi0.5 pipeline config. Empty = the config's; with graph capture "
+         "at load and none configured, 32 growing by 25 % in multiples of 16 up to max_token_len."),
+    Knob("pi05_graph_capture", "choice", "load",
+         "'load': before the server reports healthy, capture a prefix and an action graph for every prompt token "
+         "bucket, then capture nothing while serving (a prompt no bucket holds runs eager); the graph caches hold "
+         "every bucket unless a capacity knob caps them. 'lazy': upstream's behaviour, capture on first use "
+         "within the config's capacities.",
+         choices=("load", "lazy")),
+    Knob("pi05_graph_max_bytes", "int", 4 << 30,
+         "Byte budget of each Pi0.5 graph cache, counted from its graphs' static buffers (prefix K/V, inputs); "
+         "load-time capture stops at the first bucket that would exceed it. 0 = no byte limit.",
+         minimum=0),
     Knob("pi05_graph_min_hits", "int", 1,
          "Anti-thrash admission for Pi0.5 graphs: capture a signature after this many sightings.",
          minimum=1),

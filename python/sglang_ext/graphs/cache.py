@@ -14,6 +14,8 @@ Protocol for a runner (one cache per runner, single-threaded like sglang's runne
     run entry if there is one, else run eager
 
 `admit` evicts before the capture so the evicted graph's pool memory is reused by the new one.
+A sealed cache (`seal()`, for graphs captured at load) never captures again: a miss runs eager and
+is counted in `sealed_misses`.
 Every decision depends only on the sequence of calls (keys and the byte sizes passed in), never on
 free memory or time, so tensor-parallel ranks fed the same requests (and the same byte sizes)
 capture in lockstep. A transient failure (out of memory) quarantines the key for 2, 4, 8, ... of
@@ -87,6 +89,8 @@ class CacheInfo:
     policy: str
     min_hits: int = 1
     quarantined: int = 0
+    sealed: bool = False
+    sealed_misses: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -100,6 +104,7 @@ class Admission(enum.Enum):
     EAGER_WARMING = "eager_warming"  # anti-thrash: not seen min_hits times yet
     EAGER_QUARANTINED = "eager_quarantined"  # its capture failed before (transient: until its backoff ends)
     EAGER_DISABLED = "eager_disabled"  # capacity 0
+    EAGER_SEALED = "eager_sealed"  # captured at load; nothing is captured while serving
 
     @property
     def capture(self) -> bool:
@@ -148,11 +153,17 @@ class BoundedGraphCache(Generic[K, E]):
         self._sightings: "OrderedDict[K, int]" = OrderedDict()
         # Failed keys -> reason (a string: a traceback would keep the capture's tensors alive), retry state.
         self._quarantine: "OrderedDict[K, _Quarantined]" = OrderedDict()
+        self.sealed = False
         self._reset_counters()
 
     def _reset_counters(self) -> None:
         self.hits = self.misses = self.captures = 0
-        self.evictions = self.rejections = self.failures = 0
+        self.evictions = self.rejections = self.failures = self.sealed_misses = 0
+
+    @_publishes
+    def seal(self, sealed: bool = True) -> None:
+        """Sealed: a miss never captures (EAGER_SEALED), what is resident stays. `clear()` keeps the seal."""
+        self.sealed = bool(sealed)
 
     @_publishes
     def get(self, key: K) -> Optional[E]:
@@ -195,6 +206,9 @@ class BoundedGraphCache(Generic[K, E]):
         expected_bytes = _check_int("expected_bytes", expected_bytes, 0)
         if self.capacity == 0:
             return Admission.EAGER_DISABLED
+        if self.sealed:
+            self.sealed_misses += 1
+            return Admission.EAGER_SEALED
         quarantined = self._quarantine.get(key)
         if quarantined is not None:
             self._quarantine.move_to_end(key)
@@ -299,7 +313,7 @@ class BoundedGraphCache(Generic[K, E]):
                          misses=self.misses, captures=self.captures, evictions=self.evictions,
                          rejections=self.rejections, failures=self.failures, bytes_resident=self.bytes_resident,
                          max_bytes=self.max_bytes, policy=self.policy, min_hits=self.min_hits,
-                         quarantined=len(self._quarantine))
+                         quarantined=len(self._quarantine), sealed=self.sealed, sealed_misses=self.sealed_misses)
 
     def __repr__(self) -> str:
         i = self.info()

@@ -103,6 +103,7 @@ _FAMILIES = {
     "graph_resident": ("gauge", "Graphs resident now"),
     "graph_resident_bytes": ("gauge", "Bytes held by resident graphs' static buffers"),
     "graph_capacity": ("gauge", "Most graphs a cache keeps (max entries)"),
+    "graph_max_bytes": ("gauge", "Byte budget of a cache's resident graphs (0 = no byte limit)"),
     "cuda_memory_reserved_bytes": ("gauge", "torch.cuda.memory_reserved() of this process"),
 }
 # Source fields of each family, whichever registration kind has them (first present wins).
@@ -115,9 +116,10 @@ _COUNTER_FIELDS = {
     "graph_chunked_calls": ("chunked_calls",),
 }
 _FALLBACK_FIELDS = {"rejections": "capacity", "failures": "capture_failed",
-                    "rejected_no_fit": "no_fit", "rejected_unknown_layout": "unknown_layout"}
+                    "rejected_no_fit": "no_fit", "rejected_unknown_layout": "unknown_layout",
+                    "sealed_misses": "no_graph_after_load"}
 _GAUGE_FIELDS = {"graph_resident": ("size",), "graph_resident_bytes": ("bytes_resident",),
-                 "graph_capacity": ("capacity", "max_entries")}
+                 "graph_capacity": ("capacity", "max_entries"), "graph_max_bytes": ("max_bytes",)}
 
 _prom: Dict[str, Any] = {"on": None, "metrics": None, "last": {}, "gauges": {}, "children": {}, "reserved": None}
 

@@ -11,7 +11,8 @@ Retire when: upstream keys the action-graph K/V refresh on something id()-free a
 vla/cuda_graph.py (>= 0.5.19)
 
 Why: 0.5.17's prefix copies its attention marks from a host list and probes its mask with .item()
-(neither capturable); every denoise step rebuilds the suffix mask, positions and sinusoid scaling.
+(neither capturable), and gives a missing first camera's tokens position -1 (an out-of-bounds
+rotary gather); every denoise step rebuilds the suffix mask, positions and sinusoid scaling.
 How: create_sinusoidal_pos_embedding wrapped (optional precomputed `scaling`); the four methods
 replaced by 0.5.19's behaviour in our code, plus prepare_denoise_layout.
 """
@@ -104,7 +105,9 @@ def encode_prefix(self, images, image_masks, tokens, token_masks, prefix_full_at
         with fast.fused_vision(self, fast_layers):
             embeds, pad_masks, att_marks = self.embed_prefix(images, image_masks, tokens, token_masks)
         self._offload_prefix_image_encoder_after_embed()
-        positions = torch.cumsum(pad_masks, dim=1) - 1
+        # Masked tokens before the first visible one (a missing first camera) would get position -1: the
+        # rotary table's gather reads out of bounds (a device-side assert). Nothing attends to them; 0 will do.
+        positions = (torch.cumsum(pad_masks, dim=1) - 1).clamp_min_(0)
         full_attention, mask = True, None
         if prefix_full_attention_hint is not True:
             masks_2d = make_att_2d_masks(pad_masks, att_marks)

@@ -1,5 +1,6 @@
 """Pi0.5 graph settings: the pipeline config's graph fields (0.5.19's defaults where a config lacks
-them), each overridable by an `--ext-pi05-*` knob, read when a config or policy is built.
+them), each overridable by an `--ext-pi05-*` knob, read when a config or policy is built, and the
+`GraphPlan` a policy resolves from them once.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 
 from sglang_ext import knobs
+from sglang_ext.graphs.buckets import geometric_buckets
 
 
 @dataclass
@@ -67,3 +69,48 @@ def action_graph_available(config) -> bool:
     return bool(getattr(config, "enable_action_cuda_graph", True)
                 and _field(config, "action_cuda_graph_max_entries") > 0
                 and not getattr(config, "offload_action_expert_after_denoise", False))
+
+
+# Default prompt buckets (tokens): the shortest prompts (task + state) fit the first; each step pads a
+# prompt by at most 25 % (a prompt is a small part of a prefix that also holds 256 tokens per camera).
+PROMPT_LADDER = dict(smallest=32, ratio=1.25, multiple=16)
+
+
+def prompt_ladder(max_token_len: int) -> tuple:
+    """Prompt buckets up to `max_token_len` (the tokenizer pads or cuts every prompt to it), the last one it."""
+    largest = max(int(max_token_len), 1)
+    ladder = geometric_buckets(min(PROMPT_LADDER["smallest"], largest), largest, ratio=PROMPT_LADDER["ratio"],
+                               multiple=PROMPT_LADDER["multiple"])
+    return tuple(b for b in ladder if b < largest) + (largest,)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """How a policy's graphs are captured and bounded, resolved once when the policy is built."""
+
+    at_load: bool  # knob pi05_graph_capture: every bucket captured at load, nothing while serving
+    prompt_buckets: tuple  # empty: exact prompt lengths (no padding)
+    prefix_entries: int
+    action_entries: int
+    max_bytes: int  # per cache; 0 = no byte limit
+
+
+def resolve_plan(config) -> GraphPlan:
+    """The knobs and the config as one plan. At load, the caches hold every bucket (a capacity knob may cap
+    them; a config capacity of 0 still switches those graphs off); lazy keeps upstream's capacities."""
+    at_load = knobs.current("pi05_graph_capture") == "load"
+    buckets = tuple(setting(config, "prompt_token_buckets") or ())
+    if at_load and not buckets:
+        buckets = prompt_ladder(getattr(config, "max_token_len", 200))
+
+    def entries(field_name):
+        if not at_load:
+            return setting(config, field_name)
+        override = knob_override(field_name)
+        if override is not None:
+            return override
+        return 0 if _field(config, field_name) == 0 else max(len(buckets), 1)
+
+    return GraphPlan(at_load=at_load, prompt_buckets=buckets, prefix_entries=entries("prefix_cuda_graph_max_entries"),
+                     action_entries=entries("action_cuda_graph_max_entries"),
+                     max_bytes=int(knobs.current("pi05_graph_max_bytes")))

@@ -33,7 +33,7 @@ from sglang.multimodal_gen.runtime.vla.observation import tensor_fingerprint
 from sglang.multimodal_gen.runtime.vla.parallel import get_vla_split_group
 from sglang.multimodal_gen.runtime.vla.prefix_cache import PrefixContext, VLAPrefixCacheManager
 from sglang_ext import knobs
-from sglang_ext.pi05 import fast, graph_settings
+from sglang_ext.pi05 import fast, graph_settings, load_capture
 from sglang_ext.pi05.prompt_bucketing import bucket_prompt_tokens, effective_token_length, select_prompt_token_bucket
 from sglang_ext.pi05.vla_cuda_graph import (VLADenoiseGraphRunner, VLADenoiseGraphSignature,
                                             VLADenoiseLoopGraphSignature, VLAPrefixGraphRunner, VLAPrefixGraphSignature,
@@ -56,8 +56,16 @@ class Pi05Options:
                    fp8_expert=bool(value("pi05_fp8_expert")))
 
 
-def _buckets(config) -> tuple:
-    return tuple(getattr(config, "prompt_token_buckets", None) or ())
+def _graph_plan(self) -> graph_settings.GraphPlan:
+    """The graph plan this policy resolved when built (resolved now for a policy built without __init__)."""
+    plan = self.__dict__.get("_ext_graph_plan")
+    if plan is None:
+        plan = self._ext_graph_plan = graph_settings.resolve_plan(self.config)
+    return plan
+
+
+def _buckets(self) -> tuple:
+    return _graph_plan(self).prompt_buckets
 
 
 def action_expert_forward(self, prefix_context, x_t, timestep, *, action_position_offset=0, denoise_layout=None):
@@ -70,20 +78,25 @@ def __init__(self, config, **kwargs):
     """0.5.17's constructor, then bounded runners sized by the config (and the --ext-pi05-* knobs)."""
     self._ext_orig___init__(config, **kwargs)
     self._ext_options = options = Pi05Options.read()
+    self._ext_graph_plan = plan = graph_settings.resolve_plan(config)
     bucket_mode = self._prompt_token_bucketing_enabled()
+    lru = bucket_mode and not plan.at_load  # at load: every bucket resident, nothing to evict
     self.prefix_graph_runner = VLAPrefixGraphRunner(
-        enabled=self._prefix_cuda_graph_enabled(), evict_on_miss=bucket_mode,
-        max_entries=graph_settings.setting(config, "prefix_cuda_graph_max_entries"))
+        enabled=self._prefix_cuda_graph_enabled(), evict_on_miss=lru, max_entries=plan.prefix_entries,
+        max_bytes=plan.max_bytes)
     self.graph_runner = VLADenoiseGraphRunner(
-        enabled=graph_settings.action_graph_available(config), evict_on_miss=bucket_mode,
-        max_entries=graph_settings.setting(config, "action_cuda_graph_max_entries"))
+        enabled=graph_settings.action_graph_available(config), evict_on_miss=lru, max_entries=plan.action_entries,
+        max_bytes=plan.max_bytes)
     # The fast path's time-conditioning tables and FP8 weight copies go with the action graphs.
     self.graph_runner.add_clear_hook(functools.partial(_reset_time_tables, weakref.ref(self)))
     self.prefix_graph_runner.add_clear_hook(functools.partial(_forget_vision_packing, weakref.ref(self)))
-    logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s fused_denoise=%s fast=%s",
-                self.prefix_graph_runner.enabled, self.prefix_graph_runner.max_entries, self.graph_runner.enabled,
-                self.graph_runner.max_entries, "bucket" if bucket_mode else "exact", options.fused_denoise,
-                options.fast)
+    logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s capture=%s buckets=%s fused_denoise=%s "
+                "fast=%s", self.prefix_graph_runner.enabled, self.prefix_graph_runner.max_entries,
+                self.graph_runner.enabled, self.graph_runner.max_entries, "bucket" if bucket_mode else "exact",
+                "load" if plan.at_load else "lazy", list(plan.prompt_buckets) if bucket_mode else [],
+                options.fused_denoise, options.fast)
+    if plan.at_load:
+        load_capture.capture_at_load(self)
 
 
 def _reset_time_tables(policy_ref) -> None:
@@ -105,16 +118,16 @@ def _prefix_tensor_parallel_enabled(self) -> bool:
 
 
 def _prefix_cuda_graph_enabled(self) -> bool:
-    return (graph_settings.prefix_graph_available(self.config) and self.device.type == "cuda"
+    return (graph_settings.prefix_graph_available(self.config) and VLAPrefixGraphRunner.device_captures(self.device)
             and self.runtime_role in ("all", "prefix") and not self._prefix_tensor_parallel_enabled())
 
 
 def _prompt_token_bucketing_enabled(self) -> bool:
     """Buckets configured and a graph to share them, on a single-rank CUDA prefix."""
     return bool(
-        _buckets(self.config)
+        _buckets(self)
         and (self._prefix_cuda_graph_enabled() or graph_settings.action_graph_available(self.config))
-        and self.device.type == "cuda" and self.runtime_role in ("all", "prefix")
+        and VLAPrefixGraphRunner.device_captures(self.device) and self.runtime_role in ("all", "prefix")
         and not self._prefix_tensor_parallel_enabled() and get_vla_split_group() is None)
 
 
@@ -123,7 +136,7 @@ def build_prefix_cache_key(self, observation, *, bucket_prompt=False):
     token_len = effective_token_length(observation.token_masks)
     prompt_layout = "exact"
     if bucket_prompt and self._prompt_token_bucketing_enabled():
-        bucket = select_prompt_token_bucket(token_len, _buckets(self.config))
+        bucket = select_prompt_token_bucket(token_len, _buckets(self))
         prompt_layout = "bucket-miss-exact" if bucket is None else f"bucket-{bucket}"
     prompt = slice(None, token_len or None)
     config, camera_order = self.config, tuple(observation.metadata.get("camera_order", ()))
@@ -160,7 +173,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     bucket = None
     if use_bucket:
         tokens, token_masks, _, bucket = bucket_prompt_tokens(observation.tokens, observation.token_masks,
-                                                              _buckets(self.config))
+                                                              _buckets(self))
     else:
         token_len = effective_token_length(observation.token_masks)
         prompt = slice(None, token_len if 0 < token_len < observation.tokens.shape[1] else None)

@@ -130,11 +130,11 @@ class _BoundedCaptureCache(BoundedGraphCache):
     release also forgets the recorded addresses of graphs no longer resident."""
 
     def __init__(self, name: str, max_entries: int, *, evict_on_miss: bool, min_hits: int = 1,
-                 address_guard: AddressGuard | None = None):
+                 address_guard: AddressGuard | None = None, max_bytes: int = 0):
         self.evict_on_miss = bool(evict_on_miss)
         self.address_guard = address_guard
         super().__init__(f"vla.{name}", max(0, int(max_entries)), policy="lru" if evict_on_miss else "exact",
-                         min_hits=min_hits, release=self._release_and_forget)
+                         min_hits=min_hits, max_bytes=max_bytes, release=self._release_and_forget)
 
     def _release_and_forget(self, entry: Any) -> None:
         try:
@@ -205,11 +205,12 @@ def _denoise_graph_static_tensors(captured: _CapturedDenoiseGraph) -> dict:
 class _VLAGraphRunnerBase:
     _cache_name = "graph"
 
-    def __init__(self, enabled: bool = True, max_entries: int = 1, *, evict_on_miss: bool = False):
+    def __init__(self, enabled: bool = True, max_entries: int = 1, *, evict_on_miss: bool = False,
+                 max_bytes: int = 0):
         self._address_guard = AddressGuard()
         self._cache = _BoundedCaptureCache(self._cache_name, max_entries, evict_on_miss=evict_on_miss,
                                            min_hits=int(knobs.current("pi05_graph_min_hits")),
-                                           address_guard=self._address_guard)
+                                           address_guard=self._address_guard, max_bytes=max_bytes)
         self.max_entries = self._cache.max_entries
         self.enabled = bool(enabled) and self.max_entries > 0
         self._capture_stream: Any = None
@@ -228,14 +229,25 @@ class _VLAGraphRunnerBase:
         for hook in self._clear_hooks:
             hook()
 
+    def seal(self) -> None:
+        """Capture nothing from now on (graphs were captured at load): a miss runs eager, counted."""
+        self._cache.seal()
+
+    def holds(self, signature: Any) -> bool:
+        return signature in self._cache
+
     def add_clear_hook(self, hook: Callable[[], None]) -> None:
         """`hook()` runs after every clear(): state kept beside the graphs goes with them."""
         self._clear_hooks.append(hook)
 
     @staticmethod
-    def _graph_device(tensor: Any) -> bool:
-        """Graphs are captured for CUDA tensors only; anything else runs eager."""
-        return tensor.device.type == "cuda"
+    def device_captures(device: Any) -> bool:
+        """Graphs are captured on CUDA devices only; anything else runs eager."""
+        return torch.device(device).type == "cuda"
+
+    @classmethod
+    def _graph_device(cls, tensor: Any) -> bool:
+        return cls.device_captures(tensor.device)
 
     def _static_tensors(self, captured: Any) -> dict:
         raise NotImplementedError
