@@ -200,7 +200,9 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
                              prefix_len=pad_masks.shape[1], layout=layout)
 
     runner = getattr(self, "prefix_graph_runner", None)
-    if not use_cuda_graph or runner is None or not runner.enabled or observation.batch_size != 1 or bucket_miss:
+    # A bucket miss runs eager; graphs captured at load count it (their sealed cache holds no such signature).
+    if (not use_cuda_graph or runner is None or not runner.enabled or observation.batch_size != 1
+            or (bucket_miss and not _graph_plan(self).at_load)):
         context = encode(inputs)
         prefix_context_generation(context)
         return context
