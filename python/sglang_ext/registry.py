@@ -360,6 +360,34 @@ PATCHES: Tuple[PatchSpec, ...] = (
         retire_when="upstream reports per-request hop times itself (not in 0.5.23)",
         process="multimodal_gen HTTP server and worker",
     ),
+    PatchSpec(
+        name="pi05_observation_checks",
+        summary="Pi0.5 observations checked per request: a NaN or infinite state or noise, a badly shaped camera, "
+        "a camera the checkpoint does not name and an observation without a usable camera are refused with one "
+        "line naming the field (JSON: 400; the OpenPI and realtime websockets answer {\"error\": ...} and stay "
+        "open); the HTTP process knows the checkpoint's cameras",
+        targets=T(_VLA_PROTOCOL, "build_action_sampling_params", "images_from_observation", "_normalize_image_value",
+                  "pack_msgpack")
+        + T(_VLA_WS, "run_action_msgpack_ws")
+        + T(f"{_MG}.entrypoints.vla.openpi", "openpi_policy_ws")
+        + T(_VLA_API, "action_realtime_ws")
+        + T(_VLA_STAGES, "VLAObservationPreprocessStage.forward", "vla_state")
+        # relied on: the checkpoint's cameras; the worker's observation dict
+        + T(_PI05_POLICY, "Pi05PolicyModel._apply_checkpoint_config")
+        + T("sglang.multimodal_gen.configs.sample.pi05", "Pi05SamplingParams.build_request_extra"),
+        parts=(
+            Part(_VLA_PROTOCOL, "sglang_ext.pi05.observation_checks:patch_protocol"),
+            Part(_VLA_WS, "sglang_ext.pi05.observation_checks:patch_ws_utils"),
+            Part(f"{_MG}.entrypoints.vla.openpi", "sglang_ext.pi05.observation_checks:rebind_ws_loop"),
+            Part(_VLA_API, "sglang_ext.pi05.observation_checks:rebind_ws_loop"),
+            Part(_VLA_STAGES, "sglang_ext.pi05.observation_checks:patch_stages"),
+        ),
+        rebinds=(f"{_MG}.entrypoints.vla.openpi.run_action_msgpack_ws", f"{_VLA_API}.run_action_msgpack_ws"),
+        upstream_pr="none (0.5.23 checks neither values nor camera names)",
+        retire_when="upstream refuses non-finite states and noise, badly shaped and unknown cameras and observations "
+        "without a camera, per request, and its websockets answer a refused request without closing",
+        process="multimodal_gen HTTP server and worker",
+    ),
 )
 
 PATCH_NAMES: Tuple[str, ...] = tuple(p.name for p in PATCHES)

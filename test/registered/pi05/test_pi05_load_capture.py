@@ -134,3 +134,8 @@ def test_moving_robot_replays_load_time_graphs_and_captures_nothing_while_servin
     long_prompt = preprocess({**next(_robot_observations(1, seed=3)), "tokens": np.arange(4, 4 + 2 * MAX_TOKEN_LEN)})
     assert torch.isfinite(_act(policy, long_prompt, graph=True)).all()
     assert len(graphs.graphs) == loaded and prefix.cache_info().sealed_misses == 1
+
+    # The first camera missing (masked): its tokens come before any visible one; served, not an
+    # out-of-bounds rotary gather.
+    masked = preprocess({**next(_robot_observations(1, seed=4)), "image_masks": {"base_0_rgb": False}})
+    assert torch.isfinite(_act(policy, masked, graph=True)).all()
