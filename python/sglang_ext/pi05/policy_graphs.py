@@ -165,11 +165,13 @@ def _to_device(tensor, device, dtype):
 def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None):
     """The prefix context, on the prefix graph for batch 1 (a bucket miss runs eager and marks the
     context ineligible for action graphs)."""
+    use_bucket = bool(use_cuda_graph if bucket_prompt is None else bucket_prompt) and \
+        self._prompt_token_bucketing_enabled()
     camera_order = tuple(observation.metadata.get("camera_order", ()))
     images = [_to_device(observation.images[name], self.device, torch.float32) for name in camera_order]
     image_masks = [observation.image_masks[name].to(self.device) for name in camera_order]
-    use_bucket = bool(use_cuda_graph if bucket_prompt is None else bucket_prompt) and \
-        self._prompt_token_bucketing_enabled()
+    if use_bucket and _graph_plan(self).at_load:
+        camera_order, images, image_masks = _checkpoint_cameras(self, camera_order, images, image_masks)
     bucket = None
     if use_bucket:
         tokens, token_masks, _, bucket = bucket_prompt_tokens(observation.tokens, observation.token_masks,
@@ -213,6 +215,20 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
         static_layout=(count, full_hint, bucket) + kernels,
         parallel_layout=self.config.parallel_layout_version)
     return runner.capture_or_run(signature, encode, inputs)
+
+
+def _checkpoint_cameras(self, camera_order, images, image_masks):
+    """A request that names some of the checkpoint's cameras, in its order, as all of them with the missing
+    ones masked (the preprocessor's placeholder): the layout the graphs were captured for at load. Masked
+    image tokens are neither attended nor counted in positions, so the answer is the same up to rounding."""
+    keys = tuple(self.config.image_keys)
+    if camera_order == keys or not camera_order or set(camera_order) - set(keys) or \
+            [k for k in keys if k in camera_order] != list(camera_order):
+        return camera_order, images, image_masks
+    given = dict(zip(camera_order, zip(images, image_masks)))
+    placeholder = torch.full_like(images[0], -1.0)
+    absent = torch.zeros_like(image_masks[0])
+    return keys, [given.get(k, (placeholder, None))[0] for k in keys], [given.get(k, (None, absent))[1] for k in keys]
 
 
 def _fast_prefix_layers(self) -> bool:

@@ -301,6 +301,10 @@ class _VLAGraphRunnerBase:
     def _admit(self, signature: Any) -> bool:
         """After a miss: may this signature be captured now? (LRU mode evicts here.)"""
         admission = self._cache.admit(signature)
+        misses = self._cache.sealed_misses
+        if admission is Admission.EAGER_SEALED and misses & (misses - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...
+            logger.info("VLA %s CUDA graphs were captured at load: %d requests ran eager since (no graph for %s)",
+                        self._cache_name, misses, signature)
         if admission is Admission.EAGER_CAPACITY and not self._capacity_warning_emitted:
             logger.info("VLA %s CUDA graph capacity reached (%d); new signatures run eagerly",
                         self._cache_name, self.max_entries)

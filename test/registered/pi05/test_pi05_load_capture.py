@@ -21,6 +21,8 @@ from test_pi05_graphs import fake_graphs, pi05, policy_adapter  # noqa: E402,F40
 
 MAX_TOKEN_LEN = 96  # the tiny tokenizer's robot prompts: 49-60 tokens (bucket 64) and 80-90 (80, 96)
 LADDER = (32, 48, 64, 80, 96)
+CAMERAS = ("base_0_rgb", "left_wrist_0_rgb")
+STEPS_PER_TASK = 3
 STEPS = 2
 
 
@@ -84,20 +86,27 @@ def robot(pi05, fake_graphs, monkeypatch, tmp_path):
     tokenizer = pi05_checkpoint.write_tiny_gemma_tokenizer(tmp_path / "tokenizer")
     policy = pi05_random.build_random_pi05(
         device="cpu", reduced=True, log=lambda _: None,
-        config_overrides={"image_keys": ("base_0_rgb",), "max_token_len": MAX_TOKEN_LEN,
+        config_overrides={"image_keys": CAMERAS, "max_token_len": MAX_TOKEN_LEN,
                           "default_num_inference_steps": STEPS, "tokenizer_name": str(tokenizer)})
     return policy, Pi05Preprocessor(policy.config), graphs
 
 
 def _robot_observations(count, seed=0):
-    """A moving robot: a new state every step (a random walk in [-1, 1]^8), a task switch every 5 steps."""
+    """A moving robot: a new state every step (a random walk in [-1, 1]^8); every STEPS_PER_TASK steps another
+    task and another set of cameras (both; the wrist alone, named in camera_order; the base camera alone)."""
     rng = np.random.default_rng(seed)
     state = rng.uniform(-1, 1, 8)
+    camera_sets = (CAMERAS, CAMERAS[1:], CAMERAS[:1])
     for step in range(count):
+        segment = step // STEPS_PER_TASK
         state = np.clip(state + rng.normal(0, 0.3, 8), -1, 1)
-        yield {"prompt": ("go", "pick up the red block and put it in the basket")[step // 5 % 2],
-               "images": {"base_0_rgb": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)},
+        cameras = camera_sets[segment % len(camera_sets)]
+        raw = {"prompt": ("go", "pick up the red block and put it in the basket")[segment % 2],
+               "images": {name: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for name in cameras},
                "state": state.astype(np.float32), "noise": rng.standard_normal((50, 32)).astype(np.float32)}
+        if cameras != CAMERAS:
+            raw["camera_order"] = list(cameras)
+        yield raw
 
 
 def _act(policy, observation, *, graph):
@@ -117,17 +126,19 @@ def test_moving_robot_replays_load_time_graphs_and_captures_nothing_while_servin
     assert prefix.cache_info().sealed and action.cache_info().sealed
     assert prefix.cache_info().bytes_resident > 0 and action.cache_info().bytes_resident > 0
 
-    lengths = []
-    for raw in _robot_observations(10):
+    lengths, camera_counts = [], []
+    for raw in _robot_observations(3 * STEPS_PER_TASK):
         observation = preprocess(raw)
+        camera_counts.append(len(observation.metadata["camera_order"]))
         lengths.append(int(observation.token_masks.sum()))
         graph, eager = _act(policy, observation, graph=True), _act(policy, observation, graph=False)
         assert torch.isfinite(graph).all() and torch.equal(graph, eager)
     assert len(set(lengths)) >= 4 and len({next(b for b in LADDER if b >= n) for n in lengths}) >= 2, lengths
+    assert set(camera_counts) == {1, 2}  # requests naming one camera replay the two-camera graphs
     assert len(graphs.graphs) == loaded  # nothing captured while serving
     for runner in (prefix, action):
         info = runner.cache_info()
-        assert (info.captures, info.hits, info.sealed_misses) == (len(LADDER), 10, 0), info
+        assert (info.captures, info.hits, info.sealed_misses) == (len(LADDER), 3 * STEPS_PER_TASK, 0), info
 
     # A prompt no bucket holds (tokens given by the client, longer than max_token_len) runs eager, counted,
     # and still captures nothing.
@@ -138,4 +149,19 @@ def test_moving_robot_replays_load_time_graphs_and_captures_nothing_while_servin
     # The first camera missing (masked): its tokens come before any visible one; served, not an
     # out-of-bounds rotary gather.
     masked = preprocess({**next(_robot_observations(1, seed=4)), "image_masks": {"base_0_rgb": False}})
+    assert not bool(masked.image_masks["base_0_rgb"]) and bool(masked.image_masks["left_wrist_0_rgb"])
     assert torch.isfinite(_act(policy, masked, graph=True)).all()
+
+    # Padding the prompt to its bucket and laying one camera out as both (the other masked) changes the
+    # arithmetic's shapes only: the answer stays within the bf16 tolerance of the unpadded one-camera prefix.
+    one_camera = preprocess(list(_robot_observations(STEPS_PER_TASK + 1, seed=5))[STEPS_PER_TASK])
+    assert len(one_camera.metadata["camera_order"]) == 1
+    with torch.inference_mode():
+        unpadded = policy.encode_prefix(one_camera, use_cuda_graph=False, bucket_prompt=False)
+        exact = policy.sample_actions(one_camera, unpadded, noise=one_camera.noise, num_steps=STEPS,
+                                      use_cuda_graph=False)
+    replayed = _act(policy, one_camera, graph=True)
+    relative = float((replayed - exact).abs().max() / exact.abs().max())
+    cosine = float(torch.nn.functional.cosine_similarity(replayed.flatten().double(), exact.flatten().double(), 0))
+    assert unpadded.prefix_len == 256 + int(one_camera.token_masks.sum()) and relative <= 1e-2 and cosine >= 0.9999, (
+        relative, cosine)
