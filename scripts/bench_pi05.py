@@ -175,6 +175,7 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
     config.prompt_token_buckets = list(args.buckets) if mode == "graph-bucket" else []
     config.prefix_cuda_graph_max_entries = args.prefix_entries
     config.action_cuda_graph_max_entries = args.action_entries
+    policy.__dict__.pop("_ext_graph_plan", None)  # resolved again from the config just set
     if impl == "0517-ext" and hasattr(policy, "_ext_options"):  # the knobs a policy reads when it is built
         policy._ext_options = dataclasses.replace(
             policy._ext_options, fused_denoise=mode in ("graph-fused", *FAST_MODES), fast=mode in FAST_MODES,

@@ -6,6 +6,17 @@ Pi0.5 checkpoint at the real size of the server tests (sglang_ext_testkit.pi05_c
 base_0_rgb, left_wrist_0_rgb), and drives it like a robot: one request at a time, the next when
 the answer is back, after --warmup requests.
 
+Motions (--motion), one row each (sglang_ext_testkit.pi05_clients.robot_stream): every request is a new
+control step, never a repeat.
+  random   a new state drawn in [-1, 1]^8 every step (the prompt, which carries the discretized
+           state, changes length from step to step)
+  smooth   every joint on its own slow sine
+  fixed    one state, one task, both cameras: a single prompt length (one row, not the headline)
+Moving robots switch task every --task-every steps and with it the cameras they send (both, or one).
+Per row: p50/p90/p99/max, graphs captured after the server reported healthy and requests that ran
+eager since the load-time capture (both read from the server's log), and the worst difference from
+the exact server's answer to the same observation, over every answer.
+
 Servers (--servers):
   0517                  unpatched `sglang serve` 0.5.17
   ext-no-transport      `python -m sglang_ext.serve` (exact path) with the transport patches off
@@ -69,10 +80,10 @@ WIRES = ("openpi", "json", "sglang")
 TRANSPORT_PATCHES = ",".join(("mg_scheduler_client_reuse", "pi05_action_transport", "pi05_observation_device",
                               "mg_worker_request_overhead"))
 REFERENCE_SERVER = "ext-exact"
-OBSERVATIONS = 8  # distinct observations, cycled
 SGLANG_UNPATCHED = "import sys; from sglang.cli.main import main; sys.argv = ['sglang', 'serve', *sys.argv[1:]]; main()"
-# Issue 26's targets (H200, fast path)
-TARGET_OPENPI_P50_MS, TARGET_JSON_P50_MS, TARGET_OUTSIDE_MS, TARGET_P99_OVER_P50 = 17.0, 19.0, 2.5, 1.3
+# Targets for a moving robot (H200, fast path; the exact path against unpatched 0.5.17)
+TARGET_OPENPI_P50_MS, TARGET_JSON_P50_MS, TARGET_OUTSIDE_MS, TARGET_P99_OVER_P50 = 17.0, 21.0, 2.5, 1.2
+TARGET_FAST_VS_EXACT = 5e-3
 
 SCHEMA = {
     **dict.fromkeys(("run_id", "device", "torch", "sglang", "attention", "command", "client_png_encode_ms")),
@@ -80,9 +91,10 @@ SCHEMA = {
     "settings": bench_results.ANY,
     "servers": bench_results.ANY,  # server name -> {argv, start_s, log, error}
     "results": [{
-        **dict.fromkeys(("server", "wire", "client", "requests", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "max_ms",
-                         "p99_over_p50", "stage_sum_p50_ms", "outside_pipeline_p50_ms", "max_rel_diff_vs_exact",
-                         "checked_requests", "error", "note")),
+        **dict.fromkeys(("server", "wire", "motion", "client", "requests", "p50_ms", "p90_ms", "p99_ms", "mean_ms",
+                         "max_ms", "p99_over_p50", "stage_sum_p50_ms", "outside_pipeline_p50_ms",
+                         "max_rel_diff_vs_exact", "checked_requests", "captures_after_start", "eager_after_load",
+                         "error", "note")),
         "breakdown_p50_ms": bench_results.ANY,  # part of the path -> p50 (ms)
     }],
 }
@@ -96,8 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated subset of {', '.join(SERVERS)}")
     ap.add_argument("--wires", default="openpi,json", help=f"comma-separated subset of {', '.join(WIRES)}")
-    ap.add_argument("--requests", type=int, default=30, help="timed requests per server and wire")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed requests first (graph captures, JIT)")
+    ap.add_argument("--motion", default=",".join(clients.MOTIONS),
+                    help=f"comma-separated subset of {', '.join(clients.MOTIONS)}")
+    ap.add_argument("--task-every", type=int, default=50, help="a moving robot's steps per task")
+    ap.add_argument("--requests", type=int, default=300, help="timed requests (control steps) per server, wire, motion")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed control steps first")
     ap.add_argument("--steps", type=int, default=10, help="denoise steps")
     ap.add_argument("--checkpoint", default=pi05_checkpoint.CHECKPOINT_DIR,
                     help="random-weight checkpoint folder (written if missing, reused while the machine is held)")
@@ -174,6 +189,7 @@ def server_command(name: str, args) -> tuple:
 
 
 def summarize(server: str, wire: str, records: List[clients.Record], reference) -> Dict[str, Any]:
+    """One row; `reference`: the exact server's actions for the same observations, in order (or None)."""
     totals = [r.total_ms for r in records]
     parts = [clients.breakdown(r) for r in records]
     keys = [k for k in parts[0] if all(k in p for p in parts)]
@@ -185,21 +201,21 @@ def summarize(server: str, wire: str, records: List[clients.Record], reference) 
            "p99_over_p50": clients.percentile(totals, 99) / p50 if p50 > 0 else None,
            "stage_sum_p50_ms": breakdown.get("pipeline"), "outside_pipeline_p50_ms": breakdown.get("outside_pipeline"),
            "breakdown_p50_ms": breakdown}
-    if reference is not None:
+    if reference:
         worst = 0.0
-        for i, r in enumerate(records):
-            ref = reference[i % len(reference)]
+        for r, ref in zip(records, reference):
             worst = max(worst, float(abs(r.actions - ref).max()) / max(float(abs(ref).max()), 1e-6))
-        row["max_rel_diff_vs_exact"], row["checked_requests"] = worst, len(records)
+        row["max_rel_diff_vs_exact"], row["checked_requests"] = worst, min(len(records), len(reference))
     return row
 
 
 def drive(client_infer, payloads, args) -> List[clients.Record]:
-    for i in range(args.warmup):
-        client_infer(payloads[i % len(payloads)])
+    """The first --warmup payloads untimed, then the rest timed, one at a time (a closed loop)."""
+    for payload in payloads[:args.warmup]:
+        client_infer(payload)
     records = []
-    for i in range(args.requests):
-        record = client_infer(payloads[i % len(payloads)])
+    for i, payload in enumerate(payloads[args.warmup:]):
+        record = client_infer(payload)
         if record.actions.shape != (50, 7) or not bool(abs(record.actions).max() < float("inf")):
             raise RuntimeError(f"request {i}: actions of shape {record.actions.shape}, finite "
                                f"{bool(abs(record.actions).max() < float('inf'))}")
@@ -224,7 +240,7 @@ def run_sglang_bench(url: str, args, workdir: str) -> Dict[str, Any]:
             "note": "sglang's observations, server-sampled noise; no p99, no breakdown"}
 
 
-def run_server(name: str, args, model_dir: str, workdir: str, observations, reference_actions, report) -> None:
+def run_server(name: str, args, model_dir: str, workdir: str, streams, reference_actions, report) -> None:
     from sglang_ext_testkit.server_process import free_port, start_server
 
     argv, extra = server_command(name, args)
@@ -238,43 +254,60 @@ def run_server(name: str, args, model_dir: str, workdir: str, observations, refe
     try:
         entry["start_s"] = round(server.wait_healthy(args.start_timeout), 1)
         log(f"[bench] {name}: healthy after {entry['start_s']} s")
+        at_start = clients.graph_log_counts(log_path)
         wires = _choices(args.wires, WIRES, "wires")
         for wire in wires:
-            row = {"server": name, "wire": wire}
-            try:
-                if wire == "openpi":
-                    client = clients.OpenPIClient(server.url)
-                    try:
-                        payloads = [clients.openpi_payload(o, steps=args.steps) for o in observations]
-                        records = drive(client.infer, payloads, args)
-                    finally:
-                        client.close()
-                elif wire == "json":
-                    client = clients.JsonActionClient("127.0.0.1", port)
-                    try:
-                        pngs = report["_pngs"]
-                        payloads = [clients.json_body(o, steps=args.steps, pngs=p) for o, p in zip(observations, pngs)]
-                        records = drive(client.infer, payloads, args)
-                    finally:
-                        client.close()
-                else:
-                    row.update(run_sglang_bench(server.url, args, workdir))
-                    records = None
-                if records is not None:
-                    if name == REFERENCE_SERVER and wire == "openpi":
-                        reference_actions[:] = [r.actions for r in records[:len(observations)]]
-                    row = summarize(name, wire, records, reference_actions or None)
-            except Exception as exc:  # noqa: BLE001 - one failing wire becomes a row, the rest still runs
-                row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-                log(f"[bench] {name} {wire}: {row['error']}\n{server.log_tail(3000)}")
-            report["results"].append(row)
-            log(f"[bench] {name} {wire}: p50 {row.get('p50_ms')} ms, outside pipeline "
-                f"{row.get('outside_pipeline_p50_ms')} ms")
+            for motion, observations in streams.items() if wire != "sglang" else [("sglang's", None)]:
+                row = run_wire(name, wire, motion, observations, server, port, args, workdir, reference_actions,
+                               report)
+                now = clients.graph_log_counts(log_path)
+                row["captures_after_start"] = now["captures"] - at_start["captures"]
+                row["eager_after_load"] = sum(v for k, v in now.items() if k.startswith("eager_after_load"))
+                report["results"].append(row)
+                log(f"[bench] {name} {wire} {motion}: p50 {row.get('p50_ms')} ms, p99 {row.get('p99_ms')} ms, "
+                    f"captures after start {row['captures_after_start']}")
     except Exception as exc:  # noqa: BLE001 - a server that does not start is recorded, the next one runs
         entry["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
         log(f"[bench] {name}: {entry['error']}")
     finally:
         server.stop()
+
+
+def run_wire(name, wire, motion, observations, server, port, args, workdir, reference_actions, report):
+    """One (wire, motion) loop against a running server: its row."""
+    row = {"server": name, "wire": wire, "motion": motion}
+    try:
+        if wire == "openpi":
+            client = clients.OpenPIClient(server.url)
+            try:
+                records = drive(client.infer, [clients.openpi_payload(o, steps=args.steps) for o in observations],
+                                args)
+            finally:
+                client.close()
+        elif wire == "json":
+            client = clients.JsonActionClient("127.0.0.1", port)
+            try:
+                pngs = report["_pngs"][motion]
+                payloads = [clients.json_body(o, steps=args.steps, pngs=p) for o, p in zip(observations, pngs)]
+                records = drive(client.infer, payloads, args)
+            finally:
+                client.close()
+        else:
+            row.update(run_sglang_bench(server.url, args, workdir))
+            return row
+        if name == REFERENCE_SERVER and wire == "openpi":
+            reference_actions[motion] = [r.actions for r in records]
+        row.update(summarize(name, wire, records, reference_actions.get(motion)))
+    except Exception as exc:  # noqa: BLE001 - one failing loop becomes a row, the rest still runs
+        row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        log(f"[bench] {name} {wire} {motion}: {row['error']}\n{server.log_tail(3000)}")
+    return row
+
+
+def motion_of(row) -> str:
+    """A row's motion; rows written before motions were recorded held the state fixed (sglang's own bench:
+    its observations)."""
+    return str(row.get("motion") or ("sglang's" if row.get("wire") == "sglang" else "fixed"))
 
 
 def _fmt(value, fmt="{:.2f}") -> str:
@@ -286,17 +319,20 @@ BREAKDOWN_COLUMNS = ("client_encode", "transport", "http_parse", "http_decode", 
 
 
 def print_table(results: List[Dict[str, Any]]) -> None:
-    head = ["server", "wire", "n", "p50", "p90", "p99", "p99/p50", "stages", "outside", "rel vs exact"]
+    head = ["server", "wire", "motion", "n", "p50", "p90", "p99", "max", "p99/p50", "stages", "outside",
+            "captures after start", "eager after load", "rel vs exact"]
     print(" | ".join(head))
     for r in results:
         if r.get("error"):
             lines = [line.strip() for line in r["error"].splitlines() if line.strip()]
             # the exception's own line and the last line of the output behind it (a child's traceback)
-            print(f"{r['server']} | {r['wire']} | error: {lines[0][:100]} ... {lines[-1][:160]}")
+            print(f"{r['server']} | {r['wire']} | {motion_of(r)} | error: {lines[0][:100]} ... {lines[-1][:160]}")
             continue
-        print(" | ".join([r["server"], r["wire"], str(r.get("requests")), _fmt(r.get("p50_ms")), _fmt(r.get("p90_ms")),
-                          _fmt(r.get("p99_ms")), _fmt(r.get("p99_over_p50")), _fmt(r.get("stage_sum_p50_ms")),
-                          _fmt(r.get("outside_pipeline_p50_ms")), _fmt(r.get("max_rel_diff_vs_exact"), "{:.1e}")]))
+        print(" | ".join([r["server"], r["wire"], motion_of(r), str(r.get("requests")), _fmt(r.get("p50_ms")),
+                          _fmt(r.get("p90_ms")), _fmt(r.get("p99_ms")), _fmt(r.get("max_ms")),
+                          _fmt(r.get("p99_over_p50")), _fmt(r.get("stage_sum_p50_ms")),
+                          _fmt(r.get("outside_pipeline_p50_ms")), str(r.get("captures_after_start", "-")),
+                          str(r.get("eager_after_load", "-")), _fmt(r.get("max_rel_diff_vs_exact"), "{:.1e}")]))
     rows = [r for r in results if r.get("breakdown_p50_ms")]
     if rows:
         print("\nbreakdown, p50 ms: " + ", ".join(BREAKDOWN_COLUMNS) + " (- = not measured: no hop times)")
@@ -304,22 +340,38 @@ def print_table(results: List[Dict[str, Any]]) -> None:
             b = r["breakdown_p50_ms"]
             stages = ", ".join(f"{k} {b[k]:.2f}" for k in ("preprocess", "prefix", "action_denoise", "postprocess")
                                if k in b)
-            print(f"{r['server']:>16} {r['wire']:>6}: " + " ".join(_fmt(b.get(k)) for k in BREAKDOWN_COLUMNS)
+            print(f"{r['server']:>16} {r['wire']:>6} {motion_of(r):>6}: "
+                  + " ".join(_fmt(b.get(k)) for k in BREAKDOWN_COLUMNS)
                   + f"  [{stages}]")
 
 
 def targets(results: List[Dict[str, Any]]) -> List[tuple]:
-    """(label, measured, op, bound) rows of issue 26's targets, for the ext-fast rows present."""
+    """(label, measured, op, bound) rows of the targets for a moving robot: the fast server's latency, tail,
+    captures and accuracy; the exact server never slower than unpatched 0.5.17 on the same loop."""
     rows = []
-    for r in results:
-        if r.get("server") != "ext-fast" or r.get("client") != "own" or r.get("p50_ms") is None:
-            continue
-        bound = TARGET_OPENPI_P50_MS if r["wire"] == "openpi" else TARGET_JSON_P50_MS
-        rows.append((f"ext-fast {r['wire']}: client p50 ms", r["p50_ms"], "<=", bound))
-        if r["wire"] == "openpi" and r.get("outside_pipeline_p50_ms") is not None:
-            rows.append(("ext-fast openpi: p50 outside the pipeline ms", r["outside_pipeline_p50_ms"], "<=",
-                         TARGET_OUTSIDE_MS))
-        rows.append((f"ext-fast {r['wire']}: p99 / p50", r["p99_over_p50"], "<=", TARGET_P99_OVER_P50))
+    own = [r for r in results if r.get("client") == "own" and r.get("p50_ms") is not None
+           and r.get("motion") in ("random", "smooth")]
+    for r in own:
+        where = f"{r['server']} {r['wire']} {r['motion']}"
+        if r["server"] == "ext-fast":
+            bound = TARGET_OPENPI_P50_MS if r["wire"] == "openpi" else TARGET_JSON_P50_MS
+            rows.append((f"{where}: client p50 ms", r["p50_ms"], "<=", bound))
+            if r["wire"] == "openpi":
+                rows.append((f"{where}: p99 / p50", r["p99_over_p50"], "<=", TARGET_P99_OVER_P50))
+                if r.get("outside_pipeline_p50_ms") is not None:
+                    rows.append((f"{where}: p50 outside the pipeline ms", r["outside_pipeline_p50_ms"], "<=",
+                                 TARGET_OUTSIDE_MS))
+            if r.get("max_rel_diff_vs_exact") is not None:
+                rows.append((f"{where}: max relative difference from exact", r["max_rel_diff_vs_exact"], "<=",
+                             TARGET_FAST_VS_EXACT))
+        if r["server"].startswith("ext") and r.get("captures_after_start") is not None:
+            rows.append((f"{where}: graphs captured after start", r["captures_after_start"], "<=", 0))
+        if r["server"] == "ext-exact":
+            unpatched = next((u for u in own if u["server"] == "0517" and u["wire"] == r["wire"]
+                              and u["motion"] == r["motion"]), None)
+            if unpatched is not None:
+                for q in ("p50_ms", "p99_ms"):
+                    rows.append((f"{where}: {q[:-3]} ms vs unpatched 0517", r[q], "<=", unpatched[q]))
     return rows
 
 
@@ -344,29 +396,35 @@ def main() -> int:
     from sglang_ext_testkit.pi05_checkpoint import serve_attention_args
 
     attention_args = [] if args.cpu_logic_check else serve_attention_args()
-    observations = [clients.make_observation(seed, CAMERAS) for seed in range(OBSERVATIONS)]
+    motions = _choices(args.motion, clients.MOTIONS, "motion")
+    streams = {m: clients.robot_stream(args.warmup + args.requests, CAMERAS, motion=m, seed=i, task_every=args.task_every)
+               for i, m in enumerate(motions)}
     started = time.perf_counter()
-    pngs = [{name: clients.png_b64(image) for name, image in o.images.items()} for o in observations]
+    pngs = {m: [{name: clients.png_b64(image) for name, image in o.images.items()} for o in stream]
+            for m, stream in streams.items()}
+    frames = sum(len(o.images) for stream in streams.values() for o in stream)
     report: Dict[str, Any] = {
         "run_id": bench_results.RUN_ID, "device": torch.cuda.get_device_name() if cuda else "cpu (logic check)",
         "torch": torch.__version__, "sglang": getattr(sglang, "__version__", "?"), "kernels": bench_results.kernels(),
         "attention": " ".join(attention_args[1:]) or "server default (FA3)", "command": " ".join(["python3", *sys.argv]),
-        "client_png_encode_ms": (time.perf_counter() - started) * 1e3 / (OBSERVATIONS * len(CAMERAS)),
+        "client_png_encode_ms": (time.perf_counter() - started) * 1e3 / frames,
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "servers": {}, "results": [],
         "_pngs": pngs, "_attention_args": attention_args}
     # the reference server runs first so every other answer can be compared with it
     order = sorted(servers, key=lambda s: s != REFERENCE_SERVER)
-    reference_actions: List[Any] = []
+    reference_actions: Dict[str, Any] = {}  # motion -> the exact server's answers, in order
     for name in order:
-        run_server(name, args, model_dir, workdir, observations, reference_actions, report)
+        run_server(name, args, model_dir, workdir, streams, reference_actions, report)
         if args.out:
             bench_results.write(args.out, {k: v for k, v in report.items() if not k.startswith("_")}, SCHEMA, default=str)
-    report["results"].sort(key=lambda r: (SERVERS.index(r["server"]), WIRES.index(r["wire"])))
+    report["results"].sort(key=lambda r: (SERVERS.index(r["server"]), WIRES.index(r["wire"]),
+                                          clients.MOTIONS.index(r["motion"]) if r.get("motion") in clients.MOTIONS else -1))
     if args.out:
         bench_results.write(args.out, {k: v for k, v in report.items() if not k.startswith("_")}, SCHEMA, default=str)
     print_table(report["results"])
     for label, value, op, bound in targets(report["results"]):
-        print(f"target: {label} {value:.2f} {op} {bound}: {'met' if value <= bound else 'NOT met'}")
+        met = value is not None and value <= bound
+        print(f"target: {label} {_fmt(value, '{:.3g}')} {op} {bound:.3g}: {'met' if met else 'NOT met'}")
     return 0
 
 

@@ -337,20 +337,24 @@ def _pi05_kernel_table(results) -> list:
 PI05_SERVER_MEANING = """\
 Pi0.5 through the real server, as a robot sees it: one process per server, one request at a time
 (the next when the answer is back), random weights at the real size, two 224x224 cameras, state 8,
-noise given, 10 steps. p50/p90/p99: the client's latency from the payload ready to the actions as a
+noise given, 10 steps. Every request is a new control step (`motion`): `random` draws a new state
+every step, `smooth` moves every joint on a slow sine, both switch task (prompt) and camera set
+(both cameras, or one) every 50 steps; `fixed` holds one state, one task and both cameras (one
+prompt length). p50/p90/p99/max: the client's latency from the payload ready to the actions as a
 numpy array (its encode and decode included; base64 PNG encoding of the JSON cameras is not:
 `client_png_encode_ms` above the table). stages: sum of sglang's stage timings in the answers
-(preprocess, prefix, denoise, postprocess); outside: latency minus stages, p50. The breakdown
+(preprocess, prefix, denoise, postprocess); outside: latency minus stages, p50. captures after
+start: CUDA graphs captured after the server reported healthy (its log); eager after load: requests
+that no load-time graph held (a lower bound: logged at the 1st, 2nd, 4th, ...). The breakdown
 (p50 per part, ms; hop times from knob pi05_server_timing, so `-` for unpatched 0.5.17): transport =
 the client's round trip minus the server's span (sockets, uvicorn, encoding the answer), http_parse
 = JSON / msgpack parsing (the JSON body read included), http_decode = image decoding and request
 building, to_worker / from_worker = the ZMQ hops with pickling, worker_queue = the scheduler before
 the worker, worker_other = the worker around the stages. rel vs exact: worst max|a - ref| / max|ref|
-against the ext-exact server's openpi answer to the same observation. Servers: `0517` = unpatched
-`sglang serve`; `ext-no-transport` = sglang-ext with the transport patches off (0.5.17's request
-path, measured hop by hop); `ext-exact`; `ext-fast` = --ext-pi05-fast. Wire `sglang` = sglang's own
-bench_pi05_openpi.py (openpi_ws; its LIBERO camera names are dropped by 0.5.17's HTTP process, so
-its prefix is masked)."""
+over every answer, against the ext-exact server's openpi answer to the same observation. Servers:
+`0517` = unpatched `sglang serve`; `ext-no-transport` = sglang-ext with the transport patches off
+(0.5.17's request path, measured hop by hop); `ext-exact`; `ext-fast` = --ext-pi05-fast. Wire
+`sglang` = sglang's own bench_pi05_openpi.py (openpi_ws)."""
 
 
 def _pi05_server_section():
@@ -363,8 +367,12 @@ def _pi05_server_section():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         bench_pi05_server.print_table(run["results"])
-    head = ["| target (issue 26) | measured | bound | |", "|---|---|---|---|"]
+    head = ["| target (a moving robot) | measured | bound | |", "|---|---|---|---|"]
     rows = [_target(label, value, op, bound) for label, value, op, bound in bench_pi05_server.targets(run["results"])]
+    if not rows:
+        rows = ["", "No moving-robot rows in this run (the targets are for the random and smooth motions): "
+                "the fixed-state rows above measure one prompt length only."]
+        head = []
     failed = [f"- {name}: {entry['error']}" for name, entry in run.get("servers", {}).items() if entry.get("error")]
     settings = run.get("settings", {})
     return "\n".join([

@@ -14,6 +14,7 @@ import base64
 import http.client
 import io
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
@@ -28,28 +29,61 @@ HOP_KEYS = ("http_parse_ms", "http_decode_ms", "to_worker_ms", "worker_queue_ms"
             "from_worker_ms", "server_total_ms")
 
 
+# Tasks a robot switches between (robot_stream): prompts of other lengths.
+TASKS = (PROMPT, "open the top drawer and put the bowl inside", "turn on the stove",
+         "push the plate to the front of the stove and then pick up the black bowl next to it")
+MOTIONS = ("random", "smooth", "fixed")
+
+
 @dataclass
 class Observation:
     images: Dict[str, np.ndarray]  # camera -> uint8 HWC
     state: np.ndarray  # float32 [state_dim]
     noise: np.ndarray  # float32 [horizon, action_dim]
     seed: int
+    prompt: str = PROMPT
 
 
 def make_observation(seed: int, cameras: Sequence[str], *, state_dim: int = 8, horizon: int = 50,
-                     action_dim: int = 32, size: int = 224, fixed_state: bool = True) -> Observation:
+                     action_dim: int = 32, size: int = 224, fixed_state: bool = True,
+                     state: Optional[np.ndarray] = None, prompt: str = PROMPT) -> Observation:
     """Random cameras and noise from `seed`. The state is fixed by default (the prompt, which
-    carries the discretized state, then has one token length: one graph layout)."""
+    carries the discretized state, then has one token length: one graph layout); `state` sets it."""
     rng = np.random.default_rng(seed)
     images = {name: rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for name in cameras}
-    state = (np.linspace(-0.8, 0.6, state_dim) if fixed_state else rng.uniform(-1, 1, state_dim)).astype(np.float32)
+    if state is None:
+        state = np.linspace(-0.8, 0.6, state_dim) if fixed_state else rng.uniform(-1, 1, state_dim)
     noise = rng.standard_normal((horizon, action_dim)).astype(np.float32)
-    return Observation(images, state, noise, seed)
+    return Observation(images, np.asarray(state, np.float32), noise, seed, prompt)
 
 
-def openpi_payload(obs: Observation, *, steps: int = 10, prompt: str = PROMPT) -> Dict[str, Any]:
+def robot_stream(count: int, cameras: Sequence[str], *, motion: str, seed: int = 0, task_every: int = 50,
+                 state_dim: int = 8) -> list:
+    """`count` observations of one robot, one per control step. `motion`: 'random' (a new state drawn in
+    [-1, 1] every step), 'smooth' (every joint on its own slow sine) or 'fixed' (one state, one task, every
+    camera: one prompt length). Moving robots switch task every `task_every` steps and, with the task, the
+    cameras they send (every one, or a non-empty subset in the checkpoint's order)."""
+    if motion not in MOTIONS:
+        raise ValueError(f"motion: {motion!r} is not allowed; allowed: {', '.join(MOTIONS)}")
+    rng = np.random.default_rng(seed)
+    phase, speed = rng.uniform(0, 2 * np.pi, state_dim), rng.uniform(0.02, 0.08, state_dim)
+    out = []
+    for step in range(count):
+        segment = step // task_every
+        if motion == "fixed":
+            out.append(make_observation(seed * 100_003 + step, cameras, state_dim=state_dim))
+            continue
+        state = rng.uniform(-1, 1, state_dim) if motion == "random" else 0.9 * np.sin(phase + speed * step)
+        subsets = [list(cameras)] + [[c] for c in cameras] if len(cameras) > 1 else [list(cameras)]
+        present = subsets[segment % len(subsets)]
+        out.append(make_observation(seed * 100_003 + step, present, state_dim=state_dim, state=state,
+                                    prompt=TASKS[segment % len(TASKS)]))
+    return out
+
+
+def openpi_payload(obs: Observation, *, steps: int = 10, prompt: Optional[str] = None) -> Dict[str, Any]:
     """An OpenPI-style observation, as sglang's bench_pi05_openpi.py sends it (numpy arrays)."""
-    payload = {"prompt": prompt, "observation.state": obs.state, "observation.noise": obs.noise,
+    payload = {"prompt": obs.prompt if prompt is None else prompt, "observation.state": obs.state, "observation.noise": obs.noise,
                "num_inference_steps": steps, "enable_pi_prefix_cache": False, "enable_pi_cuda_graph": True,
                "output_format": "numpy"}
     for name, image in obs.images.items():
@@ -65,11 +99,12 @@ def png_b64(image: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def json_body(obs: Observation, *, steps: int = 10, prompt: str = PROMPT, pngs: Optional[Dict[str, str]] = None
-              ) -> Dict[str, Any]:
+def json_body(obs: Observation, *, steps: int = 10, prompt: Optional[str] = None,
+              pngs: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """A /v1/actions/generations body: PNG cameras (base64), state and noise as JSON lists."""
     pngs = pngs or {name: png_b64(image) for name, image in obs.images.items()}
-    return {"prompt": prompt, "images": {name: {"b64_json": pngs[name]} for name in obs.images},
+    return {"prompt": obs.prompt if prompt is None else prompt,
+            "images": {name: {"b64_json": pngs[name]} for name in obs.images},
             "camera_order": list(obs.images), "state": obs.state.tolist(), "noise": obs.noise.tolist(),
             "num_inference_steps": steps,
             "runtime": {"cuda_graph": True, "prefix_cache": False, "return_timing": True}}
@@ -172,3 +207,19 @@ def percentile(values: Sequence[float], q: float) -> float:
         return float("nan")
     index = min(len(ordered) - 1, max(0, int(round(q / 100.0 * (len(ordered) - 1)))))
     return float(ordered[index])
+
+
+_CAPTURE_LINE = re.compile(r"Captured VLA \S+ CUDA graph")
+_EAGER_SINCE_LOAD = re.compile(r"VLA (\S+) CUDA graphs were captured at load: (\d+) requests ran eager since")
+
+
+def graph_log_counts(log_path: str) -> Dict[str, int]:
+    """From a Pi0.5 server's log: graphs captured so far (sglang's and sglang-ext's "Captured VLA ... CUDA
+    graph" lines) and the requests that ran eager since the load-time capture, per graph kind (the last
+    count sglang-ext logged; it logs the 1st, 2nd, 4th, ...: a lower bound)."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    counts = {"captures": len(_CAPTURE_LINE.findall(text))}
+    for kind, count in _EAGER_SINCE_LOAD.findall(text):
+        counts[f"eager_after_load_{kind}"] = int(count)
+    return counts

@@ -1,6 +1,6 @@
-"""scripts/bench_pi05_server.py plumbing on the CPU: the per-request breakdown, the summary row, the
-issue 26 targets and docs/performance.md's server section (the servers themselves: the GPU run, or
-`--cpu-logic-check` on sglang's server with the stand-in policy)."""
+"""scripts/bench_pi05_server.py plumbing on the CPU: the robot streams, the per-request breakdown, the
+summary row, the moving-robot targets and docs/performance.md's server section (the servers themselves:
+the GPU run, or `--cpu-logic-check` on sglang's server with the stand-in policy)."""
 
 from __future__ import annotations
 
@@ -43,19 +43,66 @@ def test_breakdown_splits_a_request_into_the_path_parts():
     assert "transport" not in unpatched and unpatched["outside_pipeline"] == pytest.approx(2.4)
 
 
-def test_summary_row_has_percentiles_tail_ratio_and_accuracy():
-    records = [_record(15.0 + 0.1 * i, actions=np.full((50, 7), 1.0 + 0.001 * (i == 3), np.float32))
+def test_summary_row_has_percentiles_tail_ratio_and_accuracy_over_every_answer():
+    records = [_record(15.0 + 0.1 * i, actions=np.full((50, 7), 1.0 + 0.001 * (i == 23), np.float32))
                for i in range(30)]
-    reference = [np.ones((50, 7), np.float32)] * 8
+    reference = [np.ones((50, 7), np.float32)] * 30  # one answer per observation: the 24th differs
     row = bench_pi05_server.summarize("ext-fast", "openpi", records, reference)
     assert row["requests"] == 30 and row["p50_ms"] == pytest.approx(16.5, abs=0.11)
     assert row["p99_ms"] == pytest.approx(17.9) and row["p99_over_p50"] == pytest.approx(17.9 / row["p50_ms"])
     assert row["max_rel_diff_vs_exact"] == pytest.approx(1e-3, rel=1e-3) and row["checked_requests"] == 30
     assert bench_results.undeclared({"results": [row]}, bench_pi05_server.SCHEMA) == []
-    targets = bench_pi05_server.targets([row])
-    assert [t[0] for t in targets] == ["ext-fast openpi: client p50 ms", "ext-fast openpi: p50 outside the pipeline ms",
-                                       "ext-fast openpi: p99 / p50"]
-    assert targets[0][3] == 17.0 and targets[1][3] == 2.5 and targets[2][3] == 1.3
+
+
+def _row(server, wire, motion, p50, p99, **extra):
+    return {"server": server, "wire": wire, "motion": motion, "client": "own", "p50_ms": p50, "p99_ms": p99,
+            "p99_over_p50": p99 / p50, **extra}
+
+
+def test_targets_are_for_moving_robots_and_compare_exact_with_unpatched():
+    rows = [_row("ext-fast", "openpi", "random", 16.0, 18.0, captures_after_start=0, max_rel_diff_vs_exact=2e-3,
+                 outside_pipeline_p50_ms=2.0),
+            _row("ext-fast", "json", "random", 22.0, 30.0, captures_after_start=1),
+            _row("ext-exact", "openpi", "random", 60.0, 70.0, captures_after_start=0),
+            _row("0517", "openpi", "random", 64.0, 196.0),
+            _row("ext-fast", "openpi", "fixed", 99.0, 99.0, captures_after_start=5)]  # one row, never a target
+    got = {label: (value, bound) for label, value, _, bound in bench_pi05_server.targets(rows)}
+    assert got == {
+        "ext-fast openpi random: client p50 ms": (16.0, 17.0),
+        "ext-fast openpi random: p99 / p50": (18.0 / 16.0, 1.2),
+        "ext-fast openpi random: p50 outside the pipeline ms": (2.0, 2.5),
+        "ext-fast openpi random: max relative difference from exact": (2e-3, 5e-3),
+        "ext-fast openpi random: graphs captured after start": (0, 0),
+        "ext-fast json random: client p50 ms": (22.0, 21.0),
+        "ext-fast json random: graphs captured after start": (1, 0),
+        "ext-exact openpi random: graphs captured after start": (0, 0),
+        "ext-exact openpi random: p50 ms vs unpatched 0517": (60.0, 64.0),
+        "ext-exact openpi random: p99 ms vs unpatched 0517": (70.0, 196.0),
+    }
+
+
+def test_robot_streams_move_switch_tasks_and_cameras():
+    cameras = ("base_0_rgb", "left_wrist_0_rgb")
+    moving = clients.robot_stream(120, cameras, motion="random", task_every=50)
+    states = np.stack([o.state for o in moving])
+    assert len({o.state.tobytes() for o in moving}) == 120 and (np.abs(states) <= 1).all()
+    assert [o.prompt for o in moving[::50]] == list(clients.TASKS[:3])
+    assert [sorted(o.images) for o in moving[::50]] == [list(cameras), [cameras[0]], [cameras[1]]]
+    smooth = np.stack([o.state for o in clients.robot_stream(60, cameras, motion="smooth")])
+    assert np.abs(np.diff(smooth, axis=0)).max() < 0.1 < np.ptp(smooth, axis=0).max()  # moves, never jumps
+    fixed = clients.robot_stream(10, cameras, motion="fixed")
+    assert len({o.state.tobytes() for o in fixed}) == 1 and {o.prompt for o in fixed} == {clients.PROMPT}
+    assert len({o.noise.tobytes() for o in fixed}) == 10 and all(sorted(o.images) == list(cameras) for o in fixed)
+    with pytest.raises(ValueError, match="motion: 'walk' is not allowed; allowed: random, smooth, fixed"):
+        clients.robot_stream(1, cameras, motion="walk")
+
+
+def test_graph_counts_come_from_the_server_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("Captured VLA denoise CUDA graph: batch=1\nCaptured VLA prefix CUDA graph for X\n"
+                   "VLA prefix CUDA graphs were captured at load: 1 requests ran eager since (no graph for Y)\n"
+                   "VLA prefix CUDA graphs were captured at load: 2 requests ran eager since (no graph for Z)\n")
+    assert clients.graph_log_counts(str(log)) == {"captures": 2, "eager_after_load_prefix": 2}
 
 
 def test_bad_server_or_wire_names_are_refused_with_the_allowed_ones():
@@ -64,8 +111,8 @@ def test_bad_server_or_wire_names_are_refused_with_the_allowed_ones():
 
 
 def test_performance_doc_renders_the_server_section_and_its_targets(tmp_path, monkeypatch):
-    rows = [bench_pi05_server.summarize("ext-fast", wire, [_record(16.0 + 0.01 * i) for i in range(20)], None)
-            for wire in ("openpi", "json")]
+    rows = [{**bench_pi05_server.summarize("ext-fast", wire, [_record(16.0 + 0.01 * i) for i in range(20)], None),
+             "motion": "random", "captures_after_start": 0} for wire in ("openpi", "json")]
     rows.append({"server": "0517", "wire": "sglang", "client": "sglang bench_pi05_openpi.py (openpi_ws)",
                  "requests": 20, "p50_ms": 31.0, "p90_ms": 33.0})
     report = {"run_id": "r1", "device": "NVIDIA H200", "torch": "2.11.0", "sglang": "0.5.17", "kernels": {},
@@ -80,9 +127,10 @@ def test_performance_doc_renders_the_server_section_and_its_targets(tmp_path, mo
     assert gen_performance_doc.main(["--bench-dir", str(tmp_path), "--doc", str(doc)]) == 0
     text = doc.read_text()
     assert "## Pi0.5 through the server" in text and "one run (run id r1)" in text
-    assert "| ext-fast openpi: client p50 ms | 16.10 | <= 17.00 | met |" in text
-    assert "| ext-fast json: client p50 ms | 16.10 | <= 19.00 | met |" in text
-    assert "- ext-exact: ServerError: exited" in text and "0517 | sglang | 20 | 31.00" in text
+    assert "| ext-fast openpi random: client p50 ms | 16.10 | <= 17.00 | met |" in text
+    assert "| ext-fast json random: client p50 ms | 16.10 | <= 21.00 | met |" in text
+    assert "| ext-fast openpi random: graphs captured after start | 0.00 | <= 0.00 | met |" in text
+    assert "- ext-exact: ServerError: exited" in text and "0517 | sglang | sglang's | 20 | 31.00" in text
     data = json.loads((tmp_path / "server_pi05.json").read_text())
     data["results"][0]["hand_added"] = 1
     (tmp_path / "server_pi05.json").write_text(json.dumps(data))

@@ -61,6 +61,8 @@ def random_policy(env, unset=()):
     # the plugin, or on the patched tree the copy the fork series vendors (sglang.ext)
     activation = importlib.import_module("sglang.ext.activation" if PATCHED_TREE else "sglang_ext.activation")
     patch = pytest.MonkeyPatch()
+    # these tests set prompt lengths, buckets and capacities themselves: graphs captured on first use
+    patch.setenv("SGLANG_EXT_PI05_GRAPH_CAPTURE", "lazy")
     for key, value in env.items():
         patch.setenv(key, value)
     for key in unset:
@@ -128,6 +130,30 @@ def test_graph_mode_matches_eager(policy, masked, prompt_len):
     assert prefix.captures == before_prefix.captures + 1 and prefix.hits >= before_prefix.hits + 1
     assert action.captures == before_action.captures + 1
     assert action.hits >= before_action.hits + 2 * NUM_STEPS - 1
+
+
+def test_graphs_captured_at_load_serve_every_prompt_length_and_capture_nothing_after(policy):
+    """The server's default (knob pi05_graph_capture=load): every prompt bucket's graphs captured while the
+    policy is built; prompts of many lengths, cameras masked or not, then replay them, within the bf16
+    tolerance of the module-scoped policy's eager answer (the same weights: seed 0)."""
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation, run_request
+
+    env = _ext_environment(PI05_GRAPH_CAPTURE="load")
+    with random_policy(env) as loaded:
+        prefix, action = loaded.prefix_graph_runner, loaded.graph_runner
+        at_load = (prefix.cache_info(), action.cache_info())
+        buckets = loaded._ext_graph_plan.prompt_buckets
+        print(f"[load] buckets {buckets}; prefix {at_load[0]}; action {at_load[1]}")
+        assert at_load[0].size == at_load[1].size == len(buckets) and at_load[0].sealed and at_load[1].sealed
+        graphs_made = (at_load[0].captures, at_load[1].captures)
+        for seed, (prompt_len, masked) in enumerate([(17, False), (33, True), (60, False), (111, True), (200, False)]):
+            observation = make_observation(loaded, prompt_len=prompt_len, masked_camera=masked, seed=seed)
+            got = run_request(loaded, observation, make_noise(loaded, seed), graph=True, num_steps=NUM_STEPS)
+            eager = run_request(policy, observation, make_noise(policy, seed), graph=False, num_steps=NUM_STEPS)
+            _compare(f"load-time prompt={prompt_len} masked={masked}", got, eager)
+        after = (prefix.cache_info(), action.cache_info())
+        assert (after[0].captures, after[1].captures) == graphs_made  # nothing captured after the load
+        assert after[0].sealed_misses == after[1].sealed_misses == 0 and after[0].hits == 5
 
 
 def test_fused_denoise_matches_eager(policy):
