@@ -119,7 +119,9 @@ PATCHES: Tuple[PatchSpec, ...] = (
         # relied on: the extend ranges the host count mirrors, and the module-global calls it rebinds
         + T(_MM_UTILS, "get_embedding_chunk", "embed_mm_inputs"),
         parts=(Part(_MM_UTILS, "sglang_ext.vit.mm_embedding:patch_mm_utils"),),
-        upstream_pr="none (sglang-ext only)",
+        upstream_pr="(sglang 0.5.21: embedding length checked without a sync, placeholder ids from pinned memory)",
+        upstream_since="0.5.21",
+        upstream_equivalent=True,
         retire_when="upstream checks the multimodal embedding length without a device sync and copies the "
         "placeholder ids to the device without one",
         rebinds=(f"{_MM_UTILS}.torch (a proxy: its own as_tensor, torch's other names)",),
