@@ -17,3 +17,15 @@ def init_single_rank_parallel_state() -> None:
     parallel_state.init_distributed_environment(
         world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def release_single_rank_parallel_state() -> None:
+    """Undo init_single_rank_parallel_state: processes this one forks later start without a world."""
+    import torch.distributed as dist
+
+    from sglang.srt.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+    if dist.is_initialized():
+        dist.destroy_process_group()

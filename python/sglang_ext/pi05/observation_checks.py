@@ -7,7 +7,7 @@ sglang.multimodal_gen.runtime.entrypoints.vla.ws_utils:run_action_msgpack_ws,
 sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAObservationPreprocessStage.forward
 Upstream PR: none (0.5.23 checks neither values nor camera names)
 Retire when: upstream refuses non-finite states and noise, badly shaped and unknown cameras and observations
-without a camera, per request, and its websocket answers a refused request without closing
+without a camera, per request, and its websockets answer a refused request without closing
 
 Why: a NaN state or noise came back as NaN actions; the HTTP process knows only the default cameras, so a
 camera the checkpoint names otherwise (sglang's own LIBERO benchmark: `image`, `image2`) was dropped
@@ -73,14 +73,14 @@ def check_values(observation: dict, images: dict) -> None:
 
 
 def check_cameras(images: dict, image_masks, camera_order, image_keys) -> None:
-    """Every camera named where the checkpoint (or the request's camera_order) can place it, one usable."""
+    """Without a camera_order every camera is one the checkpoint names; one camera of the order is usable.
+    (A camera_order the request gives places its cameras itself: others it sends are left out, as sglang does.)"""
     images, image_masks = images or {}, image_masks or {}
     order = tuple(camera_order) if camera_order else tuple(image_keys)
-    unknown = [name for name in images if name not in order]
+    unknown = [] if camera_order else [name for name in images if name not in order]
     if unknown:
-        where = "camera_order" if camera_order else "the checkpoint's cameras"
         raise ValueError(f"images: unknown camera(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(order)} "
-                         f"({where})")
+                         "(the checkpoint's cameras), or name the order in camera_order")
     if not any(images.get(name) is not None and bool(np.asarray(image_masks.get(name, True)).all()) for name in order):
         raise ValueError(f"images: no usable camera (none present and unmasked); allowed: at least one of "
                          f"{', '.join(order)}")

@@ -243,7 +243,8 @@ class _VLAGraphRunnerBase:
     @staticmethod
     def device_captures(device: Any) -> bool:
         """Graphs are captured on CUDA devices only; anything else runs eager."""
-        return torch.device(device).type == "cuda"
+        kind = getattr(device, "type", None)  # a torch.device, or anything shaped like one
+        return (torch.device(device).type if kind is None else kind) == "cuda"
 
     @classmethod
     def _graph_device(cls, tensor: Any) -> bool:

@@ -3,7 +3,7 @@
 Patch: mm_embedding_sync_free
 Targets: sglang.srt.managers.mm_utils:get_embedding_and_mask, sglang.srt.managers.mm_utils:_adjust_embedding_length,
     sglang.srt.managers.mm_utils:torch
-Upstream PR: none (sglang-ext only)
+Upstream PR: (sglang 0.5.21: embedding length checked without a sync, placeholder ids from pinned memory)
 Retire when: upstream checks the multimodal embedding length without a device sync and copies the
     placeholder ids to the device without one
 

@@ -83,12 +83,21 @@ def robot(pi05, fake_graphs, monkeypatch, tmp_path):
     from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess import (
         Pi05Preprocessor)
 
+    import torch.distributed as dist
+
+    from sglang_ext_testkit.single_rank import release_single_rank_parallel_state
+
     tokenizer = pi05_checkpoint.write_tiny_gemma_tokenizer(tmp_path / "tokenizer")
-    policy = pi05_random.build_random_pi05(
-        device="cpu", reduced=True, log=lambda _: None,
-        config_overrides={"image_keys": CAMERAS, "max_token_len": MAX_TOKEN_LEN,
-                          "default_num_inference_steps": STEPS, "tokenizer_name": str(tokenizer)})
-    return policy, Pi05Preprocessor(policy.config), graphs
+    had_world = dist.is_initialized()
+    try:
+        policy = pi05_random.build_random_pi05(
+            device="cpu", reduced=True, log=lambda _: None,
+            config_overrides={"image_keys": CAMERAS, "max_token_len": MAX_TOKEN_LEN,
+                              "default_num_inference_steps": STEPS, "tokenizer_name": str(tokenizer)})
+        yield policy, Pi05Preprocessor(policy.config), graphs
+    finally:
+        if not had_world:  # the model needs a world of one; tests that fork ranks later need none
+            release_single_rank_parallel_state()
 
 
 def _robot_observations(count, seed=0):
