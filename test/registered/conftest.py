@@ -25,6 +25,17 @@ PATCHED_TREE = os.environ.get("EXT_TEST_TREE", "plugin") == "patched"
 # Set by .ci/run: the Triton kernel checks must run there, so a missing triton fails them instead of skipping.
 REQUIRE_TRITON_ENV = "EXT_CI_REQUIRE_TRITON"
 
+# Warnings sglang and its dependencies raise on a CPU machine at import (no Triton, AWQ or GGUF on the CPU,
+# deprecations inside their own code): nothing a test here can act on; ours still show.
+THIRD_PARTY_WARNINGS = ("sglang", "transformers", "fastapi", "starlette", "torch", "_pytest")
+
+
+def pytest_configure(config):
+    for package in THIRD_PARTY_WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore:::{package}(\\..*)?$")
+    config.addinivalue_line("filterwarnings", "ignore::pytest.PytestAssertRewriteWarning")
+
+
 plugin_only = pytest.mark.skipif(
     PATCHED_TREE, reason="tests the installed plugin itself; on the patched tree it stands aside for sglang.ext"
 )
