@@ -641,18 +641,34 @@ def _passes_line(run) -> str:
     return f"{passes} pass{'es' if passes > 1 else ''} of {run['config'].get('requests')} requests."
 
 
-def _vit_server_other_runs() -> list:
-    """Other bench_vit_server.py runs kept in docs/bench (vit_server_<name>.json), newest first: table and command."""
+def _vit_server_run(run, name) -> list:
+    """One bench_vit_server.py run's table, targets and command (`--show` prints it)."""
     import bench_vit_server
 
-    lines = []
+    return [f"### `docs/bench/{name}`", "", *_provenance([(name, run)]),
+            f"{run['config'].get('model')} ({run['config'].get('parameters_b')} B); " + _passes_line(run), "",
+            *_vit_server_notes(run), "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
+            f"Command: `{run['config'].get('command')}`", ""]
+
+
+def _vit_server_other_runs() -> list:
+    """Other bench_vit_server.py runs kept in docs/bench (vit_server_<name>.json), newest first: one line each."""
     runs = [(_load(path), os.path.basename(path)) for path in glob.glob(os.path.join(BENCH_DIR, "vit_server_*.json"))]
+    if not runs:
+        return []
+    lines = ["### Other runs", "", "Kept in `docs/bench/`; a run's table, targets and command: "
+             "`python scripts/gen_performance_doc.py --show docs/bench/<file>`.", "",
+             "| file | run id | model | attention | passes |", "|---|---|---|---|---|"]
     for run, name in sorted(runs, key=lambda pair: pair[0].get("run_id") or "", reverse=True):
-        lines += [f"### Other run: `docs/bench/{name}`", "", *_provenance([(name, run)]),
-                  f"{run['config'].get('model')} ({run['config'].get('parameters_b')} B); " + _passes_line(run), "",
-                  *_vit_server_notes(run), "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
-                  f"Command: `{run['config'].get('command')}`", ""]
-    return lines
+        cfg = run["config"]
+        lines.append(f"| `{name}` | {run.get('run_id') or '-'} | {cfg.get('model')} | "
+                     f"{run.get('attention') or cfg.get('mm_attention_backend') or '-'} | {_passes_line(run)} |")
+    return lines + [""]
+
+
+def show(path: str) -> str:
+    """A kept bench_vit_server.py run, rendered as the doc once showed it."""
+    return "\n".join(_vit_server_run(_load(path), os.path.basename(path)))
 
 
 def _cp_section():
@@ -814,7 +830,11 @@ def main(argv=None) -> int:
     ap.add_argument("--doc", default=COMMITTED[1], help="where to write the doc (default docs/performance.md)")
     ap.add_argument("--readme", help="whose what-you-get lines to write (default: README.md, but only when "
                                      "--bench-dir and --doc are the defaults: other results never reach it)")
+    ap.add_argument("--show", metavar="FILE", help="print one kept docs/bench/vit_server_*.json run and exit")
     args = ap.parse_args(argv)
+    if args.show:
+        print(show(args.show))
+        return 0
     readme = args.readme
     if readme is None and (os.path.abspath(args.bench_dir), os.path.abspath(args.doc)) == COMMITTED:
         readme = README
