@@ -939,3 +939,19 @@ def test_validated_bucket_cache_does_not_admit_equal_non_ints():
     for bad in ([True, 2], [1.0, 2], (1, 2.0)):
         with pytest.raises(ValueError, match="buckets"):
             validate_buckets(bad)
+
+
+def test_sealed_cache_replays_what_it_holds_and_never_captures_again():
+    released = []
+    cache = BoundedGraphCache("sealed", 4, policy="lru", release=released.append)
+    assert cache.admit("a") is Admission.CAPTURE and cache.put("a", "graph-a", nbytes=10)
+    cache.seal()
+    assert cache.get("a") == "graph-a"  # what was captured before the seal still replays
+    for key in ("b", "b", "c"):  # a miss runs eager: counted, nothing evicted, nothing admitted
+        assert cache.get(key) is None and cache.admit(key) is Admission.EAGER_SEALED
+    info = cache.info()
+    assert (info.sealed, info.sealed_misses, info.size, info.captures, info.evictions) == (True, 3, 1, 1, 0)
+    cache.clear()  # releases the graphs, keeps the seal (a policy, not a cached state)
+    assert released == ["graph-a"] and cache.admit("a") is Admission.EAGER_SEALED
+    cache.seal(False)
+    assert cache.admit("a") is Admission.CAPTURE
