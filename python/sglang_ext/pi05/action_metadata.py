@@ -7,9 +7,11 @@ Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19
 config keys
 
 Why: 0.5.17 answers `cuda_graph` from `enable_action_cuda_graph` alone ("auto" even when the
-action graph is off) and says nothing about the prefix graph.
-How: wrapped: 0.5.19's `runtime.cuda_graph` block and `runtime.cuda_graph_mode`; 0.5.18's
-`entrypoints.action.protocol` aliased (upstream's tests import it); api and ws_utils rebound.
+action graph is off) and says nothing about the prefix graph; its HTTP process reports the default
+cameras, not the checkpoint's.
+How: wrapped: 0.5.19's `runtime.cuda_graph` block (the plan the workers resolve) and
+`runtime.cuda_graph_mode`, the checkpoint's cameras; 0.5.18's `entrypoints.action.protocol` aliased
+(upstream's tests import it); api and ws_utils rebound.
 """
 
 from __future__ import annotations
@@ -18,22 +20,28 @@ import functools
 import sys
 
 from sglang_ext.patching import install_module
+from sglang_ext.pi05 import graph_settings
+from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
 
 _VLA_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.vla.protocol"
 _ACTION_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.action.protocol"
 
 
 def _cuda_graph_block(pipeline_config) -> dict:
-    """The graph settings; a config without the 0.5.19 methods reports 0.5.17's action flag."""
+    """The graph settings the workers resolve (graph_settings.resolve_plan); a config without the 0.5.19
+    methods reports 0.5.17's action flag."""
     prefix_available = getattr(pipeline_config, "prefix_cuda_graph_available", None)
     action_available = getattr(pipeline_config, "action_cuda_graph_available", None)
+    plan = graph_settings.resolve_plan(pipeline_config) if callable(prefix_available) else None
     return {
         "prefix_enabled": bool(prefix_available()) if callable(prefix_available) else False,
-        "prefix_max_entries": getattr(pipeline_config, "prefix_cuda_graph_max_entries", 0),
+        "prefix_max_entries": plan.prefix_entries if plan else getattr(pipeline_config, "prefix_cuda_graph_max_entries", 0),
         "action_enabled": (bool(action_available()) if callable(action_available)
                            else bool(getattr(pipeline_config, "enable_action_cuda_graph", False))),
-        "action_max_entries": getattr(pipeline_config, "action_cuda_graph_max_entries", None),
-        "prompt_token_buckets": list(getattr(pipeline_config, "prompt_token_buckets", ())),
+        "action_max_entries": plan.action_entries if plan else getattr(pipeline_config, "action_cuda_graph_max_entries",
+                                                                       None),
+        "prompt_token_buckets": list(plan.prompt_buckets if plan else getattr(pipeline_config, "prompt_token_buckets",
+                                                                              ())),
     }
 
 
@@ -41,6 +49,7 @@ def _with_graph_settings(original):
     @functools.wraps(original)
     def action_metadata(server_args):
         metadata = original(server_args)
+        metadata["input"]["image_keys"] = list(checkpoint_cameras(server_args))
         block = _cuda_graph_block(server_args.pipeline_config)
         any_graph = block["prefix_enabled"] or block["action_enabled"]
         runtime = metadata["runtime"]

@@ -96,8 +96,9 @@ class GraphPlan:
 
 
 def resolve_plan(config) -> GraphPlan:
-    """The knobs and the config as one plan. At load, the caches hold every bucket (a capacity knob may cap
-    them; a config capacity of 0 still switches those graphs off); lazy keeps upstream's capacities."""
+    """The knobs and the config as one plan. At load, each cache holds every bucket (the config's capacity
+    when larger; a capacity knob caps it; a config capacity of 0 still switches those graphs off); lazy keeps
+    upstream's capacities."""
     at_load = knobs.current("pi05_graph_capture") == "load"
     buckets = tuple(setting(config, "prompt_token_buckets") or ())
     if at_load and not buckets:
@@ -109,7 +110,8 @@ def resolve_plan(config) -> GraphPlan:
         override = knob_override(field_name)
         if override is not None:
             return override
-        return 0 if _field(config, field_name) == 0 else max(len(buckets), 1)
+        configured = _field(config, field_name)
+        return 0 if configured == 0 else max(configured, len(buckets), 1)
 
     return GraphPlan(at_load=at_load, prompt_buckets=buckets, prefix_entries=entries("prefix_cuda_graph_max_entries"),
                      action_entries=entries("action_cuda_graph_max_entries"),

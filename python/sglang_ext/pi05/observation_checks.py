@@ -20,15 +20,13 @@ goes on; the worker checks again for requests that reach it another way.
 
 from __future__ import annotations
 
-import copy
 import functools
-import logging
-import os
 import sys
 
 import numpy as np
 
-logger = logging.getLogger("sglang_ext")
+from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
+
 # Marks a worker's refusal in the error text sglang carries back to the HTTP process.
 REFUSED = "invalid observation: "
 CHANNELS = (1, 3, 4)
@@ -106,31 +104,6 @@ def _checked_stage_forward(forward):
 
 class ObservationRefused(ValueError):
     """A request's observation, refused in the HTTP process (a ValueError: sglang's JSON endpoint answers 400)."""
-
-
-# pipeline config (by id) -> the cameras its checkpoint names, read once per server
-_CAMERAS: dict = {}
-
-
-def checkpoint_cameras(server_args) -> tuple:
-    """The checkpoint's cameras: sglang applies the checkpoint's config.json in the worker only, so the HTTP
-    process would know the default cameras; upstream's own reader runs here on a copy of the config."""
-    config = server_args.pipeline_config
-    cameras = _CAMERAS.get(id(config))
-    if cameras is None:
-        cameras = tuple(config.image_keys)
-        path = getattr(server_args, "model_path", None)
-        if path and os.path.isfile(os.path.join(path, "config.json")):
-            from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
-
-            probe = copy.deepcopy(config)
-            try:
-                Pi05PolicyModel._apply_checkpoint_config(path, probe)
-                cameras = tuple(probe.image_keys)
-            except Exception:  # noqa: BLE001 - a config.json sglang cannot read fails in the worker, as before
-                logger.warning("sglang-ext: could not read the cameras of %s", path, exc_info=True)
-        _CAMERAS[id(config)] = cameras
-    return cameras
 
 
 def _checked_build(build):

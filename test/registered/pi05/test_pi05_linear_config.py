@@ -640,21 +640,31 @@ def _server_args(config):
                            ulysses_degree=1, ring_degree=1, pipeline_config=config)
 
 
+LADDER = [32, 48, 64, 80, 112, 128, 160, 192, 200]  # the default prompt buckets up to max_token_len 200
+
+
 @pytest.mark.parametrize(
-    "overrides,expected_block,mode",
+    "capture,overrides,expected_block,mode",
     [
-        ({}, {"prefix_enabled": True, "prefix_max_entries": 1, "action_enabled": True,
-              "action_max_entries": 4, "prompt_token_buckets": []}, "exact"),
-        ({"prompt_token_buckets": [32, 64], "action_cuda_graph_max_entries": 0},
+        # graphs captured at load (the default): every bucket held, the config's capacity when larger
+        ("load", {}, {"prefix_enabled": True, "prefix_max_entries": 9, "action_enabled": True,
+                      "action_max_entries": 9, "prompt_token_buckets": LADDER}, "bucket"),
+        ("load", {"prompt_token_buckets": [32, 64], "action_cuda_graph_max_entries": 0},
+         {"prefix_enabled": True, "prefix_max_entries": 2, "action_enabled": False,
+          "action_max_entries": 0, "prompt_token_buckets": [32, 64]}, "bucket"),
+        ("load", {"offload_prefix_token_embedding": True, "enable_action_cuda_graph": False},
+         {"prefix_enabled": False, "prefix_max_entries": 9, "action_enabled": False,
+          "action_max_entries": 9, "prompt_token_buckets": LADDER}, "off"),
+        # upstream's first-use capture: the config as it is
+        ("lazy", {}, {"prefix_enabled": True, "prefix_max_entries": 1, "action_enabled": True,
+                      "action_max_entries": 4, "prompt_token_buckets": []}, "exact"),
+        ("lazy", {"prompt_token_buckets": [32, 64], "action_cuda_graph_max_entries": 0},
          {"prefix_enabled": True, "prefix_max_entries": 1, "action_enabled": False,
           "action_max_entries": 0, "prompt_token_buckets": [32, 64]}, "bucket"),
-        ({"offload_prefix_token_embedding": True, "enable_action_cuda_graph": False},
-         {"prefix_enabled": False, "prefix_max_entries": 1, "action_enabled": False,
-          "action_max_entries": 4, "prompt_token_buckets": []}, "off"),
     ],
 )
-def test_action_metadata_reports_graph_settings(ext_patches, overrides, expected_block, mode):
-    ext_patches()
+def test_action_metadata_reports_graph_settings(ext_patches, capture, overrides, expected_block, mode):
+    ext_patches(pi05_graph_capture=capture)
     from sglang.multimodal_gen.runtime.entrypoints.vla import api, protocol, ws_utils
 
     assert api.action_metadata is protocol.action_metadata is ws_utils.action_metadata

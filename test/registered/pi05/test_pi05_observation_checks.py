@@ -153,3 +153,24 @@ def test_the_worker_refuses_what_reaches_it_another_way(server_args, ext_patches
     stage.forward(batch, server_args)
     observation = batch.extra["vla"]["observation_batch"]
     assert [bool(observation.image_masks[name]) for name in pc.CAMERAS] == [False, True]
+
+
+@plugin_only
+def test_the_http_process_knows_the_checkpoints_cameras(server_args, ext_patches):
+    """sglang applies the checkpoint's config.json in the worker only; the HTTP process reports and checks the
+    checkpoint's cameras (LIBERO-like: two), not the pipeline config's default three."""
+    import copy
+
+    from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
+
+    ext_patches()
+    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import action_metadata, build_action_sampling_params
+
+    http_args = copy.copy(server_args)
+    http_args.pipeline_config = Pi05PipelineConfig()  # as the HTTP process has it: the defaults
+    assert len(http_args.pipeline_config.image_keys) == 3
+    assert action_metadata(http_args)["input"]["image_keys"] == list(pc.CAMERAS)
+    third = _openpi(**{"observation.images.right_wrist_0_rgb": GOOD.images[pc.CAMERAS[0]]})
+    with pytest.raises(ValueError, match=r"^images: unknown camera\(s\) 'right_wrist_0_rgb'; allowed: "
+                                         + ", ".join(pc.CAMERAS)):
+        build_action_sampling_params(third, http_args)
