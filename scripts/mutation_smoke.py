@@ -301,8 +301,8 @@ MUTANTS: List[Mutant] = [
            (f"{TP_TESTS}::test_a_failure_at_any_stage_on_one_rank_makes_every_rank_run_eager[2-1]",),
            "the vote takes the best outcome: ranks keep graphs a peer failed to capture"),
     Mutant("tp-rank-ignores-a-peers-failure", AGREEMENT,
-           "        if agreed != OK:\n",
-           "        if error is not None:\n",
+           "    if agreed != OK:\n",
+           "    if error is not None:\n",
            (f"{VIT_TESTS}::test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere",),
            "a rank whose own capture worked keeps its graph although a peer voted failure"),
     # --- Pi0.5 K/V refresh keyed by context generation (pi05/vla_cuda_graph.py) ---
