@@ -168,7 +168,8 @@ MUTANTS: List[Mutant] = [
            "bucket mode: another default token ladder than the documented one"),
     Mutant("vit-eager-chunks-split", VIT_BUDGET,
            "            eager_from = start if eager_from is None else eager_from\n            continue\n",
-           "            parts.append(self._ext_run_eager_call(*call_of(start, end)))\n            continue\n",
+           "            rows[start // unit:end // unit].copy_(self._ext_run_eager_call(*call_of(start, end)))\n"
+           "            continue\n",
            (f"{BUDGET_TESTS}::test_adjacent_chunks_no_graph_serves_run_as_one_eager_call",),
            "bucket mode: adjacent chunks no graph serves run as several eager calls"),
     Mutant("vit-probe-limit-still-splits", VIT_BUDGET,
