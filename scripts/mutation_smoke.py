@@ -103,6 +103,8 @@ CP = "sglang_ext/prefill_cp/bucket.py"
 CP_TESTS = "test/registered/cp/test_prefill_cp_bucket.py"
 AGREEMENT = "sglang_ext/graphs/agreement.py"
 TP_TESTS = "test/registered/vit/test_vit_tp_agreement.py"
+LOCKSTEP_TESTS = "test/registered/vit/test_vit_tp_lockstep.py"
+LOCKSTEP = f"{LOCKSTEP_TESTS}::test_an_allocation_failing_on_one_rank_leaves_every_rank_answering_eager"
 VLA = "sglang_ext/pi05/vla_cuda_graph.py"
 PI05_TESTS = "test/registered/pi05/test_pi05_graphs.py"
 WORKER_TESTS = "test/registered/pi05/test_pi05_worker_overhead.py"
@@ -168,7 +170,8 @@ MUTANTS: List[Mutant] = [
            "bucket mode: another default token ladder than the documented one"),
     Mutant("vit-eager-chunks-split", VIT_BUDGET,
            "            eager_from = start if eager_from is None else eager_from\n            continue\n",
-           "            parts.append(self._ext_run_eager_call(*call_of(start, end)))\n            continue\n",
+           "            rows[start // unit:end // unit].copy_(self._ext_run_eager_call(*call_of(start, end)))\n"
+           "            continue\n",
            (f"{BUDGET_TESTS}::test_adjacent_chunks_no_graph_serves_run_as_one_eager_call",),
            "bucket mode: adjacent chunks no graph serves run as several eager calls"),
     Mutant("vit-probe-limit-still-splits", VIT_BUDGET,
@@ -301,10 +304,20 @@ MUTANTS: List[Mutant] = [
            (f"{TP_TESTS}::test_a_failure_at_any_stage_on_one_rank_makes_every_rank_run_eager[2-1]",),
            "the vote takes the best outcome: ranks keep graphs a peer failed to capture"),
     Mutant("tp-rank-ignores-a-peers-failure", AGREEMENT,
-           "        if agreed != OK:\n",
-           "        if error is not None:\n",
+           "    if agreed != OK:\n",
+           "    if error is not None:\n",
            (f"{VIT_TESTS}::test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere",),
            "a rank whose own capture worked keeps its graph although a peer voted failure"),
+    Mutant("tp-budget-inputs-decided-alone", VIT_BUDGET,
+           '    inputs = agreed(self._ext_vote(), synthetic_inputs, "inputs")\n',
+           '    inputs = agreed(lambda value: value, synthetic_inputs, "inputs")\n',
+           (f"{LOCKSTEP}[bucket-fa3]",),
+           "TP: a rank whose probe inputs failed leaves the ladder alone (its peers wait in the capture vote)"),
+    Mutant("tp-replay-staged-alone", VIT,
+           '        staged = agreed(self._ext_vote(), stage, "replay")\n',
+           '        staged = agreed(lambda value: value, stage, "replay")\n',
+           (f"{LOCKSTEP}[layout-triton_attn]",),
+           "TP: a rank that could not stage a replay runs eager alone (its peers wait in the graph's all-reduce)"),
     # --- Pi0.5 K/V refresh keyed by context generation (pi05/vla_cuda_graph.py) ---
     Mutant("cache-seal-ignored", "sglang_ext/graphs/cache.py",
            "        if self.sealed:\n            self.sealed_misses += 1", "        if False:\n            self.sealed_misses += 1",

@@ -1,11 +1,11 @@
-"""Capture a graph on every tensor-parallel rank or on none, without a rank left waiting.
+"""Every tensor-parallel rank takes the same decision, and none is left waiting.
 
-`prepare()` is rank-local (buffers, a warm-up with local stand-ins for collectives); `capture()`
-records collectives but executes none, so a rank that fails half-way leaves no peer waiting.
-`agreed_capture` votes after each, so every rank runs the same votes ([1] or [1, 2]) and takes
-the same decision. A vote is a MIN all-reduce of `OK` / `TRANSIENT` / `PERMANENT` over a CPU
-(gloo) group: the worst outcome wins, so ranks also agree on whether to retry. Hits, replays and
-misses that are not admitted never vote.
+A rank-local step that may fail (allocations, a warm-up with local stand-ins for collectives, a
+capture, which records collectives but executes none) runs through `agreed`: its exception becomes
+this rank's vote, and every rank votes once whatever happened locally, so all ranks cast the same
+votes in the same order. A vote is a MIN all-reduce of `OK` / `TRANSIENT` / `PERMANENT` over a CPU
+(gloo) group: the worst outcome wins, so ranks also agree on whether to retry. `agreed_capture`
+votes after the prepare and after the capture ([1] or [1, 2] votes).
 """
 
 from __future__ import annotations
@@ -28,16 +28,21 @@ def local_vote(value: int) -> int:
     return value
 
 
+def cpu_group_min(cpu_group: Any, value: int, bits: int = 32) -> int:
+    """MIN of `value` over `cpu_group` (a gloo process group): one all-reduce of one int."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(value)], dtype=torch.int64 if bits == 64 else torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
+    return int(flag.item())
+
+
 def cpu_group_vote(cpu_group: Any) -> Vote:
-    """A vote over `cpu_group` (a gloo process group): one MIN all-reduce of one int32."""
+    """A vote over `cpu_group`: one MIN all-reduce of one int32."""
 
     def vote(value: int) -> int:
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(value)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
-        return int(flag.item())
+        return cpu_group_min(cpu_group, value)
 
     return vote
 
@@ -49,10 +54,10 @@ def failure_vote(exc: Optional[BaseException]) -> int:
 
 
 class DeclinedByPeer(RuntimeError):
-    """Another rank failed this capture; this rank drops its part too."""
+    """Another rank failed this step; this rank drops its part too."""
 
     def __init__(self, stage: str, transient: bool):
-        super().__init__(f"graph capture {stage} failed on another rank "
+        super().__init__(f"graph {stage} failed on another rank "
                          f"({'transient: retried later' if transient else 'permanent'})")
         self.stage = stage
         self.transient = transient
@@ -60,13 +65,37 @@ class DeclinedByPeer(RuntimeError):
 
 @dataclass
 class Outcome:
-    """What all ranks agreed: `ok`, else the failure (local or a peer's) and its class."""
+    """What all ranks agreed: `ok` (with the step's `value`), else the failure (local or a peer's) and its class."""
 
     ok: bool
-    stage: str = ""  # "prepare" or "capture" when not ok
+    stage: str = ""  # the step that failed when not ok
     transient: bool = False
     error: Optional[BaseException] = None  # this rank's own error, or DeclinedByPeer
     votes: int = 0
+    value: Any = None
+
+    @property
+    def where(self) -> str:
+        """Who failed, for logs."""
+        return "another rank" if isinstance(self.error, DeclinedByPeer) else "this rank"
+
+
+def agreed(vote: Vote, step: Callable[[], Any], stage: str) -> Outcome:
+    """Run `step()` on this rank, then vote on how it went: one vote on every rank, whatever
+    happened here (exceptions are returned, not raised)."""
+    error: Optional[BaseException] = None
+    value = None
+    try:
+        value = step()
+    except Exception as exc:  # noqa: BLE001 - voted on, returned to the caller
+        error = exc
+    agreed = vote(failure_vote(error))
+    if agreed != OK:
+        transient = agreed == TRANSIENT
+        if error is None:
+            error = DeclinedByPeer(stage, transient)
+        return Outcome(False, stage, transient, error, votes=1)
+    return Outcome(True, votes=1, value=value)
 
 
 def agreed_capture(vote: Vote, prepare: Callable[[], Any], capture: Callable[[], Any],
@@ -74,17 +103,10 @@ def agreed_capture(vote: Vote, prepare: Callable[[], Any], capture: Callable[[],
     """Run `prepare()`, vote, `capture()`, vote; on an agreed failure `discard()` (exceptions are returned)."""
     votes = 0
     for stage, step in (("prepare", prepare), ("capture", capture)):
-        error: Optional[BaseException] = None
-        try:
-            step()
-        except Exception as exc:  # noqa: BLE001 - voted on, returned to the caller
-            error = exc
-        agreed = vote(failure_vote(error))
+        outcome = agreed(vote, step, stage)
         votes += 1
-        if agreed != OK:
+        if not outcome.ok:
             discard()
-            transient = agreed == TRANSIENT
-            if error is None:
-                error = DeclinedByPeer(stage, transient)
-            return Outcome(False, stage, transient, error, votes)
+            outcome.votes = votes
+            return outcome
     return Outcome(True, votes=votes)

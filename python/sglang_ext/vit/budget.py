@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from sglang_ext.graphs.agreement import OK, PERMANENT, failure_vote
+from sglang_ext.graphs.agreement import OK, PERMANENT, agreed, failure_vote
 from sglang_ext.graphs.buckets import geometric_buckets, select_bucket
 from sglang_ext.graphs.keys import GraphKey
 from sglang_ext.graphs.packing import median_wall_ms, sequences_between, whole_sequence_chunks
@@ -67,11 +67,6 @@ def padded_layout(layout, real_tokens, bucket, chunk):
     return tuple(cuts)
 
 
-def pad_rows(tensor, pad):
-    """`tensor` with `pad` zero rows appended along dim 0 (one kernel)."""
-    return None if tensor is None else torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, pad))
-
-
 def zero_rows(tensor, rows):
     """Zeros shaped like `tensor` with `rows` rows (None stays None)."""
     return None if tensor is None else torch.zeros((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
@@ -107,11 +102,18 @@ def _ext_synthetic_call(self, sample, tokens):
 
 
 def _ext_capture_budget(self, sample, budget):
-    """Capture the graph of one budget (agreed by every TP rank: raises on all of them or none)."""
-    layout_key, x, pos, cos, sin = self._ext_synthetic_call(sample, budget)
-    full, window = layout_key.layout
-    return self.create_graph(x, torch.tensor(full, dtype=torch.int32), device_layout(window, "cpu"), pos, cos, sin,
-                             attention_layout_key=(full, window))
+    """Capture the graph of one budget (agreed by every TP rank, its inputs too: raises on all of them or none)."""
+
+    def synthetic_inputs():
+        layout_key, x, pos, cos, sin = self._ext_synthetic_call(sample, budget)
+        full, window = layout_key.layout
+        return (x, torch.tensor(full, dtype=torch.int32), device_layout(window, "cpu"), pos, cos, sin), (full, window)
+
+    inputs = agreed(self._ext_vote(), synthetic_inputs, "inputs")
+    if not inputs.ok:
+        raise inputs.error
+    args, layout = inputs.value
+    return self.create_graph(*args, attention_layout_key=layout)
 
 
 def _on_cuda(runner) -> bool:
@@ -132,9 +134,9 @@ def _ext_probe_ladder(self, sample, ladder):
                            budget, exc_info=True)
             break
         tokens = previous + self._ext_merge_unit
-        call = self._ext_synthetic_call(sample, tokens)
         error = None
-        try:
+        try:  # rank-local (graphs captured with local stand-ins for the collectives), voted below
+            call = self._ext_synthetic_call(sample, tokens)
             with torch.no_grad(), self._ext_warm_up_context():
                 graph_ms = median_wall_ms(lambda: self._ext_replay_budget(*call, counted=False),
                                           repeats=PROBE_REPEATS, synchronize=sync)
@@ -170,8 +172,7 @@ def _ext_precapture(self, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_
     probed = list(kept)
     cache = self._ext_cache
     kept = kept[:cache.capacity]
-    while kept and cache.max_bytes > 0 and self._ext_expected_bytes(
-            torch.empty((kept[-1],) + tuple(x_3d.shape[1:]), dtype=x_3d.dtype, device="meta")) > cache.max_bytes:
+    while kept and cache.max_bytes > 0 and self._ext_expected_bytes(x_3d, rows=kept[-1]) > cache.max_bytes:
         kept.pop()
     captured = []
     for budget in reversed(kept):
@@ -233,59 +234,82 @@ def _ext_precapture_at_load(self, vit, server_tokens):
         self._ext_precapture(*sample)
 
 
-def _ext_budget_batch(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
-    """(graph key, padded key, padded tensors...) of the captured budget this call fits, or None.
+def _ext_budget_plan(self, layout_key):
+    """(graph key, padded key) of the captured budget this call fits, or None: from its CPU layout alone.
     Padding rows are zeros in sequences of their own, so the merger's first rows are the real output."""
     tokens = layout_key.num_tokens
     unit = self._ext_merge_unit
     if tokens % unit or tokens > self._ext_replay_limit:
         return None
-    decision = select_bucket(tokens, self._ext_token_buckets, max_padding_factor=math.inf)
-    if decision.bucket is None:
+    bucket = select_bucket(tokens, self._ext_token_buckets, max_padding_factor=math.inf).bucket
+    if bucket is None:
         return None
-    bucket, pad = decision.bucket, decision.padding
     full, window = layout_key.layout
     full = padded_layout(full, tokens, bucket, bucket)
     window = padded_layout(window, tokens, bucket, max(self._ext_window_tokens or 0, unit))
     padded_key = GraphKey(bucket, layout=(full, window))
     graph_key = self._ext_graph_key_for(padded_key)
-    if not self._ext_budget_fits(padded_key, graph_key):
-        return None
-    if position_embeddings is not None:
-        position_embeddings = tuple(pad_rows(t, pad) for t in position_embeddings)
-    return (graph_key, padded_key, pad_rows(x_3d, pad), position_embeddings,
-            pad_rows(rotary_pos_emb_cos, pad), pad_rows(rotary_pos_emb_sin, pad))
+    return (graph_key, padded_key) if self._ext_budget_fits(padded_key, graph_key) else None
 
 
 def _ext_replay_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
-                       counted=True):
-    """The call's merger rows from its budget graph, or None (counted=False: the probe, no counters)."""
-    batch = self._ext_budget_batch(layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
-    if batch is None:
-        return None
-    graph_key, padded_key, x_pad, pos, cos, sin = batch
-    if (self._ext_cache.get(graph_key) if counted else self._ext_cache.entries.get(graph_key)) is None:
-        return None
+                       counted=True, output_indices=None, out=None):
+    """(the call's merger rows from its budget graph, None), else (None, why it runs eager): "gate" (above
+    the replay limit), "no_fit" (no budget graph serves it) or "replay_failed" (a rank could not stage the
+    replay; every rank then runs it eager). The rows go to `out` if given, in `output_indices` order if
+    given. counted=False: the probe, no counters and no vote (its graphs hold local stand-ins for collectives)."""
     tokens = layout_key.num_tokens
+    plan = self._ext_budget_plan(layout_key)
+    if plan is None:
+        return None, "gate" if tokens > self._ext_replay_limit else "no_fit"
+    graph_key, padded_key = plan
+    if (self._ext_cache.get(graph_key) if counted else self._ext_cache.entries.get(graph_key)) is None:
+        return None, "no_fit"
     if counted:
         self._ext_padding["real_tokens"] += tokens
         if graph_key.num_tokens > tokens:
             self._ext_padding["padded_batches"] += 1
             self._ext_padding["padding_tokens"] += graph_key.num_tokens - tokens
     full, window = padded_key.layout
-    self._ext_write_layout(graph_key, device_layout(full, self.device), device_layout(window, self.device))
-    rows = torch.arange(tokens // self._ext_merge_unit, device=self.device)
-    return self.replay(graph_key, x_pad, position_embeddings=pos, rotary_pos_emb_cos=cos, rotary_pos_emb_sin=sin,
-                       output_indices=rows)
+
+    def stage_layout():
+        self._ext_write_layout(graph_key, device_layout(full, self.device), device_layout(window, self.device))
+
+    rows = self.replay(graph_key, x_3d, position_embeddings=position_embeddings, rotary_pos_emb_cos=rotary_pos_emb_cos,
+                       rotary_pos_emb_sin=rotary_pos_emb_sin, output_indices=output_indices,
+                       rows=tokens // self._ext_merge_unit, stage_layout=stage_layout, out=out,
+                       agree=counted)
+    return rows, None if rows is not None else "replay_failed"
 
 
-def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+def _ext_run_eager_call(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
+                        output_indices=None):
     """The sync-free eager run of one call given by its CPU layout, rotary on graphs-off's compiled kernel."""
     full, window = layout_key.layout
     with compiled_rotary():
         return self._ext_run_eager(x_3d, device_layout(full, x_3d.device), device_layout(window, x_3d.device),
-                                   position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin, None,
+                                   position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin, output_indices,
                                    max_len(full), max_len(window))
+
+
+def _ext_call_output(self, rows, output_indices):
+    """A chunked call's output rows, and their `output_indices` reordering (or None), allocated on every
+    rank of the tower's group or on none (None): replays then write into them, allocating nothing."""
+    template = next(iter(self.block_output.values()), None)
+    if template is None:
+        return None
+
+    def allocate():
+        row_shape = tuple(template.shape[1:])
+        reordered = None if output_indices is None else template.new_empty((output_indices.shape[0],) + row_shape)
+        return template.new_empty((rows,) + row_shape), reordered
+
+    outcome = agreed(self._ext_vote(), allocate, "output")
+    if not outcome.ok:
+        logger.warning("ViT CUDA graphs: a chunked call runs eager (its output could not be allocated on %s): %s",
+                       outcome.where, outcome.error)
+        return None
+    return outcome.value
 
 
 def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin,
@@ -312,25 +336,38 @@ def _ext_run_budget(self, layout_key, x_3d, position_embeddings, rotary_pos_emb_
                 None if rotary_pos_emb_cos is None else rotary_pos_emb_cos[start:end],
                 None if rotary_pos_emb_sin is None else rotary_pos_emb_sin[start:end])
 
-    # Adjacent chunks no graph serves run as ONE eager call (eager host time hardly depends on size).
-    parts, eager_from = [], None
-    for start, end in ranges:
-        out = self._ext_replay_budget(*call_of(start, end)) if limit else None
+    if len(ranges) == 1:  # one call: its replay writes the output, reordered
+        out, reason = (self._ext_replay_budget(*call_of(0, tokens), output_indices=output_indices) if limit
+                       else (None, "gate"))
         if out is None:
-            self._ext_fallbacks["gate" if not limit or end - start > limit else "no_fit"] += 1
+            self._ext_fallbacks[reason] += 1
+            out = self._ext_run_eager_call(*call_of(0, tokens), output_indices)
+        return out
+    # Chunks write into one output allocated first, so nothing allocates after a replay's collectives.
+    unit = self._ext_merge_unit
+    outputs = self._ext_call_output(tokens // unit, output_indices)
+    if outputs is None:
+        self._ext_fallbacks["replay_failed"] += 1
+        return self._ext_run_eager_call(*call_of(0, tokens), output_indices)
+    rows, reordered = outputs
+    # Adjacent chunks no graph serves run as ONE eager call (eager host time hardly depends on size).
+    eager_from = None
+    for start, end in ranges:
+        out, reason = self._ext_replay_budget(*call_of(start, end), out=rows[start // unit:end // unit])
+        if out is None:
+            self._ext_fallbacks[reason] += 1
             eager_from = start if eager_from is None else eager_from
             continue
         if eager_from is not None:
-            parts.append(self._ext_run_eager_call(*call_of(eager_from, start)))
+            rows[eager_from // unit:start // unit].copy_(self._ext_run_eager_call(*call_of(eager_from, start)))
             eager_from = None
-        parts.append(out)
     if eager_from is not None:
-        parts.append(self._ext_run_eager_call(*call_of(eager_from, tokens)))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return out if output_indices is None else out.index_select(0, output_indices)
+        rows[eager_from // unit:].copy_(self._ext_run_eager_call(*call_of(eager_from, tokens)))
+    return rows if reordered is None else torch.index_select(rows, 0, output_indices, out=reordered)
 
 
 METHODS = (
     _ext_budget_fits, _ext_synthetic_call, _ext_capture_budget, _ext_probe_ladder, _ext_precapture,
-    _ext_precapture_at_load, _ext_budget_batch, _ext_replay_budget, _ext_run_eager_call, _ext_run_budget,
+    _ext_precapture_at_load, _ext_budget_plan, _ext_replay_budget, _ext_run_eager_call, _ext_call_output,
+    _ext_run_budget,
 )

@@ -5,6 +5,7 @@ docs/how-it-works.md (ViT CUDA graphs) says why each step is safe.
 """
 
 import logging
+import math
 
 import torch
 
@@ -26,6 +27,14 @@ def max_len(layout):
     if not layout or len(layout) < 2:
         return 0
     return max(b - a for a, b in zip(layout, layout[1:]))
+
+
+def fill_rows(static, rows):
+    """`rows` into the first rows of `static`, zeros after them (a bucket graph's padding): no allocation."""
+    count = rows.shape[0]
+    static[:count].copy_(rows)
+    if count < static.shape[0]:
+        static[count:].zero_()
 
 
 def rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
@@ -205,8 +214,8 @@ def _ext_fill_rotary(self, graph_key, seq_len, position_embeddings, rotary_pos_e
     if cos is None or sin is None:
         return {}
     cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, cos.shape[1], cos.dtype)
-    cos_ws.copy_(cos)
-    sin_ws.copy_(sin)
+    fill_rows(cos_ws, cos)
+    fill_rows(sin_ws, sin)
     return rotary_kwargs(None if position_embeddings is None else (cos_ws, sin_ws), cos_ws, sin_ws)
 
 
@@ -259,13 +268,14 @@ def _ext_graph_tensors(self, graph_key):
     return tuple(tensors)
 
 
-def _ext_expected_bytes(self, x_3d):
-    """Input + attention workspace bytes of a graph for x_3d (known before capturing)."""
+def _ext_expected_bytes(self, x_3d, rows=None):
+    """Input + attention workspace bytes of a graph for x_3d, or for `rows` rows shaped like it (known
+    before capturing)."""
     attn = getattr(self.vit.blocks[0], "attn", None)
     heads = getattr(attn, "num_attention_heads_per_partition", 0)
     head_size = getattr(attn, "head_size", 0)
-    seq_len = int(x_3d.shape[0])
-    return x_3d.numel() * x_3d.element_size() + seq_len * heads * head_size * x_3d.element_size()
+    rows = int(x_3d.shape[0]) if rows is None else int(rows)
+    return rows * (math.prod(x_3d.shape[1:]) + heads * head_size) * x_3d.element_size()
 
 
 def _ext_release_graph(self, entry):

@@ -22,18 +22,19 @@ import sglang.srt.multimodal.vit_cuda_graph_runner as vit_cuda_graph_runner
 from sglang.srt.layers.attention.vision import prepare_vision_attention_metadata
 from sglang_ext import knobs as ext_knobs
 from sglang_ext.graphs import stats as ext_graph_stats
+from sglang_ext.graphs.agreement import agreed
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.keys import GraphKey, cpu_ints
 from sglang_ext.graphs.workspace import AddressGuard
 from sglang_ext.vit import budget, capture, tp
 from sglang_ext.vit.budget import BUCKET_SEQUENCES, token_buckets, window_slots, window_tokens
-from sglang_ext.vit.capture import CLASS_BACKENDS, max_len, rotary_kwargs
+from sglang_ext.vit.capture import CLASS_BACKENDS, fill_rows, max_len, rotary_kwargs
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
 # Fallback reasons, as counted per runner.
 FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed", "no_fit",
-                    "gate")
+                    "gate", "replay_failed")
 # Default byte budget (knob -1): this fraction of the free device memory, clamped to [floor, cap].
 AUTO_BUDGET = dict(fraction=0.25, floor=256 << 20, cap=4 << 30)
 
@@ -191,19 +192,44 @@ def _ext_graph_key_for(self, layout_key):
 
 
 def replay(self, graph_key, x_3d, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None,
-           output_indices=None):
+           output_indices=None, rows=None, stage_layout=None, out=None, agree=True):
+    """The graph's first `rows` output rows (all by default; `output_indices`: those rows, in that order),
+    in `out` or a new tensor the caller owns. Inputs shorter than the graph are padded with zero rows;
+    `stage_layout()` writes the call's boundaries. Everything that can fail (inputs, boundaries, the
+    output's allocation) runs first and is voted on: None when it failed on any rank of the tower's
+    group (every rank then runs the call eager), so the graph's collectives run on all ranks or none.
+    agree=False: a rank-local graph (the probe's), errors raised."""
     seq_len = graph_key.num_tokens if isinstance(graph_key, GraphKey) else int(graph_key)
-    self._ext_fill_rotary(graph_key, seq_len, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
-    self.block_input[graph_key].copy_(x_3d)
     guard = self.__dict__.get("_ext_address_guard")
-    if guard is not None and guard.enabled:
+    if guard is not None and guard.enabled:  # a debug assertion: loud, never voted away
         guard.check(graph_key, self._ext_graph_tensors(graph_key))
+
+    def stage():
+        if stage_layout is not None:
+            stage_layout()
+        self._ext_fill_rotary(graph_key, seq_len, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+        fill_rows(self.block_input[graph_key], x_3d)
+        if out is not None:
+            return out
+        # Owned result: the static output is rewritten by the next replay (of any graph sharing the pool).
+        shape = self.block_output[graph_key].shape
+        count = output_indices.shape[0] if output_indices is not None else shape[0] if rows is None else rows
+        return self.block_output[graph_key].new_empty((count,) + tuple(shape[1:]))
+
+    if agree:
+        staged = agreed(self._ext_vote(), stage, "replay")
+        if not staged.ok:
+            logger.warning("ViT CUDA graph replay for %d tokens failed on %s; running eager: %s: %s", seq_len,
+                           staged.where, type(staged.error).__name__, staged.error)
+            return None
+        result = staged.value
+    else:
+        result = stage()
     self.block_graphs[graph_key].replay()
-    out = self.block_output[graph_key]
-    # Owned result: the static output is rewritten by the next replay (of any graph sharing the pool).
+    static_out = self.block_output[graph_key]
     if output_indices is not None:
-        return out.index_select(0, output_indices)
-    return out.clone()
+        return torch.index_select(static_out, 0, output_indices, out=result)
+    return result.copy_(static_out[:result.shape[0]])
 
 
 def _ext_run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
@@ -293,15 +319,20 @@ def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_
             else:
                 reason = admission.name.lower().replace("eager_", "")
     ext_graph_stats.maybe_log(logger, self._ext_stats_log_interval_s)
+    out = None
+    if reason is None:
+        # Class mode: this batch's boundaries into the shared graph.
+        stage_layout = (lambda: self._ext_write_layout(graph_key, cu_seqlens, cu_window_seqlens)
+                        ) if graph_key.variant else None
+        out = self.replay(graph_key, x_3d, position_embeddings=position_embeddings,
+                          rotary_pos_emb_cos=rotary_pos_emb_cos, rotary_pos_emb_sin=rotary_pos_emb_sin,
+                          output_indices=output_indices, stage_layout=stage_layout)
+        reason = None if out is not None else "replay_failed"
     if reason is not None:
         self._ext_fallbacks[reason] += 1
-        ext_graph_stats.publish()
-        return self._ext_run_eager(*eager_batch, max_full_len, max_window_len)
+        out = self._ext_run_eager(*eager_batch, max_full_len, max_window_len)
     ext_graph_stats.publish()
-    if graph_key.variant:  # class mode: this batch's boundaries into the shared graph
-        self._ext_write_layout(graph_key, cu_seqlens, cu_window_seqlens)
-    return self.replay(graph_key, x_3d, position_embeddings=position_embeddings, rotary_pos_emb_cos=rotary_pos_emb_cos,
-                       rotary_pos_emb_sin=rotary_pos_emb_sin, output_indices=output_indices)
+    return out
 
 
 METHODS = (

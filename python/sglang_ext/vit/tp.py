@@ -10,7 +10,7 @@ import torch
 
 from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_tp_group
 from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-from sglang_ext.graphs.agreement import cpu_group_vote, local_vote
+from sglang_ext.graphs.agreement import cpu_group_min, cpu_group_vote, local_vote
 
 
 def _ext_tower_group(self):
@@ -40,11 +40,7 @@ def _ext_vote(self):
 def min_over_ranks(runner, value):
     """`value` (an int) agreed as the MIN over the ranks encoding with `runner` (itself when alone)."""
     group = agreeing_group(runner)
-    if group is None:
-        return value
-    agreed = torch.tensor([value], dtype=torch.int64)
-    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
-    return int(agreed.item())
+    return value if group is None else cpu_group_min(group.cpu_group, value, bits=64)
 
 
 class LocalCollectives:
