@@ -2,7 +2,8 @@
 
 Each knob has a flag (`--ext-<name>`, for `python -m sglang_ext.launch_server`) and an environment
 spelling (`SGLANG_EXT_<NAME>`, inherited by child processes); every process reads the environment
-through `load_settings()`, which raises `ExtConfigError` naming the knob and the allowed values.
+through `load_settings()`, which raises `ExtConfigError` naming the knob and the allowed values. The
+master switch `SGLANG_EXT` takes 1 or 0 (unset or empty: 0).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from sglang_ext.errors import ExtConfigError
 
-MASTER_ENV = "SGLANG_EXT"  # "1" switches sglang-ext on in this process and its children
+MASTER_ENV = "SGLANG_EXT"  # 1 or 0: sglang-ext on / off in this process and its children
+MASTER_VALUES = {"1": True, "0": False, "": False}  # "" (set but empty) reads as unset
 ENV_PREFIX = "SGLANG_EXT_"
 FLAG_PREFIX = "--ext-"
 
@@ -233,7 +235,9 @@ def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
         unknown = [n for n in values["disable"] if n not in names]
         if unknown:
             raise knob("disable").error(f"unknown patch name(s) {', '.join(unknown)}; allowed: {', '.join(names)}")
+    _check_vit_bucket_only(values)
     _check_vit_token_buckets(values)
+    _check_pi05_fp8_expert(values)
     return Settings(enabled=enabled, values=values)
 
 
@@ -241,26 +245,46 @@ def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
 VIT_MERGE_UNIT = 4
 
 
-def _check_vit_token_buckets(values: dict) -> None:
-    """Token buckets only mean something in bucket mode, and must keep merge groups whole."""
-    buckets = values["vit_graph_token_buckets"]
-    if not buckets:
+# Knobs that only bucket mode reads: set in another mode they would be ignored silently.
+VIT_BUCKET_ONLY = ("vit_graph_token_buckets", "vit_graph_replay_max_tokens", "vit_graph_above_ladder")
+
+
+def _check_vit_bucket_only(values: dict) -> None:
+    mode = values["vit_graph_mode"]
+    if mode == "bucket":
         return
-    k = knob("vit_graph_token_buckets")
-    if values["vit_graph_mode"] != "bucket":
-        raise k.error(f"only used with {knob('vit_graph_mode').flag} bucket (mode is {values['vit_graph_mode']!r}); "
-                      "allowed: leave it empty, or set the mode to bucket")
+    for name in VIT_BUCKET_ONLY:
+        k = knob(name)
+        if values[name] != k.default:
+            unset = "leave it empty" if k.default == () else f"leave it at {k.default}"
+            raise k.error(f"only used with {knob('vit_graph_mode').flag} bucket (mode is {mode!r}); "
+                          f"allowed: {unset}, or set the mode to bucket")
+
+
+def _check_vit_token_buckets(values: dict) -> None:
+    """Token buckets must keep merge groups whole."""
+    buckets = values["vit_graph_token_buckets"]
     bad = [b for b in buckets if b % VIT_MERGE_UNIT]
     if bad:
-        raise k.error(f"{', '.join(map(str, bad))} not a multiple of {VIT_MERGE_UNIT}; allowed: comma-separated "
-                      f"positive multiples of {VIT_MERGE_UNIT} (the ViT spatial merge unit), strictly increasing")
+        raise knob("vit_graph_token_buckets").error(
+            f"{', '.join(map(str, bad))} not a multiple of {VIT_MERGE_UNIT}; allowed: comma-separated positive "
+            f"multiples of {VIT_MERGE_UNIT} (the ViT spatial merge unit), strictly increasing")
+
+
+def _check_pi05_fp8_expert(values: dict) -> None:
+    """The FP8 expert weights are read only by the fast denoise loop."""
+    if values["pi05_fp8_expert"] and not values["pi05_fast"]:
+        fast = knob("pi05_fast")
+        raise knob("pi05_fp8_expert").error(f"needs {fast.flag} / {fast.env}, which is off; allowed: "
+                                            "both on, or this one off")
 
 
 def knob_enabled(env: Mapping[str, str]) -> bool:
     raw = env.get(MASTER_ENV, "")
-    if raw.strip().lower() in _TRUE | _FALSE:
-        return raw.strip().lower() in _TRUE
-    raise ExtConfigError(f"{MASTER_ENV}: {raw!r} is not allowed; allowed: 1 or 0")
+    value = MASTER_VALUES.get(raw.strip())
+    if value is None:
+        raise ExtConfigError(f"{MASTER_ENV}: {raw!r} is not allowed; allowed: 1 or 0")
+    return value
 
 
 def unknown_env_names(env: Mapping[str, str]) -> list[str]:
