@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -241,6 +242,17 @@ def test_help_lists_every_knob_then_hands_help_to_sglang(clean_env, capsys):
     assert "default 32" in out  # vit_graph_max_entries
     assert handover.calls == [["--help"]]  # sglang prints its own arguments next
     assert activation.statuses() == {}  # --help activates nothing
+
+
+# Benchmark results in a help text: a GPU model, a rate, a median, a speed-up factor, a relative change.
+MEASUREMENT = re.compile(r"\b[A-H]\d{3}\b|req/s|\bmedians?\b|\d(\.\d+)?x\b|\bserver run\b|"
+                         r"measured (slower|faster)|% (lower|higher|faster|slower)", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("k", KNOBS, ids=lambda k: k.name)
+def test_knob_help_says_what_it_does_in_one_or_two_sentences(k):
+    assert len(re.findall(r"[.!?](?:\s|$)", k.help)) <= 2, k.help
+    assert not MEASUREMENT.search(k.help), k.help
 
 
 @pytest.mark.parametrize("module, extra", [
