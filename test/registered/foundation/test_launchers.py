@@ -141,6 +141,8 @@ LAUNCHER = "python -m sglang_ext.launch_server: error: "
      "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / SGLANG_EXT_PI05_FAST, which is "
      "off; allowed: both on, or this one off"),
     ([], {MASTER_ENV: "yes"}, "SGLANG_EXT: 'yes' is not allowed; allowed: 1 or 0"),
+    (["--ext-activation-dir", "/proc/sglang-ext-records"], {},
+     "--ext-activation-dir / SGLANG_EXT_ACTIVATION_DIR: cannot create folder '/proc/sglang-ext-records' ("),
 ])
 def test_configuration_errors_exit_2_in_one_line_before_the_gpu_check(argv, env, line):
     """The real launcher on this machine: a bad setting is reported, not hidden behind "no CUDA GPU" (exit 1)."""
@@ -149,7 +151,11 @@ def test_configuration_errors_exit_2_in_one_line_before_the_gpu_check(argv, env,
                           env={**base, **env}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr == LAUNCHER + line + "\n"
+    assert proc.stderr.startswith(LAUNCHER + line), proc.stderr
+    if "activation-dir" not in line:
+        assert proc.stderr == LAUNCHER + line + "\n"
+    else:
+        assert proc.stderr.endswith("); allowed: a folder this user can write\n"), proc.stderr
 
 
 def test_bucket_only_knobs_at_their_defaults_are_accepted_in_every_mode(clean_env):
