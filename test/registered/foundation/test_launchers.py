@@ -167,6 +167,38 @@ def test_bucket_only_knobs_at_their_defaults_are_accepted_in_every_mode(clean_en
         activation.deactivate()
 
 
+INT_KNOBS = [k for k in KNOBS if k.kind == "int"]
+
+
+def test_every_int_knob_declares_a_minimum():
+    assert INT_KNOBS and [k.name for k in INT_KNOBS if k.minimum is None] == []
+
+
+@pytest.mark.parametrize("k", INT_KNOBS, ids=lambda k: k.name)
+def test_int_knob_below_its_minimum_exits_2_and_at_it_is_accepted(clean_env, capsys, monkeypatch, k):
+    """Every int knob at its minimum - 1 (flag, then inherited variable): one line naming it, exit 2,
+    before the GPU check; at its minimum it starts."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a configuration error must come first
+    line = (f"prog: error: {k.flag} / {k.env}: {k.minimum - 1} is below the minimum; "
+            f"allowed: integers >= {k.minimum}\n")
+    handover = Handover()
+    assert launcher.main(["--model-path", "m", k.flag, str(k.minimum - 1)], "prog", handover) == 2
+    assert capsys.readouterr().err == line
+    clean_env[k.env] = str(k.minimum - 1)
+    assert launcher.main(["--model-path", "m"], "prog", handover) == 2
+    assert capsys.readouterr().err == line
+    assert handover.calls == [] and MASTER_ENV not in os.environ
+    del clean_env[k.env]
+    disable = f"--ext-disable={ALL_PATCHES}"
+    assert main_without_gpu_check(["--model-path", "m", disable, k.flag, str(k.minimum)], "prog", handover) == 0
+    assert clean_env[k.env] == str(k.minimum)  # exported: the next launch inherits it
+    activation.deactivate()
+    assert main_without_gpu_check(["--model-path", "m", disable], "prog", handover) == 0
+    assert handover.calls == [["--model-path", "m"]] * 2
+
+
 def test_master_switch_0_inherited_is_accepted_and_switched_on(clean_env):
     clean_env[MASTER_ENV] = "0"
     assert main_without_gpu_check(["--model-path", "m", f"--ext-disable={ALL_PATCHES}"], "prog", Handover()) == 0
