@@ -2,7 +2,8 @@
 
 Each knob has a flag (`--ext-<name>`, for `python -m sglang_ext.launch_server`) and an environment
 spelling (`SGLANG_EXT_<NAME>`, inherited by child processes); every process reads the environment
-through `load_settings()`, which raises `ExtConfigError` naming the knob and the allowed values.
+through `load_settings()`, which raises `ExtConfigError` naming the knob and the allowed values. The
+master switch `SGLANG_EXT` takes 1 or 0 (unset or empty: 0).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from sglang_ext.errors import ExtConfigError
 
-MASTER_ENV = "SGLANG_EXT"  # "1" switches sglang-ext on in this process and its children
+MASTER_ENV = "SGLANG_EXT"  # 1 or 0: sglang-ext on / off in this process and its children
+MASTER_VALUES = {"1": True, "0": False, "": False}  # "" (set but empty) reads as unset
 ENV_PREFIX = "SGLANG_EXT_"
 FLAG_PREFIX = "--ext-"
 
@@ -104,10 +106,9 @@ KNOBS: tuple[Knob, ...] = (
          "Most ViT CUDA graphs resident at once (0 disables ViT graphs: every batch runs eager).",
          minimum=0),
     Knob("vit_graph_max_bytes", "int", -1,
-         "Byte budget for resident ViT graphs, counted from each graph's static buffers (the same on "
-         "every TP rank, so ranks evict in lockstep). -1 = auto: a quarter of the device memory free when "
-         "the ViT first runs, at least 256 MiB and at most 4 GiB, the minimum over TP ranks; 0 = no byte "
-         "limit; N > 0 = N bytes.",
+         "Byte budget for resident ViT graphs, counted from their static buffers (the same on every TP rank, "
+         "so ranks evict in lockstep). -1 = a quarter of the device memory free when the ViT first runs "
+         "(256 MiB to 4 GiB, the minimum over TP ranks); 0 = no byte limit; N > 0 = N bytes.",
          minimum=-1),
     Knob("vit_graph_policy", "choice", "lru",
          "When full: 'lru' evicts the least recently used graph (reset() before capture); "
@@ -117,38 +118,30 @@ KNOBS: tuple[Knob, ...] = (
          "Anti-thrash admission: capture a layout only once it has been seen this many times.",
          minimum=1),
     Knob("vit_graph_mode", "choice", "bucket",
-         "'bucket' (the default): one graph per token budget, all captured when the model loads, none while "
-         "serving; a call is padded to the smallest budget that fits, runs eager in one call above the "
-         "break-even measured at load, and above a lower limit (--ext-vit-graph-replay-max-tokens, or the "
-         "ladder cut to its capacity) is split into chunks of whole images that replay. Equal to eager within "
-         "bf16 rounding, not bitwise. 'class': graphs shared by layouts with the same token count, "
-         "sequence-count class and longest-sequence class; 'layout': one graph per (tokens, attention layout); "
-         "both captured on first use and bitwise equal to eager on triton_attn and fa3 (fa4: unverified). "
-         "Graphs need vision attention triton_attn, fa3 or fa4; other backends (sdpa) always run eager.",
+         "'bucket': one graph per token budget, captured when the model loads, each call padded to the "
+         "smallest budget that fits (equal to eager within bf16 rounding); 'class' (one graph per token count, "
+         "sequence-count class and longest-sequence class) and 'layout' (one per attention layout) capture on "
+         "first use, bitwise equal to eager. Graphs need vision attention triton_attn, fa3 or fa4 (sdpa runs "
+         "eager).",
          choices=("layout", "class", "bucket")),
     Knob("vit_graph_token_buckets", "int_list", (),
-         "Bucket mode only: token budgets (patches before merging) to capture, each a multiple of 4 (the "
-         "spatial merge unit of the Qwen2.5-VL / Qwen3-VL towers). Empty = 512 growing by 26 % in multiples of "
-         "64 up to the largest call the server's prefill limits allow (chunked prefill size times the merge "
-         "unit; 16384 without a server)."),
+         "Bucket mode only: the token budgets (patches before merging, multiples of the merge unit 4) to "
+         "capture. Empty = 512 growing by 26 % in multiples of 64 up to the largest call the server's prefill "
+         "limits allow (16384 without a server)."),
     Knob("vit_graph_replay_max_tokens", "int", -1,
-         "Bucket mode only: the largest call (tokens) that replays a graph. -1 = measured at load: budgets are "
-         "probed smallest first and the ladder ends at the first whose graph is slower than eager on this GPU "
-         "and model (agreed by every TP rank); N = the budgets up to N tokens, no probe.",
+         "Bucket mode only: the largest call (tokens) that replays a graph. -1 = measured at load (the ladder "
+         "ends at the first budget whose graph is slower than eager, agreed by every TP rank); N = the budgets "
+         "up to N tokens, larger calls split into chunks of whole images that replay.",
          minimum=-1),
     Knob("vit_graph_above_ladder", "choice", "eager",
-         "Bucket mode with the ladder measured at load: a call above the probe's break-even runs as one eager "
-         "call ('eager', the default: least device time on an idle GPU) or is split into chunks of whole images "
-         "that replay ('split': far fewer host launches, more device time for padding; one H200 server run per "
-         "backend, req/s medians against graphs off: 1.20-1.28x at concurrency 8 with one image per request "
-         "against eager's 1.10-1.14x, 0.89-0.91x at 64 against 0.97-1.01x).",
+         "Bucket mode only, ladder measured at load: a call above the ladder runs as one eager call ('eager') "
+         "or is split into chunks of whole images that replay ('split': fewer host launches, more device time "
+         "spent on padding).",
          choices=("eager", "split")),
     Knob("vit_triton_rotary", "bool", True,
          "ViT graphs on: every vision attention call, eager and captured, rotates q and k with one Triton "
-         "kernel rounded as sglang's eager rotary (bitwise equal to it on the GPU) instead of a dozen float32 "
-         "kernels per layer in replays and the compiled kernel in bucket-mode eager calls (one H200 server run: "
-         "ViT device time per token 18-29 % lower at four of five loads). Off = sglang's functions. Without "
-         "Triton: always off."),
+         "kernel rounded as sglang's eager rotary (bitwise equal to it on the GPU). Off, or without Triton: "
+         "sglang's own rotary functions."),
     Knob("vit_graph_precapture", "bool", True,
          "Bucket mode: capture the budget ladder when the model loads (after sglang's own CUDA graphs, before "
          "the server reports healthy); off = at the tower's first call."),
@@ -164,9 +157,8 @@ KNOBS: tuple[Knob, ...] = (
          "at load and none configured, 32 growing by 25 % in multiples of 16 up to max_token_len."),
     Knob("pi05_graph_capture", "choice", "load",
          "'load': before the server reports healthy, capture a prefix and an action graph for every prompt token "
-         "bucket, then capture nothing while serving (a prompt no bucket holds runs eager); the graph caches hold "
-         "every bucket unless a capacity knob caps them. 'lazy': upstream's behaviour, capture on first use "
-         "within the config's capacities.",
+         "bucket, and nothing while serving (a prompt no bucket holds runs eager). 'lazy': upstream's behaviour, "
+         "capture on first use within the config's capacities.",
          choices=("load", "lazy")),
     Knob("pi05_graph_max_bytes", "int", 4 << 30,
          "Byte budget of each Pi0.5 graph cache, counted from its graphs' static buffers (prefix K/V, inputs); "
@@ -180,20 +172,16 @@ KNOBS: tuple[Knob, ...] = (
          "one CUDA graph: one replay per request instead of one per step."),
     Knob("pi05_fast", "bool", False,
          "Opt-in: Pi0.5's denoise steps (implies pi05_fused_denoise) and the prefix's SigLIP and language "
-         "model layers on fused kernels; the time conditioning computed once per step count. Equal to the exact "
-         "path within bf16 tolerance, not bitwise. Action sequence parallelism and a tensor-parallel prefix "
-         "take the exact path."),
+         "model layers on fused kernels, equal to the exact path within bf16 tolerance, not bitwise. Action "
+         "sequence parallelism and a tensor-parallel prefix take the exact path."),
     Knob("pi05_fp8_expert", "bool", False,
-         "Opt-in, with pi05_fast: the action expert's o, gate-up and down weights (85 % of its weight bytes, "
-         "read every denoise step) in FP8 e4m3 with a float32 scale per row, quantized once at first use and kept "
-         "beside the bf16 ones; products in bf16 from the exact FP8 values, float32 sums. Not equal to the "
-         "exact path beyond FP8 rounding: bench_pi05's graph-fast-fp8 row states how far; never a default. "
-         "Measured slower than bf16 on an H200 (docs/gpu-notes.md). "
-         "Weights changed in place need the action graphs reset (the copies go with them)."),
+         "Opt-in, needs pi05_fast: the fast denoise loop reads the action expert's o, gate-up and down weights "
+         "in FP8 e4m3 with a float32 scale per row, quantized once at first use (not equal to the exact path "
+         "beyond FP8 rounding). Weights changed in place need the action graphs reset."),
     Knob("pi05_server_timing", "bool", False,
          "Benchmarks: every Pi0.5 action answer's `timings` also carries the server's hop times "
          "(http_parse_ms, http_decode_ms, to_worker_ms, worker_queue_ms, worker_forward_ms, "
-         "from_worker_ms, server_total_ms; patch pi05_server_timing). Off: nothing is added."),
+         "from_worker_ms, server_total_ms). Off: nothing is added."),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
@@ -233,7 +221,9 @@ def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
         unknown = [n for n in values["disable"] if n not in names]
         if unknown:
             raise knob("disable").error(f"unknown patch name(s) {', '.join(unknown)}; allowed: {', '.join(names)}")
+    _check_vit_bucket_only(values)
     _check_vit_token_buckets(values)
+    _check_pi05_fp8_expert(values)
     return Settings(enabled=enabled, values=values)
 
 
@@ -241,26 +231,46 @@ def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
 VIT_MERGE_UNIT = 4
 
 
-def _check_vit_token_buckets(values: dict) -> None:
-    """Token buckets only mean something in bucket mode, and must keep merge groups whole."""
-    buckets = values["vit_graph_token_buckets"]
-    if not buckets:
+# Knobs that only bucket mode reads: set in another mode they would be ignored silently.
+VIT_BUCKET_ONLY = ("vit_graph_token_buckets", "vit_graph_replay_max_tokens", "vit_graph_above_ladder")
+
+
+def _check_vit_bucket_only(values: dict) -> None:
+    mode = values["vit_graph_mode"]
+    if mode == "bucket":
         return
-    k = knob("vit_graph_token_buckets")
-    if values["vit_graph_mode"] != "bucket":
-        raise k.error(f"only used with {knob('vit_graph_mode').flag} bucket (mode is {values['vit_graph_mode']!r}); "
-                      "allowed: leave it empty, or set the mode to bucket")
+    for name in VIT_BUCKET_ONLY:
+        k = knob(name)
+        if values[name] != k.default:
+            unset = "leave it empty" if k.default == () else f"leave it at {k.default}"
+            raise k.error(f"only used with {knob('vit_graph_mode').flag} bucket (mode is {mode!r}); "
+                          f"allowed: {unset}, or set the mode to bucket")
+
+
+def _check_vit_token_buckets(values: dict) -> None:
+    """Token buckets must keep merge groups whole."""
+    buckets = values["vit_graph_token_buckets"]
     bad = [b for b in buckets if b % VIT_MERGE_UNIT]
     if bad:
-        raise k.error(f"{', '.join(map(str, bad))} not a multiple of {VIT_MERGE_UNIT}; allowed: comma-separated "
-                      f"positive multiples of {VIT_MERGE_UNIT} (the ViT spatial merge unit), strictly increasing")
+        raise knob("vit_graph_token_buckets").error(
+            f"{', '.join(map(str, bad))} not a multiple of {VIT_MERGE_UNIT}; allowed: comma-separated positive "
+            f"multiples of {VIT_MERGE_UNIT} (the ViT spatial merge unit), strictly increasing")
+
+
+def _check_pi05_fp8_expert(values: dict) -> None:
+    """The FP8 expert weights are read only by the fast denoise loop."""
+    if values["pi05_fp8_expert"] and not values["pi05_fast"]:
+        fast = knob("pi05_fast")
+        raise knob("pi05_fp8_expert").error(f"needs {fast.flag} / {fast.env}, which is off; allowed: "
+                                            "both on, or this one off")
 
 
 def knob_enabled(env: Mapping[str, str]) -> bool:
     raw = env.get(MASTER_ENV, "")
-    if raw.strip().lower() in _TRUE | _FALSE:
-        return raw.strip().lower() in _TRUE
-    raise ExtConfigError(f"{MASTER_ENV}: {raw!r} is not allowed; allowed: 1 or 0")
+    value = MASTER_VALUES.get(raw.strip())
+    if value is None:
+        raise ExtConfigError(f"{MASTER_ENV}: {raw!r} is not allowed; allowed: 1 or 0")
+    return value
 
 
 def unknown_env_names(env: Mapping[str, str]) -> list[str]:

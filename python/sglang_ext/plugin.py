@@ -9,12 +9,28 @@ from __future__ import annotations
 
 import os
 
+CONFIG_ERROR_EXIT = 2  # a bad setting is a usage error, as in the launchers
+
 
 def register() -> None:
     # Unset, empty or "0": off without importing anything. Any other value goes to
-    # activate(), which validates it (a bad value stops start-up, "off" stays off).
+    # activate(), which validates it (a bad value stops start-up).
     if os.environ.get("SGLANG_EXT", "").strip() in ("", "0"):
         return
-    from sglang_ext.activation import activate
+    import sys
 
-    activate()
+    from sglang_ext.activation import activate
+    from sglang_ext.errors import ExtConfigError, SglangExtActivationError
+
+    try:
+        activate()
+    except SglangExtActivationError as exc:
+        if not isinstance(exc.__cause__, ExtConfigError):
+            raise  # strict mode: the traceback shows where the patch failed
+        # A bad setting: one line and exit 2, no traceback. SystemExit rather than os._exit: the
+        # loader catches only Exception, so it passes through; its finally blocks, atexit handlers
+        # and buffered logs still run; a multiprocessing child ends with this status; and a program
+        # that embeds sglang (an Engine in a notebook) can still catch it instead of vanishing.
+        sys.stderr.write(f"{exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(CONFIG_ERROR_EXIT) from None

@@ -6,7 +6,7 @@
 
 `doctor` prints a one-line verdict (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`); exit 0
 when every requested patch is applied, armed, disabled or not needed, 1 for a problem, 2 for a
-configuration error or missing sglang / torch. `make-tiny-model` exits 0 when written or already
+configuration error or missing sglang / torch (then the verdict goes to stderr). `make-tiny-model` exits 0 when written or already
 there, 2 otherwise. Every usage error is one line on stderr, exit 2.
 """
 
@@ -77,12 +77,19 @@ def doctor_main(args: argparse.Namespace) -> int:
         rep["records"] = doctor.read_records(args.records)
     rep["problems"] = doctor.problems(rep)
     rep["verdict"] = doctor.verdict(rep)
+    status = doctor.exit_status(rep)
     if args.json:
-        json.dump(rep, sys.stdout, indent=1, sort_keys=True)
-        sys.stdout.write("\n")
+        report = json.dumps(rep, indent=1, sort_keys=True) + "\n"
     else:
-        sys.stdout.write(doctor.render_text(rep, verbose=args.verbose))
-    return doctor.exit_status(rep)
+        report = doctor.render_text(rep, verbose=args.verbose)
+    if status == USAGE_EXIT:
+        # A bad setting or a missing sglang / torch is a usage error: its one line goes to stderr, like
+        # every usage error here; the report (JSON, --verbose details) stays on stdout.
+        sys.stderr.write(rep["verdict"] + "\n")
+        if not args.json:
+            report = report.partition("\n")[2]  # render_text's first line is the verdict
+    sys.stdout.write(report)
+    return status
 
 
 def _tiny_model_parser(sub) -> None:

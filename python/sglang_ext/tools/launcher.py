@@ -177,9 +177,10 @@ def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optiona
     or missing sglang / torch, 1 without a CUDA GPU (`require_cuda`), otherwise sglang's."""
     if any(a in ("-h", "--help") for a in argv):
         return _help(argv, prog, handover)
-    try:
+    try:  # every configuration check before the GPU check: a machine without one still hears about them
         values, rest = split_ext_args(argv)
         updates = ext_environment(values)
+        prepare_activation_dir({**os.environ, **updates})
     except ExtConfigError as exc:
         return _fail(prog, str(exc))
     missing = missing_serving_modules_message()
@@ -188,10 +189,6 @@ def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optiona
     problem = no_cuda_message() if require_cuda else None
     if problem is not None:
         return _fail(prog, problem, NO_GPU_EXIT)
-    try:
-        prepare_activation_dir({**os.environ, **updates})
-    except ExtConfigError as exc:
-        return _fail(prog, str(exc))
     os.environ.update(updates)
     from sglang_ext.activation import activate
 

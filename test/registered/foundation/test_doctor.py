@@ -141,22 +141,51 @@ def test_a_problem_exits_1_without_strict(monkeypatch):
     assert out.startswith("sglang-ext: PROBLEM \u2014 sglang 0.5.12 is not supported")
 
 
-def test_master_switch_other_than_0_or_1_exits_2(monkeypatch):
-    monkeypatch.setenv("SGLANG_EXT", "2")
-    rc, out = run_cli("doctor", "--no-import")
-    assert rc == 2
-    assert out == "sglang-ext: PROBLEM \u2014 configuration error: SGLANG_EXT: '2' is not allowed; allowed: 1 or 0\n"
+CONFIG_ERROR = "sglang-ext: PROBLEM \u2014 configuration error: "
 
 
-def test_configuration_error_exits_2_and_names_the_variable(monkeypatch):
+@pytest.mark.parametrize("env, line", [
+    ({"SGLANG_EXT": "2"}, "SGLANG_EXT: '2' is not allowed; allowed: 1 or 0"),
+    ({"SGLANG_EXT": "yes"}, "SGLANG_EXT: 'yes' is not allowed; allowed: 1 or 0"),
+    ({"SGLANG_EXT_PI05_FP8_EXPERT": "1"},
+     "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / SGLANG_EXT_PI05_FAST, which is "
+     "off; allowed: both on, or this one off"),
+    ({"SGLANG_EXT_VIT_GRAPH_MODE": "class", "SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "split"},
+     "--ext-vit-graph-above-ladder / SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER: only used with --ext-vit-graph-mode bucket "
+     "(mode is 'class'); allowed: leave it at eager, or set the mode to bucket"),
+])
+def test_configuration_error_is_one_line_on_stderr_and_exits_2(monkeypatch, capsys, env, line):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    rc = cli.main(["doctor", "--no-import"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err == CONFIG_ERROR + line + "\n"
+
+
+def test_configuration_error_names_the_variable_and_verbose_details_stay_on_stdout(monkeypatch, capsys):
     monkeypatch.setenv("SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS", "2")
-    rc, out = run_cli("doctor", "--no-import")
-    assert rc == 2
-    assert out.startswith("sglang-ext: PROBLEM \u2014 configuration error: unknown sglang-ext environment "
-                          "variable(s) SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS; allowed: ")
-    rc, out = run_cli("doctor", "--no-import", "--verbose")
-    assert rc == 2
-    assert "CONFIG ERROR: unknown sglang-ext environment variable(s) SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS" in out
+    rc = cli.main(["doctor", "--no-import"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(CONFIG_ERROR + "unknown sglang-ext environment variable(s) "
+                                   "SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS; allowed: ")
+    rc = cli.main(["doctor", "--no-import", "--verbose"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.err.count("\n") == 1 and captured.err.startswith(CONFIG_ERROR)
+    assert "CONFIG ERROR: unknown sglang-ext environment variable(s) SGLANG_EXT_VIT_GRAPH_MAX_ENTRYS" in captured.out
+    rc = cli.main(["doctor", "--no-import", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.err.count("\n") == 1 and captured.err.startswith(CONFIG_ERROR)
+    assert json.loads(captured.out)["config_error"].startswith("unknown sglang-ext environment variable(s) ")
+
+
+def test_real_cli_configuration_error_is_one_line_on_stderr_without_a_traceback():
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext", "doctor", "--no-import"],
+                          env=clean_env(SGLANG_EXT_PI05_FP8_EXPERT="1"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr == (CONFIG_ERROR + "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / "
+                           "SGLANG_EXT_PI05_FAST, which is off; allowed: both on, or this one off\n")
 
 
 def test_report_inside_a_patched_process_shows_live_statuses_and_graph_caches(ext_patches):

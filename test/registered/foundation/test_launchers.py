@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -90,6 +91,11 @@ def test_bare_boolean_flag_never_swallows_the_next_argument():
      ["--ext-vit-graph-token-buckets", "1001 not a multiple of 4", "allowed: comma-separated positive multiples"]),
     (["--ext-vit-graph-mode=layout", "--ext-vit-graph-token-buckets=256,512"],
      ["--ext-vit-graph-token-buckets", "only used with", "--ext-vit-graph-mode bucket", "'layout'"]),
+    (["--ext-vit-graph-mode=class", "--ext-vit-graph-replay-max-tokens=4096"],
+     ["--ext-vit-graph-replay-max-tokens", "only used with", "--ext-vit-graph-mode bucket", "'class'"]),
+    (["--ext-vit-graph-mode=layout", "--ext-vit-graph-above-ladder=split"],
+     ["--ext-vit-graph-above-ladder", "only used with", "--ext-vit-graph-mode bucket", "'layout'"]),
+    (["--ext-pi05-fp8-expert"], ["--ext-pi05-fp8-expert", "needs --ext-pi05-fast", "allowed: both on"]),
 ])
 def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(clean_env, capsys, argv, names):
     handover = Handover()
@@ -103,7 +109,7 @@ def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(clean_env, capsys,
     assert MASTER_ENV not in os.environ and activation.statuses() == {}
 
 
-@pytest.mark.parametrize("value", ["2", "maybe"])
+@pytest.mark.parametrize("value", ["2", "maybe", "yes", "true", "off"])
 def test_master_switch_other_than_0_or_1_is_rejected_by_the_real_launcher(value):
     """The launcher sets SGLANG_EXT=1 itself; an inherited typo must not slip past it to the no-GPU line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
@@ -112,6 +118,85 @@ def test_master_switch_other_than_0_or_1_is_rejected_by_the_real_launcher(value)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr == (f"python -m sglang_ext.launch_server: error: {MASTER_ENV}: {value!r} is not allowed; "
                            "allowed: 1 or 0\n")
+
+
+BUCKET_ONLY_ALLOWED = "allowed: {unset}, or set the mode to bucket"
+LAUNCHER = "python -m sglang_ext.launch_server: error: "
+
+
+@pytest.mark.parametrize("argv, env, line", [
+    (["--ext-vit-graph-mode", "layout", "--ext-vit-graph-replay-max-tokens", "4096"], {},
+     "--ext-vit-graph-replay-max-tokens / SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS: only used with "
+     "--ext-vit-graph-mode bucket (mode is 'layout'); " + BUCKET_ONLY_ALLOWED.format(unset="leave it at -1")),
+    (["--ext-vit-graph-mode=class", "--ext-vit-graph-above-ladder", "split"], {},
+     "--ext-vit-graph-above-ladder / SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER: only used with --ext-vit-graph-mode "
+     "bucket (mode is 'class'); " + BUCKET_ONLY_ALLOWED.format(unset="leave it at eager")),
+    ([], {"SGLANG_EXT_VIT_GRAPH_MODE": "layout", "SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "split"},
+     "--ext-vit-graph-above-ladder / SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER: only used with --ext-vit-graph-mode "
+     "bucket (mode is 'layout'); " + BUCKET_ONLY_ALLOWED.format(unset="leave it at eager")),
+    (["--ext-pi05-fp8-expert"], {},
+     "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / SGLANG_EXT_PI05_FAST, which is "
+     "off; allowed: both on, or this one off"),
+    (["--ext-pi05-fast=0"], {"SGLANG_EXT_PI05_FP8_EXPERT": "1"},
+     "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / SGLANG_EXT_PI05_FAST, which is "
+     "off; allowed: both on, or this one off"),
+    ([], {MASTER_ENV: "yes"}, "SGLANG_EXT: 'yes' is not allowed; allowed: 1 or 0"),
+    (["--ext-activation-dir", "/proc/sglang-ext-records"], {},
+     "--ext-activation-dir / SGLANG_EXT_ACTIVATION_DIR: cannot create folder '/proc/sglang-ext-records' ("),
+])
+def test_configuration_errors_exit_2_in_one_line_before_the_gpu_check(argv, env, line):
+    """The real launcher on this machine: a bad setting is reported, not hidden behind "no CUDA GPU" (exit 1)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext.launch_server", "--model-path", "m", *argv],
+                          env={**base, **env}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith(LAUNCHER + line), proc.stderr
+    if "activation-dir" not in line:
+        assert proc.stderr == LAUNCHER + line + "\n"
+    else:
+        assert proc.stderr.endswith("); allowed: a folder this user can write\n"), proc.stderr
+
+
+def test_bucket_only_knobs_at_their_defaults_are_accepted_in_every_mode(clean_env):
+    for mode in ("layout", "class", "bucket"):
+        argv = [f"--ext-vit-graph-mode={mode}", "--ext-vit-graph-replay-max-tokens=-1",
+                "--ext-vit-graph-above-ladder=eager", "--ext-vit-graph-token-buckets=",
+                "--ext-pi05-fast", "--ext-pi05-fp8-expert", f"--ext-disable={ALL_PATCHES}"]
+        assert main_without_gpu_check(["--model-path", "m", *argv], "prog", Handover()) == 0, mode
+        activation.deactivate()
+
+
+INT_KNOBS = [k for k in KNOBS if k.kind == "int"]
+
+
+def test_every_int_knob_declares_a_minimum():
+    assert INT_KNOBS and [k.name for k in INT_KNOBS if k.minimum is None] == []
+
+
+@pytest.mark.parametrize("k", INT_KNOBS, ids=lambda k: k.name)
+def test_int_knob_below_its_minimum_exits_2_and_at_it_is_accepted(clean_env, capsys, monkeypatch, k):
+    """Every int knob at its minimum - 1 (flag, then inherited variable): one line naming it, exit 2,
+    before the GPU check; at its minimum it starts."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a configuration error must come first
+    line = (f"prog: error: {k.flag} / {k.env}: {k.minimum - 1} is below the minimum; "
+            f"allowed: integers >= {k.minimum}\n")
+    handover = Handover()
+    assert launcher.main(["--model-path", "m", k.flag, str(k.minimum - 1)], "prog", handover) == 2
+    assert capsys.readouterr().err == line
+    clean_env[k.env] = str(k.minimum - 1)
+    assert launcher.main(["--model-path", "m"], "prog", handover) == 2
+    assert capsys.readouterr().err == line
+    assert handover.calls == [] and MASTER_ENV not in os.environ
+    del clean_env[k.env]
+    disable = f"--ext-disable={ALL_PATCHES}"
+    assert main_without_gpu_check(["--model-path", "m", disable, k.flag, str(k.minimum)], "prog", handover) == 0
+    assert clean_env[k.env] == str(k.minimum)  # exported: the next launch inherits it
+    activation.deactivate()
+    assert main_without_gpu_check(["--model-path", "m", disable], "prog", handover) == 0
+    assert handover.calls == [["--model-path", "m"]] * 2
 
 
 def test_master_switch_0_inherited_is_accepted_and_switched_on(clean_env):
@@ -195,6 +280,17 @@ def test_help_lists_every_knob_then_hands_help_to_sglang(clean_env, capsys):
     assert "default 32" in out  # vit_graph_max_entries
     assert handover.calls == [["--help"]]  # sglang prints its own arguments next
     assert activation.statuses() == {}  # --help activates nothing
+
+
+# Benchmark results in a help text: a GPU model, a rate, a median, a speed-up factor, a relative change.
+MEASUREMENT = re.compile(r"\b[A-H]\d{3}\b|req/s|\bmedians?\b|\d(\.\d+)?x\b|\bserver run\b|"
+                         r"measured (slower|faster)|% (lower|higher|faster|slower)", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("k", KNOBS, ids=lambda k: k.name)
+def test_knob_help_says_what_it_does_in_one_or_two_sentences(k):
+    assert len(re.findall(r"[.!?](?:\s|$)", k.help)) <= 2, k.help
+    assert not MEASUREMENT.search(k.help), k.help
 
 
 @pytest.mark.parametrize("module, extra", [

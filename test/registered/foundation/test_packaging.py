@@ -78,8 +78,8 @@ def empty_venv(tmp_path_factory, sglang_ext_wheel):
 
 
 @pytest.mark.parametrize("argv, stream, names", [
-    (["sglang-ext", "doctor"], "stdout", ["sglang-ext: PROBLEM \u2014 sglang and torch are not installed in "]),
-    (["sglang-ext", "doctor", "--no-import"], "stdout", ["sglang-ext: PROBLEM \u2014 sglang is not installed in "]),
+    (["sglang-ext", "doctor"], "stderr", ["sglang-ext: PROBLEM \u2014 sglang and torch are not installed in "]),
+    (["sglang-ext", "doctor", "--no-import"], "stderr", ["sglang-ext: PROBLEM \u2014 sglang is not installed in "]),
     (["sglang-ext", "make-tiny-model", "qwen2_5_vl", "{tmp}/tiny"], "stderr",
      ["make-tiny-model needs torch, transformers, tokenizers and safetensors, which are not installed in "]),
     (["python", "-m", "sglang_ext.launch_server", "--model-path", "m"], "stderr",

@@ -17,6 +17,7 @@ import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from conftest import plugin_only
+from sglang_ext.knobs import KNOBS
 from sglang_ext.registry import PATCH_NAMES
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
@@ -70,6 +71,9 @@ SCENARIOS = {
     "unsupported_strict": {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.23"},
     "unsupported_default": {"SGLANG_EXT": "1", "SGLANG_EXT_ASSUME_SGLANG": "0.5.23"},
     "bad_value_default": {"SGLANG_EXT": "1", "SGLANG_EXT_VIT_GRAPH_POLICY": "fifo"},
+    "bucket_only_in_layout_mode": {"SGLANG_EXT": "1", "SGLANG_EXT_VIT_GRAPH_MODE": "layout",
+                                   "SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": "4096"},
+    "master_switch_yes": {"SGLANG_EXT": "yes"},
     "upstream_vla_name": {"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "PROBE_IMPORT_VLA": "1"},
 }
 
@@ -149,11 +153,41 @@ def test_default_mode_warns_once_and_applies_nothing(runs):
     assert stderr.count("is not supported by sglang-ext") == 1
 
 
-def test_bad_knob_value_aborts_even_without_strict(runs):
-    rc, probe, stderr = runs["bad_value_default"]
-    assert rc != 0 and probe is None
-    assert "SglangExtActivationError" in stderr
-    assert "--ext-vit-graph-policy / SGLANG_EXT_VIT_GRAPH_POLICY: 'fifo' is not allowed; allowed: lru, exact" in stderr
+@pytest.mark.parametrize("scenario, line", [
+    ("bad_value_default",
+     "--ext-vit-graph-policy / SGLANG_EXT_VIT_GRAPH_POLICY: 'fifo' is not allowed; allowed: lru, exact"),
+    ("bucket_only_in_layout_mode",
+     "--ext-vit-graph-replay-max-tokens / SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS: only used with --ext-vit-graph-mode "
+     "bucket (mode is 'layout'); allowed: leave it at -1, or set the mode to bucket"),
+    ("master_switch_yes", "SGLANG_EXT: 'yes' is not allowed; allowed: 1 or 0"),
+])
+def test_bad_setting_ends_the_process_with_one_line_and_status_2(runs, scenario, line):
+    """sglang's loader swallows ordinary exceptions; a bad setting still stops the process, in one line
+    (even without strict mode) and without a traceback."""
+    rc, probe, stderr = runs[scenario]
+    assert rc == 2 and probe is None  # load_plugins() did not return
+    assert stderr == f"sglang-ext configuration error: {line}\n"
+
+
+INT_KNOBS = [k for k in KNOBS if k.kind == "int"]
+
+
+@pytest.mark.parametrize("k", INT_KNOBS, ids=lambda k: k.name)
+def test_int_knob_below_its_minimum_stops_register_in_one_line(monkeypatch, capsys, k):
+    """The entry point sglang's loader calls, in this process: status 2, one line, nothing activated."""
+    from sglang_ext import activation, plugin
+
+    for name in [n for n in os.environ if n.startswith("SGLANG_EXT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_EXT", "1")
+    monkeypatch.setenv(k.env, str(k.minimum - 1))
+    activation.deactivate()
+    with pytest.raises(SystemExit) as stopped:
+        plugin.register()
+    assert stopped.value.code == 2 and stopped.value.__cause__ is None and stopped.value.__suppress_context__
+    assert capsys.readouterr().err == (f"sglang-ext configuration error: {k.flag} / {k.env}: {k.minimum - 1} is "
+                                       f"below the minimum; allowed: integers >= {k.minimum}\n")
+    assert activation.statuses() == {}
 
 
 def test_upstream_vla_cuda_graph_name_imports_right_after_load_plugins(runs):

@@ -244,6 +244,44 @@ def test_json_body_parse_matches_json_loads_including_its_errors():
         assert str(ours.value) == str(theirs.value)
 
 
+INT64_EDGES = [2**63 - 1, -2**63, -2**63 - 1, 2**63, 2**64 - 1, 2**64, -2**64]
+
+
+def _same_value_and_types(got, want) -> bool:
+    """Equal, with the same type at every level (1 == 1.0 would hide an integer read as a float)."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, dict):
+        return list(got) == list(want) and all(_same_value_and_types(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        return len(got) == len(want) and all(_same_value_and_types(g, w) for g, w in zip(got, want))
+    return got == want
+
+
+@pytest.mark.parametrize("value", INT64_EDGES)
+def test_json_body_parse_keeps_integers_at_the_int64_edges(value):
+    """orjson reads integers outside int64 / uint64 as floats; the body must parse as json.loads does."""
+    from sglang_ext.pi05.action_transport import _ext_json_body
+
+    for text in (f"{value}", f"[{value}]", f'{{"state": [0.5, {value}, 1]}}',
+                 f'{{"a": {{"b": [[{value}]], "c": -1}}, "d": [{{"e": {value}}}]}}'):
+        want = json.loads(text)
+        got = _ext_json_body(text.encode())
+        assert _same_value_and_types(got, want), (text, got, want)
+
+
+def test_wide_int_check_looks_inside_lists_and_objects_at_every_depth():
+    from sglang_ext.pi05.action_transport import _ext_maybe_wide_int
+
+    edge = float(2**63)  # orjson's parse of -2**63 - 1 is -edge
+    for parsed in (edge, -edge, [edge], {"a": -edge}, [1, {"b": [2.5, [edge]]}], {"a": [{"b": {"c": edge}}]}, 1e300):
+        assert _ext_maybe_wide_int(parsed) is True, parsed
+    below = float(2**63 - 1024)  # the largest float below 2**63: integral, and exact in int64
+    for parsed in (below, -below, [2**63 - 1, -2**63], {"a": [1e18, 0.5]}, float("inf"), float("nan"),
+                   "9223372036854775808", [], {}):
+        assert _ext_maybe_wide_int(parsed) is False, parsed
+
+
 def test_b64_decoding_gives_the_standard_librarys_bytes_and_errors():
     from sglang_ext.pi05.action_transport import _ext_b64decode
 

@@ -363,3 +363,83 @@ def test_a_sample_that_fails_leaves_graphs_off(vit_patch, fake_cuda, caplog):
     out, want = merged_call(runner, *CALLS[0], 0)
     torch.testing.assert_close(out, want)
     assert "_ext_sample" not in runner.__dict__ and not runner.block_graphs
+
+
+# --- The full-attention sequence slots of a budget graph (BUCKET_SEQUENCES) ---
+
+SLOTS = vit_budget.BUCKET_SEQUENCES
+SMALL = (SLOTS // 4 + 1) * 4  # the budget just above SLOTS one-token sequences (40 for 36 slots)
+LARGE = -(-2 * SLOTS // 4) * 4  # the replay limit: room for twice as many tokens as slots (72)
+
+
+def slot_runner(vit_patch):
+    """Budgets SMALL and LARGE on a tower without windows and merge unit 1: every token can be a sequence."""
+    vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets=f"{SMALL},{LARGE}", vit_graph_replay_max_tokens=LARGE)
+    return ViTCudaGraphRunner(StubTower(fullatt=()))
+
+
+def sequences(*lengths):
+    """cu_seqlens of sequences of these lengths."""
+    cuts = [0]
+    for n in lengths:
+        cuts.append(cuts[-1] + n)
+    return tuple(cuts)
+
+
+def counted(runner):
+    info = runner._ext_graph_info()
+    return {k: info[k] for k in ("hits", "fallback_no_fit", "fallback_gate", "chunked_calls", "chunks", "captures")}
+
+
+@pytest.mark.parametrize("full, replays", [
+    (sequences(*[1] * (SLOTS - 1), SMALL - (SLOTS - 1)), True),  # every slot, no padding
+    (sequences(*[1] * (SLOTS - 1)), True),  # one slot left: the padding sequence takes it
+    (sequences(*[1] * SLOTS, SMALL - SLOTS), False),  # one sequence more than the slots
+    (sequences(*[1] * SLOTS), False),  # every slot taken, the padding needs one more
+], ids=["slots-exactly", "slots-with-padding", "one-over", "one-over-with-padding"])
+def test_a_call_replays_only_while_its_sequences_and_padding_fit_the_slots(vit_patch, fake_cuda, full, replays):
+    runner = slot_runner(vit_patch)
+    call(runner, SMALL, sequences(SMALL), qwen3=True)  # pre-capture, then one hit
+    before = counted(runner)
+    out, want = call(runner, full[-1], full, qwen3=True, position=1)
+    torch.testing.assert_close(out, want)
+    after = counted(runner)
+    assert after["captures"] == before["captures"] == 2  # nothing captured for it
+    assert (after["hits"] - before["hits"], after["fallback_no_fit"] - before["fallback_no_fit"]) == (
+        (1, 0) if replays else (0, 1))
+    if replays:
+        key = next(k for k in runner.block_graphs if k.num_tokens == SMALL)
+        assert key.variant[1] == SLOTS and len(runner.cu_full_len[key]) == SLOTS + 1
+        assert runner.cu_full_len[key].tolist() == list(full) + [SMALL] * (SLOTS + 1 - len(full))
+
+
+def test_chunks_above_the_limit_leave_one_slot_for_their_padding(vit_patch, fake_cuda):
+    """A call above the replay limit with many small images: each chunk holds SLOTS - 1 whole sequences,
+    so with its padding sequence it fills every slot and replays."""
+    runner = slot_runner(vit_patch)
+    call(runner, SMALL, sequences(SMALL), qwen3=True)  # pre-capture
+    before = counted(runner)
+    tokens = 2 * (SLOTS - 1) + 10  # one-token images: chunks of SLOTS - 1, SLOTS - 1 and 10 sequences
+    out, want = call(runner, tokens, sequences(*[1] * tokens), qwen3=True, position=2)
+    torch.testing.assert_close(out, want)
+    after = counted(runner)
+    assert {k: after[k] - before[k] for k in after} == {
+        "hits": 3, "fallback_no_fit": 0, "fallback_gate": 0, "chunked_calls": 1, "chunks": 3, "captures": 0}
+    key = next(k for k in runner.block_graphs if k.num_tokens == SMALL)
+    assert runner.cu_full_len[key].tolist() == list(range(11)) + [SMALL] * (SLOTS - 10)  # the last chunk's
+
+
+def test_a_chunk_of_whole_sequences_fills_every_slot_of_the_largest_budget(vit_patch, fake_cuda):
+    """Two-token images above the limit: each chunk, SLOTS - 1 images and the padding, fills the largest
+    budget's slots (its cu_seqlens is every slot's boundary)."""
+    runner = slot_runner(vit_patch)
+    call(runner, SMALL, sequences(SMALL), qwen3=True)  # pre-capture
+    before = counted(runner)
+    images = 2 * (SLOTS - 1)
+    out, want = call(runner, 2 * images, sequences(*[2] * images), qwen3=True, position=3)
+    torch.testing.assert_close(out, want)
+    after = counted(runner)
+    assert (after["hits"] - before["hits"], after["chunks"] - before["chunks"]) == (2, 2)
+    assert after["fallback_no_fit"] == before["fallback_no_fit"] and after["fallback_gate"] == before["fallback_gate"]
+    key = next(k for k in runner.block_graphs if k.num_tokens == LARGE)
+    assert runner.cu_full_len[key].tolist() == list(range(0, 2 * SLOTS - 1, 2)) + [LARGE]  # SLOTS sequences
