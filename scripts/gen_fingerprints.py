@@ -33,7 +33,7 @@ from sglang_ext.registry import PATCHES  # noqa: E402
 
 TABLE_DIR = os.path.join(REPO, "python", "sglang_ext", "fingerprints")
 GENERATED_BY = "scripts/gen_fingerprints.py"
-REGENERATE = "python scripts/gen_fingerprints.py && git add python/sglang_ext/fingerprints docs/support-matrix.md README.md"
+REGENERATE = "python scripts/gen_fingerprints.py && git add python/sglang_ext/fingerprints docs/support-matrix.md docs/settings.md"
 
 
 def registry_targets() -> List[tuple]:

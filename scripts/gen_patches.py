@@ -26,7 +26,7 @@ files, imports no sglang, runs in about a second, and is generic: after an adapt
 re-run it. The series grows from 6,097 to about 7,050 lines. The price: a reader of the series
 sees the adapters and their runtime swaps, not edited sglang functions.
 
-    python scripts/gen_patches.py            # rewrite the series and the matrix in the READMEs
+    python scripts/gen_patches.py            # rewrite the series and the matrix in patches/README.md
     python scripts/gen_patches.py --check    # exit 1 when any of them is stale
 
 Patch paths are `a/python/sglang/...` (an sglang checkout: `git apply -p1`, quilt).
@@ -52,8 +52,8 @@ sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit.wheels
 
 SERIES_VERSION = "0.5.17"
 PATCH_DIR = os.path.join(REPO, "patches", f"sglang-{SERIES_VERSION}")
-READMES = (os.path.join(REPO, "patches", "README.md"), os.path.join(REPO, "README.md"))
-REGENERATE = "python scripts/gen_patches.py && git add patches/ README.md"
+READMES = (os.path.join(REPO, "patches", "README.md"),)
+REGENERATE = "python scripts/gen_patches.py && git add patches/"
 PACKAGE, VENDORED_AS = "sglang_ext", "sglang.ext"
 ROOTS = ("sglang_ext.activation",)  # plus the adapter modules the registry names
 TEST_ONLY = ("sglang_ext_testkit",)  # never vendored: importing it from shipped code is an error

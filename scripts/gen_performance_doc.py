@@ -720,10 +720,12 @@ def _pi05_headline():
     if ("0519", "graph") in rows:
         before.append(f"{rows[('0519', 'graph')]['p50_ms']:.1f} ms on 0.5.19")
     accuracy = ((best.get("accuracy") or {}).get("vs_graph") or {}).get("max_rel_diff")
-    close = f", its actions within {accuracy:.1e} (relative) of the exact graph path" if accuracy else ""
+    close = f", within {accuracy:.1e} of exact" if accuracy else ""
     device = ", ".join(sorted({run.get("device", "?") for run in runs}))
-    return (f"- **Pi0.5** (one request at a time, {device}): median latency {', '.join(before)}; "
-            f"{best['p50_ms']:.1f} ms with sglang-ext{flag}{close}. [Table]({_anchor(PI05_HEADING)})")
+    graph = rows.get(("0517", "graph"))
+    unpatched = f"{rows[('0517', 'eager')]['p50_ms']:.1f} ms" + (f" ({graph['p50_ms']:.1f} with its graphs)" if graph else "")
+    return (f"Pi0.5 latency, one prompt length, {device}", unpatched, f"{best['p50_ms']:.1f} ms{flag}{close}",
+            PI05_HEADING)
 
 
 def _vit_server_headline():
@@ -733,26 +735,16 @@ def _vit_server_headline():
     import bench_vit_server
 
     run = _load(path)
-    all_ratios = bench_vit_server.ratios(run)
-    ratios = [f"{ratio:.2f}x at concurrency {c}" for (_, c, images), ratio in all_ratios.items() if images == "1"]
-    if not ratios:
+    one_image = {c: ratio for (_, c, images), ratio in bench_vit_server.ratios(run).items() if images == "1"}
+    if not one_image:
         return None
-    cfg = run["config"]
     captures = [s["captures_after_start"] for s in run["servers"] if s["config"] == "ext"]
     below = sorted(f"{c}" + ("" if images == "1" else f" ({images} images)")
                    for (_, c, images) in bench_vit_server.below_graphs_off(run))
-    verdict = (f"below graphs off at concurrency {', '.join(below)}: keep ViT graphs off on a server loaded like that"
-               if below else "never below graphs off beyond graphs-off's own spread over the passes")
-    ceilings = [f"{ratio:.2f}x" for (_, c, images), ratio in bench_vit_server.ratios(run, "vit-free").items()
-                if images == "1"]
-    if ceilings:
-        verdict += f" (a server whose vision tower costs nothing: {', '.join(ceilings)})"
-    return (f"- **Qwen2.5-VL in a real server** ({cfg.get('model')}, {cfg.get('parameters_b')} B, "
-            f"{run.get('attention')} vision attention, {cfg.get('device')}): requests per second with "
-            f"sglang-ext's ViT graphs against ViT graphs off: {', '.join(ratios)}; "
-            f"{'no' if captures and not any(captures) else 'some'} graph captured while serving; {verdict}"
-            f"{' (an earlier run: see the notes above its table)' if _vit_server_notes(run) else ''}. "
-            f"[Table]({_anchor(VIT_SERVER_HEADING)})")
+    return (f"Qwen2.5-VL server, {run.get('attention')} ViT attention", "ViT graphs off: 1.00x",
+            f"{' / '.join(f'{r:.2f}x' for r in one_image.values())} at concurrency "
+            f"{' / '.join(map(str, one_image))}; {'0' if captures and not any(captures) else 'some'} captures while "
+            f"serving" + (f"; below graphs off at {', '.join(below)}" if below else ""), VIT_SERVER_HEADING)
 
 
 def _vit_headline():
@@ -768,7 +760,6 @@ def _vit_headline():
         return None
     best = max(ext, key=lambda r: r["graph_req_per_s"])
     mode = _mode_key(best["mode"])
-    flag = "" if mode == "layout" else f" (`--ext-vit-graph-mode {mode}`)"
     before = []
     old = by_mode.get("0.5.17", {})
     if old.get("crashed_at_request") is not None:
@@ -781,13 +772,11 @@ def _vit_headline():
         before.append(f"0.5.19 held {upstream['resident_graphs']} graphs after {upstream['requests']} requests "
                       "(its cache has no bound)")
     cfg = run["config"]
-    return (f"- **Qwen2.5-VL image encoder** ({cfg.get('tower')}, a stream of mixed image sizes on "
-            f"{cfg.get('device')}): {'; '.join(before) or 'no baseline recorded'}. With sglang-ext{flag}: "
-            f"{best['bitwise_equal']} of {best['requests']} requests bit for bit equal to eager, "
-            f"{best['resident_graphs']} graphs resident (at most {cfg.get('capacity')}, "
-            f"{best['peak_graph_bytes_mib']:.0f} MiB), {best['speedup_vs_eager']:.2f}x the requests per second of "
-            "eager (no graphs). "
-            f"[Table]({_anchor(VIT_HEADING)})")
+    crash = (f"died at request {old['crashed_at_request']}" if old.get("crashed_at_request") is not None
+             else f"{old.get('wrong_outputs', '?')}/{old.get('requests', '?')} answers wrong")
+    return (f"Qwen2.5-VL image encoder, {cfg.get('device')}", crash,
+            f"{mode} mode: {best['bitwise_equal']}/{best['requests']} equal to eager, at most {best['resident_graphs']} graphs "
+            f"({best['peak_graph_bytes_mib']:.0f} MiB), {best['speedup_vs_eager']:.2f}x eager's requests/s", VIT_HEADING)
 
 
 def _cp_headline():
@@ -801,18 +790,18 @@ def _cp_headline():
     batches = "/".join(sorted({str(r["batches"]) for r in rows}))
     # every batch is counted in one of sglang-ext's outcomes, none of which is an error
     none_fail = " and none failing" if all(sum(r["ext"].values()) == r["batches"] for r in rows) else ""
-    return (f"- **Prefill context parallelism** (sglang's default capture sizes, {batches} random batches per "
-            f"CP size {sizes}): on 0.5.17 {crashes} of them end in a RuntimeError at graph replay; sglang-ext "
-            f"replays those in a larger captured graph, with {eager} run eager{none_fail}. "
-            f"[Table]({_anchor(CP_HEADING)})")
+    return (f"Prefill CP, {batches} random batches per CP size {sizes}", f"{crashes} fail at replay",
+            ("/".join("0" for _ in rows) + " fail, " if none_fail else "") + f"{eager} run eager", CP_HEADING)
 
 
 def render_readme_block() -> str:
-    """The README's "what you get" lines (between README_BEGIN and README_END)."""
-    lines = [line for line in (_vit_headline(), _vit_server_headline(), _pi05_headline(), _cp_headline()) if line]
-    note = ("Measured against unpatched sglang; written by `scripts/gen_performance_doc.py` from "
-            "`docs/bench/*.json`, do not edit. Hardware, kernels, commands and every other number: "
-            "[docs/performance.md](docs/performance.md).")
+    """The README's headline table (between README_BEGIN and README_END)."""
+    rows = [row for row in (_vit_headline(), _vit_server_headline(), _pi05_headline(), _cp_headline()) if row]
+    lines = ["| | sglang 0.5.17 | with sglang-ext | |", "|---|---|---|---|"]
+    lines += [f"| {what} | {without} | {ext} | [details]({_anchor(heading)}) |"
+              for what, without, ext, heading in rows]
+    note = ("Generated by `scripts/gen_performance_doc.py` from `docs/bench/*.json`; every number, the kernels and "
+            "the commands: [docs/performance.md](docs/performance.md).")
     return "\n".join([*lines, "", note]) + "\n"
 
 

@@ -108,7 +108,7 @@ def test_bench_vit_kernels_record_is_what_its_schema_declares(backend):
 
 
 def test_readme_headlines_are_the_results_files_numbers_and_link_their_tables(tmp_path, monkeypatch):
-    """The README's "what you get" lines: written from docs/bench/*.json, each linking a heading of
+    """The README's headline table: written from docs/bench/*.json, each row linking a heading of
     docs/performance.md, and what README.md holds now (CI's --check fails otherwise)."""
     import re
 
@@ -126,15 +126,15 @@ def test_readme_headlines_are_the_results_files_numbers_and_link_their_tables(tm
     bench = os.path.join(SCRIPTS, "..", "docs", "bench")
     fast = [r for r in json.load(open(os.path.join(bench, "pi05_0517-ext.json")))["results"]
             if r["mode"] == "graph-fast"][0]
-    assert f"{fast['p50_ms']:.1f} ms with sglang-ext (`--ext-pi05-fast`)" in block
+    assert f"| {fast['p50_ms']:.1f} ms (`--ext-pi05-fast`)" in block
     vit = [r for r in json.load(open(os.path.join(bench, "vit.json")))["results"] if r["mode"].startswith("ext-")][0]
-    assert f"{vit['speedup_vs_eager']:.2f}x the requests per second" in block
+    assert f"{vit['speedup_vs_eager']:.2f}x eager's requests/s" in block
     server = json.load(open(os.path.join(bench, "vit_server.json")))
     ext1, off1 = ([r["req_s"] for r in server["passes"] if (r["concurrency"], r["images"], r["config"]) == (1, "1", c)
                    and r["req_s"] is not None] for c in ("ext", "graphs-off"))
     import statistics
 
-    assert f"{statistics.median(ext1) / statistics.median(off1):.2f}x at concurrency 1" in block
+    assert f"| {statistics.median(ext1) / statistics.median(off1):.2f}x / " in block and "at concurrency 1 / " in block
     readme = open(gen_performance_doc.README, encoding="utf-8").read()
     assert f"{gen_performance_doc.README_BEGIN}\n{block}{gen_performance_doc.README_END}" in readme
     # --check names the README when its lines are stale

@@ -256,8 +256,10 @@ def test_verdict_counts_applied_patches_and_names_the_first_problem(ext_patches)
     rep = doctor.report()
     n = len(PATCH_NAMES)
     assert doctor.verdict(rep) == f"sglang-ext: OK \u2014 {n}/{n} patches applied on sglang 0.5.17"
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md"), encoding="utf-8").read()
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    running = open(os.path.join(root, "docs", "running.md"), encoding="utf-8").read()
     assert f"`{doctor.verdict(rep)}`" in readme.replace("\n", " ")  # the README shows today's line
-    assert f"```\n{doctor.verdict(rep)}\n```" in readme
+    assert f"```\n{doctor.verdict(rep)}\n```" in running  # and so does the page that explains it
     rep["patches"][1] = {**rep["patches"][1], "state": "failed", "status": "failed: boom"}
     assert doctor.verdict(rep) == f"sglang-ext: PROBLEM \u2014 {rep['patches'][1]['name']}: failed: boom"
