@@ -276,7 +276,7 @@ def test_kernel_table_from_the_run_without_pdl_issue_29_targets_and_a_headline_o
     assert "| FP8 mode (graph-fast-fp8) p50 ms | 7.5 | <= 8.0 | met |" in text
     assert "| FP8 mode min cosine vs the exact graph path, 32 requests | 0.999500 | >= 0.999000 | met |" in text
     monkeypatch.setattr(gen_performance_doc, "BENCH_DIR", str(tmp_path))  # neither diagnostic nor opt-in FP8 leads
-    assert "14.0 ms with sglang-ext (`--ext-pi05-fast`)" in gen_performance_doc._pi05_headline()
+    assert "14.0 ms (`--ext-pi05-fast`)" in gen_performance_doc._pi05_headline()
 
 
 def test_kernels_split_by_phase_marks_and_the_phase_table_charges_each_class_its_work():
