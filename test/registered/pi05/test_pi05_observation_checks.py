@@ -174,3 +174,45 @@ def test_the_http_process_knows_the_checkpoints_cameras(server_args, ext_patches
     with pytest.raises(ValueError, match=r"^images: unknown camera\(s\) 'right_wrist_0_rgb'; allowed: "
                                          + ", ".join(pc.CAMERAS)):
         build_action_sampling_params(third, http_args)
+
+
+@plugin_only
+def test_sglangs_libero_bench_runs_to_the_end_refused_request_by_request(server_args, tmp_path):
+    """sglang's own benchmarks/bench_pi05_openpi.py, LIBERO profile (cameras `image`, `image2`), against
+    sglang's real server (every process; the stand-in policy of fake_pi05_server) with sglang-ext on: it
+    runs to the end, each request refused in one line, and the server then answers a good observation."""
+    import os
+    import subprocess
+    import sys
+
+    from sglang_ext_testkit.server_process import free_port, start_server
+
+    folder = pc.write_pi05_assets(tmp_path / "random-pi05")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_EXT")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    port = free_port()
+    server = start_server([sys.executable, "-m", "sglang_ext_testkit.fake_pi05_server", "--ext", "--model-path",
+                           str(folder), "--pipeline-config-path", str(folder / "pipeline_config.json"), "--host",
+                           "127.0.0.1", "--port", str(port), "--num-gpus", "1", "--warmup-mode", "off"],
+                          env, port, tmp_path / "server.log")
+    try:
+        server.wait_healthy(300)
+        bench = subprocess.run(
+            [sys.executable, "-m", "sglang.multimodal_gen.benchmarks.bench_pi05_openpi", "--profile", "libero",
+             "--skip-openpi", "--sglang-api", "openpi_ws", "--sglang-url", server.url, "--batch-size", "1",
+             "--num-samples", "3", "--repeats", "3", "--warmup", "1", "--disable-prefix-cache",
+             "--output-file", str(tmp_path / "bench.json")], env=env, capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stderr[-3000:]
+        client = clients.OpenPIClient(server.url)
+        libero = {"prompt": "go", "observation.images.image": GOOD.images[pc.CAMERAS[0]],
+                  "observation.images.image2": GOOD.images[pc.CAMERAS[1]], "observation.state": GOOD.state}
+        with pytest.raises(RuntimeError, match=r"server error: images: unknown camera\(s\) 'image', 'image2'"):
+            client.infer(libero)
+        answer = client.infer(clients.openpi_payload(GOOD))  # the same connection, then a good observation
+        client.close()
+    except BaseException:
+        print(server.log_tail())
+        raise
+    finally:
+        server.stop()
+    np.testing.assert_allclose(answer.actions, _expected(GOOD, server_args.pipeline_config), rtol=0, atol=1e-5)
