@@ -36,11 +36,14 @@ _PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.vla.protocol"
 def _finite(field: str, value) -> None:
     if value is None or isinstance(value, (str, bytes, dict)):
         return  # absent, or a form sglang's own parser answers for
-    try:
-        array = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value, dtype=np.float64)
-    except (TypeError, ValueError):
-        return
-    if not np.isfinite(array).all():
+    if hasattr(value, "isfinite"):  # a torch tensor (any dtype, bf16 included)
+        finite = bool(value.isfinite().all())
+    else:
+        try:
+            finite = bool(np.isfinite(np.asarray(value, dtype=np.float64)).all())
+        except (TypeError, ValueError):
+            return  # not numbers: sglang's own parsing answers
+    if not finite:
         raise ValueError(f"{field}: NaN or infinite values are not allowed; allowed: finite numbers")
 
 
@@ -57,7 +60,8 @@ def _image(name: str, value) -> None:
     if len(shape) != 3 or (shape[0] not in CHANNELS and shape[-1] not in CHANNELS) or min(shape) < 1:
         raise ValueError(f"images.{name}: shape {shape} is not allowed; allowed: HWC or CHW with 1, 3 or 4 "
                          "channels, at least 1x1")
-    if getattr(value, "dtype", None) is not None and np.dtype(str(value.dtype).replace("torch.", "")).kind == "f":
+    floating = value.is_floating_point() if hasattr(value, "is_floating_point") else np.asarray(value).dtype.kind == "f"
+    if floating:
         _finite(f"images.{name}", value)
 
 
@@ -66,14 +70,16 @@ def check_values(observation: dict, images: dict) -> None:
     for field in ("state", "noise"):
         value = observation.get(field)
         _finite(field, observation.get(f"observation.{field}") if value is None else value)
-    for name, value in (images or {}).items():
+    for name, value in (images.items() if isinstance(images, dict) else ()):
         _image(name, value)
 
 
 def check_cameras(images: dict, image_masks, camera_order, image_keys) -> None:
     """Without a camera_order every camera is one the checkpoint names; one camera of the order is usable.
     (A camera_order the request gives places its cameras itself: others it sends are left out, as sglang does.)"""
-    images, image_masks = images or {}, image_masks or {}
+    if not isinstance(images, dict):
+        return  # sglang's own parsing answers for other forms
+    image_masks = image_masks if isinstance(image_masks, dict) else {}
     order = tuple(camera_order) if camera_order else tuple(image_keys)
     unknown = [] if camera_order else [name for name in images if name not in order]
     if unknown:

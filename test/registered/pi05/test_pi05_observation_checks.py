@@ -130,6 +130,12 @@ def test_camera_checks_name_the_allowed_cameras():
     with pytest.raises(ValueError, match="no usable camera"):
         check_cameras({"base_0_rgb": object()}, {"base_0_rgb": False}, None, keys)
     check_values({"state": [0.5, -1.5], "noise": None}, {"cam": np.zeros((3, 8, 8), np.float32)})
+    import torch
+
+    check_values({}, {"cam": torch.zeros(1, 3, 8, 8, dtype=torch.bfloat16)})  # a torch frame, batch of one
+    with pytest.raises(ValueError, match=r"^images\.cam: NaN or infinite"):
+        check_values({}, {"cam": torch.full((3, 8, 8), float("nan"), dtype=torch.bfloat16)})
+    check_cameras(["not", "a", "dict"], None, None, keys)  # other forms: sglang's own parsing answers
     with pytest.raises(ValueError, match=r"^state: NaN or infinite values are not allowed; allowed: finite numbers$"):
         check_values({"observation.state": [np.nan]}, {})
 
