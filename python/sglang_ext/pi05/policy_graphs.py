@@ -78,7 +78,7 @@ def __init__(self, config, **kwargs):
     """0.5.17's constructor, then bounded runners sized by the config (and the --ext-pi05-* knobs)."""
     self._ext_orig___init__(config, **kwargs)
     self._ext_options = options = Pi05Options.read()
-    self._ext_graph_plan = plan = graph_settings.resolve_plan(config)
+    plan = _graph_plan(self)
     bucket_mode = self._prompt_token_bucketing_enabled()
     lru = bucket_mode and not plan.at_load  # at load: every bucket resident, nothing to evict
     self.prefix_graph_runner = VLAPrefixGraphRunner(
@@ -171,7 +171,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     images = [_to_device(observation.images[name], self.device, torch.float32) for name in camera_order]
     image_masks = [observation.image_masks[name].to(self.device) for name in camera_order]
     if use_bucket and _graph_plan(self).at_load:
-        camera_order, images, image_masks = _checkpoint_cameras(self, camera_order, images, image_masks)
+        camera_order, images, image_masks = _as_all_checkpoint_cameras(self, camera_order, images, image_masks)
     bucket = None
     if use_bucket:
         tokens, token_masks, _, bucket = bucket_prompt_tokens(observation.tokens, observation.token_masks,
@@ -217,7 +217,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     return runner.capture_or_run(signature, encode, inputs)
 
 
-def _checkpoint_cameras(self, camera_order, images, image_masks):
+def _as_all_checkpoint_cameras(self, camera_order, images, image_masks):
     """A request that names some of the checkpoint's cameras, in its order, as all of them with the missing
     ones masked (the preprocessor's placeholder): the layout the graphs were captured for at load. Masked
     image tokens are neither attended nor counted in positions, so the answer is the same up to rounding."""

@@ -233,9 +233,6 @@ class _VLAGraphRunnerBase:
         """Capture nothing from now on (graphs were captured at load): a miss runs eager, counted."""
         self._cache.seal()
 
-    def holds(self, signature: Any) -> bool:
-        return signature in self._cache
-
     def add_clear_hook(self, hook: Callable[[], None]) -> None:
         """`hook()` runs after every clear(): state kept beside the graphs goes with them."""
         self._clear_hooks.append(hook)
