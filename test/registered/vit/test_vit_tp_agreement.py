@@ -16,6 +16,7 @@ after TEST_TIMEOUT_S, well below the gloo timeout.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import socket
@@ -139,24 +140,32 @@ def init_tp_group(rank, world, port):
                                           use_torch_symm_mem_allreduce=False, group_name="tp")
 
 
-def run_ranks(target, world, failing_rank):
-    """Fork `world` ranks running target(rank, world, port, failing_rank, results); their reports by rank."""
+@contextlib.contextmanager
+def forked_ranks(target, world, args_of):
+    """Fork `world` ranks running target(*args_of(rank, port, results)); yields the results queue, and joins
+    (or kills) every rank on the way out."""
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, world, port, failing_rank, results)) for rank in range(world)]
+    procs = [ctx.Process(target=target, args=args_of(rank, port, results)) for rank in range(world)]
     for proc in procs:
         proc.start()
-    reports = {}
     try:
-        for _ in range(world):
-            rank, report = results.get(timeout=TEST_TIMEOUT_S)  # queue.Empty here = a rank hangs
-            reports[rank] = report
+        yield results
     finally:
         for proc in procs:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
+
+
+def run_ranks(target, world, failing_rank):
+    """Fork `world` ranks running target(rank, world, port, failing_rank, results); their reports by rank."""
+    reports = {}
+    with forked_ranks(target, world, lambda rank, port, results: (rank, world, port, failing_rank, results)) as results:
+        for _ in range(world):
+            rank, report = results.get(timeout=TEST_TIMEOUT_S)  # queue.Empty here = a rank hangs
+            reports[rank] = report
     for rank, report in sorted(reports.items()):
         assert not isinstance(report, str), f"rank {rank} raised:\n{report}"
     return reports

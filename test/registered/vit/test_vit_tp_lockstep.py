@@ -17,7 +17,6 @@ allocates nothing) and the one-int flag a vote all-reduces.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import random
@@ -45,7 +44,7 @@ from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the record
     fake_cuda,
     vit_patch,
 )
-from test_vit_tp_agreement import GLOO_TIMEOUT_S, OOM, TPBlock, free_port, init_tp_group
+from test_vit_tp_agreement import GLOO_TIMEOUT_S, OOM, TPBlock, forked_ranks, init_tp_group
 
 SCENARIO_TIMEOUT_S = 15  # no report for this long: a rank hangs (gloo gives up only after GLOO_TIMEOUT_S)
 MAX_WAIT_S = 5.0  # longest a rank may wait in one vote for its peers
@@ -248,14 +247,9 @@ def rank_main(rank, mode, backend, port, results):
 
 def run_ranks(mode, backend):
     """Fork the ranks; every report by (rank, what), failing at once on a rank error or silence."""
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(rank, mode, backend, port, results)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
     reports, done, progress = {}, set(), {rank: -1 for rank in range(WORLD)}  # -1: the clean run
-    try:
+    args_of = lambda rank, port, results: (rank, mode, backend, port, results)  # noqa: E731
+    with forked_ranks(rank_main, WORLD, args_of) as results:
         while len(done) < WORLD:
             try:
                 rank, what, report = results.get(timeout=SCENARIO_TIMEOUT_S)
@@ -266,11 +260,6 @@ def run_ranks(mode, backend):
             done.update([rank] if what == "done" else [])
             progress[rank] += what not in ("plan", "done")
             reports[rank, what] = report
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
     return reports
 
 
