@@ -13,6 +13,8 @@ control step, never a repeat.
   smooth   every joint on its own slow sine
   fixed    one state, one task, both cameras: a single prompt length (one row, not the headline)
 Moving robots switch task every --task-every steps and with it the cameras they send (both, or one).
+With the 0517 server in the run, the first camera is always sent: unpatched 0.5.17 ends in a CUDA
+device-side assert (an out-of-bounds rotary gather in the prefix) on an observation without it.
 Per row: p50/p90/p99/max, graphs captured after the server reported healthy and requests that ran
 eager since the load-time capture (both read from the server's log), and the worst difference from
 the exact server's answer to the same observation, over every answer.
@@ -397,7 +399,9 @@ def main() -> int:
 
     attention_args = [] if args.cpu_logic_check else serve_attention_args()
     motions = _choices(args.motion, clients.MOTIONS, "motion")
-    streams = {m: clients.robot_stream(args.warmup + args.requests, CAMERAS, motion=m, seed=i, task_every=args.task_every)
+    # every server sees the same stream: one the unpatched server survives (it needs the first camera)
+    streams = {m: clients.robot_stream(args.warmup + args.requests, CAMERAS, motion=m, seed=i, task_every=args.task_every,
+                                       keep_first_camera="0517" in servers)
                for i, m in enumerate(motions)}
     started = time.perf_counter()
     pngs = {m: [{name: clients.png_b64(image) for name, image in o.images.items()} for o in stream]

@@ -36,6 +36,7 @@ COMMITTED = (BENCH_DIR, DOC)  # main() repoints BENCH_DIR / DOC; these stay what
 README = os.path.join(REPO, "README.md")
 README_BEGIN, README_END = "<!-- what-you-get:begin -->", "<!-- what-you-get:end -->"
 PI05_HEADING = "Pi0.5 latency (`scripts/bench_pi05.py`)"
+PI05_SERVER_HEADING = "Pi0.5 through the server (`scripts/bench_pi05_server.py`)"
 VIT_HEADING = "ViT graphs (`scripts/bench_vit.py`)"
 VIT_SERVER_HEADING = "ViT graphs in the server (`scripts/bench_vit_server.py`)"
 CP_HEADING = "Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)"
@@ -354,7 +355,10 @@ the worker, worker_other = the worker around the stages. rel vs exact: worst max
 over every answer, against the ext-exact server's openpi answer to the same observation. Servers:
 `0517` = unpatched `sglang serve`; `ext-no-transport` = sglang-ext with the transport patches off
 (0.5.17's request path, measured hop by hop); `ext-exact`; `ext-fast` = --ext-pi05-fast. Wire
-`sglang` = sglang's own bench_pi05_openpi.py (openpi_ws)."""
+`sglang` = sglang's own bench_pi05_openpi.py (openpi_ws). Unpatched 0.5.17 ends in a CUDA
+device-side assert at the first observation without the first camera (its prefix's rotary gather
+reads position -1; sglang-ext clamps it), and is unusable after: runs with the 0517 server keep
+the first camera in every observation."""
 
 
 def _pi05_server_section():
@@ -368,7 +372,8 @@ def _pi05_server_section():
     with contextlib.redirect_stdout(out):
         bench_pi05_server.print_table(run["results"])
     head = ["| target (a moving robot) | measured | bound | |", "|---|---|---|---|"]
-    rows = [_target(label, value, op, bound) for label, value, op, bound in bench_pi05_server.targets(run["results"])]
+    rows = [_target(label, value, op, bound, "{:.1e}" if "relative" in label else "{:.2f}")
+            for label, value, op, bound in bench_pi05_server.targets(run["results"])]
     if not rows:
         rows = ["", "No moving-robot rows in this run (the targets are for the random and smooth motions): "
                 "the fixed-state rows above measure one prompt length only."]
@@ -376,7 +381,7 @@ def _pi05_server_section():
     failed = [f"- {name}: {entry['error']}" for name, entry in run.get("servers", {}).items() if entry.get("error")]
     settings = run.get("settings", {})
     return "\n".join([
-        "## Pi0.5 through the server (`scripts/bench_pi05_server.py`)", "",
+        f"## {PI05_SERVER_HEADING}", "",
         *_stale("server_pi05.json", "bench_pi05_server.py"), PI05_SERVER_MEANING, "",
         *_provenance([("server", run)]),
         f"Device: {run.get('device')}; torch {run.get('torch')}; sglang {run.get('sglang')}; "
@@ -728,6 +733,30 @@ def _pi05_headline():
             PI05_HEADING)
 
 
+def _pi05_server_headline():
+    """The moving robot through the server: the fast and exact paths' openpi p50 on random states."""
+    path = os.path.join(BENCH_DIR, "server_pi05.json")
+    if not os.path.exists(path):
+        return None
+    run = _load(path)
+    rows = {(r["server"], r["wire"], r["motion"]): r for r in run["results"]}
+    fast, exact = rows.get(("ext-fast", "openpi", "random")), rows.get(("ext-exact", "openpi", "random"))
+    if not fast or fast.get("p50_ms") is None:
+        return None
+    unpatched = rows.get(("0517", "openpi", "random"), {})
+    if unpatched.get("p50_ms") is not None:
+        before = f"{unpatched['p50_ms']:.1f} ms, {unpatched.get('captures_after_start', '?')} graphs captured while serving"
+    else:
+        before = "failed: " + ("CUDA device-side assert" if "device-side assert" in unpatched.get("error", "")
+                               else unpatched.get("error", "not run").splitlines()[0])
+    ext = f"{fast['p50_ms']:.1f} ms (`--ext-pi05-fast`, p99 {fast['p99_ms']:.1f})"
+    if exact and exact.get("p50_ms") is not None:
+        ext += f", {exact['p50_ms']:.1f} ms exact"
+    ext += f"; {fast.get('captures_after_start', '?')} graphs captured while serving"
+    return (f"Pi0.5 server, robot state changing every step, {run.get('device', '?')}", before, ext,
+            PI05_SERVER_HEADING)
+
+
 def _vit_server_headline():
     path = os.path.join(BENCH_DIR, "vit_server.json")
     if not os.path.exists(path):
@@ -796,7 +825,8 @@ def _cp_headline():
 
 def render_readme_block() -> str:
     """The README's headline table (between README_BEGIN and README_END)."""
-    rows = [row for row in (_vit_headline(), _vit_server_headline(), _pi05_headline(), _cp_headline()) if row]
+    rows = [row for row in (_vit_headline(), _vit_server_headline(), _pi05_headline(), _pi05_server_headline(),
+                                         _cp_headline()) if row]
     lines = ["| | sglang 0.5.17 | with sglang-ext | |", "|---|---|---|---|"]
     lines += [f"| {what} | {without} | {ext} | [details]({_anchor(heading)}) |"
               for what, without, ext, heading in rows]

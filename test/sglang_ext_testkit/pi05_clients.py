@@ -58,11 +58,12 @@ def make_observation(seed: int, cameras: Sequence[str], *, state_dim: int = 8, h
 
 
 def robot_stream(count: int, cameras: Sequence[str], *, motion: str, seed: int = 0, task_every: int = 50,
-                 state_dim: int = 8) -> list:
+                 state_dim: int = 8, keep_first_camera: bool = False) -> list:
     """`count` observations of one robot, one per control step. `motion`: 'random' (a new state drawn in
     [-1, 1] every step), 'smooth' (every joint on its own slow sine) or 'fixed' (one state, one task, every
     camera: one prompt length). Moving robots switch task every `task_every` steps and, with the task, the
-    cameras they send (every one, or a non-empty subset in the checkpoint's order)."""
+    cameras they send (every one, then each one alone, in the checkpoint's order). `keep_first_camera`:
+    never drop the first camera (unpatched sglang 0.5.17 ends in a device-side assert without it)."""
     if motion not in MOTIONS:
         raise ValueError(f"motion: {motion!r} is not allowed; allowed: {', '.join(MOTIONS)}")
     rng = np.random.default_rng(seed)
@@ -75,6 +76,8 @@ def robot_stream(count: int, cameras: Sequence[str], *, motion: str, seed: int =
             continue
         state = rng.uniform(-1, 1, state_dim) if motion == "random" else 0.9 * np.sin(phase + speed * step)
         subsets = [list(cameras)] + [[c] for c in cameras] if len(cameras) > 1 else [list(cameras)]
+        if keep_first_camera:
+            subsets = [s for s in subsets if s[0] == cameras[0]]
         present = subsets[segment % len(subsets)]
         out.append(make_observation(seed * 100_003 + step, present, state_dim=state_dim, state=state,
                                     prompt=TASKS[segment % len(TASKS)]))

@@ -88,6 +88,8 @@ def test_robot_streams_move_switch_tasks_and_cameras():
     assert len({o.state.tobytes() for o in moving}) == 120 and (np.abs(states) <= 1).all()
     assert [o.prompt for o in moving[::50]] == list(clients.TASKS[:3])
     assert [sorted(o.images) for o in moving[::50]] == [list(cameras), [cameras[0]], [cameras[1]]]
+    kept = clients.robot_stream(150, cameras, motion="random", task_every=50, keep_first_camera=True)
+    assert [sorted(o.images) for o in kept[::50]] == [list(cameras), [cameras[0]], list(cameras)]
     smooth = np.stack([o.state for o in clients.robot_stream(60, cameras, motion="smooth")])
     assert np.abs(np.diff(smooth, axis=0)).max() < 0.1 < np.ptp(smooth, axis=0).max()  # moves, never jumps
     fixed = clients.robot_stream(10, cameras, motion="fixed")
