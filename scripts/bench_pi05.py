@@ -66,7 +66,7 @@ MODES = {
 }
 REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared with them
 # The fast path; -nopdl without programmatic dependent launch, a diagnostic: with PDL a kernel's profiled
-# time includes its wait for the one before, without it each kernel's time is its own (issue 29's table).
+# time includes its wait for the one before, without it each kernel's time is its own.
 # Experiments: the fast path with switches of sglang_ext.pi05.fast set as named (every other mode: their defaults).
 EXPERIMENTS = {"graph-fast-exact-vision": {"FUSED_VISION": False}}
 FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8", *EXPERIMENTS)  # -fp8: knob pi05_fp8_expert
@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--impl", choices=sorted(MODES), required=True)
     ap.add_argument("--modes", default="", help="comma-separated subset of the impl's modes (default: all)")
     ap.add_argument("--requests", type=int, default=50,
-                    help="timed requests per mode (>= 32 for the accuracy claims of issue 17)")
+                    help="timed requests per mode (>= 32 for the accuracy claims)")
     ap.add_argument("--warmup", type=int, default=5, help="extra warm-up requests after one of each combination")
-    ap.add_argument("--prompt-lens", default="17,29,48,64,80,96,111")  # issue 17: 17-111
+    ap.add_argument("--prompt-lens", default="17,29,48,64,80,96,111")
     ap.add_argument("--layouts", default="full,masked")
     ap.add_argument("--num-steps", type=int, default=10)
     ap.add_argument("--buckets", default="32,64,128,200", help="prompt_token_buckets of graph-bucket mode")
@@ -444,7 +444,7 @@ def profile(policy, inputs, graph: bool, args) -> Dict[str, float]:
     kernel_launches = graph_launches = kernels = marks = 0
     kernel_us = 0.0
     attention: Dict[str, int] = {}
-    by_name: Dict[str, List[float]] = {}  # where the device time goes (issue 17: measure first)
+    by_name: Dict[str, List[float]] = {}  # where the device time goes
     device_kernels = []  # (start, end, name) of kernels and copies: split by phase below
     for event in prof.events():
         name = event.name

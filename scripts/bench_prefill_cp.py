@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prefill context-parallel bucket selection: decision cost and admission rates (issue 8, item 3).
+"""Prefill context-parallel bucket selection: decision cost and admission rates.
 
 CPU only; uses the real sglang 0.5.17 classes with the `prefill_cp_bucket` patch
 applied through the activation path (strict), the real zigzag strategy and

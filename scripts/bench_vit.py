@@ -33,7 +33,7 @@ prints the tables last. On the GPU machine (docs/gpu-harness.md):
 
     source scripts/gpu_env.sh && python3 scripts/bench_vit.py --upstream-root $SGX_ROOT/sgl0519 --out $OUT/vit.json
     (every mode, 1,000 requests: about 7 minutes on one H200 with fa3; --quick, 300 requests and 100
-    for 0.5.17 / 0.5.19: 193 s measured without 0.5.19; issue 14's modes alone, 1,000 requests:
+    for 0.5.17 / 0.5.19: 193 s measured without 0.5.19; the ext modes alone, 1,000 requests:
     --modes 0.5.17,0.5.19,eager-only,bucket, about 4 minutes, estimated from the --quick run)
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI for the fork patch series (issue 7):
+# CI for the fork patch series:
 #   1. patches/ equals what scripts/gen_patches.py generates from the adapters now;
 #   2. it applies (git apply --check, then git apply) to a copy of the pristine sglang 0.5.17
 #      installed in the venv;

@@ -18,13 +18,10 @@ rollback in the same processes. It is always on: `SGLANG_EXT_DISABLE` turns patc
 installed plugin stands aside on such a tree (`sglang_ext.activation.activate`), so nothing
 is patched twice.
 
-Why this design (issue 18, measured 2026-12-01): the previous generator was 1,743 lines. It
-ran the activation in a subprocess (56 s for --check) and rebuilt sglang source from the
-recorded swaps, with a special case for each kind of swap. New kinds of adapter code needed
-new generator code, and the patched-tree suite tested that rebuilt copy. This generator reads
-files, imports no sglang, runs in about a second, and is generic: after an adapter change,
-re-run it. The series grows from 6,097 to about 7,050 lines. The price: a reader of the series
-sees the adapters and their runtime swaps, not edited sglang functions.
+Why this design: the generator reads files, imports no sglang, runs in about a second, and is
+generic (a new kind of adapter code needs no generator code): after an adapter change, re-run
+it. The patched-tree suite tests the adapters themselves, vendored. The price: a reader of the
+series sees the adapters and their runtime swaps, not edited sglang functions.
 
     python scripts/gen_patches.py            # rewrite the series and the matrix in patches/README.md
     python scripts/gen_patches.py --check    # exit 1 when any of them is stale

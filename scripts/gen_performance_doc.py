@@ -92,7 +92,7 @@ bit for bit (bucket mode changes GEMM row counts, so it is only guaranteed equal
 Modes: `ext-layout` = one graph per exact layout; `ext-class` = layout-class mode, bitwise exact,
 token counts unpadded; `ext-bucket` = layout-class mode with token counts padded to the default
 ladder of the run (`--ext-vit-graph-mode bucket`; now 16 sizes, on fa3 one graph per size,
-captured at the first run; before: 12.5 % steps). Targets: issue 14's for ext-bucket, issue 8's for ext-class; graph count, mismatches and
+captured at the first run; before: 12.5 % steps). Targets: graph count, mismatches and
 memory for every ext mode."""
 
 CP_MEANING = """\
@@ -165,7 +165,7 @@ def _stale(name: str, script: str) -> list:
             f"script, so these numbers are not vouched for until the script rewrites the file.", ""]
 
 
-TARGET_HEAD = ["| target (issue 8) | measured | bound | |", "|---|---|---|---|"]
+TARGET_HEAD = ["| target | measured | bound | |", "|---|---|---|---|"]
 # Modes that never lead a comparison of the defaults: a diagnostic and an opt-in that is not exact.
 NOT_COMPARED = ("graph-fast-nopdl", "graph-fast-fp8")
 
@@ -190,10 +190,10 @@ def _pi05_targets(results) -> list:
     return ["", *TARGET_HEAD, *rows]
 
 
-ISSUE17_HEAD = ["| target (issue 17) | measured | bound | |", "|---|---|---|---|"]
+FAST_HEAD = ["| target (fast path: latency, accuracy) | measured | bound | |", "|---|---|---|---|"]
 
 
-def _pi05_issue17(results) -> list:
+def _pi05_fast_targets(results) -> list:
     """p50 <= 15 ms and accuracy of the fast path (vs the exact path and vs 0.5.17 eager)."""
     fast = next((r for r in results
                  if r["impl"] == "0517-ext" and r["mode"] == "graph-fast" and "p50_ms" in r), None)
@@ -208,11 +208,11 @@ def _pi05_issue17(results) -> list:
             where = f"{label}: {entry['reference']}, {entry['requests']} requests"
             rows += [_target(f"graph-fast max rel diff vs {where}", entry["max_rel_diff"], "<=", 1e-2, "{:.1e}"),
                      _target(f"graph-fast min cosine vs {where}", entry["min_cosine"], ">=", 0.9999, "{:.6f}")]
-    return ["", *ISSUE17_HEAD, *rows]
+    return ["", *FAST_HEAD, *rows]
 
 
-def _pi05_issue29(results) -> list:
-    """Issue 29: the bf16 fast path p50 <= 11 ms; the FP8 mode p50 <= 8 ms, cosine >= 0.999 vs the exact path."""
+def _pi05_fast_kernel_targets(results) -> list:
+    """The fast path's targets: the bf16 fast path p50 <= 11 ms; the FP8 mode p50 <= 8 ms, cosine >= 0.999 vs the exact path."""
     rows = {r["mode"]: r for r in results if r["impl"] == "0517-ext" and "p50_ms" in r}
     out = []
     if "graph-fast" in rows:
@@ -224,7 +224,7 @@ def _pi05_issue29(results) -> list:
         if "min_cosine" in entry:
             out.append(_target(f"FP8 mode min cosine vs the exact graph path, {entry['requests']} requests",
                                entry["min_cosine"], ">=", 0.999, "{:.6f}"))
-    return ["", "| target (issue 29) | measured | bound | |", "|---|---|---|---|", *out] if out else []
+    return ["", "| target (fast path kernels, FP8) | measured | bound | |", "|---|---|---|---|", *out] if out else []
 
 
 def _pi05_attention_kernels(results) -> list:
@@ -280,13 +280,13 @@ def _pi05_section():
              "", "```", out.getvalue().strip("\n"), "```", *_pi05_roofline(runs, results), *_pi05_phases(runs, results),
              *_pi05_kernel_table(results),
              *_pi05_attention_kernels(results),
-             *_pi05_targets(results), *_pi05_issue17(results), *_pi05_issue29(results), "",
+             *_pi05_targets(results), *_pi05_fast_targets(results), *_pi05_fast_kernel_targets(results), "",
              *_pi05_commands(runs)]
     return "\n".join(lines)
 
 
 def _pi05_roofline(runs, results) -> list:
-    """Issue 29's per-phase floor: the work one request asks for (scripts/pi05_roofline.py) against each mode."""
+    """The per-phase floor: the work one request asks for (scripts/pi05_roofline.py) against each mode."""
     work = next((run["work"] for run in runs if run.get("work")), None)
     if work is None:
         return []
@@ -298,7 +298,7 @@ def _pi05_roofline(runs, results) -> list:
 
 
 def _pi05_phases(runs, results) -> list:
-    """Issue 29's per-phase kernel table: graph-fast-nopdl (each kernel's own time), the fastest fast mode
+    """The per-phase kernel table: graph-fast-nopdl (each kernel's own time), the fastest fast mode
     and the FP8 mode (its own target)."""
     work = next((run["work"] for run in runs if run.get("work")), None)
     profiled = [r for r in results if r.get("phase_kernels_per_request") and r.get("mode", "").startswith("graph-fast")]
@@ -320,7 +320,7 @@ def _pi05_phases(runs, results) -> list:
 
 
 def _pi05_kernel_table(results) -> list:
-    """Issue 29's profile: where the fast path's device time goes, kernel by kernel, from the mode whose
+    """The profile: where the fast path's device time goes, kernel by kernel, from the mode whose
     kernel times are their own (graph-fast-nopdl)."""
     row = next((r for r in results if r.get("mode") == "graph-fast-nopdl" and r.get("top_kernels_per_request")),
                None)
@@ -392,7 +392,7 @@ def _pi05_server_section():
 
 
 def _vit_targets(results, capacity) -> list:
-    """Issue 14's targets for ext-bucket, issue 8's for ext-class (0.5.17 / 0.5.19 are the baselines)."""
+    """The targets of ext-bucket and ext-class (0.5.17 / 0.5.19 are the baselines)."""
     from bench_vit import _mode_key
 
     rows = []
@@ -415,7 +415,7 @@ def _vit_targets(results, capacity) -> list:
             rows.append(_target(f"{r['mode']}: peak resident graph MiB (budget)", r["peak_graph_bytes_mib"], "<=",
                                 r["graph_bytes_budget_mib"], "{:.0f}",
                                 lower_bound=not r.get("peak_graph_bytes_every_request")))
-    head = ["| target (issue 14 for ext-bucket, issue 8 otherwise) | measured | bound | |", "|---|---|---|---|"]
+    head = ["| target | measured | bound | |", "|---|---|---|---|"]
     return ["", *head, *rows] if rows else []
 
 
@@ -535,7 +535,7 @@ one ("floor from"), else graphs-off against itself in later passes."""
 def _vit_server_targets(run) -> list:
     import bench_vit_server
 
-    lines = ["| target (issue 31) | measured | bound | |", "|---|---|---|---|"]
+    lines = ["| target | measured | bound | |", "|---|---|---|---|"]
     floors = {1: 1.3, 8: 1.15, 32: 1.3, 64: 1.3}
     mode = " (deterministic inference)" if _deterministic(run) else ""  # a diagnostic run, not the issue's servers
     ceilings = bench_vit_server.ratios(run, "vit-free")
@@ -612,7 +612,7 @@ def _vit_server_notes(run) -> list:
     if _deterministic(run):
         notes.append("every server ran with `--enable-deterministic-inference` (sglang's batch-invariant GEMMs and "
                      "log-softmax, so batching no longer moves logprobs): a diagnostic of the ViT path's own numerics; "
-                     "issue 31's targets are for servers without it.")
+                     "the targets are for servers without it.")
     return [f"Note: {n}" for n in notes] + ([""] if notes else [])
 
 

@@ -17,7 +17,7 @@ import sys
 import zipfile
 from typing import Optional
 
-# Every release the registry records fingerprints for (issue 2: 0.5.12 to 0.5.23;
+# Every release the registry records fingerprints for (0.5.12 to 0.5.23;
 # 0.5.13, 0.5.14 and 0.5.16 were never published).
 RECORDED_RELEASES = ("0.5.12", "0.5.15", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 

@@ -1,4 +1,4 @@
-"""Graph memory of CP BCG prefill graphs that own their graph-break inputs (sglang#37606, issue 15).
+"""Graph memory of CP BCG prefill graphs that own their graph-break inputs (sglang#37606).
 
 Real on the GPU: sglang 0.5.17's `BreakableCudaGraphBackend.capture_one` / `.replay` with
 `BreakableCUDAGraphCapture` (real CUDA graph segments in one private graph pool),

@@ -1,4 +1,4 @@
-"""Prefill context parallel on 4 GPUs: larger-bucket graph replay equals eager (issue 9, reduced scope).
+"""Prefill context parallel on 4 GPUs: larger-bucket graph replay equals eager.
 
 What runs (4 ranks, torch.multiprocessing + NCCL, NVLink multicast off):
 - sglang 0.5.17's real zigzag strategy and per-rank parallel state, with the

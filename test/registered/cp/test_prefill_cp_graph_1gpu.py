@@ -1,4 +1,4 @@
-"""Prefill CP on one GPU: CUDA-graph replay in the admitted larger bucket equals eager (issue 9, 1-GPU part).
+"""Prefill CP on one GPU: CUDA-graph replay in the admitted larger bucket equals eager.
 
 The four CP ranks run one after another in this process (`get_parallel().override`), each
 with its own `PrefillCPBCGInput` fixed-address buffers, exactly as each rank would:

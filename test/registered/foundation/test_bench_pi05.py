@@ -266,7 +266,7 @@ def test_kernel_table_from_the_run_without_pdl_issue_29_targets_and_a_headline_o
     assert "graph-fast-nopdl: p50 13.0 ms; per request 2088 kernels, 8.00 ms of kernel time" in text
     row = next(line for line in text.splitlines() if line.startswith("_skinny_gemm_kernel"))
     assert row.split()[1:] == ["560.0", "3000.0", "37.5%"]
-    assert "| bf16 fast path (graph-fast) p50 ms | 14.0 | <= 11.0 | NOT met |" in text  # issue 29
+    assert "| bf16 fast path (graph-fast) p50 ms | 14.0 | <= 11.0 | NOT met |" in text
     fp8 = {**_row("graph-fast-fp8", 7.5), "accuracy": {"vs_graph": {"reference": "this process's graph",
                                                                      "requests": 32, "max_rel_diff": 0.02,
                                                                      "min_cosine": 0.9995}}}

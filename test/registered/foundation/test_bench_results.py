@@ -1,4 +1,4 @@
-"""Results files hold only what the bench scripts write (scripts/bench_results.py, issue 18)."""
+"""Results files hold only what the bench scripts write (scripts/bench_results.py)."""
 
 from __future__ import annotations
 

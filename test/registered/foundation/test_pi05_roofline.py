@@ -1,5 +1,5 @@
 """scripts/pi05_roofline.py on sglang's real Pi0.5 (one layer per Gemma tower, CPU): what the hooks count per
-phase against the model's own parameters, the floor, and the table bench_pi05 and the doc print (issue 29)."""
+phase against the model's own parameters, the floor, and the table bench_pi05 and the doc print."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ references (test/registered/kernels checks the Triton kernels against them); one
 test runs this comparison with the Triton kernels themselves, through triton's
 interpreter, in a subprocess.
 
-Tolerance (issue 17): fast vs exact max|d| / max|exact| <= 1e-2 and cosine >= 0.9999
+Tolerance: fast vs exact max|d| / max|exact| <= 1e-2 and cosine >= 0.9999
 (bf16: 2^-8 per rounding; the fast path rounds in other places than the exact one).
 """
 
@@ -33,7 +33,7 @@ from test_pi05_graphs import (  # noqa: E402,F401
 
 RELATIVE_TOLERANCE = 1e-2
 COSINE_FLOOR = 0.9999
-FP8_RELATIVE_TOLERANCE = 5e-2  # knob pi05_fp8_expert (issue 29: cosine >= 0.999 against the exact path)
+FP8_RELATIVE_TOLERANCE = 5e-2  # knob pi05_fp8_expert (cosine >= 0.999 against the exact path)
 FP8_COSINE_FLOOR = 0.999
 FAST_ADAPTER = "sglang_ext.pi05.fast"
 

@@ -13,7 +13,7 @@ Checks, one summary line each:
 - each Triton kernel (compiled by the GPU's triton) against its torch reference;
 - fast graph vs fast eager: the same kernels on the same inputs, so bitwise equality
   is expected (asserted: relative <= 1e-3; the line says how many were bitwise);
-- fast vs exact path: max|d| / max|exact| <= 1e-2 and cosine >= 0.9999 (issue 17);
+- fast vs exact path: max|d| / max|exact| <= 1e-2 and cosine >= 0.9999;
 - fast prefix K/V vs exact prefix K/V (every layer, valid positions), and the whole
   request on graphs (prefix graph + loop graph) fast vs exact;
 - device kernels per request of both paths (eager, profiler): fewer on the fast path
@@ -45,7 +45,7 @@ PROMPT_LENS = (17, 23, 29, 34, 40, 46, 48, 53, 59, 65, 72, 80, 88, 95, 103, 111)
 RELATIVE_TOLERANCE = 1e-2
 COSINE_FLOOR = 0.9999
 GRAPH_VS_EAGER_TOLERANCE = 1e-3
-FP8_COSINE_FLOOR = 0.999  # knob pi05_fp8_expert (issue 29)
+FP8_COSINE_FLOOR = 0.999  # knob pi05_fp8_expert
 
 
 def _ext(name):
@@ -288,7 +288,7 @@ def _variant_against_exact(policy, seed, variant):
 
 def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(policy):
     """Knob pi05_fp8_expert: the fast loop on FP8 o / gate-up / down weights, against the exact path over
-    every request layout (issue 29's bound: cosine >= 0.999); a replay equals its capture bitwise and its
+    every request layout (bound: cosine >= 0.999); a replay equals its capture bitwise and its
     eager run within the fast path's graph-vs-eager bound; the quantized copies made once, before any
     capture, and reused."""
     from sglang_ext_testkit.pi05_random import pi05_knobs

@@ -1,4 +1,4 @@
-"""Pi0.5 action transport patches on sglang 0.5.17's real code, CPU only (issue 26).
+"""Pi0.5 action transport patches on sglang 0.5.17's real code, CPU only.
 
 In-process: sglang's own FastAPI app (`http_server.create_app`), its `/v1/actions/generations`
 endpoint and `/openpi/policy` websocket handler (starlette's TestClient), its request parsing and

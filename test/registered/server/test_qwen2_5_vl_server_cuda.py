@@ -1,4 +1,4 @@
-"""Real server, tiny qwen2_5_vl: sglang-ext ViT graphs vs graphs off vs unpatched 0.5.17 (issue 13 item 3).
+"""Real server, tiny qwen2_5_vl: sglang-ext ViT graphs vs graphs off vs unpatched 0.5.17.
 
 Six real `launch_server` processes (fa3 default and triton_attn ViT backends) run concurrently on one
 GPU; see vl_server_kit.py for the stream and what each test asserts. Prints one line per claim.

@@ -4,7 +4,7 @@ One module starts six servers of one tiny model CONCURRENTLY on one GPU (ports d
 sglang-ext with ViT graphs on/off for the default ViT backend (fa3 on Hopper) and for
 triton_attn, and unpatched sglang 0.5.17 with graphs on for both backends. Every server gets the
 same request stream; the `run_all` fixture collects everything once, the tests then assert one
-claim each (letters as in issue 13 item 3).
+claim each.
 
 Knobs (environment): SGX_SERVER_REQUESTS (200), SGX_SERVER_ATOL (graphs on vs off, 1e-2),
 SGX_CONCURRENT_ATOL (concurrent vs sequential; unset: max(ATOL, 2 x batching noise)),

@@ -1,4 +1,4 @@
-"""bench_vit.py's launch-free bound (issue 14): device time from profiler activities, its table and schema."""
+"""bench_vit.py's launch-free bound: device time from profiler activities, its table and schema."""
 
 from __future__ import annotations
 
