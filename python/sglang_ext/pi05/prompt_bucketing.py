@@ -17,15 +17,16 @@ import torch.nn.functional as F
 from sglang_ext.graphs.buckets import select_bucket
 
 
+def _batch_rows(name: str, tensor: torch.Tensor) -> None:
+    if tensor.ndim != 2:
+        raise ValueError(f"Pi0.5 {name} must have shape [batch, seq], got {tuple(tensor.shape)}")
+
+
 def effective_token_length(token_masks: torch.Tensor) -> int:
-    """Last visible position (1-based) over the batch; 0 when nothing is visible (masks are on the CPU here)."""
-    if token_masks.ndim != 2:
-        raise ValueError(f"Pi0.5 token masks must have shape [batch, seq], got {tuple(token_masks.shape)}")
-    if token_masks.shape[0] == 0 or token_masks.shape[1] == 0:
-        return 0
-    positions = torch.arange(1, token_masks.shape[1] + 1, device=token_masks.device)
-    visible_positions = torch.where(token_masks.to(torch.bool), positions, 0)
-    return int(visible_positions.max().item())
+    """1-based position of the last token visible in any row; 0 when none is."""
+    _batch_rows("token masks", token_masks)
+    columns = token_masks.to(torch.bool).any(dim=0).nonzero()
+    return int(columns[-1]) + 1 if columns.numel() else 0
 
 
 def select_prompt_token_bucket(token_length: int, buckets: Sequence[int]) -> int | None:
@@ -38,25 +39,21 @@ def select_prompt_token_bucket(token_length: int, buckets: Sequence[int]) -> int
     return select_bucket(max(token_length, 1), buckets, max_padding_factor=math.inf).bucket
 
 
+def _fit(tensor: torch.Tensor, columns: int, fill) -> torch.Tensor:
+    """`tensor` cut to `columns`, or right-padded with `fill` up to it."""
+    missing = columns - tensor.shape[1]
+    return F.pad(tensor, (0, missing), value=fill) if missing > 0 else tensor[:, :columns]
+
+
 def bucket_prompt_tokens(tokens: torch.Tensor, token_masks: torch.Tensor, buckets: Sequence[int], *,
                          pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:
     """`(tokens, token_masks, logical_length, bucket)` of a prompt batch fitted to its bucket (None: a miss)."""
-    if tokens.ndim != 2:
-        raise ValueError(f"Pi0.5 tokens must have shape [batch, seq], got {tuple(tokens.shape)}")
+    _batch_rows("tokens", tokens)
     if token_masks.shape != tokens.shape:
-        raise ValueError(f"Pi0.5 tokens and token masks must have the same shape, got {tuple(tokens.shape)} and "
-                         f"{tuple(token_masks.shape)}")
-    logical_length = effective_token_length(token_masks)
-    bucket = select_prompt_token_bucket(logical_length, buckets)
-    if bucket is not None:
-        target_length = bucket
-    elif logical_length > 0:
-        target_length = logical_length
-    else:
-        target_length = tokens.shape[1]  # empty prompt, no bucket: keep the shape
-
-    if tokens.shape[1] >= target_length:
-        return tokens[:, :target_length], token_masks[:, :target_length], logical_length, bucket
-    padding = target_length - tokens.shape[1]
-    return (F.pad(tokens, (0, padding), value=pad_token_id), F.pad(token_masks, (0, padding), value=False),
-            logical_length, bucket)
+        raise ValueError(f"Pi0.5 tokens {tuple(tokens.shape)} and token masks {tuple(token_masks.shape)} "
+                         "must have the same shape")
+    length = effective_token_length(token_masks)
+    bucket = select_prompt_token_bucket(length, buckets)
+    # a miss keeps the logical length; an empty prompt without a bucket keeps its shape
+    columns = bucket or length or tokens.shape[1]
+    return _fit(tokens, columns, pad_token_id), _fit(token_masks, columns, False), length, bucket
