@@ -237,13 +237,14 @@ def _fast_prefix_layers(self) -> bool:
 
 
 def _step_signature(self, prefix_context, x_t, action_position_offset, action_sp_enabled):
-    parallel_layout = self.config.parallel_layout_version
-    if action_sp_enabled:
-        parallel_layout += f":action_sp:rank{get_sp_parallel_rank()}:offset{action_position_offset}"
-    return VLADenoiseGraphSignature(batch_size=x_t.shape[0], prefix_len=prefix_context.prefix_len,
-                                    prefix_full_attention=bool(prefix_context.layout.get("full_attention", False)),
-                                    action_horizon=x_t.shape[1], action_dim=x_t.shape[2],
-                                    dtype=str(x_t.dtype).replace("torch.", ""), parallel_layout=parallel_layout)
+    layout = self.config.parallel_layout_version
+    if action_sp_enabled:  # each rank's shard of the action sequence is its own graph
+        layout += f":action_sp:rank{get_sp_parallel_rank()}:offset{action_position_offset}"
+    batch, horizon, width = x_t.shape
+    full = bool(prefix_context.layout.get("full_attention", False))
+    return VLADenoiseGraphSignature(batch_size=batch, prefix_len=prefix_context.prefix_len, prefix_full_attention=full,
+                                    action_horizon=horizon, action_dim=width,
+                                    dtype=str(x_t.dtype).removeprefix("torch."), parallel_layout=layout)
 
 
 def denoise_step(self, prefix_context, x_t, timestep, *, use_cuda_graph=True, action_position_offset=0,
