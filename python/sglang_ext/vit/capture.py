@@ -1,7 +1,6 @@
-"""The captured graphs of one ViT tower: their buffers, rotary leases, warm-up, capture, eager twin, release.
+"""The graphs of one ViT tower: buffers, leased workspaces, warm-up, capture, release, and the eager twin.
 
-Knows the tower and its attention backends; not how graphs are keyed, admitted or agreed (engine.py).
-docs/how-it-works.md (ViT CUDA graphs) says why each step is safe.
+Not how graphs are keyed, admitted or agreed (engine.py); docs/how-it-works.md says why each step is safe.
 """
 
 from __future__ import annotations
@@ -79,18 +78,14 @@ class GraphStore:
     def is_full(self, layer_num):
         return not self.full_blocks or layer_num in self.full_blocks
 
-    def _pool(self, pools, pool_key, name, dtype):
-        pool = pools.get(pool_key)
+    def _lease(self, graph, pools, name, dtype, rows, row_shape, count=1):
+        """`count` tensors of `rows` rows from the tower's pool `name`, held by `graph` until its release."""
+        pool = pools.get((name, dtype))
         if pool is None:
-            pool = pools[pool_key] = StableWorkspacePool(name, dtype=dtype, device=self.vit.device)
-        return pool
-
-    def _lease(self, graph, pool, rows, row_shape, count=1):
+            pool = pools[name, dtype] = StableWorkspacePool(name, dtype=dtype, device=self.vit.device)
         lease = pool.lease(graph.key, rows, row_shape, count=count)
         graph.leases.append(lease)
         return lease.tensors
-
-    # --- capture ---
 
     def prepare(self, key, layout, x_3d, rotary, *, shared, warm_up):
         """Rank-local stage of a capture: backend check, buffers, boundaries, rotary, warm-up. Returns the
@@ -104,10 +99,8 @@ class GraphStore:
         ws_row = (attn.num_attention_heads_per_partition, attn.head_size)
         if shared:
             row = tuple(x_3d.shape[1:])
-            (graph.input,) = self._lease(graph, self._pool(self.shared_pools, ("input", row, x_3d.dtype),
-                                                           "vit_input", x_3d.dtype), tokens, row)
-            (graph.workspace,) = self._lease(graph, self._pool(self.shared_pools, ("attention_ws", ws_row, dtype),
-                                                               "vit_attention_ws", dtype), tokens, ws_row)
+            (graph.input,) = self._lease(graph, self.shared_pools, "vit_input", x_3d.dtype, tokens, row)
+            (graph.workspace,) = self._lease(graph, self.shared_pools, "vit_attention_ws", dtype, tokens, ws_row)
         else:
             graph.input = torch.empty_like(x_3d, device=device).contiguous()
             graph.workspace = torch.empty((tokens,) + ws_row, device=device, dtype=dtype)
@@ -159,8 +152,6 @@ class GraphStore:
         out = self.vit.merger(y)
         return torch.cat([out] + deepstack_outs, dim=1) if deepstack_outs else out
 
-    # --- per replay ---
-
     def fill_rotary(self, graph, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
         """This call's cos/sin into the graph's rotary buffers (leased at the first fill, in the dtype the
         tower computed: Qwen3-VL's are float32); returns the block kwargs passing them."""
@@ -170,8 +161,7 @@ class GraphStore:
         if not graph.rotary:
             head_dim, dtype = cos.shape[1], cos.dtype
             name = f"vit_rotary_hd{head_dim}" + ("" if dtype == self.vit.dtype else f"_{str(dtype).split('.')[-1]}")
-            pool = self._pool(self.rotary_pools, (head_dim, dtype), name, dtype)
-            graph.rotary = self._lease(graph, pool, graph.key.num_tokens, (head_dim,), count=2)
+            graph.rotary = self._lease(graph, self.rotary_pools, name, dtype, graph.key.num_tokens, (head_dim,), 2)
         cos_ws, sin_ws = graph.rotary
         fill_rows(cos_ws, cos)
         fill_rows(sin_ws, sin)
@@ -201,8 +191,6 @@ class GraphStore:
         seqlens = [cu, lengths, bound] if self.backend == "triton_attn" else [cu, bound]
         return {"cu_seqlens": seqlens, "output_ws": graph.workspace}
 
-    # --- release ---
-
     def release(self, graph):
         """Cache release callback; a stale entry (key captured again since) only resets its own graph."""
         if self.graphs.get(graph.key) is graph:
@@ -223,10 +211,9 @@ class GraphStore:
         for lease in graph.leases:
             lease.release()
 
-    # --- eager, and sizes ---
-
-    def run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, rotary, max_full_len, max_window_len):
-        """The captured computation, run eagerly through the same blocks (same kernels, same result)."""
+    def run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, max_full_len, max_window_len):
+        """The captured computation, run eagerly through the same blocks (same kernels, same result);
+        `output_indices`: those rows, in that order."""
         device = x_3d.device
         full_md = window_md = None
         if self.accepts_metadata:
@@ -250,15 +237,14 @@ class GraphStore:
                                     device=device, dtype=self.vit.dtype)
             return {"cu_seqlens": seqlens, "output_ws": output_ws}
 
-        return self.tower(x_3d, block_kwargs, rotary_kwargs(*rotary))
+        out = self.tower(x_3d, block_kwargs, rotary_kwargs(*rotary))
+        return out if output_indices is None else out.index_select(0, output_indices)
 
     def expected_bytes(self, x_3d, rows=None):
         """Input + attention workspace bytes of a graph for x_3d, or for `rows` rows shaped like it."""
-        attn = getattr(self.vit.blocks[0], "attn", None)
-        heads = getattr(attn, "num_attention_heads_per_partition", 0)
-        head_size = getattr(attn, "head_size", 0)
-        rows = int(x_3d.shape[0]) if rows is None else int(rows)
-        return rows * (math.prod(x_3d.shape[1:]) + heads * head_size) * x_3d.element_size()
+        attn = self.vit.blocks[0].attn
+        row_elements = math.prod(x_3d.shape[1:]) + attn.num_attention_heads_per_partition * attn.head_size
+        return (int(x_3d.shape[0]) if rows is None else int(rows)) * row_elements * x_3d.element_size()
 
     def retired_rotary_buffers(self):
         """Rotary backings that grew out of date but are still leased by a live graph."""

@@ -1,10 +1,7 @@
-"""The ViT graph engine: one per runner, built from the activation's knobs.
+"""The ViT graph engine, one per runner: keys a call (its strategy), admits, captures, replays or runs eager.
 
-It keys each call from its CPU layout (the mode's strategy, resolved once), admits and captures
-graphs (GraphStore), replays them or runs eager, captures the bucket ladder at load, and counts.
-It sees the tower and the arguments of `run`, never the upstream runner class (runner.py adapts it).
-Every decision that leads to a collective or to a graph being used is voted on by the tower's TP
-group first (graphs.agreement), so all ranks take the same path.
+It sees the tower and `run`'s arguments, never the upstream runner class (runner.py adapts that). Every
+decision that leads to a collective or to a graph being used is voted on by the tower's TP group first.
 """
 
 from __future__ import annotations
@@ -18,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from sglang_ext.graphs import stats as ext_graph_stats
-from sglang_ext.graphs.agreement import OK, PERMANENT, agreed, agreed_capture, failure_vote
+from sglang_ext.graphs.agreement import (OK, PERMANENT, agreed, agreed_capture, cpu_group_min, cpu_group_vote,
+                                         failure_vote, local_vote)
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.packing import median_wall_ms, whole_sequence_chunks
 from sglang_ext.vit import strategy, tp
@@ -71,11 +69,11 @@ def device_layout(layout, device):
     return None if layout is None else torch.tensor(layout, dtype=torch.int32).to(device, non_blocking=True)
 
 
-def rows_of(rotary, start, end):
-    """Rows [start, end) of a call's rotary inputs (position_embeddings pair, cos, sin)."""
-    pos, cos, sin = rotary
-    return (None if pos is None else tuple(t[start:end] for t in pos), None if cos is None else cos[start:end],
-            None if sin is None else sin[start:end])
+def rows_of(value, start, end):
+    """Rows [start, end) of a tensor, or of each one in a (nested) tuple; None stays None."""
+    if isinstance(value, tuple):
+        return tuple(rows_of(v, start, end) for v in value)
+    return None if value is None else value[start:end]
 
 
 class ViTGraphEngine:
@@ -86,15 +84,13 @@ class ViTGraphEngine:
         self.options = options
         # Merger rows: `spatial_merge_unit` input tokens make one output row (1 for towers without merging).
         self.merge_unit = int(getattr(vit, "spatial_merge_unit", 1) or 1)
-        self.strategy = strategy.resolve(options.mode, attention_backend, merge_unit=self.merge_unit,
-                                         window_tokens_=strategy.window_tokens(vit),
-                                         token_buckets_=options.token_buckets,
-                                         replay_max_tokens=options.replay_max_tokens, above_ladder=options.above_ladder)
+        self.strategy = strategy.resolve(options, attention_backend, self.merge_unit, strategy.window_tokens(vit))
         self.ladder = self.strategy if isinstance(self.strategy, BudgetLadder) else None
         self.store = GraphStore(vit, attention_backend, options.debug_addresses)
         self.cache = BoundedGraphCache("vit_cuda_graph", options.max_entries, policy=options.policy,
-                                       min_hits=options.min_hits, release=self.store.release)
-        self.budget_agreed = False  # the byte budget is agreed at first use (free memory then, every rank)
+                                       max_bytes=max(options.max_bytes, 0), min_hits=options.min_hits,
+                                       release=self.store.release)
+        self.budget_agreed = options.max_bytes >= 0  # -1: agreed at first use (the free memory then)
         self.fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
         self.padding = dict(padded_batches=0, padding_tokens=0, real_tokens=0)
         self.chunking = dict(chunked_calls=0, chunks=0)
@@ -102,48 +98,41 @@ class ViTGraphEngine:
         self._sampling = None  # while capture_at_load runs the tower: the calls that reached run()
         self.stats_name = ext_graph_stats.register(f"vit_cuda_graph:{type(vit).__name__}@{id(self):x}", self.info)
 
-    # --- TP ---
-
     @functools.cached_property
     def group(self):
         """The tower's TP group when its ranks must agree, else None (resolved at first use)."""
         return tp.agreeing_group(self.vit)
 
     def vote(self, value):
-        return tp.vote_of(self.group)(value)
+        """`value` agreed by the tower's group: a MIN vote over its CPU group (gloo); alone, the value itself."""
+        return local_vote(value) if self.group is None else cpu_group_vote(self.group.cpu_group)(value)
 
     def warm_up(self):
         return tp.warm_up_context(self.group)
 
     def agree_budget(self):
-        """Byte budget of the resident graphs: the knob, or (-1) sized from free device memory, the MIN
+        """Knob vit_graph_max_bytes -1: the byte budget sized at first use from free device memory, the MIN
         over TP ranks (equal budgets keep admission and eviction identical on all ranks)."""
         if self.budget_agreed:
             return
-        self.budget_agreed = True
-        if self.options.max_bytes >= 0:
-            self.cache.max_bytes = self.options.max_bytes
-            return
-        free, auto = None, 0  # no device: no limit
+        self.budget_agreed, free, auto = True, None, 0  # no device: no limit
         device = getattr(self.vit, "device", None)
         if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
             free = int(torch.cuda.mem_get_info(device)[0])
             auto = int(min(AUTO_BUDGET["cap"], max(AUTO_BUDGET["floor"], free * AUTO_BUDGET["fraction"])))
-        self.cache.max_bytes = tp.min_over(self.group, auto)
+        self.cache.max_bytes = auto if self.group is None else cpu_group_min(self.group.cpu_group, auto, bits=64)
         logger.info("ViT CUDA graph byte budget: %d MiB (%s)", self.cache.max_bytes >> 20,
                     "no device: no limit" if free is None else f"{free >> 20} MiB free at first use")
 
     # --- Serving ---
-
     def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
             rotary_pos_emb_sin=None, output_indices=None, attention_layout_key=None):
         """One tower call (upstream's `run` arguments): replayed where a graph serves it, else eager."""
         self.agree_budget()
         x_3d = x.unsqueeze(1)  # [S, 1, H]
         rotary = (position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
-        layout = None
-        if attention_layout_key is not None or not (on_device(cu_seqlens) or on_device(cu_window_seqlens)):
-            layout = layout_key(x_3d.shape[0], cu_seqlens, cu_window_seqlens, attention_layout_key)
+        cpu_layout = attention_layout_key is not None or not (on_device(cu_seqlens) or on_device(cu_window_seqlens))
+        layout = layout_key(x_3d.shape[0], cu_seqlens, cu_window_seqlens, attention_layout_key) if cpu_layout else None
         if layout is None:
             if not self.fallbacks["no_cpu_layout"]:  # once per runner: it is the caller's choice, not a fault
                 logger.warning("ViT CUDA graphs: cu_seqlens on %s without attention_layout_key; this runner runs "
@@ -152,7 +141,7 @@ class ViTGraphEngine:
                                getattr(cu_seqlens, "device", "a device"))
             self.fallbacks["no_cpu_layout"] += 1
             tokens = x_3d.shape[0]  # an upper bound of max_seqlen: exact for the triton kernel, no sync
-            out = self._eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, tokens, tokens)
+            out = self.store.run_eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, tokens, tokens)
         elif self.ladder is not None and self._sampling is not None:  # capture_at_load's sample: kept, not run
             self._sampling.append((x_3d, rotary))
             return None
@@ -184,9 +173,8 @@ class ViTGraphEngine:
                                    layout.num_tokens, "from now on for this layout" if retry is None else
                                    f"for this layout's next {retry} misses, then retrying", type(exc).__name__, exc)
                     reason = "capture_failed"
-                else:
-                    if key not in self.cache:  # exact policy: the capture did not fit the budget
-                        reason = "capacity"
+                else:  # not cached: the exact policy's budget had no room for it
+                    reason = None if key in self.cache else "capacity"
         out = None
         if reason is None:
             out = self.replay(key, x_3d, rotary, output_indices=output_indices,
@@ -194,8 +182,8 @@ class ViTGraphEngine:
             reason = None if out is not None else "replay_failed"
         if reason is not None:
             self.fallbacks[reason] += 1
-            out = self._eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, layout.full_bound,
-                              layout.window_bound)
+            out = self.store.run_eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices,
+                                       layout.full_bound, layout.window_bound)
         return out
 
     def capture(self, key, layout, x_3d, rotary):
@@ -216,11 +204,10 @@ class ViTGraphEngine:
         self.cache.put(key, self.store.graphs[key], nbytes=self.store.graphs[key].nbytes)
 
     def replay(self, key, x_3d, rotary, *, output_indices=None, rows=None, layout=None, out=None, agree=True):
-        """The graph's first `rows` output rows (all by default; `output_indices`: those rows, in that order),
-        in `out` or a new tensor the caller owns. Inputs shorter than the graph are padded with zero rows;
-        `layout` (class and bucket modes) is written into its boundaries. Everything that can fail runs
-        first and is voted on: None when it failed on any rank (every rank then runs the call eager), so
-        the graph's collectives run on all ranks or none. agree=False: the probe's rank-local replay."""
+        """The graph's first `rows` output rows (all by default; `output_indices`: those rows, in that order), in
+        `out` or a new tensor the caller owns; inputs are padded with zero rows, `layout` (class and bucket
+        modes) written into its boundaries. What can fail runs first and is voted on: None when it failed on a
+        rank (all then run eager), so the graph's collectives run on all ranks or none. agree=False: the probe's."""
         graph = self.store.graphs[key]
         guard = self.store.address_guard
         if guard.enabled:  # a debug assertion: loud, never voted away
@@ -252,23 +239,18 @@ class ViTGraphEngine:
             return torch.index_select(graph.output, 0, output_indices, out=result)
         return result.copy_(graph.output[:result.shape[0]])
 
-    def _eager(self, x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, max_full_len, max_window_len):
-        out = self.store.run_eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, max_full_len, max_window_len)
-        return out if output_indices is None else out.index_select(0, output_indices)
-
     def eager_call(self, layout, x_3d, rotary, output_indices=None):
         """The sync-free eager run of one call given by its CPU layout, rotary on graphs-off's compiled kernel."""
+        full, window = (device_layout(bounds, x_3d.device) for bounds in (layout.full, layout.window))
         with compiled_rotary():
-            return self._eager(x_3d, device_layout(layout.full, x_3d.device), device_layout(layout.window, x_3d.device),
-                               rotary, output_indices, layout.full_bound, layout.window_bound)
+            return self.store.run_eager(x_3d, full, window, rotary, output_indices, layout.full_bound,
+                                        layout.window_bound)
 
     # --- Bucket mode: calls padded to a budget, or split into chunks of whole images ---
-
     def _replay_budget(self, layout, x_3d, rotary, counted=True, output_indices=None, out=None):
-        """(the call's merger rows from its budget graph, None), else (None, why it runs eager): "gate" (above
-        the replay limit), "no_fit" (no budget graph serves it) or "replay_failed" (a rank could not stage the
-        replay; every rank then runs it eager). counted=False: the probe, no counters and no vote (its graphs
-        hold local stand-ins for the collectives)."""
+        """(the call's merger rows from its budget graph, None), else (None, why it runs eager): "gate" (above the
+        limit), "no_fit" (no budget graph serves it) or "replay_failed" (a rank could not stage the replay).
+        counted=False: the probe, no counters and no vote (its graphs hold local stand-ins for collectives)."""
         tokens = layout.num_tokens
         plan = self.ladder.plan(layout)
         if plan is None:
@@ -278,31 +260,11 @@ class ViTGraphEngine:
             return None, "no_fit"
         if counted:
             self.padding["real_tokens"] += tokens
-            if key.num_tokens > tokens:
-                self.padding["padded_batches"] += 1
-                self.padding["padding_tokens"] += key.num_tokens - tokens
+            self.padding["padded_batches"] += key.num_tokens > tokens
+            self.padding["padding_tokens"] += key.num_tokens - tokens
         rows = self.replay(key, x_3d, rotary, output_indices=output_indices, rows=tokens // self.merge_unit,
                            layout=padded, out=out, agree=counted)
         return rows, None if rows is not None else "replay_failed"
-
-    def _call_output(self, rows, output_indices):
-        """A chunked call's output rows, and their `output_indices` reordering (or None), allocated on every
-        rank of the tower's group or on none (None): replays then write into them, allocating nothing."""
-        template = next((g.output for g in self.store.graphs.values() if g.output is not None), None)
-        if template is None:
-            return None
-
-        def allocate():
-            row_shape = tuple(template.shape[1:])
-            reordered = None if output_indices is None else template.new_empty((output_indices.shape[0],) + row_shape)
-            return template.new_empty((rows,) + row_shape), reordered
-
-        outcome = agreed(self.vote, allocate, "output")
-        if not outcome.ok:
-            logger.warning("ViT CUDA graphs: a chunked call runs eager (its output could not be allocated on %s): %s",
-                           outcome.where, outcome.error)
-            return None
-        return outcome.value
 
     def _run_budget(self, layout, x_3d, rotary, output_indices):
         """Replay the call, or its whole-image chunks, where a captured budget serves them; else eager."""
@@ -327,12 +289,20 @@ class ViTGraphEngine:
                 self.fallbacks[reason] += 1
                 out = self.eager_call(layout, x_3d, rotary, output_indices)
             return out
-        # Chunks write into one output allocated first, so nothing allocates after a replay's collectives.
-        outputs = self._call_output(tokens // unit, output_indices)
-        if outputs is None:
+        # Chunks write into one output allocated first on every rank (or on none: eager), so nothing
+        # allocates after a replay's collectives.
+        template = next((g.output for g in self.store.graphs.values() if g.output is not None), None)
+        outputs = None if template is None else agreed(self.vote, lambda: (
+            template.new_empty((tokens // unit,) + tuple(template.shape[1:])),
+            None if output_indices is None else template.new_empty((len(output_indices),) + tuple(template.shape[1:]))),
+            "output")
+        if outputs is None or not outputs.ok:
+            if outputs is not None:
+                logger.warning("ViT CUDA graphs: a chunked call runs eager (its output could not be allocated on "
+                               "%s): %s", outputs.where, outputs.error)
             self.fallbacks["replay_failed"] += 1
             return self.eager_call(layout, x_3d, rotary, output_indices)
-        rows, reordered = outputs
+        rows, reordered = outputs.value
         # Adjacent chunks no graph serves run as ONE eager call (eager host time hardly depends on size).
         eager_from = None
         for start, end in ranges:
@@ -349,11 +319,9 @@ class ViTGraphEngine:
         return rows if reordered is None else torch.index_select(rows, 0, output_indices, out=reordered)
 
     # --- Bucket mode at load: the sample, the probe, the ladder ---
-
     def capture_at_load(self, vit, server_tokens):
-        """At server start (the model-runner hook): bound the ladder by `server_tokens`, run a synthetic
-        image through the tower's graph path, keep what reaches `run` as the sample (voted on first), and
-        decide and capture the ladder from it. Nothing for other modes, or once decided."""
+        """At server start (the model-runner hook): the ladder up to `server_tokens`, decided and captured from
+        what a synthetic image's trip through the tower's graph path hands `run` (voted on first)."""
         ladder = self.ladder
         if ladder is None or ladder.decided:
             return
@@ -418,14 +386,12 @@ class ViTGraphEngine:
 
     def _synthetic_call(self, sample, tokens):
         """A call of `tokens` zero rows shaped like `sample`: one image, window-sized windows."""
-        x_3d, rotary = sample
-
-        def zeros(t):
+        def zeros(t):  # a tensor, or each one in a (nested) tuple
+            if isinstance(t, tuple):
+                return tuple(zeros(v) for v in t)
             return None if t is None else torch.zeros((tokens,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
 
-        pos, cos, sin = rotary
-        return (self.ladder.synthetic(tokens, bool(self.store.full_blocks)), zeros(x_3d),
-                (None if pos is None else tuple(zeros(t) for t in pos), zeros(cos), zeros(sin)))
+        return (self.ladder.synthetic(tokens, bool(self.store.full_blocks)),) + zeros(sample)
 
     def capture_budget(self, sample, budget):
         """Capture the graph of one budget (agreed by every TP rank, its inputs too: raises on all or none)."""
@@ -473,8 +439,6 @@ class ViTGraphEngine:
             kept.append(budget)
             previous = budget
         return kept
-
-    # --- Metrics ---
 
     def info(self):
         """Counters for `sglang-ext doctor`, the metrics and periodic debug logs."""

@@ -17,8 +17,7 @@ import functools
 
 
 def precapture_vit_graphs(model_runner):
-    """Capture the bucket-mode ladder of every ViT graph runner in the loaded model, up to one
-    prefill chunk's tokens times the tower's merge unit."""
+    """The bucket ladder of every ViT graph runner of the model, up to a prefill chunk times the merge unit."""
     # Imported here: a server without a vision model never imports the ViT runner.
     from sglang_ext.vit.runner import ViTGraphRunner
 
@@ -35,8 +34,7 @@ def precapture_vit_graphs(model_runner):
 
 def _then_vit_graphs(original):
     @functools.wraps(original)  # `__wrapped__`: sglang's own init_cuda_graphs, looked up at each call
-    def init_cuda_graphs(self, *args, **kwargs):
-        """ModelRunner.init_cuda_graphs: sglang's own captures, then the ViT graphs."""
+    def init_cuda_graphs(self, *args, **kwargs):  # sglang's own captures, then the ViT graphs
         result = init_cuda_graphs.__wrapped__(self, *args, **kwargs)
         precapture_vit_graphs(self)
         return result

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from sglang_ext.vit.runner import ViTGraphRunner, bind_runner
+from sglang_ext.vit.runner import bind_runner
 
 
 def graph_inputs(vit, x, grid_thw):
@@ -50,12 +50,6 @@ def patch_qwen3_vl(ctx, module) -> None:
     """Part for `sglang.srt.models.qwen3_vl`: the module's runner name, and a runner table of its own
     whose default is that name (the table caches what it built; rollback restores sglang's table)."""
     bind_runner(ctx, module)
-    kept = {}
-    for device_type, runner_cls in module.graph_runners_dict.items():
-        if device_type == "npu":
-            kept[device_type] = runner_cls
-        elif not issubclass(runner_cls, ViTGraphRunner.__base__):
-            raise RuntimeError(f"qwen3_vl.graph_runners_dict[{device_type!r}] is {runner_cls!r}, "
-                               "not sglang's ViTCudaGraphRunner")
-    ctx.setattr(module, "graph_runners_dict", defaultdict(lambda: module.ViTCudaGraphRunner, kept))
+    npu = {k: v for k, v in module.graph_runners_dict.items() if k == "npu"}  # others: what the default built
+    ctx.setattr(module, "graph_runners_dict", defaultdict(lambda: module.ViTCudaGraphRunner, npu))
     ctx.setattr(module.Qwen3VLMoeVisionModel, "forward_with_cuda_graph", forward_with_cuda_graph)

@@ -19,8 +19,8 @@ from sglang_ext.vit.engine import GraphOptions, ViTGraphEngine
 
 
 class ViTGraphRunner(vit_cuda_graph_runner.ViTCudaGraphRunner):
-    """sglang's runner, every call served by its engine. Of upstream it uses `__init__` (the tower and
-    its attention backend, `_attn_backend`) and `run`'s signature: nothing else, in any release."""
+    """sglang's runner, every call served by its engine. Of upstream it uses `__init__` (`_attn_backend`) and
+    `run`'s signature: nothing else, in any release."""
 
     options: GraphOptions  # the activation's knobs, on the class patch_runner installs
 
@@ -35,8 +35,7 @@ class ViTGraphRunner(vit_cuda_graph_runner.ViTCudaGraphRunner):
 
 
 def bind_runner(ctx, module) -> None:
-    """A model module's name for the runner (bound by `from ... import` before or after the swap) is
-    rebound to the patched class; a class rebound by someone else is an error (parts for the Qwen towers)."""
+    """A Qwen module's name for the runner (bound before or after the swap) is rebound to the patched class."""
     patched = vit_cuda_graph_runner.ViTCudaGraphRunner
     bound = getattr(module, "ViTCudaGraphRunner", None)
     if not issubclass(patched, ViTGraphRunner) or bound not in (patched, ViTGraphRunner.__base__):

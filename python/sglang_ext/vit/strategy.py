@@ -1,8 +1,7 @@
-"""How a ViT call finds its graph: the graph keys, and the mode (layout, class or bucket) resolved once per runner.
+"""How a ViT call finds its graph: the key types, and the mode (layout, class or bucket) resolved once per runner.
 
-A key says everything a graph bakes in: its token count, and for each attention kind the number of
-sequence slots and the max_seqlen bound. Bucket mode's strategy also holds the token ladder and what
-the load-time probe decided.
+A key says what a graph bakes in: its token count and, per attention kind, its sequence slots and
+max_seqlen bound. Bucket mode's strategy also holds the token ladder and the load-time decisions.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Optional, Tuple
 
 from sglang_ext.graphs.buckets import geometric_buckets, select_bucket
 from sglang_ext.graphs.keys import cpu_ints
-from sglang_ext.graphs.packing import sequences_between, whole_sequence_chunks
+from sglang_ext.graphs.packing import sequences_between
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
@@ -53,22 +52,11 @@ class LayoutKey:
     num_tokens: int
     full: Boundaries
     window: Boundaries = None
-
-    @property
-    def full_slots(self):
-        return len(self.full) - 1
-
-    @property
-    def full_bound(self):
-        return max_len(self.full)
-
-    @property
-    def window_slots(self):
-        return None if self.window is None else len(self.window) - 1
-
-    @property
-    def window_bound(self):
-        return max_len(self.window)
+    # What a graph of this key is sized and bounded by (the fields of the other key types).
+    full_slots = property(lambda self: len(self.full) - 1)
+    full_bound = property(lambda self: max_len(self.full))
+    window_slots = property(lambda self: None if self.window is None else len(self.window) - 1)
+    window_bound = property(lambda self: max_len(self.window))
 
     def between(self, start, end):
         """The layout of tokens [start, end), cut at sequence boundaries both layouts share."""
@@ -102,14 +90,8 @@ class ClassKey:
 
 
 @dataclass(frozen=True)
-class BudgetKey:
+class BudgetKey(ClassKey):
     """Bucket mode: one graph per token budget, with room for any padded call that fits its slots."""
-
-    num_tokens: int
-    full_slots: int
-    full_bound: int
-    window_slots: Optional[int] = None
-    window_bound: Optional[int] = None
 
 
 class LayoutKeys:
@@ -226,26 +208,15 @@ class BudgetLadder:
         padded = LayoutKey(bucket, padded_layout(layout.full, tokens, bucket, bucket),
                            padded_layout(layout.window, tokens, bucket, self.window_chunk))
         key = self.key(padded)
-        if padded.full is None or padded.full_slots > key.full_slots:
-            return None
-        if padded.window is not None and (padded.window_slots > key.window_slots
-                                          or padded.window_bound > key.window_bound):
-            return None
-        return key, padded
-
-    def chunks(self, layout):
-        """Token ranges of a call: itself, or above the limit its chunks of whole images (one eager call
-        when above the probe's break-even: an empty list)."""
-        limit = self.replay_limit
-        if not limit or layout.num_tokens <= limit:
-            return [(0, layout.num_tokens)]
-        if not self.split_above_limit:
-            return []
-        return whole_sequence_chunks((layout.full, layout.window), layout.num_tokens, limit, BUCKET_SEQUENCES - 1)
+        fits = padded.full is not None and padded.full_slots <= key.full_slots and (padded.window is None or (
+            padded.window_slots <= key.window_slots and padded.window_bound <= key.window_bound))
+        return (key, padded) if fits else None
 
 
-def resolve(mode, backend, *, merge_unit, window_tokens_, token_buckets_, replay_max_tokens, above_ladder):
-    """The strategy of a runner: the knob's mode where the attention backend allows it, else layout keys."""
+def resolve(options, backend, merge_unit, window_tokens_):
+    """The strategy of a runner: the mode `options` (engine.GraphOptions) name where the attention backend
+    allows it, else layout keys."""
+    mode = options.mode
     if mode != "layout" and backend not in CLASS_BACKENDS:
         logger.warning("--ext-vit-graph-mode %s needs one of the vision attention backends %s; this tower uses %s, "
                        "so its graphs are keyed by exact layout", mode, "/".join(CLASS_BACKENDS), backend)
@@ -254,7 +225,8 @@ def resolve(mode, backend, *, merge_unit, window_tokens_, token_buckets_, replay
         return LayoutKeys()
     if mode == "class":
         return ClassKeys()
-    ladder = BudgetLadder(token_buckets_, merge_unit, window_tokens_, replay_max_tokens, above_ladder)
+    ladder = BudgetLadder(options.token_buckets, merge_unit, window_tokens_, options.replay_max_tokens,
+                          options.above_ladder)
     if not ladder.budgets:
         logger.warning("--ext-vit-graph-token-buckets: no size is a multiple of this tower's merge unit %d, so "
                        "bucket mode pads nothing (every call runs eager)", merge_unit)

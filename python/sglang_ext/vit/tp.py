@@ -1,7 +1,4 @@
-"""Tensor parallelism of the ViT graphs: the tower's group, its votes, local collective stand-ins.
-
-Every rank encoding a batch votes on each capture and replay (graphs.agreement) before any device collective.
-"""
+"""Tensor parallelism of the ViT graphs: the tower's group, and local stand-ins for its collectives in the warm-up."""
 
 import contextlib
 
@@ -9,35 +6,20 @@ import torch
 
 from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_tp_group
 from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-from sglang_ext.graphs.agreement import cpu_group_min, cpu_group_vote, local_vote
 
 
-def tower_group():
-    """The group the tower's TP collectives run on: 0.5.17's vision linears reduce over the
+def agreeing_group(vit):
+    """The group the tower's TP collectives run on, when its ranks must agree (else None: a DP encoder
+    captures rank-locally, a world of one agrees with itself). 0.5.17's vision linears reduce over the
     attention-TP group under DP attention, over the TP group otherwise."""
+    if getattr(vit, "use_data_parallel", False):
+        return None
     try:
         dp_attention = is_dp_attention_enabled()
     except Exception:  # noqa: BLE001 - no runtime flags published (unit tests, offline use): plain TP
         dp_attention = False
-    return get_attn_tp_group() if dp_attention else get_tp_group()
-
-
-def agreeing_group(vit):
-    """The tower's group when its ranks must agree (a non-DP encoder in a world of more than one), else None."""
-    if getattr(vit, "use_data_parallel", False):  # DP encoders capture rank-locally
-        return None
-    group = tower_group()
+    group = get_attn_tp_group() if dp_attention else get_tp_group()
     return group if getattr(group, "world_size", 1) > 1 else None
-
-
-def vote_of(group):
-    """How the ranks of `group` agree: a MIN vote over its CPU group (gloo); alone, the value itself."""
-    return local_vote if group is None else cpu_group_vote(group.cpu_group)
-
-
-def min_over(group, value):
-    """`value` (an int) agreed as the MIN over the ranks of `group` (itself when alone)."""
-    return value if group is None else cpu_group_min(group.cpu_group, value, bits=64)
 
 
 class LocalCollectives:

@@ -10,6 +10,8 @@ instead (kernel: test_rotate_half.py).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -87,13 +89,13 @@ def test_the_bucket_runners_eager_call_runs_inside_the_block():
     engine, rotary, strategy = ext_core("vit.engine"), ext_core("vit.vision_rotary"), ext_core("vit.strategy")
     depths = []
 
-    class Engine:
-        def _eager(self, *args):
-            depths.append(rotary._eager_depth[0])
-            return "rows"
+    def run_eager(*args):
+        depths.append(rotary._eager_depth[0])
+        return "rows"
 
     layout = strategy.LayoutKey(8, (0, 0, 8), (0, 4, 8))
-    assert engine.ViTGraphEngine.eager_call(Engine(), layout, torch.zeros(8, 1, 4), (None, None, None)) == "rows"
+    an_engine = SimpleNamespace(store=SimpleNamespace(run_eager=run_eager))
+    assert engine.ViTGraphEngine.eager_call(an_engine, layout, torch.zeros(8, 1, 4), (None, None, None)) == "rows"
     assert depths == [1] and rotary._eager_depth[0] == 0
 
 
