@@ -118,13 +118,12 @@ KNOBS: tuple[Knob, ...] = (
          "Anti-thrash admission: capture a layout only once it has been seen this many times.",
          minimum=1),
     Knob("vit_graph_mode", "choice", "bucket",
-         "'bucket': one graph per token budget, captured when the model loads, each call padded to the "
-         "smallest budget that fits (equal to eager within bf16 rounding): the fastest, and nothing is captured "
-         "while serving. 'class' (one graph per token count, sequence-count class and longest-sequence class) "
-         "captures on first use and is bitwise equal to eager: for a server whose answers must not change with "
-         "graphs on. 'layout' (one graph per exact attention layout) passes the kernels eager's own arguments "
-         "(the exact max_seqlen): to check class mode against, at the cost of one graph per layout. Graphs "
-         "need vision attention triton_attn, fa3 or fa4 (sdpa runs eager).",
+         "'bucket' (the fastest): one graph per token budget, captured when the model loads, each call padded to "
+         "the smallest budget that fits, equal to eager within bf16 rounding; 'class': one graph per token count, "
+         "sequence-count class and longest-sequence class, captured on first use, bitwise equal to eager (for "
+         "answers that must not change with graphs on); 'layout': one graph per exact attention layout, the "
+         "kernels given eager's own max_seqlen (to check class mode against). Graphs need vision attention "
+         "triton_attn, fa3 or fa4 (sdpa runs eager).",
          choices=("layout", "class", "bucket")),
     Knob("vit_graph_token_buckets", "int_list", (),
          "Bucket mode only: the token budgets (patches before merging, multiples of the merge unit 4) to "
@@ -136,10 +135,9 @@ KNOBS: tuple[Knob, ...] = (
          "up to N tokens, larger calls split into chunks of whole images that replay.",
          minimum=-1),
     Knob("vit_graph_above_ladder", "choice", "eager",
-         "Bucket mode only, ladder measured at load: a call above the ladder runs as one eager call ('eager': "
-         "for a loaded server: +8-14 % req/s at concurrency 32-64) or is split into chunks of whole images that "
-         "replay ('split': for a lightly loaded one, +2-6 % at concurrency 1-8; fewer host launches, more device "
-         "time spent on padding; fa3 on the H200, docs/bench/vit_server_split.json).",
+         "Bucket mode only, ladder measured at load: a call above the ladder runs as one eager call ('eager', "
+         "for a busy server) or is split into chunks of whole images that replay ('split', for a lightly loaded "
+         "one: fewer host launches, more device time spent on padding).",
          choices=("eager", "split")),
     Knob("vit_triton_rotary", "bool", True,
          "ViT graphs on: every vision attention call, eager and captured, rotates q and k with one Triton "
