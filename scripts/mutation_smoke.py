@@ -79,6 +79,7 @@ class Mutant:
         object.__setattr__(self, "tests", tuple(self.tests))
 
 
+VIT_RUNNER = "sglang_ext/vit/runner.py"
 VIT_STRATEGY = "sglang_ext/vit/strategy.py"
 VIT_ENGINE = "sglang_ext/vit/engine.py"
 VIT_MODEL_RUNNER = "sglang_ext/vit/model_runner.py"
@@ -117,6 +118,12 @@ ACTIVATION_TESTS = "test/registered/foundation/test_activation_policy.py"
 BOUND_BY_NAME = f"{ACTIVATION_TESTS}::test_a_patched_function_bound_by_name_is_sglangs_again_after_deactivate"
 
 MUTANTS: List[Mutant] = [
+    # --- ViT runner swap (vit/runner.py) ---
+    Mutant("vit-runner-swap-not-recorded", VIT_RUNNER,
+           '    ctx.setattr(module, "ViTCudaGraphRunner", runner_cls)\n',
+           '    setattr(module, "ViTCudaGraphRunner", runner_cls)\n',
+           (f"{VIT_TESTS}::test_a_runner_built_before_activation_stays_sglangs_and_deactivation_restores_every_binding",),
+           "the runner class swapped without PatchContext: deactivation leaves sglang-ext's runner installed"),
     # --- ViT keys (vit/strategy.py: the key types and the strategies' key()) ---
     Mutant("vit-layout-key-drops-window", VIT_STRATEGY,
            "    window: Boundaries = None\n",
