@@ -1,11 +1,13 @@
 """ViT CUDA-graph runner on sglang 0.5.17 (patch vit_cuda_graph), on CPU.
 
 Of upstream's unit test (`test/registered/unit/multimodal/test_vit_cuda_graph_runner.py`,
-sgl-project/sglang#37043) the key and rotary-workspace cases run here on the patched methods;
+sgl-project/sglang#37043) the key and rotary-workspace cases run here on the patch's key types and
+leased workspaces;
 its TP capture-context cases tested 0.5.17's `_capture_context()`, which the patch never enters,
 and are replaced by what the patch does instead (DP: no TP communication at all; TP: two CPU-group
 votes, outside that context); its backend-name case tested upstream's untouched `__init__` and is
-left out. Everything uses sglang's real `ViTCudaGraphRunner`. Most tests drive the real runner's
+left out. Every runner is the class activation installs (a subclass of sglang's real
+`ViTCudaGraphRunner`, its engine in `runner.engine`). Most tests drive the engine's
 capture/replay code with a recording fake of `torch.cuda.CUDAGraph` /
 `torch.cuda.graph`: a stub block registers a "kernel" (a thunk that recomputes its
 output IN PLACE from the tensors it was captured with) on the graph being captured,
@@ -31,7 +33,7 @@ register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
 import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
 
-from conftest import ext_core, plugin_only  # noqa: E402  (test/registered/conftest.py)
+from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 from sglang_ext.registry import PATCH_NAMES
 
 THIS_PATCH = "vit_cuda_graph"
@@ -90,9 +92,9 @@ def test_vit_graph_keeps_rotary_workspace_address_after_growth(vit_patch, fake_c
     assert runner.engine.store.retired_rotary_buffers() == 1
 
 
-def test_a_call_without_boundaries_runs_eager(vit_patch, fake_cuda):
-    """0.5.17's NPU subclass keys by token count alone; the patch's runner needs boundaries to key a call."""
-    vit_patch()
+def test_a_call_without_boundaries_has_no_layout_key():
+    """Upstream keys by token count alone (its NPU subclass, which stays sglang's, still does); the patch's
+    keys need boundaries, so a call without any gets no key (it runs eager)."""
     assert layout_key(12, None, None) is None
 
 
