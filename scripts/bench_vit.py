@@ -136,6 +136,16 @@ def warm_up(vit, dtype, seed: int, *, graph: bool) -> None:
 _COUNTED = ("hits", "misses", "captures", "evictions", "fallbacks", "padding_tokens", "real_tokens")
 
 
+def _engine(runner):
+    """The sglang-ext engine of a runner (None for sglang's own runners)."""
+    return getattr(runner, "engine", None)
+
+
+def _resident(runner) -> int:
+    engine = _engine(runner)
+    return len(engine.store.graphs) if engine is not None else len(runner.block_graphs)
+
+
 def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, progress=None, walls=None):
     """The timed stream through the graph runner and eager; `walls` gets each request's seconds per path."""
     runner = vit.cuda_graph_runner
@@ -143,11 +153,12 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
     walls = {} if walls is None else walls
     walls.update(graph=[], eager=[])
     # Counters after the warm-up: the timed stream's own are the differences.
-    after_warm_up = ({k: runner._ext_graph_info()[k] for k in _COUNTED} if "_ext_cache" in runner.__dict__ else {})
+    engine = _engine(runner)
+    after_warm_up = {k: engine.info()[k] for k in _COUNTED} if engine is not None else {}
     graph_s = eager_s = 0.0
     tokens_total = wrong = bitwise = 0
     new_graphs = 0  # unbounded runners: a request that added a graph was a miss
-    ext_cache = runner.__dict__.get("_ext_cache") if runner is not None else None
+    ext_cache = engine.cache if engine is not None else None
     peak_graph_bytes = 0
     worst = 0.0
     timeline = []
@@ -156,10 +167,9 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         grid_thw = torch.tensor(grid, dtype=torch.int64)
         progress["requests_done"] = i
         progress["wrong_outputs_so_far"] = wrong
-        before = len(runner.block_graphs)
+        before = _resident(runner)
         graphed, dt_graph = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=True))
-        new_graphs += len(runner.block_graphs) > before
-        ext_cache = runner.__dict__.get("_ext_cache")  # created by the first run
+        new_graphs += _resident(runner) > before
         if ext_cache is not None:
             peak_graph_bytes = max(peak_graph_bytes, ext_cache.info().bytes_resident)
         eager, dt_eager = timed(lambda: kit.forward(vit, pixels, grid_thw, graph=False))
@@ -173,8 +183,8 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         wrong += diff > tol
         bitwise += bool(graphed.shape == eager.shape and torch.equal(graphed, eager))
         if i % sample_every == 0 or i == len(requests) - 1:
-            resident = len(runner.block_graphs)
-            ext = runner._ext_graph_info() if "_ext_cache" in runner.__dict__ else None
+            resident = _resident(runner)
+            ext = engine.info() if engine is not None else None
             timeline.append({"request": i + 1, "resident_graphs": resident,
                              "graph_bytes_resident": ext["bytes_resident"] if ext else None,
                              "cuda_reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1)})
@@ -183,21 +193,21 @@ def run_mode(name: str, vit, requests, *, dtype, tol: float, sample_every: int, 
         "mode": name, "requests": n, "tokens": tokens_total,
         "graph_req_per_s": n / graph_s, "eager_req_per_s": n / eager_s, "speedup_vs_eager": eager_s / graph_s,
         "wrong_outputs": wrong, "bitwise_equal": bitwise, "max_abs_diff": worst,
-        "resident_graphs": len(runner.block_graphs),
+        "resident_graphs": _resident(runner),
         "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
         "peak_graph_bytes_mib": round(peak_graph_bytes / 2**20, 1) if ext_cache is not None else None,
         "peak_graph_bytes_every_request": ext_cache is not None,  # else the peak is a lower bound
         "timeline": timeline,
     }
-    if "_ext_cache" in runner.__dict__:
-        info = runner._ext_graph_info()
+    if engine is not None:
+        info = engine.info()
         timed_counts = {k: info[k] - after_warm_up.get(k, 0) for k in _COUNTED}
         lookups = timed_counts["hits"] + timed_counts["misses"]
         result.update(hit_rate=timed_counts["hits"] / lookups if lookups else 0.0, captures=timed_counts["captures"],
                       captures_before_timing=info["captures"] - timed_counts["captures"],
                       evictions=timed_counts["evictions"], fallbacks=timed_counts["fallbacks"],
                       graph_bytes_resident=info["bytes_resident"], graph_bytes_budget_mib=round(
-                          runner._ext_max_bytes / 2**20, 1) if runner._ext_max_bytes else None,
+                          engine.cache.max_bytes / 2**20, 1) if engine.cache.max_bytes else None,
                       counters=info, timed_counters=timed_counts)
     else:  # unbounded runner (0.5.17 / 0.5.19): graphs are never evicted
         result.update(hit_rate=1 - new_graphs / n if n else 0.0, captures=len(runner.block_graphs))
@@ -252,10 +262,8 @@ def profile_device(run_request, indices) -> dict:
 
 def _misses(vit):
     """Graph misses of an sglang-ext runner so far (None for other runners)."""
-    runner = getattr(vit, "cuda_graph_runner", None)
-    if runner is None or "_ext_cache" not in runner.__dict__:
-        return None
-    return runner._ext_graph_info()["misses"]
+    engine = _engine(getattr(vit, "cuda_graph_runner", None))
+    return None if engine is None else engine.info()["misses"]
 
 
 def profile_bound(vit, requests, walls, count: int, *, dtype, graph: bool) -> dict:

@@ -110,10 +110,10 @@ def simulate(args) -> dict:
                      output_indices=torch.arange(tokens // 4), attention_layout_key=(full, window))
         runner.run(**batch)
         batches.append(batch)
-        peak_bytes = max(peak_bytes, sum(k.num_tokens for k in runner.block_graphs) * BYTES_PER_TOKEN)
-    info = runner._ext_graph_info()
+        peak_bytes = max(peak_bytes, sum(k.num_tokens for k in runner.engine.store.graphs) * BYTES_PER_TOKEN)
+    info = runner.engine.info()
     lookups = info["hits"] + info["misses"]
-    out = {"backend": args.backend, "capacity": args.capacity, "buckets": len(runner._ext_token_buckets),
+    out = {"backend": args.backend, "capacity": args.capacity, "buckets": info["budgets"],
            "hit_rate": round(info["hits"] / lookups, 4), "captures": info["captures"],
            "resident_graphs": info["resident_graphs"], "evictions": info["evictions"],
            "fallbacks": info["fallbacks"], "padding": round(info["padding_tokens"] / max(info["real_tokens"], 1), 4),
@@ -141,7 +141,7 @@ def host_cost(runner, batches) -> dict:
             self.ops[str(func.overloadpacket)] = self.ops.get(str(func.overloadpacket), 0) + 1
             return func(*args, **(kwargs or {}))
 
-    misses = runner._ext_graph_info()["misses"]
+    misses = runner.engine.info()["misses"]
     times = []
     for _ in range(3):
         for batch in batches:
@@ -154,7 +154,7 @@ def host_cost(runner, batches) -> dict:
     return {"host_us_per_run": round(1e6 * statistics.median(times), 1),
             "aten_ops_per_run": round(sum(count.ops.values()) / len(batches), 1),
             "aten_ops": {k: round(v / len(batches), 1) for k, v in sorted(count.ops.items())},
-            "all_replays": runner._ext_graph_info()["misses"] == misses}
+            "all_replays": runner.engine.info()["misses"] == misses}
 
 
 def main() -> None:

@@ -118,11 +118,12 @@ KNOBS: tuple[Knob, ...] = (
          "Anti-thrash admission: capture a layout only once it has been seen this many times.",
          minimum=1),
     Knob("vit_graph_mode", "choice", "bucket",
-         "'bucket': one graph per token budget, captured when the model loads, each call padded to the "
-         "smallest budget that fits (equal to eager within bf16 rounding); 'class' (one graph per token count, "
-         "sequence-count class and longest-sequence class) and 'layout' (one per attention layout) capture on "
-         "first use, bitwise equal to eager. Graphs need vision attention triton_attn, fa3 or fa4 (sdpa runs "
-         "eager).",
+         "'bucket' (the fastest): one graph per token budget, captured when the model loads, each call padded to "
+         "the smallest budget that fits, equal to eager within bf16 rounding; 'class': one graph per token count, "
+         "sequence-count class and longest-sequence class, captured on first use, bitwise equal to eager (for "
+         "answers that must not change with graphs on); 'layout': one graph per exact attention layout, the "
+         "kernels given eager's own max_seqlen (to check class mode against). Graphs need vision attention "
+         "triton_attn, fa3 or fa4 (sdpa runs eager).",
          choices=("layout", "class", "bucket")),
     Knob("vit_graph_token_buckets", "int_list", (),
          "Bucket mode only: the token budgets (patches before merging, multiples of the merge unit 4) to "
@@ -134,9 +135,9 @@ KNOBS: tuple[Knob, ...] = (
          "up to N tokens, larger calls split into chunks of whole images that replay.",
          minimum=-1),
     Knob("vit_graph_above_ladder", "choice", "eager",
-         "Bucket mode only, ladder measured at load: a call above the ladder runs as one eager call ('eager') "
-         "or is split into chunks of whole images that replay ('split': fewer host launches, more device time "
-         "spent on padding).",
+         "Bucket mode only, ladder measured at load: a call above the ladder runs as one eager call ('eager', "
+         "for a busy server) or is split into chunks of whole images that replay ('split', for a lightly loaded "
+         "one: fewer host launches, more device time spent on padding).",
          choices=("eager", "split")),
     Knob("vit_triton_rotary", "bool", True,
          "ViT graphs on: every vision attention call, eager and captured, rotates q and k with one Triton "

@@ -1,34 +1,18 @@
-"""Graph keys: everything that changes what a captured graph does, as CPU values.
+"""Graph key material: everything that changes what a captured graph does, as CPU values.
 
-A graph bakes in the token count and the attention layout, so both are in its key. Keys are built
-from CPU metadata only: the helpers refuse a device tensor (a sync per forward) unless asked.
+A graph bakes in the token count and the attention layout, so both are in its key (each adapter
+has its own frozen key types). Keys are built from CPU metadata only: the helpers refuse a device
+tensor (a sync per forward) unless asked.
 """
 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 from typing import Any, Iterable, Tuple
 
 
 class DeviceSyncError(ValueError):
     """Key material lives on an accelerator; reading it would sync the device."""
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    """Hashable identity of one graph: token count, attention boundaries, other `variant`s of its code path."""
-
-    num_tokens: int
-    layout: tuple = ()
-    variant: tuple = ()
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.num_tokens) or self.num_tokens < 0:
-            raise ValueError(f"num_tokens: {self.num_tokens!r} is not allowed; allowed: integers >= 0")
-        for field in ("layout", "variant"):
-            if not isinstance(getattr(self, field), tuple):
-                raise ValueError(f"{field}: {getattr(self, field)!r} is not allowed; allowed: a tuple of hashables")
 
 
 def _is_int(value: Any) -> bool:

@@ -1,36 +1,29 @@
-"""One ViT graph: its buffers, rotary leases, warm-up, capture, replay inputs and release.
+"""The graphs of one ViT tower: buffers, leased workspaces, warm-up, capture, release, and the eager twin.
 
-Methods of sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
-docs/how-it-works.md (ViT CUDA graphs) says why each step is safe.
+Not how graphs are keyed, admitted or agreed (engine.py); docs/how-it-works.md says why each step is safe.
 """
 
+from __future__ import annotations
+
+import inspect
 import logging
 import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from sglang.srt.layers.attention.vision import VisionAttentionMetadata
+from sglang.srt.layers.attention.vision import VisionAttentionMetadata, prepare_vision_attention_metadata
 from sglang.srt.model_executor.runner_utils.pool import get_or_create_global_graph_memory_pool
-from sglang_ext.graphs.agreement import agreed_capture
 from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
-from sglang_ext.graphs.workspace import StableWorkspacePool
+from sglang_ext.graphs.workspace import AddressGuard, StableWorkspacePool
+from sglang_ext.vit.strategy import CLASS_BACKENDS
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
-# Vision attention backends whose kernels read max_seqlen only as a bound and skip zero-length
-# sequences: the ones graphs are captured for, and on which class and bucket modes share a graph.
-CLASS_BACKENDS = ("triton_attn", "fa3", "fa4")
-
-
-def max_len(layout):
-    """Longest sequence of a cumulative layout (0 for an empty one)."""
-    if not layout or len(layout) < 2:
-        return 0
-    return max(b - a for a, b in zip(layout, layout[1:]))
-
 
 def fill_rows(static, rows):
-    """`rows` into the first rows of `static`, zeros after them (a bucket graph's padding): no allocation."""
+    """`rows` into the first rows of `static`, zeros after them (a budget graph's padding): no allocation."""
     count = rows.shape[0]
     static[:count].copy_(rows)
     if count < static.shape[0]:
@@ -46,272 +39,213 @@ def rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
     return {}
 
 
-def create_graph(self, x_3d, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
-                 rotary_pos_emb_sin=None, attention_layout_key=None):
-    """Capture one graph for this batch's key, agreed by all TP ranks (`run` decides admission); a
-    failure on any rank quarantines the key on every rank and raises here. Returns the key."""
-    self._ext_ensure_state()
-    layout_key = self._get_graph_key(x_3d, cu_seqlens, cu_window_seqlens, attention_layout_key)
-    graph_key = self._ext_graph_key_for(layout_key)
-    if graph_key in self.block_graphs:
-        return graph_key
-    prepared = {}
+@dataclass(eq=False)
+class CapturedGraph:
+    """One graph and every static tensor it reads or writes (their addresses are baked into it)."""
 
-    def prepare():
-        prepared.update(self._ext_prepare_graph(graph_key, layout_key, x_3d, cu_seqlens, cu_window_seqlens,
-                                                (position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)))
+    key: Any
+    input: Optional[torch.Tensor] = None
+    workspace: Optional[torch.Tensor] = None
+    cu_full: Optional[torch.Tensor] = None
+    full_lengths: Optional[torch.Tensor] = None
+    cu_window: Optional[torch.Tensor] = None
+    window_lengths: Optional[torch.Tensor] = None
+    rotary: Tuple[torch.Tensor, ...] = ()  # (cos, sin) leased from the tower's rotary pool
+    graph: Any = None
+    output: Optional[torch.Tensor] = None
+    nbytes: int = 0
+    leases: List[Any] = field(default_factory=list)
 
-    def capture():
-        self._create_graph(graph_key, **prepared)
-        tensors = self._ext_graph_tensors(graph_key)
-        self._ext_address_guard.record(graph_key, tensors)
-        shared = {id(lease.tensor) for lease in self._ext_buffer_leases.get(graph_key, ())}  # counted once
-        self._ext_graph_bytes[graph_key] = sum(t.numel() * t.element_size() for t in tensors if id(t) not in shared)
-
-    outcome = agreed_capture(self._ext_vote(), prepare, capture, lambda: self._ext_drop_graph_state(graph_key))
-    if not outcome.ok:
-        self._ext_cache.fail(graph_key, outcome.error, transient=outcome.transient)
-        raise outcome.error
-    # False (exact policy, over budget): the cache has already released the entry.
-    self._ext_cache.put(graph_key, (graph_key, self.block_graphs[graph_key]), nbytes=self._ext_graph_bytes[graph_key])
-    return graph_key
+    def tensors(self):
+        return tuple(t for t in (self.input, self.workspace, self.output, self.cu_full, self.full_lengths,
+                                 self.cu_window, self.window_lengths) + self.rotary if t is not None)
 
 
-def _ext_prepare_graph(self, graph_key, layout_key, x_3d, cu_seqlens, cu_window_seqlens, rotary):
-    """Rank-local stage of a capture: backend check, buffers, rotary slices, warm-up. Returns rotary kwargs."""
-    backend = self._attn_backend
-    if backend not in CLASS_BACKENDS:  # before anything is allocated
-        raise RuntimeError(f"ViT CUDA graph does not support attention backend: {backend}")
-    full_layout, window_layout = layout_key.layout
-    seq_len = graph_key.num_tokens
-    device = self.device
-    attn = self.vit.blocks[0].attn
-    ws_row = (attn.num_attention_heads_per_partition, attn.head_size)
-    if graph_key.variant and graph_key.variant[0] == "bucket":  # slices of buffers all budget graphs share
-        self.block_input[graph_key] = self._ext_shared_rows("input", graph_key, seq_len, x_3d.shape[1:], x_3d.dtype)
-        self.block_ws[graph_key] = self._ext_shared_rows("attention_ws", graph_key, seq_len, ws_row, self.dtype)
-    else:
-        self.block_input[graph_key] = torch.empty_like(x_3d, device=device).contiguous()
-        self.block_ws[graph_key] = torch.empty((seq_len,) + ws_row, device=device, dtype=self.dtype)
-    # Graph-owned boundary buffers: the graph reads these addresses at every replay.
-    if graph_key.variant:  # class mode: room for the class's sequence count, refreshed per replay
-        _, full_count, full_max, window_count, window_max = graph_key.variant
-        self.cu_full_len[graph_key] = torch.empty(full_count + 1, dtype=torch.int32, device=device)
-        self.cu_full_len_kk[graph_key] = torch.empty(full_count, dtype=torch.int32, device=device)
-        if self._fullatt_block_indexes:
-            self.cu_window_len[graph_key] = torch.empty(window_count + 1, dtype=torch.int32, device=device)
-            self.cu_window_len_kk[graph_key] = torch.empty(window_count, dtype=torch.int32, device=device)
-        self._ext_write_layout(graph_key, cu_seqlens, cu_window_seqlens)
-        self._ext_max_lens[graph_key] = (full_max, window_max)
-    else:
-        cu_full = cu_seqlens.to(device=device, dtype=torch.int32).clone()
-        self.cu_full_len[graph_key] = cu_full
-        self.cu_full_len_kk[graph_key] = cu_full[1:] - cu_full[:-1]
-        if self._fullatt_block_indexes:
-            cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32).clone()
-            self.cu_window_len[graph_key] = cu_window
-            self.cu_window_len_kk[graph_key] = cu_window[1:] - cu_window[:-1]
-        self._ext_max_lens[graph_key] = (max_len(full_layout), max_len(window_layout))
-    self.block_input[graph_key].copy_(x_3d)
-    kwargs = self._ext_fill_rotary(graph_key, seq_len, *rotary)
-    # Warm-up, one block per attention kind: kernels that compile on first use must not compile inside
-    # the capture. Local stand-ins for the TP collectives; the sync surfaces async errors before the vote.
-    warm_layers = {}
-    for layer_num in range(len(self.vit.blocks)):
-        warm_layers.setdefault(self._ext_block_is_full(layer_num), layer_num)
-    with torch.no_grad(), self._ext_warm_up_context():
-        for layer_num in sorted(warm_layers.values()):
-            self.vit.blocks[layer_num](self.block_input[graph_key], **self._ext_block_kwargs(graph_key, layer_num),
-                                       **kwargs)
-    torch.cuda.synchronize()
-    return kwargs
+class GraphStore:
+    """The graphs of one tower by key, and the workspaces they lease (stable addresses, freed with them)."""
 
+    def __init__(self, vit, backend, debug_addresses=False):
+        self.vit = vit
+        self.backend = backend
+        self.full_blocks = set(getattr(vit, "fullatt_block_indexes", ()) or ())
+        self.deepstack = list(getattr(vit, "deepstack_visual_indexes", []) or [])
+        self.accepts_metadata = "forward_metadata" in inspect.signature(vit.blocks[0].forward).parameters
+        self.graphs: Dict[Any, CapturedGraph] = {}
+        self.rotary_pools: Dict[tuple, StableWorkspacePool] = {}
+        self.shared_pools: Dict[tuple, StableWorkspacePool] = {}  # bucket mode: input and attention workspace
+        self.address_guard = AddressGuard(debug_addresses)  # debug: no captured tensor moved before a replay
 
-def _create_graph(self, graph_key, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None):
-    """Capture the tower for `graph_key` from its prepared buffers, outside 0.5.17's
-    `_capture_context()` (its custom all-reduce registrations are never freed)."""
-    graph = torch.cuda.CUDAGraph()
-    kwargs = rotary_kwargs(position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
-    self.block_graphs[graph_key] = graph  # registered before capture: a failed capture is reset too
-    pool = self._ext_graph_pool()
-    with guarded_capture(graph, pool=pool, stream=capture_stream()):
-        self.block_output[graph_key] = self._ext_tower(
-            self.block_input[graph_key], lambda layer_num, y: self._ext_block_kwargs(graph_key, layer_num), kwargs)
+    def is_full(self, layer_num):
+        return not self.full_blocks or layer_num in self.full_blocks
 
+    def _lease(self, graph, pools, name, dtype, rows, row_shape, count=1):
+        """`count` tensors of `rows` rows from the tower's pool `name`, held by `graph` until its release."""
+        pool = pools.get((name, dtype))
+        if pool is None:
+            pool = pools[name, dtype] = StableWorkspacePool(name, dtype=dtype, device=self.vit.device)
+        lease = pool.lease(graph.key, rows, row_shape, count=count)
+        graph.leases.append(lease)
+        return lease.tensors
 
-def _ext_tower(self, y, block_kwargs, rotary):
-    """The blocks (attention kwargs `block_kwargs(layer_num, y)`, rotary kwargs `rotary`), deepstack
-    mergers and merger on `y`: what a graph captures and the eager path runs."""
-    deepstack_outs = []
-    for layer_num, blk in enumerate(self.vit.blocks):
-        y = blk(y, **block_kwargs(layer_num, y), **rotary)
-        if self._deepstack_visual_indexes and layer_num in self._deepstack_visual_indexes:
-            if self._deepstack_merger_list is None:
-                raise RuntimeError("deepstack_visual_indexes exists but deepstack_merger_list is missing.")
-            deepstack_outs.append(self._deepstack_merger_list[len(deepstack_outs)](y))
-    out = self.vit.merger(y)
-    return torch.cat([out] + deepstack_outs, dim=1) if deepstack_outs else out
+    def prepare(self, key, layout, x_3d, rotary, *, shared, warm_up):
+        """Rank-local stage of a capture: backend check, buffers, boundaries, rotary, warm-up. Returns the
+        rotary kwargs. `shared`: input and workspace are slices of buffers every graph of the tower shares
+        (budgets are captured largest first: the ladder's buffers cost one graph's)."""
+        if self.backend not in CLASS_BACKENDS:  # before anything is allocated
+            raise RuntimeError(f"ViT CUDA graph does not support attention backend: {self.backend}")
+        graph = self.graphs[key] = CapturedGraph(key)
+        device, dtype, tokens = self.vit.device, self.vit.dtype, key.num_tokens
+        attn = self.vit.blocks[0].attn
+        ws_row = (attn.num_attention_heads_per_partition, attn.head_size)
+        if shared:
+            row = tuple(x_3d.shape[1:])
+            (graph.input,) = self._lease(graph, self.shared_pools, "vit_input", x_3d.dtype, tokens, row)
+            (graph.workspace,) = self._lease(graph, self.shared_pools, "vit_attention_ws", dtype, tokens, ws_row)
+        else:
+            graph.input = torch.empty_like(x_3d, device=device).contiguous()
+            graph.workspace = torch.empty((tokens,) + ws_row, device=device, dtype=dtype)
+        # Graph-owned boundaries, room for the key's sequence slots; unused slots are empty sequences.
+        graph.cu_full = torch.empty(key.full_slots + 1, dtype=torch.int32, device=device)
+        graph.full_lengths = torch.empty(key.full_slots, dtype=torch.int32, device=device)
+        if self.full_blocks:
+            graph.cu_window = torch.empty(key.window_slots + 1, dtype=torch.int32, device=device)
+            graph.window_lengths = torch.empty(key.window_slots, dtype=torch.int32, device=device)
+        self.write_layout(graph, layout.full, layout.window)
+        graph.input.copy_(x_3d)
+        kwargs = self.fill_rotary(graph, *rotary)
+        # Warm-up, one block per attention kind: kernels that compile on first use must not compile inside
+        # the capture. Local stand-ins for the TP collectives; the sync surfaces async errors before the vote.
+        warm_layers = {}
+        for layer_num in range(len(self.vit.blocks)):
+            warm_layers.setdefault(self.is_full(layer_num), layer_num)
+        with torch.no_grad(), warm_up():
+            for layer_num in sorted(warm_layers.values()):
+                self.vit.blocks[layer_num](graph.input, **self.block_kwargs(graph, layer_num), **kwargs)
+        torch.cuda.synchronize()
+        return kwargs
 
+    def capture(self, key, rotary):
+        """Capture the tower for `key` from its prepared buffers, outside 0.5.17's `_capture_context()`
+        (its custom all-reduce registrations are never freed); record its addresses and bytes."""
+        graph = self.graphs[key]
+        graph.graph = torch.cuda.CUDAGraph()  # held before capture: a failed capture is reset too
+        pool = get_or_create_global_graph_memory_pool(torch.cuda)
+        pin_graph_pool(pool)  # evicting every ViT graph must never empty sglang's shared pool
+        with guarded_capture(graph.graph, pool=pool, stream=capture_stream()):
+            graph.output = self.tower(graph.input, lambda layer_num, y: self.block_kwargs(graph, layer_num), rotary)
+        self.address_guard.record(key, graph.tensors())
+        leased = {id(t) for lease in graph.leases for t in lease.tensors}  # shared buffers: counted once
+        graph.nbytes = sum(t.numel() * t.element_size() for t in graph.tensors() if id(t) not in leased)
+        graph.nbytes += sum(t.numel() * t.element_size() for t in graph.rotary)
 
-def _ext_graph_pool(self):
-    """sglang's process-wide graph pool, pinned so that evicting every ViT graph never empties it."""
-    pool = get_or_create_global_graph_memory_pool(torch.cuda)
-    pin_graph_pool(pool)
-    return pool
+    def tower(self, y, block_kwargs, rotary):
+        """The blocks (attention kwargs `block_kwargs(layer_num, y)`), deepstack mergers and merger on `y`:
+        what a graph captures and the eager path runs."""
+        deepstack_outs = []
+        mergers = getattr(self.vit, "deepstack_merger_list", None)
+        for layer_num, blk in enumerate(self.vit.blocks):
+            y = blk(y, **block_kwargs(layer_num, y), **rotary)
+            if layer_num in self.deepstack:
+                if mergers is None:
+                    raise RuntimeError("deepstack_visual_indexes exists but deepstack_merger_list is missing.")
+                deepstack_outs.append(mergers[len(deepstack_outs)](y))
+        out = self.vit.merger(y)
+        return torch.cat([out] + deepstack_outs, dim=1) if deepstack_outs else out
 
+    def fill_rotary(self, graph, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
+        """This call's cos/sin into the graph's rotary buffers (leased at the first fill, in the dtype the
+        tower computed: Qwen3-VL's are float32); returns the block kwargs passing them."""
+        cos, sin = position_embeddings if position_embeddings is not None else (rotary_pos_emb_cos, rotary_pos_emb_sin)
+        if cos is None or sin is None:
+            return {}
+        if not graph.rotary:
+            head_dim, dtype = cos.shape[1], cos.dtype
+            name = f"vit_rotary_hd{head_dim}" + ("" if dtype == self.vit.dtype else f"_{str(dtype).split('.')[-1]}")
+            graph.rotary = self._lease(graph, self.rotary_pools, name, dtype, graph.key.num_tokens, (head_dim,), 2)
+        cos_ws, sin_ws = graph.rotary
+        fill_rows(cos_ws, cos)
+        fill_rows(sin_ws, sin)
+        return rotary_kwargs(None if position_embeddings is None else (cos_ws, sin_ws), cos_ws, sin_ws)
 
-def _ext_shared_rows(self, name, graph_key, rows, row_shape, dtype):
-    """`rows` rows of the runner's shared `name` buffer, leased by `graph_key` until its release
-    (budget graphs are captured largest first: the ladder's buffers cost one graph's)."""
-    pool_key = (name, tuple(row_shape), dtype)
-    pool = self._ext_buffer_pools.get(pool_key)
-    if pool is None:
-        pool = self._ext_buffer_pools[pool_key] = StableWorkspacePool(f"vit_{name}", dtype=dtype, device=self.device)
-    lease = pool.lease(graph_key, rows, tuple(row_shape))
-    self._ext_buffer_leases.setdefault(graph_key, []).append(lease)
-    return lease.tensor
+    def write_layout(self, graph, full, window):
+        """A call's CPU boundaries into the graph's buffers without a sync; unused slots get length 0."""
+        pairs = [(graph.cu_full, graph.full_lengths, full)]
+        if self.full_blocks:
+            pairs.append((graph.cu_window, graph.window_lengths, window))
+        for buffer, lengths, layout in pairs:
+            buffer[:len(layout)].copy_(torch.tensor(layout, dtype=torch.int32), non_blocking=True)
+            buffer[len(layout):].fill_(graph.key.num_tokens)
+            torch.sub(buffer[1:], buffer[:-1], out=lengths)
 
+    def block_kwargs(self, graph, layer_num):
+        """Attention kwargs of block `layer_num` in `graph`, from its own buffers, per backend; fa4 has no
+        graph-mode branch in 0.5.17, so it gets `forward_metadata` built on them."""
+        key = graph.key
+        if self.is_full(layer_num):
+            cu, lengths, bound = graph.cu_full, graph.full_lengths, key.full_bound
+        else:
+            cu, lengths, bound = graph.cu_window, graph.window_lengths, key.window_bound
+        if self.backend == "fa4":
+            return {"cu_seqlens": cu, "forward_metadata": VisionAttentionMetadata(cu_seqlens=cu, seq_lens=lengths,
+                                                                                  max_seqlen=bound)}
+        seqlens = [cu, lengths, bound] if self.backend == "triton_attn" else [cu, bound]
+        return {"cu_seqlens": seqlens, "output_ws": graph.workspace}
 
-def _get_sin_cos_ws(self, graph_key, seq_len, head_dim, dtype=None):
-    """The stable rotary buffers of one graph (leased until its release), in the dtype of the cos/sin
-    the tower computed (Qwen3-VL's are float32)."""
-    self._ext_ensure_state()
-    cached = self._sin_cos_ws_by_graph.get(graph_key)
-    if cached is not None:
-        return cached
-    dtype = dtype or self.dtype
-    pool_key = (head_dim, dtype)
-    pool = self._ext_rotary_pools.get(pool_key)
-    if pool is None:
-        name = f"vit_rotary_hd{head_dim}" + ("" if dtype == self.dtype else f"_{str(dtype).split('.')[-1]}")
-        pool = StableWorkspacePool(name, dtype=dtype, device=self.device)
-        self._ext_rotary_pools[pool_key] = pool
-    lease = pool.lease(graph_key, seq_len, (head_dim,), count=2)
-    self._ext_rotary_leases[graph_key] = lease
-    self._sin_cos_ws_by_graph[graph_key] = tuple(lease.tensors)
-    # A lease always comes from the pool's current buffer: remember which one that is.
-    self._ext_rotary_current[pool_key] = lease.tensors[0].untyped_storage().data_ptr()
-    self.sin_cos_ws = self._sin_cos_ws_by_graph[graph_key]  # 0.5.17's name: the newest slices
-    return self._sin_cos_ws_by_graph[graph_key]
+    def release(self, graph):
+        """Cache release callback; a stale entry (key captured again since) only resets its own graph."""
+        if self.graphs.get(graph.key) is graph:
+            self.drop(graph.key)
+        elif graph.graph is not None:
+            graph.graph.reset()
 
+    def drop(self, key):
+        graph = self.graphs.pop(key, None)
+        if graph is None:
+            return
+        if graph.graph is not None:
+            try:
+                graph.graph.reset()
+            except Exception as exc:  # noqa: BLE001 - a half-captured graph must not mask the capture error
+                logger.debug("reset of ViT graph %s failed: %s", key, exc)
+        self.address_guard.forget(key)
+        for lease in graph.leases:
+            lease.release()
 
-def retired_sin_cos_ws(self):
-    """Retired rotary backings still leased by a live graph, one (cos, sin) each; freed ones drop out."""
-    leases = self.__dict__.get("_ext_rotary_leases") or {}
-    current = self.__dict__.get("_ext_rotary_current") or {}
-    retired = {}
-    for lease in leases.values():
-        cos, sin = lease.tensors
-        backing = cos.untyped_storage().data_ptr()
-        if current.get((cos.shape[-1], cos.dtype)) != backing:
-            retired.setdefault(backing, (cos, sin))
-    return list(retired.values())
+    def run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, max_full_len, max_window_len):
+        """The captured computation, run eagerly through the same blocks (same kernels, same result);
+        `output_indices`: those rows, in that order."""
+        device = x_3d.device
+        full_md = window_md = None
+        if self.accepts_metadata:
+            full_md = prepare_vision_attention_metadata(cu_seqlens, device=device, max_seqlen=max_full_len)
+            if self.full_blocks:
+                window_md = prepare_vision_attention_metadata(cu_window_seqlens, device=device,
+                                                              max_seqlen=max_window_len)
+        else:
+            cu_full = cu_seqlens.to(device=device, dtype=torch.int32)
+            cu_window = cu_window_seqlens.to(device=device, dtype=torch.int32) if self.full_blocks else None
 
+        def block_kwargs(layer_num, y):
+            full = self.is_full(layer_num)
+            if self.accepts_metadata:
+                md = full_md if full else window_md
+                return {"cu_seqlens": md.cu_seqlens, "forward_metadata": md}
+            cu, bound = (cu_full, max_full_len) if full else (cu_window, max_window_len)
+            seqlens = [cu, cu[1:] - cu[:-1], bound] if self.backend != "fa3" else [cu, bound]
+            attn = self.vit.blocks[layer_num].attn
+            output_ws = torch.empty(y.shape[0], attn.num_attention_heads_per_partition, attn.head_size,
+                                    device=device, dtype=self.vit.dtype)
+            return {"cu_seqlens": seqlens, "output_ws": output_ws}
 
-def _ext_fill_rotary(self, graph_key, seq_len, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
-    """Copy this call's cos/sin into the graph's rotary buffers; returns the block kwargs passing them."""
-    cos, sin = position_embeddings if position_embeddings is not None else (rotary_pos_emb_cos, rotary_pos_emb_sin)
-    if cos is None or sin is None:
-        return {}
-    cos_ws, sin_ws = self._get_sin_cos_ws(graph_key, seq_len, cos.shape[1], cos.dtype)
-    fill_rows(cos_ws, cos)
-    fill_rows(sin_ws, sin)
-    return rotary_kwargs(None if position_embeddings is None else (cos_ws, sin_ws), cos_ws, sin_ws)
+        out = self.tower(x_3d, block_kwargs, rotary_kwargs(*rotary))
+        return out if output_indices is None else out.index_select(0, output_indices)
 
+    def expected_bytes(self, x_3d, rows=None):
+        """Input + attention workspace bytes of a graph for x_3d, or for `rows` rows shaped like it."""
+        attn = self.vit.blocks[0].attn
+        row_elements = math.prod(x_3d.shape[1:]) + attn.num_attention_heads_per_partition * attn.head_size
+        return (int(x_3d.shape[0]) if rows is None else int(rows)) * row_elements * x_3d.element_size()
 
-def _ext_write_layout(self, graph_key, cu_seqlens, cu_window_seqlens):
-    """Class mode: this batch's boundaries into the graph's buffers (no sync); unused sequences get length 0."""
-    tokens = graph_key.num_tokens
-    pairs = [(self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key], cu_seqlens)]
-    if self._fullatt_block_indexes:
-        pairs.append((self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key], cu_window_seqlens))
-    for buffer, lengths, source in pairs:
-        source = source.to(device=self.device, dtype=torch.int32)
-        count = source.shape[0]
-        buffer[:count].copy_(source, non_blocking=True)
-        buffer[count:].fill_(tokens)
-        torch.sub(buffer[1:], buffer[:-1], out=lengths)
-
-
-def _ext_attention_kwargs(self, graph_key, cu, seq_lens, max_seqlen):
-    """Block kwargs for one attention kind of a graph, per backend; fa4 has no graph-mode branch in
-    0.5.17, so it gets `forward_metadata` built on the graph's own buffers."""
-    backend = self._attn_backend
-    if backend == "fa4":
-        metadata = VisionAttentionMetadata(cu_seqlens=cu, seq_lens=seq_lens, max_seqlen=max_seqlen)
-        return {"cu_seqlens": cu, "forward_metadata": metadata}
-    seqlens = [cu, seq_lens, max_seqlen] if backend == "triton_attn" else [cu, max_seqlen]
-    return {"cu_seqlens": seqlens, "output_ws": self.block_ws[graph_key]}
-
-
-def _ext_block_is_full(self, layer_num):
-    return not self._fullatt_block_indexes or layer_num in self._fullatt_block_indexes
-
-
-def _ext_block_kwargs(self, graph_key, layer_num):
-    """Attention kwargs of block `layer_num` in graph `graph_key`, from the graph's own buffers."""
-    max_full_len, max_window_len = self._ext_max_lens[graph_key]
-    if self._ext_block_is_full(layer_num):
-        return self._ext_attention_kwargs(graph_key, self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key],
-                                          max_full_len)
-    return self._ext_attention_kwargs(graph_key, self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key],
-                                      max_window_len)
-
-
-def _ext_graph_tensors(self, graph_key):
-    """Every static tensor a captured graph reads or writes: their addresses are baked into it."""
-    tensors = [self.block_input[graph_key], self.block_ws[graph_key], self.block_output[graph_key],
-               self.cu_full_len[graph_key], self.cu_full_len_kk[graph_key]]
-    if self._fullatt_block_indexes:
-        tensors += [self.cu_window_len[graph_key], self.cu_window_len_kk[graph_key]]
-    tensors += list(self._sin_cos_ws_by_graph.get(graph_key, ()))
-    return tuple(tensors)
-
-
-def _ext_expected_bytes(self, x_3d, rows=None):
-    """Input + attention workspace bytes of a graph for x_3d, or for `rows` rows shaped like it (known
-    before capturing)."""
-    attn = getattr(self.vit.blocks[0], "attn", None)
-    heads = getattr(attn, "num_attention_heads_per_partition", 0)
-    head_size = getattr(attn, "head_size", 0)
-    rows = int(x_3d.shape[0]) if rows is None else int(rows)
-    return rows * (math.prod(x_3d.shape[1:]) + heads * head_size) * x_3d.element_size()
-
-
-def _ext_release_graph(self, entry):
-    """Cache release callback of `(graph_key, graph)`; a stale entry (key re-captured) only resets its graph."""
-    graph_key, graph = entry
-    if self.block_graphs.get(graph_key) is graph:
-        self._ext_drop_graph_state(graph_key)
-    elif graph is not None:
-        graph.reset()
-
-
-def _ext_drop_graph_state(self, graph_key):
-    graph = self.block_graphs.pop(graph_key, None)
-    if graph is not None:
-        try:
-            graph.reset()
-        except Exception as exc:  # noqa: BLE001 - a half-captured graph must not mask the capture error
-            logger.debug("reset of ViT graph %s failed: %s", graph_key, exc)
-    for table in (self.block_input, self.block_ws, self.block_output, self.cu_full_len,
-                  self.cu_window_len, self.cu_full_len_kk, self.cu_window_len_kk):
-        table.pop(graph_key, None)
-    self._ext_graph_bytes.pop(graph_key, None)
-    self._ext_max_lens.pop(graph_key, None)
-    guard = self.__dict__.get("_ext_address_guard")
-    if guard is not None:
-        guard.forget(graph_key)
-    self._sin_cos_ws_by_graph.pop(graph_key, None)
-    lease = self._ext_rotary_leases.pop(graph_key, None)
-    if lease is not None:
-        lease.release()
-    for lease in self._ext_buffer_leases.pop(graph_key, ()):
-        lease.release()
-
-
-METHODS = (
-    create_graph, _ext_prepare_graph, _create_graph, _ext_tower, _ext_graph_pool, _ext_shared_rows, _get_sin_cos_ws,
-    _ext_fill_rotary, _ext_write_layout, _ext_attention_kwargs, _ext_block_is_full, _ext_block_kwargs,
-    _ext_graph_tensors, _ext_expected_bytes, _ext_release_graph, _ext_drop_graph_state,
-)
+    def retired_rotary_buffers(self):
+        """Rotary backings that grew out of date but are still leased by a live graph."""
+        return sum(max(0, pool.backing_buffers - 1) for pool in self.rotary_pools.values())

@@ -7,18 +7,19 @@ Retire when: upstream bounds the ViT graph count, frees retired workspaces and r
 
 Why: otherwise the probe and the captures run inside the first image request; after sglang's own
 graphs, no later capture into the shared pool keeps an output a ViT replay could overwrite.
-How: wraps init_cuda_graphs: sglang's captures, then `_ext_precapture_at_load` on every ViT graph
-runner of the loaded model.
+How: wraps init_cuda_graphs: sglang's captures, then `capture_at_load` on the engine of every ViT
+graph runner of the loaded model.
 """
 
 from __future__ import annotations
 
+import functools
+
 
 def precapture_vit_graphs(model_runner):
-    """Pre-capture the bucket-mode ladder of every ViT graph runner in the loaded model, up to one
-    prefill chunk's tokens times the tower's merge unit."""
+    """The bucket ladder of every ViT graph runner of the model, up to a prefill chunk times the merge unit."""
     # Imported here: a server without a vision model never imports the ViT runner.
-    from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+    from sglang_ext.vit.runner import ViTGraphRunner
 
     args = getattr(model_runner, "server_args", None)
     chunk = getattr(args, "chunked_prefill_size", None) or 0
@@ -26,19 +27,21 @@ def precapture_vit_graphs(model_runner):
     for tower in model_runner.model.modules():
         for name in ("cuda_graph_runner", "graph_runners"):  # Qwen2.5-VL's attribute, Qwen3-VL's
             runner = tower.__dict__.get(name)
-            if isinstance(runner, ViTCudaGraphRunner):
+            if isinstance(runner, ViTGraphRunner):
                 unit = int(getattr(tower, "spatial_merge_unit", 1) or 1)
-                runner._ext_precapture_at_load(tower, prefill * unit if prefill > 0 else None)
+                runner.engine.capture_at_load(tower, prefill * unit if prefill > 0 else None)
 
 
-def init_cuda_graphs(self, *args, **kwargs):
-    """ModelRunner.init_cuda_graphs: sglang's own captures, then the ViT graphs."""
-    result = self._ext_orig_init_cuda_graphs(*args, **kwargs)
-    precapture_vit_graphs(self)
-    return result
+def _then_vit_graphs(original):
+    @functools.wraps(original)  # `__wrapped__`: sglang's own init_cuda_graphs, looked up at each call
+    def init_cuda_graphs(self, *args, **kwargs):  # sglang's own captures, then the ViT graphs
+        result = init_cuda_graphs.__wrapped__(self, *args, **kwargs)
+        precapture_vit_graphs(self)
+        return result
+
+    return init_cuda_graphs
 
 
 def patch_model_runner(ctx, module) -> None:
     cls = module.ModelRunner
-    ctx.setattr(cls, "_ext_orig_init_cuda_graphs", cls.__dict__["init_cuda_graphs"])
-    ctx.setattr(cls, "init_cuda_graphs", init_cuda_graphs)
+    ctx.setattr(cls, "init_cuda_graphs", _then_vit_graphs(cls.__dict__["init_cuda_graphs"]))

@@ -17,7 +17,7 @@ import torch
 
 from sglang.srt.models.utils import permute_inv
 from sglang_ext.graphs.keys import cumulative_lengths, dedup_consecutive, grid_thw_lengths
-from sglang_ext.vit.runner import check_runner_binding
+from sglang_ext.vit.runner import bind_runner
 
 # Host tensors up to this size reach the device through pinned memory without a sync (bounds the
 # pinned blocks the caching host allocator keeps); larger ones copy blocking.
@@ -81,5 +81,5 @@ def forward_with_cuda_graph(self, x, grid_thw):
 
 
 def patch_qwen2_5_vl(ctx, module) -> None:
-    check_runner_binding(module)
+    bind_runner(ctx, module)
     ctx.setattr(module.Qwen2_5_VisionTransformer, "forward_with_cuda_graph", forward_with_cuda_graph)

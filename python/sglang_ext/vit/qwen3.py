@@ -13,9 +13,11 @@ runner's attention_layout_key); qwen3_omni_moe's vision encoder inherits it.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 
-from sglang_ext.vit.runner import check_runner_binding
+from sglang_ext.vit.runner import bind_runner
 
 
 def graph_inputs(vit, x, grid_thw):
@@ -45,10 +47,9 @@ def forward_with_cuda_graph(self, x, grid_thw):
 
 
 def patch_qwen3_vl(ctx, module) -> None:
-    """Part for `sglang.srt.models.qwen3_vl`: its runner table must build the patched runner."""
-    check_runner_binding(module)
-    for device_type, runner_cls in list(module.graph_runners_dict.items()):
-        if device_type != "npu" and runner_cls is not module.ViTCudaGraphRunner:
-            raise RuntimeError(f"qwen3_vl.graph_runners_dict[{device_type!r}] is {runner_cls!r}, "
-                               "not the patched ViTCudaGraphRunner")
+    """Part for `sglang.srt.models.qwen3_vl`: the module's runner name, and a runner table of its own
+    whose default is that name (the table caches what it built; rollback restores sglang's table)."""
+    bind_runner(ctx, module)
+    npu = {k: v for k, v in module.graph_runners_dict.items() if k == "npu"}  # others: what the default built
+    ctx.setattr(module, "graph_runners_dict", defaultdict(lambda: module.ViTCudaGraphRunner, npu))
     ctx.setattr(module.Qwen3VLMoeVisionModel, "forward_with_cuda_graph", forward_with_cuda_graph)

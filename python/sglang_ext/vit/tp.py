@@ -1,8 +1,4 @@
-"""Tensor parallelism of the ViT graph runner: the tower's group, capture votes, local collective stand-ins.
-
-Every rank encoding a batch votes on each capture (graphs.agreement) before any device collective.
-Methods of sglang's `ViTCudaGraphRunner`, installed by `sglang_ext.vit.runner.patch_runner`.
-"""
+"""Tensor parallelism of the ViT graphs: the tower's group, and local stand-ins for its collectives in the warm-up."""
 
 import contextlib
 
@@ -10,37 +6,20 @@ import torch
 
 from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_tp_group
 from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-from sglang_ext.graphs.agreement import cpu_group_min, cpu_group_vote, local_vote
 
 
-def _ext_tower_group(self):
-    """The group the tower's TP collectives run on: 0.5.17's vision linears reduce over the
+def agreeing_group(vit):
+    """The group the tower's TP collectives run on, when its ranks must agree (else None: a DP encoder
+    captures rank-locally, a world of one agrees with itself). 0.5.17's vision linears reduce over the
     attention-TP group under DP attention, over the TP group otherwise."""
+    if getattr(vit, "use_data_parallel", False):
+        return None
     try:
         dp_attention = is_dp_attention_enabled()
     except Exception:  # noqa: BLE001 - no runtime flags published (unit tests, offline use): plain TP
         dp_attention = False
-    return get_attn_tp_group() if dp_attention else get_tp_group()
-
-
-def agreeing_group(runner):
-    """The tower's group when its ranks must agree (a non-DP encoder in a world of more than one), else None."""
-    if getattr(runner.vit, "use_data_parallel", False):  # DP encoders capture rank-locally
-        return None
-    group = runner._ext_tower_group()
+    group = get_attn_tp_group() if dp_attention else get_tp_group()
     return group if getattr(group, "world_size", 1) > 1 else None
-
-
-def _ext_vote(self):
-    """How the ranks encoding this batch agree on a capture: a MIN vote over their CPU group (gloo)."""
-    group = agreeing_group(self)
-    return local_vote if group is None else cpu_group_vote(group.cpu_group)
-
-
-def min_over_ranks(runner, value):
-    """`value` (an int) agreed as the MIN over the ranks encoding with `runner` (itself when alone)."""
-    group = agreeing_group(runner)
-    return value if group is None else cpu_group_min(group.cpu_group, value, bits=64)
 
 
 class LocalCollectives:
@@ -76,17 +55,14 @@ class LocalCollectives:
         return False
 
 
-def _ext_warm_up_context(self):
-    """Local stand-ins on the tower's group (and the TP group) for `with`; installed when called."""
-    if self._ext_vote() is local_vote:
+def warm_up_context(group):
+    """Local stand-ins on the tower's group (and the TP group) for `with`, when there is a group."""
+    if group is None:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     groups = []
-    for group in (self._ext_tower_group(), get_tp_group()):
-        if all(group is not seen for seen in groups):
-            groups.append(group)
-            stack.enter_context(LocalCollectives(group))
+    for candidate in (group, get_tp_group()):
+        if all(candidate is not seen for seen in groups):
+            groups.append(candidate)
+            stack.enter_context(LocalCollectives(candidate))
     return stack
-
-
-METHODS = (_ext_tower_group, _ext_vote, _ext_warm_up_context)

@@ -41,7 +41,7 @@ def test_every_mutant_matches_this_tree_and_names_cpu_tests():
             with open(os.path.join(REPO, node.split("::")[0]), encoding="utf-8") as f:
                 assert "register_cpu_ci(" in f.read(), (m.name, node)
     covered = {m.file for m in ms.MUTANTS}
-    for central in ("vit/runner.py", "graphs/cache.py", "graphs/workspace.py", "graphs/agreement.py",
+    for central in ("vit/runner.py", "vit/engine.py", "vit/strategy.py", "graphs/cache.py", "graphs/workspace.py", "graphs/agreement.py",
                     "prefill_cp/bucket.py", "knobs.py", "tools/launcher.py"):
         assert f"sglang_ext/{central}" in covered, central
 

@@ -92,7 +92,7 @@ class Run:
 # 0.5.17 `VisionAttention`, so nothing is compiled during a capture). With dynamo off both run the
 # same eager math, so (d) and (e) measure the graph runner alone. Dynamo off did not explain the
 # H200's mismatch (still 0 of 200 bitwise): the graph's bf16 rotary buffers did (fixed, see
-# vit_cuda_graph._get_sin_cos_ws); with dynamo on, not measured.
+# vit/capture.py GraphStore.fill_rotary); with dynamo on, not measured.
 MODEL_ENV = {"qwen3_vl": {"TORCHDYNAMO_DISABLE": "1"}}
 
 

@@ -10,12 +10,13 @@ instead (kernel: test_rotate_half.py).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from sglang_ext.graphs.keys import GraphKey
 
 from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 
@@ -85,16 +86,16 @@ def test_inside_it_a_capture_or_a_cpu_tensor_keeps_the_original(vision, calls, m
 
 
 def test_the_bucket_runners_eager_call_runs_inside_the_block():
-    budget, rotary = ext_core("vit.budget"), ext_core("vit.vision_rotary")
+    engine, rotary, strategy = ext_core("vit.engine"), ext_core("vit.vision_rotary"), ext_core("vit.strategy")
     depths = []
 
-    class Runner:
-        def _ext_run_eager(self, *args):
-            depths.append(rotary._eager_depth[0])
-            return "rows"
+    def run_eager(*args):
+        depths.append(rotary._eager_depth[0])
+        return "rows"
 
-    key = GraphKey(8, layout=((0, 0, 8), (0, 4, 8)))
-    assert budget._ext_run_eager_call(Runner(), key, torch.zeros(8, 1, 4), None, None, None) == "rows"
+    layout = strategy.LayoutKey(8, (0, 0, 8), (0, 4, 8))
+    an_engine = SimpleNamespace(store=SimpleNamespace(run_eager=run_eager))
+    assert engine.ViTGraphEngine.eager_call(an_engine, layout, torch.zeros(8, 1, 4), (None, None, None)) == "rows"
     assert depths == [1] and rotary._eager_depth[0] == 0
 
 

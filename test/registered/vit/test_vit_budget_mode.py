@@ -19,8 +19,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=15, suite="base-a-test-cpu")
 
-import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
-from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
 
 from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the recording fake)
@@ -30,18 +28,21 @@ from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the record
     _layout_compute,
     call,
     fake_cuda,
+    graphs,
     merged_call,
+    new_runner,
     reference,
     vit_patch,
     windowed_merged_tower,
 )
 
-vit_budget = ext_core("vit.budget")  # bucket mode's module (the plugin's, or the patched tree's copy)
+vit_engine = ext_core("vit.engine")  # the probe's timer lives here (the plugin's, or the patched tree's copy)
+vit_strategy = ext_core("vit.strategy")
 
 
 def budget_runner(vit_patch, buckets="8,16,32", replay=32, backend="triton_attn", **knobs):
     vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets=buckets, vit_graph_replay_max_tokens=replay, **knobs)
-    return ViTCudaGraphRunner(windowed_merged_tower(backend))  # merge unit 2, windows of 8 tokens
+    return new_runner(windowed_merged_tower(backend))  # merge unit 2, windows of 8 tokens
 
 
 # Images with windows of at most 8 tokens (each image's windows inside it).
@@ -55,16 +56,17 @@ def test_the_ladder_is_captured_first_and_every_call_replays_its_budget(vit_patc
     for step, (tokens, full, window) in enumerate(CALLS * 2):
         out, want = merged_call(runner, tokens, full, window, step)
         torch.testing.assert_close(out, want, msg=f"step {step}")
-    info = runner._ext_graph_info()
-    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16, 32]
+    info = runner.engine.info()
+    assert sorted(k.num_tokens for k in graphs(runner)) == [8, 16, 32]
     # All three at the first call, none later: every call hit, none fell back, none was captured for.
     assert (info["captures"], info["hits"], info["misses"], info["fallbacks"]) == (3, 12, 0, 0)
     assert info["precapture_graphs"] == 3 and info["replay_limit_tokens"] == 32
     # The key is the budget alone: 36 full-attention slots, window slots for 1 window per 8 tokens.
-    assert {k.variant for k in runner.block_graphs} == {("bucket", 36, b, b // 8 + 2, 8) for b in (8, 16, 32)}
+    assert set(graphs(runner)) == {vit_strategy.BudgetKey(b, full_slots=36, full_bound=b, window_slots=b // 8 + 2,
+                                                          window_bound=8) for b in (8, 16, 32)}
     # One input and one attention workspace for the whole ladder: the 32-token graph's (captured first).
-    inputs = {runner.block_input[k].untyped_storage().data_ptr() for k in runner.block_graphs}
-    workspaces = {runner.block_ws[k].untyped_storage().data_ptr() for k in runner.block_graphs}
+    inputs = {graphs(runner)[k].input.untyped_storage().data_ptr() for k in graphs(runner)}
+    workspaces = {graphs(runner)[k].workspace.untyped_storage().data_ptr() for k in graphs(runner)}
     assert len(inputs) == len(workspaces) == 1
     assert info["shared_buffer_bytes"] == (32 + 32) * 4  # fp32 rows of one element: input + workspace
     want_padding = 2 * sum(min(b for b in (8, 16, 32) if b >= t) - t for t, *_ in CALLS)
@@ -81,23 +83,23 @@ def test_bucket_mode_default_ladder_is_the_documented_one(vit_patch, fake_cuda):
     """No vit_graph_token_buckets: the ladder captured is the documented one, a call just above each
     budget replays the next one, and past the largest a single image runs eager."""
     vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=10**6)
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    runner = new_runner(StubTower(fullatt=()))
     sizes = [1] + [bucket + 1 for bucket in DEFAULT_VIT_TOKEN_BUCKETS]  # 1 pads to 512, 513 to 704, ...
     for tokens in sizes:
         out, want = call(runner, tokens, (0, tokens), qwen3=True, position=1)
         torch.testing.assert_close(out, want)
-    assert runner._ext_token_buckets == DEFAULT_VIT_TOKEN_BUCKETS
-    assert sorted(key.num_tokens for key in runner.block_graphs) == list(DEFAULT_VIT_TOKEN_BUCKETS)
-    info = runner._ext_graph_info()
+    assert runner.engine.ladder.budgets == DEFAULT_VIT_TOKEN_BUCKETS
+    assert sorted(key.num_tokens for key in graphs(runner)) == list(DEFAULT_VIT_TOKEN_BUCKETS)
+    info = runner.engine.info()
     assert (info["padded_batches"], info["hits"], info["fallback_gate"]) == (16, 16, 1)
 
 
 def test_the_last_call_boundaries_are_what_the_graph_read(vit_patch, fake_cuda):
     runner = budget_runner(vit_patch)
     merged_call(runner, *CALLS[0], 0)  # 12 tokens -> 16: full (0, 0, 4, 12) + padding, windows + one padding
-    key = next(k for k in runner.block_graphs if k.num_tokens == 16)
-    assert runner.cu_full_len[key].tolist()[:5] == [0, 0, 4, 12, 16] and set(runner.cu_full_len[key].tolist()[5:]) == {16}
-    assert runner.cu_window_len[key].tolist() == [0, 4, 12, 16, 16]  # 16 // 8 + 2 window slots
+    key = next(k for k in graphs(runner) if k.num_tokens == 16)
+    assert graphs(runner)[key].cu_full.tolist()[:5] == [0, 0, 4, 12, 16] and set(graphs(runner)[key].cu_full.tolist()[5:]) == {16}
+    assert graphs(runner)[key].cu_window.tolist() == [0, 4, 12, 16, 16]  # 16 // 8 + 2 window slots
 
 
 def test_a_call_above_the_replay_limit_replays_whole_image_chunks(vit_patch, fake_cuda):
@@ -106,10 +108,10 @@ def test_a_call_above_the_replay_limit_replays_whole_image_chunks(vit_patch, fak
     for step in range(2):
         out, want = merged_call(runner, tokens, full, window, step)
         torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
-    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16]  # 32 is above the limit: not captured
+    info = runner.engine.info()
+    assert sorted(k.num_tokens for k in graphs(runner)) == [8, 16]  # 32 is above the limit: not captured
     assert (info["chunked_calls"], info["chunks"], info["hits"], info["fallbacks"]) == (2, 4, 4, 0)
-    assert runner.cu_full_len[next(k for k in runner.block_graphs if k.num_tokens == 16)].tolist()[:4] == [0, 8, 14, 16]  # the second chunk, shifted
+    assert graphs(runner)[next(k for k in graphs(runner) if k.num_tokens == 16)].cu_full.tolist()[:4] == [0, 8, 14, 16]  # the second chunk, shifted
 
 
 def test_one_image_above_the_limit_runs_eager_unpadded(vit_patch, fake_cuda):
@@ -119,7 +121,7 @@ def test_one_image_above_the_limit_runs_eager_unpadded(vit_patch, fake_cuda):
     rows_before = len(tower.blocks[0].rows)
     out, want = merged_call(runner, 20, (0, 0, 20), (0, 8, 16, 20), 1)
     torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["fallback_gate"] == 1 and info["captures"] == 2  # nothing captured for it
     assert tower.blocks[0].rows[rows_before:] == [20] and tower.blocks[0].calls[-1] == "metadata"
 
@@ -133,7 +135,7 @@ def test_adjacent_chunks_no_graph_serves_run_as_one_eager_call(vit_patch, fake_c
     full, window = (0, 0, 20, 40, 46), (0, 8, 16, 20, 28, 36, 40, 46)
     out, want = merged_call(runner, 46, full, window, 1)
     torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert tower.blocks[0].rows[rows_before:] == [40]  # one eager call of 40 rows (the 6 replay)
     assert (info["fallback_gate"], info["hits"], info["chunks"]) == (2, 2, 3)
 
@@ -143,7 +145,7 @@ def test_a_call_with_more_windows_than_slots_runs_eager(vit_patch, fake_cuda):
     window = tuple(range(0, 17, 2))  # 8 windows of 2 tokens: the 16-token graph has room for 4
     out, want = merged_call(runner, 16, (0, 0, 16), window, 0)
     torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["fallback_no_fit"] == 1 and info["hits"] == 0 and info["captures"] == 3
 
 
@@ -163,7 +165,7 @@ def test_qwen3_rows_and_deepstack_rows_are_the_real_ones(vit_patch, fake_cuda, m
     tower = StubTower(fullatt=())
     tower.deepstack_visual_indexes = [0]
     tower.deepstack_merger_list = nn.ModuleList([SqueezeMerger()])
-    runner = ViTCudaGraphRunner(tower)
+    runner = new_runner(tower)
     for tokens, full in ((5, (0, 2, 5)), (7, (0, 3, 4, 7)), (6, (0, 6)), (13, (0, 3, 7, 13))):  # 13: two chunks
         x = torch.arange(tokens, dtype=torch.float32).view(tokens, 1) * 0.5
         pos = torch.full((tokens, 1), float(tokens))
@@ -172,8 +174,8 @@ def test_qwen3_rows_and_deepstack_rows_are_the_real_ones(vit_patch, fake_cuda, m
                          output_indices=None, attention_layout_key=(tuple(full), None))
         after_block0 = _layout_compute(x.unsqueeze(1), torch.tensor(full), 10**9, pos).squeeze(1)
         torch.testing.assert_close(out, torch.cat([reference(tower, x, full, None, pos), after_block0], dim=1))
-    assert [k.num_tokens for k in runner.block_graphs] == [8]
-    info = runner._ext_graph_info()
+    assert [k.num_tokens for k in graphs(runner)] == [8]
+    info = runner.engine.info()
     assert (info["hits"], info["chunks"], info["padded_batches"]) == (5, 2, 5)
 
 
@@ -181,11 +183,11 @@ def test_the_probe_ends_the_ladder_at_the_first_budget_eager_wins(vit_patch, fak
     runner = budget_runner(vit_patch, replay=-1)
     times = {8: (1.0, 2.0), 16: (1.5, 2.0), 32: (3.0, 2.5)}
     calls = []
-    capture = runner_module.ViTCudaGraphRunner._ext_capture_budget
+    capture = runner.engine.capture_budget
 
-    def tracking_capture(self, sample, budget):
+    def tracking_capture(sample, budget):
         calls.append(budget)
-        key = capture(self, sample, budget)
+        key = capture(sample, budget)
         calls.append(budget)  # the graph side is timed after this capture, the eager side after that
         return key
 
@@ -197,14 +199,14 @@ def test_the_probe_ends_the_ladder_at_the_first_budget_eager_wins(vit_patch, fak
         return times[budget][side]
 
     fake_median_by_side.sides = {}
-    monkeypatch.setattr(vit_budget, "median_wall_ms", fake_median_by_side)
-    monkeypatch.setattr(runner_module.ViTCudaGraphRunner, "_ext_capture_budget", tracking_capture)
+    monkeypatch.setattr(vit_engine, "median_wall_ms", fake_median_by_side)
+    monkeypatch.setattr(runner.engine, "capture_budget", tracking_capture)
     out, want = merged_call(runner, *CALLS[0], 0)
     torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
-    assert [(r["budget"], r["replay"]) for r in runner._ext_gate] == [(8, True), (16, True), (32, False)]
-    assert [r["tokens"] for r in runner._ext_gate] == [2, 10, 18]  # the smallest call of each budget
-    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16] and info["replay_limit_tokens"] == 16
+    info = runner.engine.info()
+    assert [(r["budget"], r["replay"]) for r in runner.engine.ladder.gate] == [(8, True), (16, True), (32, False)]
+    assert [r["tokens"] for r in runner.engine.ladder.gate] == [2, 10, 18]  # the smallest call of each budget
+    assert sorted(k.num_tokens for k in graphs(runner)) == [8, 16] and info["replay_limit_tokens"] == 16
     # Three probe graphs (dropped after timing), then the two that won, captured again largest first.
     assert info["captures"] == 5 and info["resident_graphs"] == 2
     assert [g.resets for g in fake_cuda.created[:3]] == [1, 1, 1]
@@ -219,7 +221,7 @@ def _probed_runner(vit_patch, monkeypatch, **knobs):
         run()
         return next(times)
 
-    monkeypatch.setattr(vit_budget, "median_wall_ms", fake_median)
+    monkeypatch.setattr(vit_engine, "median_wall_ms", fake_median)
     merged_call(runner, *CALLS[3], 0)  # pre-capture: the probe keeps 8 and 16
     return runner
 
@@ -236,7 +238,7 @@ def test_above_the_probes_break_even_a_call_runs_as_one_eager_call(vit_patch, fa
     tokens, full, window = 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26)  # chunks of whole images would fit 16
     out, want = merged_call(runner, tokens, full, window, 1)
     torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["replay_limit_tokens"] == 16 and tower.blocks[0].rows[rows_before:] == [26]
     assert (info["chunked_calls"], info["fallback_gate"], info["hits"]) == (0, 1, 1)
 
@@ -249,7 +251,7 @@ def test_above_ladder_split_replays_whole_image_chunks_above_the_break_even(vit_
     tokens, full, window = 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26)
     out, want = merged_call(runner, tokens, full, window, 1)
     torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["replay_limit_tokens"] == 16 and tower.blocks[0].rows[rows_before:] == []  # no eager row
     assert (info["chunked_calls"], info["fallback_gate"], info["hits"]) == (1, 0, 1 + info["chunks"])
     assert info["chunks"] == 2  # [0, 12) and [12, 26)
@@ -263,14 +265,14 @@ def test_a_ladder_cut_below_the_break_even_still_splits(vit_patch, fake_cuda, mo
         run()
         return next(times)
 
-    monkeypatch.setattr(vit_budget, "median_wall_ms", fake_median)
+    monkeypatch.setattr(vit_engine, "median_wall_ms", fake_median)
     merged_call(runner, *CALLS[3], 0)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["replay_limit_tokens"] == 8  # all three won; the capacity kept one
     tokens, full, window = 14, (0, 0, 2, 6, 10, 14), (0, 2, 6, 10, 14)
     out, want = merged_call(runner, tokens, full, window, 1)
     torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["chunked_calls"] == 1 and info["fallback_gate"] == 0
 
 
@@ -278,23 +280,23 @@ def test_a_failed_precapture_leaves_the_runner_eager_for_good(vit_patch, fake_cu
     vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets="8,16", vit_graph_replay_max_tokens=16)
     tower = windowed_merged_tower("triton_attn")
     tower.blocks[1].fail_capture = True
-    runner = ViTCudaGraphRunner(tower)
+    runner = new_runner(tower)
     for step in range(3):
         out, want = merged_call(runner, *CALLS[1], step)
         torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
-    assert not runner.block_graphs and info["replay_limit_tokens"] == 0
+    info = runner.engine.info()
+    assert not graphs(runner) and info["replay_limit_tokens"] == 0
     assert len(fake_cuda.created) == 1 and info["fallback_gate"] == 3  # one failed capture, never retried
 
 
 def test_the_ladder_is_cut_to_the_capacity(vit_patch, fake_cuda):
     runner = budget_runner(vit_patch, vit_graph_max_entries=2)
     merged_call(runner, *CALLS[3], 0)
-    info = runner._ext_graph_info()
-    assert sorted(k.num_tokens for k in runner.block_graphs) == [8, 16] and info["replay_limit_tokens"] == 16
+    info = runner.engine.info()
+    assert sorted(k.num_tokens for k in graphs(runner)) == [8, 16] and info["replay_limit_tokens"] == 16
     out, want = merged_call(runner, *CALLS[4], 1)  # 26 tokens: chunks, no capture, no eviction
     torch.testing.assert_close(out, want)
-    assert (runner._ext_graph_info()["captures"], runner._ext_graph_info()["evictions"]) == (2, 0)
+    assert (runner.engine.info()["captures"], runner.engine.info()["evictions"]) == (2, 0)
 
 
 def test_sdpa_runs_eager_and_never_captures(vit_patch, fake_cuda, caplog):
@@ -302,7 +304,7 @@ def test_sdpa_runs_eager_and_never_captures(vit_patch, fake_cuda, caplog):
     with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
         out, want = merged_call(runner, *CALLS[0], 0)
     torch.testing.assert_close(out, want)
-    assert not runner.block_graphs and "sdpa" in caplog.text
+    assert not graphs(runner) and "sdpa" in caplog.text
 
 
 class SampledTower(nn.Module):
@@ -313,7 +315,7 @@ class SampledTower(nn.Module):
         self.tower = runner_tower
         self.spatial_merge_unit = 2
         self.patch_embed = SimpleNamespace(proj=SimpleNamespace(weight=torch.zeros(4, 3)))
-        self.cuda_graph_runner = ViTCudaGraphRunner(runner_tower)
+        self.cuda_graph_runner = new_runner(runner_tower)
         self.sample_grids = []
 
     dtype = torch.float32
@@ -328,7 +330,7 @@ class SampledTower(nn.Module):
                                           attention_layout_key=(full, window))
 
 
-def test_model_runner_captures_the_ladder_after_its_own_graphs(vit_patch, fake_cuda):
+def test_model_runner_captures_the_ladder_after_its_own_graphs(vit_patch, fake_cuda, monkeypatch):
     import sglang.srt.model_executor.model_runner as model_runner_module
 
     vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=4096)
@@ -337,19 +339,21 @@ def test_model_runner_captures_the_ladder_after_its_own_graphs(vit_patch, fake_c
     events = []
     fake_runner = SimpleNamespace(model=model, server_args=SimpleNamespace(chunked_prefill_size=1024,
                                                                            max_prefill_tokens=16384))
-    fake_runner._ext_orig_init_cuda_graphs = lambda *a, **k: events.append(("sglang graphs", len(fake_cuda.created)))
-    model_runner_module.ModelRunner.init_cuda_graphs(fake_runner)
+    init_cuda_graphs = model_runner_module.ModelRunner.init_cuda_graphs  # sglang's, wrapped by the patch
+    monkeypatch.setattr(init_cuda_graphs, "__wrapped__",
+                        lambda *a, **k: events.append(("sglang graphs", len(fake_cuda.created))))
+    init_cuda_graphs(fake_runner)
     runner = model.visual.cuda_graph_runner
     # sglang's captures first; then the ladder, up to the largest call the prefill chunk allows:
     # 1024 LLM tokens x merge unit 2 = 2048 patches (512 growing by 26 % in multiples of 64).
     assert events == [("sglang graphs", 0)]
-    assert runner._ext_token_buckets == (512, 704, 832, 1088, 1344, 1664, 2112)  # the default ladder's first 7
+    assert runner.engine.ladder.budgets == (512, 704, 832, 1088, 1344, 1664, 2112)  # the default ladder's first 7
     assert model.visual.sample_grids == [((256, 3), [[1, 16, 16]])]  # the synthetic image, not served
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["captures"] == 7 and info["hits"] == 0 and info["replay_limit_tokens"] == 2112
     out, want = merged_call(runner, *CALLS[0], 0)  # the first real call replays, captures nothing
     torch.testing.assert_close(out, want)
-    assert (runner._ext_graph_info()["captures"], runner._ext_graph_info()["hits"]) == (7, 1)
+    assert (runner.engine.info()["captures"], runner.engine.info()["hits"]) == (7, 1)
 
 
 def test_a_sample_that_fails_leaves_graphs_off(vit_patch, fake_cuda, caplog):
@@ -358,16 +362,16 @@ def test_a_sample_that_fails_leaves_graphs_off(vit_patch, fake_cuda, caplog):
     tower.patch_embed = None  # the synthetic image cannot be built
     runner = tower.cuda_graph_runner
     with caplog.at_level("WARNING", logger="sglang_ext.vit_cuda_graph"):
-        runner._ext_precapture_at_load(tower, 2048)
-    assert "stay off" in caplog.text and runner._ext_replay_limit == 0 and not fake_cuda.created
+        runner.engine.capture_at_load(tower, 2048)
+    assert "stay off" in caplog.text and runner.engine.ladder.replay_limit == 0 and not fake_cuda.created
     out, want = merged_call(runner, *CALLS[0], 0)
     torch.testing.assert_close(out, want)
-    assert "_ext_sample" not in runner.__dict__ and not runner.block_graphs
+    assert runner.engine._sampling is None and not graphs(runner)
 
 
 # --- The full-attention sequence slots of a budget graph (BUCKET_SEQUENCES) ---
 
-SLOTS = vit_budget.BUCKET_SEQUENCES
+SLOTS = vit_strategy.BUCKET_SEQUENCES
 SMALL = (SLOTS // 4 + 1) * 4  # the budget just above SLOTS one-token sequences (40 for 36 slots)
 LARGE = -(-2 * SLOTS // 4) * 4  # the replay limit: room for twice as many tokens as slots (72)
 
@@ -375,7 +379,7 @@ LARGE = -(-2 * SLOTS // 4) * 4  # the replay limit: room for twice as many token
 def slot_runner(vit_patch):
     """Budgets SMALL and LARGE on a tower without windows and merge unit 1: every token can be a sequence."""
     vit_patch(vit_graph_mode="bucket", vit_graph_token_buckets=f"{SMALL},{LARGE}", vit_graph_replay_max_tokens=LARGE)
-    return ViTCudaGraphRunner(StubTower(fullatt=()))
+    return new_runner(StubTower(fullatt=()))
 
 
 def sequences(*lengths):
@@ -387,7 +391,7 @@ def sequences(*lengths):
 
 
 def counted(runner):
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     return {k: info[k] for k in ("hits", "fallback_no_fit", "fallback_gate", "chunked_calls", "chunks", "captures")}
 
 
@@ -408,9 +412,9 @@ def test_a_call_replays_only_while_its_sequences_and_padding_fit_the_slots(vit_p
     assert (after["hits"] - before["hits"], after["fallback_no_fit"] - before["fallback_no_fit"]) == (
         (1, 0) if replays else (0, 1))
     if replays:
-        key = next(k for k in runner.block_graphs if k.num_tokens == SMALL)
-        assert key.variant[1] == SLOTS and len(runner.cu_full_len[key]) == SLOTS + 1
-        assert runner.cu_full_len[key].tolist() == list(full) + [SMALL] * (SLOTS + 1 - len(full))
+        key = next(k for k in graphs(runner) if k.num_tokens == SMALL)
+        assert key.full_slots == SLOTS and len(graphs(runner)[key].cu_full) == SLOTS + 1
+        assert graphs(runner)[key].cu_full.tolist() == list(full) + [SMALL] * (SLOTS + 1 - len(full))
 
 
 def test_chunks_above_the_limit_leave_one_slot_for_their_padding(vit_patch, fake_cuda):
@@ -425,8 +429,8 @@ def test_chunks_above_the_limit_leave_one_slot_for_their_padding(vit_patch, fake
     after = counted(runner)
     assert {k: after[k] - before[k] for k in after} == {
         "hits": 3, "fallback_no_fit": 0, "fallback_gate": 0, "chunked_calls": 1, "chunks": 3, "captures": 0}
-    key = next(k for k in runner.block_graphs if k.num_tokens == SMALL)
-    assert runner.cu_full_len[key].tolist() == list(range(11)) + [SMALL] * (SLOTS - 10)  # the last chunk's
+    key = next(k for k in graphs(runner) if k.num_tokens == SMALL)
+    assert graphs(runner)[key].cu_full.tolist() == list(range(11)) + [SMALL] * (SLOTS - 10)  # the last chunk's
 
 
 def test_a_chunk_of_whole_sequences_fills_every_slot_of_the_largest_budget(vit_patch, fake_cuda):
@@ -441,5 +445,5 @@ def test_a_chunk_of_whole_sequences_fills_every_slot_of_the_largest_budget(vit_p
     after = counted(runner)
     assert (after["hits"] - before["hits"], after["chunks"] - before["chunks"]) == (2, 2)
     assert after["fallback_no_fit"] == before["fallback_no_fit"] and after["fallback_gate"] == before["fallback_gate"]
-    key = next(k for k in runner.block_graphs if k.num_tokens == LARGE)
-    assert runner.cu_full_len[key].tolist() == list(range(0, 2 * SLOTS - 1, 2)) + [LARGE]  # SLOTS sequences
+    key = next(k for k in graphs(runner) if k.num_tokens == LARGE)
+    assert graphs(runner)[key].cu_full.tolist() == list(range(0, 2 * SLOTS - 1, 2)) + [LARGE]  # SLOTS sequences

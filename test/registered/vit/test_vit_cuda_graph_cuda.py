@@ -1,6 +1,6 @@
 """ViT CUDA graphs on sglang 0.5.17 with the vit_cuda_graph patch, on a real GPU.
 
-Real CUDA graphs, sglang's real `ViTCudaGraphRunner` (patched in place), and for the
+Real CUDA graphs, sglang's real `ViTCudaGraphRunner` (the patch's subclass), and for the
 tower tests sglang's real `Qwen2_5_VisionTransformer` / `Qwen3VLMoeVisionModel` (random
 weights) on triton_attn, and on fa3 (the real FlashAttention-3 of sgl_kernel's flash_ops). The
 fa3 tests run when the run asks for fa3 (SGX_BACKENDS, default "default,triton_attn": sglang's
@@ -136,7 +136,7 @@ def test_vit_graph_replays_current_attention_and_position_metadata(vit_patch, wi
     torch.testing.assert_close(first, torch.full_like(first, 3))
     torch.testing.assert_close(different_layout, torch.full_like(different_layout, 2))
     torch.testing.assert_close(small_after_growth, torch.full_like(small_after_growth, 7))
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     if with_key:
         assert (info["captures"], info["hits"], info["fallbacks"]) == (3, 1, 0)
     else:
@@ -150,8 +150,8 @@ def test_small_graph_keeps_its_rotary_buffer_when_the_allocator_would_reuse_it(v
 
     runner = ViTCudaGraphRunner(Tower(BoundaryBlock()))
     torch.testing.assert_close(run_boundary(runner, 64, [0, 32, 64], 1, with_key=True), torch.full((64, 1), 33.0))
-    (small_key,) = runner._sin_cos_ws_by_graph
-    small_cos = runner._sin_cos_ws_by_graph[small_key][0]
+    (small_key,) = runner.engine.store.graphs
+    small_cos = runner.engine.store.graphs[small_key].rotary[0]
     small_ptr, small_bytes = small_cos.data_ptr(), small_cos.untyped_storage().nbytes()
     run_boundary(runner, 4096, [0, 4096], 7, with_key=True)  # grows the rotary workspace
     # Anything freed of that size would now be handed out again, and overwritten.
@@ -159,8 +159,8 @@ def test_small_graph_keeps_its_rotary_buffer_when_the_allocator_would_reuse_it(v
     assert all(g.untyped_storage().data_ptr() != small_cos.untyped_storage().data_ptr() for g in garbage)
     after = run_boundary(runner, 64, [0, 32, 64], 5, with_key=True)
     torch.testing.assert_close(after, torch.full_like(after, 37))
-    assert runner._sin_cos_ws_by_graph[small_key][0].data_ptr() == small_ptr
-    assert len(runner._retired_sin_cos_ws) == 1
+    assert runner.engine.store.graphs[small_key].rotary[0].data_ptr() == small_ptr
+    assert runner.engine.store.retired_rotary_buffers() == 1
     del garbage
 
 
@@ -183,7 +183,7 @@ def test_capacity_overflow_falls_back_to_eager_with_identical_output(vit_patch, 
     for layout in layouts:
         cu = torch.tensor(layout, dtype=torch.int32, device="cuda")
         outs.append(graphs.run(x, cu, None, (pos, pos), attention_layout_key=(layout, None)))
-    info = graphs._ext_graph_info()
+    info = graphs.engine.info()
     assert (info["captures"], info["fallback_capacity"]) == (2, 2)
     for layout, out in zip(layouts, outs):
         want = _expected_sequence_length_output(x, layout, pos[:, :1].cpu())
@@ -195,7 +195,7 @@ def test_capacity_overflow_falls_back_to_eager_with_identical_output(vit_patch, 
         cu = torch.tensor(layout, dtype=torch.int32, device="cuda")
         graphed = roomy.run(x, cu, None, (pos, pos), attention_layout_key=(layout, None))
         assert torch.equal(graphed, out)
-    assert roomy._ext_graph_info()["captures"] == 2
+    assert roomy.engine.info()["captures"] == 2
 
 
 def test_graph_memory_stays_flat_over_1000_random_layouts(vit_patch):
@@ -225,7 +225,7 @@ def test_graph_memory_stays_flat_over_1000_random_layouts(vit_patch):
         one(step)
     torch.cuda.synchronize()
     growth = torch.cuda.memory_reserved() - reserved_after_warmup
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["captures"] > 900 and info["evictions"] > 900 and info["resident_graphs"] == 4
     assert growth <= 64 << 20, f"graph memory grew by {growth / 2**20:.1f} MiB over 900 layouts"
     assert info["rotary_backing_buffers"] <= 2
@@ -257,14 +257,14 @@ def test_failed_capture_runs_eager_and_leaves_the_shared_pool_usable(vit_patch):
     for _ in range(2):
         out = broken.run(x, cu, None, (pos, pos), attention_layout_key=(layout, None))
         torch.testing.assert_close(out.cpu(), want)
-    info = broken._ext_graph_info()
+    info = broken.engine.info()
     assert (info["failures"], info["fallback_capture_failed"], info["fallback_quarantined"]) == (1, 1, 1)
     assert torch.isfinite(torch.randn(64, device="cuda")).all()  # the generator left capture mode
     working = ViTCudaGraphRunner(Tower(SequenceLengthBlock(hidden)))
     for _ in range(2):
         out = working.run(x, cu, None, (pos, pos), attention_layout_key=(layout, None))
         torch.testing.assert_close(out.cpu(), want)
-    info = working._ext_graph_info()
+    info = working.engine.info()
     assert (info["captures"], info["hits"], info["failures"]) == (1, 1, 0)
 
 
@@ -309,7 +309,7 @@ def test_qwen2_5_vision_tower_graph_output_equals_eager(vit_patch, qwen_runtime,
             torch.testing.assert_close(graphed, eager, rtol=tol, atol=tol, msg=f"step {step} grid {grid.tolist()}")
         else:
             torch.testing.assert_close(graphed, eager, rtol=2e-2, atol=2e-2, msg=f"step {step} grid {grid.tolist()}")
-    info = vit.cuda_graph_runner._ext_graph_info()
+    info = vit.cuda_graph_runner.engine.info()
     print(f"\nqwen2.5 tower {dtype} {mode}: max |graph - eager| = {worst:.3g}; {info}")
     assert info["hits"] > 0 and info["resident_graphs"] <= 6 and info["mode"] == mode
     if mode == "layout":
@@ -331,7 +331,7 @@ def test_qwen2_5_tower_equal_token_batches_with_other_boundaries(vit_patch, qwen
         graphed = kit.forward(vit, pixels, grid, graph=True)
         eager = kit.forward(vit, pixels, grid, graph=False)
         torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
-    info = vit.cuda_graph_runner._ext_graph_info()
+    info = vit.cuda_graph_runner.engine.info()
     assert (info["captures"], info["hits"]) == (2, 1)
 
 
@@ -346,13 +346,13 @@ def test_qwen2_5_graph_forward_queues_a_replay_without_a_device_sync(vit_patch, 
     pixels, grid = kit.random_batch(random.Random(7), (4, 8, 12), dtype=torch.bfloat16)
     first = kit.forward(vit, pixels, grid, graph=True)  # captures
     torch.cuda.synchronize()
-    hits = vit.cuda_graph_runner._ext_graph_info()["hits"]
+    hits = vit.cuda_graph_runner.engine.info()["hits"]
     torch.cuda.set_sync_debug_mode("error")
     try:
         again = kit.forward(vit, pixels, grid, graph=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert vit.cuda_graph_runner._ext_graph_info()["hits"] == hits + 1
+    assert vit.cuda_graph_runner.engine.info()["hits"] == hits + 1
     assert torch.equal(again, first)
     eager = kit.forward(vit, pixels, grid, graph=False)
     torch.testing.assert_close(again, eager, rtol=2e-2, atol=2e-2)
@@ -408,7 +408,7 @@ def test_fa3_qwen2_5_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_run
     for step in range(48):
         pixels, grid = batches[rng.randrange(len(batches))] if step % 3 else kit.random_batch(rng, sides)
         pairs.append((kit.forward(vit, pixels, grid, graph=True), kit.forward(vit, pixels, grid, graph=False)))
-    info = vit.cuda_graph_runner._ext_graph_info()
+    info = vit.cuda_graph_runner.engine.info()
     _compare(f"fa3 qwen2.5 bf16 {mode}", pairs, bitwise_expected=(mode == "class"))
     print(info)
     assert info["mode"] == mode and info["attention_backend"] == "fa3" and info["hits"] > 0
@@ -442,8 +442,8 @@ def test_fa3_qwen3_tower_class_and_bucket_modes_equal_eager(vit_patch, fa3_runti
         pairs.append((graphed, kit.forward_qwen3(eager_vit, pixels, grid, graph=True)))
         set_knob("vit_graph_max_entries", "16")
         forward_pairs.append((graphed, kit.forward_qwen3(eager_vit, pixels, grid, graph=False)))
-    info = graphed_vit.graph_runners._ext_graph_info()
-    eager_info = eager_vit.graph_runners._ext_graph_info()
+    info = graphed_vit.graph_runners.engine.info()
+    eager_info = eager_vit.graph_runners.engine.info()
     _compare(f"fa3 qwen3 bf16 {mode}", pairs, bitwise_expected=(mode == "class"))
     _compare(f"fa3 qwen3 bf16 {mode} vs sglang's eager forward", forward_pairs, bitwise_expected=False)
     print(info)
@@ -513,17 +513,17 @@ def test_bucket_ladder_is_captured_at_load_and_serving_never_captures(vit_patch,
     vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=1024)
     vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.bfloat16, seed=1)
     runner = vit.cuda_graph_runner
-    runner._ext_precapture_at_load(vit, 4096)  # what ModelRunner.init_cuda_graphs calls
-    info = runner._ext_graph_info()
+    runner.engine.capture_at_load(vit, 4096)  # what ModelRunner.init_cuda_graphs calls
+    info = runner.engine.info()
     print(f"\n{backend}: after load {info}")
-    assert runner._ext_token_buckets == (512, 704, 832) and info["captures"] == 3  # the budgets <= 1024
-    assert len({runner.block_input[k].untyped_storage().data_ptr() for k in runner.block_graphs}) == 1
+    assert runner.engine.ladder.budgets == (512, 704, 832) and info["captures"] == 3  # the budgets <= 1024
+    assert len({g.input.untyped_storage().data_ptr() for g in runner.engine.store.graphs.values()}) == 1
     rng = random.Random(11)
     pairs = []
     for _ in range(24):  # 1-4 images of up to 32 x 32 patches: many calls above 1024 tokens
         pixels, grid = kit.random_batch(rng, (4, 8, 12, 16, 24, 32), dtype=torch.bfloat16)
         pairs.append((kit.forward(vit, pixels, grid, graph=True), kit.forward(vit, pixels, grid, graph=False)))
-    after = runner._ext_graph_info()
+    after = runner.engine.info()
     _compare(f"{backend} qwen2.5 bf16 bucket (load-time ladder)", pairs, bitwise_expected=False)
     print(after)
     assert after["captures"] == 3, "a graph was captured while serving"
@@ -538,15 +538,15 @@ def test_bucket_probe_keeps_only_budgets_that_beat_eager(vit_patch, any_backend)
     vit_patch(vit_graph_mode="bucket", vit_graph_replay_max_tokens=-1)
     vit = kit.build_qwen2_5_tower(kit.QWEN2_5_VL_7B_CONFIG, dtype=torch.bfloat16, seed=1)
     runner = vit.cuda_graph_runner
-    from sglang_ext.vit.budget import DEFAULT_BUCKETS, token_buckets
+    from sglang_ext.vit.strategy import DEFAULT_BUCKETS, token_buckets
 
     candidates = token_buckets((), 4, 16384)
     assert candidates[0] == DEFAULT_BUCKETS["smallest"]
-    runner._ext_precapture_at_load(vit, 16384)
-    gate = runner._ext_gate
+    runner.engine.capture_at_load(vit, 16384)
+    gate = runner.engine.ladder.gate
     print(f"\n{backend} probe: " + "; ".join(f"{r['budget']}: graph {r['graph_ms']} / eager {r['eager_ms']} ms"
                                          for r in gate))
-    kept = runner._ext_token_buckets
+    kept = runner.engine.ladder.budgets
     # 512 tokens of a 7B tower: eager launches ~600 kernels for ~1 ms of device work (5x apart on the H200)
     assert kept and kept[0] == 512, f"a 7B tower at 512 tokens is launch-bound: the graph must win ({gate})"
     assert [r["budget"] for r in gate if r["replay"]] == list(kept)
@@ -554,7 +554,7 @@ def test_bucket_probe_keeps_only_budgets_that_beat_eager(vit_patch, any_backend)
     assert [r["budget"] for r in gate] == list(candidates[:len(gate)]), gate
     assert all(r["replay"] for r in gate[:-1]), "the probe goes on only while graphs win"
     assert len(gate) == len(candidates) or not gate[-1]["replay"], gate
-    assert runner._ext_graph_info()["captures"] >= len(kept)
+    assert runner.engine.info()["captures"] >= len(kept)
 
 
 def test_bucket_eager_calls_use_the_compiled_rotary_and_captures_the_eager_one(vit_patch, any_backend, monkeypatch):
@@ -575,8 +575,8 @@ def test_bucket_eager_calls_use_the_compiled_rotary_and_captures_the_eager_one(v
               vit_triton_rotary=0)
     vit = kit.build_qwen2_5_tower(kit.SMALL_CONFIG, dtype=torch.bfloat16, seed=1)
     runner = vit.cuda_graph_runner
-    runner._ext_precapture_at_load(vit, 4096)
-    assert runner._ext_token_buckets == (512,) and reached == [], reached
+    runner.engine.capture_at_load(vit, 4096)
+    assert runner.engine.ladder.budgets == (512,) and reached == [], reached
     rng = random.Random(5)
     small = kit.random_batch(rng, (8,), max_images=1, dtype=torch.bfloat16)  # 64 tokens: a replay
     large = kit.random_batch(rng, (32,), max_images=1, dtype=torch.bfloat16)  # 1,024 tokens: eager
@@ -584,7 +584,7 @@ def test_bucket_eager_calls_use_the_compiled_rotary_and_captures_the_eager_one(v
     assert reached == [], "a replay reached the compiled rotary"
     pairs.append((kit.forward(vit, *large, graph=True), kit.forward(vit, *large, graph=False)))
     assert reached == [False] * len(vit.blocks), reached  # once per block, never inside a capture
-    assert runner._ext_graph_info()["hits"] == 1
+    assert runner.engine.info()["hits"] == 1
     _compare(f"{backend} qwen2.5 bf16 bucket: compiled rotary on eager calls", pairs, bitwise_expected=False)
 
 

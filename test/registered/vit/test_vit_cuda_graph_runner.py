@@ -1,11 +1,13 @@
 """ViT CUDA-graph runner on sglang 0.5.17 (patch vit_cuda_graph), on CPU.
 
 Of upstream's unit test (`test/registered/unit/multimodal/test_vit_cuda_graph_runner.py`,
-sgl-project/sglang#37043) the key and rotary-workspace cases run here on the patched methods;
+sgl-project/sglang#37043) the key and rotary-workspace cases run here on the patch's key types and
+leased workspaces;
 its TP capture-context cases tested 0.5.17's `_capture_context()`, which the patch never enters,
 and are replaced by what the patch does instead (DP: no TP communication at all; TP: two CPU-group
 votes, outside that context); its backend-name case tested upstream's untouched `__init__` and is
-left out. Everything uses sglang's real `ViTCudaGraphRunner`. Most tests drive the real runner's
+left out. Every runner is the class activation installs (a subclass of sglang's real
+`ViTCudaGraphRunner`, its engine in `runner.engine`). Most tests drive the engine's
 capture/replay code with a recording fake of `torch.cuda.CUDAGraph` /
 `torch.cuda.graph`: a stub block registers a "kernel" (a thunk that recomputes its
 output IN PLACE from the tensors it was captured with) on the graph being captured,
@@ -30,14 +32,14 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
 import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
-from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
 
-from conftest import ext_core, plugin_only  # noqa: E402  (test/registered/conftest.py)
+from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 from sglang_ext.registry import PATCH_NAMES
 
 THIS_PATCH = "vit_cuda_graph"
 vit_runner = ext_core("vit.runner")  # the patch's modules (the plugin's, or the patched tree's copies)
 vit_tp = ext_core("vit.tp")
+vit_strategy = ext_core("vit.strategy")
 
 
 def stats_snapshot():
@@ -60,81 +62,72 @@ def vit_patch(ext_patches):
 
 
 # ---------------------------------------------------------------------------
-# Keys and the rotary workspace (upstream's cases, on the patched methods)
+# Keys and the rotary workspace (upstream's cases, on the patch's key and workspace types)
 # ---------------------------------------------------------------------------
 
 
-class _Block:
-    def forward(self, x):
-        return x
-
-
-def _runner(*, use_data_parallel: bool) -> ViTCudaGraphRunner:
-    vit = SimpleNamespace(
-        blocks=[_Block()],
-        deepstack_visual_indexes=[],
-        deepstack_merger_list=None,
-        use_data_parallel=use_data_parallel,
-    )
-    return ViTCudaGraphRunner(vit)
+def layout_key(tokens, cu_seqlens, cu_window_seqlens, attention_layout_key=None):
+    return vit_strategy.layout_key(tokens, cu_seqlens, cu_window_seqlens, attention_layout_key)
 
 
 def test_graph_key_tells_full_and_window_boundaries_apart(vit_patch):
     """From CPU tensors (no attention_layout_key) as from the key: each part of the layout counts."""
+    key = layout_key(8, torch.tensor([0, 4, 8]), torch.tensor([0, 2, 4, 8]))
+    assert key != layout_key(8, torch.tensor([0, 4, 8]), torch.tensor([0, 4, 6, 8]))  # other windows
+    assert key != layout_key(8, torch.tensor([0, 2, 8]), torch.tensor([0, 2, 4, 8]))  # other full
+    assert key == layout_key(8, None, None, attention_layout_key=((0, 4, 8), (0, 2, 4, 8)))
+    assert (key.full, key.window, key.full_slots, key.full_bound, key.window_slots, key.window_bound) == (
+        (0, 4, 8), (0, 2, 4, 8), 2, 4, 3, 4)
+
+
+def test_vit_graph_keeps_rotary_workspace_address_after_growth(vit_patch, fake_cuda):
+    """A graph's rotary buffers never move when a larger graph grows the workspace (leased slices)."""
     vit_patch()
-    runner = _runner(use_data_parallel=True)
-    x = torch.empty(8, 1, 4)
-    key = runner._get_graph_key(x, torch.tensor([0, 4, 8]), torch.tensor([0, 2, 4, 8]))
-    assert key != runner._get_graph_key(x, torch.tensor([0, 4, 8]), torch.tensor([0, 4, 6, 8]))  # other windows
-    assert key != runner._get_graph_key(x, torch.tensor([0, 2, 8]), torch.tensor([0, 2, 4, 8]))  # other full
-    assert key == runner._get_graph_key(x, None, None, attention_layout_key=((0, 4, 8), (0, 2, 4, 8)))
+    runner = new_runner(StubTower(fullatt=()))
+    call(runner, 4, (0, 4))
+    small = graphs(runner)[key_of(runner, 4)].rotary[0].data_ptr()
+    call(runner, 16, (0, 16))
+    call(runner, 4, (0, 4))
+    assert graphs(runner)[key_of(runner, 4)].rotary[0].data_ptr() == small
+    assert runner.engine.store.retired_rotary_buffers() == 1
 
 
-def test_vit_graph_keeps_rotary_workspace_address_after_growth(vit_patch):
-    vit_patch()
-    runner = _runner(use_data_parallel=True)
-    runner.vit.device = torch.device("cpu")
-    runner.vit.dtype = torch.float32
-
-    small = runner._get_sin_cos_ws("small", seq_len=4, head_dim=2)
-    small_address = small[0].data_ptr()
-    runner._get_sin_cos_ws("large", seq_len=16, head_dim=2)
-
-    assert runner._get_sin_cos_ws("small", seq_len=4, head_dim=2)[0].data_ptr() == small_address
-    assert len(runner._retired_sin_cos_ws) == 1
-
-
-# ---------------------------------------------------------------------------
-# Keys
-# ---------------------------------------------------------------------------
-
-
-def test_graph_key_with_one_argument_is_the_token_count(vit_patch):
-    """0.5.17's NPU subclass calls `_get_graph_key(x_3d)` and sizes buffers with the result."""
-    vit_patch()
-    runner = _runner(use_data_parallel=True)
-    assert runner._get_graph_key(torch.empty(12, 1, 4)) == 12
+def test_a_call_without_boundaries_has_no_layout_key():
+    """Upstream keys by token count alone (its NPU subclass, which stays sglang's, still does); the patch's
+    keys need boundaries, so a call without any gets no key (it runs eager)."""
+    assert layout_key(12, None, None) is None
 
 
 def test_graph_key_refuses_device_boundaries_instead_of_syncing(vit_patch):
-    vit_patch()
-    runner = _runner(use_data_parallel=True)
     on_device = torch.tensor([0, 4, 8], device="meta")
     with pytest.raises(ValueError, match="cu_seqlens: a meta tensor would force a device sync") as refused:
-        runner._get_graph_key(torch.empty(8, 1, 4), on_device, None)
+        layout_key(8, on_device, None)
     assert type(refused.value).__name__ == "DeviceSyncError"
     # An explicit CPU layout key needs no tensor read at all.
-    by_key = runner._get_graph_key(torch.empty(8, 1, 4), on_device, None, attention_layout_key=((0, 4, 8), None))
-    assert by_key == runner._get_graph_key(torch.empty(8, 1, 4), torch.tensor([0, 4, 8]), None)
+    by_key = layout_key(8, on_device, None, attention_layout_key=((0, 4, 8), None))
+    assert by_key == layout_key(8, torch.tensor([0, 4, 8]), None)
 
 
 def test_graph_key_same_tokens_same_layout_is_equal(vit_patch):
-    vit_patch()
-    runner = _runner(use_data_parallel=True)
-    x = torch.empty(8, 1, 4)
-    assert runner._get_graph_key(x, [0, 4, 8], [0, 2, 4, 8]) == runner._get_graph_key(
-        x, torch.tensor([0, 4, 8], dtype=torch.int32), (0, 2, 4, 8))
-    assert runner._get_graph_key(x, [0, 4, 8], None) != runner._get_graph_key(torch.empty(9, 1, 4), [0, 4, 9], None)
+    assert layout_key(8, [0, 4, 8], [0, 2, 4, 8]) == layout_key(8, torch.tensor([0, 4, 8], dtype=torch.int32),
+                                                                (0, 2, 4, 8))
+    assert layout_key(8, [0, 4, 8], None) != layout_key(9, [0, 4, 9], None)
+
+
+def new_runner(vit):
+    """The runner the activation installed: sglang's module attribute, read now (this file imported
+    sglang's class before any activation)."""
+    return runner_module.ViTCudaGraphRunner(vit)
+
+
+def graphs(runner):
+    """The runner's captured graphs by key (engine.store.graphs)."""
+    return runner.engine.store.graphs
+
+
+def key_of(runner, tokens):
+    """The key of the runner's graph of `tokens` tokens."""
+    return next(k for k in graphs(runner) if k.num_tokens == tokens)
 
 
 # ---------------------------------------------------------------------------
@@ -323,7 +316,7 @@ def call(runner, tokens, full, window=None, position=0.0, *, with_key=True, qwen
 
 def test_equal_token_count_with_other_boundaries_gets_its_own_graph(vit_patch, fake_cuda):
     vit_patch()
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     first, want_first = call(runner, 8, (0, 0, 4, 8), (0, 2, 4, 8), position=1)
     second, want_second = call(runner, 8, (0, 0, 2, 8), (0, 2, 8), position=1)
     again, want_again = call(runner, 8, (0, 0, 4, 8), (0, 2, 4, 8), position=1)
@@ -349,7 +342,7 @@ def test_layout_mode_same_full_layout_other_windows_gets_its_own_graph(vit_patch
     """One image with height and width swapped: equal token count and full-attention layout, other
     windows. Layout mode must key on the windows too, else the second replays the first's boundaries."""
     vit_patch(vit_graph_mode="layout")
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     full = (0, 0, 240)  # one 12 x 20 (or 20 x 12) patch image; 0.5.17's doubled leading zero
     wide, tall = _qwen2_5_window_layout([[1, 12, 20]]), _qwen2_5_window_layout([[1, 20, 12]])
     assert wide != tall and wide[-1] == tall[-1] == 240
@@ -357,31 +350,31 @@ def test_layout_mode_same_full_layout_other_windows_gets_its_own_graph(vit_patch
         out, want = call(runner, 240, full, window, position=step)
         torch.testing.assert_close(out, want, msg=f"step {step}")
     assert len(fake_cuda.created) == 2 and [g.replays for g in fake_cuda.created] == [2, 2]
-    assert sorted(runner.cu_window_len[key].tolist() for key in runner.block_graphs) == sorted(
+    assert sorted(graphs(runner)[key].cu_window.tolist() for key in graphs(runner)) == sorted(
         [list(wide), list(tall)])
 
 
 def test_small_graph_sees_new_positions_after_workspace_growth(vit_patch, fake_cuda):
     """Upstream's metadata scenario: 4 tokens, grow to 8, replay 4 with new positions."""
     vit_patch()
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    runner = new_runner(StubTower(fullatt=()))
     first, want = call(runner, 4, (0, 2, 4), position=1)
     torch.testing.assert_close(first, want)
-    key_small = next(iter(runner._sin_cos_ws_by_graph))
-    small_ptr = runner._sin_cos_ws_by_graph[key_small][0].data_ptr()
+    key_small = next(iter(graphs(runner)))
+    small_ptr = graphs(runner)[key_small].rotary[0].data_ptr()
     different, want = call(runner, 4, (0, 1, 4), position=1)
     torch.testing.assert_close(different, want)
     call(runner, 8, (0, 8), position=7)
     after, want = call(runner, 4, (0, 2, 4), position=5)
     torch.testing.assert_close(after, want)
-    assert runner._sin_cos_ws_by_graph[key_small][0].data_ptr() == small_ptr
-    assert len(runner._retired_sin_cos_ws) == 1  # the 4-token graphs still lease the first buffer
+    assert graphs(runner)[key_small].rotary[0].data_ptr() == small_ptr
+    assert runner.engine.store.retired_rotary_buffers() == 1  # the 4-token graphs still lease the first buffer
 
 
 @pytest.mark.parametrize("mode", ["layout", "class"])
 def test_graph_and_eager_results_are_identical_over_random_layouts(vit_patch, fake_cuda, mode):
     vit_patch(vit_graph_max_entries=3, vit_graph_mode=mode)
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     rng = random.Random(0)
     layouts = []
     for _ in range(6):  # 6 layouts (some with equal token counts) over 3 slots: hits and evictions
@@ -392,7 +385,7 @@ def test_graph_and_eager_results_are_identical_over_random_layouts(vit_patch, fa
         tokens, full, window = rng.choice(layouts)
         out, want = call(runner, tokens, full, window, position=step)
         torch.testing.assert_close(out, want, msg=f"step {step}")
-    info = stats_snapshot()[runner._ext_stats_name]
+    info = stats_snapshot()[runner.engine.stats_name]
     assert info["size"] <= 3 and info["hits"] > 0 and info["mode"] == mode
     if mode == "layout":
         assert info["evictions"] > 0
@@ -400,30 +393,30 @@ def test_graph_and_eager_results_are_identical_over_random_layouts(vit_patch, fa
 
 def test_class_mode_shares_one_graph_between_layouts_and_refreshes_boundaries(vit_patch, fake_cuda):
     vit_patch(vit_graph_mode="class")
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     a = ((0, 0, 6, 8), (0, 2, 4, 8))  # 3 full / 3 window sequences, longest 6 / 4
     b = ((0, 0, 5, 8), (0, 1, 2, 4, 8))  # 3 / 4 sequences, longest 5 / 4: same class
     for step, (full, window) in enumerate((a, b, a, b)):
         out, want = call(runner, 8, full, window, position=step)
         torch.testing.assert_close(out, want, msg=f"step {step}")
     assert len(fake_cuda.created) == 1 and fake_cuda.created[0].replays == 4
-    (key,) = runner.block_graphs
-    assert runner.cu_window_len[key].tolist() == [0, 1, 2, 4, 8]  # b's boundaries, written for the last replay
-    info = runner._ext_graph_info()
+    (key,) = graphs(runner)
+    assert graphs(runner)[key].cu_window.tolist() == [0, 1, 2, 4, 8]  # b's boundaries, written for the last replay
+    info = runner.engine.info()
     assert (info["captures"], info["hits"], info["mode"]) == (1, 3, "class")
 
 
 def test_class_mode_pads_unused_sequences_with_zero_length(vit_patch, fake_cuda):
     vit_patch(vit_graph_mode="class")
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    runner = new_runner(StubTower(fullatt=()))
     out, want = call(runner, 8, (0, 3, 5, 8), qwen3=True)  # 3 sequences -> class of 4
     torch.testing.assert_close(out, want)
-    (key,) = runner.block_graphs
-    assert runner.cu_full_len[key].tolist() == [0, 3, 5, 8, 8]
-    assert runner.cu_full_len_kk[key].tolist() == [3, 2, 3, 0]
+    (key,) = graphs(runner)
+    assert graphs(runner)[key].cu_full.tolist() == [0, 3, 5, 8, 8]
+    assert graphs(runner)[key].full_lengths.tolist() == [3, 2, 3, 0]
     out, want = call(runner, 8, (0, 1, 8), qwen3=True)  # 2 sequences, longest 7 -> another class
     torch.testing.assert_close(out, want)
-    assert len(runner.block_graphs) == 2
+    assert len(graphs(runner)) == 2
 
 
 class PairMerger(nn.Module):
@@ -456,87 +449,87 @@ def merged_reference(tower, x, full, window, pos):
 
 def test_lru_eviction_resets_the_graph_and_frees_its_buffers(vit_patch, fake_cuda):
     vit_patch(vit_graph_max_entries=2)
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    runner = new_runner(StubTower(fullatt=()))
     for full in ((0, 4, 8), (0, 2, 8), (0, 8)):
         out, want = call(runner, 8, full)
         torch.testing.assert_close(out, want)
     first, second, third = fake_cuda.created
     assert (first.resets, second.resets, third.resets) == (1, 0, 0)
-    assert len(runner.block_graphs) == len(runner.block_input) == len(runner.block_output) == 2
-    assert len(runner.cu_full_len) == len(runner._sin_cos_ws_by_graph) == 2
+    assert len(graphs(runner)) == 2 and all(g.output is not None and g.rotary for g in graphs(runner).values())
+    assert sum(p.live_leases for p in runner.engine.store.rotary_pools.values()) == 2
     out, want = call(runner, 8, (0, 4, 8))  # evicted layout: captured again, still right
     torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert (info["captures"], info["evictions"], info["resident_graphs"]) == (4, 2, 2)
     assert info["bytes_resident"] > 0
 
 
 def test_eviction_frees_retired_rotary_workspace(vit_patch, fake_cuda):
     vit_patch(vit_graph_max_entries=1)
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    runner = new_runner(StubTower(fullatt=()))
     call(runner, 4, (0, 4))
     call(runner, 16, (0, 16))  # grows the workspace; the 4-token graph is evicted first
-    assert runner._retired_sin_cos_ws == []
-    assert runner._ext_graph_info()["rotary_backing_buffers"] == 1
+    assert runner.engine.store.retired_rotary_buffers() == 0
+    assert runner.engine.info()["rotary_backing_buffers"] == 1
 
 
 def test_exact_policy_over_capacity_runs_eager_with_the_graph_result(vit_patch, fake_cuda):
     vit_patch(vit_graph_max_entries=1, vit_graph_policy="exact")
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     graphed, want_graphed = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
     eager, want_eager = call(runner, 8, (0, 0, 2, 8), (0, 2, 8))
     torch.testing.assert_close(graphed, want_graphed)
     torch.testing.assert_close(eager, want_eager)
     assert len(fake_cuda.created) == 1
     assert runner.vit.blocks[0].calls[-1] == "metadata"  # eager through the same blocks, with metadata
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["fallback_capacity"] == 1 and info["rejections"] == 1
 
 
 def test_eager_fallback_for_blocks_without_metadata_uses_graph_arguments(vit_patch, fake_cuda):
     vit_patch(vit_graph_max_entries=0)
-    runner = ViTCudaGraphRunner(StubTower(accepts_metadata=False))
+    runner = new_runner(StubTower(accepts_metadata=False))
     out, want = call(runner, 8, (0, 0, 3, 8), (0, 2, 3, 8))
     torch.testing.assert_close(out, want)
     assert runner.vit.blocks[0].calls == ["graph-form"] and not fake_cuda.created
-    assert runner._ext_graph_info()["fallback_disabled"] == 1
+    assert runner.engine.info()["fallback_disabled"] == 1
 
 
 def test_failed_capture_is_quarantined_and_runs_eager(vit_patch, fake_cuda):
     vit_patch()
-    runner = ViTCudaGraphRunner(StubTower(fail_capture=True))
+    runner = new_runner(StubTower(fail_capture=True))
     for _ in range(3):
         out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
         torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["failures"] == 1 and info["fallback_capture_failed"] == 1 and info["fallback_quarantined"] == 2
     assert fake_cuda.created[0].resets == 1, "the half-captured graph must be reset"
-    assert runner.block_graphs == {} and runner.block_input == {} and runner._ext_rotary_leases == {}
+    assert graphs(runner) == {} and sum(p.live_leases for p in runner.engine.store.rotary_pools.values()) == 0
 
 
 def test_min_hits_captures_on_the_nth_sighting(vit_patch, fake_cuda):
     vit_patch(vit_graph_min_hits=3)
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     for _ in range(4):
         out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
         torch.testing.assert_close(out, want)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert info["fallback_warming"] == 2 and info["captures"] == 1 and info["hits"] == 1
 
 
 def test_replay_output_is_owned_by_the_caller(vit_patch, fake_cuda):
     """Qwen3 path (no output_indices): a later replay must not change an earlier result."""
     vit_patch()
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    runner = new_runner(StubTower(fullatt=()))
     first, want_first = call(runner, 8, (0, 4, 8), position=1, qwen3=True)
     kept = first.clone()
     second, _ = call(runner, 8, (0, 4, 8), position=9, qwen3=True)  # same key: replay
     assert fake_cuda.created[0].replays == 2
     torch.testing.assert_close(first, kept)
     torch.testing.assert_close(first, want_first)
-    key = next(iter(runner.block_output))
+    key = next(iter(graphs(runner)))
     for out in (first, second):
-        assert out.untyped_storage().data_ptr() != runner.block_output[key].untyped_storage().data_ptr()
+        assert out.untyped_storage().data_ptr() != graphs(runner)[key].output.untyped_storage().data_ptr()
 
 
 def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_cuda, monkeypatch):
@@ -544,7 +537,7 @@ def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_c
     vit_patch(vit_graph_max_entries=3, vit_graph_min_hits=2)
     group = SimpleNamespace(ca_comm=None, world_size=1)
     monkeypatch.setattr(vit_tp, "get_tp_group", lambda: group)
-    ranks = [ViTCudaGraphRunner(StubTower(use_data_parallel=False)) for _ in range(2)]
+    ranks = [new_runner(StubTower(use_data_parallel=False)) for _ in range(2)]
     histories = [[], []]
     rng = random.Random(7)
     for _ in range(80):
@@ -553,8 +546,8 @@ def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_c
         window = random_layout(rng, tokens, rng.randint(1, 3))
         for rank, runner in enumerate(ranks):
             call(runner, tokens, full, window)
-            info = runner._ext_graph_info()
-            histories[rank].append((tuple(runner._ext_cache.entries), info["captures"], info["evictions"]))
+            info = runner.engine.info()
+            histories[rank].append((tuple(runner.engine.cache.entries), info["captures"], info["evictions"]))
     assert histories[0] == histories[1]
     assert histories[0][-1][2] > 0
 
@@ -571,15 +564,15 @@ def test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere(vit_patch
             flag.fill_(0)  # the other rank's capture failed (permanently)
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    runner = ViTCudaGraphRunner(StubTower(use_data_parallel=False))
+    runner = new_runner(StubTower(use_data_parallel=False))
     out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
     torch.testing.assert_close(out, want)
     assert votes == [2, 2]  # prepared and captured fine, and said so both times
-    assert runner.block_graphs == {} and runner._ext_graph_info()["failures"] == 1
+    assert graphs(runner) == {} and runner.engine.info()["failures"] == 1
     assert fake_cuda.created[0].resets == 1  # this rank's good graph is dropped too
     out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))  # permanent: quarantined, no more votes
     torch.testing.assert_close(out, want)
-    assert len(votes) == 2 and runner._ext_graph_info()["fallback_quarantined"] == 1
+    assert len(votes) == 2 and runner.engine.info()["fallback_quarantined"] == 1
 
 
 def test_dp_encoder_captures_without_any_tp_communication(vit_patch, fake_cuda, monkeypatch):
@@ -589,12 +582,12 @@ def test_dp_encoder_captures_without_any_tp_communication(vit_patch, fake_cuda, 
     touched = []
     monkeypatch.setattr(vit_tp, "get_tp_group", lambda: touched.append("get_tp_group"))
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: touched.append("all_reduce"))
-    runner = ViTCudaGraphRunner(StubTower(use_data_parallel=True))
+    runner = new_runner(StubTower(use_data_parallel=True))
     for step in range(2):  # capture, then replay
         out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8), position=step)
         torch.testing.assert_close(out, want)
     assert touched == []
-    assert runner._ext_graph_info()["captures"] == 1 and fake_cuda.created[0].replays == 2
+    assert runner.engine.info()["captures"] == 1 and fake_cuda.created[0].replays == 2
 
 
 def test_tp_encoder_capture_is_voted_and_never_enters_the_tp_capture_context(vit_patch, fake_cuda, monkeypatch):
@@ -613,12 +606,12 @@ def test_tp_encoder_capture_is_voted_and_never_enters_the_tp_capture_context(vit
     for module in (vit_tp, runner_module):  # the patch's TP group, and the one 0.5.17's _capture_context() reads
         monkeypatch.setattr(module, "get_tp_group", lambda: group)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda flag, op=None, group=None: votes.append(int(flag)))
-    runner = ViTCudaGraphRunner(StubTower(use_data_parallel=False))
+    runner = new_runner(StubTower(use_data_parallel=False))
     for step in range(3):  # capture, then two replays
         out, want = call(runner, 8, (0, 0, 4, 8), (0, 4, 8), position=step)
         torch.testing.assert_close(out, want)
     assert entered == [] and votes == [2, 2] + [2] * 3  # capture (prepare, capture), then one per replay
-    assert runner._ext_graph_info()["captures"] == 1 and fake_cuda.created[0].replays == 3
+    assert runner.engine.info()["captures"] == 1 and fake_cuda.created[0].replays == 3
     with runner._capture_context():  # control: the context is there, and records when entered
         pass
     assert entered == [True]
@@ -626,30 +619,34 @@ def test_tp_encoder_capture_is_voted_and_never_enters_the_tp_capture_context(vit
 
 def test_stats_registry_reports_the_runner(vit_patch, fake_cuda):
     vit_patch(vit_graph_max_entries=1)
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     call(runner, 8, (0, 0, 8), (0, 8))
     call(runner, 8, (0, 0, 8), (0, 8))
     call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
-    info = stats_snapshot()[runner._ext_stats_name]
+    info = stats_snapshot()[runner.engine.stats_name]
     assert {k: info[k] for k in ("hits", "misses", "captures", "evictions", "resident_graphs", "fallbacks")} == {
         "hits": 1, "misses": 2, "captures": 2, "evictions": 1, "resident_graphs": 1, "fallbacks": 0}
     assert info["bytes_resident"] > 0
 
 
 # ---------------------------------------------------------------------------
-# In-place patching: runners built before activation, qwen3's runner table
+# The swap: the runner class, qwen3's runner table, the model modules' bindings
 # ---------------------------------------------------------------------------
 
 
-@plugin_only
-def test_runner_built_before_activation_uses_the_patched_methods(vit_patch, fake_cuda):
-    runner = ViTCudaGraphRunner(StubTower())  # 0.5.17's __init__, before activation
-    vit_patch(vit_graph_max_entries=1)
-    a, want_a = call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
-    b, want_b = call(runner, 8, (0, 0, 2, 8), (0, 2, 8))
-    torch.testing.assert_close(a, want_a)
-    torch.testing.assert_close(b, want_b)
-    assert runner._ext_graph_info()["evictions"] == 1
+def test_a_runner_built_before_activation_stays_sglangs_and_deactivation_restores_every_binding(
+        vit_patch, ext_patches):
+    from sglang.srt.models import qwen2_5_vl, qwen3_vl
+
+    upstream = vit_runner.ViTGraphRunner.__base__
+    before = runner_module.ViTCudaGraphRunner(StubTower())  # sglang's own, never changed in place
+    vit_patch()
+    assert type(before) is upstream and "engine" not in vars(before)
+    assert issubclass(runner_module.ViTCudaGraphRunner, upstream) and runner_module.ViTCudaGraphRunner is not upstream
+    ext_core("activation").deactivate()
+    assert runner_module.ViTCudaGraphRunner is upstream
+    assert qwen2_5_vl.ViTCudaGraphRunner is qwen3_vl.ViTCudaGraphRunner is upstream
+    assert qwen3_vl.graph_runners_dict["cuda"] is upstream
 
 
 def test_qwen3_runner_table_and_model_globals_build_the_patched_runner(vit_patch):
@@ -660,8 +657,7 @@ def test_qwen3_runner_table_and_model_globals_build_the_patched_runner(vit_patch
                        qwen3_vl.ViTCudaGraphRunner, qwen2_5_vl.ViTCudaGraphRunner):
         assert runner_cls is runner_module.ViTCudaGraphRunner
         runner = runner_cls(StubTower())
-        x = torch.empty(8, 1, 1)
-        assert runner._get_graph_key(x, [0, 4, 8], None) != runner._get_graph_key(x, [0, 2, 8], None)
+        assert isinstance(runner, vit_runner.ViTGraphRunner) and runner.engine.strategy.name == "layout"
 
 
 # ---------------------------------------------------------------------------
@@ -776,7 +772,7 @@ def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails
         runtime_context.reset_context()
     kit.publish_runtime("sdpa")  # VisionAttention.forward reads the exec settings
     try:
-        vit.cuda_graph_runner = ViTCudaGraphRunner(vit)  # 0.5.17 builds it only on CUDA
+        vit.cuda_graph_runner = new_runner(vit)  # 0.5.17 builds it only on CUDA
         rng = random.Random(0)
         for _ in range(3):
             pixels, grid = kit.random_batch(rng, (4, 6, 8))
@@ -786,9 +782,10 @@ def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails
             assert torch.equal(fallback, eager), grid.tolist()
     finally:
         runtime_context.reset_context()
-    info = vit.cuda_graph_runner._ext_graph_info()
+    info = vit.cuda_graph_runner.engine.info()
     assert info["failures"] == 3 and info["fallback_capture_failed"] == 3 and info["resident_graphs"] == 0
-    assert vit.cuda_graph_runner._ext_rotary_leases == {} and vit.cuda_graph_runner.block_input == {}
+    assert graphs(vit.cuda_graph_runner) == {}
+    assert sum(p.live_leases for p in vit.cuda_graph_runner.engine.store.rotary_pools.values()) == 0
 
 
 def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monkeypatch):
@@ -816,7 +813,7 @@ def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monke
     kit.publish_runtime("sdpa")
     try:
         vit = kit.build_qwen3_tower(device="cpu", dtype=torch.float32)
-        vit.graph_runners = ViTCudaGraphRunner(vit)  # 0.5.17 builds it only on CUDA
+        vit.graph_runners = new_runner(vit)  # 0.5.17 builds it only on CUDA
         rng = random.Random(3)
         for _ in range(3):
             pixels, grid = kit.random_batch(rng, (4, 6, 10), patch_dim=kit.QWEN3_PATCH_DIM)
@@ -825,7 +822,7 @@ def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monke
             assert torch.equal(graph, eager), grid.tolist()
     finally:
         runtime_context.reset_context()
-    assert vit.graph_runners._ext_graph_info()["fallback_capture_failed"] == 3
+    assert vit.graph_runners.engine.info()["fallback_capture_failed"] == 3
 
 
 class _RerunGraph:
@@ -877,15 +874,16 @@ def test_real_qwen3_tower_graph_rotates_with_the_float32_cos_sin_of_eager(vit_pa
     try:
         vit = kit.build_qwen3_tower(device="cpu", dtype=torch.bfloat16, native_ops=True)
         vit.rotary_pos_emb.cos_sin_cache = vit.rotary_pos_emb._compute_cos_sin_cache().float()
-        runner = ViTCudaGraphRunner(vit)
+        runner = new_runner(vit)
         vit.graph_runners = runner
-        capture = type(runner)._create_graph
+        store = runner.engine.store
+        capture = store.capture
 
-        def create(graph_key, **kwargs):
-            capture(runner, graph_key, **kwargs)
-            runner.block_graphs[graph_key].rerun = lambda: create(graph_key, **kwargs)
+        def create(graph_key, rotary):
+            capture(graph_key, rotary)
+            store.graphs[graph_key].graph.rerun = lambda: create(graph_key, rotary)
 
-        runner._create_graph = create
+        store.capture = create
         rng = random.Random(5)
         for _ in range(4):
             pixels, grid = kit.random_batch(rng, (4, 6, 8, 10), patch_dim=kit.QWEN3_PATCH_DIM, dtype=torch.bfloat16)
@@ -893,9 +891,9 @@ def test_real_qwen3_tower_graph_rotates_with_the_float32_cos_sin_of_eager(vit_pa
             for _replay in range(2):  # the capture's run, then a replay of the cached graph
                 graph = kit.forward_qwen3(vit, pixels, grid, graph=True)
                 assert torch.equal(graph, eager), (grid.tolist(), float((graph.float() - eager.float()).abs().max()))
-        info = runner._ext_graph_info()
+        info = runner.engine.info()
         assert info["captures"] >= 1 and info["hits"] >= 4 and info["fallbacks"] == 0, info
-        assert {ws.dtype for ws in runner.sin_cos_ws} == {torch.float32}
+        assert {ws.dtype for g in graphs(runner).values() for ws in g.rotary} == {torch.float32}
     finally:
         runtime_context.reset_context()
 
@@ -903,23 +901,23 @@ def test_real_qwen3_tower_graph_rotates_with_the_float32_cos_sin_of_eager(vit_pa
 def test_debug_addresses_catches_a_captured_tensor_that_moved(vit_patch, fake_cuda):
     """--ext-debug-addresses: a replay whose captured buffer was replaced fails loudly, not silently."""
     vit_patch(vit_graph_max_entries=2, debug_addresses=1)
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    runner = new_runner(StubTower(fullatt=()))
     out, want = call(runner, 4, (0, 2, 4), position=1)
     out, want = call(runner, 4, (0, 2, 4), position=2)  # a replay with every address as captured
     torch.testing.assert_close(out, want)
-    key = next(iter(runner.block_graphs))
-    runner.cu_full_len[key] = runner.cu_full_len[key].clone()  # what a moved workspace looks like
+    key = next(iter(graphs(runner)))
+    graphs(runner)[key].cu_full = graphs(runner)[key].cu_full.clone()  # what a moved workspace looks like
     with pytest.raises(AssertionError, match="moved"):
         call(runner, 4, (0, 2, 4), position=3)
 
 
 def test_debug_addresses_off_by_default_costs_nothing(vit_patch, fake_cuda):
     vit_patch(vit_graph_max_entries=2)
-    runner = ViTCudaGraphRunner(StubTower(fullatt=()))
+    runner = new_runner(StubTower(fullatt=()))
     call(runner, 4, (0, 2, 4), position=1)
-    assert runner._ext_address_guard.enabled is False
-    key = next(iter(runner.block_graphs))
-    runner.cu_full_len[key] = runner.cu_full_len[key].clone()
+    assert runner.engine.store.address_guard.enabled is False
+    key = next(iter(graphs(runner)))
+    graphs(runner)[key].cu_full = graphs(runner)[key].cu_full.clone()
     call(runner, 4, (0, 2, 4), position=2)  # no check, no error (the default keeps replay lean)
 
 
@@ -999,7 +997,7 @@ def test_evictable_captures_register_no_custom_all_reduce_buffers(vit_patch, fak
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda flag, op=None, group=None: None)  # peers agree
     tower = StubTower(fullatt=(), use_data_parallel=False)
     tower.blocks = nn.ModuleList([CABlock()])
-    runner = ViTCudaGraphRunner(tower)
+    runner = new_runner(tower)
     layouts = [(0, a, b, 16) for a in range(1, 15) for b in range(a + 1, 16)]  # 105 distinct layouts
     for step in range(5000):
         full = layouts[step % len(layouts)]
@@ -1009,7 +1007,7 @@ def test_evictable_captures_register_no_custom_all_reduce_buffers(vit_patch, fak
                          rotary_pos_emb_sin=torch.zeros(16, 1), attention_layout_key=(full, None))
         if step % 997 == 0:
             torch.testing.assert_close(out, x + 1)
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     assert (info["captures"], info["evictions"], info["failures"]) == (5000, 4998, 0)
     assert recorder.registered == 0 and recorder.registered_in_capture == 0 and recorder.pending == []
     assert recorder.staged_in_capture == 5000  # the custom all-reduce ran in every graph, on its staging buffer
@@ -1025,9 +1023,9 @@ def test_device_boundaries_without_a_layout_key_run_eager_and_warn_once_per_runn
     """A caller passing only device cu_seqlens (no CPU layout): eager, correct, one warning per runner."""
     vit_patch()
     # CPU has no device tensors: the runner's device test sees the batch's cu_seqlens as "on the GPU".
-    monkeypatch.setattr(vit_runner, "is_device_tensor",
+    monkeypatch.setattr(ext_core("vit.engine"), "on_device",
                         lambda value: isinstance(value, torch.Tensor) and value.dtype == torch.int32)
-    runners = [ViTCudaGraphRunner(StubTower()), ViTCudaGraphRunner(StubTower())]
+    runners = [new_runner(StubTower()), new_runner(StubTower())]
     with caplog.at_level(logging.WARNING, logger="sglang_ext.vit_cuda_graph"):
         for runner in runners:
             for step, (full, window) in enumerate((((0, 0, 4, 8), (0, 4, 8)), ((0, 0, 2, 8), (0, 2, 8))) * 2):
@@ -1037,7 +1035,7 @@ def test_device_boundaries_without_a_layout_key_run_eager_and_warn_once_per_runn
     assert len(warnings) == 2  # once per runner, not per batch
     assert "runs such batches eager" in warnings[0]
     for runner in runners:
-        info = runner._ext_graph_info()
+        info = runner.engine.info()
         assert (info["fallback_no_cpu_layout"], info["captures"]) == (4, 0) and not fake_cuda.created
 
 
@@ -1046,13 +1044,13 @@ def test_stats_log_interval_zero_never_logs(vit_patch, fake_cuda, monkeypatch, c
     stats = ext_core("graphs.stats")
     logger = stats.__name__.rsplit(".graphs.", 1)[0] + ".vit_cuda_graph"  # sglang_ext.* or the fork's sglang.ext.*
     monkeypatch.setattr(stats, "_last_log", [float("-inf")])
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     with caplog.at_level(logging.DEBUG, logger=logger):
         for _ in range(3):
             call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
     assert not [r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]
     vit_patch(stats_log_interval_s=3600)
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     with caplog.at_level(logging.DEBUG, logger=logger):
         for _ in range(3):
             call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
@@ -1074,21 +1072,21 @@ def test_class_mode_on_flash_backends_refreshes_the_graph_buffers_each_replay(vi
     built on the graph's own buffers. Either way the kernel reads the buffers rewritten per replay."""
     vit_patch(vit_graph_mode="class")
     tower = flash_tower(backend)
-    runner = ViTCudaGraphRunner(tower)
+    runner = new_runner(tower)
     a = ((0, 0, 6, 8), (0, 2, 4, 8))
     b = ((0, 0, 5, 8), (0, 1, 2, 4, 8))  # same class as a
     for step, (full, window) in enumerate((a, b, a, b)):
         out, want = call(runner, 8, full, window, position=step)
         torch.testing.assert_close(out, want, msg=f"step {step}")
     assert len(fake_cuda.created) == 1 and fake_cuda.created[0].replays == 4
-    (key,) = runner.block_graphs
+    (key,) = graphs(runner)
     full_block, window_block = tower.blocks[1], tower.blocks[0]
     form, cu, max_seqlen = full_block.forms[-1]  # the captured call (warm-up, then capture)
     assert form == ("list2" if backend == "fa3" else "metadata")
-    assert cu is runner.cu_full_len[key] and max_seqlen == 8  # class bound: longest 6 -> 8
-    assert window_block.forms[-1][1] is runner.cu_window_len[key] and window_block.forms[-1][2] == 4
-    assert runner.cu_full_len[key].tolist() == [0, 0, 5, 8, 8]  # b's boundaries + one empty sequence
-    assert runner._ext_graph_info()["attention_backend"] == backend
+    assert cu is graphs(runner)[key].cu_full and max_seqlen == 8  # class bound: longest 6 -> 8
+    assert window_block.forms[-1][1] is graphs(runner)[key].cu_window and window_block.forms[-1][2] == 4
+    assert graphs(runner)[key].cu_full.tolist() == [0, 0, 5, 8, 8]  # b's boundaries + one empty sequence
+    assert runner.engine.info()["attention_backend"] == backend
 
 
 def windowed_merged_tower(backend, window_tokens=8):
@@ -1120,8 +1118,8 @@ def _budget_runner(monkeypatch, free_bytes, **tower_kwargs):
     tower.device = torch.device("cuda", 0)  # only read for the budget: nothing is allocated here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_bytes, 141 * GiB))
-    runner = ViTCudaGraphRunner(tower)
-    runner._ext_ensure_state()
+    runner = new_runner(tower)
+    runner.engine.agree_budget()
     return runner
 
 
@@ -1129,14 +1127,14 @@ def _budget_runner(monkeypatch, free_bytes, **tower_kwargs):
 def test_default_budget_is_a_quarter_of_free_memory_clamped(vit_patch, monkeypatch, free, budget):
     vit_patch()
     runner = _budget_runner(monkeypatch, free)
-    assert runner._ext_cache.max_bytes == budget and runner._ext_graph_info()["max_bytes"] == budget
+    assert runner.engine.cache.max_bytes == budget and runner.engine.info()["max_bytes"] == budget
 
 
 def test_budget_knob_overrides_the_default(vit_patch, monkeypatch):
     vit_patch(vit_graph_max_bytes=0)
-    assert _budget_runner(monkeypatch, 8 * GiB)._ext_cache.max_bytes == 0  # 0 = no byte limit
+    assert _budget_runner(monkeypatch, 8 * GiB).engine.cache.max_bytes == 0  # 0 = no byte limit
     vit_patch(vit_graph_max_bytes=12345)
-    assert _budget_runner(monkeypatch, 8 * GiB)._ext_cache.max_bytes == 12345
+    assert _budget_runner(monkeypatch, 8 * GiB).engine.cache.max_bytes == 12345
 
 
 def test_budget_knob_below_minus_one_is_a_one_line_error():
@@ -1161,9 +1159,9 @@ def _budget_rank(rank, init_file, free_bytes, results):
         tower.device = torch.device("cuda", 0)
         torch.cuda.is_available = lambda: True
         torch.cuda.mem_get_info = lambda device=None: (free_bytes, 141 * GiB)
-        runner = ViTCudaGraphRunner(tower)
-        runner._ext_ensure_state()
-        results.put((rank, runner._ext_cache.max_bytes))
+        runner = new_runner(tower)
+        runner.engine.agree_budget()
+        results.put((rank, runner.engine.cache.max_bytes))
     finally:
         dist.destroy_process_group()
 

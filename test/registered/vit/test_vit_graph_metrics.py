@@ -15,7 +15,7 @@ from sglang_ext_testkit.metrics import reset_metrics
 from sglang_ext_testkit import internals
 
 from conftest import ext_core  # test/registered/conftest.py
-from test_vit_cuda_graph_runner import StubTower, ViTCudaGraphRunner, call, fake_cuda, vit_patch  # noqa: F401
+from test_vit_cuda_graph_runner import StubTower, call, fake_cuda, new_runner, vit_patch  # noqa: F401
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
@@ -51,11 +51,11 @@ def test_vit_runner_calls_are_current_in_the_metrics_after_each_call(vit_patch, 
     gc.collect()  # runners of earlier tests would add to the same cache label
     vit_patch(vit_graph_max_entries=1, vit_graph_policy="exact")
     stats = metrics_on()
-    runner = ViTCudaGraphRunner(StubTower())
+    runner = new_runner(StubTower())
     call(runner, 8, (0, 0, 4, 8), (0, 2, 4, 8))  # capture
     call(runner, 8, (0, 0, 4, 8), (0, 2, 4, 8))  # hit
     call(runner, 8, (0, 0, 2, 8), (0, 2, 8))  # full under 'exact': eager, reason capacity
-    mine = runner._ext_graph_info()
+    mine = runner.engine.info()
     assert (mine["captures"], mine["hits"], mine["fallback_capacity"]) == (1, 1, 1)
     vit = [v for name, v in stats.snapshot().items() if stats.cache_label(name) == "vit_cuda_graph"]
     total = lambda field: sum(v[field] for v in vit)  # noqa: E731
@@ -80,7 +80,7 @@ def test_bucket_mode_chunked_calls_reach_the_metrics(vit_patch, fake_cuda, metri
     stats = metrics_on()
     runner = _probed_runner(vit_patch, monkeypatch, vit_graph_above_ladder="split")
     merged_call(runner, 26, (0, 0, 4, 12, 20, 26), (0, 4, 12, 20, 26), 1)  # above the ladder: two chunks
-    assert runner._ext_graph_info()["chunked_calls"] == 1
+    assert runner.engine.info()["chunked_calls"] == 1
     vit = [v for name, v in stats.snapshot().items() if stats.cache_label(name) == "vit_cuda_graph"]
     assert read(stats)[("sglang_ext_graph_chunked_calls_total", (("cache", "vit_cuda_graph"),))] == sum(
         v["chunked_calls"] for v in vit) >= 1

@@ -92,7 +92,7 @@ def _tower(kit, **knobs):
 
 
 def _counters(runner):
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     return [info[k] for k in ("hits", "misses", "captures", "evictions", "failures", "fallbacks",
                               "padded_batches", "padding_tokens", "resident_graphs")]
 
@@ -111,8 +111,8 @@ def _phase_failures(kit, rank):
     for stage in STAGES:
         failing, following = kit.random_batch(rng, SIDES), kit.random_batch(rng, SIDES)
         undo = _arm(runner, stage) if rank == FAILING_RANK else (lambda: None)
-        before = runner._ext_graph_info()
-        graphs_before = len(runner.block_graphs)
+        before = runner.engine.info()
+        graphs_before = len(runner.engine.store.graphs)
         start = time.monotonic()
         try:
             graphed = kit.forward(vit, *failing, graph=True)
@@ -121,8 +121,8 @@ def _phase_failures(kit, rank):
         eager = kit.forward(vit, *failing, graph=False)
         torch.cuda.synchronize()
         elapsed = time.monotonic() - start
-        after = runner._ext_graph_info()
-        graphs_after_failure = len(runner.block_graphs)
+        after = runner.engine.info()
+        graphs_after_failure = len(runner.engine.store.graphs)
         next_graphed = kit.forward(vit, *following, graph=True)
         next_eager = kit.forward(vit, *following, graph=False)
         report[stage] = dict(
@@ -131,7 +131,7 @@ def _phase_failures(kit, rank):
             capture_failed=after["fallback_capture_failed"] - before["fallback_capture_failed"],
             failures=after["failures"] - before["failures"], graphs_before=graphs_before,
             graphs_after_failure=graphs_after_failure,
-            next_captured=runner._ext_graph_info()["captures"] - after["captures"],
+            next_captured=runner.engine.info()["captures"] - after["captures"],
             next_equal=bool(torch.equal(next_graphed, next_eager)))
     return report
 
@@ -164,9 +164,10 @@ def _arm(runner, stage):
 
         return staged
 
-    name = "_create_graph" if stage == "capture" else "_ext_prepare_graph"  # capture vs the rank-local stage
-    setattr(runner, name, with_fault(getattr(runner, name)))
-    return lambda: runner.__dict__.pop(name, None)
+    store = runner.engine.store
+    name = "capture" if stage == "capture" else "prepare"  # capture vs the rank-local stage
+    setattr(store, name, with_fault(getattr(store, name)))
+    return lambda: store.__dict__.pop(name, None)
 
 
 def _phase_equality(kit):
@@ -182,7 +183,7 @@ def _phase_equality(kit):
         eager = kit.forward(vit, *batch, graph=False)
         bitwise += bool(torch.equal(graphed, eager))
         worst = max(worst, (graphed.float() - eager.float()).abs().max().item())
-    info = vit.cuda_graph_runner._ext_graph_info()
+    info = vit.cuda_graph_runner.engine.info()
     return dict(steps=EQUALITY_STEPS, layouts=len(layouts), bitwise=bitwise, max_diff=worst,
                 hits=info["hits"], captures=info["captures"], evictions=info["evictions"],
                 fallbacks=info["fallbacks"])
@@ -199,7 +200,7 @@ def _phase_bucket(kit):
         sequence.append(_counters(runner))
         eager = kit.forward(vit, *batch, graph=False)
         worst = max(worst, (graphed.float() - eager.float()).abs().max().item())
-    return dict(sequence=sequence, max_diff=worst, mode=runner._ext_graph_info()["mode"])
+    return dict(sequence=sequence, max_diff=worst, mode=runner.engine.info()["mode"])
 
 
 def _registration_counter(ca):
@@ -240,7 +241,7 @@ def _phase_churn(kit, ca):
         out = kit.forward(vit, *batches[step % len(batches)], graph=True)
         wrong += not torch.equal(out, want[step % len(batches)])
     torch.cuda.synchronize()
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     return dict(captures=info["captures"], evictions=info["evictions"], hits=info["hits"],
                 failures=info["failures"], capture_failed=info["fallback_capture_failed"],
                 fallbacks=info["fallbacks"], resident=info["resident_graphs"], wrong=wrong,

@@ -29,7 +29,9 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
-from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
+import dataclasses
+
+import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
 
 from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the recording fake)
@@ -38,6 +40,8 @@ from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the record
     StubTower,
     _layout_compute,
     fake_cuda,
+    graphs,
+    new_runner,
     vit_patch,
 )
 
@@ -118,8 +122,7 @@ def arm(runner, stage):
     if stage == "capture":  # the second block raises inside the capture: permanent
         runner.vit.blocks[1].fail_capture = True
         return lambda: setattr(runner.vit.blocks[1], "fail_capture", False)
-    runner._ext_ensure_state()  # after the capture: its bookkeeping raises (permanent)
-    guard = runner._ext_address_guard
+    guard = runner.engine.store.address_guard  # after the capture: its bookkeeping raises (permanent)
 
     def record(*args):
         raise RuntimeError("address bookkeeping failed (injected)")
@@ -192,25 +195,25 @@ def rank_main(rank, world, port, failing_rank, results):
         dist.all_reduce = counting_all_reduce
         report = {}
         for stage in STAGES:
-            runner = ViTCudaGraphRunner(tp_tower())
-            budgets.clear()  # arm() may create the runner's state (and agree its budget) early
+            budgets.clear()
+            runner = new_runner(tp_tower())
             undo = arm(runner, stage) if rank == failing_rank else None
             votes.clear()
             exact = [run_batch(runner, *A, step=1)]
             if undo is not None:
                 undo()
-            after_failure = runner._ext_graph_info()
+            after_failure = runner.engine.info()
             first_votes = list(votes)
-            graphs_after_failure = len(runner.block_graphs)
+            graphs_after_failure = len(graphs(runner))
             exact += [run_batch(runner, *B, step=s) for s in (2, 3)]  # captured then replayed on every rank
-            graphs_with_b = len(runner.block_graphs)
+            graphs_with_b = len(graphs(runner))
             exact += [run_batch(runner, *A, step=s) for s in (4, 5, 6, 7)]  # transient: eager 2 misses, retried
-            info = runner._ext_graph_info()
+            info = runner.engine.info()
             report[stage] = dict(exact=exact, first_votes=first_votes, votes=len(votes),
                                  failed=after_failure["fallback_capture_failed"], graphs_after_failure=graphs_after_failure,
                                  graphs_with_b=graphs_with_b, quarantined=info["fallback_quarantined"],
                                  captures=info["captures"], hits=info["hits"], failures=info["failures"],
-                                 budgets=list(budgets), budget=runner._ext_max_bytes)
+                                 budgets=list(budgets), budget=runner.engine.cache.max_bytes)
         results.put((rank, report))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, traceback.format_exc()))
@@ -260,15 +263,15 @@ BUDGET_STAGES = ("sample", "allocation", "warmup", "capture", "probe")
 
 
 class SampledTPTower(torch.nn.Module):
-    """tp_tower() behind a graph path that hands the runner batch A (what _ext_precapture_at_load samples)."""
+    """tp_tower() behind a graph path that hands the runner batch A (what the engine's capture_at_load samples)."""
 
-    def __init__(self):
+    def __init__(self, options):
         super().__init__()
         from types import SimpleNamespace
 
         self.tower = tp_tower()
         self.patch_embed = SimpleNamespace(proj=SimpleNamespace(weight=torch.zeros(4, 3)))
-        self.runner = ViTCudaGraphRunner(self.tower)
+        self.runner = runner_module.ViTCudaGraphRunner(self.tower, options)
         self.fail_sample = False
 
     dtype = torch.float32
@@ -290,14 +293,13 @@ def arm_budget(tower, stage, rank):
         tower.fail_sample = True
         return lambda: setattr(tower, "fail_sample", False)
     if stage == "allocation":  # the shared input buffer of the first (largest) budget graph
-        cls = type(runner)
-        real = cls._ext_shared_rows
+        store = runner.engine.store
 
-        def shared_rows(self, *args, **kwargs):
+        def lease(*args, **kwargs):
             raise torch.OutOfMemoryError(OOM)
 
-        cls._ext_shared_rows = shared_rows
-        return lambda: setattr(cls, "_ext_shared_rows", real)
+        store._lease = lease
+        return lambda: vars(store).pop("_lease")
     if stage == "probe":  # scripted timings: the graph wins everywhere, except from 16 tokens on this rank
         return script_probe(lose_from=16)
     return arm(runner, stage)
@@ -305,8 +307,8 @@ def arm_budget(tower, stage, rank):
 
 def script_probe(lose_from):
     """median_wall_ms answers (graph 1 ms, eager 2 ms) per budget, or (3, 2) from budget `lose_from` on."""
-    vit_budget = ext_core("vit.budget")
-    real_median = vit_budget.median_wall_ms
+    vit_engine = ext_core("vit.engine")
+    real_median = vit_engine.median_wall_ms
     answers = []
 
     def median(run, *, repeats, synchronize=None):
@@ -316,32 +318,31 @@ def script_probe(lose_from):
         answers.append(graph_ms if len(answers) % 2 == 0 else eager_ms)
         return answers[-1]
 
-    vit_budget.median_wall_ms = median
-    return lambda: setattr(vit_budget, "median_wall_ms", real_median)
+    vit_engine.median_wall_ms = median
+    return lambda: setattr(vit_engine, "median_wall_ms", real_median)
 
 
 def budget_rank_main(rank, world, port, failing_rank, results):
     try:
         init_tp_group(rank, world, port)
-        knobs = ext_core("knobs")
         report = {}
-        for stage in BUDGET_STAGES:
-            os.environ["SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS"] = "-1" if stage == "probe" else "16"
-            knobs.use(knobs.load_settings())  # the knob as a new process would see it (set_knob, in this child)
-            tower = SampledTPTower()
+        for stage in BUDGET_STAGES:  # the probe decides the ladder, else the knob's limit (16 tokens)
+            options = dataclasses.replace(runner_module.ViTCudaGraphRunner.options,
+                                          replay_max_tokens=-1 if stage == "probe" else 16)
+            tower = SampledTPTower(options)
             runner = tower.runner
             undo = arm_budget(tower, stage, rank) if rank == failing_rank else None
             if stage == "probe" and undo is None:
                 undo = script_probe(lose_from=10**9)
-            runner._ext_precapture_at_load(tower, None)
+            runner.engine.capture_at_load(tower, None)
             if undo is not None:
                 undo()
-            graphs = sorted(k.num_tokens for k in runner.block_graphs)
+            captured = sorted(k.num_tokens for k in graphs(runner))
             exact = [run_batch(runner, *A, step=s) for s in (1, 2)] + [run_batch(runner, *B, step=3)]
-            info = runner._ext_graph_info()
-            report[stage] = dict(graphs=graphs, exact=exact, limit=info["replay_limit_tokens"],
+            info = runner.engine.info()
+            report[stage] = dict(graphs=captured, exact=exact, limit=info["replay_limit_tokens"],
                                  hits=info["hits"], captures=info["captures"],
-                                 gate=[(r["budget"], r["replay"]) for r in runner._ext_gate])
+                                 gate=[(r["budget"], r["replay"]) for r in runner.engine.ladder.gate])
         results.put((rank, report))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, traceback.format_exc()))

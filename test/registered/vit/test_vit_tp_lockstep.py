@@ -33,8 +33,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
-from sglang.srt.multimodal.vit_cuda_graph_runner import ViTCudaGraphRunner
-
 from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the recording fake)
     FakeGraph,
@@ -42,6 +40,7 @@ from test_vit_cuda_graph_runner import (  # noqa: F401  (fixtures and the record
     StubTower,
     _layout_compute,
     fake_cuda,
+    new_runner,
     vit_patch,
 )
 from test_vit_tp_agreement import GLOO_TIMEOUT_S, OOM, TPBlock, forked_ranks, init_tp_group
@@ -163,10 +162,10 @@ def allocates(out, args, kwargs):
 
 
 def excluded_code():
-    vit_runner, vit_budget = ext_core("vit.runner"), ext_core("vit.budget")
-    skipped = {vit_runner._ext_run_eager.__code__, vit_budget._ext_run_eager_call.__code__,
+    engine = ext_core("vit.engine").ViTGraphEngine
+    skipped = {ext_core("vit.capture").GraphStore.run_eager.__code__, engine.eager_call.__code__,
                FakeGraph.replay.__code__}
-    return skipped, vit_budget._ext_probe_ladder.__code__
+    return skipped, engine._probe.__code__
 
 
 def scripted_median(run, *, repeats, synchronize=None):
@@ -180,14 +179,14 @@ def scenario(mode, backend, fail_at, cpu_group, waits):
     """One runner through load and the served calls; (report, allocation sites)."""
     FakeGraph.created = []
     tower = SampledTower(backend)
-    runner = tower.runner = ViTCudaGraphRunner(tower)
+    runner = tower.runner = new_runner(tower)
     faults = AllocationFaults(excluded_code(), fail_at)
     waits.clear()
     started = time.monotonic()
     with faults:
-        runner._ext_precapture_at_load(tower, None)
+        runner.engine.capture_at_load(tower, None)
     exact = [serve(runner, call, step, faults) for step, call in enumerate(SERVED[mode])]
-    info = runner._ext_graph_info()
+    info = runner.engine.info()
     torch.distributed.barrier(group=cpu_group)
     report = dict(exact=exact, votes=len(waits), max_wait=max(waits, default=0.0), fired=faults.fired,
                   wall=time.monotonic() - started,
@@ -215,7 +214,7 @@ def rank_main(rank, mode, backend, port, results):
 
         init_tp_group(rank, WORLD, port)
         cpu_group = ps._TP.cpu_group
-        ext_core("vit.budget").median_wall_ms = scripted_median
+        ext_core("vit.engine").median_wall_ms = scripted_median
         waits = []
         real_all_reduce = dist.all_reduce
 

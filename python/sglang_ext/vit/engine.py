@@ -1,0 +1,456 @@
+"""The ViT graph engine, one per runner: keys a call (its strategy), admits, captures, replays or runs eager.
+
+It sees the tower and `run`'s arguments, never the upstream runner class (runner.py adapts that). Every
+decision that leads to a collective or to a graph being used is voted on by the tower's TP group first.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sglang_ext.graphs import stats as ext_graph_stats
+from sglang_ext.graphs.agreement import (OK, PERMANENT, agreed, agreed_capture, cpu_group_min, cpu_group_vote,
+                                         failure_vote, local_vote)
+from sglang_ext.graphs.cache import BoundedGraphCache
+from sglang_ext.graphs.packing import median_wall_ms, whole_sequence_chunks
+from sglang_ext.vit import strategy, tp
+from sglang_ext.vit.capture import GraphStore, fill_rows
+from sglang_ext.vit.strategy import BUCKET_SEQUENCES, BudgetLadder, layout_key, token_buckets
+from sglang_ext.vit.vision_rotary import compiled_rotary
+
+logger = logging.getLogger("sglang_ext.vit_cuda_graph")
+
+# Why a call ran eager, as counted per runner.
+FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed", "no_fit",
+                    "gate", "replay_failed")
+# Default byte budget (knob -1): this fraction of the free device memory, clamped to [floor, cap].
+AUTO_BUDGET = dict(fraction=0.25, floor=256 << 20, cap=4 << 30)
+PROBE_REPEATS = 5  # runs per side of the load-time probe (median)
+SAMPLE_GRID = (1, 16, 16)  # the synthetic image that takes the tower's own graph path at load
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """The knobs a ViT graph runner reads (docs/settings.md), taken from the activation's settings."""
+
+    mode: str
+    max_entries: int
+    max_bytes: int
+    policy: str
+    min_hits: int
+    token_buckets: tuple
+    replay_max_tokens: int
+    above_ladder: str
+    precapture: bool
+    stats_log_interval_s: int
+    debug_addresses: bool
+
+    @classmethod
+    def from_settings(cls, settings):
+        value = settings.values.__getitem__
+        return cls(**{name: value(f"vit_graph_{name}") for name in (
+            "mode", "max_entries", "max_bytes", "policy", "min_hits", "token_buckets", "replay_max_tokens",
+            "above_ladder", "precapture")}, stats_log_interval_s=value("stats_log_interval_s"),
+            debug_addresses=bool(value("debug_addresses")))
+
+
+def on_device(value):
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+
+
+def device_layout(layout, device):
+    """A CPU layout as an int32 tensor on `device`, copied without a sync (None stays None)."""
+    return None if layout is None else torch.tensor(layout, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def rows_of(value, start, end):
+    """Rows [start, end) of a tensor, or of each one in a (nested) tuple; None stays None."""
+    if isinstance(value, tuple):
+        return tuple(rows_of(v, start, end) for v in value)
+    return None if value is None else value[start:end]
+
+
+class ViTGraphEngine:
+    """The graphs of one vision tower: caches, workspaces, counters and metrics."""
+
+    def __init__(self, vit, attention_backend, options: GraphOptions):
+        self.vit = vit
+        self.options = options
+        # Merger rows: `spatial_merge_unit` input tokens make one output row (1 for towers without merging).
+        self.merge_unit = int(getattr(vit, "spatial_merge_unit", 1) or 1)
+        self.strategy = strategy.resolve(options, attention_backend, self.merge_unit, strategy.window_tokens(vit))
+        self.ladder = self.strategy if isinstance(self.strategy, BudgetLadder) else None
+        self.store = GraphStore(vit, attention_backend, options.debug_addresses)
+        self.cache = BoundedGraphCache("vit_cuda_graph", options.max_entries, policy=options.policy,
+                                       max_bytes=max(options.max_bytes, 0), min_hits=options.min_hits,
+                                       release=self.store.release)
+        self.budget_agreed = options.max_bytes >= 0  # -1: agreed at first use (the free memory then)
+        self.fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
+        self.padding = dict(padded_batches=0, padding_tokens=0, real_tokens=0)
+        self.chunking = dict(chunked_calls=0, chunks=0)
+        self.load_capture = dict(precapture_graphs=0, precapture_ms=0, precapture_reserved_bytes=0)
+        self._sampling = None  # while capture_at_load runs the tower: the calls that reached run()
+        self.stats_name = ext_graph_stats.register(f"vit_cuda_graph:{type(vit).__name__}@{id(self):x}", self.info)
+
+    @functools.cached_property
+    def group(self):
+        """The tower's TP group when its ranks must agree, else None (resolved at first use)."""
+        return tp.agreeing_group(self.vit)
+
+    def vote(self, value):
+        """`value` agreed by the tower's group: a MIN vote over its CPU group (gloo); alone, the value itself."""
+        return local_vote(value) if self.group is None else cpu_group_vote(self.group.cpu_group)(value)
+
+    def warm_up(self):
+        return tp.warm_up_context(self.group)
+
+    def agree_budget(self):
+        """Knob vit_graph_max_bytes -1: the byte budget sized at first use from free device memory, the MIN
+        over TP ranks (equal budgets keep admission and eviction identical on all ranks)."""
+        if self.budget_agreed:
+            return
+        self.budget_agreed, free, auto = True, None, 0  # no device: no limit
+        device = getattr(self.vit, "device", None)
+        if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
+            free = int(torch.cuda.mem_get_info(device)[0])
+            auto = int(min(AUTO_BUDGET["cap"], max(AUTO_BUDGET["floor"], free * AUTO_BUDGET["fraction"])))
+        self.cache.max_bytes = auto if self.group is None else cpu_group_min(self.group.cpu_group, auto, bits=64)
+        logger.info("ViT CUDA graph byte budget: %d MiB (%s)", self.cache.max_bytes >> 20,
+                    "no device: no limit" if free is None else f"{free >> 20} MiB free at first use")
+
+    # --- Serving ---
+    def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
+            rotary_pos_emb_sin=None, output_indices=None, attention_layout_key=None):
+        """One tower call (upstream's `run` arguments): replayed where a graph serves it, else eager."""
+        self.agree_budget()
+        x_3d = x.unsqueeze(1)  # [S, 1, H]
+        rotary = (position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin)
+        cpu_layout = attention_layout_key is not None or not (on_device(cu_seqlens) or on_device(cu_window_seqlens))
+        layout = layout_key(x_3d.shape[0], cu_seqlens, cu_window_seqlens, attention_layout_key) if cpu_layout else None
+        if layout is None:
+            if not self.fallbacks["no_cpu_layout"]:  # once per runner: it is the caller's choice, not a fault
+                logger.warning("ViT CUDA graphs: cu_seqlens on %s without attention_layout_key; this runner runs "
+                               "such batches eager (building a key would sync the device). Pass attention_layout_key"
+                               "=(full cu_seqlens ints, window cu_seqlens ints or None) to use graphs",
+                               getattr(cu_seqlens, "device", "a device"))
+            self.fallbacks["no_cpu_layout"] += 1
+            tokens = x_3d.shape[0]  # an upper bound of max_seqlen: exact for the triton kernel, no sync
+            out = self.store.run_eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, tokens, tokens)
+        elif self.ladder is not None and self._sampling is not None:  # capture_at_load's sample: kept, not run
+            self._sampling.append((x_3d, rotary))
+            return None
+        elif self.ladder is not None:
+            if not self.ladder.decided:
+                with torch.no_grad():
+                    self._capture_ladder(x_3d, rotary)
+            out = self._run_budget(layout, x_3d, rotary, output_indices)
+        else:
+            out = self._run_keyed(layout, x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices)
+        ext_graph_stats.maybe_log(logger, self.options.stats_log_interval_s)
+        ext_graph_stats.publish()
+        return out
+
+    def _run_keyed(self, layout, x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices):
+        """Layout and class modes: replay the call's graph, captured on first use where admitted."""
+        key = self.strategy.key(layout)
+        reason = None
+        if self.cache.get(key) is None:
+            admission = self.cache.admit(key, expected_bytes=self.store.expected_bytes(x_3d))
+            if not admission.capture:
+                reason = admission.name.lower().replace("eager_", "")
+            else:
+                try:
+                    self.capture(key, layout, x_3d, rotary)
+                except Exception as exc:  # noqa: BLE001 - the batch still gets a correct result
+                    retry = self.cache.retry_in(key)  # quarantined on every rank (transient: retried)
+                    logger.warning("ViT CUDA graph capture failed for %d tokens; running eager %s: %s: %s",
+                                   layout.num_tokens, "from now on for this layout" if retry is None else
+                                   f"for this layout's next {retry} misses, then retrying", type(exc).__name__, exc)
+                    reason = "capture_failed"
+                else:  # not cached: the exact policy's budget had no room for it
+                    reason = None if key in self.cache else "capacity"
+        out = None
+        if reason is None:
+            out = self.replay(key, x_3d, rotary, output_indices=output_indices,
+                              layout=layout if self.strategy.rewrites_layout else None)
+            reason = None if out is not None else "replay_failed"
+        if reason is not None:
+            self.fallbacks[reason] += 1
+            out = self.store.run_eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices,
+                                       layout.full_bound, layout.window_bound)
+        return out
+
+    def capture(self, key, layout, x_3d, rotary):
+        """Capture the graph of `key` from a call in `layout`, agreed by all TP ranks (callers decide
+        admission); a failure on any rank quarantines the key on every rank and raises here."""
+        prepared = {}
+
+        def prepare():
+            prepared.update(self.store.prepare(key, layout, x_3d, rotary, shared=self.ladder is not None,
+                                               warm_up=self.warm_up))
+
+        outcome = agreed_capture(self.vote, prepare, lambda: self.store.capture(key, prepared),
+                                 lambda: self.store.drop(key))
+        if not outcome.ok:
+            self.cache.fail(key, outcome.error, transient=outcome.transient)
+            raise outcome.error
+        # False (exact policy, over budget): the cache has already released the graph.
+        self.cache.put(key, self.store.graphs[key], nbytes=self.store.graphs[key].nbytes)
+
+    def replay(self, key, x_3d, rotary, *, output_indices=None, rows=None, layout=None, out=None, agree=True):
+        """The graph's first `rows` output rows (all by default; `output_indices`: those rows, in that order), in
+        `out` or a new tensor the caller owns; inputs are padded with zero rows, `layout` (class and bucket
+        modes) written into its boundaries. What can fail runs first and is voted on: None when it failed on a
+        rank (all then run eager), so the graph's collectives run on all ranks or none. agree=False: the probe's."""
+        graph = self.store.graphs[key]
+        guard = self.store.address_guard
+        if guard.enabled:  # a debug assertion: loud, never voted away
+            guard.check(key, graph.tensors())
+
+        def stage():
+            if layout is not None:
+                self.store.write_layout(graph, layout.full, layout.window)
+            self.store.fill_rotary(graph, *rotary)
+            fill_rows(graph.input, x_3d)
+            if out is not None:
+                return out
+            # Owned result: the static output is rewritten by the next replay (of any graph sharing the pool).
+            shape = graph.output.shape
+            count = output_indices.shape[0] if output_indices is not None else shape[0] if rows is None else rows
+            return graph.output.new_empty((count,) + tuple(shape[1:]))
+
+        if agree:
+            staged = agreed(self.vote, stage, "replay")
+            if not staged.ok:
+                logger.warning("ViT CUDA graph replay for %d tokens failed on %s; running eager: %s: %s",
+                               key.num_tokens, staged.where, type(staged.error).__name__, staged.error)
+                return None
+            result = staged.value
+        else:
+            result = stage()
+        graph.graph.replay()
+        if output_indices is not None:
+            return torch.index_select(graph.output, 0, output_indices, out=result)
+        return result.copy_(graph.output[:result.shape[0]])
+
+    def eager_call(self, layout, x_3d, rotary, output_indices=None):
+        """The sync-free eager run of one call given by its CPU layout, rotary on graphs-off's compiled kernel."""
+        full, window = (device_layout(bounds, x_3d.device) for bounds in (layout.full, layout.window))
+        with compiled_rotary():
+            return self.store.run_eager(x_3d, full, window, rotary, output_indices, layout.full_bound,
+                                        layout.window_bound)
+
+    # --- Bucket mode: calls padded to a budget, or split into chunks of whole images ---
+    def _replay_budget(self, layout, x_3d, rotary, counted=True, output_indices=None, out=None):
+        """(the call's merger rows from its budget graph, None), else (None, why it runs eager): "gate" (above the
+        limit), "no_fit" (no budget graph serves it) or "replay_failed" (a rank could not stage the replay).
+        counted=False: the probe, no counters and no vote (its graphs hold local stand-ins for collectives)."""
+        tokens = layout.num_tokens
+        plan = self.ladder.plan(layout)
+        if plan is None:
+            return None, "gate" if tokens > self.ladder.replay_limit else "no_fit"
+        key, padded = plan
+        if (self.cache.get(key) if counted else self.cache.entries.get(key)) is None:
+            return None, "no_fit"
+        if counted:
+            self.padding["real_tokens"] += tokens
+            self.padding["padded_batches"] += key.num_tokens > tokens
+            self.padding["padding_tokens"] += key.num_tokens - tokens
+        rows = self.replay(key, x_3d, rotary, output_indices=output_indices, rows=tokens // self.merge_unit,
+                           layout=padded, out=out, agree=counted)
+        return rows, None if rows is not None else "replay_failed"
+
+    def _run_budget(self, layout, x_3d, rotary, output_indices):
+        """Replay the call, or its whole-image chunks, where a captured budget serves them; else eager."""
+        tokens, limit, unit = layout.num_tokens, self.ladder.replay_limit, self.merge_unit
+        ranges = [(0, tokens)]
+        if limit and tokens > limit and not self.ladder.split_above_limit:
+            limit = 0  # above the probe's break-even: one eager call
+        elif limit and tokens > limit:
+            ranges = whole_sequence_chunks((layout.full, layout.window), tokens, limit, BUCKET_SEQUENCES - 1)
+            self.chunking["chunked_calls"] += 1
+            self.chunking["chunks"] += len(ranges)
+
+        def call_of(start, end):
+            if (start, end) == (0, tokens):
+                return layout, x_3d, rotary
+            return layout.between(start, end), x_3d[start:end], rows_of(rotary, start, end)
+
+        if len(ranges) == 1:  # one call: its replay writes the output, reordered
+            out, reason = (self._replay_budget(layout, x_3d, rotary, output_indices=output_indices) if limit
+                           else (None, "gate"))
+            if out is None:
+                self.fallbacks[reason] += 1
+                out = self.eager_call(layout, x_3d, rotary, output_indices)
+            return out
+        # Chunks write into one output allocated first on every rank (or on none: eager), so nothing
+        # allocates after a replay's collectives.
+        template = next((g.output for g in self.store.graphs.values() if g.output is not None), None)
+        outputs = None if template is None else agreed(self.vote, lambda: (
+            template.new_empty((tokens // unit,) + tuple(template.shape[1:])),
+            None if output_indices is None else template.new_empty((len(output_indices),) + tuple(template.shape[1:]))),
+            "output")
+        if outputs is None or not outputs.ok:
+            if outputs is not None:
+                logger.warning("ViT CUDA graphs: a chunked call runs eager (its output could not be allocated on "
+                               "%s): %s", outputs.where, outputs.error)
+            self.fallbacks["replay_failed"] += 1
+            return self.eager_call(layout, x_3d, rotary, output_indices)
+        rows, reordered = outputs.value
+        # Adjacent chunks no graph serves run as ONE eager call (eager host time hardly depends on size).
+        eager_from = None
+        for start, end in ranges:
+            out, reason = self._replay_budget(*call_of(start, end), out=rows[start // unit:end // unit])
+            if out is None:
+                self.fallbacks[reason] += 1
+                eager_from = start if eager_from is None else eager_from
+                continue
+            if eager_from is not None:
+                rows[eager_from // unit:start // unit].copy_(self.eager_call(*call_of(eager_from, start)))
+                eager_from = None
+        if eager_from is not None:
+            rows[eager_from // unit:].copy_(self.eager_call(*call_of(eager_from, tokens)))
+        return rows if reordered is None else torch.index_select(rows, 0, output_indices, out=reordered)
+
+    # --- Bucket mode at load: the sample, the probe, the ladder ---
+    def capture_at_load(self, vit, server_tokens):
+        """At server start (the model-runner hook): the ladder up to `server_tokens`, decided and captured from
+        what a synthetic image's trip through the tower's graph path hands `run` (voted on first)."""
+        ladder = self.ladder
+        if ladder is None or ladder.decided:
+            return
+        self.agree_budget()
+        ladder.budgets = token_buckets(ladder.configured, self.merge_unit, server_tokens)
+        ladder.replay_limit = ladder.budgets[-1] if ladder.budgets else 0
+        if not self.options.precapture:
+            return
+        error, self._sampling = None, []
+        try:
+            t, h, w = SAMPLE_GRID
+            proj = vit.patch_embed.proj.weight
+            pixels = torch.zeros(t * h * w, proj[0].numel(), dtype=vit.dtype, device=vit.device)
+            with torch.no_grad():
+                vit.forward_with_cuda_graph(pixels, torch.tensor([[t, h, w]], dtype=torch.int64))
+            if not self._sampling:
+                raise RuntimeError("the tower's graph path did not reach the runner")
+        except Exception as exc:  # noqa: BLE001 - voted on below
+            error = exc
+        finally:
+            sample, self._sampling = self._sampling, None
+        if self.vote(failure_vote(error)) != OK:
+            ladder.decide((), ())
+            logger.warning("ViT CUDA graphs stay off: the load-time sample failed on %s: %s",
+                           "this rank" if error else "another rank", error)
+            return
+        with torch.no_grad():
+            self._capture_ladder(*sample[0])
+
+    def _capture_ladder(self, x_3d, rotary):
+        """Decide the replay ladder and capture it (at load, else at the first call); nothing is captured later."""
+        ladder, cache = self.ladder, self.cache
+        ladder.decided = True
+        started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+        sample = (x_3d[:1], rotary)
+        limit = ladder.replay_max_tokens
+        probed = [b for b in ladder.budgets if b <= limit] if limit >= 0 else self._probe(sample, ladder.budgets)
+        kept = probed[:cache.capacity]
+        while kept and cache.max_bytes > 0 and self.store.expected_bytes(x_3d, rows=kept[-1]) > cache.max_bytes:
+            kept.pop()
+        captured = []
+        for budget in reversed(kept):
+            try:
+                captured.append(self.capture_budget(sample, budget))
+            except Exception as exc:  # noqa: BLE001 - agreed on every rank: all stay eager
+                logger.warning("ViT CUDA graph pre-capture of the %d-token budget failed, so ViT graphs stay off: "
+                               "%s: %s", budget, type(exc).__name__, exc)
+                for key in captured:
+                    cache.discard(key)
+                captured = []
+                break
+        ladder.decide([key.num_tokens for key in captured], probed)
+        info = self.load_capture
+        info.update(precapture_graphs=len(captured), precapture_ms=int((time.perf_counter() - started) * 1e3))
+        if torch.cuda.is_available():
+            info["precapture_reserved_bytes"] = int(torch.cuda.memory_reserved() - reserved)
+        logger.info("ViT CUDA graphs: captured %d budgets (%s tokens) in %d ms, %d MiB reserved; calls up to %d "
+                    "tokens replay; probe: %s", len(captured), ",".join(map(str, ladder.budgets)),
+                    info["precapture_ms"], info["precapture_reserved_bytes"] >> 20, ladder.replay_limit,
+                    ladder.gate or "skipped (--ext-vit-graph-replay-max-tokens)")
+
+    def _synthetic_call(self, sample, tokens):
+        """A call of `tokens` zero rows shaped like `sample`: one image, window-sized windows."""
+        def zeros(t):  # a tensor, or each one in a (nested) tuple
+            if isinstance(t, tuple):
+                return tuple(zeros(v) for v in t)
+            return None if t is None else torch.zeros((tokens,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+
+        return (self.ladder.synthetic(tokens, bool(self.store.full_blocks)),) + zeros(sample)
+
+    def capture_budget(self, sample, budget):
+        """Capture the graph of one budget (agreed by every TP rank, its inputs too: raises on all or none)."""
+        inputs = agreed(self.vote, lambda: self._synthetic_call(sample, budget), "inputs")
+        if not inputs.ok:
+            raise inputs.error
+        layout, x_3d, rotary = inputs.value
+        key = self.ladder.key(layout)
+        self.capture(key, layout, x_3d, rotary)
+        return key
+
+    def _probe(self, sample, ladder):
+        """The budgets whose graph beats eager on this GPU and model, agreed by every rank: smallest
+        first, a replay of the smallest call each serves against its eager run, up to the first loss."""
+        on_cuda = isinstance(self.vit.device, torch.device) and self.vit.device.type == "cuda"
+        sync = torch.cuda.synchronize if on_cuda else None
+        kept, previous = [], 0
+        for budget in ladder:
+            try:
+                with self.warm_up():
+                    key = self.capture_budget(sample, budget)
+            except Exception:  # noqa: BLE001 - agreed on every rank; the capture logged nothing, so say it here
+                logger.warning("ViT CUDA graph probe: capture of the %d-token budget failed; the ladder ends below it",
+                               budget, exc_info=True)
+                break
+            tokens = previous + self.merge_unit
+            error = None
+            try:  # rank-local (graphs captured with local stand-ins for the collectives), voted below
+                call = self._synthetic_call(sample, tokens)
+                with torch.no_grad(), self.warm_up():
+                    graph_ms = median_wall_ms(lambda: self._replay_budget(*call, counted=False),
+                                              repeats=PROBE_REPEATS, synchronize=sync)
+                    eager_ms = median_wall_ms(lambda: self.eager_call(*call), repeats=PROBE_REPEATS, synchronize=sync)
+            except Exception as exc:  # noqa: BLE001 - voted on below
+                error, graph_ms, eager_ms = exc, math.inf, 0.0
+            self.cache.discard(key)
+            wins = self.vote(OK if error is None and graph_ms < eager_ms else PERMANENT) == OK
+            self.ladder.gate.append({"budget": budget, "tokens": tokens, "graph_ms": round(graph_ms, 3),
+                                     "eager_ms": round(eager_ms, 3), "replay": wins})
+            if error is not None:
+                logger.warning("ViT CUDA graph probe of the %d-token budget failed: %s: %s", budget,
+                               type(error).__name__, error)
+            if not wins:
+                break
+            kept.append(budget)
+            previous = budget
+        return kept
+
+    def info(self):
+        """Counters for `sglang-ext doctor`, the metrics and periodic debug logs."""
+        info = self.cache.info().as_dict()
+        shared_bytes = sum(p.bytes_allocated for p in self.store.shared_pools.values())
+        info["bytes_resident"] += shared_bytes
+        rotary_pools = self.store.rotary_pools.values()
+        info.update(mode=self.strategy.name, attention_backend=self.store.backend, **self.padding,
+                    resident_graphs=len(self.cache), fallbacks=sum(self.fallbacks.values()),
+                    **{f"fallback_{reason}": count for reason, count in self.fallbacks.items()},
+                    rotary_backing_buffers=sum(p.backing_buffers for p in rotary_pools),
+                    rotary_bytes=sum(p.bytes_allocated for p in rotary_pools), shared_buffer_bytes=shared_bytes,
+                    replay_limit_tokens=self.ladder.replay_limit if self.ladder else 0,
+                    budgets=len(self.ladder.budgets) if self.ladder else 0, **self.load_capture, **self.chunking)
+        return info
