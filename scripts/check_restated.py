@@ -1,66 +1,110 @@
 #!/usr/bin/env python3
-"""Find code restated from upstream: runs of consecutive lines identical to released sglang source.
+"""Find code restated from upstream: token runs identical to released sglang source.
 
 The project contains only code we wrote (patches wrap, subclass or replace the small piece that
-changes). This lists every run of at least --run (default 8) consecutive non-trivial lines of
+changes). This lists every run of at least --run (default 60) consecutive Python tokens of
 python/, test/ and scripts/ that also occur, consecutively and in that order, in the `sglang/`
 tree of a released wheel (default 0.5.17 and 0.5.19, unpacked by sglang_ext's wheel cache).
-Lines are compared stripped of indentation and trailing comments; blank lines, comments,
-docstring quotes, imports, and short lines (brackets, `else:`, `return x`) are not counted and
-do not break a run.
+Tokens, not lines: a copy re-wrapped, re-indented, with its comments dropped or its strings and
+docstrings reworded is still found (comments, line breaks and indentation are not tokens here;
+a string literal longer than 24 characters counts as one token "S", shorter ones as written). Renaming every identifier would hide a copy; review
+is the check for that.
 
     python scripts/check_restated.py              # exit 1 and one line per run found
-    python scripts/check_restated.py --run 6      # stricter
+    python scripts/check_restated.py --run 40     # stricter
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import io
 import os
 import sys
-from typing import Dict, Iterable, List, Sequence, Set, Tuple
+import tokenize
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = ("python", "test", "scripts")
-RUN = 8  # the shortest run reported, in significant lines
-MIN_CHARS = 12  # shorter lines (`else:`, `)`, `return out`) say nothing about where code came from
+RUN = 60  # the shortest run reported, in tokens (about six lines of code)
+SHORT_STRING = 24  # shorter string literals (keys, names) are compared as written: tables of them differ
+_SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENCODING, tokenize.ENDMARKER}
+_FSTRING = tuple(getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END") if hasattr(tokenize, n))
 
 
-def significant(lines: Sequence[str]) -> List[Tuple[int, str]]:
-    """(line number, normalized text) of the lines that count."""
-    out = []
-    for number, raw in enumerate(lines, 1):
-        text = raw.split("  #")[0].strip()
-        if (len(text) < MIN_CHARS or text.startswith(("#", '"""', "'''", "import ", "from ", "@"))
-                or text in ('"""', "'''")):
-            continue
-        out.append((number, text))
+class Vocabulary:
+    """Token text -> small integer, shared by upstream and our files so their ids compare."""
+
+    def __init__(self):
+        self.ids: Dict[str, int] = {}
+
+    def id(self, text: str) -> int:
+        return self.ids.setdefault(text, len(self.ids) + 1)
+
+
+def tokens(source: str, vocab: Vocabulary) -> Tuple[np.ndarray, np.ndarray]:
+    """(token ids, line of each token) of `source`, normalized as the module docstring says; a file
+    that does not tokenize gives what came before the error."""
+    ids: List[int] = []
+    lines: List[int] = []
+    fstring_depth = 0
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type in _SKIPPED:
+                continue
+            if _FSTRING and tok.type == _FSTRING[0]:
+                fstring_depth += 1
+                if fstring_depth == 1:
+                    ids.append(vocab.id("S"))
+                    lines.append(tok.start[0])
+                continue
+            if _FSTRING and tok.type == _FSTRING[2]:
+                fstring_depth -= 1
+                continue
+            if fstring_depth:
+                continue
+            long_string = tok.type == tokenize.STRING and len(tok.string) > SHORT_STRING
+            ids.append(vocab.id("S" if long_string else tok.string))
+            lines.append(tok.start[0])
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return np.asarray(ids, dtype=np.uint64), np.asarray(lines, dtype=np.int64)
+
+
+def window_hashes(ids: np.ndarray, run: int) -> np.ndarray:
+    """A 64-bit polynomial hash of every `run` consecutive token ids (wrapping arithmetic)."""
+    if len(ids) < run:
+        return np.zeros(0, dtype=np.uint64)
+    count = len(ids) - run + 1
+    out = np.zeros(count, dtype=np.uint64)
+    base = np.uint64(1_000_003)
+    with np.errstate(over="ignore"):
+        for j in range(run):
+            out = out * base + ids[j:j + count]
     return out
 
 
-def _digest(texts: Iterable[str]) -> bytes:
-    return hashlib.blake2b("\n".join(texts).encode(), digest_size=12).digest()
-
-
-def upstream_windows(roots: Sequence[str], run: int) -> Set[bytes]:
-    """Digests of every `run` consecutive significant lines of the upstream trees."""
-    seen: Set[bytes] = set()
+def upstream_windows(roots: Sequence[str], run: int, vocab: Vocabulary) -> np.ndarray:
+    """Sorted hashes of every `run`-token window of the upstream trees' Python files."""
+    parts = []
     for root in roots:
         for folder, _, files in os.walk(os.path.join(root, "sglang")):
             for name in files:
                 if name.endswith(".py"):
                     with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
-                        texts = [t for _, t in significant(f.read().splitlines())]
-                    seen.update(_digest(texts[i:i + run]) for i in range(len(texts) - run + 1))
-    return seen
+                        parts.append(window_hashes(tokens(f.read(), vocab)[0], run))
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.uint64)
 
 
-def restated_runs(path: str, windows: Set[bytes], run: int) -> List[Tuple[int, int]]:
-    """(first line, last line) of each maximal run of `path` made of upstream windows."""
+def restated_runs(path: str, windows: np.ndarray, run: int, vocab: Vocabulary) -> List[Tuple[int, int]]:
+    """(first line, last line) of each maximal run of `path`'s tokens made of upstream windows."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        lines = significant(f.read().splitlines())
-    hits = [_digest(t for _, t in lines[i:i + run]) in windows for i in range(len(lines) - run + 1)]
+        ids, lines = tokens(f.read(), vocab)
+    ours = window_hashes(ids, run)
+    at = np.minimum(np.searchsorted(windows, ours), max(len(windows) - 1, 0))
+    hits = windows[at] == ours if len(windows) else np.zeros(len(ours), dtype=bool)
     runs, i = [], 0
     while i < len(hits):
         if not hits[i]:
@@ -69,7 +113,7 @@ def restated_runs(path: str, windows: Set[bytes], run: int) -> List[Tuple[int, i
         j = i
         while j + 1 < len(hits) and hits[j + 1]:
             j += 1
-        runs.append((lines[i][0], lines[j + run - 1][0]))
+        runs.append((int(lines[i]), int(lines[j + run - 1])))
         i = j + 1
     return runs
 
@@ -83,14 +127,12 @@ def our_files() -> List[str]:
     return out
 
 
-def find(versions: Sequence[str], run: int) -> Dict[str, List[Tuple[int, int]]]:
-    sys.path.insert(0, os.path.join(REPO, "test"))
-    from sglang_ext_testkit import wheels
-
-    windows = upstream_windows([wheels.ensure_unpacked(v) for v in versions], run)
+def find(roots: Sequence[str], run: int) -> Dict[str, List[Tuple[int, int]]]:
+    vocab = Vocabulary()
+    windows = upstream_windows(roots, run, vocab)
     found = {}
     for path in our_files():
-        runs = restated_runs(path, windows, run)
+        runs = restated_runs(path, windows, run, vocab)
         if runs:
             found[os.path.relpath(path, REPO)] = runs
     return found
@@ -99,13 +141,15 @@ def find(versions: Sequence[str], run: int) -> Dict[str, List[Tuple[int, int]]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", default="0.5.17,0.5.19")
-    ap.add_argument("--run", type=int, default=RUN, help="shortest run reported (significant lines)")
+    ap.add_argument("--run", type=int, default=RUN, help="shortest run reported (tokens)")
     args = ap.parse_args(argv)
-    found = find(args.versions.split(","), args.run)
+    from sglang_ext_testkit import wheels  # test/ on the path: PYTHONPATH or the editable install
+
+    found = find([wheels.ensure_unpacked(v) for v in args.versions.split(",")], args.run)
     for path, runs in sorted(found.items()):
         for first, last in runs:
             print(f"{path}:{first}-{last}: restated from sglang {args.versions}")
-    print(f"check_restated: {sum(len(r) for r in found.values())} runs of >= {args.run} upstream lines "
+    print(f"check_restated: {sum(len(r) for r in found.values())} runs of >= {args.run} upstream tokens "
           f"in {len(found)} files")
     return 1 if found else 0
 

@@ -7,8 +7,8 @@ Retire when: upstream bounds the ViT graph count, frees retired workspaces and r
 
 Why: 0.5.17's graph path passes the runner device cu_seqlens only (a key needs a sync) and syncs
 the stream on its host-to-device copies and its rotary indexing.
-How: the same body, with the full and window boundaries as Python ints (the runner's
-attention_layout_key) and host tensors copied non-blocking from pinned memory.
+How: the tower's inputs built from the host's grid (the full and window boundaries as Python ints:
+the runner's attention_layout_key), host tensors copied non-blocking from pinned memory.
 """
 
 from __future__ import annotations
@@ -45,39 +45,29 @@ def rot_pos_emb(vit, grid_thw):
     return table[pos_ids].flatten(1)
 
 
+def _by_window(rows, window_index, group):
+    """`rows` regrouped window by window: consecutive groups of `group` rows taken in `window_index` order."""
+    return rows.unflatten(0, (-1, group))[window_index].flatten(0, 1)
+
+
 def forward_with_cuda_graph(self, x, grid_thw):
-    """Qwen2_5_VisionTransformer: 0.5.17's body, plus the attention layout key from CPU metadata,
-    and no device sync (host-to-device copies non-blocking from pinned memory)."""
+    """Qwen2_5_VisionTransformer: the tower's inputs built from host metadata (the attention layout key
+    included), every host-to-device copy non-blocking from pinned memory."""
     if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
         grid_thw = grid_thw.cpu()  # 0.5.17 reads it on the host anyway (get_window_index, rot_pos_emb)
-    x = to_device(x, self.device, self.dtype)
-    x = self.patch_embed(x)
-    rotary_pos_emb = rot_pos_emb(self, grid_thw)
+    hidden = self.patch_embed(to_device(x, self.device, self.dtype))
+    window_index, window_boundaries = self.get_window_index(grid_thw)
+    window_layout = dedup_consecutive(int(v) for v in window_boundaries)  # == torch.unique_consecutive
+    full_layout = (0,) + cumulative_lengths(grid_thw_lengths(grid_thw))  # leading zero doubled, as 0.5.17's
+    window_index = to_device(window_index, hidden.device)
 
-    window_index, cu_window_list = self.get_window_index(grid_thw)
-    window_layout = dedup_consecutive(int(v) for v in cu_window_list)  # == torch.unique_consecutive
-    # Doubled leading zero, as 0.5.17's cu_seqlens has it.
-    full_layout = (0,) + cumulative_lengths(grid_thw_lengths(grid_thw))
-    cu_window_seqlens = torch.tensor(window_layout, dtype=torch.int32).to(x.device, non_blocking=True)
-    cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
-
-    window_index = to_device(window_index, x.device)
-    reverse_indices = permute_inv(window_index)
-    rotary_pos_emb = rotary_pos_emb.to(device=x.device, dtype=x.dtype)
-
-    seq_len, _ = x.size()
-    x = x.reshape(seq_len // self.spatial_merge_unit, self.spatial_merge_unit, -1)
-    x = x[window_index, :, :]
-    x = x.reshape(seq_len, -1)
-    rotary_pos_emb = rotary_pos_emb.reshape(seq_len // self.spatial_merge_unit, self.spatial_merge_unit, -1)
-    rotary_pos_emb = rotary_pos_emb[window_index, :, :]
-    rotary_pos_emb = rotary_pos_emb.reshape(seq_len, -1)
-    emb = torch.cat((rotary_pos_emb, rotary_pos_emb), dim=-1)
-    position_embeddings = (emb.cos().to(x.device, x.dtype), emb.sin().to(x.device, x.dtype))
-
-    return self.cuda_graph_runner.run(x=x, position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                                      cu_window_seqlens=cu_window_seqlens, output_indices=reverse_indices,
-                                      attention_layout_key=(full_layout, window_layout))
+    angles = _by_window(rot_pos_emb(self, grid_thw).to(device=hidden.device, dtype=hidden.dtype), window_index,
+                        self.spatial_merge_unit).repeat(1, 2)
+    return self.cuda_graph_runner.run(
+        x=_by_window(hidden, window_index, self.spatial_merge_unit), position_embeddings=(angles.cos(), angles.sin()),
+        cu_seqlens=torch.tensor(full_layout, dtype=torch.int32).to(hidden.device, non_blocking=True),
+        cu_window_seqlens=torch.tensor(window_layout, dtype=torch.int32).to(hidden.device, non_blocking=True),
+        output_indices=permute_inv(window_index), attention_layout_key=(full_layout, window_layout))
 
 
 def patch_qwen2_5_vl(ctx, module) -> None:

@@ -686,10 +686,13 @@ def published_runtime():
 
 
 def test_qwen2_5_vision_forward_passes_the_cpu_layout_key(vit_patch, published_runtime):
-    vit_patch()
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
     from sglang.srt.models.qwen2_5_vl import Qwen2_5_VisionTransformer
+
+    upstream = Qwen2_5_VisionTransformer.forward_with_cuda_graph
+    vit_patch()
+    assert Qwen2_5_VisionTransformer.forward_with_cuda_graph is not upstream
 
     cfg = Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=16,
                                  fullatt_block_indexes=[1], window_size=112, patch_size=14, spatial_merge_size=2,
@@ -710,6 +713,11 @@ def test_qwen2_5_vision_forward_passes_the_cpu_layout_key(vit_patch, published_r
     assert kwargs["cu_window_seqlens"].tolist() == list(window)
     assert all(isinstance(v, int) for v in full + window)
     assert kwargs["output_indices"] is not None and kwargs["position_embeddings"][0].shape[0] == tokens
+    upstream(vit, pixels, grid_thw)  # 0.5.17's own body: the same tower inputs, bit for bit
+    theirs = vit.cuda_graph_runner.calls[1]
+    for name in ("x", "cu_seqlens", "cu_window_seqlens", "output_indices"):
+        assert torch.equal(kwargs[name], theirs[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(kwargs["position_embeddings"], theirs["position_embeddings"]))
 
 
 def test_qwen3_vision_forward_passes_the_cpu_layout_key(vit_patch):
