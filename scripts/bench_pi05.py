@@ -49,10 +49,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "python"))
-sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit
-sys.path.insert(0, os.path.join(REPO, "test", "registered", "vit"))  # qwen_vit_kit: sgl_kernel / FA3 probes
 
 import bench_results  # noqa: E402
 import pi05_roofline  # noqa: E402
@@ -374,7 +370,7 @@ SCHEMA = {
 
 def kernels_record(custom_ops: str) -> Dict[str, Any]:
     """This process's `kernels` record (KERNELS_SCHEMA)."""
-    from qwen_vit_kit import fa3_loaded, sgl_kernel_ops_loaded
+    from sglang_ext_testkit.qwen_vit_kit import fa3_loaded, sgl_kernel_ops_loaded
 
     ops = sgl_kernel_ops_loaded()
     return {**bench_results.kernels(), "sgl_kernel_ops": "real" if ops else "absent or stand-in",
@@ -384,7 +380,7 @@ def kernels_record(custom_ops: str) -> Dict[str, Any]:
 def resolve_custom_ops(choice: str) -> str:
     if choice != "auto":
         return choice
-    from qwen_vit_kit import sgl_kernel_ops_loaded
+    from sglang_ext_testkit.qwen_vit_kit import sgl_kernel_ops_loaded
 
     return "dispatch" if sgl_kernel_ops_loaded() else "native"
 

@@ -69,9 +69,6 @@ import time
 from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "python"))
-sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bench_results  # noqa: E402
 from sglang_ext_testkit import pi05_checkpoint  # noqa: E402

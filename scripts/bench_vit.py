@@ -49,12 +49,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "test", "registered", "vit"))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-sys.path.insert(0, os.path.join(HERE, "..", "test"))  # sglang_ext_testkit
 
 import bench_results  # noqa: E402
-import qwen_vit_kit as kit  # noqa: E402
+from sglang_ext_testkit import qwen_vit_kit as kit  # noqa: E402
 
 # (width px, height px, weight): Qwen2.5-VL resizes to multiples of 28 px = 2 patches.
 RESOLUTIONS = [(448, 448, 8), (640, 480, 6), (336, 336, 4), (1024, 768, 2), (800, 600, 3), (224, 224, 2),

@@ -24,8 +24,6 @@ import sys
 from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "python"))
-sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit.wheels
 
 from sglang_ext import fingerprint
 from sglang_ext_testkit import wheels  # noqa: E402

@@ -42,11 +42,8 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PYTHON_DIR = os.path.join(REPO, "python")
-if PYTHON_DIR not in sys.path:
-    sys.path.insert(0, PYTHON_DIR)
-sys.path.insert(0, os.path.join(REPO, "test"))  # sglang_ext_testkit.wheels
 
+PYTHON_DIR = os.path.join(REPO, "python")
 SERIES_VERSION = "0.5.17"
 PATCH_DIR = os.path.join(REPO, "patches", f"sglang-{SERIES_VERSION}")
 READMES = (os.path.join(REPO, "patches", "README.md"),)

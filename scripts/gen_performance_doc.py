@@ -40,7 +40,6 @@ PI05_SERVER_HEADING = "Pi0.5 through the server (`scripts/bench_pi05_server.py`)
 VIT_HEADING = "ViT graphs (`scripts/bench_vit.py`)"
 VIT_SERVER_HEADING = "ViT graphs in the server (`scripts/bench_vit_server.py`)"
 CP_HEADING = "Prefill context-parallel bucket choice (`scripts/bench_prefill_cp.py`)"
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bench_results  # noqa: E402
 

@@ -24,7 +24,6 @@ import sys
 from typing import List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "python"))
 
 from sglang_ext import fingerprint  # noqa: E402
 from sglang_ext.knobs import KNOBS  # noqa: E402

@@ -16,15 +16,13 @@ import argparse
 import cProfile
 import contextlib
 import io
-import os
 import pstats
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_pi05  # noqa: E402  (sets up the paths and the testkit)
+import bench_pi05
 from sglang_ext_testkit import pi05_random  # noqa: E402
 
 

@@ -17,13 +17,11 @@ Prints one table; no results file (docs/gpu-notes.md quotes it).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from sglang_ext.kernels import (  # noqa: E402
     Partials,

@@ -18,15 +18,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 # Qwen2.5-VL-7B vision: bytes per padded token held by one graph's own buffers (bf16):
 # input 1280 + attention workspace 16 x 80 + rotary cos/sin 2 x 80 + merger output 3584 / 4.

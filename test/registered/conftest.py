@@ -13,11 +13,14 @@ import sys
 
 import pytest
 
-# The test tooling (test/sglang_ext_testkit) is not part of the package: importable here and in
-# every process a test starts (servers, `python -m sglang_ext_testkit...`).
+# The test tooling (test/sglang_ext_testkit, installed with the checkout) is taken from this tree, here
+# and in every process a test starts (servers, `python -m sglang_ext_testkit...`): a mutated copy of the
+# tree (scripts/mutation_smoke.py) tests its own. The bench scripts the tests check import from scripts/.
 TESTKIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if TESTKIT_ROOT not in sys.path:
-    sys.path.insert(0, TESTKIT_ROOT)
+SCRIPTS_ROOT = os.path.join(os.path.dirname(TESTKIT_ROOT), "scripts")
+for _root in (SCRIPTS_ROOT, TESTKIT_ROOT):
+    if _root not in sys.path:
+        sys.path.insert(0, _root)
 if TESTKIT_ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTKIT_ROOT, os.environ.get("PYTHONPATH")) if p)
 

@@ -16,7 +16,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import bench_pi05  # noqa: E402
 import bench_results  # noqa: E402

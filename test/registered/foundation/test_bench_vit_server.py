@@ -15,7 +15,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts"))
 
 import bench_vit_server  # noqa: E402
 

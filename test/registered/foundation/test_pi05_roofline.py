@@ -14,7 +14,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import pi05_roofline  # noqa: E402
 

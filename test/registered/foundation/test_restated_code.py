@@ -8,14 +8,12 @@ restated function when one is planted, verbatim or reformatted.
 from __future__ import annotations
 
 import os
-import sys
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import check_restated  # noqa: E402
 

@@ -16,7 +16,6 @@ from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=480, stage="base-b", runner_config="1-gpu-small")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vl_server_kit import (  # noqa: E402,F401
     check_concurrent_with_mm_cache, make_run_all_fixture, test_a_signature_depends_on_image,

@@ -11,7 +11,6 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts")
-sys.path.insert(0, SCRIPTS)
 
 import bench_results  # noqa: E402
 import bench_vit  # noqa: E402

@@ -24,7 +24,6 @@ from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=120, stage="base-b", runner_config="1-gpu-small")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sglang_ext.registry import PATCH_NAMES  # noqa: E402
 from sglang_ext.versions import installed_sglang_version  # noqa: E402
@@ -275,7 +274,7 @@ def test_failed_capture_runs_eager_and_leaves_the_shared_pool_usable(vit_patch):
 
 @pytest.fixture  # per test: fa3_runtime's teardown resets the published context
 def qwen_runtime():
-    import qwen_vit_kit as kit
+    from sglang_ext_testkit import qwen_vit_kit as kit
     from sglang.srt import runtime_context
 
     kit.publish_runtime("triton_attn")
@@ -365,7 +364,7 @@ def test_qwen2_5_graph_forward_queues_a_replay_without_a_device_sync(vit_patch, 
 
 @pytest.fixture
 def fa3_runtime():
-    import qwen_vit_kit as kit
+    from sglang_ext_testkit import qwen_vit_kit as kit
 
     kit.require_fa3()  # asked for (SGX_BACKENDS, default on SM90) and not importable: fails, never skips
     from sglang.srt import runtime_context
@@ -494,7 +493,7 @@ def test_qwen3_tower_graph_output_equals_sglang_eager_forward(ext_patches, qwen_
 def any_backend(request):
     """The runtime of each vision attention backend bucket mode serves on Hopper (fa4 is Blackwell-only);
     fa3 as the other fa3 tests have it (skipped unless SGX_BACKENDS asks for it, then required)."""
-    import qwen_vit_kit as kit
+    from sglang_ext_testkit import qwen_vit_kit as kit
     from sglang.srt import runtime_context
 
     if request.param == "fa3":

@@ -764,8 +764,7 @@ def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails
     """sglang's real tower on CPU (sdpa): every capture fails, each batch still gets eager's exact result."""
     import sys
 
-    sys.path.insert(0, __import__("os").path.dirname(__file__))
-    import qwen_vit_kit as kit
+    from sglang_ext_testkit import qwen_vit_kit as kit
     from sglang.srt import runtime_context
     from sglang.srt.layers import linear
 
@@ -802,8 +801,7 @@ def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monke
     interpolates the position embedding by another rule, so this fails without our graph inputs."""
     import sys
 
-    sys.path.insert(0, __import__("os").path.dirname(__file__))
-    import qwen_vit_kit as kit
+    from sglang_ext_testkit import qwen_vit_kit as kit
     from sglang.srt import runtime_context
     from sglang.srt.layers import linear
     from sglang.srt.models import qwen3_vl
@@ -863,8 +861,7 @@ def test_real_qwen3_tower_graph_rotates_with_the_float32_cos_sin_of_eager(vit_pa
     bitwise on the H200 server)."""
     import sys
 
-    sys.path.insert(0, __import__("os").path.dirname(__file__))
-    import qwen_vit_kit as kit
+    from sglang_ext_testkit import qwen_vit_kit as kit
     from sglang.srt import runtime_context
     from sglang.srt.layers import linear, vocab_parallel_embedding
     from sglang.srt.layers.attention import vision

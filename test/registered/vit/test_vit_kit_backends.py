@@ -13,9 +13,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import qwen_vit_kit as kit  # noqa: E402
+from sglang_ext_testkit import qwen_vit_kit as kit  # noqa: E402
 
 
 @pytest.fixture

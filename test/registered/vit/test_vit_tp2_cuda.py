@@ -37,7 +37,6 @@ from sglang.test.ci.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=420, stage="base-c", runner_config="2-gpu-h100")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 WORLD = 2
 FAILING_RANK = 1
@@ -261,7 +260,7 @@ def _rank_main(rank, port, out_dir):
 
     try:
         torch.cuda.set_device(rank)
-        import qwen_vit_kit as kit
+        from sglang_ext_testkit import qwen_vit_kit as kit
         from sglang.srt.distributed import parallel_state as ps
 
         kit.publish_runtime("triton_attn")
