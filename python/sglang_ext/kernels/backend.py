@@ -38,9 +38,8 @@ def block_size(n: int) -> int:
 
 
 def uses_pdl(tensor, enabled: bool = True) -> bool:
-    """True: kernels on `tensor`'s device launch with programmatic dependent launch (sm90+): every kernel
-    first waits for the one before it, then lets the next one launch (`after_previous_kernel`), so
-    launches overlap work. `enabled` (each public kernel's `pdl` argument) False: plain launches."""
+    """True: kernels on `tensor`'s device launch with programmatic dependent launch (sm90+; each waits for the one
+    before, then lets the next launch: `after_previous_kernel`). enabled (each kernel's `pdl`) False: plain launches."""
     return (enabled and gdc_wait is not None and not INTERPRET and tensor.is_cuda
             and _sm_major(tensor.device.index) >= 9)
 

@@ -97,8 +97,7 @@ def prepare_denoise_layout(self, prefix_pad_masks, x_t, prefix_full_attention=Fa
 def encode_prefix(self, images, image_masks, tokens, token_masks, prefix_full_attention_hint=None,
                   tokens_trimmed=False, *, fast=None):
     """(K/V, pad masks, full attention) of the prefix. Hint True / False: full / masked, without a
-    sync (capturable); None: the masks are probed (.item()). `fast` (a Pi05FastPath whose prefix layers
-    serve, or None): the prefix and vision layers on its fused kernels."""
+    sync (capturable); None: the masks are probed (.item()). fast: the Pi05FastPath whose layers run, or None."""
     with torch.no_grad():
         if not tokens_trimmed:
             tokens, token_masks = trim_trailing_padding_tokens(tokens, token_masks)

@@ -32,9 +32,8 @@ _MAX_PARTS = 8  # partial products cost their consumer a read each
 
 
 class Projections(NamedTuple):
-    """One expert layer's plan per GEMM: (weight, parts, block_n, block_k); qkv: (weight, block_n, block_k).
-    With FP8 weights (knob pi05_fp8_expert) o, gate_up and down hold float8_e4m3fn weights, their row
-    scales in `scales` by name."""
+    """One expert layer's plan per GEMM: (weight, parts, block_n, block_k); qkv: (weight, block_n, block_k). With
+    FP8 weights (knob pi05_fp8_expert) o, gate_up and down hold float8_e4m3fn weights, row scales in `scales`."""
 
     qkv: tuple
     o: tuple
@@ -93,9 +92,8 @@ def fp8_candidates(core):
 
 
 def expert_projections(expert_model, state, dtype, fp8_rows=None):
-    """Per layer Projections, or None (not plain bias-free GEMMs, too many rows, no Triton). fp8_rows
-    (weight -> (float8_e4m3fn weight, row scales)): the o, gate-up and down weights in FP8 (half their
-    bytes per step)."""
+    """Per layer Projections, or None (not plain bias-free GEMMs, too many rows, no Triton). fp8_rows (weight ->
+    (float8_e4m3fn weight, row scales)): o, gate-up and down weights in FP8 (half their bytes per step)."""
     if not _skinny_serves(state):
         return None
     sms = sm_count(state.device)
@@ -173,9 +171,8 @@ def _request_layout(expert_model, prefix_context, state, full_attention, action_
 
 def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, fp8_rows=None,
             pdl=True):
-    """Every denoise step of one request; `state` (x_t, float32) is updated in place. fp8_rows (weight ->
-    its FP8 copy and row scales): the expert's o, gate-up and down GEMMs read FP8 weights (knob
-    pi05_fp8_expert). pdl: the kernels launch with programmatic dependent launch where it exists."""
+    """Every denoise step of one request; `state` (x_t, float32) is updated in place. fp8_rows: as in
+    expert_projections (knob pi05_fp8_expert). pdl: the kernels' programmatic dependent launch."""
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
 

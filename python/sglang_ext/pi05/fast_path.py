@@ -19,11 +19,10 @@ TIME_TABLE_ENTRIES = 4  # (steps, batch, device, dtype) tables kept per model; a
 
 
 class Pi05FastPath:
-    """The fused-kernel paths of `core` in one mode (its modes share the rest: with_mode): each path's support
-    verdict and first-use verification (a layout not covered or a first use that raises: the exact path),
-    time tables, FP8 weight copies, packed SigLIP q/k/v. fp8: knob pi05_fp8_expert. fused_vision: SigLIP's
-    layers fused, 7 kernels per layer instead of 13 (off: bench_pi05's graph-fast-exact-vision). pdl:
-    programmatic dependent launch (off: graph-fast-nopdl). `registry` (FastPaths) hooks the vision layers in."""
+    """The fused-kernel paths of `core` in one mode; its modes (FastPaths.path) share the rest: each path's support
+    verdict and first-use verification (not covered, or a first use that raised: the exact path), time tables,
+    FP8 weight copies, packed SigLIP q/k/v. fp8: knob pi05_fp8_expert. fused_vision: SigLIP's layers in 7 kernels
+    instead of 13 (off: bench_pi05's graph-fast-exact-vision). pdl: programmatic dependent launch (off: -nopdl)."""
 
     def __init__(self, core, *, fp8=False, fused_vision=True, pdl=True, registry=None):
         self._core, self._registry = weakref.ref(core), registry
@@ -32,23 +31,13 @@ class Pi05FastPath:
         self._verified, self._prepared = set(), set()  # _prepared: "fp8", "vision", done until a reset
         self._tables = OrderedDict()
         self._fp8_copies = WeakIdKeyDictionary()  # weight -> (float8_e4m3fn weight, float32 row scales)
-        self.packing = fast_prefix.QkvPacking()
-
-    @property
-    def core(self):
-        return self._core()
-
-    def with_mode(self, *, fp8, fused_vision, pdl) -> "Pi05FastPath":
-        """This path in another mode on the same state (graphs of either read the same copies)."""
-        other = copy.copy(self)
-        other.fp8, other.fused_vision, other.pdl = bool(fp8), bool(fused_vision), bool(pdl)
-        return other
+        self.packing = weakref.WeakKeyDictionary()  # SigLIP attention -> its packed q/k/v (fast_prefix)
 
     def unsupported_reason(self, path: str = "denoise"):
         """None when the fast `path` ("denoise", "prefix", "vision") can run this model, else why not."""
         if path not in self._reasons:
             check, what, _ = fast_support.PATHS[path]
-            self._reasons[path] = getattr(fast_support, check)(self.core) or ""
+            self._reasons[path] = getattr(fast_support, check)(self._core()) or ""
             if self._reasons[path]:
                 logger.info("Pi05 fast %s not used (%s): the exact path runs", what, self._reasons[path])
         return self._reasons[path] or None
@@ -76,12 +65,12 @@ class Pi05FastPath:
 
     def time_conditioning(self, num_steps: int, batch_size: int, device) -> torch.Tensor:
         """fast_loop.build_time_conditioning's table, kept for the last TIME_TABLE_ENTRIES keys."""
-        dtype = fast_support.expert(self.core).layers[0].self_attn.projection_dtype
+        dtype = fast_support.expert(self._core()).layers[0].self_attn.projection_dtype
         key = (int(num_steps), int(batch_size), str(torch.device(device)), str(dtype))
         if key in self._tables:
             self._tables.move_to_end(key)
             return self._tables[key]
-        table = self._tables[key] = fast_loop.build_time_conditioning(self.core, num_steps, batch_size,
+        table = self._tables[key] = fast_loop.build_time_conditioning(self._core(), num_steps, batch_size,
                                                                       torch.device(device), dtype)
         while len(self._tables) > TIME_TABLE_ENTRIES:
             self._tables.popitem(last=False)
@@ -100,7 +89,7 @@ class Pi05FastPath:
     def prepare_fp8(self) -> None:
         """With fp8: quantize the expert's plain o, gate-up and down weights once, outside any capture."""
         if self.fp8 and "fp8" not in self._prepared:
-            for weight in fast_loop.fp8_candidates(self.core):
+            for weight in fast_loop.fp8_candidates(self._core()):
                 self.fp8_rows(weight)
             self._prepared.add("fp8")
 
@@ -111,20 +100,20 @@ class Pi05FastPath:
         self._prepared.discard("fp8")
 
     def denoise(self, prefix_context, state, table, **layout):
-        return fast_loop.denoise(self.core, prefix_context, state, table, **layout,
+        return fast_loop.denoise(self._core(), prefix_context, state, table, **layout,
                                  fp8_rows=self.fp8_rows if self.fp8 else None, pdl=self.pdl)
 
     def encode_prefix_layers(self, inputs_embeds, attention_mask, position_ids, pad_masks):
         """The prefix K/V (fast_prefix.prefix_layers), or None (the exact path) after a first use that raised."""
-        return self.run("prefix", lambda: fast_prefix.prefix_layers(self.core, inputs_embeds, attention_mask,
+        return self.run("prefix", lambda: fast_prefix.prefix_layers(self._core(), inputs_embeds, attention_mask,
                                                                     position_ids, pad_masks, pdl=self.pdl))
 
     def prepare_vision(self) -> None:
         """Pack every layer's q/k/v before prefix captures, once until reset_prefix (where the fused layers
         serve). Not per request: checking 27 layers cost 0.4-0.5 ms of host time before each H200 replay."""
         if "vision" not in self._prepared and self.serves("vision"):
-            for layer in fast_support.vision_encoder(self.core).layers:
-                self.packing.packed(layer.self_attn)
+            for layer in fast_support.vision_encoder(self._core()).layers:
+                fast_prefix.packed_qkv(self.packing, layer.self_attn)
             self._prepared.add("vision")
 
     def reset_prefix(self) -> None:
@@ -132,23 +121,20 @@ class Pi05FastPath:
         packed copies whose projections were replaced since are dropped now (they hold memory)."""
         if "vision" in self._prepared:
             self._prepared.discard("vision")
-            self.packing.drop_stale()
+            for attn in [a for a in self.packing if fast_prefix.current_packing(self.packing, a) is None]:
+                del self.packing[attn]
 
     @contextlib.contextmanager
     def vision(self):
         """While open, the SigLIP encoder's forward runs the fused layers where they serve (a first use that
         raises restores the exact layers for this model). One request at a time per process."""
-        encoder = fast_support.vision_encoder(self.core) if self._registry is not None else None
+        encoder = fast_support.vision_encoder(self._core()) if self._registry is not None else None
         if encoder is None or not self.serves("vision"):
             yield
             return
         with self._registry.running(encoder, self):
             yield
 
-    def vision_forward(self, encoder, inputs_embeds, exact):
-        out = self.run("vision", lambda: fast_prefix.vision_layers(encoder, inputs_embeds, self.packing,
-                                                                   pdl=self.pdl))
-        return exact(inputs_embeds) if out is None else out
 
 
 class FastPaths:
@@ -162,34 +148,36 @@ class FastPaths:
         self._open = weakref.WeakKeyDictionary()  # wrapped encoder -> the path running it, or None
 
     def path(self, core, *, fp8=False, fused_vision=True, pdl=True) -> Pi05FastPath:
-        modes, mode = self._paths.setdefault(core, {}), dict(fp8=fp8, fused_vision=fused_vision, pdl=pdl)
-        key, known = tuple(map(bool, mode.values())), self.get(core)
-        if key not in modes:
-            modes[key] = known.with_mode(**mode) if known else Pi05FastPath(core, **mode, registry=self)
-        return modes[key]
+        """`core`'s path in this mode, on the state of its other modes (graphs of each read the same copies)."""
+        modes, mode = self._paths.setdefault(core, {}), (bool(fp8), bool(fused_vision), bool(pdl))
+        if mode not in modes:
+            known = next(iter(modes.values()), None)
+            modes[mode] = copy.copy(known) if known else Pi05FastPath(core, registry=self)
+            modes[mode].fp8, modes[mode].fused_vision, modes[mode].pdl = mode
+        return modes[mode]
 
-    def get(self, core):
-        """One of `core`'s fast paths (they share its state), or None."""
-        return next(iter(self._paths.get(core, {}).values()), None)
+    def reset(self, core, reset: str) -> None:
+        """`reset` ("reset_action", "reset_prefix") of `core`'s fast path state (its modes share it), if any."""
+        for path in list(self._paths.get(core, {}).values())[:1]:
+            getattr(path, reset)()
 
     @contextlib.contextmanager
     def running(self, encoder, path):
         if encoder not in self._open:
-            self._wrap(encoder)
+            self._ctx.setattr(encoder, "forward", self._wrapped(encoder, encoder.forward))
         self._open[encoder] = path
         try:
             yield
         finally:
             self._open[encoder] = None
 
-    def _wrap(self, encoder) -> None:
-        exact, registry = encoder.forward, weakref.ref(self)
-        self._open[encoder] = None
-
+    def _wrapped(self, encoder, exact):
         def forward(inputs_embeds, attention_mask=None, **kwargs):
-            path = None if registry() is None else registry()._open.get(encoder)
+            path = self._open.get(encoder)
             if path is None or attention_mask is not None or kwargs:
                 return exact(inputs_embeds, attention_mask, **kwargs)
-            return path.vision_forward(encoder, inputs_embeds, exact)
+            out = path.run("vision", lambda: fast_prefix.vision_layers(encoder, inputs_embeds, path.packing,
+                                                                       pdl=path.pdl))
+            return exact(inputs_embeds) if out is None else out
 
-        self._ctx.setattr(encoder, "forward", forward)
+        return forward

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
@@ -20,8 +18,9 @@ def _one_head_sdpa(q, keys, values, scale):
 
 
 def prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks, *, pdl=True):
-    """The language model's layers (Gemma RMSNorm, no conditioning): the prefix K/V (VLADensePrefixCache). A mask is pad_masks[i] & pad_masks[j], so attention reads
-    just the visible keys, without it (padded rows then differ from the exact path's; nothing reads them)."""
+    """The prefix K/V (VLADensePrefixCache) from the language model's layers (Gemma RMSNorm, no conditioning). A
+    mask is pad_masks[i] & pad_masks[j], so attention reads just the visible keys, without it (padded rows then
+    differ from the exact path's; nothing reads them)."""
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
     from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
     from sglang.multimodal_gen.runtime.vla.prefix_cache import VLADensePrefixCache
@@ -77,44 +76,33 @@ def prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks, 
     return VLADensePrefixCache(tuple(cache))
 
 
-class QkvPacking:
-    """Each SigLIP attention layer's q, k and v packed into one (weight, bias), by attention module.
-    Packed once, outside any capture: the three projections' parameters become views of it (no second
-    copy of the weights; loaders that copy into them keep it current). Checked per call: a parameter
-    replaced since (moved, reloaded by assignment) has it packed again."""
-
-    def __init__(self):
-        self._packed = weakref.WeakKeyDictionary()
-
-    def packed(self, attn):
-        """(weight, bias) of the layer's q/k/v, packed now if needed; None inside a capture before packing."""
-        packed = self.current(attn)
-        if packed is not None:
-            return packed
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        if attn.q_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        with torch.inference_mode(False), torch.no_grad():  # parameters stay normal tensors (loaders write them)
-            packed = tuple(torch.cat([getattr(p, name).data for p in projections]) for name in ("weight", "bias"))
-            start = 0
-            for projection in projections:
-                rows = projection.weight.shape[0]
-                projection.weight.data, projection.bias.data = (t[start:start + rows] for t in packed)
-                start += rows
-        self._packed[attn] = packed
+def packed_qkv(packing, attn):
+    """(weight, bias) of q, k and v packed into one projection (kept in `packing` by attention module), or None in
+    a capture before packing. Packed once, outside any capture: the projections' parameters become views of it
+    (no second copy; loaders that copy into them keep it current); one replaced since is packed again."""
+    packed = current_packing(packing, attn)
+    if packed is not None:
         return packed
-
-    def current(self, attn):
-        """The layer's packed (weight, bias) while q, k and v are still views of it, else None."""
-        packed = self._packed.get(attn)
-        if packed is not None and all(_views(packed, (attn.q_proj, attn.k_proj, attn.v_proj))):
-            return packed
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    if attn.q_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
+    with torch.inference_mode(False), torch.no_grad():  # parameters stay normal tensors (loaders write them)
+        packed = tuple(torch.cat([getattr(p, name).data for p in projections]) for name in ("weight", "bias"))
+        start = 0
+        for projection in projections:
+            rows = projection.weight.shape[0]
+            projection.weight.data, projection.bias.data = (t[start:start + rows] for t in packed)
+            start += rows
+    packing[attn] = packed
+    return packed
 
-    def drop_stale(self) -> None:
-        """Drop the packed copies whose projections were replaced since (they hold memory)."""
-        for attn in [a for a in self._packed if self.current(a) is None]:
-            del self._packed[attn]
+
+def current_packing(packing, attn):
+    """The layer's packed (weight, bias) while q, k and v are still views of it, else None."""
+    packed = packing.get(attn)
+    if packed is not None and all(_views(packed, (attn.q_proj, attn.k_proj, attn.v_proj))):
+        return packed
+    return None
 
 
 def _views(packed, projections):
@@ -134,7 +122,7 @@ def _linear_gelu_tanh(x, linear):
     return F.gelu(F.linear(x, linear.weight, linear.bias), approximate="tanh")
 
 
-def vision_layers(encoder, inputs_embeds, packing: QkvPacking, *, pdl=True):
+def vision_layers(encoder, inputs_embeds, packing, *, pdl=True):
     """The encoder's output (BaseModelOutput) from its layers on fused kernels: per layer one packed q/k/v
     GEMM, the attention module, out_proj, residual add + LayerNorm, fc1 with gelu in its epilogue, fc2,
     residual add + the next layer's LayerNorm."""
@@ -150,7 +138,7 @@ def vision_layers(encoder, inputs_embeds, packing: QkvPacking, *, pdl=True):
         normed = add_layer_norm(hidden, norm.weight, norm.bias, eps=norm.eps, pdl=pdl)
         for index, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            packed = packing.packed(attn)
+            packed = packed_qkv(packing, attn)
             if packed is None:
                 q, k, v = (F.linear(normed, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
             else:

@@ -26,10 +26,8 @@ def prefix_language_model(core):
 
 def vision_encoder(core):
     paligemma = core.paligemma_with_expert.paligemma
-    if paligemma is None:
-        return None
-    tower = paligemma.model.vision_tower
-    return getattr(tower, "vision_model", tower).encoder
+    tower = None if paligemma is None else paligemma.model.vision_tower
+    return None if paligemma is None else getattr(tower, "vision_model", tower).encoder
 
 
 def visible_first(pad_masks):

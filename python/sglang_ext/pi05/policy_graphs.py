@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,14 +44,13 @@ logger = init_logger(__name__)
 
 @dataclass(frozen=True)
 class Pi05Options:
-    """The knobs a policy reads once, when built (the class default: the values at patch time), and the
-    fast path's settings that are no knob (tests and bench_pi05's experiments replace them)."""
+    """The knobs a policy reads once, when built (the class default: the values at patch time)."""
 
     fast: bool = False  # pi05_fast: the fused-kernel denoise loop and prefix layers
     fused_denoise: bool = False  # pi05_fused_denoise: every denoise step in one graph
     fp8_expert: bool = False  # pi05_fp8_expert: the fast denoise loop reads FP8 expert weights
-    fused_vision: bool = True  # with pi05_fast: SigLIP's encoder layers fused (Pi05FastPath)
-    pdl: bool = True  # with pi05_fast: programmatic dependent launch of the fused kernels
+    fused_vision: bool = True  # no knob (tests, bench_pi05's experiments): Pi05FastPath.fused_vision
+    pdl: bool = True  # no knob (tests, bench_pi05's graph-fast-nopdl): Pi05FastPath.pdl
 
     @classmethod
     def read(cls, value=knobs.current) -> "Pi05Options":
@@ -91,10 +89,9 @@ def __init__(self, config, **kwargs):
     self.graph_runner = VLADenoiseGraphRunner(
         enabled=graph_settings.action_graph_available(config), evict_on_miss=lru, max_entries=plan.action_entries,
         max_bytes=plan.max_bytes)
-    # The fast path's time-conditioning tables and FP8 weight copies go with the action graphs, its
-    # packed vision q/k/v are checked again with the prefix graphs.
-    self.graph_runner.add_clear_hook(functools.partial(_reset_fast_path, weakref.ref(self), "reset_action"))
-    self.prefix_graph_runner.add_clear_hook(functools.partial(_reset_fast_path, weakref.ref(self), "reset_prefix"))
+    paths = self._ext_fast_paths  # its time tables and FP8 copies go with the action graphs, packed q/k/v the prefix's
+    self.graph_runner.add_clear_hook(functools.partial(paths.reset, self.core_model, "reset_action"))
+    self.prefix_graph_runner.add_clear_hook(functools.partial(paths.reset, self.core_model, "reset_prefix"))
     if options.fast:
         _fast_path(self)
     logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s capture=%s buckets=%s fused_denoise=%s "
@@ -111,13 +108,6 @@ def _fast_path(self):
     options = self._ext_options
     return self._ext_fast_paths.path(self.core_model, fp8=options.fp8_expert, fused_vision=options.fused_vision,
                                      pdl=options.pdl)
-
-
-def _reset_fast_path(policy_ref, reset: str) -> None:
-    policy = policy_ref()
-    path = None if policy is None else policy._ext_fast_paths.get(policy.core_model)
-    if path is not None:
-        getattr(path, reset)()
 
 
 def _prefix_tensor_parallel_enabled(self) -> bool:
@@ -240,12 +230,9 @@ def _as_all_checkpoint_cameras(self, camera_order, images, image_masks):
 
 
 def _fast_prefix(self):
-    """The fast path when knob pi05_fast (as this policy read it) is on and the fused kernels cover the
-    prefix layers, else None."""
-    if not self._ext_options.fast:
-        return None
-    fast = _fast_path(self)
-    return fast if fast.serves("prefix") else None
+    """The fast path when knob pi05_fast (as this policy read it) is on and covers the prefix layers, else None."""
+    fast = _fast_path(self) if self._ext_options.fast else None
+    return fast if fast is not None and fast.serves("prefix") else None
 
 
 def _step_signature(self, prefix_context, x_t, action_position_offset, action_sp_enabled):

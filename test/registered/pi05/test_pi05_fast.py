@@ -187,10 +187,8 @@ def test_time_conditioning_is_computed_once_per_step_count_and_matches_the_model
 
 def _reset_with_the_action_graphs(model):
     import functools
-    import weakref
 
-    adapter = policy_adapter()
-    model.graph_runner.add_clear_hook(functools.partial(adapter._reset_fast_path, weakref.ref(model), "reset_action"))
+    model.graph_runner.add_clear_hook(functools.partial(model._ext_fast_paths.reset, model.core_model, "reset_action"))
 
 
 def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch, set_knob):
@@ -351,14 +349,15 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
     assert len(swaps) == 1 and encoder.__dict__["forward"] is swaps[0].replacement
 
     attn = encoder.layers[1].self_attn
-    weight, bias = path.packing.current(attn)
+    packing = _fast("fast_prefix")
+    weight, bias = packing.current_packing(path.packing, attn)
     assert attn.v_proj.weight.data_ptr() == weight[2 * 64:].data_ptr() and attn.k_proj.bias.data_ptr() == bias[64:].data_ptr()
     attn.k_proj.weight.data = attn.k_proj.weight.data.clone()  # replaced, not copied into: packed again
     with torch.inference_mode(), path.vision():
         assert torch.equal(_features(m, tower, pixels), fused)
-    assert path.packing.current(attn)[0] is not weight
+    assert packing.current_packing(path.packing, attn)[0] is not weight
     assert not attn.k_proj.weight.is_inference()  # packed inside inference mode, still loadable
-    packings = _count_calls(monkeypatch, path.packing, "packed")
+    packings = _count_calls(monkeypatch, packing, "packed_qkv")
     path.prepare_vision()
     assert not packings  # checked once per model (each request would pay for it before its replay)...
     path.reset_prefix()  # ...until the prefix graphs are reset
@@ -367,7 +366,7 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
     stale = encoder.layers[0].self_attn
     stale.q_proj.weight.data = stale.q_proj.weight.data.clone()  # replaced: its packed copy is stale
     path.reset_prefix()
-    assert len(path.packing._packed) == 1 and path.packing.current(attn) is not None  # freed; kept
+    assert len(path.packing) == 1 and packing.current_packing(path.packing, attn) is not None  # freed; kept
 
     # an activation the GELU epilogue does not compute: the exact layers, the reason named
     other = _tiny_core(m)

@@ -352,7 +352,7 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
     assert torch.equal(again, exact_features)
     assert relative <= 5e-2 and cosine >= 0.999, (relative, cosine)  # features: bf16 ulps over 27 layers
     attn = _ext("pi05.fast_support").vision_encoder(core).layers[0].self_attn
-    packed_weight, _ = fast.packing.current(attn)
+    packed_weight, _ = _ext("pi05.fast_prefix").current_packing(fast.packing, attn)
     assert attn.k_proj.weight.data_ptr() == packed_weight[attn.q_proj.weight.shape[0]:].data_ptr()
 
     runners = importlib.import_module("sglang.multimodal_gen.runtime.vla.cuda_graph")
