@@ -126,21 +126,17 @@ class Pi05FastPath:
 
     @contextlib.contextmanager
     def vision(self):
-        """While open, the SigLIP encoder's forward runs the fused layers where they serve (a first use that
-        raises restores the exact layers for this model). One request at a time per process."""
-        encoder = fast_support.vision_encoder(self._core()) if self._registry is not None else None
-        if encoder is None or not self.serves("vision"):
-            yield
-            return
-        with self._registry.running(encoder, self):
+        """While open, the SigLIP encoder runs the fused layers where they serve (one request at a time per process)."""
+        serving = self._registry is not None and self.serves("vision")
+        encoder = fast_support.vision_encoder(self._core()) if serving else None
+        with self._registry.running(encoder, self) if serving else contextlib.nullcontext():
             yield
 
 
 
 class FastPaths:
-    """Each core model's fast paths (held weakly) by mode, made as the pi05_graphs patch is applied. A SigLIP
-    encoder's forward is wrapped once through its PatchContext (undone by deactivation): while a path has it
-    open, that path's fused layers."""
+    """Each core model's fast paths (held weakly) by mode, made as the pi05_graphs patch is applied. A SigLIP encoder's
+    forward is wrapped once through its PatchContext (undone by deactivation) to run the open path's layers."""
 
     def __init__(self, ctx):
         self._ctx = ctx

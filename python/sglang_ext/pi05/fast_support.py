@@ -125,7 +125,6 @@ def vision_unsupported(core):
     return None
 
 
-# path -> (its check's name here, what the check names in the logs, what a failed first use names)
-PATHS = {"denoise": ("denoise_unsupported", "denoise path", "fast loop"),
+PATHS = {"denoise": ("denoise_unsupported", "denoise path", "fast loop"),  # (check, what its log, a failed use names)
          "prefix": ("prefix_unsupported", "prefix layers", "fast prefix"),
          "vision": ("vision_unsupported", "vision layers", "fused vision layers")}

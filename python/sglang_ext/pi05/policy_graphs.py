@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +90,9 @@ def __init__(self, config, **kwargs):
     self.graph_runner = VLADenoiseGraphRunner(
         enabled=graph_settings.action_graph_available(config), evict_on_miss=lru, max_entries=plan.action_entries,
         max_bytes=plan.max_bytes)
-    paths = self._ext_fast_paths  # its time tables and FP8 copies go with the action graphs, packed q/k/v the prefix's
-    self.graph_runner.add_clear_hook(functools.partial(paths.reset, self.core_model, "reset_action"))
-    self.prefix_graph_runner.add_clear_hook(functools.partial(paths.reset, self.core_model, "reset_prefix"))
+    # The fast path's time tables and FP8 copies go with the action graphs, its packed q/k/v checks with the prefix's.
+    self.graph_runner.add_clear_hook(functools.partial(_reset_fast_path, weakref.ref(self), "reset_action"))
+    self.prefix_graph_runner.add_clear_hook(functools.partial(_reset_fast_path, weakref.ref(self), "reset_prefix"))
     if options.fast:
         _fast_path(self)
     logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s capture=%s buckets=%s fused_denoise=%s "
@@ -108,6 +109,11 @@ def _fast_path(self):
     options = self._ext_options
     return self._ext_fast_paths.path(self.core_model, fp8=options.fp8_expert, fused_vision=options.fused_vision,
                                      pdl=options.pdl)
+
+
+def _reset_fast_path(policy_ref, reset: str) -> None:
+    core = getattr(policy_ref(), "core_model", None)
+    return None if core is None else policy_ref()._ext_fast_paths.reset(core, reset)
 
 
 def _prefix_tensor_parallel_enabled(self) -> bool:

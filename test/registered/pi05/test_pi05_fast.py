@@ -187,8 +187,10 @@ def test_time_conditioning_is_computed_once_per_step_count_and_matches_the_model
 
 def _reset_with_the_action_graphs(model):
     import functools
+    import weakref
 
-    model.graph_runner.add_clear_hook(functools.partial(model._ext_fast_paths.reset, model.core_model, "reset_action"))
+    adapter = policy_adapter()
+    model.graph_runner.add_clear_hook(functools.partial(adapter._reset_fast_path, weakref.ref(model), "reset_action"))
 
 
 def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch, set_knob):
