@@ -193,6 +193,24 @@ def _reset_with_the_action_graphs(model):
     model.graph_runner.add_clear_hook(functools.partial(adapter._reset_fast_path, weakref.ref(model), "reset_action"))
 
 
+def test_the_modes_of_one_model_share_its_state(pi05):
+    """Another mode (bench_pi05's modes, pdl=False in a test) is another path on the same state: graphs captured in
+    either mode read the same FP8 copies and packed q/k/v, and a reset of one resets all."""
+    m = pi05(pi05_fast=1)
+    paths = _paths(m)
+    core = _tiny_core(m)
+    fp8 = paths.path(core, fp8=True)
+    fp8.prepare_fp8()
+    other = paths.path(core, fp8=True, pdl=False)
+    assert other is not fp8 and (other.fp8, other.pdl, fp8.pdl) == (True, False, True)
+    assert paths.path(core, fp8=True) is fp8
+    weights = list(_fast("fast_loop").fp8_candidates(core))
+    assert weights and all(other.fp8_rows(w) is fp8.fp8_rows(w) for w in weights)
+    assert other.packing is fp8.packing
+    other.reset_action()
+    assert len(fp8._fp8_copies) == 0
+
+
 def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch, set_knob):
     m = pi05(pi05_fast=1)
     model = _tiny_policy(m, _tiny_core(m))
