@@ -22,8 +22,8 @@ Implementations (one per process; the sglang on PYTHONPATH decides):
             the reason, where this tree has no fast path), graph-fast-nopdl (the same without
             programmatic dependent launch: its kernel table gives each kernel's own time),
             graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in); experiments, each
-            the fast path with a switch of sglang_ext.pi05.fast set (EXPERIMENTS): graph-fast-exact-vision
-            (FUSED_VISION off: SigLIP's layers as sglang runs them, for the same-run comparison)
+            the fast path with a setting of the policy's Pi05Options set (EXPERIMENTS): graph-fast-exact-vision
+            (fused_vision off: SigLIP's layers as sglang runs them, for the same-run comparison)
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
 
 On the GPU machine (docs/gpu-harness.md): `bash scripts/gpu_steps.sh bench-pi05` runs the three
@@ -63,8 +63,9 @@ MODES = {
 REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared with them
 # The fast path; -nopdl without programmatic dependent launch, a diagnostic: with PDL a kernel's profiled
 # time includes its wait for the one before, without it each kernel's time is its own.
-# Experiments: the fast path with switches of sglang_ext.pi05.fast set as named (every other mode: their defaults).
-EXPERIMENTS = {"graph-fast-exact-vision": {"FUSED_VISION": False}}
+# Experiments: the fast path with settings of the policy's Pi05Options set as named (every other mode: their
+# defaults). graph-fast-nopdl sets `pdl` the same way.
+EXPERIMENTS = {"graph-fast-exact-vision": {"fused_vision": False}}
 FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8", *EXPERIMENTS)  # -fp8: knob pi05_fp8_expert
 ACTIONS_FORMAT = "bench_pi05 actions v1"
 # Device kernels that are attention (SDPA's flash / memory-efficient / cuDNN kernels, FA3, Triton).
@@ -173,17 +174,14 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
     config.action_cuda_graph_max_entries = args.action_entries
     policy.__dict__.pop("_ext_graph_plan", None)  # resolved again from the config just set
     if impl == "0517-ext" and hasattr(policy, "_ext_options"):  # the knobs a policy reads when it is built
+        options = policy._ext_options
+        settings = {"fp8_expert": mode == "graph-fast-fp8", "pdl": mode != "graph-fast-nopdl"}
+        for names in EXPERIMENTS.values():  # every experiment's settings at their defaults, but this mode's
+            settings.update({name: _option_default(options, name) for name in names})
+        settings.update(EXPERIMENTS.get(mode, {}))
         policy._ext_options = dataclasses.replace(
-            policy._ext_options, fused_denoise=mode in ("graph-fused", *FAST_MODES), fast=mode in FAST_MODES,
-            **({"fp8_expert": mode == "graph-fast-fp8"} if hasattr(policy._ext_options, "fp8_expert") else {}))
-        if importlib.util.find_spec("sglang_ext.kernels") is not None:  # read at every launch and capture
-            importlib.import_module("sglang_ext.kernels.backend").PDL_ENABLED = mode != "graph-fast-nopdl"
-            fast = importlib.import_module("sglang_ext.pi05.fast")
-            if not _SWITCH_DEFAULTS:  # snapshot the switches as imported, before any mode sets them
-                _SWITCH_DEFAULTS.update({name: getattr(fast, name) for names in EXPERIMENTS.values()
-                                         for name in names if hasattr(fast, name)})
-            for switch, default in _SWITCH_DEFAULTS.items():
-                setattr(fast, switch, EXPERIMENTS.get(mode, {}).get(switch, default))
+            options, fused_denoise=mode in ("graph-fused", *FAST_MODES), fast=mode in FAST_MODES,
+            **{name: value for name, value in settings.items() if hasattr(options, name)})
     evict = policy._prompt_token_bucketing_enabled()
     available = getattr(config, "action_cuda_graph_available", None)
     action_enabled = available() if callable(available) else bool(config.enable_action_cuda_graph)
@@ -206,17 +204,14 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
         "fp8_expert": mode == "graph-fast-fp8",
-        "fused_vision": _switch("FUSED_VISION") if mode in FAST_MODES else None,
+        "fused_vision": getattr(policy._ext_options, "fused_vision", None) if mode in FAST_MODES else None,
     }
 
 
-_SWITCH_DEFAULTS: Dict[str, bool] = {}  # the fast path's switches as imported, before a mode set them
-
-
-def _switch(name: str):
-    """The switch as the mode left it (None where this tree's fast path lacks it)."""
-    fast = importlib.import_module("sglang_ext.pi05.fast") if importlib.util.find_spec("sglang_ext.pi05") else None
-    return getattr(fast, name, None)
+def _option_default(options, name: str):
+    """The default of a Pi05Options field (None where this tree's options lack it)."""
+    fields = {f.name: f.default for f in dataclasses.fields(options)}
+    return fields.get(name)
 
 
 def unavailable(impl: str, mode: str) -> str:
@@ -232,11 +227,10 @@ def unavailable(impl: str, mode: str) -> str:
         return "the fast path is not in this tree (no package sglang_ext.kernels)"
     if mode == "graph-fast-fp8" and "pi05_fp8_expert" not in knob_names:
         return "knob pi05_fp8_expert is not in this tree's sglang_ext.knobs"
-    if mode == "graph-fast-nopdl" and not hasattr(importlib.import_module("sglang_ext.kernels.backend"), "PDL_ENABLED"):
-        return "this tree's kernels have no PDL switch (sglang_ext.kernels.backend.PDL_ENABLED)"
-    for switch in EXPERIMENTS.get(mode, ()):
-        if not hasattr(importlib.import_module("sglang_ext.pi05.fast"), switch):
-            return f"this tree's fast path has no switch sglang_ext.pi05.fast.{switch}"
+    for setting in (("pdl",) if mode == "graph-fast-nopdl" else ()) + tuple(EXPERIMENTS.get(mode, ())):
+        options = importlib.import_module("sglang_ext.pi05.policy_graphs").Pi05Options
+        if setting not in {field.name for field in dataclasses.fields(options)}:
+            return f"this tree's fast path has no setting {setting} (sglang_ext.pi05.policy_graphs.Pi05Options)"
     return ""
 
 

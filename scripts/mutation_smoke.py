@@ -95,6 +95,7 @@ SKINNY = "sglang_ext/kernels/skinny_gemm.py"
 FUSED_KERNEL_TESTS = "test/registered/kernels/test_fused_kernels.py"
 PI05_POLICY = "sglang_ext/pi05/policy_graphs.py"
 PI05_FAST_TESTS = "test/registered/pi05/test_pi05_fast.py"
+PI05_FAST_PATH = "sglang_ext/pi05/fast_path.py"
 CACHE = "sglang_ext/graphs/cache.py"
 CORE_TESTS = "test/registered/graphs/test_graph_core.py"
 WORKSPACE = "sglang_ext/graphs/workspace.py"
@@ -238,6 +239,10 @@ MUTANTS: List[Mutant] = [
            'fp8_expert=bool(value("pi05_fp8_expert")))', "fp8_expert=False)",
            (f"{PI05_FAST_TESTS}::test_fast_and_exact_fused_loops_get_separate_graphs",),
            "knob pi05_fp8_expert read but never reaching the fast loop"),
+    Mutant("pi05-fast-modes-apart", PI05_FAST_PATH,
+           "copy.copy(known) if known else Pi05FastPath(core, registry=self)", "Pi05FastPath(core, registry=self)",
+           (f"{PI05_FAST_TESTS}::test_the_modes_of_one_model_share_its_state",),
+           "Pi0.5 fast path: another mode's path on fresh state (its FP8 copies and packed q/k/v made twice)"),
     Mutant("rotate-half-launch-contracts", ROTATE_HALF,
            "enable_fp_fusion=False", "enable_fp_fusion=True",
            (f"{ROTATE_HALF_TESTS}::test_the_launch_asks_for_the_build_without_contraction",),

@@ -189,15 +189,16 @@ def layer_rows(layers, replays):
     (Weight columns read before each GEMM's wait, tried 2026-12-03, gained nothing: docs/gpu-notes.md.)"""
     from sglang_ext.kernels import backend, linear_rope_qkv
     from sglang_ext.kernels.attention import key_splits
-    from sglang_ext.pi05.fast import _rope_plan, _skinny_plan
+    from sglang_ext.pi05.fast_loop import rope_plan, skinny_plan
 
     dev, bf16, total = "cuda", torch.bfloat16, 650
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     weights = [{name: torch.randn(n, k, device=dev, dtype=bf16) * 0.02 for name, (n, k) in GEMMS.items()}
                for _ in range(layers)]
-    plans = [dict(qkv=_rope_plan(w["qkv"], HEAD_DIM, sms), o=_skinny_plan(w["o"], sms),
-                  gate_up=_skinny_plan(w["gate_up"], sms, splittable=False, gated=True),
-                  down=_skinny_plan(w["down"], sms)) for w in weights]
+    plans = [dict(qkv=rope_plan(w["qkv"], HEAD_DIM, sms), o=skinny_plan(w["o"], sms),
+                  gate_up=skinny_plan(w["gate_up"], sms, splittable=False, gated=True),
+                  down=skinny_plan(w["down"], sms)) for w in weights]
+    launch = {"pdl": True}  # every kernel's pdl argument, set per measurement below
     hidden = torch.randn(1, ROWS, WIDTH, device=dev, dtype=bf16)
     state = {"normed": torch.randn(1, ROWS, WIDTH, device=dev, dtype=bf16)}  # one layer's output, the next's input
     cond = torch.randn(3, 1, WIDTH, device=dev)
@@ -210,21 +211,22 @@ def layer_rows(layers, replays):
     def qkv(i, x):  # qkv projection + RoPE of layer i into q and its K/V buffer
         weight, block_n, block_k = plans[i]["qkv"]
         linear_rope_qkv(x, weight, cos_sin, q, kvs[i][0], kvs[i][1], num_heads=HEADS, num_kv_heads=1,
-                        head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n, block_k=block_k)
+                        head_dim=HEAD_DIM, kv_start=total - ROWS, block_n=block_n, block_k=block_k, **launch)
 
     def attention(i):
-        out = first_rows_attention(q, kvs[i][0], kvs[i][1], used, scale=HEAD_DIM ** -0.5, splits=splits)
+        out = first_rows_attention(q, kvs[i][0], kvs[i][1], used, scale=HEAD_DIM ** -0.5, splits=splits, **launch)
         return out.view(1, ROWS, HEADS * HEAD_DIM)
 
     def gemm(i, name, x):
         weight, parts, block_n, block_k = plans[i][name]
-        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up")
+        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up",
+                             **launch)
 
     def layer(i):
         qkv(i, state["normed"])
-        mid = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=gemm(i, "o", attention(i)), gate=cond[2])
+        mid = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=gemm(i, "o", attention(i)), gate=cond[2], **launch)
         out = gemm(i, "down", gemm(i, "gate_up", mid))
-        state["normed"] = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2])
+        state["normed"] = ada_rms_norm(hidden, cond[0], cond[1], eps=1e-6, add=out, gate=cond[2], **launch)
 
     def gemms(i):  # the four weight reads alone: the layer's bandwidth part
         qkv(i, state["normed"])
@@ -235,23 +237,20 @@ def layer_rows(layers, replays):
 
     def empty(i):  # as many one-wave kernels as the layer launches, doing nothing: the launch chain's floor
         for _ in range(LAYER_KERNELS):
-            touch_kernel[(sms,)](flag, PDL=backend.uses_pdl(flag), launch_pdl=backend.uses_pdl(flag))
+            pdl = backend.uses_pdl(flag, launch["pdl"])
+            touch_kernel[(sms,)](flag, PDL=pdl, launch_pdl=pdl)
 
-    saved = backend.PDL_ENABLED
-    try:
-        for pdl in (True, False):
-            backend.PDL_ENABLED = pdl
-            us = graph_time_us(layer, layers, replays)
-            yield ("layer", f"pdl={'on' if pdl else 'off'}", us,
-                   f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request")
-        for pdl in (True, False):
-            backend.PDL_ENABLED = pdl
-            for what, fn in (("gemms", gemms), ("empty", empty)):
-                us = graph_time_us(fn, layers, replays)
-                note = "qkv+rope, o, gate_up, down only" if what == "gemms" else f"{LAYER_KERNELS} no-op kernels"
-                yield (what, f"pdl={'on' if pdl else 'off'}", us, f"per layer; {note}")
-    finally:
-        backend.PDL_ENABLED = saved
+    for pdl in (True, False):
+        launch["pdl"] = pdl
+        us = graph_time_us(layer, layers, replays)
+        yield ("layer", f"pdl={'on' if pdl else 'off'}", us,
+               f"x{LAYER_CALLS} = {us * LAYER_CALLS / 1000:.2f} ms/request")
+    for pdl in (True, False):
+        launch["pdl"] = pdl
+        for what, fn in (("gemms", gemms), ("empty", empty)):
+            us = graph_time_us(fn, layers, replays)
+            note = "qkv+rope, o, gate_up, down only" if what == "gemms" else f"{LAYER_KERNELS} no-op kernels"
+            yield (what, f"pdl={'on' if pdl else 'off'}", us, f"per layer; {note}")
 
 
 def main():

@@ -316,8 +316,9 @@ def run_request(policy, observation, noise: torch.Tensor, *, graph: bool, num_st
 
 @contextlib.contextmanager
 def pi05_knobs(policy, **values):
-    """The sglang-ext knobs a policy read when it was built (pi05_fast, pi05_fused_denoise) set to
-    `values` for the block, as a policy built with them would have them; restored after."""
+    """The sglang-ext options a policy read when it was built (Pi05Options: knobs pi05_fast, pi05_fused_denoise,
+    ...; the fast path's fused_vision and pdl) set to `values` for the block, as a policy built with them would
+    have them; restored after."""
     saved = policy.__dict__.get("_ext_options")
     policy._ext_options = dataclasses.replace(policy._ext_options, **values)
     try:

@@ -2,7 +2,7 @@
 LayerNorm of Pi0.5's SigLIP layers, and the ViT's rotary.
 
 Knows nothing of sglang. Each public function runs its Triton kernel on CUDA tensors and its
-torch reference (`*_reference`, same signature, same float32 math) elsewhere; with
+torch reference (`*_reference`, same signature less `pdl`, same float32 math) elsewhere; with
 `TRITON_INTERPRET=1` set before triton is imported, CPU tensors take the kernel through triton's
 interpreter (how the CPU tests check them). The interpreter truncates float32 -> bfloat16 instead
 of rounding, so interpreted bf16 outputs may differ from the reference by one ulp.

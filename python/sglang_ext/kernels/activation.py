@@ -51,7 +51,7 @@ if triton is not None:
         tl.store(OUT + row * n_inner + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_and_mul(x: torch.Tensor, *, pdl: bool = True) -> torch.Tensor:
     """gelu_tanh(x[..., :I]) * x[..., I:] as a new [..., I] tensor in x's dtype."""
     if not runs_triton(x):
         return gelu_tanh_and_mul_reference(x)
@@ -59,7 +59,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     rows = x.numel() // (2 * inner)
     out = torch.empty((*x.shape[:-1], inner), dtype=x.dtype, device=x.device)
-    block, pdl = min(_BLOCK, block_size(inner)), uses_pdl(x)
+    block, pdl = min(_BLOCK, block_size(inner)), uses_pdl(x, pdl)
     _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inner, block))](x, out, inner, BLOCK=block, PDL=pdl, launch_pdl=pdl,
                                                                  num_warps=4)
     return out

@@ -163,7 +163,7 @@ if triton is not None:
 
 
 def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *, scale: float, splits: int = 1,
-                         key_rows: Optional[torch.Tensor] = None):
+                         key_rows: Optional[torch.Tensor] = None, pdl: bool = True):
     """Attention of q [B, S, H, D] over the first used[b] rows (of `key_rows` if given) of keys /
     values [B, T, KV, D], in q's dtype. used: [B] int32 (None: all T); each reads at least one row."""
     if not runs_triton(q):
@@ -184,7 +184,7 @@ def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *
     all_rows = batch * kv_heads * rows
     acc = out if direct else torch.empty(splits * all_rows, head_dim, dtype=torch.float32, device=q.device)
     stats = out if direct else torch.empty(splits * all_rows, 2, dtype=torch.float32, device=q.device)
-    pdl = uses_pdl(q)
+    pdl = uses_pdl(q, pdl)
     _split_attention_kernel[(batch * kv_heads * q_blocks, splits)](
         q, keys, values, out if used is None else used, out if key_rows is None else key_rows, out, acc, stats,
         seq, total, keys_per_split, float(scale), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,

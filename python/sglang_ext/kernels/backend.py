@@ -25,11 +25,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_UPCAST = INTERPRET
 
 
-# Programmatic dependent launch (sm90+): every kernel first waits for the one before it, then lets
-# the next one launch (`after_previous_kernel`), so launches overlap work. False: plain launches.
-PDL_ENABLED = True
-
-
 def runs_triton(tensor) -> bool:
     """True: `tensor` goes to the Triton kernel (CUDA, or CPU under the interpreter)."""
     if triton is None:
@@ -42,9 +37,10 @@ def block_size(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def uses_pdl(tensor) -> bool:
-    """True: kernels on `tensor`'s device launch with programmatic dependent launch."""
-    return (PDL_ENABLED and gdc_wait is not None and not INTERPRET and tensor.is_cuda
+def uses_pdl(tensor, enabled: bool = True) -> bool:
+    """True: kernels on `tensor`'s device launch with programmatic dependent launch (sm90+; each waits for the one
+    before, then lets the next launch: `after_previous_kernel`). enabled (each kernel's `pdl`) False: plain launches."""
+    return (enabled and gdc_wait is not None and not INTERPRET and tensor.is_cuda
             and _sm_major(tensor.device.index) >= 9)
 
 

@@ -63,13 +63,13 @@ if triton is not None:
 
 
 def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps: float,
-                   add: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   add: Optional[torch.Tensor] = None, pdl: bool = True) -> torch.Tensor:
     """LayerNorm(x [+ add]) as a new tensor in x's dtype; with `add`, x is updated in place first."""
     if not runs_triton(x):
         return add_layer_norm_reference(x, weight, bias, eps=eps, add=add)
     n, rows = _check(x, weight, bias, add)
     out = torch.empty_like(x)
-    block, pdl = block_size(n), uses_pdl(x)
+    block, pdl = block_size(n), uses_pdl(x, pdl)
     _add_layer_norm_kernel[(rows,)](
         x, add.contiguous() if add is not None else x, weight.contiguous(), bias.contiguous(), out, n, float(eps),
         HAS_ADD=add is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4 if block <= 2048 else 8)

@@ -99,7 +99,7 @@ if triton is not None:
 
 def ada_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None, *, eps: float,
                  add: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
-                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                 out_dtype: Optional[torch.dtype] = None, pdl: bool = True) -> torch.Tensor:
     """rms(x [+ add * gate]) * (1 + scale) + shift (with `add`, x is updated in place), as a new
     tensor in `out_dtype` (default x.dtype). scale / shift / gate: C * N elements."""
     if not runs_triton(x):
@@ -110,7 +110,7 @@ def ada_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Ten
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     block = block_size(n)
     scale = scale.contiguous()
-    parts, pdl = 1, uses_pdl(x)
+    parts, pdl = 1, uses_pdl(x, pdl)
     if isinstance(add, Partials):
         add, parts = add.parts, add.parts.shape[0]
     _ada_rms_norm_kernel[(rows,)](

@@ -108,13 +108,13 @@ if triton is not None:
                           seq_len, kv_len, kv_start, NUM_HEADS, NUM_KV, HEAD_DIM)
 
 
-def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start):
+def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start, pdl=True):
     """Rotate q and k of `qkv`; q -> q_out, k / v -> rows kv_start.. of k_out / v_out."""
     if not runs_triton(q_out):
         return rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, kv_start=kv_start)
     batch, seq = _check(qkv.shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
-    parts, pdl = 1, uses_pdl(q_out)
+    parts, pdl = 1, uses_pdl(q_out, pdl)
     if isinstance(qkv, Partials):
         qkv, parts = qkv.parts, qkv.parts.shape[0]
     for name, t in (("qkv", qkv), ("cos_sin", cos_sin), ("q_out", q_out), ("k_out", k_out), ("v_out", v_out)):
@@ -174,7 +174,7 @@ if triton is not None:
 
 
 def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start,
-                    block_n=16, block_k=128):
+                    block_n=16, block_k=128, pdl=True):
     """rope_qkv of the projection x [B, S, K] @ weight [(H + 2 KV) * D, K].T, in one kernel
     (block_n column pairs per program, block_k the K step)."""
     if not runs_triton(q_out):
@@ -190,7 +190,7 @@ def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_k
             raise ValueError(f"linear_rope_qkv: {name} must be contiguous")
     if x.dtype != weight.dtype or not (q_out.dtype == k_out.dtype == v_out.dtype) or cos_sin.dtype != torch.float32:
         raise ValueError("linear_rope_qkv: x and weight share one dtype, q/k/v_out another, cos_sin is float32")
-    pdl = uses_pdl(x)
+    pdl = uses_pdl(x, pdl)
     _linear_rope_qkv_kernel[((num_heads + 2 * num_kv_heads) * (head_dim // 2 // block_n),)](
         x, weight, cos_sin, q_out, k_out, v_out, batch * seq, x.shape[-1], seq, k_out.shape[1], int(kv_start),
         NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=max(16, block_size(batch * seq)),

@@ -175,7 +175,7 @@ if triton is not None:
 
 
 def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None, out_dtype=None,
-                  add_to=None, alpha=1.0, weight_scale=None):
+                  add_to=None, alpha=1.0, weight_scale=None, pdl=True):
     """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows: [..., N] (gated: N / 2) in out_dtype
     (default x's), or add_to updated; parts > 1: Partials. A float8_e4m3fn weight comes with
     weight_scale (float32 [N]) and a bfloat16 or float16 x."""
@@ -211,7 +211,7 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
         out = torch.empty((*x.shape[:-1], width), dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.empty((parts, *x.shape[:-1], n), dtype=torch.float32, device=x.device)
-    pdl = uses_pdl(x)
+    pdl = uses_pdl(x, pdl)
     _skinny_gemm_kernel[(triton.cdiv(width, block_n), parts)](
         x, weight, out, bias if bias is not None else weight, weight_scale if scaled else weight, rows, width, k,
         k // parts, width, float(alpha), BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k,

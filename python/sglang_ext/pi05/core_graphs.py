@@ -19,6 +19,7 @@ replaced by 0.5.19's behaviour in our code, plus prepare_denoise_layout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -27,7 +28,6 @@ import torch.nn.functional as F
 
 from sglang.multimodal_gen.runtime.models.vlas.pi05_core import (VLADensePrefixCache, make_att_2d_masks,
                                                                  set_forward_context, trim_trailing_padding_tokens)
-from sglang_ext.pi05 import fast
 
 
 def _time_scaling(width: int, min_period: float, max_period: float, device) -> torch.Tensor:
@@ -95,14 +95,14 @@ def prepare_denoise_layout(self, prefix_pad_masks, x_t, prefix_full_attention=Fa
 
 
 def encode_prefix(self, images, image_masks, tokens, token_masks, prefix_full_attention_hint=None,
-                  tokens_trimmed=False, *, fast_layers=False):
+                  tokens_trimmed=False, *, fast=None):
     """(K/V, pad masks, full attention) of the prefix. Hint True / False: full / masked, without a
-    sync (capturable); None: the masks are probed (.item())."""
+    sync (capturable); None: the masks are probed (.item()). fast: the Pi05FastPath whose layers run, or None."""
     with torch.no_grad():
         if not tokens_trimmed:
             tokens, token_masks = trim_trailing_padding_tokens(tokens, token_masks)
         self._prepare_prefix_image_encoder_for_embed()
-        with fast.fused_vision(self, fast_layers):
+        with fast.vision() if fast is not None else contextlib.nullcontext():
             embeds, pad_masks, att_marks = self.embed_prefix(images, image_masks, tokens, token_masks)
         self._offload_prefix_image_encoder_after_embed()
         # Masked tokens before the first visible one (a missing first camera) would get position -1: the
@@ -115,7 +115,7 @@ def encode_prefix(self, images, image_masks, tokens, token_masks, prefix_full_at
             mask = self.prepare_attention_masks_4d(masks_2d, full_attention=full_attention)
         self._prepare_prefix_language_layers_for_forward()
         with set_forward_context(current_timestep=0, attn_metadata=None):
-            kv = fast.encode_prefix_layers(self, embeds, mask, positions, pad_masks) if fast_layers else None
+            kv = None if fast is None else fast.encode_prefix_layers(embeds, mask, positions, pad_masks)
             if kv is None:  # the exact layers (also when the fused ones failed on their first use)
                 _, kv = self.paligemma_with_expert.forward(attention_mask=mask, position_ids=positions,
                                                            past_key_values=None, inputs_embeds=[embeds, None],

@@ -33,7 +33,8 @@ from sglang.multimodal_gen.runtime.vla.observation import tensor_fingerprint
 from sglang.multimodal_gen.runtime.vla.parallel import get_vla_split_group
 from sglang.multimodal_gen.runtime.vla.prefix_cache import PrefixContext, VLAPrefixCacheManager
 from sglang_ext import knobs
-from sglang_ext.pi05 import fast, graph_settings, load_capture
+from sglang_ext.pi05 import graph_settings, load_capture
+from sglang_ext.pi05.fast_path import FastPaths
 from sglang_ext.pi05.prompt_bucketing import bucket_prompt_tokens, effective_token_length, select_prompt_token_bucket
 from sglang_ext.pi05.vla_cuda_graph import (VLADenoiseGraphRunner, VLADenoiseGraphSignature,
                                             VLADenoiseLoopGraphSignature, VLAPrefixGraphRunner, VLAPrefixGraphSignature,
@@ -49,6 +50,8 @@ class Pi05Options:
     fast: bool = False  # pi05_fast: the fused-kernel denoise loop and prefix layers
     fused_denoise: bool = False  # pi05_fused_denoise: every denoise step in one graph
     fp8_expert: bool = False  # pi05_fp8_expert: the fast denoise loop reads FP8 expert weights
+    fused_vision: bool = True  # no knob (tests, bench_pi05's experiments): Pi05FastPath.fused_vision
+    pdl: bool = True  # no knob (tests, bench_pi05's graph-fast-nopdl): Pi05FastPath.pdl
 
     @classmethod
     def read(cls, value=knobs.current) -> "Pi05Options":
@@ -87,9 +90,11 @@ def __init__(self, config, **kwargs):
     self.graph_runner = VLADenoiseGraphRunner(
         enabled=graph_settings.action_graph_available(config), evict_on_miss=lru, max_entries=plan.action_entries,
         max_bytes=plan.max_bytes)
-    # The fast path's time-conditioning tables and FP8 weight copies go with the action graphs.
-    self.graph_runner.add_clear_hook(functools.partial(_reset_time_tables, weakref.ref(self)))
-    self.prefix_graph_runner.add_clear_hook(functools.partial(_forget_vision_packing, weakref.ref(self)))
+    # The fast path's time tables and FP8 copies go with the action graphs, its packed q/k/v checks with the prefix's.
+    self.graph_runner.add_clear_hook(functools.partial(_reset_fast_path, weakref.ref(self), "reset_action"))
+    self.prefix_graph_runner.add_clear_hook(functools.partial(_reset_fast_path, weakref.ref(self), "reset_prefix"))
+    if options.fast:
+        _fast_path(self)
     logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s capture=%s buckets=%s fused_denoise=%s "
                 "fast=%s", self.prefix_graph_runner.enabled, self.prefix_graph_runner.max_entries,
                 self.graph_runner.enabled, self.graph_runner.max_entries, "bucket" if bucket_mode else "exact",
@@ -99,17 +104,16 @@ def __init__(self, config, **kwargs):
         load_capture.capture_at_load(self)
 
 
-def _reset_time_tables(policy_ref) -> None:
-    core = getattr(policy_ref(), "core_model", None)
-    if core is not None:
-        fast.reset_time_conditioning(core)
-        fast.drop_fp8(core)
+def _fast_path(self):
+    """The fast path of this policy's core model in the mode its options name (Pi05FastPath)."""
+    options = self._ext_options
+    return self._ext_fast_paths.path(self.core_model, fp8=options.fp8_expert, fused_vision=options.fused_vision,
+                                     pdl=options.pdl)
 
 
-def _forget_vision_packing(policy_ref) -> None:
+def _reset_fast_path(policy_ref, reset: str) -> None:
     core = getattr(policy_ref(), "core_model", None)
-    if core is not None:
-        fast.forget_vision_packing(core)
+    return None if core is None else policy_ref()._ext_fast_paths.reset(core, reset)
 
 
 def _prefix_tensor_parallel_enabled(self) -> bool:
@@ -184,10 +188,10 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     # Decided on the host; a bucketed prompt always takes the masked path (one control flow per bucket).
     full_hint = bucket is None and bool(token_masks.all()) and all(
         bool(observation.image_masks[name].all()) for name in camera_order)
-    fast_layers = _fast_prefix_layers(self)
-    fused_vision = fast_layers and fast.FUSED_VISION and fast.vision_unsupported_reason(self.core_model) is None
+    fast = _fast_prefix(self)
+    fused_vision = fast is not None and fast.serves("vision")
     if fused_vision:
-        fast.prepare_vision(self.core_model)  # q/k/v packed before any capture (once)
+        fast.prepare_vision()  # q/k/v packed before any capture (once)
     inputs = (*images, *image_masks, tokens.to(self.device), token_masks.to(self.device))
     count = len(images)
 
@@ -195,7 +199,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
         # tokens_trimmed: trimmed (or bucketed) above, on the host; the core must not probe them (.item()).
         kv, pad_masks, full_attention = self.core_model.encode_prefix(
             list(current[:count]), list(current[count:2 * count]), current[-2], current[-1],
-            prefix_full_attention_hint=full_hint, tokens_trimmed=True, fast_layers=fast_layers)
+            prefix_full_attention_hint=full_hint, tokens_trimmed=True, fast=fast)
         layout = {"full_attention": full_attention, "prompt_token_bucket": bucket,
                   "cuda_graph_eligible": not bucket_miss}
         return PrefixContext(past_key_values=self._materialize_prefix_kv_for_action(kv), prefix_pad_masks=pad_masks,
@@ -208,7 +212,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
         context = encode(inputs)
         prefix_context_generation(context)
         return context
-    kernels = (("fast",) if fast_layers else ()) + (("fused-vision",) if fused_vision else ())
+    kernels = (("fast",) if fast is not None else ()) + (("fused-vision",) if fused_vision else ())
     signature = VLAPrefixGraphSignature(
         batch_size=observation.batch_size, input_shapes=tuple(tuple(t.shape) for t in inputs),
         input_dtypes=tuple(str(t.dtype).replace("torch.", "") for t in inputs),
@@ -231,9 +235,10 @@ def _as_all_checkpoint_cameras(self, camera_order, images, image_masks):
     return keys, [given.get(k, (placeholder, None))[0] for k in keys], [given.get(k, (None, absent))[1] for k in keys]
 
 
-def _fast_prefix_layers(self) -> bool:
-    """Knob pi05_fast (as this policy read it) and the prefix layers covered by the fused kernels."""
-    return self._ext_options.fast and fast.prefix_unsupported_reason(self.core_model) is None
+def _fast_prefix(self):
+    """The fast path when knob pi05_fast (as this policy read it) is on and covers the prefix layers, else None."""
+    fast = _fast_path(self) if self._ext_options.fast else None
+    return fast if fast is not None and fast.serves("prefix") else None
 
 
 def _step_signature(self, prefix_context, x_t, action_position_offset, action_sp_enabled):
@@ -299,7 +304,7 @@ def _denoise(self, batch_size, prefix_context, x_t, num_steps, offset, action_sp
     graph = bool(use_cuda_graph and self.graph_runner.enabled and eligible)
     dt = -1.0 / num_steps
     options = self._ext_options
-    if options.fast and not action_sp and fast.unsupported_reason(self.core_model) is None:
+    if options.fast and not action_sp and _fast_path(self).serves("denoise"):
         denoised = _fast_denoise(self, prefix_context, x_t, num_steps, dt, full, offset, graph)
         if denoised is not None:
             return denoised
@@ -339,26 +344,24 @@ def _exact_loop(self, full_attention, dt, offset):
 
 def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offset, graph):
     """The fused-kernel loop (one graph per request, or eager); None when its first use here failed."""
-    core = self.core_model
-    table = fast.time_conditioning(core, num_steps, x_t.shape[0], x_t.device)
-    fp8 = self._ext_options.fp8_expert
-    if fp8:
-        fast.prepare_fp8(core)  # once, before any capture (later calls find the copies)
+    fast = _fast_path(self)
+    table = fast.time_conditioning(num_steps, x_t.shape[0], x_t.device)
+    fast.prepare_fp8()  # with pi05_fp8_expert: once, before any capture (later calls find the copies)
 
     def loop_fn(context, state, current_table):
-        return fast.denoise(core, context, state, current_table, dt=dt, full_attention=full_attention,
-                            action_position_offset=offset, fp8=fp8)
+        return fast.denoise(context, state, current_table, dt=dt, full_attention=full_attention,
+                            action_position_offset=offset)
 
     def run(state):
         if not graph:
             return loop_fn(prefix_context, state, table)
         # The table is the loop's step input: the graph keeps its own copy.
-        kernels = "fast-fp8" if fp8 else "fast"
+        kernels = "fast-fp8" if fast.fp8 else "fast"
         return _loop_graph(self, prefix_context, state, table, loop_fn, offset, kernels)
 
-    if fast.verified(core):
+    if fast.verified():
         return run(x_t)
-    result = fast.first_use(core, "denoise", lambda: run(x_t.clone()))  # x_t replaced only on success
+    result = fast.run("denoise", lambda: run(x_t.clone()))  # x_t replaced only on success
     return None if result is None else x_t.copy_(result)
 
 
@@ -371,6 +374,7 @@ def patch_policy(ctx, module) -> None:
     cls = module.Pi05PolicyModel
     ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
     ctx.setattr(cls, "_ext_options", Pi05Options.read(functools.partial(getattr, ctx.settings)))
+    ctx.setattr(cls, "_ext_fast_paths", FastPaths(ctx))  # this activation's fast paths, by core model
     for method in (__init__, _prefix_tensor_parallel_enabled, _prefix_cuda_graph_enabled,
                    _prompt_token_bucketing_enabled, build_prefix_cache_key, encode_prefix, denoise_step,
                    sample_actions):

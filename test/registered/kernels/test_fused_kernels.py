@@ -459,6 +459,7 @@ def test_kernels_build_without_grid_dependency_control(monkeypatch):
     monkeypatch.setattr(backend, "_sm_major", lambda index: 9)
     monkeypatch.setattr(backend, "INTERPRET", False)
     assert backend.uses_pdl(hopper_tensor)
+    assert not backend.uses_pdl(hopper_tensor, False)  # a kernel's pdl=False: a plain launch
     monkeypatch.setattr(backend, "gdc_wait", None)
     monkeypatch.setattr(backend, "gdc_launch_dependents", None)
     assert not backend.uses_pdl(hopper_tensor)

@@ -35,15 +35,18 @@ RELATIVE_TOLERANCE = 1e-2
 COSINE_FLOOR = 0.9999
 FP8_RELATIVE_TOLERANCE = 5e-2  # knob pi05_fp8_expert (cosine >= 0.999 against the exact path)
 FP8_COSINE_FLOOR = 0.999
-FAST_ADAPTER = "sglang_ext.pi05.fast"
 
 
-def _fast_module():
-    import importlib
+def _fast(name):
+    """sglang_ext.pi05.<name> of the tree under test (fast_loop, fast_prefix, ...)."""
+    from conftest import ext_core
 
-    from conftest import PATCHED_TREE
+    return ext_core("pi05." + name)
 
-    return importlib.import_module(("sglang.ext" if PATCHED_TREE else "sglang_ext") + ".pi05.fast")
+
+def _paths(m):
+    """This activation's fast paths (FastPaths, made by the pi05_graphs patch)."""
+    return m.policy.Pi05PolicyModel._ext_fast_paths
 
 
 def _agreement(fast, exact):
@@ -69,9 +72,8 @@ def _count_calls(monkeypatch, module, name):
 def test_fast_path_matches_exact_path_graph_and_eager(pi05, fake_graphs, monkeypatch, masked, set_knob):
     m = pi05()
     graphs = fake_graphs(m.cg)
-    fast_module = _fast_module()
     model = _tiny_policy(m, _tiny_core(m))
-    denoise_calls = _count_calls(monkeypatch, fast_module, "denoise")
+    denoise_calls = _count_calls(monkeypatch, _fast("fast_loop"), "denoise")
     for seed in (30, 31):
         context = _random_prefix(m, seed=seed, masked=masked)
         noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(seed))
@@ -99,12 +101,12 @@ def test_skinny_gemm_and_attention_plans_fill_the_gpu():
     """The GEMM plans for Pi0.5's real action-expert shapes on a 132-SM H200: one wave (at most
     one program per SM), no other block width / K split with more programs in one wave, each
     part >= two 128-wide K blocks, and the gated gate_up (gelu in the epilogue) never split."""
-    fast_module = _fast_module()
+    fast_loop = _fast("fast_loop")
     sms = 132
     shapes = {"qkv": (2560, 1024), "o": (1024, 2048), "gate_up": (8192, 1024), "down": (1024, 4096)}
     for name, (n, k) in shapes.items():
         gated = name == "gate_up"
-        _, parts, block_n, block_k = fast_module._skinny_plan(torch.empty(n, k), sms, splittable=not gated, gated=gated)
+        _, parts, block_n, block_k = fast_loop.skinny_plan(torch.empty(n, k), sms, splittable=not gated, gated=gated)
         width = n // 2 if gated else n
         programs = -(-width // block_n) * parts
         print(f"[plan] {name} N={n} K={k}: parts={parts} block_n={block_n} block_k={block_k} programs={programs}")
@@ -116,8 +118,8 @@ def test_skinny_gemm_and_attention_plans_fill_the_gpu():
         if gated:
             assert parts == 1
     # The tiny test model's K = 64: one 64-wide block, no split; K = 24 has no block >= 16.
-    assert fast_module._skinny_plan(torch.empty(128, 64), sms)[1:] == (1, 32, 64)
-    assert fast_module._skinny_plan(torch.empty(128, 24), sms) is None
+    assert fast_loop.skinny_plan(torch.empty(128, 64), sms)[1:] == (1, 32, 64)
+    assert fast_loop.skinny_plan(torch.empty(128, 24), sms) is None
     # 50 action tokens x 8 heads over one K/V head: 7 query blocks; keys 560 prefix + 50.
     from sglang_ext.kernels.attention import key_splits
 
@@ -147,14 +149,14 @@ def test_fast_and_exact_fused_loops_get_separate_graphs(pi05, fake_graphs, monke
 
 def test_time_conditioning_is_computed_once_per_step_count_and_matches_the_model(pi05, monkeypatch):
     m = pi05(pi05_fast=1)
-    fast_module = _fast_module()
     model = _tiny_policy(m, _tiny_core(m))
-    builds = _count_calls(monkeypatch, fast_module, "_build_time_conditioning")
+    builds = _count_calls(monkeypatch, _fast("fast_loop"), "build_time_conditioning")
     noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(50))
     for seed in (51, 52, 53):
         _sample(model, _random_prefix(m, seed=seed, masked=seed % 2 == 0), noise, use_cuda_graph=False, num_steps=3)
     assert len(builds) == 1
-    table = fast_module.time_conditioning(model.core_model, 3, 1, torch.device("cpu"))
+    fast = policy_adapter()._fast_path(model)
+    table = fast.time_conditioning(3, 1, torch.device("cpu"))
     assert len(builds) == 1
     _sample(model, _random_prefix(m, seed=54), noise, use_cuda_graph=False, num_steps=5)
     assert len(builds) == 2
@@ -173,26 +175,52 @@ def test_time_conditioning_is_computed_once_per_step_count_and_matches_the_model
             torch.testing.assert_close(table[step, index, 1], shift.float(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(table[step, index, 2], gate.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-3)
 
-    # Bounded, and dropped with the action graphs (policy __init__ installs this hook).
-    for steps in range(6, 6 + fast_module.TIME_TABLE_ENTRIES + 2):
-        fast_module.time_conditioning(core, steps, 1, torch.device("cpu"))
-    assert len(core.__dict__[fast_module._TABLE_ATTR]) == fast_module.TIME_TABLE_ENTRIES
-    model.graph_runner.add_clear_hook(lambda: fast_module.reset_time_conditioning(core))
+    # Bounded, and dropped with the action graphs (as policy __init__ registers the hook; _tiny_policy skips it).
+    entries = _fast("fast_path").TIME_TABLE_ENTRIES
+    for steps in range(6, 6 + entries + 2):
+        fast.time_conditioning(steps, 1, torch.device("cpu"))
+    assert len(fast._tables) == entries
+    _reset_with_the_action_graphs(model)
     model.graph_runner.clear()
-    assert fast_module._TABLE_ATTR not in core.__dict__
+    assert not fast._tables and not any(k.startswith("_ext") for k in core.__dict__)
+
+
+def _reset_with_the_action_graphs(model):
+    import functools
+    import weakref
+
+    adapter = policy_adapter()
+    model.graph_runner.add_clear_hook(functools.partial(adapter._reset_fast_path, weakref.ref(model), "reset_action"))
+
+
+def test_the_modes_of_one_model_share_its_state(pi05):
+    """Another mode (bench_pi05's modes, pdl=False in a test) is another path on the same state: graphs captured in
+    either mode read the same FP8 copies and packed q/k/v, and a reset of one resets all."""
+    m = pi05(pi05_fast=1)
+    paths = _paths(m)
+    core = _tiny_core(m)
+    fp8 = paths.path(core, fp8=True)
+    fp8.prepare_fp8()
+    other = paths.path(core, fp8=True, pdl=False)
+    assert other is not fp8 and (other.fp8, other.pdl, fp8.pdl) == (True, False, True)
+    assert paths.path(core, fp8=True) is fp8
+    weights = list(_fast("fast_loop").fp8_candidates(core))
+    assert weights and all(other.fp8_rows(w) is fp8.fp8_rows(w) for w in weights)
+    assert other.packing is fp8.packing
+    other.reset_action()
+    assert len(fp8._fp8_copies) == 0
 
 
 def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch, set_knob):
     m = pi05(pi05_fast=1)
-    fast_module = _fast_module()
     model = _tiny_policy(m, _tiny_core(m))
     context = _random_prefix(m, seed=60, masked=True)
     noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(60))
     fast = _sample(model, context, noise, use_cuda_graph=False)
-    monkeypatch.setattr(fast_module, "_find_unsupported", lambda core: "tensor-parallel action expert")
+    monkeypatch.setattr(_fast("fast_support"), "denoise_unsupported", lambda core: "tensor-parallel action expert")
     other = _tiny_policy(m, model.core_model)
-    model.core_model.__dict__.pop(fast_module._REASON_ATTR)
-    denoise_calls = _count_calls(monkeypatch, fast_module, "denoise")
+    _paths(m)._paths.pop(model.core_model)  # a new model's fast path: its verdict not made yet
+    denoise_calls = _count_calls(monkeypatch, _fast("fast_loop"), "denoise")
     fallback = _sample(other, context, noise, use_cuda_graph=False)
     assert denoise_calls == []
     set_knob("pi05_fast", 0)
@@ -202,7 +230,6 @@ def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch, set_knob):
 
 def test_a_failing_first_fast_run_costs_the_exact_path_not_the_request(pi05, monkeypatch, set_knob):
     m = pi05(pi05_fast=1)
-    fast_module = _fast_module()
     model = _tiny_policy(m, _tiny_core(m))
     context = _random_prefix(m, seed=65, masked=True)
     noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(65))
@@ -213,11 +240,11 @@ def test_a_failing_first_fast_run_costs_the_exact_path_not_the_request(pi05, mon
         state.fill_(float("nan"))  # a half-done loop must not leak into the request
         raise RuntimeError("kernel does not build here")
 
-    monkeypatch.setattr(fast_module, "denoise", failing)
+    monkeypatch.setattr(_fast("fast_loop"), "denoise", failing)
     first = _sample(model, context, noise, use_cuda_graph=False)
     second = _sample(model, context, noise, use_cuda_graph=False)
     assert attempts == [1]
-    assert "kernel does not build here" in fast_module.unsupported_reason(model.core_model)
+    assert "kernel does not build here" in policy_adapter()._fast_path(model).unsupported_reason()
     set_knob("pi05_fast", 0)
     exact = _sample(reread_knobs(model), context, noise, use_cuda_graph=False)
     assert torch.equal(first, exact) and torch.equal(second, exact)
@@ -245,11 +272,11 @@ def _tiny_prefix_language_model(m, core):
 def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked, set_knob):
     """Stretch: the prefix language model's layers on the fused kernels vs sglang's forward."""
     m = pi05(pi05_fast=1)
-    fast_module = _fast_module()
     core = _tiny_core(m)
     language_model = _tiny_prefix_language_model(m, core)
-    assert fast_module.prefix_unsupported_reason(core) is None
-    assert policy_adapter()._fast_prefix_layers(reread_knobs(SimpleNamespace(core_model=core)))
+    policy = SimpleNamespace(core_model=core, _ext_fast_paths=_paths(m))
+    fast_path = policy_adapter()._fast_prefix(reread_knobs(policy))
+    assert fast_path is not None and fast_path.unsupported_reason("prefix") is None
     generator = torch.Generator().manual_seed(80)
     embeds = torch.randn(1, 23, 64, generator=generator)
     pad = torch.ones(1, 23, dtype=torch.bool)
@@ -262,7 +289,7 @@ def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked, 
             m.core.make_att_2d_masks(pad, torch.zeros_like(pad)), full_attention=False
         )
     with torch.inference_mode(), m.core.set_forward_context(current_timestep=0, attn_metadata=None):
-        fast = fast_module.encode_prefix_layers(core, embeds, mask, positions, pad if masked else None)
+        fast = fast_path.encode_prefix_layers(embeds, mask, positions, pad if masked else None)
         # what PaliGemmaWithExpertModel.forward runs for a prefix
         exact = language_model.forward(
             inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=None, use_cache=True
@@ -277,7 +304,7 @@ def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked, 
             assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR, (relative, cosine)
     # Off: the exact forward, bit for bit (encode_prefix does not ask for the fast layers).
     set_knob("pi05_fast", 0)
-    assert not policy_adapter()._fast_prefix_layers(reread_knobs(SimpleNamespace(core_model=core)))
+    assert policy_adapter()._fast_prefix(reread_knobs(policy)) is None
 
 
 def _tiny_vision_tower(m, core, hidden_act="gelu_pytorch_tanh"):
@@ -308,75 +335,81 @@ def _features(m, tower, pixels):
 
 
 def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, monkeypatch):
-    """fast.FUSED_VISION: SigLIP's encoder layers on packed q/k/v, add+LayerNorm and gelu-in-GEMM against
-    the exact tower; off, closed or failing: the exact layers bit for bit."""
+    """Pi05FastPath.fused_vision: SigLIP's encoder layers on packed q/k/v, add+LayerNorm and gelu-in-GEMM
+    against the exact tower; off, closed or failing: the exact layers bit for bit."""
     from conftest import ext_core
 
-    kernels = ext_core("kernels")  # the copy fast.py calls (the patched tree vendors its own)
+    kernels = ext_core("kernels")  # the copy the fast path calls (the patched tree vendors its own)
 
     m = pi05(pi05_fast=1)
-    fast_module = _fast_module()
+    paths = _paths(m)
     core = _tiny_core(m)
     tower = _tiny_vision_tower(m, core)
-    assert fast_module.vision_unsupported_reason(core) is None
+    encoder = _fast("fast_support").vision_encoder(core)
+    path = paths.path(core)
+    assert path.unsupported_reason("vision") is None
     norms = _count_calls(monkeypatch, kernels, "add_layer_norm")
     pixels = torch.rand(2, 3, 28, 28, generator=torch.Generator().manual_seed(91)) * 2 - 1
     with torch.inference_mode():
         exact = _features(m, tower, pixels)
-        monkeypatch.setattr(fast_module, "FUSED_VISION", False)
-        with fast_module.fused_vision(core, True):  # the switch is off: the exact layers
+        with paths.path(core, fused_vision=False).vision():  # the setting is off: the exact layers
             assert torch.equal(_features(m, tower, pixels), exact) and not norms
-        monkeypatch.setattr(fast_module, "FUSED_VISION", True)
-        with fast_module.fused_vision(core, False):  # not asked for (knob off or no fast prefix)
-            assert torch.equal(_features(m, tower, pixels), exact) and not norms
-        fast_module.prepare_vision(core)
-        with fast_module.fused_vision(core, True):
+        path.prepare_vision()
+        with path.vision():
             fused = _features(m, tower, pixels)
         assert len(norms) == 2 * 2  # the first LayerNorm, then two per layer less the one after the last
         assert torch.equal(_features(m, tower, pixels), exact)  # closed: exact layers, same (packed) weights
-        assert len(norms) == 2 * 2 and "forward" not in fast_module._vision_encoder(core).__dict__
+        assert len(norms) == 2 * 2
     relative, cosine = _agreement(fused, exact)
     print(f"[fused vision tiny] relative={relative:.3e} cosine={cosine:.7f}")
     assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR  # (the norm calls above: it ran)
-    assert fast_module.verified(core, "vision")
+    assert path.verified("vision")
+    # the encoder's forward is wrapped once, through the patch: recorded, undone by deactivation
+    swaps = [s for s in paths._ctx.swaps if s.owner is encoder and s.name == "forward"]
+    assert len(swaps) == 1 and encoder.__dict__["forward"] is swaps[0].replacement
 
-    attn = fast_module._vision_encoder(core).layers[1].self_attn
-    weight, bias = attn.__dict__["_ext_packed_qkv"]
+    attn = encoder.layers[1].self_attn
+    packing = _fast("fast_prefix")
+    weight, bias = packing.current_packing(path.packing, attn)
     assert attn.v_proj.weight.data_ptr() == weight[2 * 64:].data_ptr() and attn.k_proj.bias.data_ptr() == bias[64:].data_ptr()
     attn.k_proj.weight.data = attn.k_proj.weight.data.clone()  # replaced, not copied into: packed again
-    with torch.inference_mode(), fast_module.fused_vision(core, True):
+    with torch.inference_mode(), path.vision():
         assert torch.equal(_features(m, tower, pixels), fused)
-    assert attn.__dict__["_ext_packed_qkv"][0] is not weight
+    assert packing.current_packing(path.packing, attn)[0] is not weight
     assert not attn.k_proj.weight.is_inference()  # packed inside inference mode, still loadable
-    packings = _count_calls(monkeypatch, fast_module, "_packed_qkv")
-    fast_module.prepare_vision(core)
+    packings = _count_calls(monkeypatch, packing, "packed_qkv")
+    path.prepare_vision()
     assert not packings  # checked once per model (each request would pay for it before its replay)...
-    fast_module.forget_vision_packing(core)  # ...until the prefix graphs are reset
-    fast_module.prepare_vision(core)
+    path.reset_prefix()  # ...until the prefix graphs are reset
+    path.prepare_vision()
     assert len(packings) == 2
-    stale = fast_module._vision_encoder(core).layers[0].self_attn
+    stale = encoder.layers[0].self_attn
     stale.q_proj.weight.data = stale.q_proj.weight.data.clone()  # replaced: its packed copy is stale
-    fast_module.forget_vision_packing(core)
-    assert "_ext_packed_qkv" not in stale.__dict__ and "_ext_packed_qkv" in attn.__dict__  # freed; kept
+    path.reset_prefix()
+    assert len(path.packing) == 1 and packing.current_packing(path.packing, attn) is not None  # freed; kept
 
     # an activation the GELU epilogue does not compute: the exact layers, the reason named
     other = _tiny_core(m)
     _tiny_vision_tower(m, other, hidden_act="gelu")
-    assert "vision activation 'gelu'" in fast_module.vision_unsupported_reason(other)
+    assert "vision activation 'gelu'" in paths.path(other).unsupported_reason("vision")
 
     # a first use that raises: logged, the exact layers for this request and the next
     failing = _tiny_core(m)
     failing_tower = _tiny_vision_tower(m, failing)
-    def no_kernel(*_):
+    def no_kernel(*_, **__):
         raise RuntimeError("no kernel")
 
-    monkeypatch.setattr(fast_module, "_vision_layers", no_kernel)
+    monkeypatch.setattr(_fast("fast_prefix"), "vision_layers", no_kernel)
     with torch.inference_mode():
         want = _features(m, failing_tower, pixels)
         for _ in range(2):
-            with fast_module.fused_vision(failing, True):
+            with paths.path(failing).vision():
                 assert torch.equal(_features(m, failing_tower, pixels), want)
-    assert "fused vision layers failed on first use: RuntimeError: no kernel" in fast_module.vision_unsupported_reason(failing)
+    reason = paths.path(failing).unsupported_reason("vision")
+    assert "fused vision layers failed on first use: RuntimeError: no kernel" in reason
+
+    ext_core("activation").deactivate()
+    assert "forward" not in encoder.__dict__
 
 
 _INTERPRETED = r"""
@@ -430,10 +463,10 @@ def against_exact(prefix, fast_env):  # the fast loop under fast_env vs the exac
 against_exact("", {"SGLANG_EXT_PI05_FAST": "1"})
 bf16_calls = dict(calls)
 against_exact("fp8 ", {"SGLANG_EXT_PI05_FAST": "1", "SGLANG_EXT_PI05_FP8_EXPERT": "1"})  # FP8 expert weights
-fast_module = importlib.import_module("sglang_ext.pi05.fast")
+policy_graphs = importlib.import_module("sglang_ext.pi05.policy_graphs")
 results["calls"] = bf16_calls
 results["fp8_calls"] = fp8_calls[0]
-results["fallback"] = fast_module.unsupported_reason(model.core_model)
+results["fallback"] = policy_graphs._fast_path(model).unsupported_reason()
 print("RESULTS " + json.dumps(results))
 """
 
@@ -467,25 +500,21 @@ def test_fast_path_with_interpreted_triton_kernels_matches_exact_path():
 
 def test_fp8_copies_are_made_once_and_go_with_the_action_graphs(pi05, monkeypatch):
     m = pi05(pi05_fast=1, pi05_fp8_expert=1)
-    fast_module = _fast_module()
     model = _tiny_policy(m, _tiny_core(m))
-    weights = list(fast_module._fp8_candidates(model.core_model))
-    assert len(weights) == 3 * len(fast_module._expert(model.core_model).layers)
-    quantized = _count_calls(monkeypatch, fast_module, "fp8_rows")
-    fast_module.prepare_fp8(model.core_model)
-    fast_module.prepare_fp8(model.core_model)  # the second call finds them made
+    fast = policy_adapter()._fast_path(model)
+    assert fast.fp8
+    weights = list(_fast("fast_loop").fp8_candidates(model.core_model))
+    assert len(weights) == 3 * len(_fast("fast_support").expert(model.core_model).layers)
+    quantized = _count_calls(monkeypatch, fast, "fp8_rows")
+    fast.prepare_fp8()
+    fast.prepare_fp8()  # the second call finds them made
     assert len(quantized) == len(weights)
     for weight in weights:
-        q, scale = weight._ext_fp8_rows
+        q, scale = fast._fp8_copies[weight]
         assert q.dtype == torch.float8_e4m3fn and q.shape == weight.shape and scale.shape == (weight.shape[0],)
-    import functools
-    import importlib
-    import weakref
-
-    policy_graphs = importlib.import_module(fast_module.__name__.rsplit(".", 1)[0] + ".policy_graphs")
-    # as Pi05PolicyModel.__init__ registers it (_tiny_policy skips __init__)
-    model.graph_runner.add_clear_hook(functools.partial(policy_graphs._reset_time_tables, weakref.ref(model)))
+        assert not any(k.startswith("_ext") for k in weight.__dict__)  # kept by the fast path, not the weight
+    _reset_with_the_action_graphs(model)
     model.graph_runner.clear()  # new weights or a reset: the copies go, the next use quantizes again
-    assert all("_ext_fp8_rows" not in weight.__dict__ for weight in weights)
-    fast_module.prepare_fp8(model.core_model)
+    assert len(fast._fp8_copies) == 0
+    fast.prepare_fp8()
     assert len(quantized) == 2 * len(weights)

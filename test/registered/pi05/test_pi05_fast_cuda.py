@@ -23,7 +23,6 @@ Checks, one summary line each:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import statistics
@@ -204,17 +203,15 @@ def test_triton_kernels_match_references_on_gpu():
 def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
     from sglang_ext_testkit.pi05_random import finite
 
-    fast_module, backend = _ext("pi05.fast"), _ext("kernels.backend")
-    assert fast_module.unsupported_reason(policy.core_model) is None
+    from sglang_ext_testkit.pi05_random import pi05_knobs
+
+    assert _fast_path(policy).unsupported_reason() is None
     graph_vs_eager, fast_vs_exact, replay_vs_capture = [], [], []
     bitwise = plain_equal = 0
     for label, observation, context, noise, exact in _each_request(policy, 100):
         fast_eager = _sample(policy, observation, context, noise, fast=True, graph=False)
-        backend.PDL_ENABLED = False  # programmatic dependent launch only schedules: same bits without it
-        try:
+        with pi05_knobs(policy, pdl=False):  # programmatic dependent launch only schedules: same bits without it
             plain_equal += int(torch.equal(_sample(policy, observation, context, noise, fast=True, graph=False), fast_eager))
-        finally:
-            backend.PDL_ENABLED = True
         captured = _sample(policy, observation, context, noise, fast=True, graph=True)
         replayed = _sample(policy, observation, context, noise, fast=True, graph=True)
         assert finite(exact) and finite(fast_eager) and finite(captured) and finite(replayed), label
@@ -225,7 +222,7 @@ def test_fast_path_graph_eager_and_exact_over_32_requests(policy):
         eager_relative, eager_cosine = _agreement(fast_eager, exact)
         print(f"[{label}] fast-graph vs exact relative={fast_vs_exact[-1][0]:.3e} cosine={fast_vs_exact[-1][1]:.7f}; "
               f"fast-eager vs exact relative={eager_relative:.3e}; graph vs eager relative={graph_vs_eager[-1][0]:.3e}")
-    reason = fast_module.unsupported_reason(policy.core_model)
+    reason = _fast_path(policy).unsupported_reason()
     assert reason is None, f"the fast path fell back to the exact path: {reason}"
     loop_signatures = [s for s in policy.graph_runner._cache.entries if getattr(s, "kernels", "") == "fast"]
     worst_graph = max(graph_vs_eager)
@@ -293,11 +290,12 @@ def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(pol
     capture, and reused."""
     from sglang_ext_testkit.pi05_random import pi05_knobs
 
-    fast_module = _ext("pi05.fast")
     worst = _variant_against_exact(policy, 300, lambda: pi05_knobs(policy, fp8_expert=True))
-    expert = fast_module._expert(policy.core_model)
-    assert policy.core_model.__dict__.get("_ext_fp8_prepared")  # made by prepare_fp8, before the captures
-    copies = [getattr(layer.mlp.down_proj.weight, "_ext_fp8_rows", None) for layer in expert.layers]
+    with pi05_knobs(policy, fast=True, fp8_expert=True):
+        fast = _fast_path(policy)
+    expert = _ext("pi05.fast_support").expert(policy.core_model)
+    assert "fp8" in fast._prepared  # made by prepare_fp8, before the captures
+    copies = [fast._fp8_copies.get(layer.mlp.down_proj.weight) for layer in expert.layers]
     assert all(c is not None and c[0].dtype == torch.float8_e4m3fn for c in copies)
     signatures = [s.kernels for s in policy.graph_runner._cache.entries]
     print(f"[summary fp8 expert vs exact] {len(_requests())} requests: max relative={worst[0]:.3e}, min cosine="
@@ -306,19 +304,13 @@ def test_fp8_expert_weights_stay_within_the_fp8_bound_and_replay_bit_for_bit(pol
     assert worst[1] >= FP8_COSINE_FLOOR, worst
 
 
-@contextlib.contextmanager
-def _switch(module, name, value=True):
-    """module.NAME set to `value` for the block (the fast path's switches), restored after."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
+def _fast_path(policy):
+    """The policy's fast path in the mode its options name now (Pi05FastPath)."""
+    return _ext("pi05.policy_graphs")._fast_path(policy)
 
 
 def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy):
-    """fast.FUSED_VISION (on by default, off in bench_pi05's graph-fast-exact-vision: SigLIP on packed
+    """Pi05FastPath.fused_vision (on by default, off in bench_pi05's graph-fast-exact-vision: SigLIP on packed
     q/k/v, add+LayerNorm kernels, gelu in fc1's epilogue): the vision tower's output against the exact
     layers, and whole requests on graphs (prefix graph + loop graph) against the exact graphs within the
     fast path's bounds; a replay equal to its capture bitwise; the prefix graphs keyed apart; q/k/v
@@ -327,9 +319,12 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
 
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
 
-    fast_module = _ext("pi05.fast")
+    from sglang_ext_testkit.pi05_random import pi05_knobs
+
     core = policy.core_model
-    assert fast_module.vision_unsupported_reason(core) is None
+    with pi05_knobs(policy, fast=True):
+        fast = _fast_path(policy)
+    assert fast.unsupported_reason("vision") is None
     # cuBLASLt's GELU epilogue is the tanh form SigLIP's gelu_pytorch_tanh computes (float32, pre-activations
     # near 1, where the two forms differ by ~1e-4 and float32 GEMMs by ~1e-6)
     x, w, b = (torch.randn(*shape, device="cuda") for shape in ((512, 1152), (4304, 1152), (4304,)))
@@ -347,24 +342,24 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
 
     with torch.inference_mode():
         exact_features = features()
-        fast_module.prepare_vision(core)
-        with _switch(fast_module, "FUSED_VISION"), fast_module.fused_vision(core, True):
+        fast.prepare_vision()
+        with fast.vision():
             fused_features = features()
         again = features()  # the context closed: the exact layers, on the packed weights
     relative, cosine = _agreement(fused_features, exact_features)
     print(f"[summary fused vision features vs exact] relative={relative:.3e} cosine={cosine:.7f}")
-    assert fast_module.verified(core, "vision")
+    assert fast.verified("vision")
     assert torch.equal(again, exact_features)
     assert relative <= 5e-2 and cosine >= 0.999, (relative, cosine)  # features: bf16 ulps over 27 layers
-    attn = fast_module._vision_encoder(core).layers[0].self_attn
-    packed_weight, _ = attn.__dict__["_ext_packed_qkv"]
+    attn = _ext("pi05.fast_support").vision_encoder(core).layers[0].self_attn
+    packed_weight, _ = _ext("pi05.fast_prefix").current_packing(fast.packing, attn)
     assert attn.k_proj.weight.data_ptr() == packed_weight[attn.q_proj.weight.shape[0]:].data_ptr()
 
     runners = importlib.import_module("sglang.multimodal_gen.runtime.vla.cuda_graph")
     saved_runner = policy.prefix_graph_runner  # the fixture's config may leave prefix graphs off
     policy.prefix_graph_runner = runners.VLAPrefixGraphRunner(enabled=True, max_entries=16)
     try:
-        worst, keyed = _fused_vision_requests(policy, fast_module)
+        worst, keyed = _fused_vision_requests(policy)
     finally:
         policy.prefix_graph_runner = saved_runner
     print(f"[summary fused vision end-to-end graphs vs exact graphs] 6 requests: max relative={worst[0]:.3e}, "
@@ -373,7 +368,7 @@ def test_fused_vision_stays_within_the_fast_bound_and_replays_bit_for_bit(policy
     assert worst[0] <= RELATIVE_TOLERANCE and worst[1] >= COSINE_FLOOR, worst
 
 
-def _fused_vision_requests(policy, fast_module):
+def _fused_vision_requests(policy):
     """(worst agreement, fused-vision prefix graphs) of 6 requests on graphs, fused vision against exact."""
     from sglang_ext_testkit.pi05_random import make_noise, make_observation, pi05_knobs, run_request
 
@@ -385,7 +380,7 @@ def _fused_vision_requests(policy, fast_module):
             noise = make_noise(policy, 500 + prompt_len)
             with pi05_knobs(policy, fused_denoise=True):
                 exact = run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
-            with pi05_knobs(policy, fused_denoise=True, fast=True), _switch(fast_module, "FUSED_VISION"):
+            with pi05_knobs(policy, fused_denoise=True, fast=True, fused_vision=True):
                 captured, replayed = (run_request(policy, observation, noise, graph=True, num_steps=NUM_STEPS)
                                       for _ in range(2))
             assert torch.equal(replayed, captured), label
@@ -400,20 +395,20 @@ def test_fast_prefix_kv_matches_exact_prefix_kv(policy):
     the K/V to 5.2e-2 / 0.99909 on the H200)."""
     from sglang_ext_testkit.pi05_random import make_observation, pi05_knobs
 
-    fast_module = _ext("pi05.fast")
     worst = (0.0, 1.0)
     for prompt_len, masked in ((17, False), (48, True), (111, False), (111, True)):
         observation = make_observation(policy, prompt_len=prompt_len, masked_camera=masked, seed=prompt_len)
         contexts = {}
         for fast in (False, True):
-            with pi05_knobs(policy, fast=fast), _switch(fast_module, "FUSED_VISION", False), torch.inference_mode():
+            with pi05_knobs(policy, fast=fast, fused_vision=False), torch.inference_mode():
                 contexts[fast] = policy.encode_prefix(observation, use_cuda_graph=False)
         valid = contexts[False].prefix_pad_masks[0]
         for (fast_k, fast_v, _), (exact_k, exact_v, _) in zip(contexts[True].past_key_values, contexts[False].past_key_values):
             for got, want in ((fast_k, exact_k), (fast_v, exact_v)):
                 relative, cosine = _agreement(got[:, :, valid], want[:, :, valid])
                 worst = (max(worst[0], relative), min(worst[1], cosine))
-    reason = fast_module.prefix_unsupported_reason(policy.core_model)
+    with pi05_knobs(policy, fast=True):
+        reason = _fast_path(policy).unsupported_reason("prefix")
     print(f"[summary fast prefix K/V vs exact] 4 prompts x 18 layers x K,V: max relative={worst[0]:.3e} "
           f"min cosine={worst[1]:.7f}; fast prefix reason={reason}")
     assert reason is None, reason

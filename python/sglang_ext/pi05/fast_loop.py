@@ -1,0 +1,248 @@
+"""The Pi0.5 fast denoise loop: its time table, its GEMM plans and every step of one request on fused kernels."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from sglang_ext.pi05.fast_support import adaptive_norms, expert, plain_weight, sm_count, visible_first
+
+
+def build_time_conditioning(core, num_steps, batch_size, device, dtype):
+    """[steps, norms, 3 (scale, shift, gate), batch, width] float32, built with the model's own layers
+    (gate rounded to the activation dtype first, as the exact path does)."""
+    timesteps = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float32, device=device)
+    steps = timesteps.repeat_interleave(batch_size)
+    no_actions = torch.zeros(steps.shape[0], 1, core.config.action_dim, dtype=torch.float32, device=device)
+    norms = adaptive_norms(expert(core))
+    width = norms[0].dim
+    table = torch.empty(num_steps, len(norms), 3, batch_size, width, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        _, adarms_cond = core.embed_suffix(no_actions, steps)
+        for index, norm in enumerate(norms):
+            modulation = norm.dense(adarms_cond.to(dtype=norm.dense.weight.dtype))
+            scale, shift, gate = modulation.chunk(3, dim=-1)
+            for slot, value in enumerate((scale.float(), shift.float(), gate.to(dtype).float())):
+                table[:, index, slot] = value.reshape(num_steps, batch_size, width)
+    return table
+
+
+_MAX_PARTS = 8  # partial products cost their consumer a read each
+
+
+class Projections(NamedTuple):
+    """One expert layer's plan per GEMM: (weight, parts, block_n, block_k); qkv: (weight, block_n, block_k). With
+    FP8 weights (knob pi05_fp8_expert) o, gate_up and down hold float8_e4m3fn weights, row scales in `scales`."""
+
+    qkv: tuple
+    o: tuple
+    gate_up: tuple  # gated: gelu-and-mul in the GEMM's epilogue
+    down: tuple
+    scales: dict
+
+
+def skinny_plan(weight, sms, *, splittable=True, gated=False):
+    """(weight, parts, block_n, block_k) for skinny_linear, or None (no power-of-two K block >= 16):
+    the most programs that fit one wave (docs/gpu-notes.md), then the fewest parts."""
+    n, k = weight.shape
+    width = n // 2 if gated else n
+    block_k = _block_k(k)
+    if block_k < 16:
+        return None
+    best = None
+    for block_n in (32, 64):
+        parts = 1
+        while (splittable and parts < _MAX_PARTS and k % (parts * 2 * block_k) == 0
+               and k // (parts * 2) >= 2 * block_k and -(-width // block_n) * parts * 2 <= sms):
+            parts *= 2
+        programs = -(-width // block_n) * parts
+        score = (programs <= sms, programs if programs <= sms else -programs, -parts)
+        if best is None or score > best[0]:
+            best = (score, (weight, parts, block_n, block_k))
+    return best[1]
+
+
+def rope_plan(weight, head_dim, sms):
+    """(weight, block_n, block_k) for linear_rope_qkv, or None: the narrowest column-pair block
+    (most programs) that fits one wave, else the widest that divides head_dim / 2."""
+    block_k = _block_k(weight.shape[1])
+    fitting = [b for b in (16, 32, 64) if (head_dim // 2) % b == 0]
+    if block_k < 16 or not fitting:
+        return None
+    one_wave = [b for b in fitting if weight.shape[0] // 2 // b <= sms]
+    return weight, (one_wave or fitting[::-1])[0], block_k
+
+
+def _skinny_serves(state) -> bool:
+    """skinny_linear can take the action rows of `state` ([B, S, ...]): Triton here, few rows."""
+    from sglang_ext.kernels import runs_triton
+    from sglang_ext.kernels.skinny_gemm import MAX_ROWS
+
+    return runs_triton(state) and state.shape[0] * state.shape[1] <= MAX_ROWS
+
+
+def fp8_candidates(core):
+    """The expert's plain bias-free o, gate-up and down weights (what pi05_fp8_expert quantizes)."""
+    for layer in expert(core).layers:
+        for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            plain = plain_weight(module, layer.self_attn.projection_dtype)
+            if plain is not None and plain[1] is None:
+                yield plain[0]
+
+
+def expert_projections(expert_model, state, dtype, fp8_rows=None):
+    """Per layer Projections, or None (not plain bias-free GEMMs, too many rows, no Triton). fp8_rows (weight ->
+    (float8_e4m3fn weight, row scales)): o, gate-up and down weights in FP8 (half their bytes per step)."""
+    if not _skinny_serves(state):
+        return None
+    sms = sm_count(state.device)
+    plans = []
+    for layer in expert_model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        plain = [plain_weight(m, dtype) for m in modules]
+        if any(p is None or p[1] is not None for p in plain):
+            return None
+        qkv, o, gate_up, down = (p[0] for p in plain)
+        scales = {}
+        if fp8_rows is not None:
+            (o, scales["o"]), (gate_up, scales["gate_up"]), (down, scales["down"]) = map(fp8_rows, (o, gate_up, down))
+        plan = Projections(rope_plan(qkv, attn.head_dim, sms), skinny_plan(o, sms),
+                           skinny_plan(gate_up, sms, splittable=False, gated=True), skinny_plan(down, sms), scales)
+        if None in plan:
+            return None
+        plans.append(plan)
+    return plans
+
+
+def action_projections(core, state):
+    """(weight, bias, block_k) of action_in_proj and of action_out_proj when skinny_linear can take
+    both (plain float32 GEMMs), else None."""
+    if not _skinny_serves(state):
+        return None
+    pair = []
+    for module in (core.action_in_proj, core.action_out_proj):
+        plain = plain_weight(module, torch.float32, bias_ok=True)
+        if plain is None or _block_k(plain[0].shape[1]) < 16:
+            return None
+        pair.append((*plain, _block_k(plain[0].shape[1])))
+    return tuple(pair)
+
+
+def _block_k(k: int) -> int:
+    """The widest power-of-two K block (at most 128) that divides K."""
+    return min(128, k & -k)
+
+
+def _request_layout(expert_model, prefix_context, state, full_attention, action_position_offset, dtype):
+    """(cos_sin, kv, kv_start, used): cos/sin of the action positions and the K/V buffers. Full
+    prefix: rows [prefix | actions], used None. Masked prefix (it hides key rows only): rows
+    [actions | visible | hidden], attention reads the first `used[b]` rows, no mask."""
+    batch, seq = state.shape[:2]
+    prefix_masks = prefix_context.prefix_pad_masks
+    prefix_len = prefix_masks.shape[1]
+    positions = (prefix_masks.sum(dim=-1, keepdim=True) + action_position_offset
+                 + torch.arange(seq, device=state.device)[None, :])
+    rotary = expert_model.rotary_emb
+    rotary._ensure_cache(state)
+    cos_sin = rotary.rope.cos_sin_cache.index_select(0, positions.reshape(-1))
+
+    attn = expert_model.layers[0].self_attn
+    kv = torch.empty(len(expert_model.layers), 2, batch, prefix_len + seq, attn.num_key_value_heads, attn.head_dim,
+                     dtype=dtype, device=state.device)
+    if full_attention:
+        kv_start, used, order = prefix_len, None, None
+    else:
+        kv_start = 0
+        used = (prefix_masks.sum(dim=-1) + seq).to(torch.int32)
+        order = visible_first(prefix_masks)
+    for index, (keys, values, _) in enumerate(prefix_context.past_key_values):
+        if index >= len(expert_model.layers):
+            break
+        for slot, prefix in enumerate((keys.transpose(1, 2), values.transpose(1, 2))):  # [B, P, KV, D]
+            if order is None:
+                kv[index, slot, :, :prefix_len].copy_(prefix)
+            else:
+                gather = order[:, :, None, None].expand(-1, -1, *prefix.shape[2:])
+                kv[index, slot, :, seq:].copy_(torch.gather(prefix, 1, gather))
+    return cos_sin, kv, kv_start, used
+
+
+def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, fp8_rows=None,
+            pdl=True):
+    """Every denoise step of one request; `state` (x_t, float32) is updated in place. fp8_rows: as in
+    expert_projections (knob pi05_fp8_expert). pdl: the kernels' programmatic dependent launch."""
+    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+    from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
+
+    from sglang_ext.kernels import (ada_rms_norm, first_rows_attention, gelu_tanh_and_mul, linear_rope_qkv, rope_qkv,
+                                    skinny_linear)
+    from sglang_ext.kernels.attention import key_splits
+
+    model = expert(core)
+    layers = model.layers
+    attn0 = layers[0].self_attn
+    heads, kv_heads, head_dim = attn0.num_heads, attn0.num_key_value_heads, attn0.head_dim
+    dtype = attn0.projection_dtype
+    batch, seq = state.shape[:2]
+    norms = adaptive_norms(model)
+    projections = expert_projections(model, state, dtype, fp8_rows)
+    actions = action_projections(core, state) if projections is not None else None
+
+    def gemm(index, name, module, x):
+        if projections is None:
+            out = linear_forward(module, x)
+            return gelu_tanh_and_mul(out, pdl=pdl) if name == "gate_up" else out
+        weight, parts, block_n, block_k = getattr(projections[index], name)
+        return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up",
+                             weight_scale=projections[index].scales.get(name), pdl=pdl)
+
+    def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
+        shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start, pdl=pdl)
+        if projections is None:
+            return rope_qkv(linear_forward(module, x), cos_sin, q, keys, values, **shape)
+        weight, block_n, block_k = projections[index].qkv
+        return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k, **shape)
+
+    def action_in(x_t):
+        if actions is None:
+            return core.action_in_proj(x_t.to(core.action_in_proj.weight.dtype)).to(dtype).contiguous()
+        (weight, bias, block_k), _ = actions
+        return skinny_linear(x_t, weight, bias=bias, out_dtype=dtype, block_k=block_k, pdl=pdl)
+
+    def action_out(normed, x_t):  # x_t += dt * velocity
+        if actions is None:
+            velocity = core.action_out_proj(normed.to(core.action_out_proj.weight.dtype))
+            return x_t.add_(velocity.to(torch.float32), alpha=dt)
+        _, (weight, bias, block_k) = actions
+        return skinny_linear(normed, weight, bias=bias, add_to=x_t, alpha=dt, block_n=16, block_k=block_k, pdl=pdl)
+
+    with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
+        cos_sin, kv, kv_start, used = _request_layout(model, prefix_context, state, full_attention,
+                                                      action_position_offset, dtype)
+        splits = key_splits(batch, seq, heads, kv_heads, kv.shape[3], sm_count(state.device))
+        q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
+        for step in range(table.shape[0]):
+            cond = table[step]  # [norms, 3, batch, width]
+            hidden = action_in(state)
+            normed = ada_rms_norm(hidden, cond[0, 0], cond[0, 1], eps=norms[0].eps, pdl=pdl)
+            for index, layer in enumerate(layers):
+                attn = layer.self_attn
+                keys, values = kv[index, 0], kv[index, 1]
+                qkv_rope(index, attn.qkv_proj, normed, keys, values)
+                out = first_rows_attention(q, keys, values, used, scale=attn.scaling, splits=splits, pdl=pdl)
+                out = out.view(batch, seq, heads * head_dim)
+                post = 2 * index + 1
+                normed = ada_rms_norm(hidden, cond[post, 0], cond[post, 1], eps=norms[post].eps,
+                                      add=gemm(index, "o", attn.o_proj, out), gate=cond[post - 1, 2], pdl=pdl)
+                mlp = layer.mlp
+                out = gemm(index, "gate_up", mlp.gate_up_proj, normed)
+                following = post + 1  # next layer's input norm, or the final norm
+                final = following == len(norms) - 1
+                # the float32 action_out_proj reads the final norm unrounded
+                normed = ada_rms_norm(hidden, cond[following, 0], cond[following, 1], eps=norms[following].eps,
+                                      add=gemm(index, "down", mlp.down_proj, out), gate=cond[post, 2],
+                                      out_dtype=torch.float32 if final and actions is not None else None, pdl=pdl)
+            action_out(normed, state)
+    return state

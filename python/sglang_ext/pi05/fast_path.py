@@ -1,0 +1,179 @@
+"""The Pi0.5 fast path of one core model (knob pi05_fast; docs/how-it-works.md, "Pi0.5") and its registry."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from sglang_ext.pi05 import fast_loop, fast_prefix, fast_support
+
+logger = logging.getLogger(__name__)
+
+TIME_TABLE_ENTRIES = 4  # (steps, batch, device, dtype) tables kept per model; a server uses one
+
+
+class Pi05FastPath:
+    """The fused-kernel paths of `core` in one mode; its modes (FastPaths.path) share the rest: each path's support
+    verdict and first-use verification (not covered, or a first use that raised: the exact path), time tables,
+    FP8 weight copies, packed SigLIP q/k/v. fp8: knob pi05_fp8_expert. fused_vision: SigLIP's layers in 7 kernels
+    instead of 13 (off: bench_pi05's graph-fast-exact-vision). pdl: programmatic dependent launch (off: -nopdl)."""
+
+    def __init__(self, core, *, fp8=False, fused_vision=True, pdl=True, registry=None):
+        self._core, self._registry = weakref.ref(core), registry
+        self.fp8, self.fused_vision, self.pdl = bool(fp8), bool(fused_vision), bool(pdl)
+        self._reasons = {}  # path -> why it is not used ("": it is)
+        self._verified, self._prepared = set(), set()  # _prepared: "fp8", "vision", done until a reset
+        self._tables = OrderedDict()
+        self._fp8_copies = WeakIdKeyDictionary()  # weight -> (float8_e4m3fn weight, float32 row scales)
+        self.packing = weakref.WeakKeyDictionary()  # SigLIP attention -> its packed q/k/v (fast_prefix)
+
+    def unsupported_reason(self, path: str = "denoise"):
+        """None when the fast `path` ("denoise", "prefix", "vision") can run this model, else why not."""
+        if path not in self._reasons:
+            check, what, _ = fast_support.PATHS[path]
+            self._reasons[path] = getattr(fast_support, check)(self._core()) or ""
+            if self._reasons[path]:
+                logger.info("Pi05 fast %s not used (%s): the exact path runs", what, self._reasons[path])
+        return self._reasons[path] or None
+
+    def serves(self, path: str = "denoise") -> bool:
+        return (path != "vision" or self.fused_vision) and self.unsupported_reason(path) is None
+
+    def verified(self, path: str = "denoise") -> bool:
+        """True once the fast `path` ran on this model (its kernels build and run here)."""
+        return path in self._verified
+
+    def run(self, path: str, run):
+        """`run()`; on the path's first use a raise disables it for the model (logged, None: the exact path)."""
+        if path in self._verified:
+            return run()
+        try:
+            result = run()
+        except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
+            what, first_line = fast_support.PATHS[path][2], (str(exc).splitlines() or [""])[0]
+            self._reasons[path] = reason = f"{what} failed on first use: {type(exc).__name__}: {first_line}"
+            logger.warning("Pi05 %s disabled (%s): the exact path runs", what, reason, exc_info=exc)
+            return None
+        self._verified.add(path)
+        return result
+
+    def time_conditioning(self, num_steps: int, batch_size: int, device) -> torch.Tensor:
+        """fast_loop.build_time_conditioning's table, kept for the last TIME_TABLE_ENTRIES keys."""
+        dtype = fast_support.expert(self._core()).layers[0].self_attn.projection_dtype
+        key = (int(num_steps), int(batch_size), str(torch.device(device)), str(dtype))
+        if key in self._tables:
+            self._tables.move_to_end(key)
+            return self._tables[key]
+        table = self._tables[key] = fast_loop.build_time_conditioning(self._core(), num_steps, batch_size,
+                                                                      torch.device(device), dtype)
+        while len(self._tables) > TIME_TABLE_ENTRIES:
+            self._tables.popitem(last=False)
+        return table
+
+    def fp8_rows(self, weight):
+        """`weight` as float8_e4m3fn with a float32 scale per row, quantized once."""
+        from sglang_ext.kernels import quantize_rows_fp8
+
+        if weight not in self._fp8_copies:
+            if weight.is_cuda and torch.cuda.is_current_stream_capturing():  # the copies would live in the graph
+                raise RuntimeError("pi05_fp8_expert: weights not quantized before the capture (prepare_fp8)")
+            self._fp8_copies[weight] = quantize_rows_fp8(weight)
+        return self._fp8_copies[weight]
+
+    def prepare_fp8(self) -> None:
+        """With fp8: quantize the expert's plain o, gate-up and down weights once, outside any capture."""
+        if self.fp8 and "fp8" not in self._prepared:
+            for weight in fast_loop.fp8_candidates(self._core()):
+                self.fp8_rows(weight)
+            self._prepared.add("fp8")
+
+    def reset_action(self) -> None:
+        """Drop the time tables and FP8 copies (with the action graphs, or after new weights)."""
+        self._tables.clear()
+        self._fp8_copies.clear()
+        self._prepared.discard("fp8")
+
+    def denoise(self, prefix_context, state, table, **layout):
+        return fast_loop.denoise(self._core(), prefix_context, state, table, **layout,
+                                 fp8_rows=self.fp8_rows if self.fp8 else None, pdl=self.pdl)
+
+    def encode_prefix_layers(self, inputs_embeds, attention_mask, position_ids, pad_masks):
+        """The prefix K/V (fast_prefix.prefix_layers), or None (the exact path) after a first use that raised."""
+        return self.run("prefix", lambda: fast_prefix.prefix_layers(self._core(), inputs_embeds, attention_mask,
+                                                                    position_ids, pad_masks, pdl=self.pdl))
+
+    def prepare_vision(self) -> None:
+        """Pack every layer's q/k/v before prefix captures, once until reset_prefix (where the fused layers
+        serve). Not per request: checking 27 layers cost 0.4-0.5 ms of host time before each H200 replay."""
+        if "vision" not in self._prepared and self.serves("vision"):
+            for layer in fast_support.vision_encoder(self._core()).layers:
+                fast_prefix.packed_qkv(self.packing, layer.self_attn)
+            self._prepared.add("vision")
+
+    def reset_prefix(self) -> None:
+        """prepare_vision checks (and packs) every layer again (with the prefix graphs, after new weights);
+        packed copies whose projections were replaced since are dropped now (they hold memory)."""
+        if "vision" in self._prepared:
+            self._prepared.discard("vision")
+            for attn in [a for a in self.packing if fast_prefix.current_packing(self.packing, a) is None]:
+                del self.packing[attn]
+
+    @contextlib.contextmanager
+    def vision(self):
+        """While open, the SigLIP encoder runs the fused layers where they serve (one request at a time per process)."""
+        serving = self._registry is not None and self.serves("vision")
+        encoder = fast_support.vision_encoder(self._core()) if serving else None
+        with self._registry.running(encoder, self) if serving else contextlib.nullcontext():
+            yield
+
+
+
+class FastPaths:
+    """Each core model's fast paths (held weakly) by mode, made as the pi05_graphs patch is applied. A SigLIP encoder's
+    forward is wrapped once through its PatchContext (undone by deactivation) to run the open path's layers."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self._paths = weakref.WeakKeyDictionary()  # core -> {(fp8, fused_vision, pdl): Pi05FastPath}
+        self._open = weakref.WeakKeyDictionary()  # wrapped encoder -> the path running it, or None
+
+    def path(self, core, *, fp8=False, fused_vision=True, pdl=True) -> Pi05FastPath:
+        """`core`'s path in this mode, on the state of its other modes (graphs of each read the same copies)."""
+        modes, mode = self._paths.setdefault(core, {}), (bool(fp8), bool(fused_vision), bool(pdl))
+        if mode not in modes:
+            known = next(iter(modes.values()), None)
+            modes[mode] = copy.copy(known) if known else Pi05FastPath(core, registry=self)
+            modes[mode].fp8, modes[mode].fused_vision, modes[mode].pdl = mode
+        return modes[mode]
+
+    def reset(self, core, reset: str) -> None:
+        """`reset` ("reset_action", "reset_prefix") of `core`'s fast path state (its modes share it), if any."""
+        for path in list(self._paths.get(core, {}).values())[:1]:
+            getattr(path, reset)()
+
+    @contextlib.contextmanager
+    def running(self, encoder, path):
+        if encoder not in self._open:
+            self._ctx.setattr(encoder, "forward", self._wrapped(encoder, encoder.forward))
+        self._open[encoder] = path
+        try:
+            yield
+        finally:
+            self._open[encoder] = None
+
+    def _wrapped(self, encoder, exact):
+        def forward(inputs_embeds, attention_mask=None, **kwargs):
+            path = self._open.get(encoder)
+            if path is None or attention_mask is not None or kwargs:
+                return exact(inputs_embeds, attention_mask, **kwargs)
+            out = path.run("vision", lambda: fast_prefix.vision_layers(encoder, inputs_embeds, path.packing,
+                                                                       pdl=path.pdl))
+            return exact(inputs_embeds) if out is None else out
+
+        return forward
