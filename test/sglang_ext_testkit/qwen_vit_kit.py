@@ -149,6 +149,12 @@ def build_qwen2_5_tower(config: dict = SMALL_CONFIG, *, dtype=torch.float32, dev
             os.environ.pop("SGLANG_VIT_ENABLE_CUDA_GRAPH", None)
         else:
             os.environ["SGLANG_VIT_ENABLE_CUDA_GRAPH"] = previous
+    return _random_weights_on(vit, dtype=dtype, device=device, seed=seed, native_ops=native_ops)
+
+
+
+def _random_weights_on(vit, *, dtype, device, seed, native_ops):
+    """`vit` with seeded random weights (biases 0, norms 1), on `device` in `dtype`, in eval mode."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in vit.named_parameters():
@@ -179,19 +185,7 @@ def build_qwen3_tower(config: dict = QWEN3_SMALL_CONFIG, *, dtype=torch.float32,
     from sglang.srt.models import qwen3_vl
 
     vit = qwen3_vl.Qwen3VLMoeVisionModel(Qwen3VLVisionConfig(**config), use_data_parallel=True)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in vit.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    # sgl_kernel's rmsnorm has bf16/fp16 kernels only: fp32 towers run sglang's native ops.
-    if native_ops if native_ops is not None else (dtype == torch.float32 or not sgl_kernel_ops_loaded()):
-        use_native_ops(vit)
-    return vit.to(device=device, dtype=dtype).eval()
+    return _random_weights_on(vit, dtype=dtype, device=device, seed=seed, native_ops=native_ops)
 
 
 def forward_qwen3(vit, pixels: torch.Tensor, grid_thw: torch.Tensor, *, graph: bool) -> torch.Tensor:
