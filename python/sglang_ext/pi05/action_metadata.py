@@ -1,7 +1,7 @@
 """Action metadata reports the Pi0.5 graph settings (prefix/action availability, capacities, prompt buckets).
 
 Patch: pi05_config
-Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:action_metadata
+Targets: sglang.multimodal_gen.runtime.entrypoints.action.protocol:action_metadata
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
 Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline
 config keys

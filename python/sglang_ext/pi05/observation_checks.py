@@ -1,9 +1,9 @@
 """Pi0.5 observations checked before they reach the model: one line naming the field, the server serving on.
 
 Patch: pi05_observation_checks
-Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:build_action_sampling_params,
-sglang.multimodal_gen.runtime.entrypoints.vla.protocol:images_from_observation,
-sglang.multimodal_gen.runtime.entrypoints.vla.ws_utils:run_action_msgpack_ws,
+Targets: sglang.multimodal_gen.runtime.entrypoints.action.protocol:build_action_sampling_params,
+sglang.multimodal_gen.runtime.entrypoints.action.protocol:images_from_observation,
+sglang.multimodal_gen.runtime.entrypoints.action.ws_utils:run_action_msgpack_ws,
 sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAObservationPreprocessStage.forward
 Upstream PR: none (0.5.23 checks neither values nor camera names)
 Retire when: upstream refuses non-finite states and noise, badly shaped and unknown cameras and observations

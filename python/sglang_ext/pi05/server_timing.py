@@ -1,9 +1,9 @@
 """Per-request hop times of the Pi0.5 action server in every answer's timings (knob pi05_server_timing).
 
 Patch: pi05_server_timing
-Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:infer_action,
+Targets: sglang.multimodal_gen.runtime.entrypoints.action.protocol:infer_action,
 sglang.multimodal_gen.runtime.entrypoints.utils:prepare_request,
-sglang.multimodal_gen.runtime.entrypoints.vla.api:create_action_generation,
+sglang.multimodal_gen.runtime.entrypoints.action.api:create_action_generation,
 sglang.multimodal_gen.runtime.managers.scheduler:Scheduler.recv_reqs,
 sglang.multimodal_gen.runtime.managers.gpu_worker:GPUWorker.execute_forward
 Upstream PR: none (sglang-ext only)

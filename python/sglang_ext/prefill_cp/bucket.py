@@ -1,7 +1,7 @@
 """Prefill context-parallel graph bucket chosen by CP-local capacity, once per batch.
 
 Patch: prefill_cp_bucket
-Targets: sglang.srt.layers.cp.bcg:PrefillCPBCGInput,
+Targets: sglang.srt.layers.cp.bcg.bcg:PrefillCPBCGInput,
 sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph,
 sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.load_batch,
 sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.capture_one_shape,

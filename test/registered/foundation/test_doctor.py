@@ -20,6 +20,7 @@ from activation_env import clean_activation  # noqa: F401  (autouse fixture)
 from sglang_ext import activation
 from sglang_ext.tools import cli, doctor
 from sglang_ext.registry import PATCH_NAMES, PATCHES
+from sglang_ext.versions import SUPPORTED_SGLANG, at_least
 from sglang_ext_testkit import internals
 
 register_cpu_ci(est_time=45, suite="base-a-test-cpu")
@@ -52,30 +53,38 @@ def test_console_script_json_on_installed_sglang_proves_every_patch():
     rep = json.loads(proc.stdout)
     assert isinstance(rep["import_messages"], list)  # ... into the report
     assert not any("sglang_ext" in line for line in rep["import_messages"])
-    assert rep["sglang"]["version"] == importlib.metadata.version("sglang") == "0.5.17"
+    version = importlib.metadata.version("sglang")
+    assert rep["sglang"]["version"] == version and version in SUPPORTED_SGLANG
     assert rep["sglang"]["path"].endswith(os.path.join("site-packages", "sglang"))
     assert rep["sglang"]["supported"] is True
     assert rep["torch"] == importlib.metadata.version("torch")
     assert rep["python"] == sys.version.split()[0]
     assert rep["mode"] == doctor.MODE_IMPORT
     assert [p["name"] for p in rep["patches"]] == list(PATCH_NAMES)
+    unported = []
     for p in rep["patches"]:
+        spec = next(s for s in PATCHES if s.name == p["name"])
         assert p["state"] in STATES and p["status"].startswith(p["state"])
-        assert p["upstream"]["pr"] and p["supported"] == ["0.5.17"]
-        assert {t["target"] for t in p["targets"]} == {t.key for t in next(s for s in PATCHES if s.name == p["name"]).targets}
-        assert all(t["match"] and "0.5.17" in t["same_as_releases"] for t in p["targets"]), p["targets"]
-    not_applied = {p["name"]: p["status"] for p in rep["patches"] if p["state"] != "applied"}
-    assert not not_applied, not_applied
-    assert rep["problems"] == [] and proc.returncode == 0, proc.stderr[-3000:]
+        assert p["upstream"]["pr"] and p["supported"] == list(spec.supported)
+        assert {t["target"] for t in p["targets"]} == {t.key for t in spec.targets}
+        if spec.upstream_equivalent and at_least(version, spec.upstream_since or "99"):
+            assert p["status"] == f"not needed (upstream has it since {spec.upstream_since})"
+        elif version not in spec.supported:  # declared per release in the registry
+            assert p["status"] == f"skipped (not ported to sglang {version} yet; it applies on sglang 0.5.17)"
+            unported.append(p["name"])
+        else:
+            assert p["state"] == "applied", p["status"]
+            assert all(t["match"] and version in t["same_as_releases"] for t in p["targets"]), p["targets"]
+    assert rep["problems"] == [] and proc.returncode == 0, proc.stderr[-3000:]  # a declared skip is no problem
 
 
 def test_other_tree_is_only_fingerprinted_and_its_problems_exit_1(released_tree, monkeypatch):
-    tree = released_tree("0.5.23")
+    tree = released_tree("0.5.12")
     rc, out = run_cli("doctor", "--json", "--source-root", tree)
     rep = json.loads(out)
     assert rc == 1
     assert rep["mode"] == doctor.MODE_FINGERPRINTS
-    assert rep["sglang"]["version"] == "0.5.23" and rep["sglang"]["supported"] is False
+    assert rep["sglang"]["version"] == "0.5.12" and rep["sglang"]["supported"] is False
     assert rep["sglang"]["path"] == os.path.join(tree, "sglang")
     states = {p["name"]: p["state"] for p in rep["patches"]}
     assert set(states.values()) <= {"skipped", "not needed"} and "skipped" in states.values()
@@ -83,7 +92,7 @@ def test_other_tree_is_only_fingerprinted_and_its_problems_exit_1(released_tree,
     assert activation.statuses() == {}  # the doctor's look at another tree activated nothing here
     rc, out = run_cli("doctor", "--source-root", tree)  # the same problems in one line
     assert rc == 1 and out.count("\n") == 1
-    assert out.startswith("sglang-ext: PROBLEM \u2014 sglang 0.5.23 is not supported (supported: 0.5.17)")
+    assert out.startswith("sglang-ext: PROBLEM \u2014 sglang 0.5.12 is not supported (supported: 0.5.17, 0.5.23)")
     assert out.endswith(" (details: sglang-ext doctor --verbose)\n")
 
 
