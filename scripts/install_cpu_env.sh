@@ -9,10 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.17}"
-case "$SGLANG_VERSION" in 0.5.17|0.5.23) ;; *) echo "install_cpu_env: SGLANG_VERSION=$SGLANG_VERSION is not a supported release (0.5.17, 0.5.23)" >&2; exit 2 ;; esac
+PY="${PYTHON:-python3}"
+SUPPORTED=$("$PY" -c 'import runpy, sys; print(" ".join(runpy.run_path(sys.argv[1])["SUPPORTED_SGLANG"]))' python/sglang_ext/versions.py)
+case " $SUPPORTED " in *" $SGLANG_VERSION "*) ;; *) echo "install_cpu_env: SGLANG_VERSION=$SGLANG_VERSION is not a supported release ($SUPPORTED)" >&2; exit 2 ;; esac
 OVERRIDE=()
 [ ! -f "requirements/cpu-ci-$SGLANG_VERSION.txt" ] || OVERRIDE=(--override "requirements/cpu-ci-$SGLANG_VERSION.txt")
-PY="${PYTHON:-python3}"
 export PIP_NO_INPUT=1  # never prompt (CI, no stdin)
 t0=$(date +%s)
 phase_t=$t0

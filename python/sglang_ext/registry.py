@@ -185,7 +185,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
         upstream_pr="sgl-project/sglang#33906",
         upstream_since="0.5.18",
         upstream_equivalent=False,  # upstream decides twice (admission and replay)
-        supported=("0.5.17",),
         retire_when="upstream stores the admitted bucket with the batch instead of recomputing it at replay "
         "and holds breakable-graph break inputs strongly (#37448)",
     ),

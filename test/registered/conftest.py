@@ -74,6 +74,17 @@ def released_tree():
     return released_source_root
 
 
+def upstream(name: str):
+    """The installed sglang's module (or "module:attribute") that the registry calls `name`: names are
+    written in the newest supported release's shape, `sglang_ext.registry.RENAMES` gives 0.5.17's."""
+    from sglang_ext.registry import resolve
+    from sglang_ext.versions import installed_sglang_version
+
+    module, _, attr = resolve(name, installed_sglang_version()).partition(":")
+    out = importlib.import_module(module)
+    return getattr(out, attr) if attr else out
+
+
 def ext_core(name: str):
     """The sglang-ext module `name` (e.g. "graphs.stats", "activation") that the sglang under test uses.
 
