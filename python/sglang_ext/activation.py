@@ -276,7 +276,7 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
         if unrecorded:
             st.detail += "; regenerate the tables: python scripts/gen_fingerprints.py"
         return st
-    st.parts_pending = [resolve(p.trigger_module, version) for p in spec.parts]
+    st.parts_pending = [resolve(p.trigger_module, version) for p in spec.parts_on(version)]
     st.detail = _pending_detail(st)
     return st
 
@@ -347,7 +347,7 @@ def _log_startup() -> None:
 def _arm(spec: PatchSpec, settings: Settings) -> None:
     ctx = PatchContext(spec.name, settings)
     _state.contexts[spec.name] = ctx
-    for part in spec.parts:
+    for part in spec.parts_on(_state.version):
         module = resolve(part.trigger_module, _state.version)
         callback = _part_runner(spec, part, module, ctx, _state.generation)
         _state.triggers.append((module, callback))

@@ -58,6 +58,10 @@ class Target:
 class Part:
     trigger_module: str
     function: str  # "sglang_ext.<module>:<function>"
+    before: Optional[str] = None  # a backport: runs only on releases older than this one
+
+    def runs_on(self, version: Optional[str]) -> bool:
+        return self.before is None or version is None or not at_least(version, self.before)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,9 @@ class PatchSpec:
     upstream_equivalent: bool = False
     process: str = "srt scheduler"  # where it matters (doctor says)
     requires: Tuple[Requirement, ...] = ()
+
+    def parts_on(self, version: Optional[str]) -> Tuple[Part, ...]:
+        return tuple(p for p in self.parts if p.runs_on(version))
 
 
 def T(module: str, *qualnames: str) -> Tuple[Target, ...]:
@@ -289,7 +296,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T(f"{_ACTION}.api", "action_metadata_endpoint"),
         parts=(
             Part(_PI05_CONFIG, "sglang_ext.pi05.config:patch_pipeline_config"),
-            Part(f"{_MG}.vla", "sglang_ext.pi05.config:install_prompt_bucketing"),
+            Part(f"{_MG}.vla", "sglang_ext.pi05.config:install_prompt_bucketing", before="0.5.19"),
             Part(_VLA_PROTOCOL, "sglang_ext.pi05.action_metadata:patch_protocol"),
             Part(f"{_ACTION}.api", "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
             Part(f"{_ACTION}.ws_utils",
@@ -301,7 +308,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream ignores misspelled graph keys in update_pipeline_config
-        supported=("0.5.17",),
         retire_when="the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects "
         "misspelled pipeline config keys",
         # The config is built in the launcher (ServerArgs) and pickled into the workers; the
@@ -393,7 +399,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
         rebinds=(f"{_VLA_API}.infer_action", f"{_VLA_WS}.infer_action", f"{_VLA_WS}.unpack_msgpack",
                  f"{_VLA_API}.router: the POST /v1/actions/generations route's endpoint (after pi05_action_transport)"),
         upstream_pr="none (sglang-ext only)",
-        supported=("0.5.17",),
         retire_when="upstream reports per-request hop times itself (not in 0.5.23)",
         process="multimodal_gen HTTP server and worker",
     ),

@@ -75,14 +75,10 @@ def released_tree():
 
 
 def upstream(name: str):
-    """The installed sglang's module (or "module:attribute") that the registry calls `name`: names are
-    written in the newest supported release's shape, `sglang_ext.registry.RENAMES` gives 0.5.17's."""
-    from sglang_ext.registry import resolve
-    from sglang_ext.versions import installed_sglang_version
+    """The installed sglang's module or attribute that the registry calls `name` (sglang_ext_testkit.upstream)."""
+    from sglang_ext_testkit.upstream import upstream as _upstream
 
-    module, _, attr = resolve(name, installed_sglang_version()).partition(":")
-    out = importlib.import_module(module)
-    return getattr(out, attr) if attr else out
+    return _upstream(name)
 
 
 def ext_core(name: str):

@@ -23,7 +23,6 @@ from sglang_ext.patching import install_module
 from sglang_ext.pi05 import graph_settings
 from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
 
-_VLA_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.vla.protocol"
 _ACTION_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.action.protocol"
 
 
@@ -64,11 +63,14 @@ def _with_graph_settings(original):
 
 
 def patch_protocol(ctx, module) -> None:
-    """Part for `...entrypoints.vla.protocol`: wrap action_metadata, alias the 0.5.18+ path."""
+    """Part for `...entrypoints.action.protocol`: wrap action_metadata; on 0.5.17 (`entrypoints.vla`) alias
+    0.5.18's path."""
     ctx.setattr(module, "action_metadata", _with_graph_settings(module.action_metadata))
-    install_module(ctx, _ACTION_PROTOCOL, module)
+    if module.__name__ != _ACTION_PROTOCOL:
+        install_module(ctx, _ACTION_PROTOCOL, module)
 
 
 def rebind_action_metadata(ctx, module) -> None:
-    """Part for `...entrypoints.vla.api` / `.ws_utils`, which bound the name at import."""
-    ctx.setattr(module, "action_metadata", sys.modules[_VLA_PROTOCOL].action_metadata)
+    """Part for `...entrypoints.action.api` / `.ws_utils`, which bound the name at import."""
+    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
+    ctx.setattr(module, "action_metadata", protocol.action_metadata)

@@ -119,7 +119,7 @@ def _stamping_unpack(original):
 
 def patch_api(ctx, module) -> None:
     """Part for entrypoints.vla.api: rebind infer_action, stamp the JSON endpoint's arrival."""
-    protocol = sys.modules["sglang.multimodal_gen.runtime.entrypoints.vla.protocol"]
+    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
     ctx.setattr(module, "infer_action", protocol.infer_action)
     route = next((r for r in module.router.routes
                   if getattr(r, "path", None) == _ACTION_PATH and "POST" in getattr(r, "methods", ())), None)
@@ -130,7 +130,7 @@ def patch_api(ctx, module) -> None:
 
 def patch_ws_utils(ctx, module) -> None:
     """Part for entrypoints.vla.ws_utils: rebind infer_action, stamp each message's arrival."""
-    protocol = sys.modules["sglang.multimodal_gen.runtime.entrypoints.vla.protocol"]
+    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
     ctx.setattr(module, "infer_action", protocol.infer_action)
     original = module.unpack_msgpack
     ctx.setattr(module, "unpack_msgpack", _traced(original, _stamping_unpack, _enabled(ctx)))

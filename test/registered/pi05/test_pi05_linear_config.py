@@ -665,7 +665,8 @@ LADDER = [32, 48, 64, 80, 112, 128, 160, 192, 200]  # the default prompt buckets
 )
 def test_action_metadata_reports_graph_settings(ext_patches, capture, overrides, expected_block, mode):
     ext_patches(pi05_graph_capture=capture)
-    from sglang.multimodal_gen.runtime.entrypoints.vla import api, protocol, ws_utils
+    from sglang_ext_testkit.upstream import upstream
+    api, protocol, ws_utils = upstream("sglang.multimodal_gen.runtime.entrypoints.action.api"), upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol"), upstream("sglang.multimodal_gen.runtime.entrypoints.action.ws_utils")
 
     assert api.action_metadata is protocol.action_metadata is ws_utils.action_metadata
     metadata = protocol.action_metadata(_server_args(Pi05PipelineConfig(**overrides)))

@@ -42,7 +42,8 @@ def test_gemma_style_tokenizer_loads_offline(tmp_path, offline):
 def test_sglang_serve_parses_the_folder_and_preprocesses_the_request(tmp_path, offline, monkeypatch):
     from sglang.multimodal_gen.runtime.entrypoints.cli.serve import add_multimodal_gen_serve_args
     from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import build_action_sampling_params
+    from sglang_ext_testkit.upstream import upstream
+    build_action_sampling_params = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:build_action_sampling_params")
     from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
     from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess import (
         Pi05Preprocessor,
