@@ -288,9 +288,7 @@ def _pending_detail(st: PatchStatus) -> str:
 
 def _report_refusals(source_root: Optional[str]) -> None:
     """One warning per skipped patch (one for an unsupported sglang); strict mode raises the same text."""
-    for st in _state.statuses.values():
-        if st.unported:
-            logger.warning("sglang-ext: patch %s skipped: %s", st.name, st.detail)
+    # a declared skip (not ported to this release) is in the start-up line and the doctor, not a warning
     skipped = [st for st in _state.statuses.values() if st.state == SKIPPED and not st.unported]
     if not skipped:
         return

@@ -26,12 +26,20 @@ from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
 _ACTION_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.action.protocol"
 
 
+def _our_graphs() -> bool:
+    """Whether sglang-ext's Pi0.5 graphs (patch pi05_graphs) serve here; else sglang's own, as configured."""
+    from sglang_ext import activation
+
+    status = activation.statuses().get("pi05_graphs")
+    return status is not None and status.state in (activation.ARMED, activation.APPLIED)
+
+
 def _cuda_graph_block(pipeline_config) -> dict:
     """The graph settings the workers resolve (graph_settings.resolve_plan); a config without the 0.5.19
     methods reports 0.5.17's action flag."""
     prefix_available = getattr(pipeline_config, "prefix_cuda_graph_available", None)
     action_available = getattr(pipeline_config, "action_cuda_graph_available", None)
-    plan = graph_settings.resolve_plan(pipeline_config) if callable(prefix_available) else None
+    plan = graph_settings.resolve_plan(pipeline_config) if callable(prefix_available) and _our_graphs() else None
     return {
         "prefix_enabled": bool(prefix_available()) if callable(prefix_available) else False,
         "prefix_max_entries": plan.prefix_entries if plan else getattr(pipeline_config, "prefix_cuda_graph_max_entries", 0),
