@@ -6,6 +6,7 @@ sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.close,
 sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.initialize
 Upstream PR: none (0.5.23 still opens a socket per request)
 Retire when: upstream keeps its scheduler sockets across requests
+
 Releases: 0.5.17, 0.5.23 (its `_forward_one`, per replica endpoint, and per-request array folders).
 
 Why: every request connects a new REQ socket to the scheduler: a TCP handshake and a ZMTP greeting

@@ -57,12 +57,15 @@ def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str], version: Opti
     recorded = fingerprint.recorded_versions()
     tables = {v: fingerprint.reference_table(v) for v in recorded}
     rows = []
+    release = version.split("+")[0] if version else None
+    checked = (release,) if release in spec.supported else spec.supported  # as activation checks
     for target in spec.targets:
         live = fingerprint.fingerprint_key(target.key_in(version), source_root)
-        reference = {v: tables[v].get(target.key) for v in spec.supported}
+        reference = {v: tables[v].get(target.key) for v in checked}
         same = [v for v in recorded if live is not None and tables[v].get(target.key) == live]
-        rows.append({"target": target.key, "as_named_here": target.key_in(version), "fingerprint": live, "reference": reference,
-                     "match": live is not None and live in set(reference.values()), "same_as_releases": same})
+        rows.append({"target": target.key, "as_named_here": target.key_in(version), "fingerprint": live,
+                     "reference": reference, "match": live is not None and live in set(reference.values()),
+                     "same_as_releases": same})
     return rows
 
 
@@ -282,7 +285,7 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
         lines.append(f"{p['name']:<{width}}  {p['status']}{check[p['verified_live']]}")
         lines.append(f"{'':<{width}}  {p['summary']}")
         for t in p["targets"]:
-            match_text = ("matches " + ", ".join(p["supported"]) if t["match"]
+            match_text = ("matches " + ", ".join(t["reference"]) if t["match"]
                           else "ABSENT" if t["fingerprint"] is None else "CHANGED")
             same = ", ".join(t["same_as_releases"]) or "no recorded release"
             lines.append(f"{'':<{width}}    {t['target']}: {match_text} (identical in: {same})")

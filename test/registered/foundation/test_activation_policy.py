@@ -18,7 +18,7 @@ import textwrap
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from conftest import plugin_only
+from conftest import plugin_only, where_part_runs
 from activation_env import clean_activation  # noqa: F401  (autouse fixture)
 from sglang_ext import activation, plugin, registry
 from sglang_ext.tools import doctor
@@ -283,6 +283,7 @@ _BUCKETS_WITHOUT_CONFIG = {"SGLANG_EXT": "1", "SGLANG_EXT_DISABLE": "pi05_config
                            "SGLANG_EXT_PI05_PROMPT_TOKEN_BUCKETS": "32,64"}
 
 
+@where_part_runs("sglang_ext.pi05.policy_graphs:patch_policy")  # pi05_graphs needs pi05_config
 def test_a_patch_whose_requirement_is_off_is_left_off_with_a_warning(monkeypatch, caplog):
     """pi05_graphs' prompt buckets need pi05_config's module: never 'applied' and then ImportError per request."""
     armed = []
@@ -300,6 +301,7 @@ def test_a_patch_whose_requirement_is_off_is_left_off_with_a_warning(monkeypatch
     assert "\n" not in warning and "requires patch pi05_config" in warning
 
 
+@where_part_runs("sglang_ext.pi05.policy_graphs:patch_policy")  # pi05_graphs needs pi05_config
 def test_a_patch_whose_requirement_is_off_stops_start_up_in_strict_mode(monkeypatch):
     monkeypatch.setattr(activation, "_arm", lambda spec, settings: None)
     with pytest.raises(SglangExtActivationError) as err:
@@ -308,6 +310,7 @@ def test_a_patch_whose_requirement_is_off_stops_start_up_in_strict_mode(monkeypa
     assert "\n" not in text and "patch pi05_graphs skipped: requires patch pi05_config" in text
 
 
+@where_part_runs("sglang_ext.pi05.policy_graphs:patch_policy")  # pi05_graphs needs pi05_config
 def test_a_conditional_requirement_without_its_knob_does_not_apply(monkeypatch):
     monkeypatch.setattr(activation, "_arm", lambda spec, settings: None)
     got = activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_DISABLE": "pi05_config",
@@ -570,7 +573,8 @@ ext_dir = os.path.dirname(sglang_ext.__file__)
 def ours(value):
     code = getattr(getattr(value, "__func__", value), "__code__", None)
     module = getattr(value, "__module__", None)
-    return (code is not None and code.co_filename.startswith(ext_dir)) or (
+    # (0.5.23's lazy module proxies answer any attribute: only real code objects count)
+    return (isinstance(code, types.CodeType) and code.co_filename.startswith(ext_dir)) or (
         isinstance(value, type) and str(module).startswith("sglang_ext"))
 
 left = []

@@ -321,22 +321,46 @@ def test_series_applies_to_a_pristine_0_5_17_tree(tmp_path, layout):
     assert "nothing was changed" in half.stderr
 
 
-@pytest.mark.parametrize("version", ["0.5.18", "0.5.23"])
-def test_series_refuses_other_sglang_releases(version):
+@pytest.mark.parametrize("version", ["0.5.18", "0.5.22"])
+def test_series_refuses_releases_without_one(version):
     from sglang_ext_testkit import wheels
 
     root = wheels.ensure_unpacked(version)  # the real unpacked wheel; refused before anything is read
     done = _apply(root)
     assert done.returncode != 0
-    assert f"this patch series is for sglang 0.5.17, but {root} is sglang {version}" in done.stderr
+    assert f"no patch series for sglang {version} (series exist for sglang 0.5.17 0.5.23)" in done.stderr
     assert not os.path.exists(os.path.join(root, "sglang", "ext"))
+
+
+def test_a_series_given_for_another_release_is_refused():
+    from sglang_ext_testkit import wheels
+
+    root = wheels.ensure_unpacked("0.5.23")
+    done = _apply("--check", "--series", os.path.join(REPO, "patches", "sglang-0.5.17"), root)  # on a 0.5.23 tree
+    assert done.returncode != 0
+    assert f"this patch series is for sglang 0.5.17, but {root} is sglang 0.5.23" in done.stderr
+
+
+def test_every_supported_release_has_its_series_and_it_applies_to_that_wheel(tmp_path):
+    """--check of each release's series against a copy of that release's pristine wheel."""
+    from sglang_ext_testkit import wheels
+
+    for version in gp.SERIES_VERSIONS:
+        series = os.path.join(REPO, "patches", f"sglang-{version}")
+        assert f"# sglang-version: {version}" in open(os.path.join(series, "series"), encoding="utf-8").read()
+        tree = tmp_path / version
+        shutil.copytree(os.path.join(wheels.ensure_unpacked(version), "sglang"), tree / "sglang",
+                        ignore=shutil.ignore_patterns("test", "*.so"))
+        done = _apply("--check", str(tree))
+        assert done.returncode == 0, done.stderr
+        assert f"sglang {version}" in done.stdout
 
 
 def test_apply_refuses_a_tree_without_a_version(tmp_path):
     (tmp_path / "sglang").mkdir()
     done = _apply(str(tmp_path))
     assert done.returncode != 0
-    assert "cannot tell the sglang version" in done.stderr and "0.5.17" in done.stderr
+    assert "cannot tell the sglang version" in done.stderr and "0.5.17 0.5.23" in done.stderr
 
 
 @pytest.mark.parametrize("tag, ok", [("v0.5.17", True), ("v0.5.18", False)])
@@ -355,7 +379,7 @@ def test_apply_reads_the_release_tag_of_a_checkout_without_a_build(tmp_path, tag
         assert "(sglang 0.5.17, checkout layout, -p1)" in done.stdout
     else:
         assert done.returncode != 0
-        assert "this patch series is for sglang 0.5.17" in done.stderr and "is sglang 0.5.18" in done.stderr
+        assert "no patch series for sglang 0.5.18" in done.stderr
 
 
 @pytest.mark.skipif(shutil.which("quilt") is None and not os.environ.get("EXT_CI_REQUIRE_QUILT"),

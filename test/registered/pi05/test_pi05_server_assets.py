@@ -17,7 +17,7 @@ import pytest
 import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from conftest import plugin_only
+from conftest import plugin_only, where_part_runs
 from sglang_ext_testkit import pi05_checkpoint as pc
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
@@ -63,7 +63,8 @@ def test_sglang_serve_parses_the_folder_and_preprocesses_the_request(tmp_path, o
     config = args.pipeline_config
     assert type(config).__name__ == "Pi05PipelineConfig"
     assert config.tokenizer_name == f"{folder}/tokenizer"
-    assert args.warmup is False and config.enable_action_cuda_graph
+    assert config.enable_action_cuda_graph
+    assert args.warmup is False if hasattr(args, "warmup") else args.warmup_mode == "off"  # 0.5.17 / 0.5.23
 
     Pi05PolicyModel._apply_checkpoint_config(folder, config)  # what the worker does before loading
     assert config.image_keys == pc.CAMERAS and config.state_dim == pc.STATE_DIM
@@ -105,6 +106,7 @@ def _core_model_tensors() -> dict:
 
 
 @plugin_only
+@where_part_runs("sglang_ext.pi05.gemma_projections:patch_pi05_core")  # merged GEMMs are upstream's from 0.5.19
 def test_checkpoint_names_load_into_the_unpatched_and_the_patched_model(ext_patches, monkeypatch):
     """The checkpoint holds the unpatched model's state dict; sglang's own name mapping
     (Pi05PolicyModel._candidate_target_weights, what _load_weights resolves with) must reach
