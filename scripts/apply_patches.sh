@@ -9,8 +9,8 @@
 # them apart.
 #
 # The tree's sglang version is checked first (sglang/_version.py; in a checkout without a
-# build, `git describe --tags`): the series is for one release, and another one is refused
-# before anything is touched. Then the whole series is checked (`git apply --check`, patch
+# build, `git describe --tags`): it picks the series (patches/sglang-<release>; --series: that
+# one), each for one release, and a release without one is refused before anything is touched. Then the whole series is checked (`git apply --check`, patch
 # by patch, on a scratch copy of the files it touches) and only then applied. git discovery is fenced
 # off at TREE, so a TREE nested inside another repository is still patched in place
 # (`git apply` inside a foreign work tree would silently skip the files).
@@ -22,7 +22,7 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-series_dir="$here/../patches/sglang-0.5.17"
+series_dir=""  # default: patches/sglang-<the tree's release>
 layout=auto
 check_only=0
 tree=""
@@ -45,11 +45,7 @@ done
 [ -n "$tree" ] || die "usage: $0 [--check] [--layout auto|checkout|wheel] [--series DIR] TREE"
 [ -d "$tree" ] || die "$tree is not a directory"
 tree="$(cd "$tree" && pwd)"
-series_dir="$(cd "$series_dir" && pwd)"
-[ -f "$series_dir/series" ] || die "$series_dir/series not found"
-
-series_version="$(sed -n 's/^# sglang-version: *//p' "$series_dir/series" | head -n1)"
-[ -n "$series_version" ] || die "$series_dir/series has no '# sglang-version:' line"
+available="$(ls "$here/../patches" | sed -n 's/^sglang-//p' | xargs)"
 
 if [ "$layout" = auto ]; then
   if [ -d "$tree/python/sglang" ]; then layout=checkout
@@ -73,7 +69,16 @@ if [ -z "$tree_version" ] && [ "$layout" = checkout ] && [ -d "$tree/.git" ]; th
   tree_version="$(git -C "$tree" describe --tags --exact-match 2>/dev/null | sed 's/^v//')" || true
 fi
 [ -n "$tree_version" ] || die "cannot tell the sglang version of $tree (no sglang/_version.py, no exact release tag); \
-this series is for sglang $series_version only"
+patch series exist for sglang $available only"
+if [ -z "$series_dir" ]; then
+  series_dir="$here/../patches/sglang-${tree_version%%+*}"
+  [ -d "$series_dir" ] || die "no patch series for sglang $tree_version (series exist for sglang $available); \
+refusing to apply. Use the sglang-ext runtime plugin, or a tree of one of those releases."
+fi
+series_dir="$(cd "$series_dir" && pwd)"
+[ -f "$series_dir/series" ] || die "$series_dir/series not found"
+series_version="$(sed -n 's/^# sglang-version: *//p' "$series_dir/series" | head -n1)"
+[ -n "$series_version" ] || die "$series_dir/series has no '# sglang-version:' line"
 if [ "${tree_version%%+*}" != "$series_version" ]; then
   die "this patch series is for sglang $series_version, but $tree is sglang $tree_version; refusing to apply. \
 Use the sglang-ext runtime plugin, or a $series_version tree."

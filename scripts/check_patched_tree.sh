@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # CI for the fork patch series:
 #   1. patches/ equals what scripts/gen_patches.py generates from the adapters now;
-#   2. it applies (git apply --check, then git apply) to a copy of the pristine sglang 0.5.17
-#      installed in the venv;
+#   2. the series of the venv's sglang release (patches/sglang-<release>) applies (git apply --check,
+#      then git apply) to a copy of that pristine sglang installed in the venv;
 #   3. the project's CPU suite passes against that patched copy with the installed plugin NOT active:
 #      the copy vendors sglang-ext as sglang.ext and the tests drive that one (EXT_TEST_TREE=patched:
 #      tests of the installed plugin itself skip, the rest must pass unchanged).
@@ -20,12 +20,12 @@ keep=0
 echo "check_patched_tree: regenerate and compare (scripts/gen_patches.py --check)"
 "$PY" scripts/gen_patches.py --check
 
-# The pristine 0.5.17 the plugin patches at run time: the venv's installed package.
+# The pristine sglang the plugin patches at run time: the venv's installed package.
 site_pkg="$(env -u PYTHONPATH "$PY" -c 'import os, sglang; print(os.path.dirname(sglang.__file__))')"
 version="$(env -u PYTHONPATH "$PY" -c 'import importlib.metadata as m; print(m.version("sglang"))')"
-[ "${version%%+*}" = 0.5.17 ] || { echo "check_patched_tree: the venv has sglang $version, not 0.5.17" >&2; exit 1; }
+[ -f "patches/sglang-${version%%+*}/series" ] || { echo "check_patched_tree: the venv has sglang $version, which has no series under patches/" >&2; exit 1; }
 
-tree="$(mktemp -d "${TMPDIR:-/tmp}/sglang-0.5.17-patched.XXXXXX")"
+tree="$(mktemp -d "${TMPDIR:-/tmp}/sglang-${version%%+*}-patched.XXXXXX")"
 if [ "$keep" = 0 ]; then trap 'rm -rf "$tree"' EXIT; fi
 # -a keeps modification times, so the byte code cached beside unpatched files stays valid
 # (imports of sglang model modules cost 10-30 s each without it).

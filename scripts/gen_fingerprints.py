@@ -34,18 +34,19 @@ GENERATED_BY = "scripts/gen_fingerprints.py"
 REGENERATE = "python scripts/gen_fingerprints.py && git add python/sglang_ext/fingerprints docs/support-matrix.md docs/settings.md"
 
 
-def registry_targets() -> List[tuple]:
+def registry_targets() -> List[object]:
     seen = {}
     for spec in PATCHES:
         for t in spec.targets:
-            seen[t.key] = (t.module, t.qualname)
+            seen[t.key] = t
     return [seen[k] for k in sorted(seen)]
 
 
 def build_table(version: str, root: str) -> Dict[str, object]:
+    """Keyed by the registry's (newest-shape) names; each fingerprint is of the name `version` uses."""
     prints: Dict[str, Optional[str]] = {}
-    for module, qualname in registry_targets():
-        prints[f"{module}:{qualname}"] = fingerprint.fingerprint(module, qualname, source_root=root)
+    for target in registry_targets():
+        prints[target.key] = fingerprint.fingerprint_key(target.key_in(version), source_root=root)
     return {"sglang": version, "generated_by": GENERATED_BY, "fingerprints": prints}
 
 

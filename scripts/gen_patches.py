@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate the fork patch series `patches/sglang-0.5.17/` from the plugin itself.
+"""Generate the fork patch series `patches/sglang-<release>/` (one per supported release) from the plugin itself.
 
 The fork carries the plugin rather than re-telling it. The series vendors, as `sglang/ext/`,
 every sglang_ext module that activation can reach: `sglang_ext.activation`, the adapter
@@ -23,8 +23,9 @@ generic (a new kind of adapter code needs no generator code): after an adapter c
 it. The patched-tree suite tests the adapters themselves, vendored. The price: a reader of the
 series sees the adapters and their runtime swaps, not edited sglang functions.
 
-    python scripts/gen_patches.py            # rewrite the series and the matrix in patches/README.md
+    python scripts/gen_patches.py            # rewrite every series and the matrix in patches/README.md
     python scripts/gen_patches.py --check    # exit 1 when any of them is stale
+    python scripts/gen_patches.py --release 0.5.23 [--check]   # one series
 
 Patch paths are `a/python/sglang/...` (an sglang checkout: `git apply -p1`, quilt).
 `scripts/apply_patches.sh` checks the version first, and also applies the series to an
@@ -44,7 +45,11 @@ from typing import Dict, List, Optional, Sequence
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PYTHON_DIR = os.path.join(REPO, "python")
-SERIES_VERSION = "0.5.17"
+
+from sglang_ext.versions import SUPPORTED_SGLANG  # noqa: E402
+
+SERIES_VERSIONS = SUPPORTED_SGLANG  # one series per supported release; _select() makes one current
+SERIES_VERSION = SERIES_VERSIONS[0]
 PATCH_DIR = os.path.join(REPO, "patches", f"sglang-{SERIES_VERSION}")
 READMES = (os.path.join(REPO, "patches", "README.md"),)
 REGENERATE = "python scripts/gen_patches.py && git add patches/"
@@ -62,6 +67,18 @@ HOOK_LINES = (
     "",
     "_activate_sglang_ext(force=True)",
 )
+
+
+def _select(version: str) -> None:
+    """Make `version`'s series the current one (its directory, fingerprint table and hook comment)."""
+    global SERIES_VERSION, PATCH_DIR, DATA, HOOK_LINES
+    SERIES_VERSION = version
+    PATCH_DIR = os.path.join(REPO, "patches", f"sglang-{version}")
+    DATA = (f"sglang_ext/fingerprints/sglang-{version}.json",)
+    HOOK_LINES = (f"# sglang-ext fork series (patches/sglang-{version}): activate the vendored sglang/ext/ in every",
+                  *HOOK_LINES[1:])
+
+
 MATRIX_BEGIN = "<!-- BEGIN GENERATED MATRIX (scripts/gen_patches.py) -->"
 MATRIX_END = "<!-- END GENERATED MATRIX -->"
 MATRIX_VERSIONS = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
@@ -277,10 +294,13 @@ def matrix(specs, files: Dict[str, str]) -> str:
     for spec in specs:
         cells = []
         for v in MATRIX_VERSIONS:
-            if v == SERIES_VERSION:
-                names = dict.fromkeys(carriers.get(p.function.split(":")[0], "**missing**") for p in spec.parts)
+            upstream = spec.upstream_since and at_least(v, spec.upstream_since)
+            if v in SERIES_VERSIONS and v not in spec.supported and not (upstream and spec.upstream_equivalent):
+                cells.append("not ported yet")
+            elif v in SERIES_VERSIONS and not (upstream and spec.upstream_equivalent):
+                names = dict.fromkeys(carriers.get(p.function.split(":")[0], "**missing**") for p in spec.parts_on(v))
                 cells.append(", ".join(n if n.startswith("**") else f"`{n}`" for n in names))
-            elif spec.upstream_since and at_least(v, spec.upstream_since):
+            elif upstream:
                 cells.append("upstream" if spec.upstream_equivalent else "upstream (differs)")
             else:
                 cells.append("not upstream")
@@ -342,10 +362,23 @@ def stale(generated: Dict[str, str], patch_dir: str = PATCH_DIR) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when the committed series is stale")
-    parser.add_argument("--sglang-tree", help="pristine sglang 0.5.17 tree (unpacked wheel or checkout); "
+    parser.add_argument("--sglang-tree", help="pristine sglang tree of --release (unpacked wheel or checkout); "
                                               "default: the cached wheel (~/.cache/sglang-ext/wheels)")
-    parser.add_argument("--patch-dir", default=PATCH_DIR, help=argparse.SUPPRESS)  # tests: a copy to check
+    parser.add_argument("--release", choices=SERIES_VERSIONS, help="one series (default: every supported release)")
+    parser.add_argument("--patch-dir", help=argparse.SUPPRESS)  # tests: a copy to check (one release)
     args = parser.parse_args(argv)
+    status = 0
+    try:
+        for release in (args.release,) if args.release else SERIES_VERSIONS:
+            _select(release)
+            status = max(status, _main_one(args))
+    finally:
+        _select(SERIES_VERSIONS[0])  # importers (tests) keep seeing the first release's series
+    return status
+
+
+def _main_one(args) -> int:
+    patch_dir = args.patch_dir or PATCH_DIR
     try:
         generated = generate(args.sglang_tree)
     except GenerationError as exc:
@@ -354,18 +387,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     series_rel = os.path.relpath(PATCH_DIR, REPO)
     count = sum(k.endswith(".patch") for k in generated)
     if args.check:
-        problems = stale(generated, args.patch_dir)
+        problems = stale(generated, patch_dir)
         if problems:
             print(f"{series_rel} or the README matrix is stale (generated from python/sglang_ext):\n  "
                   + "\n  ".join(problems) + f"\nRegenerate with: {REGENERATE}", file=sys.stderr)
             return 1
         print(f"{series_rel}: up to date ({count} patches)")
         return 0
-    for name in os.listdir(args.patch_dir) if os.path.isdir(args.patch_dir) else ():
+    for name in os.listdir(patch_dir) if os.path.isdir(patch_dir) else ():
         if name.endswith(".patch") or name == "series":
-            os.remove(os.path.join(args.patch_dir, name))
-    os.makedirs(args.patch_dir, exist_ok=True)
-    for path, text in destinations(generated, args.patch_dir).items():
+            os.remove(os.path.join(patch_dir, name))
+    os.makedirs(patch_dir, exist_ok=True)
+    for path, text in destinations(generated, patch_dir).items():
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     print(f"wrote {series_rel} ({count} patches) and the matrix in {', '.join(os.path.relpath(r, REPO) for r in READMES)}")

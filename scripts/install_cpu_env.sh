@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Create (or refresh) a CPU-only virtualenv with sglang 0.5.17 and sglang-ext.
-#   bash scripts/install_cpu_env.sh [VENV_DIR]      (default: .venv)
+# Create (or refresh) a CPU-only virtualenv with sglang and sglang-ext.
+#   [SGLANG_VERSION=0.5.23] bash scripts/install_cpu_env.sh [VENV_DIR]   (default: 0.5.17, .venv)
 # torch/torchvision: the matched 2.14.1 / 0.29.1 pair (PyPI's torchvision does not
 # import beside a CPU-only torch build). sglang: --no-deps, because its pins pull
-# CUDA-only packages; requirements/cpu-ci.txt lists what its Python needs on a CPU.
+# CUDA-only packages; requirements/cpu-ci.txt lists what its Python needs on a CPU, and
+# requirements/cpu-ci-<version>.txt (when present) overrides the pins that release changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.17}"
 PY="${PYTHON:-python3}"
+SUPPORTED=$("$PY" -c 'import runpy, sys; print(" ".join(runpy.run_path(sys.argv[1])["SUPPORTED_SGLANG"]))' python/sglang_ext/versions.py)
+case " $SUPPORTED " in *" $SGLANG_VERSION "*) ;; *) echo "install_cpu_env: SGLANG_VERSION=$SGLANG_VERSION is not a supported release ($SUPPORTED)" >&2; exit 2 ;; esac
+OVERRIDE=()
+[ ! -f "requirements/cpu-ci-$SGLANG_VERSION.txt" ] || OVERRIDE=(--override "requirements/cpu-ci-$SGLANG_VERSION.txt")
 export PIP_NO_INPUT=1  # never prompt (CI, no stdin)
 t0=$(date +%s)
 phase_t=$t0
@@ -31,7 +36,7 @@ phase "torch 2.14.1 + torchvision 0.29.1"
 # Its package cache (~/.cache/uv, or UV_CACHE_DIR) makes reruns on the same machine fast.
 UV="$VENV/bin/uv"
 # The installed torch satisfies every dependent's range, so uv keeps it.
-"$UV" pip install -q --python "$VPY" --compile-bytecode -r requirements/cpu-ci.txt
+"$UV" pip install -q --python "$VPY" --compile-bytecode -r requirements/cpu-ci.txt "${OVERRIDE[@]}"
 "$UV" pip install -q --python "$VPY" --compile-bytecode --no-deps "sglang==$SGLANG_VERSION"
 phase "dependencies + sglang $SGLANG_VERSION --no-deps"
 # the project itself (editable; pulls no dependencies: sglang and torch are the user's)

@@ -24,14 +24,18 @@ from sglang_ext.errors import ExtConfigError, SglangExtActivationError
 from sglang_ext import knobs
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
 from sglang_ext.patching import PatchContext, cancel_trigger, when_imported
-from sglang_ext.registry import PATCHES, PatchSpec
+from sglang_ext.registry import PATCHES, PatchSpec, resolve
 from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, at_least, installed_sglang_path,
-                                 installed_sglang_version, source_tree_version)
+                                 installed_sglang_version, release as _release, source_tree_version,
+                                 within_supported_range)
 
 logger = logging.getLogger("sglang_ext")
 
 APPLIED, ARMED, DISABLED, NOT_NEEDED, SKIPPED, FAILED = (
     "applied", "armed", "disabled", "not needed", "skipped", "failed")
+
+
+NOT_PORTED = "not ported to sglang"  # a skip the registry declares (not a problem, even in strict mode)
 
 
 @dataclass
@@ -52,6 +56,10 @@ class PatchStatus:
 
     def as_dict(self) -> Dict[str, Any]:
         return {**asdict(self), "status": str(self)}
+
+    @property
+    def unported(self) -> bool:
+        return self.state == SKIPPED and self.detail.startswith(NOT_PORTED)
 
 
 class _ProcessState:
@@ -185,7 +193,8 @@ def resolve_version(settings: Optional[Settings], source_root: Optional[str] = N
 
 
 def is_supported(version: Optional[str]) -> bool:
-    return version is not None and _release(version) in SUPPORTED_SGLANG
+    """A supported release, or one between two (its patches are decided by their fingerprints)."""
+    return version is not None and within_supported_range(version)
 
 
 def plan(settings: Settings, *, version: Optional[str], source_root: Optional[str] = None
@@ -225,10 +234,6 @@ def _check_requirements(decided: Dict[str, PatchStatus], settings: Settings) -> 
                 break
 
 
-def _release(version: str) -> str:
-    return version.split("+")[0]  # a local version label (+cu130, +gitsha) is the same release
-
-
 def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_root: Optional[str]) -> PatchStatus:
     if spec.name in settings.disable:
         return PatchStatus(spec.name, DISABLED, f"listed in {knob('disable').env}")
@@ -237,35 +242,41 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
                            f"one with {knob('assume_sglang').env}" if source_root else "sglang is not installed")
     if spec.upstream_equivalent and spec.upstream_since and at_least(version, spec.upstream_since):
         return PatchStatus(spec.name, NOT_NEEDED, f"upstream has it since {spec.upstream_since}")
-    if _release(version) not in spec.supported:
+    if not within_supported_range(version):
         return PatchStatus(spec.name, SKIPPED, f"sglang {version} is not supported; supported: "
-                           f"{', '.join(spec.supported)}")
+                           f"{', '.join(SUPPORTED_SGLANG)}")
+    if _release(version) in SUPPORTED_SGLANG and _release(version) not in spec.supported:
+        return PatchStatus(spec.name, SKIPPED, f"{NOT_PORTED} {_release(version)} yet; it applies on "
+                           f"sglang {', '.join(spec.supported)}")
     st = PatchStatus(spec.name, ARMED)
+    # a supported release is checked against its own reference; one between them against any
+    references = (_release(version),) if _release(version) in spec.supported else spec.supported
     changed, absent, unrecorded = [], [], []
     for target in spec.targets:
-        live = fp.fingerprint(target.module, target.qualname, source_root)
-        expected = {fp.reference_table(v).get(target.key) for v in spec.supported} - {None}
+        name = target.key_in(version)  # as this release spells it
+        live = fp.fingerprint_key(name, source_root)
+        expected = {fp.reference_table(v).get(target.key) for v in references} - {None}
         ok = live is not None and live in expected
-        st.fingerprints[target.key] = ok
+        st.fingerprints[name] = ok
         if ok:
             continue
         if live is None:
-            absent.append(target.key)
+            absent.append(name)
         elif not expected:
-            unrecorded.append(target.key)
+            unrecorded.append(name)
         else:
-            changed.append(target.key)
+            changed.append(name)
     if changed or absent or unrecorded:
         reasons = [what + ", ".join(keys) for what, keys in (("fingerprint changed: ", changed),
                    ("target absent: ", absent), ("no reference fingerprint recorded for ", unrecorded)) if keys]
         st.state = SKIPPED
         st.detail = ("; ".join(reasons) + f" -- checked sglang {version}"
                      + (f" at {source_root}" if source_root else "")
-                     + f" against the reference of sglang {', '.join(spec.supported)}")
+                     + f" against the reference of sglang {', '.join(references)}")
         if unrecorded:
             st.detail += "; regenerate the tables: python scripts/gen_fingerprints.py"
         return st
-    st.parts_pending = [p.trigger_module for p in spec.parts]
+    st.parts_pending = [resolve(p.trigger_module, version) for p in spec.parts_on(version)]
     st.detail = _pending_detail(st)
     return st
 
@@ -277,11 +288,12 @@ def _pending_detail(st: PatchStatus) -> str:
 
 def _report_refusals(source_root: Optional[str]) -> None:
     """One warning per skipped patch (one for an unsupported sglang); strict mode raises the same text."""
-    skipped = [st for st in _state.statuses.values() if st.state == SKIPPED]
+    # a declared skip (not ported to this release) is in the start-up line and the doctor, not a warning
+    skipped = [st for st in _state.statuses.values() if st.state == SKIPPED and not st.unported]
     if not skipped:
         return
     version = _state.version
-    unsupported = version is not None and not is_supported(version)
+    unsupported = version is not None and not within_supported_range(version)
     if unsupported:
         where = source_root or installed_sglang_path() or "?"
         assume = knob("assume_sglang").env
@@ -333,10 +345,11 @@ def _log_startup() -> None:
 def _arm(spec: PatchSpec, settings: Settings) -> None:
     ctx = PatchContext(spec.name, settings)
     _state.contexts[spec.name] = ctx
-    for part in spec.parts:
-        callback = _part_runner(spec, part, ctx, _state.generation)
-        _state.triggers.append((part.trigger_module, callback))
-        when_imported(part.trigger_module, callback)
+    for part in spec.parts_on(_state.version):
+        module = resolve(part.trigger_module, _state.version)
+        callback = _part_runner(spec, part, module, ctx, _state.generation)
+        _state.triggers.append((module, callback))
+        when_imported(module, callback)
 
 
 def _fail(spec: PatchSpec, ctx: PatchContext, st: PatchStatus, detail: str,
@@ -362,7 +375,7 @@ def _fail(spec: PatchSpec, ctx: PatchContext, st: PatchStatus, detail: str,
     _write_record()
 
 
-def _part_runner(spec: PatchSpec, part, ctx: PatchContext, generation: int):
+def _part_runner(spec: PatchSpec, part, trigger: str, ctx: PatchContext, generation: int):
     def run(module: Any) -> None:
         if generation != _state.generation:
             return  # armed by an activation that was deactivated since
@@ -381,12 +394,12 @@ def _part_runner(spec: PatchSpec, part, ctx: PatchContext, generation: int):
             if problems:
                 raise RuntimeError("verification failed: " + "; ".join(problems))
         except BaseException as exc:  # noqa: BLE001 - rolled back here, re-raised (strict or not ours)
-            _fail(spec, ctx, st, f"{part.function} on {part.trigger_module}: {type(exc).__name__}: {exc}", exc)
+            _fail(spec, ctx, st, f"{part.function} on {trigger}: {type(exc).__name__}: {exc}", exc)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit, a nested strict abort
             return
-        st.parts_pending.remove(part.trigger_module)
-        st.parts_applied.append(part.trigger_module)
+        st.parts_pending.remove(trigger)
+        st.parts_applied.append(trigger)
         if not st.parts_pending:
             st.state, st.detail = APPLIED, ""
             logger.info("sglang-ext: patch %s applied", spec.name)

@@ -87,6 +87,12 @@ def fingerprint(module: str, qualname: str, source_root: Optional[str] = None) -
     return None if node is None else digest(node)
 
 
+def fingerprint_key(key: str, source_root: Optional[str] = None) -> Optional[str]:
+    """`fingerprint` of a "module:qualname" key."""
+    module, qualname = key.split(":")
+    return fingerprint(module, qualname, source_root)
+
+
 def reference_table(version: str) -> Dict[str, Optional[str]]:
     """Recorded fingerprints of one sglang release ({"module:qualname": hash|None})."""
     path = os.path.join(_TABLE_DIR, f"sglang-{version}.json")

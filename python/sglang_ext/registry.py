@@ -5,12 +5,40 @@ fingerprint must match before any part is applied), `parts` (trigger module -> a
 run as `fn(ctx, module)` once it is imported), `rebinds` (bound names also rebound: documentation),
 `upstream_since` / `upstream_equivalent` (an equivalent upstream makes the patch "not needed"),
 `requires` (patches this one needs, perhaps only while a knob is set).
+
+Every name is written in the shape of the newest supported release; `RENAMES` is the shim that
+gives an older release its own names (`resolve`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from sglang_ext.versions import SUPPORTED_SGLANG, at_least
+
+_MG = "sglang.multimodal_gen.runtime"
+
+# (first release with the new name, new name, the name before it): a dotted module prefix, or
+# "module:qualname" for a definition renamed in place.
+RENAMES: Tuple[Tuple[str, str, str], ...] = (
+    ("0.5.18", f"{_MG}.vla.cuda_graph", f"{_MG}.vla.denoise_cuda_graph"),
+    ("0.5.18", f"{_MG}.entrypoints.action", f"{_MG}.entrypoints.vla"),
+    ("0.5.20", "sglang.srt.layers.cp.utils:is_cp_active", "sglang.srt.layers.cp.utils:is_cp_v2_active"),
+    ("0.5.23", "sglang.srt.layers.cp.bcg.bcg", "sglang.srt.layers.cp.bcg"),
+)
+
+
+def resolve(name: str, version: Optional[str]) -> str:
+    """`name` (a module, or "module:qualname") as sglang `version` spells it (None: the newest shape)."""
+    if version is None:
+        return name
+    for since, new, old in RENAMES:
+        if at_least(version, since):
+            continue
+        if name == new or (":" not in new and (name.startswith(new + ".") or name.startswith(new + ":"))):
+            name = old + name[len(new):]
+    return name
 
 
 @dataclass(frozen=True)
@@ -22,11 +50,18 @@ class Target:
     def key(self) -> str:
         return f"{self.module}:{self.qualname}"
 
+    def key_in(self, version: Optional[str]) -> str:
+        return resolve(self.key, version)
+
 
 @dataclass(frozen=True)
 class Part:
     trigger_module: str
     function: str  # "sglang_ext.<module>:<function>"
+    before: Optional[str] = None  # a backport: runs only on releases older than this one
+
+    def runs_on(self, version: Optional[str]) -> bool:
+        return self.before is None or version is None or not at_least(version, self.before)
 
 
 @dataclass(frozen=True)
@@ -43,12 +78,15 @@ class PatchSpec:
     parts: Tuple[Part, ...]
     upstream_pr: str
     retire_when: str
-    supported: Tuple[str, ...] = ("0.5.17",)
+    supported: Tuple[str, ...] = SUPPORTED_SGLANG
     rebinds: Tuple[str, ...] = ()
     upstream_since: Optional[str] = None
     upstream_equivalent: bool = False
     process: str = "srt scheduler"  # where it matters (doctor says)
     requires: Tuple[Requirement, ...] = ()
+
+    def parts_on(self, version: Optional[str]) -> Tuple[Part, ...]:
+        return tuple(p for p in self.parts if p.runs_on(version))
 
 
 def T(module: str, *qualnames: str) -> Tuple[Target, ...]:
@@ -60,19 +98,19 @@ _QWEN25 = "sglang.srt.models.qwen2_5_vl"
 _QWEN3 = "sglang.srt.models.qwen3_vl"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 _MM_UTILS = "sglang.srt.managers.mm_utils"
-_BCG = "sglang.srt.layers.cp.bcg"
+_BCG = "sglang.srt.layers.cp.bcg.bcg"
 _PREFILL = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 _BREAKABLE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
-_MG = "sglang.multimodal_gen.runtime"
 _PI05_CORE = f"{_MG}.models.vlas.pi05_core"
 _PI05_POLICY = f"{_MG}.models.vlas.pi05_policy"
 _VLA_STAGES = f"{_MG}.pipelines_core.stages.vla"
 _MG_LINEAR = f"{_MG}.layers.linear"
 _MG_CONFIGS = "sglang.multimodal_gen.configs.pipeline_configs"
 _PI05_CONFIG = f"{_MG_CONFIGS}.pi05"
-_VLA_PROTOCOL = f"{_MG}.entrypoints.vla.protocol"
-_VLA_API = f"{_MG}.entrypoints.vla.api"
-_VLA_WS = f"{_MG}.entrypoints.vla.ws_utils"
+_ACTION = f"{_MG}.entrypoints.action"
+_VLA_PROTOCOL = f"{_ACTION}.protocol"
+_VLA_API = f"{_ACTION}.api"
+_VLA_WS = f"{_ACTION}.ws_utils"
 _MG_SCHEDULER_CLIENT = f"{_MG}.scheduler_client"
 _PI05_PREPROCESS = f"{_MG}.pipelines_core.stages.model_specific_stages.pi05_preprocess"
 
@@ -107,6 +145,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
                  "sglang.srt.layers.attention.vision.apply_rotary_pos_emb_native_eager"),
         upstream_pr="sgl-project/sglang#37043",
         upstream_since="0.5.19",
+        supported=("0.5.17",),  # its 0.5.23 adapter follows the ViT runner refactor
         upstream_equivalent=False,  # upstream is unbounded, keeps retired workspaces, syncs on fallback
         retire_when="upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs",
     ),
@@ -141,7 +180,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         # the override of _pad_to_bucket delegates to the base staticmethod
         + T("sglang.srt.model_executor.runner.base_cuda_graph_runner", "BaseCudaGraphRunner._pad_to_bucket")
         # the closed-form requirement must equal the rows prepare() builds for the live layout
-        + T("sglang.srt.layers.cp.utils", "is_cp_v2_active", "prepare_cp_forward")
+        + T("sglang.srt.layers.cp.utils", "is_cp_active", "prepare_cp_forward")
         + T("sglang.srt.layers.cp.zigzag", "ZigzagCPStrategy.build_metadata")
         + T("sglang.srt.layers.cp.padding", "pad_logical_token_to_physical"),
         parts=(
@@ -179,7 +218,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         "opt-in fused denoise loop, opt-in fused-kernel denoise (pi05_fast). 0.5.19's vla/cuda_graph.py "
         "API is our own implementation on sglang_ext.graphs behind upstream's names (runners, signatures, "
         "_BoundedCaptureCache, VLAGraphCacheInfo); its internal helpers are not kept",
-        targets=T(f"{_MG}.vla.denoise_cuda_graph", "VLADenoiseGraphRunner", "VLADenoiseGraphSignature",
+        targets=T(f"{_MG}.vla.cuda_graph", "VLADenoiseGraphRunner", "VLADenoiseGraphSignature",
                   "_CapturedDenoiseGraph", "_copy_prefix_context_", "_clone_prefix_context")
         + T(f"{_MG}.vla.prefix_cache", "PrefixContext", "VLADensePrefixCache")
         + T(_PI05_CORE, "create_sinusoidal_pos_embedding", "make_att_2d_masks", "trim_trailing_padding_tokens",
@@ -205,6 +244,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream keys the K/V refresh on id(), syncs after prefix replay
+        supported=("0.5.17",),
         retire_when="upstream keys the action-graph K/V refresh on something id()-free and the minimum "
         "supported sglang has vla/cuda_graph.py (>= 0.5.19)",
         process="multimodal_gen worker",
@@ -253,18 +293,18 @@ PATCHES: Tuple[PatchSpec, ...] = (
         targets=T(_PI05_CONFIG, "Pi05PipelineConfig")
         + T(f"{_MG_CONFIGS}.base", "PipelineConfig.update_pipeline_config", "PipelineConfig.check_pipeline_config")
         + T(_VLA_PROTOCOL, "action_metadata")
-        + T(f"{_MG}.entrypoints.vla.api", "action_metadata_endpoint"),
+        + T(f"{_ACTION}.api", "action_metadata_endpoint"),
         parts=(
             Part(_PI05_CONFIG, "sglang_ext.pi05.config:patch_pipeline_config"),
-            Part(f"{_MG}.vla", "sglang_ext.pi05.config:install_prompt_bucketing"),
+            Part(f"{_MG}.vla", "sglang_ext.pi05.config:install_prompt_bucketing", before="0.5.19"),
             Part(_VLA_PROTOCOL, "sglang_ext.pi05.action_metadata:patch_protocol"),
-            Part(f"{_MG}.entrypoints.vla.api", "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
-            Part(f"{_MG}.entrypoints.vla.ws_utils",
+            Part(f"{_ACTION}.api", "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
+            Part(f"{_ACTION}.ws_utils",
                  "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
         ),
-        rebinds=(f"{_MG}.entrypoints.vla.api.action_metadata", f"{_MG}.entrypoints.vla.ws_utils.action_metadata",
+        rebinds=(f"{_ACTION}.api.action_metadata", f"{_ACTION}.ws_utils.action_metadata",
                  f"{_MG}.vla.prompt_bucketing (new module)",
-                 f"{_MG}.entrypoints.action.protocol (module alias of {_VLA_PROTOCOL})"),
+                 f"{_ACTION}.protocol (module alias of {_VLA_PROTOCOL})"),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream ignores misspelled graph keys in update_pipeline_config
@@ -371,7 +411,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
         targets=T(_VLA_PROTOCOL, "build_action_sampling_params", "images_from_observation", "_normalize_image_value",
                   "pack_msgpack")
         + T(_VLA_WS, "run_action_msgpack_ws")
-        + T(f"{_MG}.entrypoints.vla.openpi", "openpi_policy_ws")
+        + T(f"{_ACTION}.openpi", "openpi_policy_ws")
         + T(_VLA_API, "action_realtime_ws")
         + T(_VLA_STAGES, "VLAObservationPreprocessStage.forward", "vla_state")
         # relied on: the checkpoint's cameras; the worker's observation dict
@@ -380,11 +420,11 @@ PATCHES: Tuple[PatchSpec, ...] = (
         parts=(
             Part(_VLA_PROTOCOL, "sglang_ext.pi05.observation_checks:patch_protocol"),
             Part(_VLA_WS, "sglang_ext.pi05.observation_checks:patch_ws_utils"),
-            Part(f"{_MG}.entrypoints.vla.openpi", "sglang_ext.pi05.observation_checks:rebind_ws_loop"),
+            Part(f"{_ACTION}.openpi", "sglang_ext.pi05.observation_checks:rebind_ws_loop"),
             Part(_VLA_API, "sglang_ext.pi05.observation_checks:rebind_ws_loop"),
             Part(_VLA_STAGES, "sglang_ext.pi05.observation_checks:patch_stages"),
         ),
-        rebinds=(f"{_MG}.entrypoints.vla.openpi.run_action_msgpack_ws", f"{_VLA_API}.run_action_msgpack_ws"),
+        rebinds=(f"{_ACTION}.openpi.run_action_msgpack_ws", f"{_VLA_API}.run_action_msgpack_ws"),
         upstream_pr="none (0.5.23 checks neither values nor camera names)",
         retire_when="upstream refuses non-finite states and noise, badly shaped and unknown cameras and observations "
         "without a camera, per request, and its websockets answer a refused request without closing",

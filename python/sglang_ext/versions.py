@@ -8,9 +8,11 @@ import importlib.util
 import os
 from typing import Optional, Tuple
 
-# The adapters are written against this release; fingerprints gate everything else.
-SUPPORTED_SGLANG: Tuple[str, ...] = ("0.5.17",)
-SUPPORTED_RANGE = ">=0.5.17,<0.5.18"
+# The releases sglang-ext supports (declared here only). Adapters are written against the newest;
+# the registry's RENAMES give the older its names. A release between them gets every patch whose
+# targets' fingerprints all match a supported release's.
+SUPPORTED_SGLANG: Tuple[str, ...] = ("0.5.17", "0.5.23")
+SUPPORTED_RANGE = f">={SUPPORTED_SGLANG[0]},<={SUPPORTED_SGLANG[-1]}"
 
 
 def version_key(version: str) -> Tuple[int, ...]:
@@ -30,6 +32,16 @@ def installed_sglang_version() -> Optional[str]:
 
 def at_least(version: str, since: str) -> bool:
     return version_key(version) >= version_key(since)
+
+
+def release(version: str) -> str:
+    return version.split("+")[0]  # a local version label (+cu130, +gitsha) is the same release
+
+
+def within_supported_range(version: str) -> bool:
+    """A supported release, or one between two (decided per patch by fingerprints)."""
+    key = version_key(release(version))
+    return version_key(SUPPORTED_SGLANG[0]) <= key <= version_key(SUPPORTED_SGLANG[-1])
 
 
 def installed_sglang_path() -> Optional[str]:

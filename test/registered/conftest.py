@@ -77,6 +77,32 @@ def released_tree():
     return released_source_root
 
 
+def upstream(name: str):
+    """The installed sglang's module or attribute that the registry calls `name` (sglang_ext_testkit.upstream)."""
+    from sglang_ext_testkit.upstream import upstream as _upstream
+
+    return _upstream(name)
+
+
+def _runs_here(function: str) -> bool:
+    """Whether the registry part `function` ("sglang_ext.x:y") runs on the installed sglang (planned, not applied)."""
+    from sglang_ext import activation
+    from sglang_ext.knobs import load_settings
+    from sglang_ext.registry import PATCHES
+    from sglang_ext.versions import installed_sglang_version
+
+    version = installed_sglang_version()
+    plan = activation.plan(load_settings({"SGLANG_EXT": "1"}), version=version)
+    return any(plan[spec.name].state == activation.ARMED and any(p.function == function for p in spec.parts_on(version))
+               for spec in PATCHES)
+
+
+def where_part_runs(function: str):
+    """Marks a test of what one registry part adds: it runs on the releases where that part applies
+    (a backport part is `before` a release; a patch upstream has is "not needed")."""
+    return pytest.mark.skipif(not _runs_here(function), reason=f"{function} does not apply to this sglang release")
+
+
 def ext_core(name: str):
     """The sglang-ext module `name` (e.g. "graphs.stats", "activation") that the sglang under test uses.
 

@@ -151,7 +151,9 @@ def main(argv: List[str]) -> Any:
     from sglang.multimodal_gen.runtime import launch_server
 
     install_stand_in()
-    launch_server.run_scheduler_process = StandInEntry(launch_server.run_scheduler_process)
+    # the worker entry launch_server spawns: 0.5.17's run_scheduler_process, 0.5.23's bootstrap_scheduler_process
+    entry = "run_scheduler_process" if hasattr(launch_server, "run_scheduler_process") else "bootstrap_scheduler_process"
+    setattr(launch_server, entry, StandInEntry(getattr(launch_server, entry)))
     from sglang.cli.main import main as sglang_main
 
     sys.argv = ["sglang", "serve", *argv]

@@ -134,7 +134,9 @@ class OpenPIClient:
     def __init__(self, url: str, timeout: float = 300.0) -> None:
         from websockets.sync.client import connect
 
-        from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import pack_msgpack, unpack_msgpack
+        from sglang_ext_testkit.upstream import upstream
+
+        pack_msgpack, unpack_msgpack = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:pack_msgpack"), upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:unpack_msgpack")
 
         self._pack, self._unpack = pack_msgpack, unpack_msgpack
         ws_url = url.replace("http://", "ws://").rstrip("/") + "/openpi/policy"

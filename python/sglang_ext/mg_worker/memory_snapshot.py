@@ -31,11 +31,13 @@ def capture_memory_snapshot():
     if torch.get_device_module() is not torch.cuda or not torch.cuda.is_available():
         return perf_logger.capture_memory_snapshot()
     stats = torch.cuda.memory.memory_stats_as_nested_dict()
+    host = perf_logger.__dict__.get("_host_anon_sampler")  # 0.5.23: the worker's host memory peak as well
     return perf_logger.MemorySnapshot(
         allocated_mb=_counter(stats, "allocated_bytes", "current") / _MIB,
         reserved_mb=_counter(stats, "reserved_bytes", "current") / _MIB,
         peak_allocated_mb=_counter(stats, "allocated_bytes", "peak") / _MIB,
         peak_reserved_mb=_counter(stats, "reserved_bytes", "peak") / _MIB,
+        **({} if host is None else {"peak_host_anon_mb": host.peak_mb()}),
     )
 
 

@@ -2,89 +2,178 @@
 
 Patch: mg_scheduler_client_reuse
 Targets: sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.forward,
-sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.close
+sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.close,
+sglang.multimodal_gen.runtime.scheduler_client:AsyncSchedulerClient.initialize
 Upstream PR: none (0.5.23 still opens a socket per request)
 Retire when: upstream keeps its scheduler sockets across requests
 
+Releases: 0.5.17, 0.5.23 (its `_forward_one`, per replica endpoint, and per-request array folders).
+
 Why: every request connects a new REQ socket to the scheduler: a TCP handshake and a ZMTP greeting
 on the critical path of a robot's control loop.
-How: sockets that completed a round trip go back to an idle list for the next request; one that
-did not is closed (a REQ socket must alternate send and receive).
+How: sglang's own request code runs unchanged on a context whose REQ sockets (inside a request) are
+kept ones: a socket that completed its round trip goes back to an idle list for the next request to
+that endpoint; one that did not is closed (a REQ socket must alternate send and receive). On 0.5.23
+a kept socket's identity names its own scratch folder for large arrays (`ipc_array`), alive as
+long as the socket: the identity sglang sets per request is not applied to it.
 """
 
 from __future__ import annotations
 
-import pickle
+import contextlib
+import contextvars
+import functools
 
 import zmq
 
-from sglang.multimodal_gen.runtime import scheduler_client as sglang_client
-
 # Idle sockets kept per client (more concurrent requests still work: extras are closed).
 _EXT_MAX_IDLE_SOCKETS = 64
+# The kept sockets handed out inside this task's request (None: outside one).
+_LEASES: contextvars.ContextVar = contextvars.ContextVar("sglang_ext_scheduler_sockets", default=None)
 
 
-def _ext_take_socket(self):
-    idle = self.__dict__.setdefault("_ext_idle_sockets", [])
-    while idle:
-        socket = idle.pop()
-        if not socket.closed:
-            return socket
-    socket = self.context.socket(zmq.REQ)
-    socket.setsockopt(zmq.LINGER, 0)
-    # 100 minute timeout, as sglang's per-request sockets
-    socket.setsockopt(zmq.RCVTIMEO, 6000000)
-    socket.connect(self.server_args.scheduler_endpoint)
-    return socket
+class _Kept:
+    """A connected REQ socket with the scratch folder its identity names (0.5.23; else none)."""
+
+    def __init__(self, context, endpoint: str):
+        self.endpoint, self.scratch = endpoint, contextlib.ExitStack()
+        ipc_request = _array_ipc_request()
+        identity = self.scratch.enter_context(ipc_request(endpoint)) if ipc_request else None
+        self.socket = context.socket(zmq.REQ)
+        if identity is not None:
+            self.socket.setsockopt(zmq.IDENTITY, identity)
+        self.socket.connect(endpoint)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.scratch.close()  # the folder goes with its socket
 
 
-def _ext_give_back_socket(self, socket, context) -> None:
-    idle = self.__dict__.setdefault("_ext_idle_sockets", [])
-    if self.context is context and context is not None and len(idle) < _EXT_MAX_IDLE_SOCKETS:
-        idle.append(socket)
-    else:
-        socket.close()
-
-
-async def forward(self, batch):
-    """Sends a batch or request to the scheduler and waits for the response."""
-    self.request_logger.log_received_request(batch)
-    if self.context is None:
-        raise RuntimeError("AsyncSchedulerClient is not initialized. Call initialize() first.")
-    context = self.context
-    socket = _ext_take_socket(self)
-    completed = False
+def _array_ipc_request():
     try:
-        await socket.send(pickle.dumps(batch))
-        payload = await socket.recv()
-        completed = True
-        output_batch = pickle.loads(payload)
-        sglang_client._materialize_output_batch_file_refs(output_batch)
-        self.request_logger.log_finished_request(batch, output_batch)
-        return output_batch
-    except zmq.error.Again:
-        sglang_client.logger.error("Timeout waiting for response from scheduler.")
-        raise TimeoutError("Scheduler did not respond in time.")
-    finally:
-        if completed:
-            _ext_give_back_socket(self, socket, context)
+        from sglang.multimodal_gen.runtime.ipc_array import array_ipc_request  # 0.5.23
+    except ImportError:
+        return None
+    return array_ipc_request
+
+
+class _Lease:
+    """What sglang's request code holds as its new REQ socket: a kept socket, taken when it connects."""
+
+    def __init__(self, client):
+        self._client, self._options, self.kept, self.completed = client, [], None, False
+
+    def setsockopt(self, option, value) -> None:
+        if option == zmq.IDENTITY:
+            return  # a kept socket has its own identity (and scratch folder)
+        if self.kept is None:
+            self._options.append((option, value))
         else:
-            socket.close()
+            self.kept.socket.setsockopt(option, value)
+
+    def connect(self, endpoint: str) -> None:
+        self.kept = _take(self._client, endpoint)
+        for option, value in self._options:
+            self.kept.socket.setsockopt(option, value)
+
+    async def send(self, *args, **kwargs):
+        self.completed = False
+        return await self.kept.socket.send(*args, **kwargs)
+
+    async def recv(self, *args, **kwargs):
+        out = await self.kept.socket.recv(*args, **kwargs)
+        self.completed = True
+        return out
+
+    def close(self, linger=None) -> None:
+        pass  # settled when the request returns (kept) or raises (closed)
+
+    def __getattr__(self, name):
+        return getattr(self.kept.socket, name)
+
+
+class _KeepingContext:
+    """The client's context: inside a request its REQ sockets are leases of kept ones."""
+
+    def __init__(self, client, context):
+        self._client, self._context = client, context
+
+    def socket(self, kind, *args, **kwargs):
+        leases = _LEASES.get()
+        if kind != zmq.REQ or leases is None:
+            return self._context.socket(kind, *args, **kwargs)
+        lease = _Lease(self._client)
+        leases.append(lease)
+        return lease
+
+    def __getattr__(self, name):  # closed, term, ...
+        return getattr(self._context, name)
+
+
+def _take(client, endpoint: str) -> _Kept:
+    idle = client.__dict__.setdefault("_ext_idle_sockets", [])
+    for i in range(len(idle) - 1, -1, -1):
+        if idle[i].endpoint == endpoint:
+            kept = idle.pop(i)
+            if not kept.socket.closed:
+                return kept
+            kept.close()
+    return _Kept(client.context._context, endpoint)
+
+
+def _settle(client, lease: _Lease, keep: bool) -> None:
+    if lease.kept is None:
+        return
+    idle = client.__dict__.setdefault("_ext_idle_sockets", [])
+    context = client.context
+    if keep and lease.completed and context is not None and not context.closed and len(idle) < _EXT_MAX_IDLE_SOCKETS:
+        idle.append(lease.kept)
+    else:
+        lease.kept.close()
+
+
+def _keeping_sockets(request):
+    """sglang's request method (0.5.23: `_forward_one`, 0.5.17: `forward`), its sockets kept."""
+    @functools.wraps(request)
+    async def keeping(self, *args, **kwargs):
+        leases = []
+        token = _LEASES.set(leases)
+        ok = False
+        try:
+            out = await request(self, *args, **kwargs)
+            ok = True
+            return out
+        finally:
+            _LEASES.reset(token)
+            for lease in leases:
+                _settle(self, lease, ok)
+
+    return keeping
+
+
+def _wrap_initialize(original):
+    @functools.wraps(original)
+    def initialize(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.context = _KeepingContext(self, self.context)
+
+    return initialize
 
 
 def _wrap_close(original):
+    @functools.wraps(original)
     def close(self):
         """Closes the idle scheduler sockets, then sglang's close (terminates the context)."""
-        for socket in self.__dict__.pop("_ext_idle_sockets", []):
-            socket.close()
+        for kept in self.__dict__.pop("_ext_idle_sockets", []):
+            kept.close()
         return original(self)
 
-    close.__wrapped__ = original
-    close.__doc__ = original.__doc__
     return close
 
 
 def patch_scheduler_client(ctx, module) -> None:
     cls = module.AsyncSchedulerClient
-    ctx.setattr(cls, "forward", forward)
+    request = "_forward_one" if "_forward_one" in cls.__dict__ else "forward"
+    ctx.setattr(cls, request, _keeping_sockets(cls.__dict__[request]))
+    ctx.setattr(cls, "initialize", _wrap_initialize(cls.__dict__["initialize"]))
     ctx.setattr(cls, "close", _wrap_close(cls.__dict__["close"]))

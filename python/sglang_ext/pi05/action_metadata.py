@@ -1,7 +1,7 @@
 """Action metadata reports the Pi0.5 graph settings (prefix/action availability, capacities, prompt buckets).
 
 Patch: pi05_config
-Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:action_metadata
+Targets: sglang.multimodal_gen.runtime.entrypoints.action.protocol:action_metadata
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
 Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline
 config keys
@@ -23,8 +23,15 @@ from sglang_ext.patching import install_module
 from sglang_ext.pi05 import graph_settings
 from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
 
-_VLA_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.vla.protocol"
 _ACTION_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.action.protocol"
+
+
+def _our_graphs() -> bool:
+    """Whether sglang-ext's Pi0.5 graphs (patch pi05_graphs) serve here; else sglang's own, as configured."""
+    from sglang_ext import activation
+
+    status = activation.statuses().get("pi05_graphs")
+    return status is not None and status.state in (activation.ARMED, activation.APPLIED)
 
 
 def _cuda_graph_block(pipeline_config) -> dict:
@@ -32,7 +39,7 @@ def _cuda_graph_block(pipeline_config) -> dict:
     methods reports 0.5.17's action flag."""
     prefix_available = getattr(pipeline_config, "prefix_cuda_graph_available", None)
     action_available = getattr(pipeline_config, "action_cuda_graph_available", None)
-    plan = graph_settings.resolve_plan(pipeline_config) if callable(prefix_available) else None
+    plan = graph_settings.resolve_plan(pipeline_config) if callable(prefix_available) and _our_graphs() else None
     return {
         "prefix_enabled": bool(prefix_available()) if callable(prefix_available) else False,
         "prefix_max_entries": plan.prefix_entries if plan else getattr(pipeline_config, "prefix_cuda_graph_max_entries", 0),
@@ -64,11 +71,14 @@ def _with_graph_settings(original):
 
 
 def patch_protocol(ctx, module) -> None:
-    """Part for `...entrypoints.vla.protocol`: wrap action_metadata, alias the 0.5.18+ path."""
+    """Part for `...entrypoints.action.protocol`: wrap action_metadata; on 0.5.17 (`entrypoints.vla`) alias
+    0.5.18's path."""
     ctx.setattr(module, "action_metadata", _with_graph_settings(module.action_metadata))
-    install_module(ctx, _ACTION_PROTOCOL, module)
+    if module.__name__ != _ACTION_PROTOCOL:
+        install_module(ctx, _ACTION_PROTOCOL, module)
 
 
 def rebind_action_metadata(ctx, module) -> None:
-    """Part for `...entrypoints.vla.api` / `.ws_utils`, which bound the name at import."""
-    ctx.setattr(module, "action_metadata", sys.modules[_VLA_PROTOCOL].action_metadata)
+    """Part for `...entrypoints.action.api` / `.ws_utils`, which bound the name at import."""
+    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
+    ctx.setattr(module, "action_metadata", protocol.action_metadata)

@@ -1,9 +1,9 @@
 """The Pi0.5 action endpoints parse and decode requests faster, with the same results and errors.
 
 Patch: pi05_action_transport
-Targets: sglang.multimodal_gen.runtime.entrypoints.vla.api:create_action_generation,
-sglang.multimodal_gen.runtime.entrypoints.vla.protocol:_decode_b64_image,
-sglang.multimodal_gen.runtime.entrypoints.vla.protocol:_normalize_observation
+Targets: sglang.multimodal_gen.runtime.entrypoints.action.api:create_action_generation,
+sglang.multimodal_gen.runtime.entrypoints.action.protocol:_decode_b64_image,
+sglang.multimodal_gen.runtime.entrypoints.action.protocol:_normalize_observation
 Upstream PR: none (0.5.23 parses and decodes the same way)
 Retire when: upstream parses action requests with a fast JSON parser and decodes cameras concurrently
 

@@ -6,10 +6,11 @@ Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, super
 Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19) and rejects misspelled pipeline
 config keys
 
+Releases: 0.5.23 (fields upstream: knobs, stricter checks, misspelled keys), 0.5.17 (the fields backported).
 Why: the graph caches and prompt buckets need their settings on the config, checked at start-up;
-0.5.17's `update_pipeline_config` silently drops unknown keys, so a typo would leave them off.
-How: the four fields added to the class in place; `__post_init__` applies the `--ext-pi05-*` knobs,
-then validates; graph-like unknown keys raise. Also installs 0.5.19's `vla.prompt_bucketing`.
+`update_pipeline_config` silently drops unknown keys, so a typo would leave them off.
+How: on 0.5.17 the four fields added to the class in place (and 0.5.19's `vla.prompt_bucketing`);
+`__post_init__` applies the `--ext-pi05-*` knobs, then validates; graph-like unknown keys raise.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ def _validate_cuda_graph_config(self) -> None:
 
 
 def check_pipeline_config(self) -> None:
+    upstream = getattr(type(self), "_ext_orig_check_pipeline_config", None)  # 0.5.23: validates too
+    if upstream is not None:
+        return upstream(self)
     PipelineConfig.check_pipeline_config(self)
     self._validate_cuda_graph_config()
 
@@ -120,20 +124,24 @@ def action_cuda_graph_available(self) -> bool:
 
 def patch_pipeline_config(ctx, module) -> None:
     cls = module.Pi05PipelineConfig
-    for graph_field in _EXT_PI05_GRAPH_FIELDS:
-        ctx.setitem(cls.__dataclass_fields__, graph_field.name, graph_field)
-        # For instances unpickled from a process without the patch; a tuple, never a shared list.
-        fallback = () if graph_field.default_factory is not MISSING else graph_field.default
-        ctx.setattr(cls, graph_field.name, fallback)
-    ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
-    ctx.setattr(cls, "__init__", _config_init)
-    for method in (__post_init__, _validate_cuda_graph_config, check_pipeline_config, update_pipeline_config,
-                   prefix_cuda_graph_available, action_cuda_graph_available):
+    if "prompt_token_buckets" not in cls.__dataclass_fields__:  # 0.5.17: the fields backported
+        for graph_field in _EXT_PI05_GRAPH_FIELDS:
+            ctx.setitem(cls.__dataclass_fields__, graph_field.name, graph_field)
+            # For instances unpickled from a process without the patch; a tuple, never a shared list.
+            fallback = () if graph_field.default_factory is not MISSING else graph_field.default
+            ctx.setattr(cls, graph_field.name, fallback)
+        ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
+        ctx.setattr(cls, "__init__", _config_init)
+        for method in (prefix_cuda_graph_available, action_cuda_graph_available):
+            ctx.setattr(cls, method.__name__, method)
+    else:
+        ctx.setattr(cls, "_ext_orig_check_pipeline_config", cls.__dict__["check_pipeline_config"])
+    for method in (__post_init__, _validate_cuda_graph_config, check_pipeline_config, update_pipeline_config):
         ctx.setattr(cls, method.__name__, method)
 
 
 def install_prompt_bucketing(ctx, module) -> None:
-    """Part for `sglang.multimodal_gen.runtime.vla`: add the upstream prompt_bucketing module."""
+    """Part for `sglang.multimodal_gen.runtime.vla` (before 0.5.19): add upstream's prompt_bucketing module."""
     from sglang_ext.pi05 import prompt_bucketing
 
     install_module(ctx, f"{module.__name__}.prompt_bucketing", prompt_bucketing)

@@ -1,9 +1,9 @@
 """Pi0.5 observations checked before they reach the model: one line naming the field, the server serving on.
 
 Patch: pi05_observation_checks
-Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:build_action_sampling_params,
-sglang.multimodal_gen.runtime.entrypoints.vla.protocol:images_from_observation,
-sglang.multimodal_gen.runtime.entrypoints.vla.ws_utils:run_action_msgpack_ws,
+Targets: sglang.multimodal_gen.runtime.entrypoints.action.protocol:build_action_sampling_params,
+sglang.multimodal_gen.runtime.entrypoints.action.protocol:images_from_observation,
+sglang.multimodal_gen.runtime.entrypoints.action.ws_utils:run_action_msgpack_ws,
 sglang.multimodal_gen.runtime.pipelines_core.stages.vla:VLAObservationPreprocessStage.forward
 Upstream PR: none (0.5.23 checks neither values nor camera names)
 Retire when: upstream refuses non-finite states and noise, badly shaped and unknown cameras and observations
@@ -30,7 +30,6 @@ from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
 # Marks a worker's refusal in the error text sglang carries back to the HTTP process.
 REFUSED = "invalid observation: "
 CHANNELS = (1, 3, 4)
-_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.vla.protocol"
 
 
 def _finite(field: str, value) -> None:
@@ -129,7 +128,7 @@ def _checked_build(build):
     return build_action_sampling_params
 
 
-def _every_camera(images_from_observation):
+def _every_camera(images_from_observation, protocol):
     """Cameras sent as `observation.images.<name>` that the HTTP process's default keys do not name are kept
     (the checkpoint may name them; an unknown one is refused by name)."""
     @functools.wraps(images_from_observation)
@@ -139,7 +138,7 @@ def _every_camera(images_from_observation):
         extra = {key[len(prefix):]: value for key, value in observation.items()
                  if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] not in images}
         if extra:
-            normalize = sys.modules[_PROTOCOL]._normalize_image_value
+            normalize = protocol._normalize_image_value
             images.update({name: normalize(value) for name, value in extra.items()})
         return images
 
@@ -182,10 +181,10 @@ class _RefusalAnswering:
         self.resumed, self.refused, self._metadata_pending = True, False, True
 
 
-def _answering_refusals(run_action_msgpack_ws):
+def _answering_refusals(run_action_msgpack_ws, protocol):
     @functools.wraps(run_action_msgpack_ws)
     async def run(websocket, server_args, **kwargs):
-        connection = _RefusalAnswering(websocket, sys.modules[_PROTOCOL].pack_msgpack)
+        connection = _RefusalAnswering(websocket, protocol.pack_msgpack)
         while True:
             try:
                 return await run_action_msgpack_ws(connection, server_args, **kwargs)
@@ -197,11 +196,12 @@ def _answering_refusals(run_action_msgpack_ws):
 
 def patch_protocol(ctx, module) -> None:
     ctx.setattr(module, "build_action_sampling_params", _checked_build(module.build_action_sampling_params))
-    ctx.setattr(module, "images_from_observation", _every_camera(module.images_from_observation))
+    ctx.setattr(module, "images_from_observation", _every_camera(module.images_from_observation, module))
 
 
 def patch_ws_utils(ctx, module) -> None:
-    ctx.setattr(module, "run_action_msgpack_ws", _answering_refusals(module.run_action_msgpack_ws))
+    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
+    ctx.setattr(module, "run_action_msgpack_ws", _answering_refusals(module.run_action_msgpack_ws, protocol))
 
 
 def rebind_ws_loop(ctx, module) -> None:

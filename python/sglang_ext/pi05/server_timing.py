@@ -1,9 +1,9 @@
 """Per-request hop times of the Pi0.5 action server in every answer's timings (knob pi05_server_timing).
 
 Patch: pi05_server_timing
-Targets: sglang.multimodal_gen.runtime.entrypoints.vla.protocol:infer_action,
+Targets: sglang.multimodal_gen.runtime.entrypoints.action.protocol:infer_action,
 sglang.multimodal_gen.runtime.entrypoints.utils:prepare_request,
-sglang.multimodal_gen.runtime.entrypoints.vla.api:create_action_generation,
+sglang.multimodal_gen.runtime.entrypoints.action.api:create_action_generation,
 sglang.multimodal_gen.runtime.managers.scheduler:Scheduler.recv_reqs,
 sglang.multimodal_gen.runtime.managers.gpu_worker:GPUWorker.execute_forward
 Upstream PR: none (sglang-ext only)
@@ -119,7 +119,7 @@ def _stamping_unpack(original):
 
 def patch_api(ctx, module) -> None:
     """Part for entrypoints.vla.api: rebind infer_action, stamp the JSON endpoint's arrival."""
-    protocol = sys.modules["sglang.multimodal_gen.runtime.entrypoints.vla.protocol"]
+    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
     ctx.setattr(module, "infer_action", protocol.infer_action)
     route = next((r for r in module.router.routes
                   if getattr(r, "path", None) == _ACTION_PATH and "POST" in getattr(r, "methods", ())), None)
@@ -130,7 +130,7 @@ def patch_api(ctx, module) -> None:
 
 def patch_ws_utils(ctx, module) -> None:
     """Part for entrypoints.vla.ws_utils: rebind infer_action, stamp each message's arrival."""
-    protocol = sys.modules["sglang.multimodal_gen.runtime.entrypoints.vla.protocol"]
+    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
     ctx.setattr(module, "infer_action", protocol.infer_action)
     original = module.unpack_msgpack
     ctx.setattr(module, "unpack_msgpack", _traced(original, _stamping_unpack, _enabled(ctx)))

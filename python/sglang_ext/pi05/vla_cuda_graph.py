@@ -1,11 +1,11 @@
 """Pi0.5 prefix and action-denoise graph runners behind sglang 0.5.19's `vla.cuda_graph` names.
 
 Patch: pi05_graphs
-Targets: sglang.multimodal_gen.runtime.vla.denoise_cuda_graph:VLADenoiseGraphRunner,
-sglang.multimodal_gen.runtime.vla.denoise_cuda_graph:VLADenoiseGraphSignature,
-sglang.multimodal_gen.runtime.vla.denoise_cuda_graph:_CapturedDenoiseGraph,
-sglang.multimodal_gen.runtime.vla.denoise_cuda_graph:_copy_prefix_context_,
-sglang.multimodal_gen.runtime.vla.denoise_cuda_graph:_clone_prefix_context
+Targets: sglang.multimodal_gen.runtime.vla.cuda_graph:VLADenoiseGraphRunner,
+sglang.multimodal_gen.runtime.vla.cuda_graph:VLADenoiseGraphSignature,
+sglang.multimodal_gen.runtime.vla.cuda_graph:_CapturedDenoiseGraph,
+sglang.multimodal_gen.runtime.vla.cuda_graph:_copy_prefix_context_,
+sglang.multimodal_gen.runtime.vla.cuda_graph:_clone_prefix_context
 Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)
 Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has
 vla/cuda_graph.py (>= 0.5.19)

@@ -1,7 +1,7 @@
 """Prefill context-parallel graph bucket chosen by CP-local capacity, once per batch.
 
 Patch: prefill_cp_bucket
-Targets: sglang.srt.layers.cp.bcg:PrefillCPBCGInput,
+Targets: sglang.srt.layers.cp.bcg.bcg:PrefillCPBCGInput,
 sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph,
 sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.load_batch,
 sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.capture_one_shape,
@@ -10,11 +10,14 @@ Upstream PR: sgl-project/sglang#33906
 Retire when: upstream stores the admitted bucket with the batch instead of recomputing it at replay and holds
 breakable-graph break inputs strongly (#37448)
 
-Why: with CP v2 (zigzag) and breakable graphs, a batch can need more CP-local rows than the bucket
-0.5.17 pads it to: the replay raises. Break inputs are held weakly, so later captures reuse them.
-How: `PrefillCPBCGInput` gains upstream's bucket search; `can_run_graph` decides once, on the
-forward batch; `load_batch` pads to exactly that bucket (a ContextVar read by a `_pad_to_bucket`
-override); CP captures hold their break inputs strongly.
+Releases: 0.5.17 (the bucket search backported), 0.5.23.
+Why: with CP (zigzag) and breakable graphs, a batch can need more CP-local rows than the bucket
+0.5.17 pads it to: the replay raises. 0.5.23 searches, but twice (admission, replay: a mismatch
+kills the request) with an O(bs*cp) loop. Break inputs are held weakly, so later captures reuse them.
+How: `PrefillCPBCGInput` gains a closed-form zigzag requirement and the bucket search; `can_run_graph`
+decides once, on the forward batch; `load_batch` pads to exactly that bucket (a ContextVar read by a
+`_pad_to_bucket` override on 0.5.17, by `select_replay_bucket_for_batch` on 0.5.23); CP captures hold
+their break inputs strongly.
 """
 
 from __future__ import annotations
@@ -28,13 +31,20 @@ from typing import Any, Dict, Optional, Sequence
 
 from sglang.srt.layers.cp.base import get_cp_strategy
 from sglang.srt.layers.cp import padding as cp_padding
-from sglang.srt.layers.cp.utils import is_cp_v2_active
+from sglang.srt.layers.cp import utils as cp_utils
 from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
 
 from sglang_ext.graphs import stats as ext_graph_stats
 from sglang_ext.graphs.buckets import BucketDecision, select_bucket
 
 PREFILL_CP_BUCKET_STATS_NAME = "prefill_cp_bucket"  # the counters' name in stats snapshots
+
+# 0.5.17's names: is_cp_v2_active, enable_cp_v2_bcg_capture (renamed in 0.5.20)
+is_cp_active = getattr(cp_utils, "is_cp_active", None) or cp_utils.is_cp_v2_active
+
+
+def cp_bcg_captured(runner) -> bool:
+    return bool(getattr(runner, "enable_cp_bcg_capture", False) or getattr(runner, "enable_cp_v2_bcg_capture", False))
 
 # True while PrefillCudaGraphRunner.capture_one_shape captures a CP BCG prefill bucket.
 _EXT_HOLD_BREAK_INPUTS: contextvars.ContextVar = contextvars.ContextVar("sglang_ext_hold_break_inputs", default=False)
@@ -44,7 +54,7 @@ _EXT_ADMITTED_PREFILL_BUCKET: contextvars.ContextVar = contextvars.ContextVar(
 
 
 # --------------------------------------------------------------------------
-# sglang.srt.layers.cp.bcg.PrefillCPBCGInput
+# sglang.srt.layers.cp.bcg(.bcg).PrefillCPBCGInput
 # --------------------------------------------------------------------------
 
 
@@ -78,11 +88,13 @@ def select_fitting_bucket(bucket_local_tokens: Dict[int, int], num_tokens: int, 
 
 
 def required_local_tokens(self, extend_seq_lens: Any) -> Optional[int]:
-    """Aligned CP-local rows a live zigzag layout needs (max over ranks); None if unknown."""
+    """Aligned CP-local rows a live zigzag layout needs (max over ranks); another strategy's from
+    upstream's own method (0.5.23), else None (unknown)."""
     strategy = get_cp_strategy()
     if isinstance(strategy, ZigzagCPStrategy) and extend_seq_lens is not None:
         return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size, cp_padding.get_cp_padding_align_size())
-    return None
+    upstream = getattr(self, "_ext_orig_required_local_tokens", None)
+    return None if upstream is None else upstream(extend_seq_lens)
 
 
 def replay_bucket_decision(self, *, num_tokens: int, extend_seq_lens: Any, capture_num_tokens: Sequence[int],
@@ -103,7 +115,11 @@ def select_replay_bucket(self, *, num_tokens: int, required_local_tokens: int, c
 
 def select_replay_bucket_for_batch(self, *, num_tokens: int, extend_seq_lens: Any,
                                    capture_num_tokens: Sequence[int], max_padding_factor: float) -> Optional[int]:
-    """`select_replay_bucket` for a batch's extend lengths; None -> run eager."""
+    """`select_replay_bucket` for a batch's extend lengths; None -> run eager. Inside the runner's
+    can_run_graph / load_batch (0.5.23 asks here in both): the one decision made for the batch."""
+    admitted = _EXT_ADMITTED_PREFILL_BUCKET.get()
+    if admitted is not None and admitted[0] == num_tokens:
+        return admitted[1]
     decision = self.replay_bucket_decision(num_tokens=num_tokens, extend_seq_lens=extend_seq_lens,
                                            capture_num_tokens=capture_num_tokens, max_padding_factor=max_padding_factor)
     return None if decision is None else decision.bucket
@@ -111,6 +127,8 @@ def select_replay_bucket_for_batch(self, *, num_tokens: int, extend_seq_lens: An
 
 def patch_bcg(ctx, module) -> None:
     cls = module.PrefillCPBCGInput
+    if "required_local_tokens" in cls.__dict__:  # 0.5.23: kept for strategies other than zigzag
+        ctx.setattr(cls, "_ext_orig_required_local_tokens", cls.__dict__["required_local_tokens"])
     for fn in (required_local_tokens, replay_bucket_decision, select_replay_bucket, select_replay_bucket_for_batch):
         ctx.setattr(cls, fn.__name__, fn)
 
@@ -167,26 +185,32 @@ def prefill_cp_bucket_counters(runner) -> PrefillCPBucketCounters:
 def can_run_graph(self, forward_batch) -> bool:
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR
 
-    admitted = self._ext_orig_can_run_graph(forward_batch)
-    if not (getattr(self, "enable_cp_v2_bcg_capture", False) and is_cp_v2_active(forward_batch)):
-        return admitted
-    decision = None
-    if admitted:
-        assert self.prefill_cp_bcg_input is not None
-        decision = self.prefill_cp_bcg_input.replay_bucket_decision(
-            num_tokens=len(forward_batch.input_ids),
-            extend_seq_lens=forward_batch.extend_seq_lens_cpu,
-            capture_num_tokens=self.capture_num_tokens,
-            max_padding_factor=_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR,
-        )
+    if not (cp_bcg_captured(self) and is_cp_active(forward_batch)):
+        return self._ext_orig_can_run_graph(forward_batch)
+    assert self.prefill_cp_bcg_input is not None
+    num_tokens = len(forward_batch.input_ids)
+    decision = self.prefill_cp_bcg_input.replay_bucket_decision(
+        num_tokens=num_tokens,
+        extend_seq_lens=forward_batch.extend_seq_lens_cpu,
+        capture_num_tokens=self.capture_num_tokens,
+        max_padding_factor=_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR,
+    )
+    # 0.5.23's can_run_graph asks select_replay_bucket_for_batch itself: it gets this decision.
+    token = _EXT_ADMITTED_PREFILL_BUCKET.set((num_tokens, decision.bucket if decision is not None else None))
+    try:
+        admitted = self._ext_orig_can_run_graph(forward_batch)
+    finally:
+        _EXT_ADMITTED_PREFILL_BUCKET.reset(token)
+    no_bucket = decision is None or not decision.fits  # 0.5.23's own check rejects these too
+    if admitted or no_bucket:
         record_bucket_decision(prefill_cp_bucket_counters(self), decision, self.capture_num_tokens)
     # Made once here; load_batch replays exactly this bucket (or refuses).
-    forward_batch.prefill_cp_bucket_decision = decision
-    return decision is not None and decision.fits
+    forward_batch.prefill_cp_bucket_decision = decision if admitted or no_bucket else None
+    return admitted and not no_bucket
 
 
 def load_batch(self, forward_batch, **kwargs):
-    if not (getattr(self, "enable_cp_v2_bcg_capture", False) and is_cp_v2_active(forward_batch)):
+    if not (cp_bcg_captured(self) and is_cp_active(forward_batch)):
         return self._ext_orig_load_batch(forward_batch, **kwargs)
     num_tokens = len(forward_batch.input_ids)
     decision = getattr(forward_batch, "prefill_cp_bucket_decision", None)
@@ -214,7 +238,7 @@ def admission_missing_message(decision: Optional[BucketDecision], num_tokens: in
 def _pad_to_bucket(raw_size, buckets):
     """Base bucket rounding, except inside a CP load_batch: the admitted bucket."""
     admitted = _EXT_ADMITTED_PREFILL_BUCKET.get()
-    if admitted is not None and admitted[0] == raw_size:
+    if admitted is not None and admitted[0] == raw_size and admitted[1] is not None:
         return admitted[1]
     from sglang.srt.model_executor.runner.base_cuda_graph_runner import BaseCudaGraphRunner
 
@@ -222,8 +246,8 @@ def _pad_to_bucket(raw_size, buckets):
 
 
 def capture_one_shape(self, size, **kwargs):
-    # 0.5.17 sets enable_cp_v2_bcg_capture only with a BreakableCudaGraphBackend.
-    if not getattr(self, "enable_cp_v2_bcg_capture", False):
+    # set only with a BreakableCudaGraphBackend
+    if not cp_bcg_captured(self):
         return self._ext_orig_capture_one_shape(size, **kwargs)
     token = _EXT_HOLD_BREAK_INPUTS.set(True)
     try:

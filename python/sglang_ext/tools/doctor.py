@@ -53,21 +53,24 @@ def environment(source_root: Optional[str] = None, version: Optional[str] = None
             "torch": _dist_version("torch"), "python": sys.version.split()[0], "executable": sys.executable}
 
 
-def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str]) -> List[Dict[str, Any]]:
+def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str], version: Optional[str]) -> List[Dict[str, Any]]:
     recorded = fingerprint.recorded_versions()
     tables = {v: fingerprint.reference_table(v) for v in recorded}
     rows = []
+    release = version.split("+")[0] if version else None
+    checked = (release,) if release in spec.supported else spec.supported  # as activation checks
     for target in spec.targets:
-        live = fingerprint.fingerprint(target.module, target.qualname, source_root)
-        reference = {v: tables[v].get(target.key) for v in spec.supported}
+        live = fingerprint.fingerprint_key(target.key_in(version), source_root)
+        reference = {v: tables[v].get(target.key) for v in checked}
         same = [v for v in recorded if live is not None and tables[v].get(target.key) == live]
-        rows.append({"target": target.key, "fingerprint": live, "reference": reference,
-                     "match": live is not None and live in set(reference.values()), "same_as_releases": same})
+        rows.append({"target": target.key, "as_named_here": target.key_in(version), "fingerprint": live,
+                     "reference": reference, "match": live is not None and live in set(reference.values()),
+                     "same_as_releases": same})
     return rows
 
 
-def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus],
-                 source_root: Optional[str], live_problems: Optional[List[str]]) -> Dict[str, Any]:
+def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus], source_root: Optional[str],
+                 version: Optional[str], live_problems: Optional[List[str]]) -> Dict[str, Any]:
     st = status or activation.PatchStatus(spec.name, state=None)  # state None: not activated
     return {"name": spec.name, "summary": spec.summary,
             "status": str(status) if status is not None else "not activated",
@@ -76,7 +79,7 @@ def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus],
             # applied parts re-checked now: None = nothing applied in this process to check
             "verified_live": None if live_problems is None else not live_problems,
             "live_problems": list(live_problems or []), "process": spec.process, "supported": list(spec.supported),
-            "targets": _fingerprint_rows(spec, source_root), "rebinds": list(spec.rebinds),
+            "targets": _fingerprint_rows(spec, source_root, version), "rebinds": list(spec.rebinds),
             "upstream": {"pr": spec.upstream_pr, "since": spec.upstream_since,
                          "equivalent": spec.upstream_equivalent, "retire_when": spec.retire_when}}
 
@@ -123,7 +126,8 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
         enabled = False
     out.update(mode=mode, enabled_in_environment=enabled,
                strict=activation.is_strict() if live else bool(settings and settings.strict), config_error=config_error,
-               patches=[_patch_entry(spec, statuses.get(spec.name), source_root, verified.get(spec.name))
+               patches=[_patch_entry(spec, statuses.get(spec.name), source_root, checked_version,
+                                     verified.get(spec.name))
                         for spec in PATCHES],
                graph_caches=stats.snapshot())
     return out
@@ -192,11 +196,15 @@ def problems(rep: Dict[str, Any]) -> List[str]:
     if rep.get("config_error"):
         out.append(f"configuration error: {rep['config_error']}")
     for p in rep["patches"]:
-        if p["state"] in (activation.FAILED, activation.SKIPPED):
+        if p["state"] == activation.FAILED or (p["state"] == activation.SKIPPED and not _unported(p)):
             out.append(f"{p['name']}: {p['status']}")
         elif p["live_problems"]:
             out.append(f"{p['name']}: {p['status']}, but now: {'; '.join(p['live_problems'])}")
     return out
+
+
+def _unported(p: Dict[str, Any]) -> bool:
+    return p["state"] == activation.SKIPPED and p["detail"].startswith(activation.NOT_PORTED)
 
 
 def has_problem(rep: Dict[str, Any]) -> bool:
@@ -231,6 +239,9 @@ def verdict(rep: Dict[str, Any]) -> str:
              (activation.APPLIED, activation.ARMED, activation.DISABLED, activation.NOT_NEEDED)}
     requested = count[activation.APPLIED] + count[activation.ARMED]
     notes = [f"{count[s]} {s}" for s in (activation.DISABLED, activation.NOT_NEEDED) if count[s]]
+    unported = [p["name"] for p in rep["patches"] if _unported(p)]
+    if unported:
+        notes.append(f"not ported to sglang {sg['version']} yet: {', '.join(unported)}")
     if count[activation.ARMED]:
         done = f"{count[activation.ARMED]}/{requested} patches armed"
         if count[activation.APPLIED]:
@@ -274,7 +285,7 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
         lines.append(f"{p['name']:<{width}}  {p['status']}{check[p['verified_live']]}")
         lines.append(f"{'':<{width}}  {p['summary']}")
         for t in p["targets"]:
-            match_text = ("matches " + ", ".join(p["supported"]) if t["match"]
+            match_text = ("matches " + ", ".join(t["reference"]) if t["match"]
                           else "ABSENT" if t["fingerprint"] is None else "CHANGED")
             same = ", ".join(t["same_as_releases"]) or "no recorded release"
             lines.append(f"{'':<{width}}    {t['target']}: {match_text} (identical in: {same})")

@@ -43,12 +43,15 @@ from test_prefill_cp_bucket import (  # noqa: F401  (cp_patch is a fixture)
     VOCAB,
     align8,
     cp_patch,
+    cp_ranks,
+    drives_0517_load_batch,
     make_live_batch,
     make_replay_runner,
     zigzag,
 )
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
+pytestmark = drives_0517_load_batch  # and 0.5.17's BreakableCudaGraphBackend capture
 
 CP_RANK, CP_SIZE = 0, 4
 BUCKETS = (2048, 2304, 2560)  # make_replay_runner's; CP-local rows 512, 576, 640
@@ -126,7 +129,7 @@ def make_backend(device_module):
 def cp_rank_context():
     """Rank 0 of a 4-way zigzag CP layout with upstream's align size 8 (no process groups), no grad."""
     zigzag(CP_SIZE)
-    with get_parallel().override(attn_cp_rank=CP_RANK, attn_cp_size=CP_SIZE), align8(), \
+    with cp_ranks(attn_cp_rank=CP_RANK, attn_cp_size=CP_SIZE), align8(), \
             patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN), torch.no_grad():
         yield
 
@@ -284,7 +287,7 @@ def test_non_cp_breakable_capture_is_unchanged(cp_patch, cpu_graphs):
     """A breakable prefill runner without CP BCG captures as 0.5.17 does: break inputs not held."""
     body = ToyCPBody(LAYERS, HIDDEN, "cpu")
     runner = make_capture_runner(body, HIDDEN, "cpu", make_backend(SimpleNamespace(synchronize=lambda: None)))
-    runner.enable_cp_v2_bcg_capture = False
+    runner.enable_cp_bcg_capture = runner.enable_cp_v2_bcg_capture = False  # 0.5.23, 0.5.17
 
     def dummy_batch(num_tokens):
         batch = make_live_batch([num_tokens])

@@ -12,6 +12,7 @@ that was never admitted.
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 from unittest.mock import patch
 
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang.srt.layers.cp.base import init_cp_strategy
-from sglang.srt.layers.cp.bcg import PrefillCPBCGInput
+from sglang.srt.layers.cp import utils as cp_utils
 from sglang.srt.layers.cp.utils import prepare_cp_forward
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
@@ -30,22 +31,46 @@ from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_ext.registry import PATCH_NAMES
+from sglang_ext.versions import installed_sglang_version
 
 register_cpu_ci(est_time=45, suite="base-a-test-cpu")
 
-from conftest import ext_core, plugin_only  # noqa: E402  (test/registered/conftest.py)
+from conftest import ext_core, plugin_only, upstream  # noqa: E402  (test/registered/conftest.py)
+
+PrefillCPBCGInput = upstream("sglang.srt.layers.cp.bcg.bcg:PrefillCPBCGInput")
 
 THIS_PATCH = "prefill_cp_bucket"
+# These drive 0.5.17's own load_batch / prepare(capture=True) with CPU stand-ins for its GPU pieces;
+# 0.5.23's load_batch reads more runner state than those stand-ins provide (not built yet).
+drives_0517_load_batch = pytest.mark.skipif(
+    installed_sglang_version() != "0.5.17", reason="stand-ins for 0.5.17's load_batch internals only")
 ALIGN = 8
 OVERFLOW_LENS = [1534, 161, 353]  # 2048 tokens; needs 513 rows on rank 0 -> 520 aligned
 
 
+def cp_ranks(**names):
+    """`get_parallel().override(**names)`; on 0.5.23 also the parallel names its CP code reads."""
+    from sglang.srt import runtime_context
+
+    leaves = getattr(runtime_context, "_parallel_config_leaves", lambda: ())()
+    if "enable_cp_tp_group_sharing" in leaves:
+        names.setdefault("enable_cp_tp_group_sharing", False)
+    return get_parallel().override(**names)
+
+
+def _init_cp(enable: bool, cp_size: int) -> None:
+    if "server_args" in inspect.signature(init_cp_strategy).parameters:  # 0.5.17: from the server args
+        init_cp_strategy(SimpleNamespace(enable_prefill_cp=enable, attn_cp_size=cp_size, cp_strategy="zigzag"))
+    else:
+        init_cp_strategy(enable_prefill_cp=enable, cp_size=cp_size, cp_strategy="zigzag")
+
+
 def zigzag(cp_size: int) -> None:
-    init_cp_strategy(SimpleNamespace(enable_prefill_cp=True, attn_cp_size=cp_size, cp_strategy="zigzag"))
+    _init_cp(True, cp_size)
 
 
 def no_cp() -> None:
-    init_cp_strategy(SimpleNamespace(enable_prefill_cp=False, attn_cp_size=1, cp_strategy="zigzag"))
+    _init_cp(False, 1)
 
 
 @pytest.fixture
@@ -84,7 +109,11 @@ def make_runner(capture_num_tokens=(2048, 2304), bucket_local_tokens=None, cp_bc
     runner.capture_hidden_mode = CaptureHiddenMode.NULL
     runner.capture_num_tokens = list(capture_num_tokens)
     runner.max_num_tokens = capture_num_tokens[-1]
-    runner.enable_cp_v2_bcg_capture = cp_bcg
+    runner.enable_cp_bcg_capture = runner.enable_cp_v2_bcg_capture = cp_bcg  # 0.5.23, 0.5.17
+    # read by 0.5.23's can_run_graph only: no context-size limit, no Qwen side channel, any backend
+    runner.max_context_size = runner.max_seq_len = runner._backend_can_run_prefill_cuda_graph = None
+    runner._qwen_bcg_hc_sidechannel = runner._qwen_bcg_mtp_draft = runner._fa4_prefill = False
+    runner._captured_attn_metadata_max_bs = None
     runner.prefill_cp_bcg_input = PrefillCPBCGInput(
         input_embeds=torch.empty(0),
         positions=torch.empty(0),
@@ -109,6 +138,7 @@ def make_forward_batch(extend_seq_lens=OVERFLOW_LENS, num_tokens=None):
         seq_lens_cpu=list(extend_seq_lens),
         extend_seq_lens_cpu=list(extend_seq_lens),
         extend_prefix_lens_cpu=[0] * len(extend_seq_lens),
+        contains_mm_inputs=lambda: False,  # 0.5.23 asks
     )
 
 
@@ -133,7 +163,7 @@ def test_local_capacity_overflow_uses_next_capture_bucket(cp_patch):
     with align8():
         selected = []
         for cp_rank in range(4):
-            with get_parallel().override(attn_cp_rank=cp_rank, attn_cp_size=4):
+            with cp_ranks(attn_cp_rank=cp_rank, attn_cp_size=4):
                 selected.append(
                     runner.prefill_cp_bcg_input.select_replay_bucket_for_batch(
                         num_tokens=2048,
@@ -143,7 +173,7 @@ def test_local_capacity_overflow_uses_next_capture_bucket(cp_patch):
                     )
                 )
         assert selected == [2304, 2304, 2304, 2304]
-        with get_parallel().override(attn_cp_rank=0, attn_cp_size=4):
+        with cp_ranks(attn_cp_rank=0, attn_cp_size=4):
             assert runner.can_run_graph(make_forward_batch()) is True
 
 
@@ -168,7 +198,7 @@ def test_bucket_search_falls_back_when_no_capture_has_capacity(cp_patch):
     runner = make_runner((2048, 2304), {2048: 512, 2304: 516})
     zigzag(4)
     forward_batch = make_forward_batch()
-    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+    with cp_ranks(attn_cp_rank=0, attn_cp_size=4), align8():
         assert runner.can_run_graph(forward_batch) is False
         # the rejection is remembered: a replay of this batch refuses instead of padding
         with pytest.raises(RuntimeError, match="rejected at admission"):
@@ -180,7 +210,7 @@ def test_load_batch_pads_to_admitted_larger_bucket(cp_patch):
     runner = make_runner((2048, 2304), {2048: 512, 2304: 576})
     zigzag(4)
     forward_batch = make_forward_batch()
-    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+    with cp_ranks(attn_cp_rank=0, attn_cp_size=4), align8():
         assert runner.can_run_graph(forward_batch)
         decision = forward_batch.prefill_cp_bucket_decision
         assert (decision.live_size, decision.bucket, decision.required, decision.capacity) == (2048, 2304, 520, 576)
@@ -199,7 +229,7 @@ def test_all_ranks_admit_the_same_bucket_and_match_real_zigzag_rows(cp_patch):
     decisions, built_rows = [], []
     with align8(), patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN):
         for cp_rank in range(4):
-            with get_parallel().override(attn_cp_rank=cp_rank, attn_cp_size=4):
+            with cp_ranks(attn_cp_rank=cp_rank, attn_cp_size=4):
                 forward_batch = make_forward_batch()
                 assert runner.can_run_graph(forward_batch)
                 decisions.append(forward_batch.prefill_cp_bucket_decision)
@@ -215,7 +245,7 @@ def test_all_ranks_admit_the_same_bucket_and_match_real_zigzag_rows(cp_patch):
 def test_replay_without_admission_raises_clearly(cp_patch):
     runner = make_runner((2048, 2304), {2048: 512, 2304: 576})
     zigzag(4)
-    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+    with cp_ranks(attn_cp_rank=0, attn_cp_size=4), align8():
         with pytest.raises(RuntimeError, match="no admission decision"):
             runner.load_batch(make_forward_batch())
         assert runner.buffer_registry.padded_num_tokens is None
@@ -235,7 +265,7 @@ def test_non_zigzag_layout_unknown_runs_eager(cp_patch):
     zigzag(4)
     forward_batch = make_forward_batch()
     forward_batch.extend_seq_lens_cpu = None  # no CPU lengths: requirement unknown
-    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+    with cp_ranks(attn_cp_rank=0, attn_cp_size=4), align8():
         assert runner.prefill_cp_bcg_input.required_local_tokens(None) is None
         assert runner.can_run_graph(forward_batch) is False
         assert forward_batch.prefill_cp_bucket_decision is None
@@ -250,7 +280,7 @@ def test_counters_reach_graph_stats(cp_patch):
 
     runner = make_runner((2048, 2304, 4096), {2048: 512, 2304: 576, 4096: 1024})
     zigzag(4)
-    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), align8():
+    with cp_ranks(attn_cp_rank=0, attn_cp_size=4), align8():
         assert runner.can_run_graph(make_forward_batch())  # 2304 instead of 2048
         assert runner.can_run_graph(make_forward_batch([1024, 1024]))  # fits 2048
         runner.prefill_cp_bcg_input.bucket_local_tokens = {2048: 512}
@@ -287,7 +317,8 @@ def _non_cp_observations():
         # (cp_bcg flag, CP strategy, CP v2 env)
         (False, None, "1"),
         (False, 4, "1"),  # CP strategy but this runner captured no CP body
-        (True, 4, "0"),  # CP BCG captured, but CP v2 off: batch not CP-active
+        # CP BCG captured, but CP v2 off: batch not CP-active (0.5.17; 0.5.20 retired the switch)
+        *([(True, 4, "0")] if hasattr(cp_utils, "is_cp_v2_active") else []),
         (True, None, "1"),  # no CP strategy bound
     ]
     for cp_bcg, cp, env in configs:
@@ -296,7 +327,7 @@ def _non_cp_observations():
             for lens in ([1534, 161, 353], [1000], [3, 5], [2304], [2000, 300], [4000]):
                 runner = make_runner((2048, 2304, 4096), {2048: 512, 2304: 576, 4096: 1024}, cp_bcg=cp_bcg)
                 fb = make_forward_batch(lens)
-                with get_parallel().override(attn_cp_rank=1, attn_cp_size=4), align8():
+                with cp_ranks(attn_cp_rank=1, attn_cp_size=4), align8():
                     admitted = _outcome(lambda: runner.can_run_graph(fb))
                     loaded = _outcome(lambda: runner.load_batch(fb))
                 seen.append((cp_bcg, cp, env, tuple(lens), admitted, loaded, runner.buffer_registry.padded_num_tokens,
@@ -311,7 +342,7 @@ def test_non_cp_configurations_behave_as_unpatched(cp_patch):
 
     patched = _non_cp_observations()
     activation.deactivate()
-    assert not hasattr(PrefillCPBCGInput, "select_replay_bucket")  # really unpatched now
+    assert not hasattr(PrefillCPBCGInput, "replay_bucket_decision")  # really unpatched now (ours only)
     unpatched = _non_cp_observations()
     assert patched == unpatched
     # the comparison covered admitted and padded batches, not only refusals
@@ -354,7 +385,7 @@ def test_selection_properties(cp_patch, case):
     with patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=align):
         per_rank = []
         for rank in range(cp_size):
-            with get_parallel().override(attn_cp_rank=rank, attn_cp_size=cp_size):
+            with cp_ranks(attn_cp_rank=rank, attn_cp_size=cp_size):
                 required = cp_input.required_local_tokens(lens)
                 chosen = cp_input.select_replay_bucket_for_batch(
                     num_tokens=live, extend_seq_lens=lens, capture_num_tokens=buckets, max_padding_factor=factor
@@ -379,7 +410,7 @@ def test_a_bucket_whose_capacity_equals_the_requirement_is_chosen(cp_patch):
     lens, buckets = [100, 37], [64, 256, 512]
     zigzag(2)
     with patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=8):
-        with get_parallel().override(attn_cp_rank=0, attn_cp_size=2):
+        with cp_ranks(attn_cp_rank=0, attn_cp_size=2):
             probe = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0), bucket_local_tokens={})
             required = probe.required_local_tokens(lens)
             for capacity, want in ((required, 256), (required - 1, 512)):
@@ -410,7 +441,7 @@ def test_requirement_equals_rows_prepare_builds(cp_patch, cp_size, lens, seq_spl
         "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=align
     ):
         for rank in range(cp_size):
-            with get_parallel().override(attn_cp_rank=rank, attn_cp_size=cp_size):
+            with cp_ranks(attn_cp_rank=rank, attn_cp_size=cp_size):
                 fb = make_forward_batch(lens)
                 fb.attn_cp_metadata = None
                 fb.out_cache_loc = None
@@ -506,6 +537,7 @@ def make_live_batch(extend_seq_lens, device="cpu", generator=None):
     )
 
 
+@drives_0517_load_batch
 @pytest.mark.parametrize("cp_rank", [0, 1, 2, 3])
 def test_real_load_batch_replays_overflowing_layout_in_the_admitted_bucket(cp_patch, cp_rank):
     """0.5.17's own load_batch + prepare on CPU: the 520-row layout lands in the 2304 bucket's 576 rows."""
@@ -514,7 +546,7 @@ def test_real_load_batch_replays_overflowing_layout_in_the_admitted_bucket(cp_pa
     runner = make_replay_runner(embedding)
     zigzag(4)
     live = make_live_batch(OVERFLOW_LENS)
-    with get_parallel().override(attn_cp_rank=cp_rank, attn_cp_size=4), align8(), patch(
+    with cp_ranks(attn_cp_rank=cp_rank, attn_cp_size=4), align8(), patch(
         "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
     ), torch.no_grad():
         assert runner.can_run_graph(live)
@@ -536,13 +568,14 @@ def test_real_load_batch_replays_overflowing_layout_in_the_admitted_bucket(cp_pa
         assert torch.count_nonzero(static.input_embeds[logical:]) == 0
 
 
+@drives_0517_load_batch
 def test_capacities_recorded_by_real_capture_prepare_drive_the_search(cp_patch):
     """0.5.17's prepare(capture=True) records every bucket's local rows; the search uses exactly those."""
     embedding = torch.nn.Embedding(VOCAB, HIDDEN)
     runner = make_replay_runner(embedding)
     runner.prefill_cp_bcg_input.bucket_local_tokens = {}
     zigzag(4)
-    with get_parallel().override(attn_cp_rank=2, attn_cp_size=4), align8(), patch(
+    with cp_ranks(attn_cp_rank=2, attn_cp_size=4), align8(), patch(
         "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
     ), torch.no_grad():
         for bucket in reversed(runner.capture_num_tokens):  # capture order of 0.5.17
@@ -556,6 +589,7 @@ def test_capacities_recorded_by_real_capture_prepare_drive_the_search(cp_patch):
 
 
 @plugin_only
+@drives_0517_load_batch
 def test_unpatched_load_batch_crashes_on_the_same_layout(cp_patch):
     """The bug this patch fixes: unpatched 0.5.17 pads to 2048 and prepare() refuses 520 > 512 rows."""
     from sglang_ext import activation
@@ -565,7 +599,7 @@ def test_unpatched_load_batch_crashes_on_the_same_layout(cp_patch):
     runner = make_replay_runner(embedding)
     zigzag(4)
     live = make_live_batch(OVERFLOW_LENS)
-    with get_parallel().override(attn_cp_rank=0, attn_cp_size=4), patch(
+    with cp_ranks(attn_cp_rank=0, attn_cp_size=4), patch(
         "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
     ), torch.no_grad():
         assert runner.can_run_graph(live)  # admitted ...
@@ -615,7 +649,7 @@ def replay_all_ranks(device, capture):
     with align8(), patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN), \
             torch.no_grad():
         for rank in range(4):
-            with get_parallel().override(attn_cp_rank=rank, attn_cp_size=4):
+            with cp_ranks(attn_cp_rank=rank, attn_cp_size=4):
                 runner = make_replay_runner(embedding, device)
                 cp_input = runner.prefill_cp_bcg_input
                 cp_input.bucket_local_tokens = {}
@@ -660,5 +694,6 @@ def _zigzag_rows(total, metadata):
     return torch.cat([blocks[i] for i in metadata.zigzag_index])
 
 
+@drives_0517_load_batch
 def test_replay_in_admitted_bucket_equals_eager_on_every_rank(cp_patch):
     assert replay_all_ranks(torch.device("cpu"), capture_fake_graph) == [2304] * 4

@@ -18,13 +18,13 @@ import textwrap
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from conftest import plugin_only
+from conftest import plugin_only, where_part_runs
 from activation_env import clean_activation  # noqa: F401  (autouse fixture)
 from sglang_ext import activation, plugin, registry
 from sglang_ext.tools import doctor
 from sglang_ext.errors import SglangExtActivationError
-from sglang_ext.registry import PATCH_NAMES, PATCHES, Part, PatchSpec
-from sglang_ext.versions import at_least
+from sglang_ext.registry import PATCH_NAMES, PATCHES, Part, PatchSpec, resolve
+from sglang_ext.versions import at_least, installed_sglang_version
 from sglang_ext_testkit import internals
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
@@ -283,6 +283,7 @@ _BUCKETS_WITHOUT_CONFIG = {"SGLANG_EXT": "1", "SGLANG_EXT_DISABLE": "pi05_config
                            "SGLANG_EXT_PI05_PROMPT_TOKEN_BUCKETS": "32,64"}
 
 
+@where_part_runs("sglang_ext.pi05.policy_graphs:patch_policy")  # pi05_graphs needs pi05_config
 def test_a_patch_whose_requirement_is_off_is_left_off_with_a_warning(monkeypatch, caplog):
     """pi05_graphs' prompt buckets need pi05_config's module: never 'applied' and then ImportError per request."""
     armed = []
@@ -300,6 +301,7 @@ def test_a_patch_whose_requirement_is_off_is_left_off_with_a_warning(monkeypatch
     assert "\n" not in warning and "requires patch pi05_config" in warning
 
 
+@where_part_runs("sglang_ext.pi05.policy_graphs:patch_policy")  # pi05_graphs needs pi05_config
 def test_a_patch_whose_requirement_is_off_stops_start_up_in_strict_mode(monkeypatch):
     monkeypatch.setattr(activation, "_arm", lambda spec, settings: None)
     with pytest.raises(SglangExtActivationError) as err:
@@ -308,6 +310,7 @@ def test_a_patch_whose_requirement_is_off_stops_start_up_in_strict_mode(monkeypa
     assert "\n" not in text and "patch pi05_graphs skipped: requires patch pi05_config" in text
 
 
+@where_part_runs("sglang_ext.pi05.policy_graphs:patch_policy")  # pi05_graphs needs pi05_config
 def test_a_conditional_requirement_without_its_knob_does_not_apply(monkeypatch):
     monkeypatch.setattr(activation, "_arm", lambda spec, settings: None)
     got = activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_DISABLE": "pi05_config",
@@ -335,8 +338,9 @@ def test_bad_master_switch_value_is_an_error():
 @pytest.fixture(scope="module")
 def live_sglang():
     """Snapshot of every real target module (and its classes) to prove nothing was touched."""
-    names = sorted({p.trigger_module for spec in PATCHES for p in spec.parts}
-                   | {t.module for spec in PATCHES for t in spec.targets})
+    version = installed_sglang_version()
+    names = sorted({resolve(p.trigger_module, version) for spec in PATCHES for p in spec.parts}
+                   | {t.key_in(version).split(":")[0] for spec in PATCHES for t in spec.targets})
     modules = [importlib.import_module(n) for n in names]
 
     def snapshot():
@@ -360,31 +364,27 @@ def assert_same(before, after):
 
 
 def test_unsupported_sglang_applies_nothing_with_one_clear_warning(released_tree, live_sglang, caplog):
-    tree = released_tree("0.5.23")
+    tree = released_tree("0.5.12")
     before, pending = live_sglang(), internals.pending_triggers()
     with caplog.at_level(logging.WARNING, logger="sglang_ext"):
         got = activation.activate(environ={"SGLANG_EXT": "1"}, source_root=tree)
-    assert activation.activated_version() == "0.5.23"  # read from the tree's sglang/_version.py
+    assert activation.activated_version() == "0.5.12"  # read from the tree's sglang/_version.py
     for spec in PATCHES:
-        text = str(got[spec.name])
-        if spec.upstream_equivalent and spec.upstream_since and at_least("0.5.23", spec.upstream_since):
-            assert text == f"not needed (upstream has it since {spec.upstream_since})"
-        else:
-            assert text == "skipped (sglang 0.5.23 is not supported; supported: 0.5.17)"
+        assert str(got[spec.name]) == "skipped (sglang 0.5.12 is not supported; supported: 0.5.17, 0.5.23)"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "sglang 0.5.23" in warnings[0] and "is not supported" in warnings[0]
-    assert "supported: 0.5.17" in warnings[0] and "Nothing was applied" in warnings[0]
+    assert "sglang 0.5.12" in warnings[0] and "is not supported" in warnings[0]
+    assert "supported: 0.5.17, 0.5.23" in warnings[0] and "Nothing was applied" in warnings[0]
     assert internals.pending_triggers() == pending
     assert_same(before, live_sglang())
 
 
 def test_unsupported_sglang_aborts_in_strict_mode(released_tree, live_sglang):
     before = live_sglang()
-    with pytest.raises(SglangExtActivationError, match=r"strict mode .*sglang 0\.5\.23 .* is not supported .*"
-                       r"supported: 0\.5\.17"):
+    with pytest.raises(SglangExtActivationError, match=r"strict mode .*sglang 0\.5\.12 .* is not supported .*"
+                       r"supported: 0\.5\.17, 0\.5\.23"):
         activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1"},
-                            source_root=released_tree("0.5.23"))
+                            source_root=released_tree("0.5.12"))
     assert_same(before, live_sglang())
 
 
@@ -448,7 +448,7 @@ def test_sglang_without_dist_metadata_is_identified_by_its_version_file(monkeypa
     from sglang_ext import activation
 
     monkeypatch.setattr(activation, "installed_sglang_version", lambda: None)
-    assert activation.resolve_version(None) == "0.5.17"
+    assert activation.resolve_version(None) == installed_sglang_version()
     monkeypatch.setattr(activation, "installed_sglang_path", lambda: None)
     assert activation.resolve_version(None) is None  # no sglang at all: "sglang is not installed"
 
@@ -557,9 +557,12 @@ DEACTIVATE_AFTER_IMPORT = r'''
 import importlib, json, os, sys, types
 import sglang_ext
 from sglang_ext import activation
-from sglang_ext.registry import PATCHES
+from sglang_ext.registry import PATCHES, resolve
+from sglang_ext.versions import installed_sglang_version
 
-names = sorted({p.trigger_module for s in PATCHES for p in s.parts} | {t.module for s in PATCHES for t in s.targets})
+version = installed_sglang_version()
+names = sorted({resolve(p.trigger_module, version) for s in PATCHES for p in s.parts}
+               | {t.key_in(version).split(":")[0] for s in PATCHES for t in s.targets})
 assert not [n for n in names if n in sys.modules]  # nothing imported before activation
 statuses = activation.activate(eager=True)
 for name in names:
@@ -570,7 +573,8 @@ ext_dir = os.path.dirname(sglang_ext.__file__)
 def ours(value):
     code = getattr(getattr(value, "__func__", value), "__code__", None)
     module = getattr(value, "__module__", None)
-    return (code is not None and code.co_filename.startswith(ext_dir)) or (
+    # (0.5.23's lazy module proxies answer any attribute: only real code objects count)
+    return (isinstance(code, types.CodeType) and code.co_filename.startswith(ext_dir)) or (
         isinstance(value, type) and str(module).startswith("sglang_ext"))
 
 left = []
@@ -581,12 +585,12 @@ for name, module in list(sys.modules.items()):
             if isinstance(value, type) and value.__module__ == name:
                 left += [f"{name}.{key}.{a}" for a, v in list(vars(value).items()) if ours(v)]
 mg = "sglang.multimodal_gen.runtime."
-m = lambda name: importlib.import_module(mg + name)
+m = lambda name: importlib.import_module(resolve(mg + name, version))
 print(json.dumps({"statuses": {k: str(v) for k, v in statuses.items()}, "left": left, "same": [
-    m("entrypoints.vla.ws_utils").action_metadata is m("entrypoints.vla.protocol").action_metadata,
-    m("entrypoints.vla.api").infer_action is m("entrypoints.vla.protocol").infer_action,
-    m("models.vlas.pi05_policy").VLADenoiseGraphRunner is m("vla.denoise_cuda_graph").VLADenoiseGraphRunner,
-    m("vla.denoise_cuda_graph").__file__.startswith(os.path.dirname(sys.modules["sglang"].__file__))]}))
+    m("entrypoints.action.ws_utils").action_metadata is m("entrypoints.action.protocol").action_metadata,
+    m("entrypoints.action.api").infer_action is m("entrypoints.action.protocol").infer_action,
+    m("models.vlas.pi05_policy").VLADenoiseGraphRunner is m("vla.cuda_graph").VLADenoiseGraphRunner,
+    m("vla.cuda_graph").__file__.startswith(os.path.dirname(sys.modules["sglang"].__file__))]}))
 '''
 
 
@@ -605,6 +609,9 @@ def test_deactivate_after_importing_every_target_while_patched_leaves_no_sglang_
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(out["statuses"]) == set(PATCH_NAMES) and set(out["statuses"].values()) == {"applied"}, out
+    version = installed_sglang_version()
+    assert set(out["statuses"]) == set(PATCH_NAMES)
+    assert all(v == "applied" or v.startswith(f"skipped (not ported to sglang {version}") or v.startswith("not needed")
+               for v in out["statuses"].values()), out
     assert out["left"] == []
     assert out["same"] == [True, True, True, True]

@@ -98,7 +98,7 @@ def test_installed_sglang_matches_its_recorded_table():
     assert table, f"no table for the installed sglang {version}"
     for spec in PATCHES:
         for t in spec.targets:
-            assert fingerprint.fingerprint(t.module, t.qualname) == table[t.key], t.key
+            assert fingerprint.fingerprint_key(t.key_in(version)) == table[t.key], t.key
 
 
 def test_committed_tables_are_what_the_generator_writes(released_tree, capsys):
@@ -148,3 +148,18 @@ def test_support_matrix_cells_follow_the_tables():
     assert gen.cell(by_name["prefill_cp_bucket"], "0.5.12") == "absent"
     assert gen.cell(by_name["mg_worker_activation"], "0.5.23") == "not needed (upstream 0.5.21)"
     assert gen.cell(by_name["vit_cuda_graph"], "0.5.19") == "skipped (fingerprint changed)"
+
+
+def test_renames_give_each_release_its_own_names():
+    """The registry is written in the newest shape; RENAMES gives an older release its names."""
+    from sglang_ext.registry import resolve
+    mg = "sglang.multimodal_gen.runtime"
+    assert resolve(f"{mg}.vla.cuda_graph:VLADenoiseGraphRunner", "0.5.17") == (
+        f"{mg}.vla.denoise_cuda_graph:VLADenoiseGraphRunner")
+    assert resolve(f"{mg}.entrypoints.action.api", "0.5.17") == f"{mg}.entrypoints.vla.api"
+    assert resolve(f"{mg}.entrypoints.action.api", "0.5.18") == f"{mg}.entrypoints.action.api"
+    assert resolve("sglang.srt.layers.cp.utils:is_cp_active", "0.5.19") == "sglang.srt.layers.cp.utils:is_cp_v2_active"
+    assert resolve("sglang.srt.layers.cp.utils:is_cp_active", "0.5.20") == "sglang.srt.layers.cp.utils:is_cp_active"
+    assert resolve("sglang.srt.layers.cp.bcg.bcg:PrefillCPBCGInput", "0.5.22") == "sglang.srt.layers.cp.bcg:PrefillCPBCGInput"
+    assert resolve("sglang.srt.layers.cp.bcg.bcg:PrefillCPBCGInput", "0.5.23") == "sglang.srt.layers.cp.bcg.bcg:PrefillCPBCGInput"
+    assert resolve("sglang.srt.layers.cp.utils", "0.5.17") == "sglang.srt.layers.cp.utils"  # only the one definition

@@ -19,10 +19,12 @@ import pickle
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from conftest import ext_core
+from conftest import ext_core, where_part_runs
 from mg_worker_probe import EXT, WorkerProbe
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
+# the spawn route of 0.5.17; from 0.5.21 sglang's worker loads the multimodal_gen plugin group itself
+pytestmark = where_part_runs("sglang_ext.mg_worker.spawn:patch_launch_server")
 
 PATCH = "mg_worker_activation"
 WRAPPER = f"{EXT}.mg_worker.entries:run_scheduler_process"

@@ -321,22 +321,46 @@ def test_series_applies_to_a_pristine_0_5_17_tree(tmp_path, layout):
     assert "nothing was changed" in half.stderr
 
 
-@pytest.mark.parametrize("version", ["0.5.18", "0.5.23"])
-def test_series_refuses_other_sglang_releases(version):
+@pytest.mark.parametrize("version", ["0.5.18", "0.5.22"])
+def test_series_refuses_releases_without_one(version):
     from sglang_ext_testkit import wheels
 
     root = wheels.ensure_unpacked(version)  # the real unpacked wheel; refused before anything is read
     done = _apply(root)
     assert done.returncode != 0
-    assert f"this patch series is for sglang 0.5.17, but {root} is sglang {version}" in done.stderr
+    assert f"no patch series for sglang {version} (series exist for sglang 0.5.17 0.5.23)" in done.stderr
     assert not os.path.exists(os.path.join(root, "sglang", "ext"))
+
+
+def test_a_series_given_for_another_release_is_refused():
+    from sglang_ext_testkit import wheels
+
+    root = wheels.ensure_unpacked("0.5.23")
+    done = _apply("--check", "--series", os.path.join(REPO, "patches", "sglang-0.5.17"), root)  # on a 0.5.23 tree
+    assert done.returncode != 0
+    assert f"this patch series is for sglang 0.5.17, but {root} is sglang 0.5.23" in done.stderr
+
+
+def test_every_supported_release_has_its_series_and_it_applies_to_that_wheel(tmp_path):
+    """--check of each release's series against a copy of that release's pristine wheel."""
+    from sglang_ext_testkit import wheels
+
+    for version in gp.SERIES_VERSIONS:
+        series = os.path.join(REPO, "patches", f"sglang-{version}")
+        assert f"# sglang-version: {version}" in open(os.path.join(series, "series"), encoding="utf-8").read()
+        tree = tmp_path / version
+        shutil.copytree(os.path.join(wheels.ensure_unpacked(version), "sglang"), tree / "sglang",
+                        ignore=shutil.ignore_patterns("test", "*.so"))
+        done = _apply("--check", str(tree))
+        assert done.returncode == 0, done.stderr
+        assert f"sglang {version}" in done.stdout
 
 
 def test_apply_refuses_a_tree_without_a_version(tmp_path):
     (tmp_path / "sglang").mkdir()
     done = _apply(str(tmp_path))
     assert done.returncode != 0
-    assert "cannot tell the sglang version" in done.stderr and "0.5.17" in done.stderr
+    assert "cannot tell the sglang version" in done.stderr and "0.5.17 0.5.23" in done.stderr
 
 
 @pytest.mark.parametrize("tag, ok", [("v0.5.17", True), ("v0.5.18", False)])
@@ -355,7 +379,7 @@ def test_apply_reads_the_release_tag_of_a_checkout_without_a_build(tmp_path, tag
         assert "(sglang 0.5.17, checkout layout, -p1)" in done.stdout
     else:
         assert done.returncode != 0
-        assert "this patch series is for sglang 0.5.17" in done.stderr and "is sglang 0.5.18" in done.stderr
+        assert "no patch series for sglang 0.5.18" in done.stderr
 
 
 @pytest.mark.skipif(shutil.which("quilt") is None and not os.environ.get("EXT_CI_REQUIRE_QUILT"),
@@ -438,8 +462,15 @@ def test_load_plugins_on_a_patched_tree_activates_the_vendored_copy(patched_tree
     assert "SGLANG_EXT_DISABLE" in message and "no_such_patch" in message and "vit_cuda_graph" in message
     assert "\n" not in message
     # every patch armed (it applies when its module is imported), the disabled one left alone
-    assert built_in["fork"] == {name: "disabled" if name == "vit_cuda_graph" else "armed" for name in PATCH_NAMES}
-    assert switched_on["fork"] == {name: "armed" for name in PATCH_NAMES}
+    # each patch as the registry declares it for this release (armed; on 0.5.23 also not needed / not ported)
+    from sglang_ext import activation
+    from sglang_ext.knobs import load_settings
+    from sglang_ext.versions import installed_sglang_version
+
+    plan = activation.plan(load_settings({"SGLANG_EXT": "1"}), version=installed_sglang_version())
+    declared = {name: plan[name].state for name in PATCH_NAMES}
+    assert built_in["fork"] == {**declared, "vit_cuda_graph": "disabled"}
+    assert switched_on["fork"] == declared
     assert switched_on["plugin"] == {}, "the installed plugin must stand aside on a patched tree"
     assert switched_on["sglang_ext"].startswith(os.path.join(REPO, "python"))
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from conftest import ext_core, plugin_only
+from conftest import ext_core, plugin_only, where_part_runs
 from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
 
 ExtConfigError = ext_core("errors").ExtConfigError  # the patched tree raises its vendored copy
@@ -230,6 +230,7 @@ def test_merged_replicated_linear_metadata_and_scalar_params(ext_patches):
     assert torch.equal(scales, torch.tensor([0.25, 0.0, 0.5]))
 
 
+@where_part_runs("sglang_ext.pi05.merged_linear:patch_linear")  # its own messages; upstream has its own
 @pytest.mark.parametrize("shard_id", ["x", 3, -1, 1.0, True])
 def test_merged_replicated_linear_rejects_unknown_shard_ids(ext_patches, shard_id):
     ext_patches()
@@ -244,6 +245,7 @@ def test_merged_replicated_linear_rejects_unknown_shard_ids(ext_patches, shard_i
     assert (layer.weight == 7.0).all()
 
 
+@where_part_runs("sglang_ext.pi05.merged_linear:patch_linear")  # its own messages; upstream has its own
 def test_merged_replicated_linear_shape_mismatch_names_param_shard_and_shapes(ext_patches):
     ext_patches()
     from sglang.multimodal_gen.runtime.layers.linear import MergedReplicatedLinear
@@ -326,6 +328,7 @@ def test_pigemma_loader_accepts_an_already_packed_checkpoint(ext_patches, monkey
     assert torch.equal(expert["mlp"].gate_up_proj.weight, checkpoint[ACTION_EXPERT_SOURCE + "mlp.gate_up_proj.weight"])
 
 
+@where_part_runs("sglang_ext.pi05.merged_linear:patch_linear")  # its own messages; upstream has its own
 def test_pigemma_loader_reports_a_wrong_shard_shape(ext_patches, monkeypatch, tmp_path):
     ext_patches()
     pi05_core = _pi05_core(monkeypatch)
@@ -353,6 +356,7 @@ def _bucketing():
     return prompt_bucketing
 
 
+@where_part_runs("sglang_ext.pi05.config:install_prompt_bucketing")  # the 0.5.17 backport of the fields
 def test_empty_prompt_pads_to_smallest_bucket_or_keeps_its_shape(ext_patches):
     ext_patches()
     pb = _bucketing()
@@ -418,6 +422,7 @@ def test_mask_holes_do_not_shorten_a_prompt(ext_patches):
     assert torch.equal(out_masks, masks[:, :6]) and torch.equal(out_tokens, tokens[:, :6])
 
 
+@where_part_runs("sglang_ext.pi05.config:install_prompt_bucketing")  # the 0.5.17 backport of the fields
 def test_prompt_bucketing_rejects_bad_input(ext_patches):
     ext_patches()
     pb = _bucketing()
@@ -548,8 +553,8 @@ def test_misspelled_graph_key_in_a_pipeline_config_file_stops_loading(ext_patche
 def test_unrelated_unknown_keys_are_still_ignored_like_0_5_17(ext_patches):
     ext_patches()
     config = Pi05PipelineConfig()
-    config.update_pipeline_config({"enable_segmented_actions": True, "action_horizon": 10})
-    assert config.action_horizon == 10 and not hasattr(config, "enable_segmented_actions")
+    config.update_pipeline_config({"enable_pi06_actions": True, "action_horizon": 10})
+    assert config.action_horizon == 10 and not hasattr(config, "enable_pi06_actions")
     with pytest.raises(TypeError):
         Pi05PipelineConfig(prompt_token_bucket=[16])  # the constructor was never lenient
 
@@ -576,6 +581,7 @@ def test_unset_knobs_keep_config_values(ext_patches):
     assert config.prompt_token_buckets == [32]
 
 
+@where_part_runs("sglang_ext.pi05.config:install_prompt_bucketing")  # the 0.5.17 backport of the fields
 def test_config_pickles_with_graph_fields_and_old_pickles_get_defaults(ext_patches):
     ext_patches()
     config = Pi05PipelineConfig(prompt_token_buckets=[16, 32], action_cuda_graph_max_entries=2)
@@ -593,6 +599,7 @@ def test_config_pickles_with_graph_fields_and_old_pickles_get_defaults(ext_patch
     assert old.prefix_cuda_graph_available() and old.action_cuda_graph_available()
 
 
+@where_part_runs("sglang_ext.pi05.config:install_prompt_bucketing")  # the 0.5.17 backport of the fields
 @plugin_only
 def test_config_pickled_with_the_patch_loads_where_the_patch_is_not_active(ext_patches):
     """A launcher with the patch and a spawned worker without it (or before it applies)."""
@@ -636,25 +643,27 @@ def test_graph_availability_follows_flags_and_capacities(ext_patches):
 def _server_args(config):
     from types import SimpleNamespace
 
-    return SimpleNamespace(model_id=None, model_path="lerobot/pi05_base", num_gpus=1, tp_size=1, sp_degree=1,
-                           ulysses_degree=1, ring_degree=1, pipeline_config=config)
+    return SimpleNamespace(model_id=None, model_path="lerobot/pi05_base", served_model_name="lerobot/pi05_base", num_gpus=1, tp_size=1, sp_degree=1,
+                           ulysses_degree=1, ring_degree=1, kv_gather_degree=1, pipeline_config=config)
 
 
-LADDER = [32, 48, 64, 80, 112, 128, 160, 192, 200]  # the default prompt buckets up to max_token_len 200
+LADDER = [32, 48, 64, 80, 112, 128, 160, 192, 200]
+# capture at load is sglang-ext's Pi0.5 graphs' (where they serve; else sglang's own report the config)
+OUR_GRAPHS = where_part_runs("sglang_ext.pi05.policy_graphs:patch_policy")  # the default prompt buckets up to max_token_len 200
 
 
 @pytest.mark.parametrize(
     "capture,overrides,expected_block,mode",
     [
         # graphs captured at load (the default): every bucket held, the config's capacity when larger
-        ("load", {}, {"prefix_enabled": True, "prefix_max_entries": 9, "action_enabled": True,
-                      "action_max_entries": 9, "prompt_token_buckets": LADDER}, "bucket"),
-        ("load", {"prompt_token_buckets": [32, 64], "action_cuda_graph_max_entries": 0},
+        pytest.param("load", {}, {"prefix_enabled": True, "prefix_max_entries": 9, "action_enabled": True,
+                      "action_max_entries": 9, "prompt_token_buckets": LADDER}, "bucket", marks=OUR_GRAPHS),
+        pytest.param("load", {"prompt_token_buckets": [32, 64], "action_cuda_graph_max_entries": 0},
          {"prefix_enabled": True, "prefix_max_entries": 2, "action_enabled": False,
-          "action_max_entries": 0, "prompt_token_buckets": [32, 64]}, "bucket"),
-        ("load", {"offload_prefix_token_embedding": True, "enable_action_cuda_graph": False},
+          "action_max_entries": 0, "prompt_token_buckets": [32, 64]}, "bucket", marks=OUR_GRAPHS),
+        pytest.param("load", {"offload_prefix_token_embedding": True, "enable_action_cuda_graph": False},
          {"prefix_enabled": False, "prefix_max_entries": 9, "action_enabled": False,
-          "action_max_entries": 9, "prompt_token_buckets": LADDER}, "off"),
+          "action_max_entries": 9, "prompt_token_buckets": LADDER}, "off", marks=OUR_GRAPHS),
         # upstream's first-use capture: the config as it is
         ("lazy", {}, {"prefix_enabled": True, "prefix_max_entries": 1, "action_enabled": True,
                       "action_max_entries": 4, "prompt_token_buckets": []}, "exact"),
@@ -665,7 +674,8 @@ LADDER = [32, 48, 64, 80, 112, 128, 160, 192, 200]  # the default prompt buckets
 )
 def test_action_metadata_reports_graph_settings(ext_patches, capture, overrides, expected_block, mode):
     ext_patches(pi05_graph_capture=capture)
-    from sglang.multimodal_gen.runtime.entrypoints.vla import api, protocol, ws_utils
+    from sglang_ext_testkit.upstream import upstream
+    api, protocol, ws_utils = upstream("sglang.multimodal_gen.runtime.entrypoints.action.api"), upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol"), upstream("sglang.multimodal_gen.runtime.entrypoints.action.ws_utils")
 
     assert api.action_metadata is protocol.action_metadata is ws_utils.action_metadata
     metadata = protocol.action_metadata(_server_args(Pi05PipelineConfig(**overrides)))

@@ -67,7 +67,9 @@ def _single_line_naming(text: str, field: str) -> None:
 def test_openpi_refuses_a_bad_observation_in_one_line_and_serves_the_next(server_args, scheduler, ext_patches, case):
     from fastapi.testclient import TestClient
 
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import pack_msgpack, unpack_msgpack
+    from sglang_ext_testkit.upstream import upstream
+
+    pack_msgpack, unpack_msgpack = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:pack_msgpack"), upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:unpack_msgpack")
 
     statuses = ext_patches()
     assert str(statuses["pi05_observation_checks"]) == "applied"
@@ -170,7 +172,8 @@ def test_the_http_process_knows_the_checkpoints_cameras(server_args, ext_patches
     from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
 
     ext_patches()
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import action_metadata, build_action_sampling_params
+    from sglang_ext_testkit.upstream import upstream
+    action_metadata, build_action_sampling_params = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:action_metadata"), upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:build_action_sampling_params")
 
     http_args = copy.copy(server_args)
     http_args.pipeline_config = Pi05PipelineConfig()  # as the HTTP process has it: the defaults

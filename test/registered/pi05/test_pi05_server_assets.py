@@ -17,7 +17,7 @@ import pytest
 import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from conftest import plugin_only
+from conftest import plugin_only, where_part_runs
 from sglang_ext_testkit import pi05_checkpoint as pc
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
@@ -42,7 +42,8 @@ def test_gemma_style_tokenizer_loads_offline(tmp_path, offline):
 def test_sglang_serve_parses_the_folder_and_preprocesses_the_request(tmp_path, offline, monkeypatch):
     from sglang.multimodal_gen.runtime.entrypoints.cli.serve import add_multimodal_gen_serve_args
     from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import build_action_sampling_params
+    from sglang_ext_testkit.upstream import upstream
+    build_action_sampling_params = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:build_action_sampling_params")
     from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
     from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess import (
         Pi05Preprocessor,
@@ -62,7 +63,8 @@ def test_sglang_serve_parses_the_folder_and_preprocesses_the_request(tmp_path, o
     config = args.pipeline_config
     assert type(config).__name__ == "Pi05PipelineConfig"
     assert config.tokenizer_name == f"{folder}/tokenizer"
-    assert args.warmup is False and config.enable_action_cuda_graph
+    assert config.enable_action_cuda_graph
+    assert args.warmup is False if hasattr(args, "warmup") else args.warmup_mode == "off"  # 0.5.17 / 0.5.23
 
     Pi05PolicyModel._apply_checkpoint_config(folder, config)  # what the worker does before loading
     assert config.image_keys == pc.CAMERAS and config.state_dim == pc.STATE_DIM
@@ -104,6 +106,7 @@ def _core_model_tensors() -> dict:
 
 
 @plugin_only
+@where_part_runs("sglang_ext.pi05.gemma_projections:patch_pi05_core")  # merged GEMMs are upstream's from 0.5.19
 def test_checkpoint_names_load_into_the_unpatched_and_the_patched_model(ext_patches, monkeypatch):
     """The checkpoint holds the unpatched model's state dict; sglang's own name mapping
     (Pi05PolicyModel._candidate_target_weights, what _load_weights resolves with) must reach

@@ -123,7 +123,9 @@ def _serve_requests(server_args):
     """JSON and OpenPI answers of the app for OBSERVATIONS: ([json actions], [openpi outputs])."""
     from fastapi.testclient import TestClient
 
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import pack_msgpack, unpack_msgpack
+    from sglang_ext_testkit.upstream import upstream
+
+    pack_msgpack, unpack_msgpack = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:pack_msgpack"), upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:unpack_msgpack")
 
     json_answers, ws_answers = [], []
     with TestClient(_app(server_args)) as client:
@@ -301,7 +303,9 @@ def test_b64_decoding_gives_the_standard_librarys_bytes_and_errors():
 def test_cameras_decode_concurrently_into_the_same_images(server_args, ext_patches):
     from PIL import Image
 
-    from sglang.multimodal_gen.runtime.entrypoints.vla import protocol
+    from sglang_ext_testkit.upstream import upstream
+
+    protocol = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol")
 
     body = clients.json_body(OBSERVATIONS[1])
     body["images"]["extra_rgba"] = {"b64_json": _png(np.full((5, 7, 4), 200, np.uint8))}
@@ -330,7 +334,8 @@ def _png(array) -> str:
 def test_a_socket_whose_round_trip_did_not_complete_is_closed_not_reused(server_args, ext_patches):
     ext_patches()
     from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import build_action_sampling_params
+    from sglang_ext_testkit.upstream import upstream
+    build_action_sampling_params = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:build_action_sampling_params")
     from sglang.multimodal_gen.runtime.scheduler_client import AsyncSchedulerClient
 
     silent = SchedulerStandIn(server_args, reply=False)
@@ -356,7 +361,8 @@ def test_a_socket_whose_round_trip_did_not_complete_is_closed_not_reused(server_
 @plugin_only
 def test_concurrent_requests_get_their_own_answers_and_sockets_are_kept(server_args, scheduler, ext_patches):
     ext_patches()
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import infer_action
+    from sglang_ext_testkit.upstream import upstream
+    infer_action = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:infer_action")
     from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
 
     async def burst():
@@ -378,3 +384,57 @@ def test_concurrent_requests_get_their_own_answers_and_sockets_are_kept(server_a
     assert len(set(scheduler.identities)) == idle  # the last request reused one of them
     assert "_ext_idle_sockets" not in async_scheduler_client.__dict__  # close() closed them
     np.testing.assert_allclose(again["actions"], _expected(OBSERVATIONS[0], config), rtol=0, atol=1e-5)
+
+
+@plugin_only
+def test_large_arrays_reach_each_request_through_its_kept_sockets_folder(server_args, ext_patches):
+    """0.5.23 spills a reply's large arrays into a folder the request socket's identity names (ipc_array):
+    over one kept socket each request still gets its own arrays, and the folder goes with the socket."""
+    from sglang.multimodal_gen.runtime import ipc_array
+
+    if not hasattr(ipc_array, "array_ipc_request"):
+        pytest.skip("per-request array folders are new in sglang 0.5.23 (0.5.17 spills into one shared folder)")
+    ext_patches()
+    import os
+
+    from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import OutputBatch
+    from sglang.multimodal_gen.runtime.scheduler_client import AsyncSchedulerClient
+
+    if ipc_array._array_ipc_dir() is None or not ipc_array.is_local_endpoint(server_args.scheduler_endpoint):
+        pytest.skip("no writable /dev/shm or a remote endpoint: arrays travel inline")
+    size = ipc_array._MIN_FILE_REF_BYTES // 4  # float32 elements: just large enough to be spilled
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(server_args.scheduler_endpoint)
+    seen = []
+
+    def serve(n):
+        for _ in range(n):
+            identity, _, payload = router.recv_multipart()
+            value = pickle.loads(payload)
+            seen.append(identity)
+            out = OutputBatch(output=ipc_array.spill_large_arrays_to_file_refs(
+                np.full(size, float(value), dtype=np.float32), identity))
+            assert isinstance(out.output, ipc_array.NumpyArrayFileRef)  # really spilled into the folder
+            router.send_multipart([identity, b"", pickle.dumps(out)])
+
+    thread = threading.Thread(target=serve, args=(3,), daemon=True)
+    thread.start()
+    client = AsyncSchedulerClient()
+    try:
+        async def three():
+            client.initialize(server_args)
+            return [await asyncio.wait_for(client.forward(i), timeout=60) for i in (1, 2, 3)]
+
+        outputs = asyncio.run(three())
+        thread.join(10)
+        assert [float(o.output[0]) for o in outputs] == [1.0, 2.0, 3.0]
+        assert all(o.output.shape == (size,) and float(o.output[-1]) == float(i + 1) for i, o in enumerate(outputs))
+        assert len(set(seen)) == 1  # one kept socket answered all three
+        folder = os.path.join(ipc_array._array_ipc_dir(), seen[0].decode())
+        assert os.path.isdir(folder) and os.listdir(folder) == []  # alive with its socket, its files consumed
+    finally:
+        client.close()
+        router.close(linger=0)
+        ctx.term()
+    assert not os.path.exists(folder)  # closed with the socket

@@ -124,7 +124,8 @@ def _stages(server_args):
 def _run_action_request(server_args, seed: int):
     """(actions, [(level, message)] of the stage lines) of one request through the stages' __call__."""
     from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import build_action_sampling_params
+    from sglang_ext_testkit.upstream import upstream
+    build_action_sampling_params = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:build_action_sampling_params")
 
     obs = clients.make_observation(seed, pc.CAMERAS)
     batch = prepare_request(server_args, build_action_sampling_params(clients.openpi_payload(obs), server_args))
@@ -200,7 +201,8 @@ def _plain_stage(fail: bool):
 def test_other_requests_and_errors_log_as_sglang(server_args, info_logging, ext_patches):
     from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
     from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
-    from sglang.multimodal_gen.runtime.entrypoints.vla.protocol import build_action_sampling_params
+    from sglang_ext_testkit.upstream import upstream
+    build_action_sampling_params = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol:build_action_sampling_params")
     from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
 
     def lines(batch, fail):

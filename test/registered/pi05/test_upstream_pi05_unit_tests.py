@@ -1,8 +1,9 @@
-"""sglang's own Pi0.5 unit tests, run unchanged against sglang 0.5.17 with every sglang-ext patch.
+"""sglang's own Pi0.5, action-API and scheduler-client unit tests, run unchanged with every sglang-ext patch.
 
-- 0.5.17's, as installed (`sglang/multimodal_gen/test/unit/`): the patches change PiGemma's
-  projections, the action metadata and the pipeline config in place; these files pin 0.5.17's
-  behaviour of those pieces (loader key mapping, metadata fields, runtime helpers).
+- The installed release's own (`sglang/multimodal_gen/test/unit/`; UNIT_TESTS per release): the
+  patches change PiGemma's projections, the action metadata, the pipeline config and the scheduler
+  client in place; these files pin sglang's behaviour of those pieces (loader key mapping, metadata
+  fields, runtime helpers; on 0.5.23 also the scheduler client and its per-request array transfer).
 - 0.5.19's, from its released wheel (downloaded once into sglang_ext_testkit.wheels' cache; a failed
   download fails the test in one line): conformance of the ported pieces with upstream. Only
   the tests of ported pieces are selected (UPSTREAM_0_5_19; the rest are listed with the reason
@@ -25,15 +26,20 @@ import sys
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
+import pytest
+
 from conftest import PATCHED_TREE
+from sglang_ext import activation
+from sglang_ext.knobs import load_settings
+from sglang_ext.versions import installed_sglang_version
 
 register_cpu_ci(est_time=150, suite="base-a-test-cpu")
 
-UNIT_TESTS_0_5_17 = (
-    "test_pi05_action_api.py",
-    "test_parallel_linear_weight_loading.py",
-    "test_pi05_runtime_helpers.py",
-)
+_PI05_UNIT_TESTS = ("test_pi05_action_api.py", "test_parallel_linear_weight_loading.py", "test_pi05_runtime_helpers.py")
+UNIT_TESTS = {
+    "0.5.17": _PI05_UNIT_TESTS,
+    "0.5.23": _PI05_UNIT_TESTS + ("test_scheduler_client.py", "test_ipc_array.py", "test_pi05_segment.py"),
+}
 
 # file -> the tests that run. Left out, and why:
 #   test_pi05_runtime_helpers.py: test_vla_split_group_marks_all_action_ranks,
@@ -164,12 +170,18 @@ def _run_unit_tests(tmp_path, unit_dir, args, applied, absent=()):
 def test_installed_sglang_pi05_unit_tests_pass_with_patches(tmp_path):
     import sglang
 
+    version = installed_sglang_version()
     unit = os.path.join(os.path.dirname(sglang.__file__), "multimodal_gen", "test", "unit")
-    outcomes, output = _run_unit_tests(tmp_path, unit, [os.path.join(unit, n) for n in UNIT_TESTS_0_5_17],
-                                       applied=() if PATCHED_TREE else ("pi05_merged_linear", "pi05_config"))
-    assert outcomes and set(outcomes.values()) == {"passed"}, (outcomes, output)
+    # every patch that applies to this release, applied (the child checks)
+    plan = activation.plan(load_settings({"SGLANG_EXT": "1"}), version=version)
+    applied = () if PATCHED_TREE else tuple(n for n, st in plan.items() if st.state == activation.ARMED)
+    outcomes, output = _run_unit_tests(tmp_path, unit, [os.path.join(unit, n) for n in UNIT_TESTS[version]], applied)
+    # upstream's own CUDA-only tests skip themselves on the CPU; everything else passes
+    assert outcomes and set(outcomes.values()) <= {"passed", "skipped"}, (outcomes, output)
+    assert list(outcomes.values()).count("passed") > 10 * list(outcomes.values()).count("skipped"), outcomes
 
 
+@pytest.mark.skipif(installed_sglang_version() != "0.5.17", reason="0.5.19's tests of what 0.5.17 gets backported")
 def test_sglang_0_5_19_pi05_unit_tests_pass_on_patched_0_5_17(tmp_path, released_tree):
     wheel_unit = os.path.join(released_tree("0.5.19"), "sglang", "multimodal_gen", "test", "unit")
     unit = tmp_path / "unit"  # upstream's files outside the wheel's tree: its `sglang/` never on sys.path
