@@ -156,7 +156,7 @@ def vendored_modules(specs) -> List[str]:
 def adapter_patches(specs) -> List[tuple]:
     """(spec, adapter modules) per registry entry: the modules its parts name (a module named by several
     entries goes to the first) and the modules of their packages that only this entry's modules import
-    (e.g. vit/budget.py beside vit/runner.py); whatever several entries share stays in the core patch."""
+    (e.g. vit/engine.py beside vit/runner.py); whatever several entries share stays in the core patch."""
     claimed, out = set(), []
     for spec in specs:
         mods = [m for m in dict.fromkeys(p.function.split(":")[0] for p in spec.parts) if m not in claimed]
