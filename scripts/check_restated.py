@@ -127,15 +127,20 @@ def our_files() -> List[str]:
     return out
 
 
-def find(roots: Sequence[str], run: int) -> Dict[str, List[Tuple[int, int]]]:
-    vocab = Vocabulary()
-    windows = upstream_windows(roots, run, vocab)
-    found = {}
-    for path in our_files():
-        runs = restated_runs(path, windows, run, vocab)
-        if runs:
-            found[os.path.relpath(path, REPO)] = runs
-    return found
+class Upstream:
+    """Every `run`-token window of released sglang trees, read once; where files of ours repeat them."""
+
+    def __init__(self, roots: Sequence[str], run: int = RUN):
+        self.run, self.vocab = run, Vocabulary()
+        self.windows = upstream_windows(roots, run, self.vocab)
+
+    def runs(self, path: str) -> List[Tuple[int, int]]:
+        return restated_runs(path, self.windows, self.run, self.vocab)
+
+    def find(self) -> Dict[str, List[Tuple[int, int]]]:
+        """{path relative to the repository: its runs} over python/, test/ and scripts/."""
+        found = {os.path.relpath(path, REPO): self.runs(path) for path in our_files()}
+        return {path: runs for path, runs in found.items() if runs}
 
 
 def main(argv=None) -> int:
@@ -143,9 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--versions", default="0.5.17,0.5.19")
     ap.add_argument("--run", type=int, default=RUN, help="shortest run reported (tokens)")
     args = ap.parse_args(argv)
-    from sglang_ext_testkit import wheels  # test/ on the path: PYTHONPATH or the editable install
+    from sglang_ext_testkit import wheels  # installed with the checkout
 
-    found = find([wheels.ensure_unpacked(v) for v in args.versions.split(",")], args.run)
+    found = Upstream([wheels.ensure_unpacked(v) for v in args.versions.split(",")], args.run).find()
     for path, runs in sorted(found.items()):
         for first, last in runs:
             print(f"{path}:{first}-{last}: restated from sglang {args.versions}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
@@ -22,13 +23,14 @@ from conftest import released_source_root  # noqa: E402  (test/registered/confte
 VERSIONS = ("0.5.17", "0.5.19")
 
 
-def test_no_upstream_code_is_restated():
-    roots = [released_source_root(v) for v in VERSIONS]
-    vocab = check_restated.Vocabulary()
-    windows = check_restated.upstream_windows(roots, check_restated.RUN, vocab)
-    found = {os.path.relpath(p, REPO): check_restated.restated_runs(p, windows, check_restated.RUN, vocab)
-             for p in check_restated.our_files()}
-    found = {p: runs for p, runs in found.items() if runs}
+@pytest.fixture(scope="module")
+def upstream():
+    """The released trees' token windows, read once for every test here."""
+    return check_restated.Upstream([released_source_root(v) for v in VERSIONS])
+
+
+def test_no_upstream_code_is_restated(upstream):
+    found = upstream.find()
     assert not found, "restated from sglang " + ", ".join(VERSIONS) + ": " + "; ".join(
         f"{p}:{a}-{b}" for p, runs in sorted(found.items()) for a, b in runs)
 
@@ -40,21 +42,19 @@ def _upstream_function(root):
     return upstream[start:start + 45]
 
 
-def _found(root, text, tmp_path):
+def _found(upstream, text, tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text(text)
-    vocab = check_restated.Vocabulary()
-    windows = check_restated.upstream_windows([root], check_restated.RUN, vocab)
-    return check_restated.restated_runs(str(planted), windows, check_restated.RUN, vocab)
+    return upstream.runs(str(planted))
 
 
-def test_a_planted_upstream_function_is_found(tmp_path):
+def test_a_planted_upstream_function_is_found(upstream, tmp_path):
     root = released_source_root("0.5.17")
-    runs = _found(root, "x = 1\n" + "\n".join(_upstream_function(root)) + "\n", tmp_path)
+    runs = _found(upstream, "x = 1\n" + "\n".join(_upstream_function(root)) + "\n", tmp_path)
     assert runs and runs[0][0] >= 2
 
 
-def test_a_reformatted_upstream_function_is_found(tmp_path):
+def test_a_reformatted_upstream_function_is_found(upstream, tmp_path):
     """Re-indented into a class, its comments dropped and its docstring reworded: the same tokens."""
     root = released_source_root("0.5.17")
     body = []
@@ -69,5 +69,5 @@ def test_a_reformatted_upstream_function_is_found(tmp_path):
         _, _, tail = rest.partition(quote)
         text = head + quote + "Reworded, and longer than the short strings kept as written." + quote + tail
     assert text.count("\n") > 20 and "class Holder:" in text
-    assert _found(root, text, tmp_path)
-    assert not _found(root, "def ours(a, b):\n    return [a[i] + b[i] for i in range(len(a))]\n" * 20, tmp_path)
+    assert _found(upstream, text, tmp_path)
+    assert not _found(upstream, "def ours(a, b):\n    return [a[i] + b[i] for i in range(len(a))]\n" * 20, tmp_path)
