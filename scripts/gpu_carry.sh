@@ -4,6 +4,7 @@
 #   .carry/base/            real sgl_kernel (pruned for an H200, no FA3), flashinfer, the pinned server
 #                           and Pi0.5 deps (requirements/gpu-carry.txt), sglang 0.5.17
 #   .carry/sgl0519/         sglang 0.5.19 (+ its older compressed-tensors); rides with the last FA3 part
+#   .carry/sgl0523/         sglang 0.5.23 (+ the pins it changed: transformers, ...); a call of its own
 #   .carry/fa3-{1,2,3}/     sgl_kernel's FA3 library (flash_ops.abi3.so), xz, split in three
 # Every part must stay <= 58 MiB (a call carries 64 MiB with the working tree). Incremental: downloads,
 # staging and compression are skipped when their outputs exist and match. Cache: .cache/gpu-carry/
@@ -20,7 +21,7 @@ REQ="$REPO/requirements/gpu-carry.txt"
 THREADS="${SGX_XZ_THREADS:-2}"
 export PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
 LIMIT=$((58 * 1024 * 1024))
-SGLANG_VERSIONS="0.5.17 0.5.19"
+SGLANG_VERSIONS="0.5.17 0.5.19 0.5.23"
 FA3_PARTS=3                  # at most; parts are FA3_CHUNK bytes, the last one the rest
 FA3_CHUNK=$((56 * 1024 * 1024))
 FA3_XZ="${SGX_FA3_XZ:-}"     # empty: keep parts of any preset; compress with the last preset used, else -9
@@ -36,9 +37,10 @@ for p in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2
 PLATFORMS+=(--platform any)
 
 # --- 1. wheels (cp312, x86_64, --no-deps) --------------------------------------------------------
-# spec lines: "name==version" (site) or "name==version  # 0519" (sglang 0.5.19 tree only)
-mapfile -t SITE_SPECS < <(grep -v '# 0519' "$REQ" | sed 's/#.*//; s/[[:space:]]//g' | grep .)
-mapfile -t OVERLAY_SPECS < <(grep '# 0519' "$REQ" | sed 's/#.*//; s/[[:space:]]//g' | grep .)
+# spec lines: "name==version" (site) or "name==version  # 0519" (that sglang tree only, ahead of site)
+mapfile -t SITE_SPECS < <(grep -v '# 05[0-9][0-9]' "$REQ" | sed 's/#.*//; s/[[:space:]]//g' | grep .)
+overlay_specs() { grep "# $1\$" "$REQ" | sed 's/#.*//; s/[[:space:]]//g' | grep .; }  # tag -> its specs
+mapfile -t OVERLAY_SPECS < <(grep '# 05[0-9][0-9]' "$REQ" | sed 's/#.*//; s/[[:space:]]//g' | grep .)
 SGLANG_SPECS=(); for v in $SGLANG_VERSIONS; do SGLANG_SPECS+=("sglang==$v"); done
 wheel_of() {  # spec -> the cached wheel's path (empty if absent)
   local name=${1%%==*} ver=${1#*==}
@@ -77,7 +79,7 @@ if [ "$(cat "$STAGE/.stamp" 2>/dev/null)" != "$stamp" ]; then
   install_to "$STAGE/site" "${site_whls[@]}"
   for v in $SGLANG_VERSIONS; do
     tag=${v//./}                                                 # 0.5.17 -> 0517
-    extra=(); if [ "$tag" = 0519 ]; then for s in "${OVERLAY_SPECS[@]}"; do extra+=("$(wheel_of "$s")"); done; fi
+    extra=(); while read -r s; do [ -n "$s" ] && extra+=("$(wheel_of "$s")"); done < <(overlay_specs "$tag")
     install_to "$STAGE/sgl$tag" "$(wheel_of "sglang==$v")" "${extra[@]}"
   done
   echo "$stamp" > "$STAGE/.stamp"
@@ -94,8 +96,8 @@ find "$STAGE" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$STAGE" -name '*.pyc' -delete
 find "$STAGE/site" -type d -name tests -prune -exec rm -rf {} +   # third-party test suites (sglang's own stay)
 
-# --- 3. pack tar | xz -9 : base (site + sglang 0.5.17) and sgl0519 (sglang 0.5.19) ----------------
-# Both do not fit one 58 MiB part; sgl0519 is small and travels beside the last FA3 part.
+# --- 3. pack tar | xz : base (site + sglang 0.5.17), sgl0519, sgl0523 ------------------------------
+# They do not fit one 58 MiB part; sgl0519 is small and travels beside the last FA3 part.
 pack() {  # name xz-preset tree...
   local name=$1 preset=$2; shift 2
   local out="$CARRY/$name" pstamp
@@ -119,6 +121,7 @@ pack() {  # name xz-preset tree...
 }
 pack base -9 site sgl0517     # its size is what limits
 pack sgl0519 -3 sgl0519       # small, and it shares a call with the last FA3 part
+pack sgl0523 -9 sgl0523       # a call of its own (with the tree) after the base's
 
 [ "${1:-}" = --base-only ] && { say "base only: $(( $(date +%s) - t0 )) s"; exit 0; }
 
@@ -181,10 +184,10 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
 tree=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{ s += $1 } END { print s + 0 }')
 echo
 printf '%-14s %10s %10s  %s\n' part MiB "with tree" "(limit 64 MiB per call; tree = tracked files, $(mib "$tree") MiB)"
-for d in base sgl0519 $(cd "$CARRY" && ls -d fa3-* 2>/dev/null); do
+for d in base sgl0519 sgl0523 $(cd "$CARRY" && ls -d fa3-* 2>/dev/null); do
   b=$(du -cb "$CARRY/$d"/* | tail -1 | cut -f1)
   printf '%-14s %10s %10s\n' ".carry/$d" "$(mib "$b")" "$(mib $((b + tree)))"
 done
 [ -d "$CACHE/stage" ] && printf '%-14s %10s  (unpacked base: %s)\n' staged "$(du -sm "$CACHE/stage" | cut -f1)" \
-  "$(cd "$CACHE/stage" && du -sm site/sgl_kernel site/flashinfer sgl0517 sgl0519 | awk '{ printf "%s%s %s MB", (NR > 1 ? ", " : ""), $2, $1 }')"
+  "$(cd "$CACHE/stage" && du -sm site/sgl_kernel site/flashinfer sgl0517 sgl0519 sgl0523 | awk '{ printf "%s%s %s MB", (NR > 1 ? ", " : ""), $2, $1 }')"
 say "done in $(( $(date +%s) - t0 )) s"

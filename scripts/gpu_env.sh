@@ -1,8 +1,8 @@
 # Source first thing in every GPU-machine call, from the repository root (docs/gpu-harness.md):
 #     source scripts/gpu_env.sh                  # sglang 0.5.17
-#     SGX_SGLANG=0519 source scripts/gpu_env.sh  # sglang 0.5.19
+#     SGX_SGLANG=0519 source scripts/gpu_env.sh  # sglang 0.5.19 (0523: sglang 0.5.23, with 0.5.17's kernels)
 # Installs whatever .carry/ parts this call brought into $SGX_ROOT (default /tmp/sgx, which persists
-# while the machine is held): unpacks .carry/base and .carry/sgl0519 when new, keeps FA3 parts as they arrive and
+# while the machine is held): unpacks .carry/base and .carry/sgl05xx when new, keeps FA3 parts as they arrive and
 # joins + verifies them once all are there, installs this checkout as a distribution (so sglang's
 # load_plugins() sees its entry points), exports PYTHONPATH and the JIT cache folders, and prints one
 # `sgx:` line saying what is real. Idempotent; a repeat call does only the checks.
@@ -19,12 +19,12 @@ _sgx_setup() {
   t0=$(date +%s)
   _sgx_err() { echo "sgx: ERROR: $*" >&2; }
   _sgx_same() { [ -f "$1" ] && [ -f "$2" ] && [ "$(sha256sum < "$1")" = "$(sha256sum < "$2")" ]; }  # coreutils only
-  case $tag in 0517|0519) ;; *) _sgx_err "SGX_SGLANG=$tag: allowed 0517, 0519"; return 2 ;; esac
+  case $tag in 0517|0519|0523) ;; *) _sgx_err "SGX_SGLANG=$tag: allowed 0517, 0519, 0523"; return 2 ;; esac
   mkdir -p "$root/parts" "$root/fa3" "$root/cache" || return 1
 
-  # tarball parts (.carry/base: site + sgl0517; .carry/sgl0519): unpack one when it differs from what
-  # was unpacked; each top folder (site, sgl0517, sgl0519) replaces its namesake under $root
-  for n in base sgl0519; do
+  # tarball parts (.carry/base: site + sgl0517; .carry/sgl0519, .carry/sgl0523): unpack one when it
+  # differs from what was unpacked; each top folder (site, sgl05xx) replaces its namesake under $root
+  for n in base sgl0519 sgl0523; do
     d=$carry/$n
     [ -f "$d/$n.sha256" ] || continue
     _sgx_same "$d/$n.sha256" "$root/$n.sha256" && continue
@@ -90,6 +90,8 @@ _sgx_setup() {
   # environment: PYTHONPATH is rebuilt from what it was before the first source (repeatable)
   export SGX_PYTHONPATH0="${SGX_PYTHONPATH0-${PYTHONPATH:-}}"
   export SGX_ROOT="$root" SGX_SGLANG="$tag" SGX_SGLANG_DIR="$root/sgl$tag"
+  # 0.5.23 on 0.5.17's kernels: its engine asserts sglang-kernel >= 0.4.9, and its FA3 would first try a kernel hub
+  [ "$tag" = 0523 ] && export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 SGLANG_USE_SGL_FA3_KERNEL=1
   # $repo/test: the test tooling (sglang_ext_testkit), never installed
   export PYTHONPATH="$root/ext:$repo/test:$root/sgl$tag:$root/site${SGX_PYTHONPATH0:+:$SGX_PYTHONPATH0}"
   export TVM_FFI_CACHE_DIR="$root/cache/tvm-ffi" TRITON_CACHE_DIR="$root/cache/triton"

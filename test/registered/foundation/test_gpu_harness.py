@@ -53,11 +53,11 @@ def build_carry():
     return base, parts, manifest, library
 
 
-def place(tree, base=None, parts=(), manifest="", sgl0519=None):
+def place(tree, base=None, parts=(), manifest="", sgl0519=None, sgl0523=None):
     """What one call carries: .carry/ holds only the named parts (the others are gone)."""
     carry = tree / ".carry"
     shutil.rmtree(carry, ignore_errors=True)
-    for name, data in (("base", base), ("sgl0519", sgl0519)):
+    for name, data in (("base", base), ("sgl0519", sgl0519), ("sgl0523", sgl0523)):
         if data is not None:
             (carry / name).mkdir(parents=True)
             (carry / name / f"{name}.tar.xz").write_bytes(data)
@@ -124,4 +124,18 @@ def test_bad_version_and_missing_parts(tree, tmp_path):
     assert "rc=0" in out and "but no sgl0519" in out and "rc2=1" in out, out
     env_out = subprocess.run(["bash", "-c", "SGX_SGLANG=0520 source scripts/gpu_env.sh; echo rc=$?"], cwd=tree,
                              env=dict(os.environ, SGX_ROOT=str(tmp_path / "sgx")), capture_output=True, text=True)
-    assert "SGX_SGLANG=0520: allowed 0517, 0519" in env_out.stderr and "rc=2" in env_out.stdout
+    assert "SGX_SGLANG=0520: allowed 0517, 0519, 0523" in env_out.stderr and "rc=2" in env_out.stdout
+
+
+def test_sglang_0523_tree_arrives_in_a_later_call_and_gets_its_kernel_settings(tree, tmp_path):
+    """0.5.23 runs on 0.5.17's kernels: only its environment skips the kernel version check."""
+    root = tmp_path / "sgx"
+    place(tree, base=build_carry()[0])
+    probe = 'echo "skip=${SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK:-unset} fa3=${SGLANG_USE_SGL_FA3_KERNEL:-unset}";'
+    out = source(tree, root, extra=probe)
+    assert "rc=0" in out and "skip=unset fa3=unset" in out, out
+    place(tree, sgl0523=tar_xz({"sgl0523/marker.txt": b"0523"}))  # the base is not carried again
+    out = source(tree, root, extra=f"SGX_SGLANG=0523 source scripts/gpu_env.sh >/dev/null; {probe}")
+    assert "rc=0" in out and "skip=1 fa3=1" in out, out
+    assert (root / "sgl0523" / "marker.txt").read_text() == "0523" and (root / "sgl0517").is_dir()
+    assert f"PYTHONPATH={root}/ext:{tree}/test:{root}/sgl0523:{root}/site\n" in out, out
