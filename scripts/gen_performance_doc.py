@@ -744,15 +744,15 @@ def _pi05_server_headline():
         return None
     unpatched = rows.get(("0517", "openpi", "random"), {})
     if unpatched.get("p50_ms") is not None:
-        before = f"{unpatched['p50_ms']:.1f} ms, {unpatched.get('captures_after_start', '?')} graphs captured while serving"
+        before = f"{unpatched['p50_ms']:.1f} ms, {unpatched.get('captures_after_start', '?')} captures while serving"
     else:
-        before = "failed: " + ("CUDA device-side assert" if "device-side assert" in unpatched.get("error", "")
+        before = "failed: " + ("device-side assert" if "device-side assert" in unpatched.get("error", "")
                                else unpatched.get("error", "not run").splitlines()[0])
-    ext = f"{fast['p50_ms']:.1f} ms (`--ext-pi05-fast`, p99 {fast['p99_ms']:.1f})"
+    ext = f"{fast['p50_ms']:.1f} ms fast (p99 {fast['p99_ms']:.1f})"
     if exact and exact.get("p50_ms") is not None:
         ext += f", {exact['p50_ms']:.1f} ms exact"
-    ext += f"; {fast.get('captures_after_start', '?')} graphs captured while serving"
-    return (f"Pi0.5 server, robot state changing every step, {run.get('device', '?')}", before, ext,
+    ext += f"; {fast.get('captures_after_start', '?')} captures while serving"
+    return (f"Pi0.5 server, robot state moving every step, {run.get('device', '?')}", before, ext,
             PI05_SERVER_HEADING)
 
 
