@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import functools
 import importlib
-import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
@@ -38,6 +39,7 @@ from sglang_ext.graphs import stats as ext_graph_stats
 from sglang_ext.graphs.buckets import BucketDecision, select_bucket
 
 PREFILL_CP_BUCKET_STATS_NAME = "prefill_cp_bucket"  # the counters' name in stats snapshots
+RUNNER_METHODS = ("can_run_graph", "load_batch", "capture_one_shape")
 
 # 0.5.17's names: is_cp_v2_active, enable_cp_v2_bcg_capture (renamed in 0.5.20)
 is_cp_active = getattr(cp_utils, "is_cp_active", None) or cp_utils.is_cp_v2_active
@@ -87,14 +89,18 @@ def select_fitting_bucket(bucket_local_tokens: Dict[int, int], num_tokens: int, 
                          capacity=bucket_local_tokens, required=required)
 
 
-def required_local_tokens(self, extend_seq_lens: Any) -> Optional[int]:
-    """Aligned CP-local rows a live zigzag layout needs (max over ranks); another strategy's from
-    upstream's own method (0.5.23), else None (unknown)."""
-    strategy = get_cp_strategy()
-    if isinstance(strategy, ZigzagCPStrategy) and extend_seq_lens is not None:
-        return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size, cp_padding.get_cp_padding_align_size())
-    upstream = getattr(self, "_ext_orig_required_local_tokens", None)
-    return None if upstream is None else upstream(extend_seq_lens)
+def zigzag_required_local_tokens(upstream):
+    """`required_local_tokens`: aligned CP-local rows a live zigzag layout needs (max over ranks);
+    another strategy's from `upstream` (0.5.23's own method; None on 0.5.17: unknown)."""
+
+    def required_local_tokens(self, extend_seq_lens: Any) -> Optional[int]:
+        strategy = get_cp_strategy()
+        if isinstance(strategy, ZigzagCPStrategy) and extend_seq_lens is not None:
+            return zigzag_required_local_rows(extend_seq_lens, strategy.cp_size,
+                                              cp_padding.get_cp_padding_align_size())
+        return None if upstream is None else upstream(self, extend_seq_lens)
+
+    return required_local_tokens
 
 
 def replay_bucket_decision(self, *, num_tokens: int, extend_seq_lens: Any, capture_num_tokens: Sequence[int],
@@ -127,9 +133,9 @@ def select_replay_bucket_for_batch(self, *, num_tokens: int, extend_seq_lens: An
 
 def patch_bcg(ctx, module) -> None:
     cls = module.PrefillCPBCGInput
-    if "required_local_tokens" in cls.__dict__:  # 0.5.23: kept for strategies other than zigzag
-        ctx.setattr(cls, "_ext_orig_required_local_tokens", cls.__dict__["required_local_tokens"])
-    for fn in (required_local_tokens, replay_bucket_decision, select_replay_bucket, select_replay_bucket_for_batch):
+    upstream = cls.__dict__.get("required_local_tokens")  # 0.5.23: kept for strategies other than zigzag
+    for fn in (zigzag_required_local_tokens(upstream), replay_bucket_decision, select_replay_bucket,
+               select_replay_bucket_for_batch):
         ctx.setattr(cls, fn.__name__, fn)
 
 
@@ -171,56 +177,77 @@ def record_bucket_decision(
     ext_graph_stats.publish()  # Prometheus, when on
 
 
-def prefill_cp_bucket_counters(runner) -> PrefillCPBucketCounters:
-    """The runner's counters, created (and registered for stats) on first use."""
-    counters = runner.__dict__.get("_ext_prefill_cp_bucket_counters")
-    if counters is None:
-        counters = PrefillCPBucketCounters()
-        runner._ext_prefill_cp_bucket_counters = counters
-        # held weakly (bound method): a dead runner's counters leave the snapshot
-        counters.stats_name = ext_graph_stats.register(PREFILL_CP_BUCKET_STATS_NAME, counters.as_dict)
-    return counters
+class RunnerCounters:
+    """Each prefill runner's counters, created (and registered for stats) on its first CP decision;
+    one per activation of the patch, so a new activation starts from zero."""
+
+    def __init__(self):
+        self._by_runner: "weakref.WeakKeyDictionary[Any, PrefillCPBucketCounters]" = weakref.WeakKeyDictionary()
+
+    def of(self, runner) -> PrefillCPBucketCounters:
+        counters = self._by_runner.get(runner)
+        if counters is None:
+            counters = self._by_runner[runner] = PrefillCPBucketCounters()
+            # owner=runner: a dead runner's counters leave the snapshot
+            counters.stats_name = ext_graph_stats.register(PREFILL_CP_BUCKET_STATS_NAME, counters.as_dict,
+                                                           owner=runner)
+        return counters
 
 
-def can_run_graph(self, forward_batch) -> bool:
+def runner_methods(counters: RunnerCounters, upstream: Dict[str, Any]) -> Dict[str, Any]:
+    """`can_run_graph`, `load_batch`, `capture_one_shape` over sglang's (`upstream`, by name): the CP
+    decision is made once in can_run_graph, load_batch replays exactly that bucket (or refuses), and a
+    CP capture holds its break inputs."""
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR
 
-    if not (cp_bcg_captured(self) and is_cp_active(forward_batch)):
-        return self._ext_orig_can_run_graph(forward_batch)
-    assert self.prefill_cp_bcg_input is not None
-    num_tokens = len(forward_batch.input_ids)
-    decision = self.prefill_cp_bcg_input.replay_bucket_decision(
-        num_tokens=num_tokens,
-        extend_seq_lens=forward_batch.extend_seq_lens_cpu,
-        capture_num_tokens=self.capture_num_tokens,
-        max_padding_factor=_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR,
-    )
-    # 0.5.23's can_run_graph asks select_replay_bucket_for_batch itself: it gets this decision.
-    token = _EXT_ADMITTED_PREFILL_BUCKET.set((num_tokens, decision.bucket if decision is not None else None))
-    try:
-        admitted = self._ext_orig_can_run_graph(forward_batch)
-    finally:
-        _EXT_ADMITTED_PREFILL_BUCKET.reset(token)
-    no_bucket = decision is None or not decision.fits  # 0.5.23's own check rejects these too
-    if admitted or no_bucket:
-        record_bucket_decision(prefill_cp_bucket_counters(self), decision, self.capture_num_tokens)
-    # Made once here; load_batch replays exactly this bucket (or refuses).
-    forward_batch.prefill_cp_bucket_decision = decision if admitted or no_bucket else None
-    return admitted and not no_bucket
+    @functools.wraps(upstream["can_run_graph"])
+    def can_run_graph(self, forward_batch) -> bool:
+        if not (cp_bcg_captured(self) and is_cp_active(forward_batch)):
+            return upstream["can_run_graph"](self, forward_batch)
+        assert self.prefill_cp_bcg_input is not None
+        num_tokens = len(forward_batch.input_ids)
+        decision = self.prefill_cp_bcg_input.replay_bucket_decision(
+            num_tokens=num_tokens, extend_seq_lens=forward_batch.extend_seq_lens_cpu,
+            capture_num_tokens=self.capture_num_tokens, max_padding_factor=_MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR)
+        # 0.5.23's can_run_graph asks select_replay_bucket_for_batch itself: it gets this decision.
+        token = _EXT_ADMITTED_PREFILL_BUCKET.set((num_tokens, decision.bucket if decision is not None else None))
+        try:
+            admitted = upstream["can_run_graph"](self, forward_batch)
+        finally:
+            _EXT_ADMITTED_PREFILL_BUCKET.reset(token)
+        no_bucket = decision is None or not decision.fits  # 0.5.23's own check rejects these too
+        if admitted or no_bucket:
+            record_bucket_decision(counters.of(self), decision, self.capture_num_tokens)
+        # The batch carries the decision (as upstream would): load_batch reads it.
+        forward_batch.prefill_cp_bucket_decision = decision if admitted or no_bucket else None
+        return admitted and not no_bucket
 
+    @functools.wraps(upstream["load_batch"])
+    def load_batch(self, forward_batch, **kwargs):
+        if not (cp_bcg_captured(self) and is_cp_active(forward_batch)):
+            return upstream["load_batch"](self, forward_batch, **kwargs)
+        num_tokens = len(forward_batch.input_ids)
+        decision = getattr(forward_batch, "prefill_cp_bucket_decision", None)
+        if decision is None or not decision.fits or decision.live_size != num_tokens:
+            raise RuntimeError(admission_missing_message(decision, num_tokens))
+        token = _EXT_ADMITTED_PREFILL_BUCKET.set((num_tokens, decision.bucket))
+        try:
+            return upstream["load_batch"](self, forward_batch, **kwargs)
+        finally:
+            _EXT_ADMITTED_PREFILL_BUCKET.reset(token)
 
-def load_batch(self, forward_batch, **kwargs):
-    if not (cp_bcg_captured(self) and is_cp_active(forward_batch)):
-        return self._ext_orig_load_batch(forward_batch, **kwargs)
-    num_tokens = len(forward_batch.input_ids)
-    decision = getattr(forward_batch, "prefill_cp_bucket_decision", None)
-    if decision is None or not decision.fits or decision.live_size != num_tokens:
-        raise RuntimeError(admission_missing_message(decision, num_tokens))
-    token = _EXT_ADMITTED_PREFILL_BUCKET.set((num_tokens, decision.bucket))
-    try:
-        return self._ext_orig_load_batch(forward_batch, **kwargs)
-    finally:
-        _EXT_ADMITTED_PREFILL_BUCKET.reset(token)
+    @functools.wraps(upstream["capture_one_shape"])
+    def capture_one_shape(self, size, **kwargs):
+        if not cp_bcg_captured(self):  # set only with a BreakableCudaGraphBackend
+            return upstream["capture_one_shape"](self, size, **kwargs)
+        token = _EXT_HOLD_BREAK_INPUTS.set(True)
+        try:
+            return upstream["capture_one_shape"](self, size, **kwargs)
+        finally:
+            _EXT_HOLD_BREAK_INPUTS.reset(token)
+
+    can_run_graph.counters = counters  # doctor and tests read a runner's counters through the class
+    return {"can_run_graph": can_run_graph, "load_batch": load_batch, "capture_one_shape": capture_one_shape}
 
 
 def admission_missing_message(decision: Optional[BucketDecision], num_tokens: int) -> str:
@@ -258,11 +285,9 @@ def capture_one_shape(self, size, **kwargs):
 
 def patch_prefill_runner(ctx, module) -> None:
     cls = module.PrefillCudaGraphRunner
-    # The replacements call sglang's methods, kept on the class under `_ext_orig_<name>`.
-    for name in ("can_run_graph", "load_batch", "capture_one_shape"):
-        ctx.setattr(cls, f"_ext_orig_{name}", cls.__dict__[name])
-    for fn in (can_run_graph, load_batch, capture_one_shape):
-        ctx.setattr(cls, fn.__name__, fn)
+    methods = runner_methods(RunnerCounters(), {name: cls.__dict__[name] for name in RUNNER_METHODS})
+    for name, fn in methods.items():
+        ctx.setattr(cls, name, fn)
     ctx.setattr(cls, "_pad_to_bucket", staticmethod(_pad_to_bucket))
 
 
@@ -272,21 +297,25 @@ def patch_prefill_runner(ctx, module) -> None:
 BREAKABLE_CUDA_GRAPH_MODULE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
 
 
-def _weak_ref_if_tensor(x):
-    """A graph-break input as `eager_on_graph` keeps it: itself inside a CP BCG capture (containers
-    copied, as 0.5.17 copies them), else 0.5.17's weak view."""
-    if not _EXT_HOLD_BREAK_INPUTS.get():
-        return sys.modules[BREAKABLE_CUDA_GRAPH_MODULE]._ext_orig_weak_ref_if_tensor(x)
-    if isinstance(x, tuple):
-        return tuple(_weak_ref_if_tensor(item) for item in x)
-    if isinstance(x, list):
-        return [_weak_ref_if_tensor(item) for item in x]
-    return x
+def held_break_inputs(weak_ref_if_tensor):
+    """`_weak_ref_if_tensor`: a graph-break input as `eager_on_graph` keeps it: itself inside a CP BCG
+    capture (containers copied, as sglang copies them), else sglang's weak view."""
+
+    @functools.wraps(weak_ref_if_tensor)
+    def _weak_ref_if_tensor(x):
+        if not _EXT_HOLD_BREAK_INPUTS.get():
+            return weak_ref_if_tensor(x)
+        if isinstance(x, tuple):
+            return tuple(_weak_ref_if_tensor(item) for item in x)
+        if isinstance(x, list):
+            return [_weak_ref_if_tensor(item) for item in x]
+        return x
+
+    return _weak_ref_if_tensor
 
 
 def patch_breakable_cuda_graph(ctx, prefill_runner_module) -> None:
     """Triggered by the prefill runner's import, not the breakable module's own: sglang imports that
     half-way through `sglang.srt.layers.cp`'s import chain, where importing this adapter is circular."""
     module = importlib.import_module(BREAKABLE_CUDA_GRAPH_MODULE)
-    ctx.setattr(module, "_ext_orig_weak_ref_if_tensor", module.__dict__["_weak_ref_if_tensor"])
-    ctx.setattr(module, "_weak_ref_if_tensor", _weak_ref_if_tensor)
+    ctx.setattr(module, "_weak_ref_if_tensor", held_break_inputs(module.__dict__["_weak_ref_if_tensor"]))

@@ -142,7 +142,7 @@ def capture_buckets(runner, *, hold):
         if hold:
             runner.capture_one_shape(bucket)
         else:
-            PrefillCudaGraphRunner._ext_orig_capture_one_shape(runner, bucket)  # kept by the patch
+            PrefillCudaGraphRunner.capture_one_shape.__wrapped__(runner, bucket)  # sglang's, under the patch's
         per_bucket[bucket] = (LOG.captured[start:], LOG.captured_ptrs[start:])
     return per_bucket
 
