@@ -52,10 +52,14 @@ def _ext_environment(**knobs):
     return env
 
 
+_OPEN_POLICIES = []  # random_policy blocks open now, outermost first
+
+
 @contextlib.contextmanager
 def random_policy(env, unset=()):
     """The real-size random Pi0.5 (bf16, seed 0) built under `env`'s activation (`unset`: names
-    removed from the environment); its graphs, memory and the activation released after."""
+    removed from the environment); its graphs, memory and the activation released after, and an
+    enclosing block's activation (the module's policy) made live again."""
     from sglang_ext_testkit.pi05_random import build_random_pi05
 
     # the plugin, or on the patched tree the copy the fork series vendors (sglang.ext)
@@ -71,13 +75,19 @@ def random_policy(env, unset=()):
     statuses = activation.activate(eager=True)
     print("sglang-ext:", {name: str(status) for name, status in statuses.items()})
     model = build_random_pi05(device="cuda", dtype=torch.bfloat16, seed=0)
-    yield model
-    model.prefix_graph_runner.clear()
-    model.graph_runner.clear()
-    del model
-    torch.cuda.empty_cache()
-    activation.deactivate()
-    patch.undo()
+    _OPEN_POLICIES.append(model)
+    try:
+        yield model
+    finally:
+        model.prefix_graph_runner.clear()
+        model.graph_runner.clear()
+        _OPEN_POLICIES.pop()
+        del model
+        torch.cuda.empty_cache()
+        activation.deactivate()
+        patch.undo()  # the enclosing block's environment
+        if _OPEN_POLICIES:  # its policy runs on the patched classes again
+            activation.activate(eager=True)
 
 
 @pytest.fixture(scope="module")
