@@ -5,8 +5,9 @@ Targets: sglang.srt.models.qwen2_5_vl:Qwen2_5_VisionTransformer.forward_with_cud
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Why: 0.5.17's graph path passes the runner device cu_seqlens only (a key needs a sync) and syncs
-the stream on its host-to-device copies and its rotary indexing.
+Releases: 0.5.17, 0.5.23.
+Why: the graph path syncs the stream on its host-to-device copies and its rotary indexing; 0.5.17's
+also passes the runner device cu_seqlens only (a key needs a sync).
 How: the tower's inputs built from the host's grid (the full and window boundaries as Python ints:
 the runner's attention_layout_key), host tensors copied non-blocking from pinned memory.
 """
