@@ -1,4 +1,4 @@
-"""Build sglang 0.5.17's real Qwen2.5-VL / Qwen3-VL vision towers with random weights, outside a server.
+"""Build sglang's real (0.5.17, 0.5.23) Qwen2.5-VL / Qwen3-VL vision towers with random weights, outside a server.
 
 Shared by the GPU tests (test_vit_cuda_graph_cuda.py) and scripts/bench_vit.py. Not a
 test module. What a server would do first is done here: publish runtime settings (the

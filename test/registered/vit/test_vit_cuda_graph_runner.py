@@ -1,4 +1,4 @@
-"""ViT CUDA-graph runner on sglang 0.5.17 (patch vit_cuda_graph), on CPU.
+"""ViT CUDA-graph runner on sglang 0.5.17 and 0.5.23 (patch vit_cuda_graph), on CPU.
 
 Of upstream's unit test (`test/registered/unit/multimodal/test_vit_cuda_graph_runner.py`,
 sgl-project/sglang#37043) the key and rotary-workspace cases run here on the patch's key types and
