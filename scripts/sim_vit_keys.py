@@ -1,6 +1,6 @@
 """Predict bench_vit.py's graph hits, keys and padding on CPU, before spending GPU time.
 
-Feeds bench_vit's request stream (same seed, same resolutions) through sglang 0.5.17's real
+Feeds bench_vit's request stream (same seed, same resolutions) through sglang's real
 `ViTCudaGraphRunner` with the vit_cuda_graph patch active, so keys, padding, pre-capture and
 LRU eviction are the real code's. Only the GPU is faked: CUDA graphs record nothing and replay
 nothing, and the tower is a one-channel stub (its layouts come from sglang's real Qwen2.5-VL
@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=16)
     parser.add_argument("--buckets", default="", help="token ladder (default: the patch's default ladder)")
     parser.add_argument("--precapture", type=int, default=1)
+    parser.add_argument("--replay-max-tokens", type=int, default=4096,
+                        help="bucket mode's replay limit (on a GPU the load-time probe times it; a stub cannot)")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--host", type=int, default=0,
@@ -168,6 +170,7 @@ def main() -> None:
     os.environ.update({"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "SGLANG_EXT_VIT_GRAPH_MODE": args.mode,
                        "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES": str(args.capacity),
                        "SGLANG_EXT_VIT_GRAPH_MAX_BYTES": "0", "SGLANG_EXT_VIT_GRAPH_PRECAPTURE": str(args.precapture),
+                       "SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": str(args.replay_max_tokens),
                        "SGLANG_EXT_VIT_GRAPH_TOKEN_BUCKETS": args.buckets if args.mode == "bucket" else ""})
     from sglang_ext import activation
     from sglang_ext.registry import PATCH_NAMES

@@ -145,7 +145,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
                  "sglang.srt.layers.attention.vision.apply_rotary_pos_emb_native_eager"),
         upstream_pr="sgl-project/sglang#37043",
         upstream_since="0.5.19",
-        supported=("0.5.17",),  # its 0.5.23 adapter follows the ViT runner refactor
         upstream_equivalent=False,  # upstream is unbounded, keeps retired workspaces, syncs on fallback
         retire_when="upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs",
     ),

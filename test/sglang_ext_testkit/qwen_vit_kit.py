@@ -1,4 +1,4 @@
-"""Build sglang 0.5.17's real Qwen2.5-VL / Qwen3-VL vision towers with random weights, outside a server.
+"""Build sglang's real (0.5.17, 0.5.23) Qwen2.5-VL / Qwen3-VL vision towers with random weights, outside a server.
 
 Shared by the GPU tests (test_vit_cuda_graph_cuda.py) and scripts/bench_vit.py. Not a
 test module. What a server would do first is done here: publish runtime settings (the
@@ -11,8 +11,10 @@ sgl_kernel they stay on it. Attention is sglang's real backend: triton_attn, or 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from types import SimpleNamespace
 from typing import List, Sequence, Tuple
 
 import torch
@@ -35,6 +37,28 @@ def publish_runtime(mm_attention_backend: str = "triton_attn") -> None:
 
     runtime_context.publish(
         ServerArgs(model_path="dummy", mm_attention_backend=mm_attention_backend, device="cpu"), role="test")
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """TP and PP worlds of one for a tower built and run on CPU without a parallel state: 0.5.17's layers
+    call their modules' group getters, later releases read `get_parallel()`."""
+    import pytest
+
+    from sglang.srt.layers import linear, vocab_parallel_embedding
+    from sglang.srt.models import qwen3_vl
+    from sglang.srt.runtime_context import get_parallel
+
+    one = SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
+    if not hasattr(linear, "get_tp_group"):
+        with get_parallel().override(pp_group=one, tp_group=one, attn_tp_group=one):
+            yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        for module, getter in ((linear, "get_tp_group"), (vocab_parallel_embedding, "get_tp_group"),
+                               (qwen3_vl, "get_pp_group")):
+            patch.setattr(module, getter, lambda: one)
+        yield
 
 
 def use_native_ops(module: torch.nn.Module) -> int:

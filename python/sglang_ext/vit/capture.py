@@ -125,7 +125,7 @@ class GraphStore:
         return kwargs
 
     def capture(self, key, rotary):
-        """Capture the tower for `key` from its prepared buffers, outside 0.5.17's `_capture_context()`
+        """Capture the tower for `key` from its prepared buffers, outside upstream's `_capture_context()`
         (its custom all-reduce registrations are never freed); record its addresses and bytes."""
         graph = self.graphs[key]
         graph.graph = torch.cuda.CUDAGraph()  # held before capture: a failed capture is reset too

@@ -5,8 +5,9 @@ Targets: sglang.srt.models.qwen2_5_vl:Qwen2_5_VisionTransformer.forward_with_cud
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Why: 0.5.17's graph path passes the runner device cu_seqlens only (a key needs a sync) and syncs
-the stream on its host-to-device copies and its rotary indexing.
+Releases: 0.5.17, 0.5.23.
+Why: the graph path syncs the stream on its host-to-device copies and its rotary indexing; 0.5.17's
+also passes the runner device cu_seqlens only (a key needs a sync).
 How: the tower's inputs built from the host's grid (the full and window boundaries as Python ints:
 the runner's attention_layout_key), host tensors copied non-blocking from pinned memory.
 """
@@ -34,7 +35,7 @@ def to_device(tensor, device, dtype=None):
 
 
 def rot_pos_emb(vit, grid_thw):
-    """0.5.17's `rot_pos_emb`, with its CPU position ids copied to the device without a sync (and
+    """sglang's `rot_pos_emb`, with its CPU position ids copied to the device without a sync (and
     plain ints as `rot_pos_ids` arguments, so its lru_cache hits: tensor scalars hash by identity)."""
     pos_ids = []
     for t, h, w in grid_thw.tolist():
@@ -54,11 +55,11 @@ def forward_with_cuda_graph(self, x, grid_thw):
     """Qwen2_5_VisionTransformer: the tower's inputs built from host metadata (the attention layout key
     included), every host-to-device copy non-blocking from pinned memory."""
     if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
-        grid_thw = grid_thw.cpu()  # 0.5.17 reads it on the host anyway (get_window_index, rot_pos_emb)
+        grid_thw = grid_thw.cpu()  # sglang reads it on the host anyway (get_window_index, rot_pos_emb)
     hidden = self.patch_embed(to_device(x, self.device, self.dtype))
     window_index, window_boundaries = self.get_window_index(grid_thw)
     window_layout = dedup_consecutive(int(v) for v in window_boundaries)  # == torch.unique_consecutive
-    full_layout = (0,) + cumulative_lengths(grid_thw_lengths(grid_thw))  # leading zero doubled, as 0.5.17's
+    full_layout = (0,) + cumulative_lengths(grid_thw_lengths(grid_thw))  # leading zero doubled, as sglang's
     window_index = to_device(window_index, hidden.device)
 
     angles = _by_window(rot_pos_emb(self, grid_thw).to(device=hidden.device, dtype=hidden.dtype), window_index,

@@ -5,8 +5,10 @@ Targets: sglang.srt.multimodal.vit_cuda_graph_runner:ViTCudaGraphRunner
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Why: 0.5.17 keys ViT graphs by token count only (other image boundaries replay stale cu_seqlens),
-moves the rotary workspace under captured graphs, and never frees a graph.
+Releases: 0.5.17, 0.5.23 (the same subclass: of upstream it uses `__init__` and `run`'s signature).
+Why: 0.5.17 keys ViT graphs by token count only (other image boundaries replay stale cu_seqlens) and
+moves the rotary workspace under captured graphs; 0.5.23 captures every new layout while serving,
+keeps retired workspaces and returns the graph's own output; neither ever frees a graph.
 How: the module's ViTCudaGraphRunner becomes a subclass (one recorded swap) that keeps upstream's
 `__init__` and hands `run` to one ViTGraphEngine built from the activation's knobs (engine.py):
 keys from CPU layouts, a bounded LRU cache with an eager fallback, owned outputs.

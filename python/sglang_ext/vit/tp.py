@@ -4,13 +4,13 @@ import contextlib
 
 import torch
 
-from sglang.srt.distributed.parallel_state import get_attn_tp_group, get_tp_group
 from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+from sglang.srt.runtime_context import get_parallel
 
 
 def agreeing_group(vit):
     """The group the tower's TP collectives run on, when its ranks must agree (else None: a DP encoder
-    captures rank-locally, a world of one agrees with itself). 0.5.17's vision linears reduce over the
+    captures rank-locally, a world of one agrees with itself). The vision linears reduce over the
     attention-TP group under DP attention, over the TP group otherwise."""
     if getattr(vit, "use_data_parallel", False):
         return None
@@ -18,7 +18,7 @@ def agreeing_group(vit):
         dp_attention = is_dp_attention_enabled()
     except Exception:  # noqa: BLE001 - no runtime flags published (unit tests, offline use): plain TP
         dp_attention = False
-    group = get_attn_tp_group() if dp_attention else get_tp_group()
+    group = get_parallel().attn_tp_group if dp_attention else get_parallel().tp_group
     return group if getattr(group, "world_size", 1) > 1 else None
 
 
@@ -61,7 +61,7 @@ def warm_up_context(group):
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     groups = []
-    for candidate in (group, get_tp_group()):
+    for candidate in (group, get_parallel().tp_group):
         if all(candidate is not seen for seen in groups):
             groups.append(candidate)
             stack.enter_context(LocalCollectives(candidate))

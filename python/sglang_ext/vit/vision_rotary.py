@@ -5,7 +5,8 @@ Targets: sglang.srt.layers.attention.vision:VisionAttention.forward
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Why: with ViT graphs on, 0.5.17's VisionAttention applies rotary through its unfused eager function
+Releases: 0.5.17, 0.5.23.
+Why: with ViT graphs on, VisionAttention applies rotary through its unfused eager function
 on every call, because compiling inside a capture is illegal; a call that runs eager then pays a
 dozen memory-bound kernels per layer where graphs-off runs one compiled kernel.
 How: the name VisionAttention calls is wrapped. With knob vit_triton_rotary (the default), a CUDA

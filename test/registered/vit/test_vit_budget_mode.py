@@ -1,4 +1,4 @@
-"""ViT bucket (token-budget) mode on sglang 0.5.17's real runner, on CPU with the CUDA-graph recorder.
+"""ViT bucket (token-budget) mode on sglang's real runner (0.5.17, 0.5.23), on CPU with the CUDA-graph recorder.
 
 Bucket mode is the default: the budget ladder is captured before serving (at load, or at the
 tower's first call without a server), calls are padded to the smallest budget that fits, calls

@@ -1,4 +1,4 @@
-"""ViT CUDA-graph runner on sglang 0.5.17 (patch vit_cuda_graph), on CPU.
+"""ViT CUDA-graph runner on sglang 0.5.17 and 0.5.23 (patch vit_cuda_graph), on CPU.
 
 Of upstream's unit test (`test/registered/unit/multimodal/test_vit_cuda_graph_runner.py`,
 sgl-project/sglang#37043) the key and rotary-workspace cases run here on the patch's key types and
@@ -532,11 +532,26 @@ def test_replay_output_is_owned_by_the_caller(vit_patch, fake_cuda):
         assert out.untyped_storage().data_ptr() != graphs(runner)[key].output.untyped_storage().data_ptr()
 
 
+def parallel_of(group):
+    """What get_parallel() answers with `group` as the TP (and attention-TP) group."""
+    return SimpleNamespace(tp_group=group, attn_tp_group=group)
+
+
+def use_tp_group(monkeypatch, group):
+    """`group` as the TP group of the patch (vit.tp) and of upstream's `_capture_context()` (0.5.17: its
+    module's get_tp_group; 0.5.21 on: get_parallel().tp_group)."""
+    monkeypatch.setattr(vit_tp, "get_parallel", lambda: parallel_of(group))
+    if hasattr(runner_module, "get_tp_group"):
+        monkeypatch.setattr(runner_module, "get_tp_group", lambda: group)
+    else:
+        monkeypatch.setattr(runner_module, "get_parallel", lambda: parallel_of(group))
+
+
 def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_cuda, monkeypatch):
     """Two runners (two TP ranks, non-DP encoder) see one random stream: identical captures/evictions."""
     vit_patch(vit_graph_max_entries=3, vit_graph_min_hits=2)
     group = SimpleNamespace(ca_comm=None, world_size=1)
-    monkeypatch.setattr(vit_tp, "get_tp_group", lambda: group)
+    use_tp_group(monkeypatch, group)
     ranks = [new_runner(StubTower(use_data_parallel=False)) for _ in range(2)]
     histories = [[], []]
     rng = random.Random(7)
@@ -555,7 +570,7 @@ def test_tp_ranks_fed_the_same_batches_make_the_same_decisions(vit_patch, fake_c
 def test_capture_failing_on_another_tp_rank_drops_the_graph_everywhere(vit_patch, fake_cuda, monkeypatch):
     vit_patch(vit_graph_max_bytes=0)  # an explicit budget: no budget agreement, only the capture vote
     group = SimpleNamespace(ca_comm=None, world_size=2, cpu_group=object())
-    monkeypatch.setattr(vit_tp, "get_tp_group", lambda: group)
+    use_tp_group(monkeypatch, group)
     votes = []
 
     def all_reduce(flag, op=None, group=None):
@@ -580,7 +595,7 @@ def test_dp_encoder_captures_without_any_tp_communication(vit_patch, fake_cuda, 
     (the default budget, -1, is agreed over the TP group by non-DP encoders)."""
     vit_patch()
     touched = []
-    monkeypatch.setattr(vit_tp, "get_tp_group", lambda: touched.append("get_tp_group"))
+    monkeypatch.setattr(vit_tp, "get_parallel", lambda: touched.append("get_parallel"))
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: touched.append("all_reduce"))
     runner = new_runner(StubTower(use_data_parallel=True))
     for step in range(2):  # capture, then replay
@@ -603,8 +618,7 @@ def test_tp_encoder_capture_is_voted_and_never_enters_the_tp_capture_context(vit
         yield
 
     group = SimpleNamespace(world_size=2, cpu_group=object(), ca_comm=SimpleNamespace(capture=ca_capture))
-    for module in (vit_tp, runner_module):  # the patch's TP group, and the one 0.5.17's _capture_context() reads
-        monkeypatch.setattr(module, "get_tp_group", lambda: group)
+    use_tp_group(monkeypatch, group)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda flag, op=None, group=None: votes.append(int(flag)))
     runner = new_runner(StubTower(use_data_parallel=False))
     for step in range(3):  # capture, then two replays
@@ -760,18 +774,22 @@ class _NoCudaGraphs:
         raise RuntimeError("no CUDA graphs on this machine (test)")
 
 
-def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails(vit_patch, monkeypatch):
-    """sglang's real tower on CPU (sdpa): every capture fails, each batch still gets eager's exact result."""
-    import sys
+@pytest.fixture
+def world_of_one():
+    from sglang_ext_testkit import qwen_vit_kit as kit
 
+    with kit.world_of_one():
+        yield
+
+
+def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails(vit_patch, monkeypatch, world_of_one):
+    """sglang's real tower on CPU (sdpa): every capture fails, each batch still gets eager's exact result."""
     from sglang_ext_testkit import qwen_vit_kit as kit
     from sglang.srt import runtime_context
-    from sglang.srt.layers import linear
 
     vit_patch()
     monkeypatch.setenv("SGLANG_VIT_ENABLE_CUDA_GRAPH", "1")
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _NoCudaGraphs)
-    monkeypatch.setattr(linear, "get_tp_group", lambda: SimpleNamespace(world_size=1))  # a world of one
     kit.publish_runtime("sdpa")
     try:
         vit = kit.build_qwen2_5_tower(device="cpu", graphs=False)
@@ -795,27 +813,17 @@ def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails
     assert sum(p.live_leases for p in vit.cuda_graph_runner.engine.store.rotary_pools.values()) == 0
 
 
-def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monkeypatch):
+def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monkeypatch, world_of_one):
     """sglang's real Qwen3 tower on CPU (sdpa), captures failing: the graph path (eager fallback on its
     graph inputs) equals sglang's eager `forward` bit for bit. 0.5.17's `_prepare_graph_inputs`
     interpolates the position embedding by another rule, so this fails without our graph inputs."""
-    import sys
-
     from sglang_ext_testkit import qwen_vit_kit as kit
     from sglang.srt import runtime_context
-    from sglang.srt.layers import linear
-    from sglang.srt.models import qwen3_vl
+    from sglang.srt.layers.rotary_embedding import base as rotary_base
 
     vit_patch()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _NoCudaGraphs)
-    monkeypatch.setattr(linear, "get_tp_group", lambda: SimpleNamespace(world_size=1))  # a world of one
-    from sglang.srt.layers.rotary_embedding import base as rotary_base
-
-    monkeypatch.setattr(qwen3_vl, "get_pp_group", lambda: SimpleNamespace(world_size=1, is_first_rank=True))
-    from sglang.srt.layers import vocab_parallel_embedding
-
     monkeypatch.setattr(rotary_base, "_is_cpu", True)  # a CPU-only machine: the native rotary path
-    monkeypatch.setattr(vocab_parallel_embedding, "get_tp_group", lambda: SimpleNamespace(world_size=1))
     kit.publish_runtime("sdpa")
     try:
         vit = kit.build_qwen3_tower(device="cpu", dtype=torch.float32)
@@ -854,26 +862,20 @@ def _context_attention_cpu(q, k, v, o, b_start_loc, b_seq_len, max_input_len, is
         o[start:start + length] = (probs @ vs).transpose(0, 1).to(o.dtype)
 
 
-def test_real_qwen3_tower_graph_rotates_with_the_float32_cos_sin_of_eager(vit_patch, fake_cuda, monkeypatch):
+def test_real_qwen3_tower_graph_rotates_with_the_float32_cos_sin_of_eager(vit_patch, fake_cuda, monkeypatch,
+                                                                          world_of_one):
     """A bf16 Qwen3 tower whose rotary table is float32, as on a CUDA server (sglang keeps the
     vision rotary cache in fp32 there): graph replays equal sglang's eager `forward` bit for bit.
     With 0.5.17's bf16 rotary buffers every batch differed (0.0156 here; 0 of 200 requests
     bitwise on the H200 server)."""
-    import sys
-
     from sglang_ext_testkit import qwen_vit_kit as kit
     from sglang.srt import runtime_context
-    from sglang.srt.layers import linear, vocab_parallel_embedding
     from sglang.srt.layers.attention import vision
     from sglang.srt.layers.rotary_embedding import base as rotary_base
-    from sglang.srt.models import qwen3_vl
 
     vit_patch()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _RerunGraph)
     monkeypatch.setattr(rotary_base, "_is_cpu", True)
-    monkeypatch.setattr(linear, "get_tp_group", lambda: SimpleNamespace(world_size=1))
-    monkeypatch.setattr(vocab_parallel_embedding, "get_tp_group", lambda: SimpleNamespace(world_size=1))
-    monkeypatch.setattr(qwen3_vl, "get_pp_group", lambda: SimpleNamespace(world_size=1, is_first_rank=True))
     monkeypatch.setattr(vision, "context_attention_fwd", _context_attention_cpu)
     kit.publish_runtime("triton_attn")
     try:
@@ -984,7 +986,7 @@ class CABlock(LayoutBlock):
 
     def forward(self, x, *, cu_seqlens, output_ws=None, forward_metadata=None, **rotary):
         out = x + 1
-        reduced = vit_tp.get_tp_group().all_reduce(out)
+        reduced = vit_tp.get_parallel().tp_group.all_reduce(out)
         graph = _CAPTURING[0]
         if graph is not None:
             graph.thunks.append(lambda: (torch.add(x, 1, out=out), reduced.copy_(out)))
@@ -997,8 +999,7 @@ def test_evictable_captures_register_no_custom_all_reduce_buffers(vit_patch, fak
     recorder = CARecorder(monkeypatch)
     group = SimpleNamespace(world_size=2, ca_comm=recorder.ca, cpu_group=object(),
                             all_reduce=lambda t: recorder.ca.custom_all_reduce(t))  # GroupCoordinator's "ca" route
-    for module in (vit_tp, runner_module):  # the patch's TP group, and the one 0.5.17's _capture_context() reads
-        monkeypatch.setattr(module, "get_tp_group", lambda: group)
+    use_tp_group(monkeypatch, group)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda flag, op=None, group=None: None)  # peers agree
     tower = StubTower(fullatt=(), use_data_parallel=False)
     tower.blocks = nn.ModuleList([CABlock()])
@@ -1159,7 +1160,7 @@ def _budget_rank(rank, init_file, free_bytes, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         group = SimpleNamespace(world_size=2, cpu_group=dist.group.WORLD, ca_comm=None)
-        vit_tp.get_tp_group = lambda: group
+        vit_tp.get_parallel = lambda: parallel_of(group)
         tower = StubTower(use_data_parallel=False)
         tower.device = torch.device("cuda", 0)
         torch.cuda.is_available = lambda: True

@@ -1,8 +1,8 @@
 """ViT capture agreement under tensor parallelism: real processes, real gloo groups, sglang's TP group.
 
 Each rank is a forked process (it inherits the activated patch and the CUDA-graph recorder
-of test_vit_cuda_graph_runner, so it starts in milliseconds) holding sglang 0.5.17's real
-`GroupCoordinator` as the TP group (gloo device and CPU groups, `get_tp_group()` unpatched).
+of test_vit_cuda_graph_runner, so it starts in milliseconds) holding sglang's real
+`GroupCoordinator` as the TP group (gloo device and CPU groups, `get_parallel().tp_group` unpatched).
 The stub tower's blocks do a real TP all-reduce through `tensor_model_parallel_all_reduce`:
 each rank holds 1/world of every block output, so a skipped or unmatched all-reduce gives
 a wrong result; a captured graph records the all-reduce and runs it at replay, as CUDA does.
@@ -59,13 +59,13 @@ class TPBlock(LayoutBlock):
     def forward(self, x, *, cu_seqlens, position_embeddings=None, rotary_pos_emb_cos=None, rotary_pos_emb_sin=None,
                 output_ws=None, forward_metadata=None):
         from sglang.srt.distributed import tensor_model_parallel_all_reduce
-        from sglang.srt.distributed.parallel_state import get_tp_group
+        from sglang.srt.runtime_context import get_parallel
 
         graph = _CAPTURING[0]
         if graph is None and forward_metadata is None and self.fail_warmup:  # graph-form call outside a capture
             self.fail_warmup = False
             raise torch.OutOfMemoryError(OOM)
-        world = get_tp_group().world_size
+        world = get_parallel().tp_group.world_size
         out = super().forward(x, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
                               rotary_pos_emb_cos=rotary_pos_emb_cos, rotary_pos_emb_sin=rotary_pos_emb_sin,
                               output_ws=output_ws, forward_metadata=forward_metadata)
@@ -132,15 +132,22 @@ def arm(runner, stage):
 
 
 def init_tp_group(rank, world, port):
-    """This process's rank of a gloo world with sglang's real TP GroupCoordinator as the TP group."""
+    """This process's rank of a gloo world with sglang's real TP GroupCoordinator as the TP group (0.5.17's
+    layers read it from parallel_state, later releases' from get_parallel())."""
+    import inspect
+
     from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import get_parallel
 
     torch.set_num_threads(1)
     ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                     distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=GLOO_TIMEOUT_S)
-    ps._TP = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
-                                          use_custom_allreduce=False, use_mscclpp_allreduce=False,
-                                          use_torch_symm_mem_allreduce=False, group_name="tp")
+    accepted = inspect.signature(ps.init_model_parallel_group).parameters
+    off = {name: False for name in ("use_custom_allreduce", "use_mscclpp_allreduce", "use_mscclpp",
+                                    "use_torch_symm_mem_allreduce") if name in accepted}
+    ps._TP = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False, group_name="tp", **off)
+    if hasattr(get_parallel(), "override_permanently"):
+        get_parallel().override_permanently(tp_group=ps._TP)
 
 
 @contextlib.contextmanager
@@ -181,7 +188,7 @@ def rank_main(rank, world, port, failing_rank, results):
         from sglang.srt.distributed import parallel_state as ps
 
         init_tp_group(rank, world, port)
-        assert ext_core("vit.tp").get_tp_group() is ps._TP and ps._TP.world_size == world
+        assert ext_core("vit.tp").get_parallel().tp_group is ps._TP and ps._TP.world_size == world
         cpu_group = ps._TP.cpu_group
         votes = []  # capture votes (int32 flags, graphs.agreement)
         budgets = []  # the default byte budget's MIN agreement (int64, once per runner at its first run)

@@ -1,6 +1,6 @@
 """Every tensor allocation of the ViT graph machinery failing in turn on one TP rank: all ranks answer.
 
-Two forked ranks hold sglang 0.5.17's real `GroupCoordinator` over gloo, as in
+Two forked ranks hold sglang's real `GroupCoordinator` over gloo, as in
 test_vit_tp_agreement (stub blocks whose output is all-reduced over the TP group, the recording
 fake of CUDA graphs). A torch function mode counts the allocations a rank makes while the runner
 works: load-time sample, probe and ladder capture (bucket mode), then served calls that capture,
