@@ -165,11 +165,15 @@ def server_env(name: str, workdir: str, trace: bool = False) -> Dict[str, str]:
     if module.startswith("sglang_ext"):
         env["SGLANG_EXT_ACTIVATION_DIR"] = os.path.join(workdir, f"activation-{name}")
     env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"prom-{name}-", dir=workdir)
-    if trace or "SGX_SERVER_VIT_FREE" in knobs:  # scripts/server_trace.py, loaded by sglang's plugin loader
+    # unpatched with graphs on: its captures counted by scripts/server_trace.py (no /metrics of ours)
+    count_captures = graphs and not module.startswith("sglang_ext")
+    if trace or count_captures or "SGX_SERVER_VIT_FREE" in knobs:  # server_trace.py, via sglang's plugin loader
         import server_trace
 
-        if trace:
+        if trace or count_captures:
             env["SGX_SERVER_TRACE_DIR"] = tempfile.mkdtemp(prefix=f"trace-{name}-", dir=workdir)
+        if count_captures and not trace:
+            env["SGX_SERVER_TRACE"] = "captures"
         dist = server_trace.write_dist_info(os.path.join(workdir, "trace-dist"))
         env["PYTHONPATH"] = os.pathsep.join([dist, os.path.join(REPO, "scripts")]
                                             + [p for p in [env.get("PYTHONPATH")] if p])
@@ -189,7 +193,8 @@ def start(name: str, backend: str, model: str, workdir: str, args):
     env = server_env(name, workdir, args.trace)
     started = time.time()
     server = start_server(argv, env, port, log_path)
-    server.trace_dir, server.started = env.get("SGX_SERVER_TRACE_DIR"), started
+    server.trace_dir = env.get("SGX_SERVER_TRACE_DIR") if args.trace else None
+    server.capture_dir, server.started = env.get("SGX_SERVER_TRACE_DIR"), started
     return server
 
 
@@ -208,6 +213,9 @@ def metrics(server) -> Dict[str, float]:
                                                       cache="vit_cuda_graph", reason="gate") or 0.0
     out["graph_resident_bytes"] = vs.metric_sum(text, "sglang_ext_graph_resident_bytes", cache="vit_cuda_graph") or 0.0
     out["cuda_memory_reserved_bytes"] = vs.metric_sum(text, "sglang_ext_cuda_memory_reserved_bytes") or 0.0
+    if getattr(server, "capture_dir", None):  # upstream's own captures (an unpatched graphs-on server)
+        counted = server_trace.read_totals(server.capture_dir).get(server_trace.CAPTURES, [0.0])[0]
+        out["graph_captures_total"] = max(out["graph_captures_total"], counted)
     if getattr(server, "trace_dir", None):  # --trace: every server's from one source, read every 0.25 s
         out["cuda_memory_reserved_bytes"] = server_trace.read_totals(server.trace_dir).get(server_trace.RESERVED,
                                                                                            [0.0])[0]

@@ -13,6 +13,8 @@ scheduler it wraps, by calling the original:
                                   site (torch's sync debug mode; the bench sets it during the warm-up only)
   with SGX_SERVER_VIT_FREE=1: the vision tower answers zeros of its output's shape without running (after one
                                   real call), so the server's throughput is what no ViT change can exceed
+  upstream's ViTCudaGraphRunner.create_graph  its captures (a server without sglang-ext's /metrics), written at
+                                  once; with SGX_SERVER_TRACE=captures this is all it wraps
 Cumulative totals go to $SGX_SERVER_TRACE_DIR/<pid>.json every 0.25 s, with the process's reserved CUDA
 memory (a reading, not a total: servers without sglang-ext's /metrics report it here); the bench reads
 them before and after a pass and reports the differences next to the pass's req/s.
@@ -27,6 +29,7 @@ import threading
 import time
 
 SYNCS_FLAG = "syncs"
+CAPTURES = "vit_graph_captures"  # [captures, captures] of upstream's ViT runner
 RESERVED = "cuda_memory_reserved_bytes"  # [bytes at the last write, 1]
 _TOTALS: dict = {}
 _PENDING: list = []  # (name, start event, end event)
@@ -92,6 +95,23 @@ def _timed(cls, method: str, name: str, device: bool = False, tokens=None) -> No
 
     wrapper.sgx_trace = True
     setattr(cls, method, wrapper)
+
+
+def _count_captures(cls) -> None:
+    """Count upstream's ViT graph captures (the unpatched graphs-on server has no counters of ours)."""
+    original = cls.create_graph
+
+    @functools.wraps(original)
+    def create_graph(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _add(CAPTURES, 1.0)
+            _LAST_WRITE[0] = float("-inf")  # written now: captures are few, and the last one must be seen
+            _drain_events()
+
+    create_graph.sgx_trace = True
+    cls.create_graph = create_graph
 
 
 def _sync_sites(cls, method: str) -> None:
@@ -171,6 +191,14 @@ def activate() -> None:
                     _vit_free(getattr(importlib.import_module(module_name), cls_name))
                 except Exception:  # noqa: BLE001 - a process without this class (the HTTP process) skips it
                     continue
+        return
+    try:
+        runner = importlib.import_module("sglang.srt.multimodal.vit_cuda_graph_runner").ViTCudaGraphRunner
+        if not getattr(runner.create_graph, "sgx_trace", False):
+            _count_captures(runner)
+    except Exception:  # noqa: BLE001 - a process without the ViT runner skips it
+        pass
+    if os.environ.get("SGX_SERVER_TRACE") == "captures":
         return
 
     targets = [

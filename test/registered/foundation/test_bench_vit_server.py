@@ -385,6 +385,30 @@ def test_the_trace_plugin_writes_the_reserved_memory_as_a_reading_not_a_sum(monk
     assert server_trace.RESERVED not in server_trace.difference(after, {})  # a reading, not a total to difference
 
 
+def test_the_unpatched_graphs_on_server_counts_upstreams_own_captures(monkeypatch, tmp_path):
+    """Capture-count mode wraps only the real ViTCudaGraphRunner.create_graph, writes every capture at once,
+    and the bench reads the count as that server's captures; other servers are not counted this way."""
+    import server_trace
+    from sglang.srt.multimodal import vit_cuda_graph_runner as upstream
+    from sglang.srt.managers.scheduler import Scheduler
+
+    monkeypatch.setenv("SGX_SERVER_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("SGX_SERVER_TRACE", "captures")
+    monkeypatch.setattr(server_trace, "_TOTALS", {})
+    calls = []
+    monkeypatch.setattr(upstream.ViTCudaGraphRunner, "create_graph", lambda self, *a, **k: calls.append(a) or len(calls))
+    run_batch = Scheduler.run_batch
+    server_trace.activate()
+    assert Scheduler.run_batch is run_batch  # nothing else wrapped in this mode
+    runner = object.__new__(upstream.ViTCudaGraphRunner)
+    assert [runner.create_graph(n) for n in (64, 128, 256)] == [1, 2, 3]  # the original's answers
+    server = SimpleNamespace(get_text=lambda path: "", capture_dir=str(tmp_path))
+    assert bench_vit_server.metrics(server)["graph_captures_total"] == 3.0
+    env = lambda name: bench_vit_server.server_env(name, str(tmp_path))  # noqa: E731
+    assert env("0517-graphs-on")["SGX_SERVER_TRACE"] == "captures" and "SGX_SERVER_TRACE_DIR" in env("0517-graphs-on")
+    assert not {"SGX_SERVER_TRACE", "SGX_SERVER_TRACE_DIR"} & (set(env("ext")) | set(env("graphs-off")))
+
+
 def test_a_server_without_sglang_ext_metrics_reports_reserved_memory_from_its_trace(tmp_path):
     import json
 
