@@ -325,45 +325,8 @@ def load_actions(path: str, *, signature, keys, digest):
     return saved, ""
 
 
-_CACHE = bench_results.ANY  # the runner's cache_info() fields
-_ACCURACY = dict.fromkeys(("reference", "requests", "max_rel_diff", "min_cosine", "skipped"))
-# `kernels`: the packages loaded (bench_results.kernels()), whether sgl_kernel's compiled ops and FA3
-# are really there, and what Pi0.5's custom ops ran (forward_native, or sglang's dispatch).
-KERNELS_SCHEMA = {**bench_results.KERNELS_SCHEMA, "sgl_kernel_ops": None, "fa3": None, "custom_ops": None}
-# Every key this script writes to --out (see bench_results.py).
-SCHEMA = {
-    **dict.fromkeys(("run_id", "impl", "sglang", "device", "torch", "attention", "command")),
-    "kernels": KERNELS_SCHEMA,
-    # requested backend; per attention module kind (backend:impl class) how many; per request how many
-    # calls took LocalAttention's masked path (torch SDPA whatever the backend) or the backend's own
-    "attention_ran": {"requested": None, "modules": bench_results.ANY, "calls_per_request": bench_results.ANY,
-                      "error": None},
-    "sglang_ext": bench_results.ANY,  # patch name -> status
-    "settings": {a.dest: None for a in build_parser()._actions if a.dest not in ("help", "out")},
-    "reference_actions": dict.fromkeys(("saved_to", "saved_mode", "compared_with", "status")),
-    "work": bench_results.ANY,  # pi05_roofline.measure(): one full-layout request's FLOPs and bytes per phase
-    "results": [{
-        **dict.fromkeys(("impl", "mode", "requests", "p50_ms", "p90_ms", "mean_ms", "min_ms", "warmup_s",
-                         "prefix_p50_ms", "denoise_p50_ms",
-                         "peak_allocated_mib", "graph_pool_growth_mib",
-                         "max_relative_diff_vs_eager",  # files from before `accuracy`
-                         "profiled_requests", "kernel_launches_per_request", "graph_launches_per_request",
-                         "device_kernels_per_request", "kernel_time_ms_per_request", "skipped", "error", "note")),
-        "phase_kernels_per_request": bench_results.ANY,  # phase -> kernel class -> [kernels, us] per request
-        "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
-                                 "prefix_entries", "action_entries", "fused_denoise", "fast", "fp8_expert",
-                                 "fused_vision", "fold_norms")),  # fold_norms: files from before its removal
-        "accuracy": {"vs_eager": _ACCURACY, "vs_graph": _ACCURACY, "vs_saved": _ACCURACY},
-        "p50_ms_by_layout": bench_results.ANY,  # layout (full, masked) -> p50 of its timed requests
-        "attention_kernels_per_request": bench_results.ANY,  # device kernel name -> count
-        "top_kernels_per_request": bench_results.ANY,  # device kernel name -> [count, us], by time
-        "prefix_graph_runner_cache": _CACHE, "graph_runner_cache": _CACHE,
-    }],
-}
-
-
 def kernels_record(custom_ops: str) -> Dict[str, Any]:
-    """This process's `kernels` record (KERNELS_SCHEMA)."""
+    """This process's `kernels` record (bench_results.PI05_KERNELS_SCHEMA)."""
     from sglang_ext_testkit.qwen_vit_kit import fa3_loaded, sgl_kernel_ops_loaded
 
     ops = sgl_kernel_ops_loaded()
@@ -636,68 +599,6 @@ def run_or_report(policy, impl: str, mode: str, inputs, args, timed, saved) -> D
         return {"impl": impl, "mode": mode, "error": error}
 
 
-def _graph_buffer_mib(result: Dict[str, Any]) -> str:
-    """Bytes held by resident graphs' static buffers, as the sglang-ext caches count them ("-": not reported)."""
-    counted = [c.get("bytes_resident") for c in (result.get("prefix_graph_runner_cache"),
-                                                  result.get("graph_runner_cache")) if isinstance(c, dict)]
-    counted = [b for b in counted if b is not None]
-    return f"{sum(counted) / 2**20:.0f}" if counted else "-"
-
-
-def _num(r: Dict[str, Any], key: str, fmt: str) -> str:
-    value = r.get(key)
-    return "-" if value is None else fmt.format(value)
-
-
-def _acc(r: Dict[str, Any], name: str) -> str:
-    """max rel diff / cosine against one reference ("-": not measured; "skip": see the notes)."""
-    entry = (r.get("accuracy") or {}).get(name)
-    if entry is None and name == "vs_eager" and "accuracy" not in r and r.get("mode") != "eager":
-        legacy = r.get("max_relative_diff_vs_eager")  # files from before accuracy was recorded
-        return "-" if legacy is None else f"{legacy:.1e}/-"
-    if entry is None:
-        return "-"
-    if "skipped" in entry:
-        return "skip"
-    return f"{entry['max_rel_diff']:.1e}/{entry['min_cosine']:.6f}"
-
-
-def print_table(results: List[Dict[str, Any]]) -> None:
-    header = ("impl", "mode", "p50 ms", "p90 ms", "prefix ms", "denoise ms", "launches/req", "graph launches/req",
-              "kernels/req", "kernel ms/req", "peak MiB", "pool +MiB", "graph buf MiB", "vs eager rel/cos",
-              "vs graph rel/cos", "vs saved rel/cos")
-    rows = [header]
-    notes = []
-    for r in results:
-        if "p50_ms" not in r:
-            notes.append(f"{r['impl']} {r['mode']}: " + (f"skipped: {r['skipped']}" if "skipped" in r
-                                                         else f"FAILED: {r.get('error')}"))
-            continue
-        rows.append((
-            r["impl"], r["mode"], f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}",
-            _num(r, "prefix_p50_ms", "{:.1f}"), _num(r, "denoise_p50_ms", "{:.1f}"),
-            _num(r, "kernel_launches_per_request", "{:.0f}"), _num(r, "graph_launches_per_request", "{:.1f}"),
-            _num(r, "device_kernels_per_request", "{:.0f}"), _num(r, "kernel_time_ms_per_request", "{:.1f}"),
-            f"{r['peak_allocated_mib']:.0f}", f"{r['graph_pool_growth_mib']:.0f}", _graph_buffer_mib(r),
-            _acc(r, "vs_eager"), _acc(r, "vs_graph"), _acc(r, "vs_saved"),
-        ))
-        saved = (r.get("accuracy") or {}).get("vs_saved") or {}
-        if saved.get("skipped"):
-            notes.append(f"{r['impl']} {r['mode']}: vs saved skipped: {saved['skipped']}")
-        elif saved.get("reference"):
-            notes.append(f"{r['impl']} {r['mode']}: vs saved = {saved['reference']}")
-        if r.get("note"):
-            notes.append(f"{r['impl']} {r['mode']}: {r['note']}")
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    print()
-    for index, row in enumerate(rows):
-        print(" | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
-        if index == 0:
-            print("-+-".join("-" * w for w in widths))
-    for note in dict.fromkeys(notes):
-        print(note)
-
-
 def main() -> int:
     args = parse_args()
     if not CUDA and not args.cpu_logic_check:
@@ -769,14 +670,14 @@ def main() -> int:
                          signature=signature, keys=keys, digest=digest, actions=timed[mode])
             reference["saved_to"] = args.save_actions
         if args.out:  # after every mode: a process killed later keeps what it measured
-            bench_results.write(args.out, report(), SCHEMA, default=str)
+            bench_results.write(args.out, report(), bench_results.PI05_SCHEMA, default=str)
     fast = next((r for r in results if r["mode"] == "graph-fast" and "p50_ms" in r), None)
     if fast is not None and "graph-fused" in timed and all(
             torch.equal(a, b) for a, b in zip(timed["graph-fast"], timed["graph-fused"])):
         fast["note"] = "actions bit-identical to graph-fused on every timed request: the fast path did not engage"
         if args.out:
-            bench_results.write(args.out, report(), SCHEMA, default=str)
-    print_table(results)
+            bench_results.write(args.out, report(), bench_results.PI05_SCHEMA, default=str)
+    bench_results.print_pi05_table(results)
     print()
     if work:  # None in a 0.5.19 process: the 0.5.17 processes count the work (see above)
         print(pi05_roofline.table(work, results))

@@ -80,23 +80,6 @@ TRANSPORT_PATCHES = ",".join(("mg_scheduler_client_reuse", "pi05_action_transpor
                               "mg_worker_request_overhead"))
 REFERENCE_SERVER = "ext-exact"
 SGLANG_UNPATCHED = "import sys; from sglang.cli.main import main; sys.argv = ['sglang', 'serve', *sys.argv[1:]]; main()"
-# Targets for a moving robot (H200, fast path; the exact path against unpatched 0.5.17)
-TARGET_OPENPI_P50_MS, TARGET_JSON_P50_MS, TARGET_OUTSIDE_MS, TARGET_P99_OVER_P50 = 17.0, 21.0, 2.5, 1.2
-TARGET_FAST_VS_EXACT = 5e-3
-
-SCHEMA = {
-    **dict.fromkeys(("run_id", "device", "torch", "sglang", "attention", "command", "client_png_encode_ms")),
-    "kernels": bench_results.KERNELS_SCHEMA,
-    "settings": bench_results.ANY,
-    "servers": bench_results.ANY,  # server name -> {argv, start_s, log, error}
-    "results": [{
-        **dict.fromkeys(("server", "wire", "motion", "client", "requests", "p50_ms", "p90_ms", "p99_ms", "mean_ms",
-                         "max_ms", "p99_over_p50", "stage_sum_p50_ms", "outside_pipeline_p50_ms",
-                         "max_rel_diff_vs_exact", "checked_requests", "captures_after_start", "eager_after_load",
-                         "error", "note")),
-        "breakdown_p50_ms": bench_results.ANY,  # part of the path -> p50 (ms)
-    }],
-}
 
 
 def log(message: str) -> None:
@@ -303,77 +286,6 @@ def run_wire(name, wire, motion, observations, server, port, args, workdir, refe
     return row
 
 
-def motion_of(row) -> str:
-    """A row's motion; rows written before motions were recorded held the state fixed (sglang's own bench:
-    its observations)."""
-    return str(row.get("motion") or ("sglang's" if row.get("wire") == "sglang" else "fixed"))
-
-
-def _fmt(value, fmt="{:.2f}") -> str:
-    return "-" if value is None else fmt.format(value)
-
-
-BREAKDOWN_COLUMNS = ("client_encode", "transport", "http_parse", "http_decode", "to_worker", "worker_queue",
-                     "worker_other", "pipeline", "from_worker", "client_decode")
-
-
-def print_table(results: List[Dict[str, Any]]) -> None:
-    head = ["server", "wire", "motion", "n", "p50", "p90", "p99", "max", "p99/p50", "stages", "outside",
-            "captures after start", "eager after load", "rel vs exact"]
-    print(" | ".join(head))
-    for r in results:
-        if r.get("error"):
-            lines = [line.strip() for line in r["error"].splitlines() if line.strip()]
-            # the exception's own line and the last line of the output behind it (a child's traceback)
-            print(f"{r['server']} | {r['wire']} | {motion_of(r)} | error: {lines[0][:100]} ... {lines[-1][:160]}")
-            continue
-        print(" | ".join([r["server"], r["wire"], motion_of(r), str(r.get("requests")), _fmt(r.get("p50_ms")),
-                          _fmt(r.get("p90_ms")), _fmt(r.get("p99_ms")), _fmt(r.get("max_ms")),
-                          _fmt(r.get("p99_over_p50")), _fmt(r.get("stage_sum_p50_ms")),
-                          _fmt(r.get("outside_pipeline_p50_ms")), str(r.get("captures_after_start", "-")),
-                          str(r.get("eager_after_load", "-")), _fmt(r.get("max_rel_diff_vs_exact"), "{:.1e}")]))
-    rows = [r for r in results if r.get("breakdown_p50_ms")]
-    if rows:
-        print("\nbreakdown, p50 ms: " + ", ".join(BREAKDOWN_COLUMNS) + " (- = not measured: no hop times)")
-        for r in rows:
-            b = r["breakdown_p50_ms"]
-            stages = ", ".join(f"{k} {b[k]:.2f}" for k in ("preprocess", "prefix", "action_denoise", "postprocess")
-                               if k in b)
-            print(f"{r['server']:>16} {r['wire']:>6} {motion_of(r):>6}: "
-                  + " ".join(_fmt(b.get(k)) for k in BREAKDOWN_COLUMNS)
-                  + f"  [{stages}]")
-
-
-def targets(results: List[Dict[str, Any]]) -> List[tuple]:
-    """(label, measured, op, bound) rows of the targets for a moving robot: the fast server's latency, tail,
-    captures and accuracy; the exact server never slower than unpatched 0.5.17 on the same loop."""
-    rows = []
-    own = [r for r in results if r.get("client") == "own" and r.get("p50_ms") is not None
-           and r.get("motion") in ("random", "smooth")]
-    for r in own:
-        where = f"{r['server']} {r['wire']} {r['motion']}"
-        if r["server"] == "ext-fast":
-            bound = TARGET_OPENPI_P50_MS if r["wire"] == "openpi" else TARGET_JSON_P50_MS
-            rows.append((f"{where}: client p50 ms", r["p50_ms"], "<=", bound))
-            if r["wire"] == "openpi":
-                rows.append((f"{where}: p99 / p50", r["p99_over_p50"], "<=", TARGET_P99_OVER_P50))
-                if r.get("outside_pipeline_p50_ms") is not None:
-                    rows.append((f"{where}: p50 outside the pipeline ms", r["outside_pipeline_p50_ms"], "<=",
-                                 TARGET_OUTSIDE_MS))
-            if r.get("max_rel_diff_vs_exact") is not None:
-                rows.append((f"{where}: max relative difference from exact", r["max_rel_diff_vs_exact"], "<=",
-                             TARGET_FAST_VS_EXACT))
-        if r["server"].startswith("ext") and r.get("captures_after_start") is not None:
-            rows.append((f"{where}: graphs captured after start", r["captures_after_start"], "<=", 0))
-        if r["server"] == "ext-exact":
-            unpatched = next((u for u in own if u["server"] == "0517" and u["wire"] == r["wire"]
-                              and u["motion"] == r["motion"]), None)
-            if unpatched is not None:
-                for q in ("p50_ms", "p99_ms"):
-                    rows.append((f"{where}: {q[:-3]} ms vs unpatched 0517", r[q], "<=", unpatched[q]))
-    return rows
-
-
 def main() -> int:
     args = build_parser().parse_args()
     servers = _choices(args.servers, SERVERS, "servers")
@@ -417,15 +329,18 @@ def main() -> int:
     for name in order:
         run_server(name, args, model_dir, workdir, streams, reference_actions, report)
         if args.out:
-            bench_results.write(args.out, {k: v for k, v in report.items() if not k.startswith("_")}, SCHEMA, default=str)
+            bench_results.write(args.out, {k: v for k, v in report.items() if not k.startswith("_")},
+                                bench_results.PI05_SERVER_SCHEMA, default=str)
     report["results"].sort(key=lambda r: (SERVERS.index(r["server"]), WIRES.index(r["wire"]),
                                           clients.MOTIONS.index(r["motion"]) if r.get("motion") in clients.MOTIONS else -1))
     if args.out:
-        bench_results.write(args.out, {k: v for k, v in report.items() if not k.startswith("_")}, SCHEMA, default=str)
-    print_table(report["results"])
-    for label, value, op, bound in targets(report["results"]):
+        bench_results.write(args.out, {k: v for k, v in report.items() if not k.startswith("_")},
+                            bench_results.PI05_SERVER_SCHEMA, default=str)
+    bench_results.print_pi05_server_table(report["results"])
+    for label, value, op, bound in bench_results.pi05_server_targets(report["results"]):
         met = value is not None and value <= bound
-        print(f"target: {label} {_fmt(value, '{:.3g}')} {op} {bound:.3g}: {'met' if met else 'NOT met'}")
+        value = bench_results.format_or_dash(value, "{:.3g}")
+        print(f"target: {label} {value} {op} {bound:.3g}: {'met' if met else 'NOT met'}")
     return 0
 
 

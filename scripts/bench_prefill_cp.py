@@ -199,41 +199,6 @@ def admission_rates(cp_size: int, rng: random.Random, batches: int) -> dict:
     }
 
 
-def render(decision_rows, rate_rows) -> str:
-    out = ["Per-batch decision, median us (target <= 10 us); upstream = its loop, run twice per batch"]
-    out.append(f"{'cp':>3} {'bs':>3} {'tokens':>6} {'ext us':>8} {'(best)':>7} {'upstream x2 us':>15} {'(best)':>7}")
-    for r in decision_rows:
-        out.append(f"{r['cp']:>3} {r['bs']:>3} {r['num_tokens']:>6} {r['ext_decision_us']:>8.2f} "
-                   f"{r['ext_decision_best_us']:>7.2f} {r['upstream_twice_us']:>15.2f} "
-                   f"{r['upstream_twice_best_us']:>7.2f}")
-    out.append("")
-    out.append("Admission over random multi-request batches (rates of all batches)")
-    out.append(f"{'cp':>3} {'0.5.17 graph':>12} {'0.5.17 crash':>12} {'ext graph':>10} {'ext larger':>10} "
-               f"{'ext eager(no fit)':>17} {'pad rows 0.5.17/ext':>20}")
-    for r in rate_rows:
-        n = r["batches"]
-        out.append(f"{r['cp']:>3} {r['unpatched_graph_rate']:>12.3f} {r['unpatched_crash_rate']:>12.3f} "
-                   f"{r['ext_graph_rate']:>10.3f} {r['ext_larger_bucket_rate']:>10.3f} "
-                   f"{r['ext']['eager_no_fit'] / n:>17.3f} "
-                   f"{r['unpatched_mean_padding_rows']:>9.1f}/{r['ext_mean_padding_rows']:.1f}")
-    return "\n".join(out)
-
-
-# Every key this script writes to --out (see bench_results.py).
-SCHEMA = {
-    **dict.fromkeys(("run_id", "bench", "sglang", "python", "machine", "cpus", "load_average_1m", "max_tokens",
-                     "align", "command", "attention")),
-    "kernels": bench_results.KERNELS_SCHEMA,
-    "decision": [dict.fromkeys(("cp", "bs", "num_tokens", "buckets", "ext_decision_us", "ext_decision_best_us",
-                                "upstream_twice_us", "upstream_twice_best_us"))],
-    "admission": [{**dict.fromkeys(("cp", "batches", "unpatched_crash_rate", "unpatched_graph_rate", "ext_graph_rate",
-                                    "ext_larger_bucket_rate", "ext_mean_padding_rows",
-                                    "unpatched_mean_padding_rows")),
-                   "unpatched": dict.fromkeys(("graph", "crash", "eager")),
-                   "ext": dict.fromkeys(("graph", "graph_larger", "eager_no_fit", "eager"))}],
-}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "bench", "prefill_cp.json"),
@@ -275,8 +240,8 @@ def main(argv=None) -> int:
         "admission": rate_rows,
         "command": "python scripts/bench_prefill_cp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    bench_results.write(args.out, result, SCHEMA)
-    print(render(decision_rows, rate_rows))
+    bench_results.write(args.out, result, bench_results.PREFILL_CP_SCHEMA)
+    print(bench_results.prefill_cp_table(decision_rows, rate_rows))
     return 0
 
 

@@ -26,10 +26,11 @@ replays a graph that existed before it. After the timed stream, --profile-reques
 spread over it rerun untimed under torch.profiler (CUDA activity) to measure the launch-free
 bound: a graph removes launch and host overhead only, so no mode beats eager's device time
 (bound = eager wall / eager device ms per request; for modes that replayed every request, the
-graph path's own device time, padding rows included; see profile_bound and bound_table). Each
-result records the kernels its process really ran (detected at run time) and the run id it
-belongs to. Rewrites the JSON (--out) after every mode, refusing keys its SCHEMA lacks, and
-prints the tables last. On the GPU machine (docs/gpu-harness.md):
+graph path's own device time, padding rows included; see profile_bound and
+bench_results.vit_bound_table). Each result records the kernels its process really ran (detected
+at run time) and the run id it belongs to. Rewrites the JSON (--out) after every mode, refusing
+keys its schema (bench_results.VIT_SCHEMA) lacks, and prints the tables last. On the GPU machine
+(docs/gpu-harness.md):
 
     source scripts/gpu_env.sh && python3 scripts/bench_vit.py --upstream-root $SGX_ROOT/sgl0519 --out $OUT/vit.json
     (every mode, 1,000 requests: about 7 minutes on one H200 with fa3; --quick, 300 requests and 100
@@ -58,30 +59,6 @@ RESOLUTIONS = [(448, 448, 8), (640, 480, 6), (336, 336, 4), (1024, 768, 2), (800
                (560, 420, 2), (1280, 720, 1)]
 IMAGES_PER_REQUEST = ([1, 2, 3, 4], [60, 25, 10, 5])
 
-# Every key this script writes to --out (see bench_results.py).
-_CONFIG_KEYS = ("tower", "dtype", "attention", "requests", "capacity", "max_bytes_arg", "seed", "command",
-                "unpatched_requests", "profile_requests", "resolutions_px", "images_per_request", "device", "seconds")
-_ROW_KEYS = ("mode", "run_id", "merged_later", "kernels", "requests", "tokens", "graph_req_per_s", "eager_req_per_s",
-             "speedup_vs_eager", "wrong_outputs", "bitwise_equal", "max_abs_diff", "resident_graphs",
-             "peak_cuda_reserved_mib", "peak_graph_bytes_mib", "peak_graph_bytes_every_request", "timeline",
-             "hit_rate", "captures", "captures_before_timing", "evictions", "fallbacks", "graph_bytes_resident",
-             "counters", "timed_counters", "graph_bytes_budget_mib", "sglang_path", "padding", "crashed",
-             "crashed_at_request") + (
-             # The launch-free bound (profile_bound): device time of a sample of the stream, per request.
-             "profiled_requests", "eager_wall_ms", "eager_kernel_ms", "eager_device_ms", "eager_gpu_busy",
-             "launch_free_bound", "graph_wall_ms", "graph_kernel_ms", "graph_device_ms", "graph_gpu_busy",
-             "graph_bound", "profile_error")
-# `kernels`: the packages loaded (bench_results.kernels(): version / stand-in / not loaded) and what the
-# tower really ran (kit.kernel_report(): attention backend, sgl_kernel ops or native torch, FA3 status).
-KERNELS_SCHEMA = {**bench_results.KERNELS_SCHEMA, "attention_backend": None, "sgl_kernel_ops": None, "fa3": None}
-SCHEMA = {
-    "config": dict.fromkeys(_CONFIG_KEYS),
-    "results": [{**dict.fromkeys(_ROW_KEYS), "kernels": KERNELS_SCHEMA, "counters": bench_results.ANY,
-                 "timed_counters": bench_results.ANY,
-                 "timeline": [dict.fromkeys(("request", "resident_graphs", "graph_bytes_resident",
-                                             "cuda_reserved_mib"))]}],
-}
-
 
 def patches_per_side(px: int) -> int:
     return max(2, round(px / 28) * 2)
@@ -106,7 +83,7 @@ def pixels_for(tokens: int, seed: int, dtype) -> torch.Tensor:
 
 
 def kernels_now(backend: str) -> dict:
-    """This process's `kernels` record (see KERNELS_SCHEMA)."""
+    """This process's `kernels` record (see bench_results.VIT_KERNELS_SCHEMA)."""
     ran = kit.kernel_report(backend)  # first: it imports the packages it probes
     return {**bench_results.kernels(), **ran}
 
@@ -319,57 +296,6 @@ def activate_patch(capacity: int, mode: str, max_bytes: int) -> None:
     assert statuses["vit_cuda_graph"].state == "applied", statuses["vit_cuda_graph"]
 
 
-def table(results) -> str:
-    cols = ["mode", "attn/ops", "requests", "crashed_at_request", "graph_req_per_s", "eager_req_per_s", "speedup_vs_eager", "hit_rate", "captures",
-            "resident_graphs", "peak_graph_bytes_mib", "peak_cuda_reserved_mib", "padding", "wrong_outputs",
-            "bitwise_equal", "max_abs_diff"]
-    rows = [cols] + [[_fmt(r.get(c) if c != "attn/ops" else _kernels_cell(r)) for c in cols] for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
-
-
-BOUND_COLUMNS = (("mode", "mode"), ("profiled_requests", "profiled"), ("eager_wall_ms", "eager wall ms"),
-                 ("eager_kernel_ms", "eager kernel ms"), ("eager_device_ms", "eager device ms"),
-                 ("eager_gpu_busy", "eager GPU busy"), ("launch_free_bound", "bound (eager wall/device)"),
-                 ("graph_wall_ms", "graph wall ms"), ("graph_kernel_ms", "graph kernel ms"),
-                 ("graph_device_ms", "graph device ms"), ("graph_gpu_busy", "graph GPU busy"),
-                 ("speedup", "speedup (sample)"), ("graph_bound", "graph bound (eager wall/graph device)"),
-                 ("profile_error", "profile error"))
-
-
-def bound_table(results) -> str:
-    """How far each mode is from the launch-free bound (per request, over the profiled sample)."""
-    rows = [[label for _, label in BOUND_COLUMNS]]
-    for r in results:
-        if not r.get("profiled_requests"):
-            continue
-        speedup = r["eager_wall_ms"] / r["graph_wall_ms"] if r.get("graph_wall_ms") and r.get("eager_wall_ms") else None
-        rows.append([_fmt(speedup if key == "speedup" else r.get(key)) for key, _ in BOUND_COLUMNS])
-    if len(rows) == 1:
-        return ""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
-
-
-def _kernels_cell(result) -> str:
-    """What ran in that process: attention backend (fa3: real flash_ops or not) / sgl_kernel ops or torch."""
-    k = result.get("kernels")
-    if not k:
-        return "-"
-    attn = k.get("attention_backend", "?")
-    if attn == "fa3":
-        attn += "(flash_ops)" if "real flash_ops" in k.get("fa3", "") else "(NOT flash_ops)"
-    return f"{attn}/{'sgl_kernel' if k.get('sgl_kernel_ops') == 'real' else 'torch'}"
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
-
-
 MODES = ("0.5.17", "0.5.19", "eager-only", "layout", "class", "bucket")
 
 
@@ -398,12 +324,6 @@ def _child_command(args, mode: str, part_out: str) -> list:
             "--max-bytes", str(args.max_bytes), "--seed", str(args.seed), "--backend", args.backend,
             "--profile-requests", str(args.profile_requests)]
     return cmd
-
-
-def _mode_key(name: str) -> str:
-    """The MODES entry of a result's display name ("ext-bucket (cap 32)" -> "bucket"; "0.5.19" stays)."""
-    head = name.split(" ")[0]
-    return head[len("ext-"):] if head.startswith("ext-") else head
 
 
 def run_eager_only(args, config, requests, dtype) -> None:
@@ -563,7 +483,7 @@ def main() -> None:
     if args.merge and os.path.exists(args.out):  # checked before any GPU time is spent
         with open(args.out, encoding="utf-8") as f:
             previous = json.load(f)
-        extra = bench_results.undeclared(previous, SCHEMA)
+        extra = bench_results.undeclared(previous, bench_results.VIT_SCHEMA)
         if extra:
             raise SystemExit(f"--merge: {args.out} carries keys this script does not write ({', '.join(extra)}); "
                              "rerun every mode without --merge")
@@ -572,7 +492,7 @@ def main() -> None:
         now = {k: v for k, v in json.loads(json.dumps(config)).items() if k not in unrelated}  # tuples as lists
         if same != now:
             raise SystemExit(f"--merge: {args.out} was measured with {same}; this run has {now}")
-        kept = [r for r in previous["results"] if _mode_key(r["mode"]) not in modes]
+        kept = [r for r in previous["results"] if bench_results.vit_mode_key(r["mode"]) not in modes]
         config["seconds"] = previous["config"].get("seconds")
     started = time.perf_counter()
     results = []
@@ -584,10 +504,11 @@ def main() -> None:
                 results[-1]["merged_later"] = True
             # After every mode, so a run killed from outside keeps what it measured (seconds: so far).
             report = {"config": {**config, "seconds": config.get("seconds", round(time.perf_counter() - started, 1))},
-                      "results": sorted(kept + results, key=lambda r: MODES.index(_mode_key(r["mode"])))}
-            bench_results.write(args.out, report, SCHEMA)
-    print(table(results))
-    print(bound_table(results))
+                      "results": sorted(kept + results,
+                                        key=lambda r: MODES.index(bench_results.vit_mode_key(r["mode"])))}
+            bench_results.write(args.out, report, bench_results.VIT_SCHEMA)
+    print(bench_results.vit_table(results))
+    print(bench_results.vit_bound_table(results))
 
 
 if __name__ == "__main__":

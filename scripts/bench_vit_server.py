@@ -34,7 +34,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -47,30 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import bench_results  # noqa: E402
 import server_trace  # noqa: E402
 
-CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
-    "ext": ("sglang_ext.launch_server", True, {}),
-    "graphs-off": ("sglang.launch_server", False, {}),
-    # The accuracy floor at concurrency 16: a second graphs-off process, with batches of its own timing
-    # (without it, graphs-off's own further passes, which may repeat its batches).
-    "graphs-off-2": ("sglang.launch_server", False, {}),
-    "0517-graphs-on": ("sglang.launch_server", True, {}),
-    # Diagnostic: sglang-ext's sync-free tower and embedding path with no graph replayed (every call
-    # eager), which splits ext's difference from graphs-off into the eager path's part and the replays'.
-    "ext-no-replay": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": "0"}),
-    # Diagnostic: calls above the load-time break-even split into whole-image chunks that replay instead of
-    # one eager call (knob vit_graph_above_ladder=split): fewer host launches, more device time for padding.
-    "ext-split": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "split"}),
-    # Diagnostic: the whole ladder captured (up to the server's largest call, cut by the graph byte budget) and
-    # every call replayed, no probe: an eager call costs the scheduler's thread 20-30 ms of launches (the probe's
-    # eager times of small calls), a replay almost none, which may pay for the padding where the host bounds.
-    "ext-full-ladder": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": str(1 << 20)}),
-    # Diagnostic: sglang-ext with knob vit_triton_rotary off (sglang's own rotary functions, as before
-    # 2026-12-02), which gives the one-kernel rotary's share. Runs before that day name this "ext".
-    "ext-eager-rotary": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_TRITON_ROTARY": "0"}),
-    # Ceiling: graphs off with a vision tower that answers zeros without running (scripts/server_trace.py),
-    # so its req/s is what no ViT change (graphs, kernels) can take a slot past.
-    "vit-free": ("sglang.launch_server", False, {"SGX_SERVER_VIT_FREE": "1"}),
-}
+CONFIGS = bench_results.VIT_SERVER_CONFIGS  # name -> (launcher module, ViT graphs on, sglang-ext knobs)
 # Real-scale shapes over the tiny model's folder (tokenizer, processor, chat template).
 REAL_SCALE = {
     "qwen2_5_vl": dict(
@@ -87,22 +63,6 @@ REAL_SCALE = {
 }
 COUNTERS = ("graph_captures_total", "graph_hits_total", "graph_misses_total", "graph_padding_tokens_total",
             "graph_chunked_calls_total")
-SCHEMA = {
-    "run_id": None, "kernels": bench_results.KERNELS_SCHEMA, "attention": None,
-    "config": {"device": None, "model": None, "parameters_b": None, "requests": None, "passes": None,
-               "concurrencies": None, "image_counts": None, "resolution": None, "command": None, "seconds": None,
-               "sglang": None, "accuracy_sizes": None},
-    "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": bench_results.ANY,
-                 "metrics_warm": bench_results.ANY, "metrics_after_passes": bench_results.ANY,
-                 "metrics_end": bench_results.ANY, "vit_calls": None, "captures_after_start": None,
-                 "warmup_syncs": bench_results.ANY, "kv_tokens": None, "reserved_mib_after_pass": None}],
-    "passes": [{"backend": None, "config": None, "pass": None, "concurrency": None, "images": None,
-                "req_s": None, "ttft_p50_ms": None, "ttft_p99_ms": None, "completed": None, "error": None,
-                "trace": bench_results.ANY}],
-    "accuracy": [{"backend": None, "config": None, "concurrency": None, "requests": None, "samples": None,
-                  "max_abs": None, "beyond_0_05": None, "floor_max_abs": None, "floor_beyond_0_05": None,
-                  "floor_server": None, "error": None}],
-}
 
 
 def log(msg: str) -> None:
@@ -455,261 +415,6 @@ def accuracy(servers: Dict[str, object], backend: str, unit: int, n: int, sizes:
     return rows
 
 
-# ---------------------------------------------------------------------------
-# Table
-# ---------------------------------------------------------------------------
-
-
-def _spread(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None, None
-    return statistics.median(values), min(values), max(values)
-
-
-def _by_slot(report: dict, field: str = "req_s") -> Dict[tuple, Dict[str, List[float]]]:
-    """{(backend, concurrency, images): {config: `field` of each completed pass}}."""
-    slots: Dict[tuple, Dict[str, List[float]]] = {}
-    for row in report["passes"]:
-        if row.get(field) is not None:
-            slots.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(
-                row["config"], []).append(row[field])
-    return dict(sorted(slots.items()))
-
-
-def ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
-    """{(backend, concurrency, images): median req/s of `config` / median of graphs-off} over the passes."""
-    out = {}
-    for slot, by in _by_slot(report).items():
-        off = statistics.median(by["graphs-off"]) if "graphs-off" in by else 0.0
-        if config in by and off > 0:
-            out[slot] = statistics.median(by[config]) / off
-    return out
-
-
-def ttft_p99(report: dict, config: str) -> Dict[tuple, float]:
-    """{(backend, concurrency, images): `config`'s TTFT p99 in ms, the median over the passes}."""
-    return {slot: statistics.median(by[config]) for slot, by in _by_slot(report, "ttft_p99_ms").items()
-            if config in by}
-
-
-def paired_ratios(report: dict, config: str = "ext") -> Dict[tuple, float]:
-    """{(backend, concurrency, images): median over the passes of `config`'s req/s / graphs-off's in the same
-    pass}. The configurations of a pass run back to back, so this cancels the machine's drift between passes."""
-    by_pass: Dict[tuple, Dict[str, float]] = {}
-    for row in report["passes"]:
-        if row["req_s"] is not None:
-            by_pass.setdefault((row["backend"], row["concurrency"], row["images"], row["pass"]), {})[
-                row["config"]] = row["req_s"]
-    per_slot: Dict[tuple, List[float]] = {}
-    for (*slot, _), by in sorted(by_pass.items()):
-        if config in by and by.get("graphs-off"):
-            per_slot.setdefault(tuple(slot), []).append(by[config] / by["graphs-off"])
-    return {slot: statistics.median(values) for slot, values in per_slot.items()}
-
-
-def below_graphs_off(report: dict, config: str = "ext") -> List[tuple]:
-    """Slots where `config`'s median req/s is below the slowest graphs-off pass: slower than graphs-off by
-    more than graphs-off's own pass-to-pass spread (a median a hair under graphs-off's is noise here)."""
-    return [slot for slot, by in _by_slot(report).items()  # one graphs-off pass has no spread
-            if config in by and "graphs-off" in by and statistics.median(by[config]) < min(by["graphs-off"])]
-
-
-def eligible_replayed(server: dict) -> float:
-    """Share of the calls a graph may serve that replayed, from the end of the warm-up (else the start) to the
-    end: calls the load-time gate sends eager on purpose (above the break-even) are not eligible. None
-    without counters."""
-    end, start = server.get("metrics_end") or {}, server.get("metrics_warm") or server.get("metrics_start") or {}
-    if "graph_gate_fallbacks_total" not in end:
-        return None
-    delta = {k: end.get(k, 0) - start.get(k, 0) for k in ("graph_hits_total", "graph_eager_fallbacks_total",
-                                                        "graph_gate_fallbacks_total")}
-    eligible = delta["graph_hits_total"] + delta["graph_eager_fallbacks_total"] - delta["graph_gate_fallbacks_total"]
-    return delta["graph_hits_total"] / eligible if eligible > 0 else None
-
-
-def accuracy_requests(report: dict, backend: str, config: str) -> int:
-    """Requests `config` served in the accuracy comparison: its rows' passes (the floor's row is its floor
-    passes), and graphs-off's reference pass at each concurrency (with its floor passes where it was the floor)."""
-    rows = [a for a in report.get("accuracy") or [] if a["backend"] == backend]
-    served = sum(a["requests"] * (a.get("samples") or 1) for a in rows if a["config"] == config and not a.get("error"))
-    if config == "graphs-off":
-        by_c = {a["concurrency"]: a for a in rows}
-        served += sum(a["requests"] * (1 + ((a.get("samples") or 1) if floor_source(a) == "graphs-off" else 0))
-                      for a in by_c.values())
-    return served
-
-
-def reserved_growth(report: dict, server: dict):
-    """(MiB the server's reserved memory grew from the end of its warm-up to the end of its timed passes,
-    else to the end of the run, requests it served in between), or None without both readings
-    (sglang-ext's /metrics; with --trace any server's)."""
-    warm, end = (server.get("metrics_warm") or {}).get("cuda_memory_reserved_bytes"), _reserved_at_end(server)
-    if not warm or not end:
-        return None
-    mine = (server["backend"], server["config"])
-    served = sum(r.get("completed") or 0 for r in report["passes"] if (r["backend"], r["config"]) == mine)
-    if not server.get("metrics_after_passes"):  # judged to the end of the run: the accuracy requests too
-        served += accuracy_requests(report, *mine)
-    return (end - warm) / 2**20, served
-
-
-def _reserved_at_end(server: dict):
-    """The server's reserved bytes at the end of its timed passes, else of the run (None: no reading)."""
-    return (server.get("metrics_after_passes") or server.get("metrics_end") or {}).get("cuda_memory_reserved_bytes")
-
-
-def server_of(report: dict, config: str, backend: str):
-    """The record of `config`'s server on `backend` in the run, or None."""
-    return next((s for s in report["servers"] if s["config"] == config and s["backend"] == backend), None)
-
-
-def reserved_against(report: dict, server: dict, config: str = "graphs-off"):
-    """(MiB `server` reserved beyond `config`'s server of its backend at the end of the timed passes, else of
-    the run; the same at start-up), or None without both servers' readings or where either one failed."""
-    other = server_of(report, config, server["backend"])
-    if other is None or server.get("error") or other.get("error"):  # a dead server's last reading is older
-        return None
-
-    ends = [_reserved_at_end(r) for r in (server, other)]
-    starts = [(r.get("metrics_start") or {}).get("cuda_memory_reserved_bytes") for r in (server, other)]
-    if not all(ends + starts):
-        return None
-    return (ends[0] - ends[1]) / 2**20, (starts[0] - starts[1]) / 2**20
-
-
-def unequal_kv_pools(report: dict) -> Dict[str, Dict[str, int]]:
-    """{backend: {config: KV tokens}} where that backend's servers hold KV pools of different sizes (their
-    req/s at high concurrency then differ by batching, not by the ViT). Runs before kv_tokens: none."""
-    pools: Dict[str, Dict[str, int]] = {}
-    for s in report["servers"]:
-        if s.get("kv_tokens"):
-            pools.setdefault(s["backend"], {})[s["config"]] = s["kv_tokens"]
-    return {b: by for b, by in pools.items() if len(set(by.values())) > 1}
-
-
-def table(report: dict) -> str:
-    """Medians (min-max) per backend, concurrency and image count; ratios against graphs-off (of the medians,
-    and the median of each pass's own ratio)."""
-    lines = [f"{'backend':<12} {'c':>3} {'img':>4} {'config':<18} {'req/s median (min-max)':>26} {'vs off':>7} "
-             f"{'per pass':>8} {'TTFT p50':>9} {'TTFT p99':>9}"]
-    paired = {name: paired_ratios(report, name) for name in {r["config"] for r in report["passes"]}}
-    groups = {}
-    for row in report["passes"]:
-        groups.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(row["config"], []).append(row)
-    for (backend, c, images), by_config in sorted(groups.items()):
-        off = _spread(r["req_s"] for r in by_config.get("graphs-off", []))[0]
-        for name in [n for n in CONFIGS if n in by_config] + sorted(set(by_config) - set(CONFIGS)):
-            rows = by_config.get(name, [])
-            med, lo, hi = _spread(r["req_s"] for r in rows)
-            if med is None:
-                lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<18} {'failed':>26}")
-                continue
-            p50 = _spread(r["ttft_p50_ms"] for r in rows)[0]
-            p99 = _spread(r["ttft_p99_ms"] for r in rows)[0]
-            ratio = f"{med / off:.2f}x" if off else "-"
-            per_pass = paired[name].get((backend, c, images))
-            per_pass = "-" if per_pass is None else f"{per_pass:.2f}x"
-            lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<18} {f'{med:.2f} ({lo:.2f}-{hi:.2f})':>26} "
-                         f"{ratio:>7} {per_pass:>8} {p50:>9.1f} {p99:>9.1f}")
-    lines.append("")
-    lines.append(f"{'backend':<12} {'config':<18} {'start s':>8} {'ViT calls':>9} {'captures after start':>21} "
-                 f"{'hits':>6} {'fallbacks':>9} {'chunked':>7} {'padding':>8} {'graph MiB':>9} {'reserved MiB':>12} "
-                 f"{'eligible replayed':>17} {'reserved +MiB after warm-up':>27} {'KV tokens':>9}")
-    for s in report["servers"]:
-        end, start_m = s.get("metrics_end") or {}, s.get("metrics_start") or {}
-        if s.get("error"):
-            lines.append(f"{s['backend']:<12} {s['config']:<18} error: {s['error'][:80]}")
-            continue
-        lines.append(f"{s['backend']:<12} {s['config']:<18} {s['startup_s'] or 0:>8.0f} {s['vit_calls'] or 0:>9.0f} "
-                     f"{s['captures_after_start'] or 0:>21.0f} {end.get('graph_hits_total', 0):>6.0f} "
-                     f"{end.get('graph_eager_fallbacks_total', 0) - start_m.get('graph_eager_fallbacks_total', 0):>9.0f}"
-                     f" {_chunked_cell(end):>7}"
-                     f" {end.get('graph_padding_tokens_total', 0):>8.0f} "
-                     f"{end.get('graph_resident_bytes', 0) / 2**20:>9.1f} "
-                     f"{end.get('cuda_memory_reserved_bytes', 0) / 2**20:>12.0f} "
-                     f"{_share_cell(s):>17} {_growth_cell(report, s):>27} {s.get('kv_tokens') or '-':>9}")
-    for backend, by in unequal_kv_pools(report).items():
-        lines.append(f"WARNING {backend}: the servers' KV pools differ ("
-                     + ", ".join(f"{n} {t}" for n, t in by.items()) + "): req/s are not comparable")
-    lines += trace_table(report)
-    if report.get("accuracy"):
-        lines.append("")
-        lines.append(f"{'backend':<12} {'config':<18} {'c':>3} {'requests':>8} {'max |dlogprob|':>15} "
-                     f"{'> 0.05':>7} {'floor (off vs off)':>19} {'samples':>7} floor from")
-        for a in report["accuracy"]:
-            if a.get("error"):
-                lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} error: {a['error'][:70]}")
-                continue
-            floor = "-" if a["floor_max_abs"] is None else f"{a['floor_max_abs']:.4f}" + (
-                "" if a.get("floor_beyond_0_05") is None else f" ({a['floor_beyond_0_05']} > 0.05)")
-            lines.append(f"{a['backend']:<12} {a['config']:<18} {a['concurrency']:>3} {a['requests']:>8} "
-                         f"{a['max_abs']:>15.4f} {a['beyond_0_05']:>7} {floor:>19} {a.get('samples') or 1:>7} "
-                         f"{floor_source(a) or '-'}")
-    return "\n".join(lines)
-
-
-def floor_source(row: dict):
-    """The server whose passes gave `row`'s floor (runs before graphs-off-2 existed: graphs-off), or None."""
-    if row.get("floor_max_abs") is None:
-        return None
-    return row.get("floor_server") or "graphs-off"
-
-
-def _chunked_cell(end: dict) -> str:
-    """Calls split into chunks, to the end ("-": a run from before the counter was published)."""
-    return "-" if "graph_chunked_calls_total" not in end else f"{end['graph_chunked_calls_total']:.0f}"
-
-
-def _share_cell(server: dict) -> str:
-    share = eligible_replayed(server)
-    return "-" if share is None else f"{share:.1%}"
-
-
-def _growth_cell(report: dict, server: dict) -> str:
-    growth = reserved_growth(report, server)
-    return "-" if growth is None else f"{growth[0]:+.0f} ({growth[1]} req)"
-
-
-def trace_table(report: dict) -> List[str]:
-    """Where each server's scheduler spent its time (--trace), medians over the passes.
-
-    Per request: the scheduler's host time launching batches (run_batch: the ViT runs inside it) and
-    its forwards' device span. Per ViT call: tokens, host time, device span (for a replay: its device
-    time; for eager: about its host time, which the launches bound).
-    """
-    groups = {}
-    for row in report["passes"]:
-        trace, done = row.get("trace"), row.get("completed")
-        if not trace or not done:
-            continue
-        calls = max(trace.get("vit_host_ms", [0, 0])[1], 1)
-        per = dict(launch=trace.get("run_batch_host_ms", [0, 0])[0] / done,
-                   span=trace.get("forward_device_ms", [0, 0])[0] / done,
-                   calls=trace.get("vit_host_ms", [0, 0])[1], tokens=trace.get("vit_tokens", [0, 0])[0] / calls,
-                   vit_host=trace.get("vit_host_ms", [0, 0])[0] / calls,
-                   vit_span=trace.get("vit_device_ms", [0, 0])[0] / calls)
-        groups.setdefault((row["backend"], row["concurrency"], row["images"], row["config"]), []).append(per)
-    if not groups:
-        return []
-    lines = ["", "scheduler (median over passes): per request, host ms launching batches and forward device span; "
-             "per ViT call: tokens, host ms, device span ms",
-             f"{'backend':<12} {'c':>3} {'img':>4} {'config':<18} {'launch/req':>10} {'span/req':>9} {'ViT calls':>9} "
-             f"{'tok/call':>8} {'ViT host':>8} {'ViT span':>8}"]
-    for (backend, c, images, name), rows in sorted(groups.items()):
-        m = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        lines.append(f"{backend:<12} {c:>3} {images:>4} {name:<18} {m['launch']:>10.1f} {m['span']:>9.1f} "
-                     f"{m['calls']:>9.0f} {m['tokens']:>8.0f} {m['vit_host']:>8.1f} {m['vit_span']:>8.1f}")
-    syncs = [(s["config"], s["warmup_syncs"]) for s in report["servers"] if s.get("warmup_syncs")]
-    for name, sites in syncs:
-        lines.append(f"device syncs inside forwards during {name}'s warm-up: " + "; ".join(
-            f"{site.split(' < ')[0]} x{count}" for site, count in sorted(sites.items(), key=lambda kv: -kv[1])))
-    return lines
-
-
-# ---------------------------------------------------------------------------
-
-
 def timed_slots(concurrencies: List[int], image_counts: List[str], mixed_at: set, requests: int) -> List[tuple]:
     """(concurrency, image count, requests, seed) of each timed run of a pass: a range like 1-4 runs only at
     the mixed-at concurrencies; concurrency 1 runs a quarter of the requests."""
@@ -805,7 +510,7 @@ def main(argv=None) -> int:
 
     def save():
         report["config"]["seconds"] = round(time.time() - t0)
-        bench_results.write(args.out, report, SCHEMA)
+        bench_results.write(args.out, report, bench_results.VIT_SERVER_SCHEMA)
 
     for backend in args.backends.split(","):
         servers, records = {}, {}
@@ -896,7 +601,7 @@ def main(argv=None) -> int:
                 server.stop()
             report["servers"] = [r for r in report["servers"] if r["backend"] != backend] + list(records.values())
             save()
-    print(table(report))
+    print(bench_results.vit_server_table(report))
     return 0
 
 

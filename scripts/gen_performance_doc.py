@@ -137,17 +137,10 @@ def _provenance(sources) -> list:
     return [f"Kernels: {kernels}. Attention backend: {attention}. Runs: {runs}.", ""]
 
 
-SCRIPT_OF = {"pi05_*.json": "bench_pi05", "vit.json": "bench_vit", "vit_server*.json": "bench_vit_server",
-             "prefill_cp.json": "bench_prefill_cp", "server_pi05.json": "bench_pi05_server"}
-
-
 def schema_problems() -> list:
     """"<file>: <keys>" for every results file carrying keys its script does not write."""
-    import importlib
-
     problems = []
-    for pattern, script in SCRIPT_OF.items():
-        schema = importlib.import_module(script).SCHEMA
+    for pattern, schema in bench_results.SCHEMA_OF.items():
         for path in sorted(glob.glob(os.path.join(BENCH_DIR, pattern))):
             extra = bench_results.undeclared(_load(path), schema)
             if extra:
@@ -259,14 +252,12 @@ def _pi05_section():
     paths = sorted(glob.glob(os.path.join(BENCH_DIR, "pi05_*.json")))
     if not paths:
         return None
-    import bench_pi05
-
     order = {"0517": 0, "0519": 1, "0517-ext": 2}  # the baselines first, as gpu_steps.sh bench-pi05 runs them
     runs = sorted((_load(p) for p in paths), key=lambda run: order.get(run.get("impl"), 3))
     results = [r for run in runs for r in run["results"]]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        bench_pi05.print_table(results)
+        bench_results.print_pi05_table(results)
     device = ", ".join(sorted({run.get("device", "?") for run in runs}))
     torch_versions = ", ".join(sorted({run.get("torch", "?") for run in runs}))
     settings = runs[0].get("settings", {})
@@ -364,15 +355,13 @@ def _pi05_server_section():
     path = os.path.join(BENCH_DIR, "server_pi05.json")
     if not os.path.exists(path):
         return None
-    import bench_pi05_server
-
     run = _load(path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        bench_pi05_server.print_table(run["results"])
+        bench_results.print_pi05_server_table(run["results"])
     head = ["| target (a moving robot) | measured | bound | |", "|---|---|---|---|"]
     rows = [_target(label, value, op, bound, "{:.1e}" if "relative" in label else "{:.2f}")
-            for label, value, op, bound in bench_pi05_server.targets(run["results"])]
+            for label, value, op, bound in bench_results.pi05_server_targets(run["results"])]
     if not rows:
         rows = ["", "No moving-robot rows in this run (the targets are for the random and smooth motions): "
                 "the fixed-state rows above measure one prompt length only."]
@@ -392,14 +381,13 @@ def _pi05_server_section():
 
 def _vit_targets(results, capacity) -> list:
     """The targets of ext-bucket and ext-class (0.5.17 / 0.5.19 are the baselines)."""
-    from bench_vit import _mode_key
-
     rows = []
-    eager_only = next((r for r in results if _mode_key(r["mode"]) == "eager-only" and "eager_req_per_s" in r), None)
+    eager_only = next((r for r in results if bench_results.vit_mode_key(r["mode"]) == "eager-only"
+                       and "eager_req_per_s" in r), None)
     for r in results:
         if r.get("hit_rate") is None or not r["mode"].startswith("ext-"):
             continue
-        mode = _mode_key(r["mode"])
+        mode = bench_results.vit_mode_key(r["mode"])
         if mode in ("class", "bucket"):
             hits, speed = (0.99, 2.0) if mode == "bucket" else (0.90, 1.5)
             rows += [_target(f"{r['mode']}: hit rate", r["hit_rate"], ">=", hits),
@@ -428,8 +416,6 @@ def _vit_section():
     path = os.path.join(BENCH_DIR, "vit.json")
     if not os.path.exists(path):
         return None
-    import bench_vit
-
     run = _load(path)
     cfg = run["config"]
     sources = [(r["mode"], {**r, "attention": cfg.get("attention")}) for r in run["results"]]
@@ -438,7 +424,8 @@ def _vit_section():
         *_provenance(sources),
         f"Device: {cfg.get('device')}; tower: {cfg.get('tower')}; {cfg.get('requests')} requests; "
         f"capacity {cfg.get('capacity')}; {cfg.get('seconds')} s in all.", "",
-        "```", bench_vit.table(run["results"]), "```", *_vit_targets(run["results"], cfg.get("capacity") or 32), "",
+        "```", bench_results.vit_table(run["results"]), "```",
+        *_vit_targets(run["results"], cfg.get("capacity") or 32), "",
         *_vit_bound(run["results"]), *_vit_timeline(run["results"]),
         f"Command: `{cfg.get('command') or _VIT_LEGACY_COMMAND.format(**cfg)}` "
         "(0.5.17 and 0.5.19 run the first `--unpatched-requests` of the same stream, their graphs being "
@@ -462,9 +449,7 @@ bound it reaches. The graph path is profiled only in modes that replayed every t
 
 
 def _vit_bound(results) -> list:
-    import bench_vit
-
-    text = bench_vit.bound_table(results)
+    text = bench_results.vit_bound_table(results)
     if not text:
         return []
     return [VIT_BOUND_MEANING, "", "```", text, "```", ""]
@@ -532,21 +517,19 @@ one ("floor from"), else graphs-off against itself in later passes."""
 
 
 def _vit_server_targets(run) -> list:
-    import bench_vit_server
-
     lines = ["| target | measured | bound | |", "|---|---|---|---|"]
     floors = {1: 1.3, 8: 1.15, 32: 1.3, 64: 1.3}
     mode = " (deterministic inference)" if _deterministic(run) else ""  # a diagnostic run, not the issue's servers
-    ceilings = bench_vit_server.ratios(run, "vit-free")
-    paired = bench_vit_server.paired_ratios(run)
-    for slot, ratio in bench_vit_server.ratios(run).items():
+    ceilings = bench_results.ratios(run, "vit-free")
+    paired = bench_results.paired_ratios(run)
+    for slot, ratio in bench_results.ratios(run).items():
         backend, c, images = slot
         notes = [f"median of per-pass ratios {paired[slot]:.2f}"] if slot in paired else []
         notes += [f"ceiling {ceilings[slot]:.2f}: vit-free"] if slot in ceilings else []
         lines.append(_target(f"{backend}{mode} c={c} img={images}: ext / graphs-off req/s"
                              + (f" ({'; '.join(notes)})" if notes else ""), ratio, ">=", floors.get(c, 1.0)))
-    off_p99 = bench_vit_server.ttft_p99(run, "graphs-off")
-    for slot, p99 in bench_vit_server.ttft_p99(run, "ext").items():
+    off_p99 = bench_results.ttft_p99(run, "graphs-off")
+    for slot, p99 in bench_results.ttft_p99(run, "ext").items():
         if slot in off_p99:
             backend, c, images = slot
             lines.append(_target(f"{backend}{mode} c={c} img={images}: ext TTFT p99, ms (median over passes), against "
@@ -555,15 +538,15 @@ def _vit_server_targets(run) -> list:
         if server["config"] == "ext" and server.get("captures_after_start") is not None and not server.get("error"):
             lines.append(_target(f"{server['backend']}{mode}: ViT captures after start-up",
                                  server["captures_after_start"], "<=", 0, "{:.0f}"))
-            share = bench_vit_server.eligible_replayed(server)
+            share = bench_results.eligible_replayed(server)
             if share is not None:
                 lines.append(_target(f"{server['backend']}{mode}: eligible ViT calls replayed", share, ">=", 0.95))
-            growth = bench_vit_server.reserved_growth(run, server)
+            growth = bench_results.reserved_growth(run, server)
             if growth is not None:
-                off_server = bench_vit_server.server_of(run, "graphs-off", server["backend"])
-                off = None if off_server is None else bench_vit_server.reserved_growth(run, off_server)
+                off_server = bench_results.server_of(run, "graphs-off", server["backend"])
+                off = None if off_server is None else bench_results.reserved_growth(run, off_server)
                 baseline = "" if off is None else f"; graphs-off {off[0]:+.0f} MiB"
-                against = bench_vit_server.reserved_against(run, server)
+                against = bench_results.reserved_against(run, server)
                 if against is not None:
                     baseline += f"; ext ends {against[0]:+.0f} MiB from graphs-off, {against[1]:+.0f} at start-up"
                 series = server.get("reserved_mib_after_pass") or []
@@ -582,7 +565,7 @@ def _vit_server_targets(run) -> list:
                                  row["beyond_0_05"], "<=", 0, "{:.0f}"))
         elif row.get("floor_max_abs") is not None:
             each = f", largest of {row['samples']} passes each" if (row.get("samples") or 1) > 1 else ""
-            source = bench_vit_server.floor_source(row)
+            source = bench_results.floor_source(row)
             floor = f"{source}'s{' own' if source == 'graphs-off' else ''} (floor){each}"
             lines.append(_target(f"{row['backend']}{mode} c={row['concurrency']}: max abs logprob difference from "
                                  f"graphs-off ({stream}), against {floor}", row["max_abs"], "<=",
@@ -623,8 +606,6 @@ def _vit_server_section():
     path = os.path.join(BENCH_DIR, "vit_server.json")
     if not os.path.exists(path):
         return None
-    import bench_vit_server
-
     run = _load(path)
     cfg = run["config"]
     return "\n".join([
@@ -634,7 +615,7 @@ def _vit_server_section():
         f"sglang {cfg.get('sglang')}; {len({r['pass'] for r in run['passes']})} of {cfg.get('passes')} passes "
         f"completed, {cfg.get('requests')} requests each "
         f"(concurrency 1: a quarter); images {cfg.get('resolution')}; {cfg.get('seconds')} s in all.", "",
-        *_vit_server_notes(run), "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
+        *_vit_server_notes(run), "```", bench_results.vit_server_table(run), "```", *_vit_server_targets(run),
         f"Command: `{cfg.get('command')}`", "", *_vit_server_other_runs()])
 
 
@@ -647,11 +628,9 @@ def _passes_line(run) -> str:
 
 def _vit_server_run(run, name) -> list:
     """One bench_vit_server.py run's table, targets and command (`--show` prints it)."""
-    import bench_vit_server
-
     return [f"### `docs/bench/{name}`", "", *_provenance([(name, run)]),
             f"{run['config'].get('model')} ({run['config'].get('parameters_b')} B); " + _passes_line(run), "",
-            *_vit_server_notes(run), "```", bench_vit_server.table(run), "```", *_vit_server_targets(run),
+            *_vit_server_notes(run), "```", bench_results.vit_server_table(run), "```", *_vit_server_targets(run),
             f"Command: `{run['config'].get('command')}`", ""]
 
 
@@ -679,15 +658,13 @@ def _cp_section():
     path = os.path.join(BENCH_DIR, "prefill_cp.json")
     if not os.path.exists(path):
         return None
-    import bench_prefill_cp
-
     run = _load(path)
     return "\n".join([
         f"## {CP_HEADING}", "",
         *_stale("prefill_cp.json", "bench_prefill_cp.py"), CP_MEANING, "", *_provenance([("prefill_cp", run)]),
         f"Machine: {run.get('machine')} x{run.get('cpus')} (1-min load {run.get('load_average_1m')}); "
         f"sglang {run.get('sglang')}.", "",
-        "```", bench_prefill_cp.render(run["decision"], run["admission"]), "```", "", *TARGET_HEAD,
+        "```", bench_results.prefill_cp_table(run["decision"], run["admission"]), "```", "", *TARGET_HEAD,
         _target("slowest per-batch decision (median us)", max(r["ext_decision_us"] for r in run["decision"]),
                 "<=", 10.0), "",
         f"Command: `{run.get('command')}`", ""])
@@ -760,15 +737,13 @@ def _vit_server_headline():
     path = os.path.join(BENCH_DIR, "vit_server.json")
     if not os.path.exists(path):
         return None
-    import bench_vit_server
-
     run = _load(path)
-    one_image = {c: ratio for (_, c, images), ratio in bench_vit_server.ratios(run).items() if images == "1"}
+    one_image = {c: ratio for (_, c, images), ratio in bench_results.ratios(run).items() if images == "1"}
     if not one_image:
         return None
     captures = [s["captures_after_start"] for s in run["servers"] if s["config"] == "ext"]
     below = sorted(f"{c}" + ("" if images == "1" else f" ({images} images)")
-                   for (_, c, images) in bench_vit_server.below_graphs_off(run))
+                   for (_, c, images) in bench_results.below_graphs_off(run))
     return (f"Qwen2.5-VL server, {run.get('attention')} ViT attention", "ViT graphs off: 1.00x",
             f"{' / '.join(f'{r:.2f}x' for r in one_image.values())} at concurrency "
             f"{' / '.join(map(str, one_image))}; {'0' if captures and not any(captures) else 'some'} captures while "
@@ -779,15 +754,13 @@ def _vit_headline():
     path = os.path.join(BENCH_DIR, "vit.json")
     if not os.path.exists(path):
         return None
-    from bench_vit import _mode_key
-
     run = _load(path)
     by_mode = {r["mode"]: r for r in run["results"]}
     ext = [r for r in run["results"] if r["mode"].startswith("ext-") and r.get("graph_req_per_s")]
     if not ext:
         return None
     best = max(ext, key=lambda r: r["graph_req_per_s"])
-    mode = _mode_key(best["mode"])
+    mode = bench_results.vit_mode_key(best["mode"])
     before = []
     old = by_mode.get("0.5.17", {})
     if old.get("crashed_at_request") is not None:

@@ -202,7 +202,7 @@ def test_table_shows_phases_accuracy_and_why_a_mode_is_missing(capsys):
     rows = [_row("eager", 190.0), _fast_row(14.0, 4e-3, 0.99995),
             {"impl": "0517-ext", "mode": "graph-bucket", "error": "RuntimeError: boom"},
             _row("graph-fused", 30.0, accuracy={"vs_saved": {"skipped": "--compare-actions x: no such file"}})]
-    bench_pi05.print_table(rows)
+    bench_results.print_pi05_table(rows)
     out = capsys.readouterr().out
     fast = next(line for line in out.splitlines() if "graph-fast" in line and "|" in line)
     cells = [c.strip() for c in fast.split("|")]
@@ -215,14 +215,14 @@ def test_table_shows_phases_accuracy_and_why_a_mode_is_missing(capsys):
               "fa3": "not available", "custom_ops": "dispatch"}, "attention_ran": {"requested": "torch_sdpa",
               "modules": {"torch_sdpa:sdpaimpl": 2}, "calls_per_request": {"unmasked: torch_sdpa:sdpaimpl": 3}},
               "results": rows}
-    assert bench_results.undeclared(report, bench_pi05.SCHEMA) == []
+    assert bench_results.undeclared(report, bench_results.PI05_SCHEMA) == []
 
 
 def _write_run(directory, impl, run_id, results):
     record = {"run_id": run_id, "impl": impl, "sglang": "0.5.17", "device": "NVIDIA H200", "torch": "2.11",
               "attention": "torch_sdpa requested", "command": f"python3 scripts/bench_pi05.py --impl {impl}",
               "kernels": {"sgl_kernel": "0.4.5"}, "settings": {"requests": 32}, "results": results}
-    bench_results.write(str(directory / f"pi05_{impl}.json"), record, bench_pi05.SCHEMA)
+    bench_results.write(str(directory / f"pi05_{impl}.json"), record, bench_results.PI05_SCHEMA)
 
 
 @pytest.mark.parametrize("p50,rel,cos,verdicts", [(14.0, 4e-3, 0.99995, ["met"] * 5),

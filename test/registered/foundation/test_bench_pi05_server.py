@@ -49,7 +49,7 @@ def test_summary_row_has_percentiles_tail_ratio_and_accuracy_over_every_answer()
     assert row["requests"] == 30 and row["p50_ms"] == pytest.approx(16.5, abs=0.11)
     assert row["p99_ms"] == pytest.approx(17.9) and row["p99_over_p50"] == pytest.approx(17.9 / row["p50_ms"])
     assert row["max_rel_diff_vs_exact"] == pytest.approx(1e-3, rel=1e-3) and row["checked_requests"] == 30
-    assert bench_results.undeclared({"results": [row]}, bench_pi05_server.SCHEMA) == []
+    assert bench_results.undeclared({"results": [row]}, bench_results.PI05_SERVER_SCHEMA) == []
 
 
 def _row(server, wire, motion, p50, p99, **extra):
@@ -64,7 +64,7 @@ def test_targets_are_for_moving_robots_and_compare_exact_with_unpatched():
             _row("ext-exact", "openpi", "random", 60.0, 70.0, captures_after_start=0),
             _row("0517", "openpi", "random", 64.0, 196.0),
             _row("ext-fast", "openpi", "fixed", 99.0, 99.0, captures_after_start=5)]  # one row, never a target
-    got = {label: (value, bound) for label, value, _, bound in bench_pi05_server.targets(rows)}
+    got = {label: (value, bound) for label, value, _, bound in bench_results.pi05_server_targets(rows)}
     assert got == {
         "ext-fast openpi random: client p50 ms": (16.0, 17.0),
         "ext-fast openpi random: p99 / p50": (18.0 / 16.0, 1.2),
@@ -119,7 +119,7 @@ def test_performance_doc_renders_the_server_section_and_its_targets(tmp_path, mo
               "attention": "server default", "command": "python3 scripts/bench_pi05_server.py",
               "client_png_encode_ms": 6.0, "settings": {"requests": 20, "warmup": 5},
               "servers": {"ext-exact": {"error": "ServerError: exited"}}, "results": rows}
-    bench_results.write(str(tmp_path / "server_pi05.json"), report, bench_pi05_server.SCHEMA)
+    bench_results.write(str(tmp_path / "server_pi05.json"), report, bench_results.PI05_SERVER_SCHEMA)
     doc = tmp_path / "performance.md"
     # main() points the module at --bench-dir / --doc; restored after the test
     monkeypatch.setattr(gen_performance_doc, "BENCH_DIR", gen_performance_doc.BENCH_DIR)
@@ -134,4 +134,4 @@ def test_performance_doc_renders_the_server_section_and_its_targets(tmp_path, mo
     data = json.loads((tmp_path / "server_pi05.json").read_text())
     data["results"][0]["hand_added"] = 1
     (tmp_path / "server_pi05.json").write_text(json.dumps(data))
-    assert "results[].hand_added" in " ".join(bench_results.undeclared(data, bench_pi05_server.SCHEMA))
+    assert "results[].hand_added" in " ".join(bench_results.undeclared(data, bench_results.PI05_SERVER_SCHEMA))

@@ -30,7 +30,7 @@ def test_undeclared_names_every_key_no_script_writes():
 
 def test_write_refuses_a_report_its_schema_lacks(tmp_path):
     path = tmp_path / "out.json"
-    with pytest.raises(SystemExit, match="keys missing from the script's SCHEMA: extra"):
+    with pytest.raises(SystemExit, match="keys missing from the script's schema: extra"):
         bench_results.write(str(path), {"run_id": "r", "extra": 1}, SCHEMA)
     assert not path.exists()
     bench_results.write(str(path), {"run_id": bench_results.RUN_ID, "config": {"a": 1}}, SCHEMA)
@@ -98,12 +98,12 @@ def test_bench_vit_kernels_record_is_what_its_schema_declares(backend):
     import bench_vit
 
     record = bench_vit.kernels_now(backend)
-    assert set(record) == set(bench_vit.KERNELS_SCHEMA) - ({"fa3"} if backend != "fa3" else set())
+    assert set(record) == set(bench_results.VIT_KERNELS_SCHEMA) - ({"fa3"} if backend != "fa3" else set())
     assert record["attention_backend"] == backend and record["sgl_kernel_ops"] in ("real", "native torch")
     report = {"config": {"attention": backend}, "results": [{"mode": "eager-only", "kernels": record}]}
-    assert bench_results.undeclared(report, bench_vit.SCHEMA) == []
+    assert bench_results.undeclared(report, bench_results.VIT_SCHEMA) == []
     report["results"][0]["kernels"] = {**record, "typed_in": 1}
-    assert bench_results.undeclared(report, bench_vit.SCHEMA) == ["results[].kernels.typed_in"]
+    assert bench_results.undeclared(report, bench_results.VIT_SCHEMA) == ["results[].kernels.typed_in"]
 
 
 def test_readme_headlines_are_the_results_files_numbers_and_link_their_tables(tmp_path, monkeypatch):

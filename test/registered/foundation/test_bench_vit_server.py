@@ -16,6 +16,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
 
+import bench_results  # noqa: E402
 import bench_vit_server  # noqa: E402
 
 MIB = 2**20
@@ -43,23 +44,23 @@ def _report():
 
 def test_ratios_are_medians_against_graphs_off_per_slot():
     report = _report()
-    assert bench_vit_server.ratios(report) == {("fa3", 8, "1"): pytest.approx(21.0 / 24.0),
+    assert bench_results.ratios(report) == {("fa3", 8, "1"): pytest.approx(21.0 / 24.0),
                                                ("fa3", 32, "1"): pytest.approx(38.0 / 41.0)}
-    assert bench_vit_server.ratios(report, "vit-free") == {("fa3", 8, "1"): pytest.approx(33.0 / 24.0)}
+    assert bench_results.ratios(report, "vit-free") == {("fa3", 8, "1"): pytest.approx(33.0 / 24.0)}
 
 
 def test_per_pass_ratios_pair_each_pass_with_graphs_off_of_the_same_pass():
     report = _report()
     for i, row in enumerate(report["passes"]):
         row["pass"] = i % 3  # c=8: off 20 / 24 / 30, ext 19 / 21 / 22 in passes 0 / 1 / 2
-    assert bench_vit_server.paired_ratios(report) == {("fa3", 8, "1"): pytest.approx(21.0 / 24.0),
+    assert bench_results.paired_ratios(report) == {("fa3", 8, "1"): pytest.approx(21.0 / 24.0),
                                                       ("fa3", 32, "1"): pytest.approx(38.0 / 41.0)}
     report["passes"][3]["req_s"] = 28.0  # per pass 1.4, 0.875, 0.733: the median of the ratios
-    assert bench_vit_server.paired_ratios(report)[("fa3", 8, "1")] == pytest.approx(21.0 / 24.0)
+    assert bench_results.paired_ratios(report)[("fa3", 8, "1")] == pytest.approx(21.0 / 24.0)
     report["passes"][5]["req_s"] = 36.0  # per pass 1.4, 0.875, 1.2
-    assert bench_vit_server.paired_ratios(report)[("fa3", 8, "1")] == pytest.approx(36.0 / 30.0)
-    assert bench_vit_server.ratios(report)[("fa3", 8, "1")] == pytest.approx(28.0 / 24.0)
-    line = next(x for x in bench_vit_server.table(report).splitlines() if " ext " in x and "   8 " in x)
+    assert bench_results.paired_ratios(report)[("fa3", 8, "1")] == pytest.approx(36.0 / 30.0)
+    assert bench_results.ratios(report)[("fa3", 8, "1")] == pytest.approx(28.0 / 24.0)
+    line = next(x for x in bench_results.vit_server_table(report).splitlines() if " ext " in x and "   8 " in x)
     assert "1.17x" in line and "1.20x" in line
 
 
@@ -68,8 +69,8 @@ def test_ttft_p99_is_the_median_over_passes_per_slot():
     for row, p99 in zip([r for r in report["passes"] if r["config"] == "ext" and r["concurrency"] == 8],
                         (300.0, 100.0, 250.0)):
         row["ttft_p99_ms"] = p99
-    assert bench_vit_server.ttft_p99(report, "ext") == {("fa3", 8, "1"): 250.0, ("fa3", 32, "1"): 200.0}
-    assert bench_vit_server.ttft_p99(report, "0517-graphs-on") == {}
+    assert bench_results.ttft_p99(report, "ext") == {("fa3", 8, "1"): 250.0, ("fa3", 32, "1"): 200.0}
+    assert bench_results.ttft_p99(report, "0517-graphs-on") == {}
     import gen_performance_doc  # scripts/, on the path above
 
     rows = [r for r in gen_performance_doc._vit_server_targets(report) if "TTFT p99" in r]
@@ -81,14 +82,14 @@ def test_ttft_p99_is_the_median_over_passes_per_slot():
 
 def test_below_graphs_off_only_beyond_its_slowest_pass():
     # c=8: ext's median 21 is above graphs-off's slowest pass (20): noise; c=32: 38 < 40: below
-    assert bench_vit_server.below_graphs_off(_report()) == [("fa3", 32, "1")]
+    assert bench_results.below_graphs_off(_report()) == [("fa3", 32, "1")]
 
 
 def test_eligible_calls_leave_the_gates_eager_calls_out():
     ext, off = _report()["servers"]
     # from the end of the warm-up: 96 hits, 55 fallbacks of which 51 by the gate: 96 of 100 eligible calls
-    assert bench_vit_server.eligible_replayed(ext) == pytest.approx(0.96)
-    assert bench_vit_server.eligible_replayed(off) is None
+    assert bench_results.eligible_replayed(ext) == pytest.approx(0.96)
+    assert bench_results.eligible_replayed(off) is None
 
 
 def test_reserved_growth_counts_from_the_warm_up_to_the_last_timed_pass():
@@ -97,27 +98,27 @@ def test_reserved_growth_counts_from_the_warm_up_to_the_last_timed_pass():
     # the accuracy requests come after the passes: not counted when the passes' reading exists
     report["accuracy"] = [dict(backend="fa3", config="ext", concurrency=1, requests=200, max_abs=0.0, beyond_0_05=0,
                                floor_max_abs=None, error=None)]
-    assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(10.0), 600)
-    assert bench_vit_server.reserved_growth(report, off) is None
-    assert "+10 (600 req)" in bench_vit_server.table(report)
+    assert bench_results.reserved_growth(report, ext) == (pytest.approx(10.0), 600)
+    assert bench_results.reserved_growth(report, off) is None
+    assert "+10 (600 req)" in bench_results.vit_server_table(report)
 
 
 def test_unequal_kv_pools_are_named_and_the_table_warns():
     report = _report()
-    assert bench_vit_server.unequal_kv_pools(report) == {}  # runs before the pools were recorded
+    assert bench_results.unequal_kv_pools(report) == {}  # runs before the pools were recorded
     ext, off = report["servers"]
     ext["kv_tokens"], off["kv_tokens"] = 131072, 131072
-    assert bench_vit_server.unequal_kv_pools(report) == {} and "WARNING" not in bench_vit_server.table(report)
+    assert bench_results.unequal_kv_pools(report) == {} and "WARNING" not in bench_results.vit_server_table(report)
     ext["kv_tokens"] = 52000
-    assert bench_vit_server.unequal_kv_pools(report) == {"fa3": {"ext": 52000, "graphs-off": 131072}}
-    assert "WARNING fa3: the servers' KV pools differ (ext 52000, graphs-off 131072)" in bench_vit_server.table(report)
+    assert bench_results.unequal_kv_pools(report) == {"fa3": {"ext": 52000, "graphs-off": 131072}}
+    assert "WARNING fa3: the servers' KV pools differ (ext 52000, graphs-off 131072)" in bench_results.vit_server_table(report)
 
 
 def test_the_table_keeps_configs_an_older_run_named():
     report = _report()
     report["passes"].append(dict(_row("ext-triton-rotary", 8, 25.0)))
-    assert "ext-triton-rotary" not in bench_vit_server.CONFIGS
-    line = next(x for x in bench_vit_server.table(report).splitlines() if "ext-triton-rotary" in x)
+    assert "ext-triton-rotary" not in bench_results.VIT_SERVER_CONFIGS
+    line = next(x for x in bench_results.vit_server_table(report).splitlines() if "ext-triton-rotary" in x)
     assert "25.00 (25.00-25.00)" in line and "1.04x" in line
 
 
@@ -131,21 +132,21 @@ def test_reserved_growth_of_a_run_without_timed_passes_counts_the_accuracy_reque
                           for backend, name, c, error in (("fa3", "ext", 1, None), ("fa3", "ext", 16, None),
                                                           ("fa3", "ext", 1, "died"), ("fa3", "0517-graphs-on", 1, None),
                                                           ("triton_attn", "ext", 1, None))]
-    assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(500.0), 400)
+    assert bench_results.reserved_growth(report, ext) == (pytest.approx(500.0), 400)
     report["accuracy"][1]["samples"] = 3  # three passes at concurrency 16
-    assert bench_vit_server.reserved_growth(report, ext) == (pytest.approx(500.0), 800)
+    assert bench_results.reserved_growth(report, ext) == (pytest.approx(500.0), 800)
 
 
 def test_graphs_off_counts_its_reference_passes_and_its_floor_passes_where_it_was_the_floor():
     rows = [dict(backend="fa3", config="ext", concurrency=1, requests=100, samples=1, floor_max_abs=None),
             dict(backend="fa3", config="ext", concurrency=16, requests=100, samples=3, floor_max_abs=0.1)]
-    assert bench_vit_server.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off") == 100 + 100 * (1 + 3)
+    assert bench_results.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off") == 100 + 100 * (1 + 3)
     rows[1]["floor_server"] = "graphs-off-2"
     rows.append(dict(backend="fa3", config="graphs-off-2", concurrency=16, requests=100, samples=3,
                      floor_max_abs=0.1, floor_server="graphs-off-2"))
-    assert bench_vit_server.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off") == 100 + 100
-    assert bench_vit_server.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off-2") == 300
-    assert bench_vit_server.accuracy_requests({"accuracy": rows}, "fa3", "ext") == 400
+    assert bench_results.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off") == 100 + 100
+    assert bench_results.accuracy_requests({"accuracy": rows}, "fa3", "graphs-off-2") == 300
+    assert bench_results.accuracy_requests({"accuracy": rows}, "fa3", "ext") == 400
 
 
 def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_against_itself():
@@ -276,14 +277,14 @@ def test_a_failing_floor_server_is_named_and_the_others_are_still_compared(monke
     at_16 = {r["config"]: r for r in rows if r["concurrency"] == 16}
     assert at_16["graphs-off-2"]["error"] == "RuntimeError: died" and at_16["graphs-off-2"]["max_abs"] is None
     assert (at_16["ext"]["max_abs"], at_16["ext"]["floor_max_abs"], at_16["ext"]["error"]) == (0.0, None, None)
-    assert "graphs-off-2        16 error: RuntimeError: died" in bench_vit_server.table(
+    assert "graphs-off-2        16 error: RuntimeError: died" in bench_results.vit_server_table(
         dict(_report(), accuracy=rows))
 
 
 def test_the_table_names_graphs_off_as_the_floor_of_runs_before_graphs_off_2():
     old = dict(backend="fa3", config="ext", concurrency=16, requests=200, max_abs=0.1, beyond_0_05=5,
                floor_max_abs=0.06, floor_beyond_0_05=None, error=None)  # no samples, no floor_server
-    line = bench_vit_server.table(dict(_report(), accuracy=[old])).splitlines()[-1]
+    line = bench_results.vit_server_table(dict(_report(), accuracy=[old])).splitlines()[-1]
     assert line.split()[-2:] == ["1", "graphs-off"] and "0.0600" in line
 
 
@@ -448,16 +449,14 @@ def test_growth_target_shows_ext_against_graphs_off_at_the_end_and_at_start_up_a
     off.update(metrics_start={"cuda_memory_reserved_bytes": 400 * MIB},
                metrics_warm={"cuda_memory_reserved_bytes": 950 * MIB},
                metrics_after_passes={"cuda_memory_reserved_bytes": 950 * MIB})
-    assert bench_vit_server.reserved_against(report, ext) == (pytest.approx(60.0), pytest.approx(500.0))
-    assert bench_vit_server.reserved_against(report, off, "vit-free") is None  # no such server
+    assert bench_results.reserved_against(report, ext) == (pytest.approx(60.0), pytest.approx(500.0))
+    assert bench_results.reserved_against(report, off, "vit-free") is None  # no such server
     rows = [r for r in gen_performance_doc._vit_server_targets(report) if "reserved memory growth" in r]
     assert rows == ["| fa3: reserved memory growth after warm-up, MiB (600 requests; graphs-off +0 MiB; ext ends "
                     "+60 MiB from graphs-off, +500 at start-up; after each pass +2, +0) | 10 | <= 64 | met |"]
 
 
 def test_each_pass_adds_the_reserved_memory_to_the_servers_series_and_the_end_of_run_reading_does_not(monkeypatch):
-    import bench_results
-
     readings = iter([100 * MIB, 0.0, RuntimeError("down"), 130 * MIB, 190 * MIB])
 
     def metrics(server):
@@ -476,7 +475,7 @@ def test_each_pass_adds_the_reserved_memory_to_the_servers_series_and_the_end_of
     assert records["ext"]["reserved_mib_after_pass"] == [100, None, None, 130]
     assert records["ext"]["metrics_end"]["cuda_memory_reserved_bytes"] == 190 * MIB
     # the key is declared: the run's results file can be written
-    assert bench_results.undeclared({"servers": list(records.values())}, bench_vit_server.SCHEMA) == []
+    assert bench_results.undeclared({"servers": list(records.values())}, bench_results.VIT_SERVER_SCHEMA) == []
 
 
 def test_ext_against_graphs_off_reads_the_end_of_the_run_without_passes_and_gives_none_for_a_failed_server():
@@ -489,13 +488,13 @@ def test_ext_against_graphs_off_reads_the_end_of_the_run_without_passes_and_give
     ext["reserved_mib_after_pass"] = [1000, None, 1010]
     off.update(metrics_start={"cuda_memory_reserved_bytes": 400 * MIB},
                metrics_end={"cuda_memory_reserved_bytes": 1400 * MIB})
-    assert bench_vit_server.reserved_against(report, ext) == (pytest.approx(100.0), pytest.approx(500.0))
+    assert bench_results.reserved_against(report, ext) == (pytest.approx(100.0), pytest.approx(500.0))
     assert any("after each pass ?, ?" in r for r in gen_performance_doc._vit_server_targets(report))
     off["metrics_start"]["cuda_memory_reserved_bytes"] = 0.0  # no reading
-    assert bench_vit_server.reserved_against(report, ext) is None
+    assert bench_results.reserved_against(report, ext) is None
     off["metrics_start"]["cuda_memory_reserved_bytes"] = 400 * MIB
     off["error"] = "metrics: died"  # its last reading is older than ext's
-    assert bench_vit_server.reserved_against(report, ext) is None
+    assert bench_results.reserved_against(report, ext) is None
 
 
 def test_vit_free_is_not_compared_for_accuracy(monkeypatch):

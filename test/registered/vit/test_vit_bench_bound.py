@@ -39,16 +39,16 @@ def test_bound_table_shows_each_mode_against_its_bound_and_the_schema_takes_it()
                   graph_gpu_busy=0.6, graph_bound=2.5)
     rows = [_row("eager-only"), bucket, _row("ext-layout (cap 16)", profile_error="RuntimeError: x"),
             {"mode": "0.5.17", "crashed": "AcceleratorError"}]
-    text = bench_vit.bound_table(rows)
+    text = bench_results.vit_bound_table(rows)
     lines = text.splitlines()
     assert len(lines) == 4 and "0.5.17" not in text  # header + three profiled rows
     bucket_line = next(line for line in lines if line.lstrip().startswith("ext-bucket"))
     cells = bucket_line.split()
     assert cells[-4:] == ["0.6", "1.5", "2.5", "-"]  # GPU busy, speedup 24/16, graph bound, no error
     assert "RuntimeError: x" in text
-    assert bench_vit.bound_table([{"mode": "0.5.17", "crashed": "x"}]) == ""
+    assert bench_results.vit_bound_table([{"mode": "0.5.17", "crashed": "x"}]) == ""
     report = {"config": {"profile_requests": 50}, "results": rows}
-    assert bench_results.undeclared(report, bench_vit.SCHEMA) == []
+    assert bench_results.undeclared(report, bench_results.VIT_SCHEMA) == []
     doc = "\n".join(gen_performance_doc._vit_bound(rows))
     assert "launch-free bound" in doc and bucket_line in doc
     assert gen_performance_doc._vit_bound(rows[-1:]) == []
