@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     for cp_size in CP_SIZES:
         init_cp_strategy(SimpleNamespace(enable_prefill_cp=True, attn_cp_size=cp_size, cp_strategy="zigzag"))
         with get_parallel().override(attn_cp_rank=0, attn_cp_size=cp_size), \
-                patch("sglang.srt.layers.cp.bcg.get_cp_padding_align_size", new=lambda: 2 * cp_size):
+                patch("sglang.srt.layers.cp.padding.get_cp_padding_align_size", new=lambda: 2 * cp_size):
             # a plain function, not a MagicMock: a mock call costs microseconds itself
             decision_rows += bench_decision(cp_size, random.Random(args.seed * 100 + cp_size), args.calls, args.rounds)
             rate_rows.append(admission_rates(cp_size, random.Random(args.seed * 100 + cp_size + 50), args.batches))
