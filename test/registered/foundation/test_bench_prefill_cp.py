@@ -21,6 +21,7 @@ def test_a_small_run_writes_every_cp_size_and_the_patch_never_crashes(tmp_path):
         ext, unpatched = row["ext"], row["unpatched"]
         assert row["batches"] == 300 == ext["graph"] + ext["graph_larger"] + ext["eager_no_fit"] + ext["eager"]
         assert "crash" not in ext and unpatched["eager"] == ext["eager"]
-        assert ext["graph_larger"] == unpatched["crash"]  # each batch unpatched sglang crashes on: a larger bucket
+        # each batch unpatched sglang crashes on takes a larger bucket (or, none fitting, runs eager)
+        assert ext["graph_larger"] + ext["eager_no_fit"] == unpatched["crash"]
     assert sum(row["unpatched"]["crash"] for row in run["admission"]) > 0  # the stream reaches the bug
     assert {row["cp"] for row in run["decision"]} == set(bench_prefill_cp.CP_SIZES)
