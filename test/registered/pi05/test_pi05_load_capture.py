@@ -1,4 +1,4 @@
-"""Pi0.5 graphs captured at load, none while serving, for a robot whose state moves (sglang 0.5.17, CPU).
+"""Pi0.5 graphs captured at load, none while serving, for a robot whose state moves (sglang 0.5.17 and 0.5.23, CPU).
 
 The robot's state is written into its prompt, so the prompt's length moves from step to step. Real
 sglang code: the Pi0.5 policy (sglang_ext_testkit.pi05_random, reduced to one layer per tower), the real
