@@ -56,8 +56,7 @@ def _field(config, name: str):
     return getattr(config, name, default(next(f for f in GRAPH_FIELDS if f.name == name)))
 
 
-def _segmented(config) -> bool:
-    """0.5.23's experimental segmented actions denoise eagerly: no graphs (upstream's rule)."""
+def _segmented(config) -> bool:  # 0.5.23's segmented actions denoise eagerly: no graphs (upstream's rule)
     return bool(getattr(config, "enable_segmented_actions", False))
 
 
