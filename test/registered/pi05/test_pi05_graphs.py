@@ -29,7 +29,6 @@ register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
 from sglang_ext_testkit.pi05_random import unit_server_args  # noqa: E402
 
-CUDA_GRAPH = "sglang_ext.pi05.vla_cuda_graph"  # on 0.5.17 also installed as vla.cuda_graph
 CORE = "sglang.multimodal_gen.runtime.models.vlas.pi05_core"
 POLICY = "sglang.multimodal_gen.runtime.models.vlas.pi05_policy"
 STAGES = "sglang.multimodal_gen.runtime.pipelines_core.stages.vla"
@@ -50,9 +49,11 @@ def pi05(ext_patches, monkeypatch):
     monkeypatch.setattr(server_args_module, "_global_server_args", unit_server_args(None))
 
     def activate(**knobs):
+        from conftest import ext_core
+
         ext_patches(**knobs)
         return SimpleNamespace(
-            cg=importlib.import_module(CUDA_GRAPH),
+            cg=ext_core("pi05.vla_cuda_graph"),  # our runners (on 0.5.17 also installed as vla.cuda_graph)
             core=importlib.import_module(CORE),
             policy=importlib.import_module(POLICY),
             stages=importlib.import_module(STAGES),
@@ -476,7 +477,7 @@ def test_generation_refresh_skips_the_copy_for_the_same_context(pi05, monkeypatc
     context = _context(m.prefix_cache, 5.0)
     runner._sync_context_if_needed(captured, context)
     copies = []
-    monkeypatch.setattr(f"{CUDA_GRAPH}._copy_prefix_context_", lambda dst, src: copies.append(src))
+    monkeypatch.setattr(m.cg, "_copy_prefix_context_", lambda dst, src: copies.append(src))
     for _ in range(3):  # every denoise step of one request
         runner._sync_context_if_needed(captured, context)
     assert copies == []
