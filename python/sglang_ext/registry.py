@@ -214,9 +214,9 @@ PATCHES: Tuple[PatchSpec, ...] = (
         name="pi05_graphs",
         summary="Pi0.5 prefix and action-denoise CUDA graphs with bounded caches (exact / bucket LRU), "
         "denoise layout hoisted, capturable masked prefixes, K/V refresh keyed by context generation, "
-        "opt-in fused denoise loop, opt-in fused-kernel denoise (pi05_fast). 0.5.19's vla/cuda_graph.py "
-        "API is our own implementation on sglang_ext.graphs behind upstream's names (runners, signatures, "
-        "_BoundedCaptureCache, VLAGraphCacheInfo); its internal helpers are not kept",
+        "graphs captured at load (prompt buckets), opt-in fused denoise loop, opt-in fused-kernel denoise "
+        "(pi05_fast). The policy's runners are ours on sglang_ext.graphs under upstream's names; on 0.5.17 "
+        "they are also installed as 0.5.19's vla/cuda_graph.py and 0.5.19's core / stage changes backported",
         targets=T(f"{_MG}.vla.cuda_graph", "VLADenoiseGraphRunner", "VLADenoiseGraphSignature",
                   "_CapturedDenoiseGraph", "_copy_prefix_context_", "_clone_prefix_context")
         + T(f"{_MG}.vla.prefix_cache", "PrefixContext", "VLADensePrefixCache")
@@ -233,17 +233,19 @@ PATCHES: Tuple[PatchSpec, ...] = (
         parts=(
             # On the package: `vla.cuda_graph` (upstream's name, absent in 0.5.17) is importable as
             # soon as anything under vla is, before any Pi0.5 model module was imported.
-            Part(f"{_MG}.vla", "sglang_ext.pi05.vla_cuda_graph:install"),
+            Part(f"{_MG}.vla", "sglang_ext.pi05.vla_cuda_graph:install", before="0.5.19"),
             Part(_PI05_CORE, "sglang_ext.pi05.core_graphs:patch_core"),
+            Part(_PI05_CORE, "sglang_ext.pi05.core_graphs:backport_core", before="0.5.19"),
             Part(_PI05_POLICY, "sglang_ext.pi05.policy_graphs:patch_policy"),
+            Part(_PI05_POLICY, "sglang_ext.pi05.policy_graphs:backport_policy", before="0.5.19"),
             Part(_VLA_STAGES, "sglang_ext.pi05.stage_graphs:patch_stages"),
+            Part(_VLA_STAGES, "sglang_ext.pi05.stage_graphs:backport_stages", before="0.5.19"),
         ),
         rebinds=(f"{_PI05_POLICY}.VLADenoiseGraphRunner", f"{_PI05_POLICY}.VLADenoiseGraphSignature",
                  f"{_MG}.vla.denoise_cuda_graph (module alias of {_MG}.vla.cuda_graph)"),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream keys the K/V refresh on id(), syncs after prefix replay
-        supported=("0.5.17",),
         retire_when="upstream keys the action-graph K/V refresh on something id()-free and the minimum "
         "supported sglang has vla/cuda_graph.py (>= 0.5.19)",
         process="multimodal_gen worker",

@@ -10,11 +10,13 @@ Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, super
 Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has
 vla/cuda_graph.py (>= 0.5.19)
 
-Why: 0.5.17's prefix copies its attention marks from a host list and probes its mask with .item()
-(neither capturable), and gives a missing first camera's tokens position -1 (an out-of-bounds
-rotary gather); every denoise step rebuilds the suffix mask, positions and sinusoid scaling.
-How: create_sinusoidal_pos_embedding wrapped (optional precomputed `scaling`); the four methods
-replaced by 0.5.19's behaviour in our code, plus prepare_denoise_layout.
+Why: a missing first camera's tokens get position -1 (an out-of-bounds rotary gather; also 0.5.23).
+0.5.17's prefix copies its attention marks from a host list and probes its mask with .item()
+(neither capturable); every denoise step rebuilds the suffix mask, positions and sinusoid scaling.
+How: encode_prefix replaced (positions clamped, the fast path's prefix layers, no .item() on a hint);
+0.5.17 only: create_sinusoidal_pos_embedding wrapped (optional precomputed `scaling`), embed_prefix,
+embed_suffix, denoise_step replaced by 0.5.19's behaviour in our code, plus prepare_denoise_layout.
+Releases: 0.5.23 (encode_prefix), 0.5.17 (all).
 """
 
 from __future__ import annotations
@@ -143,6 +145,11 @@ def denoise_step(self, prefix_pad_masks, past_key_values, x_t, timestep, prefix_
 
 
 def patch_core(ctx, module) -> None:
+    ctx.setattr(module.Pi05CoreModel, "encode_prefix", encode_prefix)
+
+
+def backport_core(ctx, module) -> None:
+    """0.5.17: 0.5.19's capturable prefix embedding, cached time scaling and hoisted denoise layout."""
     ctx.setattr(module, "create_sinusoidal_pos_embedding", _with_scaling(module.create_sinusoidal_pos_embedding))
-    for method in (embed_prefix, embed_suffix, prepare_denoise_layout, encode_prefix, denoise_step):
+    for method in (embed_prefix, embed_suffix, prepare_denoise_layout, denoise_step):
         ctx.setattr(module.Pi05CoreModel, method.__name__, method)

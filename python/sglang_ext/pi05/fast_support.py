@@ -40,10 +40,16 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+def quantized(module) -> bool:
+    """A quantized GEMM (0.5.23's ModelOpt FP8 projections: float8 weights, a quant method)."""
+    method, weight = getattr(module, "quant_method", None), getattr(module, "weight", None)
+    return (method is not None and type(method).__name__ != "UnquantizedLinearMethod") or (
+        weight is not None and weight.element_size() == 1)
+
+
 def plain_weight(module, dtype, *, bias_ok=False):
     """(weight, bias) when `module` is a plain unquantized GEMM in `dtype` (a bias only with bias_ok), else None."""
-    method = getattr(module, "quant_method", None)
-    if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
+    if quantized(module):
         return None
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if weight is None or weight.dtype != dtype or weight.dim() != 2 or not weight.is_contiguous():
@@ -65,6 +71,8 @@ def _stack_unsupported(model, what: str, tp_what: str = ""):
             return "unpacked q/k/v or gate/up projections (patch pi05_merged_linear is off)"
         if attn.tensor_parallel or mlp.tensor_parallel:
             return f"tensor-parallel {tp_what or what}"
+        if any(quantized(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return f"FP8-quantized {what} projections (a ModelOpt checkpoint)"
     return None
 
 
@@ -79,6 +87,8 @@ def denoise_unsupported(core):
         return "Ulysses sequence-parallel action attention"
     if any(norm.dense is None for norm in adaptive_norms(model)):
         return "action expert without adaRMS conditioning"
+    if quantized(core.action_in_proj) or quantized(core.action_out_proj):
+        return "FP8-quantized action heads (a ModelOpt checkpoint)"
     return None
 
 
@@ -107,6 +117,8 @@ def vision_unsupported(core):
         return "vision tower without layers"
     for layer in encoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "q_proj", None) is None:  # 0.5.18+: srt's SigLIP (VisionAttention, packed q/k/v)
+            return "vision attention without separate q/k/v projections (srt's SigLIP tower)"
         dtype = attn.q_proj.weight.dtype
         modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2)
         if any(plain_weight(m, dtype, bias_ok=True) is None or m.bias is None for m in modules):

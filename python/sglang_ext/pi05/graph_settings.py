@@ -56,17 +56,21 @@ def _field(config, name: str):
     return getattr(config, name, default(next(f for f in GRAPH_FIELDS if f.name == name)))
 
 
+def _segmented(config) -> bool:  # 0.5.23's segmented actions denoise eagerly: no graphs (upstream's rule)
+    return bool(getattr(config, "enable_segmented_actions", False))
+
+
 def prefix_graph_available(config) -> bool:
     """Upstream's `prefix_cuda_graph_available`."""
     offloaded = (any(getattr(config, name, False) for name in PREFIX_OFFLOAD_FLAGS)
                  or getattr(config, "offload_prefix_language_layer_count_after_prefix", 0) > 0)
-    return bool(getattr(config, "enable_prefix_cuda_graph", True)
+    return bool(getattr(config, "enable_prefix_cuda_graph", True) and not _segmented(config)
                 and _field(config, "prefix_cuda_graph_max_entries") > 0 and not offloaded)
 
 
 def action_graph_available(config) -> bool:
     """Upstream's `action_cuda_graph_available`."""
-    return bool(getattr(config, "enable_action_cuda_graph", True)
+    return bool(getattr(config, "enable_action_cuda_graph", True) and not _segmented(config)
                 and _field(config, "action_cuda_graph_max_entries") > 0
                 and not getattr(config, "offload_action_expert_after_denoise", False))
 

@@ -13,8 +13,9 @@ vla/cuda_graph.py (>= 0.5.19)
 
 Why: 0.5.17 graphs only full-attention denoise steps, one unbounded graph per prompt length,
 and never the prefix.
-How: __init__ wrapped (bounded runners, knobs read once); the request methods replaced by
-0.5.19's behaviour in our code, plus the fused loops.
+How: __init__ wrapped (our runners replace upstream's, knobs read once, graphs captured at load); the
+request methods replaced by 0.5.19's behaviour in our code, plus the fused loops. Releases: 0.5.23,
+0.5.17 (also Pi05ActionExpert.forward, 0.5.19's, and the runner names the module binds).
 """
 
 from __future__ import annotations
@@ -365,12 +366,16 @@ def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offs
     return None if result is None else x_t.copy_(result)
 
 
-def patch_policy(ctx, module) -> None:
+def backport_policy(ctx, module) -> None:
+    """0.5.17: the action expert takes a hoisted denoise layout (0.5.19)."""
     # Bound by `from ... import` when pi05_policy was imported before activation: 0.5.17's __init__
     # builds a runner through this name (replaced right after).
     ctx.setattr(module, "VLADenoiseGraphRunner", VLADenoiseGraphRunner)
     ctx.setattr(module, "VLADenoiseGraphSignature", VLADenoiseGraphSignature)
     ctx.setattr(module.Pi05ActionExpert, "forward", action_expert_forward)
+
+
+def patch_policy(ctx, module) -> None:
     cls = module.Pi05PolicyModel
     ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
     ctx.setattr(cls, "_ext_options", Pi05Options.read(functools.partial(getattr, ctx.settings)))

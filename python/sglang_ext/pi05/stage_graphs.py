@@ -11,8 +11,9 @@ vla/cuda_graph.py (>= 0.5.19)
 
 Why: 0.5.17's prefix stage calls the policy without the request's `enable_cuda_graph` option,
 and a prefix-graph output (rewritten by the next replay) must not be shared by two requests.
-How: wrapped: during a request the policy is seen through a view that passes the option on and
-owns the graph's output when several requests are in flight; grouping also keys on the option.
+How: wrapped: during a request the policy is seen through a view that owns the graph's output when
+several requests are in flight (0.5.23: one group of ungroupable requests shares the graph's output)
+and, on 0.5.17, passes the option on; grouping also keys on it. Releases: 0.5.23, 0.5.17.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ class _RequestPolicy:
     def __getattr__(self, name):
         return getattr(self._policy, name)
 
-    def build_prefix_cache_key(self, observation):
-        return self._policy.build_prefix_cache_key(observation, bucket_prompt=self._graphs)
+    def build_prefix_cache_key(self, observation, **options):  # 0.5.23 passes the options, 0.5.17 none
+        return self._policy.build_prefix_cache_key(observation, **(options or {"bucket_prompt": self._graphs}))
 
-    def encode_prefix(self, observation):
+    def encode_prefix(self, observation, **options):
         # A prefix-graph output is rewritten by the next replay: it never goes into the prefix cache.
-        context = self._policy.encode_prefix(observation, use_cuda_graph=self._graphs and not self._prefix_cache,
-                                             bucket_prompt=self._graphs)
+        context = self._policy.encode_prefix(observation, **(options or {
+            "use_cuda_graph": self._graphs and not self._prefix_cache, "bucket_prompt": self._graphs}))
         return own_prefix_context(context) if self._owned else context
 
 
@@ -91,10 +92,17 @@ def _with_graph_option(original):
     return _grouped_fingerprint
 
 
+def _wrap(ctx, cls, *methods) -> None:
+    for method in methods:
+        ctx.setattr(cls, f"_ext_orig_{method.__name__}", cls.__dict__[method.__name__])
+        ctx.setattr(cls, method.__name__, method)
+
+
 def patch_stages(ctx, module) -> None:
+    _wrap(ctx, module.VLAPrefixEncodingStage, forward, run_grouped_requests)
+
+
+def backport_stages(ctx, module) -> None:
+    """0.5.17: grouping keys on the graph option, the prompt bucket is reported (0.5.19)."""
     ctx.setattr(module, "_grouped_fingerprint", _with_graph_option(module._grouped_fingerprint))
-    cls = module.VLAPrefixEncodingStage
-    for name, method in (("forward", forward), ("_send_prefix_result", _send_prefix_result),
-                         ("run_grouped_requests", run_grouped_requests)):
-        ctx.setattr(cls, f"_ext_orig_{name}", cls.__dict__[name])
-        ctx.setattr(cls, name, method)
+    _wrap(ctx, module.VLAPrefixEncodingStage, _send_prefix_result)

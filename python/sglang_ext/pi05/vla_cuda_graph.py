@@ -12,8 +12,9 @@ vla/cuda_graph.py (>= 0.5.19)
 
 Why: 0.5.17 keeps one action graph per signature without bound, never graphs the prefix, and
 refreshes a graph's prefix K/V by id(), which CPython hands to the next request's K/V.
-How: our runners on sglang_ext.graphs, K/V refresh keyed by context generation; this module is
-installed as `vla.cuda_graph` and as 0.5.17's `vla.denoise_cuda_graph`.
+How: our runners on sglang_ext.graphs, K/V refresh keyed by context generation, no host sync after a
+prefix replay; the policy builds them (policy_graphs). Releases: 0.5.23 (upstream's module stays; its
+runners have the same API); 0.5.17 (this module installed as `vla.cuda_graph` and `vla.denoise_cuda_graph`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from typing import Any, Callable
 import torch
 
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
-from sglang.multimodal_gen.runtime.vla.denoise_cuda_graph import _CapturedDenoiseGraph as _CapturedStepGraph
-from sglang.multimodal_gen.runtime.vla.denoise_cuda_graph import _clone_prefix_context, _copy_prefix_context_
 from sglang.multimodal_gen.runtime.vla.prefix_cache import PrefixContext
 from sglang.srt.distributed.device_communicators.pynccl_allocator import set_graph_pool_id
 from sglang.srt.model_executor.runner_utils.pool import get_or_create_global_graph_memory_pool
@@ -38,6 +37,13 @@ from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, rel
 from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
 from sglang_ext.graphs.workspace import AddressGuard, GraphInputMovedError
 from sglang_ext.patching import install_module
+
+try:  # upstream's helpers (the same in 0.5.17 and 0.5.23) under each release's module name
+    from sglang.multimodal_gen.runtime.vla import cuda_graph as _upstream
+except ImportError:  # 0.5.17
+    from sglang.multimodal_gen.runtime.vla import denoise_cuda_graph as _upstream
+_CapturedStepGraph, _clone_prefix_context = _upstream._CapturedDenoiseGraph, _upstream._clone_prefix_context
+_copy_prefix_context_ = _upstream._copy_prefix_context_
 
 logger = init_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Pi0.5 fast denoise path (knob pi05_fast) on the CPU: real sglang 0.5.17 model code.
+"""Pi0.5 fast denoise path (knob pi05_fast) on the CPU: real sglang model code (0.5.17, 0.5.23).
 
 The action side of the real Pi05CoreModel / Pi05PolicyModel at a tiny width (two
 layers, two query heads over one K/V head) with random weights; the CUDA graph is
@@ -342,6 +342,8 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
     kernels = ext_core("kernels")  # the copy the fast path calls (the patched tree vendors its own)
 
     m = pi05(pi05_fast=1)
+    if not hasattr(m.core, "siglip_vision_forward_with_openpi_dtype"):
+        pytest.skip("0.5.18+ builds srt's SigLIP tower: the fused layers decline it (test_srt_siglip_tower_...)")
     paths = _paths(m)
     core = _tiny_core(m)
     tower = _tiny_vision_tower(m, core)
@@ -428,7 +430,7 @@ from sglang.multimodal_gen.runtime.server_args import get_global_server_args
 importlib.import_module(get_global_server_args.__module__)._global_server_args = unit_server_args(None)
 from types import SimpleNamespace
 m = SimpleNamespace(
-    cg=importlib.import_module("sglang.multimodal_gen.runtime.vla.cuda_graph"),
+    cg=importlib.import_module("sglang_ext.pi05.vla_cuda_graph"),
     core=importlib.import_module("sglang.multimodal_gen.runtime.models.vlas.pi05_core"),
     policy=importlib.import_module("sglang.multimodal_gen.runtime.models.vlas.pi05_policy"),
     prefix_cache=importlib.import_module("sglang.multimodal_gen.runtime.vla.prefix_cache"),
@@ -518,3 +520,38 @@ def test_fp8_copies_are_made_once_and_go_with_the_action_graphs(pi05, monkeypatc
     assert len(fast._fp8_copies) == 0
     fast.prepare_fp8()
     assert len(quantized) == 2 * len(weights)
+
+
+def test_srt_siglip_tower_keeps_the_exact_vision_layers(pi05):
+    """0.5.18+'s tower is srt's SigLIP (VisionAttention: one packed q/k/v, no q_proj): the fused vision layers
+    (written for 0.5.17's transformers tower) say why not instead of failing on the missing projections."""
+    m = pi05(pi05_fast=1)
+    core = _tiny_core(m)
+    layer = SimpleNamespace(self_attn=SimpleNamespace(qkv_proj=torch.nn.Linear(4, 12)), mlp=SimpleNamespace())
+    encoder = SimpleNamespace(layers=[layer])
+    core.paligemma_with_expert.paligemma = SimpleNamespace(
+        model=SimpleNamespace(vision_tower=SimpleNamespace(vision_model=SimpleNamespace(encoder=encoder))))
+    assert "srt's SigLIP tower" in _paths(m).path(core).unsupported_reason("vision")
+
+
+@pytest.mark.parametrize("component", ["action_expert", "action_heads"])
+def test_fp8_quantized_checkpoint_keeps_the_exact_denoise(pi05, component):
+    """A ModelOpt FP8 checkpoint (0.5.23: float8 projections with their own GEMMs, pi05_quantization) is declined
+    with its reason: the fused kernels read plain weights. On 0.5.17 (no such checkpoints) one weight is made
+    float8 in place, which is what the check reads."""
+    m = pi05(pi05_fast=1)
+    assert _paths(m).path(_tiny_core(m)).unsupported_reason("denoise") is None
+    core = _tiny_core(m)
+    try:
+        from sglang.multimodal_gen.runtime.vla.pi05_quantization import replace_projections
+    except ImportError:
+        expert = _fast("fast_support").expert(core)
+        module = core.action_out_proj if component == "action_heads" else expert.layers[1].mlp.down_proj
+        module.weight = torch.nn.Parameter(module.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    else:
+        replace_projections(core, [component], quantized=True)
+    what = "action heads" if component == "action_heads" else "action expert projections"
+    reason = _paths(m).path(core).unsupported_reason("denoise")
+    assert reason == f"FP8-quantized {what} (a ModelOpt checkpoint)"
+    # the policy's denoise asks serves() (upstream's FP8 GEMMs themselves need a GPU)
+    assert not policy_adapter()._fast_path(_tiny_policy(m, core)).serves("denoise")

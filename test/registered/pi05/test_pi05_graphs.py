@@ -1,4 +1,4 @@
-"""Pi0.5 CUDA graph runners on sglang 0.5.17 (patch pi05_graphs), on the CPU.
+"""Pi0.5 CUDA graph runners on sglang 0.5.17 and 0.5.23 (patch pi05_graphs), on the CPU.
 
 Real sglang code throughout (runners, Pi05CoreModel action side at a tiny width,
 Pi05PolicyModel methods, VLAPrefixEncodingStage); only the CUDA graph itself is a
@@ -29,7 +29,6 @@ register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
 from sglang_ext_testkit.pi05_random import unit_server_args  # noqa: E402
 
-CUDA_GRAPH = "sglang.multimodal_gen.runtime.vla.cuda_graph"
 CORE = "sglang.multimodal_gen.runtime.models.vlas.pi05_core"
 POLICY = "sglang.multimodal_gen.runtime.models.vlas.pi05_policy"
 STAGES = "sglang.multimodal_gen.runtime.pipelines_core.stages.vla"
@@ -50,9 +49,11 @@ def pi05(ext_patches, monkeypatch):
     monkeypatch.setattr(server_args_module, "_global_server_args", unit_server_args(None))
 
     def activate(**knobs):
+        from conftest import ext_core
+
         ext_patches(**knobs)
         return SimpleNamespace(
-            cg=importlib.import_module(CUDA_GRAPH),
+            cg=ext_core("pi05.vla_cuda_graph"),  # our runners (on 0.5.17 also installed as vla.cuda_graph)
             core=importlib.import_module(CORE),
             policy=importlib.import_module(POLICY),
             stages=importlib.import_module(STAGES),
@@ -362,10 +363,13 @@ def test_cache_counters_reach_graph_stats(pi05, fake_graphs):
 
 
 def _legacy_denoise_graph_module():
-    """0.5.17's vla/denoise_cuda_graph.py, loaded from the installed file under a private name."""
+    """The installed release's own denoise runner module (0.5.17's vla/denoise_cuda_graph.py, 0.5.23's
+    vla/cuda_graph.py: both key the K/V refresh on id()), loaded from its file under a private name."""
     import sglang
 
-    path = os.path.join(os.path.dirname(sglang.__file__), "multimodal_gen", "runtime", "vla", "denoise_cuda_graph.py")
+    vla = os.path.join(os.path.dirname(sglang.__file__), "multimodal_gen", "runtime", "vla")
+    path = os.path.join(vla, "denoise_cuda_graph.py")
+    path = path if os.path.exists(path) else os.path.join(vla, "cuda_graph.py")
     spec = importlib.util.spec_from_file_location("_legacy_denoise_cuda_graph", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
@@ -373,8 +377,8 @@ def _legacy_denoise_graph_module():
         spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
-    # On a patched tree the file hands out the new vla.cuda_graph module (it is an alias).
-    if not hasattr(module, "VLADenoiseGraphRunner") or hasattr(module.VLADenoiseGraphRunner, "cache_info"):
+    # On a patched tree the file hands out our module (it is an alias).
+    if not hasattr(module, "VLADenoiseGraphRunner") or hasattr(module.VLADenoiseGraphRunner, "capture_or_run_loop"):
         pytest.skip("this sglang tree carries the patched module; 0.5.17's code is not available")
     return module
 
@@ -473,7 +477,7 @@ def test_generation_refresh_skips_the_copy_for_the_same_context(pi05, monkeypatc
     context = _context(m.prefix_cache, 5.0)
     runner._sync_context_if_needed(captured, context)
     copies = []
-    monkeypatch.setattr(f"{CUDA_GRAPH}._copy_prefix_context_", lambda dst, src: copies.append(src))
+    monkeypatch.setattr(m.cg, "_copy_prefix_context_", lambda dst, src: copies.append(src))
     for _ in range(3):  # every denoise step of one request
         runner._sync_context_if_needed(captured, context)
     assert copies == []
@@ -659,9 +663,9 @@ def _stage(m, policy, *, global_cache):
             return self.forward(batch, server_args)
 
     stage = _Stage(policy, m.prefix_cache.VLAPrefixCacheManager(max_entries=8))
-    server_args = SimpleNamespace(
-        pipeline_config=SimpleNamespace(enable_global_prefix_cache=global_cache, empty_cache_after_prefix=False)
-    )
+    server_args = SimpleNamespace(  # the conditioning-cache fields: 0.5.23's prefix-cache switch reads them
+        pipeline_config=SimpleNamespace(enable_global_prefix_cache=global_cache, empty_cache_after_prefix=False),
+        disable_conditioning_cache=False, conditioning_cache_max_size_mb=64)
     return stage, server_args
 
 

@@ -1,4 +1,4 @@
-"""Pi0.5 graphs captured at load, none while serving, for a robot whose state moves (sglang 0.5.17, CPU).
+"""Pi0.5 graphs captured at load, none while serving, for a robot whose state moves (sglang 0.5.17 and 0.5.23, CPU).
 
 The robot's state is written into its prompt, so the prompt's length moves from step to step. Real
 sglang code: the Pi0.5 policy (sglang_ext_testkit.pi05_random, reduced to one layer per tower), the real
@@ -17,7 +17,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=90, suite="base-a-test-cpu")
 
-from test_pi05_graphs import fake_graphs, pi05, policy_adapter  # noqa: E402,F401
+from test_pi05_graphs import _tiny_core, _tiny_policy, fake_graphs, pi05, policy_adapter  # noqa: E402,F401
 
 MAX_TOKEN_LEN = 96  # the tiny tokenizer's robot prompts: 49-60 tokens (bucket 64) and 80-90 (80, 96)
 LADDER = (32, 48, 64, 80, 96)
@@ -72,6 +72,22 @@ def test_capacity_knob_caps_the_load_time_ladder(pi05):
     plan = _settings().resolve_plan(Pi05PipelineConfig())
     # the knob caps the prefix cache; the action cache keeps the config's 4, more than the 3 buckets need
     assert plan.prompt_buckets == (16, 24, 40) and plan.prefix_entries == 2 and plan.action_entries == 4
+
+
+def test_segmented_actions_switch_every_graph_off(pi05, monkeypatch):
+    """0.5.23's segmented actions denoise eagerly (advance_pi05_segment): with them on, upstream's config makes
+    neither graph kind available; so do ours, and the policy then buckets no prompt and captures nothing at load."""
+    m = pi05(pi05_graph_capture="load")
+    monkeypatch.setattr(m.cg._VLAGraphRunnerBase, "device_captures", staticmethod(lambda device: True))
+    settings, policy = _settings(), _tiny_policy(m, _tiny_core(m))
+    config = policy.config
+    assert settings.prefix_graph_available(config) and settings.action_graph_available(config)
+    assert policy._prompt_token_bucketing_enabled()
+    config.enable_segmented_actions = True  # 0.5.23's field (on 0.5.17's config: the same attribute)
+    assert not settings.prefix_graph_available(config) and not settings.action_graph_available(config)
+    assert not policy._prefix_cuda_graph_enabled() and not policy._prompt_token_bucketing_enabled()
+    if hasattr(config, "action_cuda_graph_available"):  # upstream's own verdict agrees
+        assert not config.prefix_cuda_graph_available() and not config.action_cuda_graph_available()
 
 
 @pytest.fixture
