@@ -18,6 +18,7 @@ and, on 0.5.17, passes the option on; grouping also keys on it. Releases: 0.5.23
 
 from __future__ import annotations
 
+import contextvars
 import functools
 
 from sglang.multimodal_gen.runtime.pipelines_core.stages.vla import (_effective_prefix_cache_enabled, vla_options,
@@ -55,32 +56,48 @@ def _note_prompt_bucket(batch) -> None:
         cache.setdefault("prompt_token_bucket", context.layout.get("prompt_token_bucket"))
 
 
-def forward(self, batch, server_args):
-    policy = self.policy_model
-    self.policy_model = _RequestPolicy(policy, _cuda_graph_enabled(batch),
-                                       _effective_prefix_cache_enabled(batch, server_args),
-                                       getattr(self, "_ext_requests_in_flight", 1) > 1)
-    try:
-        batch = self._ext_orig_forward(batch, server_args)
-    finally:
-        self.policy_model = policy
-    _note_prompt_bucket(batch)
-    return batch
+# Requests the prefix stage's run_grouped_requests is running (it calls forward for each, on its thread).
+_REQUESTS_IN_FLIGHT: contextvars.ContextVar = contextvars.ContextVar("sglang_ext_pi05_requests_in_flight", default=1)
 
 
-def _send_prefix_result(self, batch, split, prefix_context):
-    _note_prompt_bucket(batch)  # before the cache info goes to the other ranks
-    return self._ext_orig__send_prefix_result(batch, split, prefix_context)
+def forward(upstream):
+    @functools.wraps(upstream)
+    def forward(self, batch, server_args):
+        policy = self.policy_model
+        self.policy_model = _RequestPolicy(policy, _cuda_graph_enabled(batch),
+                                           _effective_prefix_cache_enabled(batch, server_args),
+                                           _REQUESTS_IN_FLIGHT.get() > 1)
+        try:
+            batch = upstream(self, batch, server_args)
+        finally:
+            self.policy_model = policy
+        _note_prompt_bucket(batch)
+        return batch
+
+    return forward
 
 
-def run_grouped_requests(self, batches, server_args):
+def _send_prefix_result(upstream):
+    @functools.wraps(upstream)
+    def _send_prefix_result(self, batch, split, prefix_context):
+        _note_prompt_bucket(batch)  # before the cache info goes to the other ranks
+        return upstream(self, batch, split, prefix_context)
+
+    return _send_prefix_result
+
+
+def run_grouped_requests(upstream):
     """While more than one request is in flight, prefix-graph outputs are owned per request."""
-    previous = getattr(self, "_ext_requests_in_flight", 1)
-    self._ext_requests_in_flight = len(batches)
-    try:
-        return self._ext_orig_run_grouped_requests(batches, server_args)
-    finally:
-        self._ext_requests_in_flight = previous
+
+    @functools.wraps(upstream)
+    def run_grouped_requests(self, batches, server_args):
+        token = _REQUESTS_IN_FLIGHT.set(len(batches))
+        try:
+            return upstream(self, batches, server_args)
+        finally:
+            _REQUESTS_IN_FLIGHT.reset(token)
+
+    return run_grouped_requests
 
 
 def _with_graph_option(original):
@@ -92,10 +109,9 @@ def _with_graph_option(original):
     return _grouped_fingerprint
 
 
-def _wrap(ctx, cls, *methods) -> None:
-    for method in methods:
-        ctx.setattr(cls, f"_ext_orig_{method.__name__}", cls.__dict__[method.__name__])
-        ctx.setattr(cls, method.__name__, method)
+def _wrap(ctx, cls, *wrappers) -> None:
+    for wrap in wrappers:
+        ctx.setattr(cls, wrap.__name__, wrap(cls.__dict__[wrap.__name__]))
 
 
 def patch_stages(ctx, module) -> None:
