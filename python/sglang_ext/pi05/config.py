@@ -16,6 +16,7 @@ How: on 0.5.17 the four fields added to the class in place (and 0.5.19's `vla.pr
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import MISSING, fields
 
 from sglang.multimodal_gen.configs.pipeline_configs.base import PipelineConfig
@@ -57,13 +58,18 @@ def _ext_reject_misspelled_graph_keys(config, source_pipeline_dict) -> None:
                                  f"allowed graph keys: {', '.join(_EXT_PI05_GRAPH_KEYS)}")
 
 
-def _config_init(self, *args, **kwargs):
-    # The generated 0.5.17 __init__ knows neither the new fields nor __post_init__.
-    for graph_field in _EXT_PI05_GRAPH_FIELDS:
-        setattr(self, graph_field.name, kwargs.pop(graph_field.name) if graph_field.name in kwargs
-                else _ext_pi05_settings.default(graph_field))
-    self._ext_orig___init__(*args, **kwargs)
-    self.__post_init__()
+def config_init(upstream):
+    """0.5.17's generated __init__ knows neither the new fields nor __post_init__."""
+
+    @functools.wraps(upstream)
+    def __init__(self, *args, **kwargs):
+        for graph_field in _EXT_PI05_GRAPH_FIELDS:
+            setattr(self, graph_field.name, kwargs.pop(graph_field.name) if graph_field.name in kwargs
+                    else _ext_pi05_settings.default(graph_field))
+        upstream(self, *args, **kwargs)
+        self.__post_init__()
+
+    return __init__
 
 
 def __post_init__(self) -> None:
@@ -102,9 +108,7 @@ def _validate_cuda_graph_config(self) -> None:
 
 
 def check_pipeline_config(self) -> None:
-    upstream = getattr(type(self), "_ext_orig_check_pipeline_config", None)  # 0.5.23: validates too
-    if upstream is not None:
-        return upstream(self)
+    """0.5.17: the base's checks, then the graph fields' (0.5.23's own does both)."""
     PipelineConfig.check_pipeline_config(self)
     self._validate_cuda_graph_config()
 
@@ -130,13 +134,10 @@ def patch_pipeline_config(ctx, module) -> None:
             # For instances unpickled from a process without the patch; a tuple, never a shared list.
             fallback = () if graph_field.default_factory is not MISSING else graph_field.default
             ctx.setattr(cls, graph_field.name, fallback)
-        ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
-        ctx.setattr(cls, "__init__", _config_init)
-        for method in (prefix_cuda_graph_available, action_cuda_graph_available):
+        ctx.setattr(cls, "__init__", config_init(cls.__dict__["__init__"]))
+        for method in (prefix_cuda_graph_available, action_cuda_graph_available, check_pipeline_config):
             ctx.setattr(cls, method.__name__, method)
-    else:
-        ctx.setattr(cls, "_ext_orig_check_pipeline_config", cls.__dict__["check_pipeline_config"])
-    for method in (__post_init__, _validate_cuda_graph_config, check_pipeline_config, update_pipeline_config):
+    for method in (__post_init__, _validate_cuda_graph_config, update_pipeline_config):
         ctx.setattr(cls, method.__name__, method)
 
 
