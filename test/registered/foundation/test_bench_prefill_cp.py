@@ -7,9 +7,12 @@ import json
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
+from conftest import plugin_only  # noqa: E402  (test/registered/conftest.py)
+
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
 
+@plugin_only  # the bench activates the installed plugin, which stands aside on a patched tree
 def test_a_small_run_writes_every_cp_size_and_the_patch_never_crashes(tmp_path):
     import bench_prefill_cp  # scripts/, on the path (conftest.py)
 
