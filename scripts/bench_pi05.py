@@ -172,14 +172,16 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
     config.prompt_token_buckets = list(args.buckets) if mode == "graph-bucket" else []
     config.prefix_cuda_graph_max_entries = args.prefix_entries
     config.action_cuda_graph_max_entries = args.action_entries
-    policy.__dict__.pop("_ext_graph_plan", None)  # resolved again from the config just set
-    if impl == "0517-ext" and hasattr(policy, "_ext_options"):  # the knobs a policy reads when it is built
-        options = policy._ext_options
+    state = pi05_random.pi05_state(policy)  # the knobs a policy read when it was built, its graph plan
+    if state is not None:
+        state.plan = None  # resolved again from the config just set
+    if impl == "0517-ext" and state is not None:
+        options = state.options
         settings = {"fp8_expert": mode == "graph-fast-fp8", "pdl": mode != "graph-fast-nopdl"}
         for names in EXPERIMENTS.values():  # every experiment's settings at their defaults, but this mode's
             settings.update({name: _option_default(options, name) for name in names})
         settings.update(EXPERIMENTS.get(mode, {}))
-        policy._ext_options = dataclasses.replace(
+        state.options = dataclasses.replace(
             options, fused_denoise=mode in ("graph-fused", *FAST_MODES), fast=mode in FAST_MODES,
             **{name: value for name, value in settings.items() if hasattr(options, name)})
     evict = policy._prompt_token_bucketing_enabled()
@@ -204,7 +206,7 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
         "fp8_expert": mode == "graph-fast-fp8",
-        "fused_vision": getattr(policy._ext_options, "fused_vision", None) if mode in FAST_MODES else None,
+        "fused_vision": state.options.fused_vision if state is not None and mode in FAST_MODES else None,
     }
 
 
@@ -629,8 +631,8 @@ def main() -> int:
     log(f"[bench] kernels: {kernels}")
     full = sorted([i for i in inputs if i[0][0] == "full"] or inputs, key=lambda i: i[0][1])
     (_, prompt_len), observation, noise = full[len(full) // 2]
-    exact = pi05_random.pi05_knobs(policy, fast=False, fused_denoise=False) if hasattr(policy, "_ext_options") \
-        else contextlib.nullcontext()
+    exact = (pi05_random.pi05_knobs(policy, fast=False, fused_denoise=False)
+             if pi05_random.pi05_state(policy) is not None else contextlib.nullcontext())
     work = None  # the same model's work: counted by the 0.5.17 processes (0.5.19's towers keep no config)
     if args.impl != "0519":
         with exact:  # the module path: a fused fast path would bypass the hooks

@@ -314,20 +314,25 @@ def run_request(policy, observation, noise: torch.Tensor, *, graph: bool, num_st
         return actions
 
 
+def pi05_state(policy):
+    """The pi05_graphs state of `policy` (PolicyState: its options and graph plan), from the __init__ the patch
+    installed on its class (the plugin's or the patched tree's); None when sglang-ext is not active."""
+    graphs = getattr(type(policy).__init__, "graphs", None)
+    return None if graphs is None else graphs.state(policy)
+
+
 @contextlib.contextmanager
 def pi05_knobs(policy, **values):
     """The sglang-ext options a policy read when it was built (Pi05Options: knobs pi05_fast, pi05_fused_denoise,
     ...; the fast path's fused_vision and pdl) set to `values` for the block, as a policy built with them would
     have them; restored after."""
-    saved = policy.__dict__.get("_ext_options")
-    policy._ext_options = dataclasses.replace(policy._ext_options, **values)
+    state = pi05_state(policy)
+    saved = state.options
+    state.options = dataclasses.replace(saved, **values)
     try:
         yield policy
     finally:
-        if saved is None:
-            del policy._ext_options
-        else:
-            policy._ext_options = saved
+        state.options = saved
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -5,6 +5,9 @@ child activates while unpickling its target, before its arguments import `sglang
 
 from __future__ import annotations
 
+# sglang's targets the entries replaced, by name (filled, and emptied on rollback, by the patch's context).
+ORIGINALS: dict = {}
+
 
 def _activate_in_worker() -> None:
     # force: entries are installed only when the launcher process activated sglang-ext (perhaps
@@ -37,7 +40,7 @@ def _run_http_server_process(*args, **kwargs):
 def _original(name: str):
     from sglang.multimodal_gen.runtime import launch_server
 
-    return getattr(launch_server, f"_ext_orig_{name}", None) or getattr(launch_server, name)
+    return ORIGINALS.get(name) or getattr(launch_server, name)
 
 
 class WorkerEntry:

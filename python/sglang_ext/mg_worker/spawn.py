@@ -27,7 +27,7 @@ def patch_launch_server(ctx, module) -> None:
             "launch_server.run_scheduler_process is not gpu_worker.run_scheduler_process "
             f"(found {module.run_scheduler_process!r}); another patch owns the worker entry"
         )
-    ctx.setattr(module, "_ext_orig__run_disagg_role_process", module._run_disagg_role_process)
-    ctx.setattr(module, "_ext_orig__run_http_server_process", module._run_http_server_process)
+    for name in ("_run_disagg_role_process", "_run_http_server_process"):  # the entries call these
+        ctx.setitem(mg_worker.ORIGINALS, name, getattr(module, name))
     for name, entry in mg_worker.ENTRIES.items():
         ctx.setattr(module, name, entry)

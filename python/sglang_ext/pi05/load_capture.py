@@ -41,15 +41,14 @@ def _resident(runner) -> tuple:
     return info.size, info.bytes_resident
 
 
-def capture_at_load(policy) -> None:
-    """Capture every bucket's prefix and action graphs on `policy`, then seal both caches. Policies whose
-    prompts are not bucketed (tensor-parallel prefix, split groups, no CUDA) keep capturing on first use."""
+def capture_at_load(policy, buckets) -> None:
+    """Capture the prefix and action graphs of every prompt bucket on `policy`, then seal both caches. Policies
+    whose prompts are not bucketed (tensor-parallel prefix, split groups, no CUDA) keep capturing on first use."""
     if not policy._prompt_token_bucketing_enabled():
         logger.info("Pi05 graphs: no load-time capture (prompt buckets need a single-rank CUDA prefix); "
                     "graphs are captured on first use")
         return
     config, prefix, action = policy.config, policy.prefix_graph_runner, policy.graph_runner
-    buckets = policy._ext_graph_plan.prompt_buckets
     steps = int(config.default_num_inference_steps)
     noise = torch.zeros(1, config.action_horizon, config.action_dim)
     start = time.perf_counter()

@@ -24,6 +24,7 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -60,12 +61,46 @@ class Pi05Options:
                    fp8_expert=bool(value("pi05_fp8_expert")))
 
 
+@dataclass
+class PolicyState:
+    """What pi05_graphs keeps for one policy: the knobs it read when built and the graph plan of its config."""
+
+    options: Pi05Options
+    plan: Optional[graph_settings.GraphPlan] = None  # None: resolved from the config at next use
+
+
+class PolicyGraphs:
+    """The pi05_graphs patch's own state for one activation: sglang's constructor, the knobs at patch time,
+    the fast paths by core model and each policy's PolicyState (held weakly). The __init__ the patch installs
+    carries it (`graphs`), so it goes with the patch's rollback."""
+
+    def __init__(self, ctx, sglang_init):
+        self.sglang_init = sglang_init
+        self.options = Pi05Options.read(functools.partial(getattr, ctx.settings))
+        self.fast_paths = FastPaths(ctx)
+        self._policies = weakref.WeakKeyDictionary()
+
+    def state(self, policy) -> PolicyState:
+        """`policy`'s state (a policy built without __init__ gets the knobs at patch time)."""
+        state = self._policies.get(policy)
+        if state is None:
+            state = self._policies[policy] = PolicyState(self.options)
+        return state
+
+
+def graphs_of(policy) -> PolicyGraphs:
+    return type(policy).__init__.graphs
+
+
+def state_of(policy) -> PolicyState:
+    return graphs_of(policy).state(policy)
+
+
 def _graph_plan(self) -> graph_settings.GraphPlan:
-    """The graph plan this policy resolved when built (resolved now for a policy built without __init__)."""
-    plan = self.__dict__.get("_ext_graph_plan")
-    if plan is None:
-        plan = self._ext_graph_plan = graph_settings.resolve_plan(self.config)
-    return plan
+    state = state_of(self)
+    if state.plan is None:
+        state.plan = graph_settings.resolve_plan(self.config)
+    return state.plan
 
 
 def _buckets(self) -> tuple:
@@ -78,10 +113,9 @@ def action_expert_forward(self, prefix_context, x_t, timestep, *, action_positio
                                         action_position_offset=action_position_offset, denoise_layout=denoise_layout)
 
 
-def __init__(self, config, **kwargs):
-    """0.5.17's constructor, then bounded runners sized by the config (and the --ext-pi05-* knobs)."""
-    self._ext_orig___init__(config, **kwargs)
-    self._ext_options = options = Pi05Options.read()
+def _build_graphs(self, graphs: PolicyGraphs) -> None:
+    """After sglang's constructor: bounded runners sized by the config (and the --ext-pi05-* knobs)."""
+    graphs.state(self).options = options = Pi05Options.read()
     plan = _graph_plan(self)
     bucket_mode = self._prompt_token_bucketing_enabled()
     lru = bucket_mode and not plan.at_load  # at load: every bucket resident, nothing to evict
@@ -89,11 +123,12 @@ def __init__(self, config, **kwargs):
         enabled=self._prefix_cuda_graph_enabled(), evict_on_miss=lru, max_entries=plan.prefix_entries,
         max_bytes=plan.max_bytes)
     self.graph_runner = VLADenoiseGraphRunner(
-        enabled=graph_settings.action_graph_available(config), evict_on_miss=lru, max_entries=plan.action_entries,
-        max_bytes=plan.max_bytes)
+        enabled=graph_settings.action_graph_available(self.config), evict_on_miss=lru,
+        max_entries=plan.action_entries, max_bytes=plan.max_bytes)
     # The fast path's time tables and FP8 copies go with the action graphs, its packed q/k/v checks with the prefix's.
-    self.graph_runner.add_clear_hook(functools.partial(_reset_fast_path, weakref.ref(self), "reset_action"))
-    self.prefix_graph_runner.add_clear_hook(functools.partial(_reset_fast_path, weakref.ref(self), "reset_prefix"))
+    policy = weakref.ref(self)
+    self.graph_runner.add_clear_hook(functools.partial(_reset_fast_path, graphs, policy, "reset_action"))
+    self.prefix_graph_runner.add_clear_hook(functools.partial(_reset_fast_path, graphs, policy, "reset_prefix"))
     if options.fast:
         _fast_path(self)
     logger.info("Pi05 CUDA graphs: prefix=%s/%d action=%s/%d mode=%s capture=%s buckets=%s fused_denoise=%s "
@@ -102,19 +137,20 @@ def __init__(self, config, **kwargs):
                 "load" if plan.at_load else "lazy", list(plan.prompt_buckets) if bucket_mode else [],
                 options.fused_denoise, options.fast)
     if plan.at_load:
-        load_capture.capture_at_load(self)
+        load_capture.capture_at_load(self, plan.prompt_buckets)
 
 
 def _fast_path(self):
     """The fast path of this policy's core model in the mode its options name (Pi05FastPath)."""
-    options = self._ext_options
-    return self._ext_fast_paths.path(self.core_model, fp8=options.fp8_expert, fused_vision=options.fused_vision,
-                                     pdl=options.pdl)
+    graphs = graphs_of(self)
+    options = graphs.state(self).options
+    return graphs.fast_paths.path(self.core_model, fp8=options.fp8_expert, fused_vision=options.fused_vision,
+                                  pdl=options.pdl)
 
 
-def _reset_fast_path(policy_ref, reset: str) -> None:
+def _reset_fast_path(graphs, policy_ref, reset: str) -> None:
     core = getattr(policy_ref(), "core_model", None)
-    return None if core is None else policy_ref()._ext_fast_paths.reset(core, reset)
+    return None if core is None else graphs.fast_paths.reset(core, reset)
 
 
 def _prefix_tensor_parallel_enabled(self) -> bool:
@@ -238,7 +274,7 @@ def _as_all_checkpoint_cameras(self, camera_order, images, image_masks):
 
 def _fast_prefix(self):
     """The fast path when knob pi05_fast (as this policy read it) is on and covers the prefix layers, else None."""
-    fast = _fast_path(self) if self._ext_options.fast else None
+    fast = _fast_path(self) if state_of(self).options.fast else None
     return fast if fast is not None and fast.serves("prefix") else None
 
 
@@ -304,7 +340,7 @@ def _denoise(self, batch_size, prefix_context, x_t, num_steps, offset, action_sp
     eligible = prefix_context.layout.get("cuda_graph_eligible", True)
     graph = bool(use_cuda_graph and self.graph_runner.enabled and eligible)
     dt = -1.0 / num_steps
-    options = self._ext_options
+    options = state_of(self).options
     if options.fast and not action_sp and _fast_path(self).serves("denoise"):
         denoised = _fast_denoise(self, prefix_context, x_t, num_steps, dt, full, offset, graph)
         if denoised is not None:
@@ -377,9 +413,15 @@ def backport_policy(ctx, module) -> None:
 
 def patch_policy(ctx, module) -> None:
     cls = module.Pi05PolicyModel
-    ctx.setattr(cls, "_ext_orig___init__", cls.__dict__["__init__"])
-    ctx.setattr(cls, "_ext_options", Pi05Options.read(functools.partial(getattr, ctx.settings)))
-    ctx.setattr(cls, "_ext_fast_paths", FastPaths(ctx))  # this activation's fast paths, by core model
+    graphs = PolicyGraphs(ctx, cls.__dict__["__init__"])
+
+    @functools.wraps(graphs.sglang_init)
+    def __init__(self, config, **kwargs):
+        """sglang's constructor, then bounded runners sized by the config (and the --ext-pi05-* knobs)."""
+        graphs.sglang_init(self, config, **kwargs)
+        _build_graphs(self, graphs)
+
+    __init__.graphs = graphs
     for method in (__init__, _prefix_tensor_parallel_enabled, _prefix_cuda_graph_enabled,
                    _prompt_token_bucketing_enabled, build_prefix_cache_key, encode_prefix, denoise_step,
                    sample_actions):

@@ -272,17 +272,6 @@ def _pad_to_bucket(raw_size, buckets):
     return BaseCudaGraphRunner._pad_to_bucket(raw_size, buckets)
 
 
-def capture_one_shape(self, size, **kwargs):
-    # set only with a BreakableCudaGraphBackend
-    if not cp_bcg_captured(self):
-        return self._ext_orig_capture_one_shape(size, **kwargs)
-    token = _EXT_HOLD_BREAK_INPUTS.set(True)
-    try:
-        return self._ext_orig_capture_one_shape(size, **kwargs)
-    finally:
-        _EXT_HOLD_BREAK_INPUTS.reset(token)
-
-
 def patch_prefill_runner(ctx, module) -> None:
     cls = module.PrefillCudaGraphRunner
     methods = runner_methods(RunnerCounters(), {name: cls.__dict__[name] for name in RUNNER_METHODS})

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -46,7 +47,7 @@ def _fast(name):
 
 def _paths(m):
     """This activation's fast paths (FastPaths, made by the pi05_graphs patch)."""
-    return m.policy.Pi05PolicyModel._ext_fast_paths
+    return m.policy.Pi05PolicyModel.__init__.graphs.fast_paths
 
 
 def _agreement(fast, exact):
@@ -190,7 +191,8 @@ def _reset_with_the_action_graphs(model):
     import weakref
 
     adapter = policy_adapter()
-    model.graph_runner.add_clear_hook(functools.partial(adapter._reset_fast_path, weakref.ref(model), "reset_action"))
+    model.graph_runner.add_clear_hook(functools.partial(adapter._reset_fast_path, adapter.graphs_of(model),
+                                                        weakref.ref(model), "reset_action"))
 
 
 def test_the_modes_of_one_model_share_its_state(pi05):
@@ -274,7 +276,9 @@ def test_fast_prefix_layers_give_the_exact_prefix_kv(pi05, monkeypatch, masked, 
     m = pi05(pi05_fast=1)
     core = _tiny_core(m)
     language_model = _tiny_prefix_language_model(m, core)
-    policy = SimpleNamespace(core_model=core, _ext_fast_paths=_paths(m))
+    policy = m.policy.Pi05PolicyModel.__new__(m.policy.Pi05PolicyModel)
+    nn.Module.__init__(policy)
+    policy.core_model = core
     fast_path = policy_adapter()._fast_prefix(reread_knobs(policy))
     assert fast_path is not None and fast_path.unsupported_reason("prefix") is None
     generator = torch.Generator().manual_seed(80)
@@ -417,6 +421,7 @@ def test_fused_vision_layers_match_the_exact_tower_and_fall_back_cleanly(pi05, m
 _INTERPRETED = r"""
 import json, os, sys
 import torch
+from torch import nn
 sys.path.insert(0, sys.argv[1])
 from sglang_ext.kernels import runs_triton
 assert runs_triton(torch.zeros(1)), "the interpreter must serve CPU tensors"

@@ -205,7 +205,7 @@ def policy_adapter():
 
 def reread_knobs(model):
     """`model` takes the knobs as they are now, as a policy built now would (its __init__ reads them)."""
-    model._ext_options = policy_adapter().Pi05Options.read()
+    policy_adapter().state_of(model).options = policy_adapter().Pi05Options.read()
     return model
 
 
@@ -292,13 +292,13 @@ def test_zero_capacity_disables_graphs(pi05, fake_graphs):
     assert graphs.graphs == []
 
 
-def test_policy_reads_capacities_from_knobs(pi05):
+def test_policy_reads_capacities_from_knobs(pi05, monkeypatch):
     m = pi05(pi05_action_graph_max_entries=0, pi05_prefix_graph_max_entries=3)
     from sglang.multimodal_gen.configs.pipeline_configs.pi05 import Pi05PipelineConfig
 
     model = m.policy.Pi05PolicyModel.__new__(m.policy.Pi05PolicyModel)
     nn.Module.__init__(model)
-    model._ext_orig___init__ = lambda *args, **kwargs: None  # skip building the network
+    monkeypatch.setattr(policy_adapter().graphs_of(model), "sglang_init", lambda *args, **kwargs: None)  # no network
     model.config = Pi05PipelineConfig()
     model.device = torch.device("cuda")
     model.runtime_role = "all"

@@ -146,13 +146,13 @@ def test_graphs_captured_at_load_serve_every_prompt_length_and_capture_nothing_a
     """The server's default (knob pi05_graph_capture=load): every prompt bucket's graphs captured while the
     policy is built; prompts of many lengths, cameras masked or not, then replay them, within the bf16
     tolerance of the module-scoped policy's eager answer (the same weights: seed 0)."""
-    from sglang_ext_testkit.pi05_random import make_noise, make_observation, run_request
+    from sglang_ext_testkit.pi05_random import make_noise, make_observation, pi05_state, run_request
 
     env = _ext_environment(PI05_GRAPH_CAPTURE="load")
     with random_policy(env) as loaded:
         prefix, action = loaded.prefix_graph_runner, loaded.graph_runner
         at_load = (prefix.cache_info(), action.cache_info())
-        buckets = loaded._ext_graph_plan.prompt_buckets
+        buckets = pi05_state(loaded).plan.prompt_buckets
         print(f"[load] buckets {buckets}; prefix {at_load[0]}; action {at_load[1]}")
         assert at_load[0].size == at_load[1].size == len(buckets) and at_load[0].sealed and at_load[1].sealed
         graphs_made = (at_load[0].captures, at_load[1].captures)
