@@ -13,14 +13,15 @@ control step, never a repeat.
   smooth   every joint on its own slow sine
   fixed    one state, one task, both cameras: a single prompt length (one row, not the headline)
 Moving robots switch task every --task-every steps and with it the cameras they send (both, or one).
-With the 0517 server in the run, the first camera is always sent: unpatched 0.5.17 ends in a CUDA
+With the upstream server in the run, the first camera is always sent: unpatched 0.5.17 ends in a CUDA
 device-side assert (an out-of-bounds rotary gather in the prefix) on an observation without it.
 Per row: p50/p90/p99/max, graphs captured after the server reported healthy and requests that ran
 eager since the load-time capture (both read from the server's log), and the worst difference from
 the exact server's answer to the same observation, over every answer.
 
 Servers (--servers):
-  0517                  unpatched `sglang serve` 0.5.17
+  upstream              unpatched `sglang serve` of the sglang on PYTHONPATH (the report's `sglang`;
+                        `0517` in runs written before the rename)
   ext-no-transport      `python -m sglang_ext.serve` (exact path) with the transport patches off
                         (mg_scheduler_client_reuse, pi05_action_transport, pi05_observation_device,
                         mg_worker_request_overhead):
@@ -74,7 +75,7 @@ import bench_results  # noqa: E402
 from sglang_ext_testkit import pi05_checkpoint  # noqa: E402
 from sglang_ext_testkit import pi05_clients as clients  # noqa: E402
 
-SERVERS = ("0517", "ext-no-transport", "ext-exact", "ext-fast")
+SERVERS = ("upstream", "ext-no-transport", "ext-exact", "ext-fast")
 WIRES = ("openpi", "json", "sglang")
 TRANSPORT_PATCHES = ",".join(("mg_scheduler_client_reuse", "pi05_action_transport", "pi05_observation_device",
                               "mg_worker_request_overhead"))
@@ -147,7 +148,7 @@ def server_command(name: str, args) -> tuple:
     if args.cpu_logic_check:  # the launchers need a GPU: sglang's server with the stand-in policy
         base = [py, "-m", "sglang_ext_testkit.fake_pi05_server"]
         return {
-            "0517": (base, {"SGLANG_EXT": "0"}),
+            "upstream": (base, {"SGLANG_EXT": "0"}),
             "ext-no-transport": (base + ["--ext"], {**timing, "SGLANG_EXT_DISABLE": TRANSPORT_PATCHES}),
             "ext-exact": (base + ["--ext"], timing),
             "ext-fast": (base + ["--ext"], {**timing, "SGLANG_EXT_PI05_FAST": "1"}),
@@ -163,7 +164,7 @@ def server_command(name: str, args) -> tuple:
         if version:
             env["SGLANG_EXT_ASSUME_SGLANG"] = version
     return {
-        "0517": ([py, "-c", SGLANG_UNPATCHED], {"SGLANG_EXT": "0"}),
+        "upstream": ([py, "-c", SGLANG_UNPATCHED], {"SGLANG_EXT": "0"}),
         "ext-no-transport": (ext + ["--ext-disable", TRANSPORT_PATCHES], env),
         "ext-exact": (ext, env),
         "ext-fast": (ext + ["--ext-pi05-fast"], env),
@@ -310,7 +311,7 @@ def main() -> int:
     motions = _choices(args.motion, clients.MOTIONS, "motion")
     # every server sees the same stream: one the unpatched server survives (it needs the first camera)
     streams = {m: clients.robot_stream(args.warmup + args.requests, CAMERAS, motion=m, seed=i, task_every=args.task_every,
-                                       keep_first_camera="0517" in servers)
+                                       keep_first_camera="upstream" in servers)
                for i, m in enumerate(motions)}
     started = time.perf_counter()
     pngs = {m: [{name: clients.png_b64(image) for name, image in o.images.items()} for o in stream]
@@ -319,6 +320,7 @@ def main() -> int:
     report: Dict[str, Any] = {
         "run_id": bench_results.RUN_ID, "device": torch.cuda.get_device_name() if cuda else "cpu (logic check)",
         "torch": torch.__version__, "sglang": getattr(sglang, "__version__", "?"), "kernels": bench_results.kernels(),
+        "stand_ins": bench_results.stand_ins(),
         "attention": " ".join(attention_args[1:]) or "server default (FA3)", "command": " ".join(["python3", *sys.argv]),
         "client_png_encode_ms": (time.perf_counter() - started) * 1e3 / frames,
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "servers": {}, "results": [],

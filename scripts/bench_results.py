@@ -174,7 +174,8 @@ def print_pi05_table(results: List[Dict[str, Any]]) -> None:
 TARGET_OPENPI_P50_MS, TARGET_JSON_P50_MS, TARGET_OUTSIDE_MS, TARGET_P99_OVER_P50 = 17.0, 21.0, 2.5, 1.2
 TARGET_FAST_VS_EXACT = 5e-3
 PI05_SERVER_SCHEMA = {
-    **dict.fromkeys(("run_id", "device", "torch", "sglang", "attention", "command", "client_png_encode_ms")),
+    **dict.fromkeys(("run_id", "device", "torch", "sglang", "attention", "command", "client_png_encode_ms",
+                     "stand_ins")),
     "kernels": KERNELS_SCHEMA,
     "settings": ANY,
     "servers": ANY,  # server name -> {argv, start_s, log, error}
@@ -231,7 +232,7 @@ def print_pi05_server_table(results: List[Dict[str, Any]]) -> None:
 
 def pi05_server_targets(results: List[Dict[str, Any]]) -> List[tuple]:
     """(label, measured, op, bound) rows of the targets for a moving robot: the fast server's latency, tail,
-    captures and accuracy; the exact server never slower than unpatched 0.5.17 on the same loop."""
+    captures and accuracy; the exact server never slower than unpatched sglang on the same loop."""
     rows = []
     own = [r for r in results if r.get("client") == "own" and r.get("p50_ms") is not None
            and r.get("motion") in ("random", "smooth")]
@@ -251,11 +252,11 @@ def pi05_server_targets(results: List[Dict[str, Any]]) -> List[tuple]:
         if r["server"].startswith("ext") and r.get("captures_after_start") is not None:
             rows.append((f"{where}: graphs captured after start", r["captures_after_start"], "<=", 0))
         if r["server"] == "ext-exact":
-            unpatched = next((u for u in own if u["server"] == "0517" and u["wire"] == r["wire"]
+            unpatched = next((u for u in own if u["server"] in UPSTREAM_PI05_SERVERS and u["wire"] == r["wire"]
                               and u["motion"] == r["motion"]), None)
             if unpatched is not None:
                 for q in ("p50_ms", "p99_ms"):
-                    rows.append((f"{where}: {q[:-3]} ms vs unpatched 0517", r[q], "<=", unpatched[q]))
+                    rows.append((f"{where}: {q[:-3]} ms vs unpatched {unpatched['server']}", r[q], "<=", unpatched[q]))
     return rows
 
 
@@ -351,7 +352,7 @@ VIT_SERVER_CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext kn
     # The accuracy floor at concurrency 16: a second graphs-off process, with batches of its own timing
     # (without it, graphs-off's own further passes, which may repeat its batches).
     "graphs-off-2": ("sglang.launch_server", False, {}),
-    "0517-graphs-on": ("sglang.launch_server", True, {}),
+    "upstream-graphs-on": ("sglang.launch_server", True, {}),  # the release the run records (config.sglang)
     # Diagnostic: sglang-ext's sync-free tower and embedding path with no graph replayed (every call
     # eager), which splits ext's difference from graphs-off into the eager path's part and the replays'.
     "ext-no-replay": ("sglang_ext.launch_server", True, {"SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": "0"}),
@@ -369,11 +370,27 @@ VIT_SERVER_CONFIGS = {  # name -> (launcher module, ViT graphs on, sglang-ext kn
     # so its req/s is what no ViT change (graphs, kernels) can take a slot past.
     "vit-free": ("sglang.launch_server", False, {"SGX_SERVER_VIT_FREE": "1"}),
 }
+# Names in results files written before the release-neutral ones: shown as written, ordered as the new name.
+LEGACY_NAMES = {"0517-graphs-on": "upstream-graphs-on", "0517": "upstream"}
+UPSTREAM_PI05_SERVERS = ("upstream", "0517")  # unpatched `sglang serve` (bench_pi05_server.py)
+
+
+def _in_config_order(names) -> list:
+    order = {name: i for i, name in enumerate(VIT_SERVER_CONFIGS)}
+    known = sorted((n for n in names if LEGACY_NAMES.get(n, n) in order), key=lambda n: order[LEGACY_NAMES.get(n, n)])
+    return known + sorted(set(names) - set(known))
+
+
+def stand_ins() -> list:
+    """The packages this environment replaces with stand-ins (scripts/gpu_env.sh's SGX_STANDINS), sorted."""
+    return sorted({n.strip() for n in os.environ.get("SGX_STANDINS", "").split(",") if n.strip()})
+
+
 VIT_SERVER_SCHEMA = {
     "run_id": None, "kernels": KERNELS_SCHEMA, "attention": None,
     "config": {"device": None, "model": None, "parameters_b": None, "requests": None, "passes": None,
                "concurrencies": None, "image_counts": None, "resolution": None, "command": None, "seconds": None,
-               "sglang": None, "accuracy_sizes": None},
+               "sglang": None, "accuracy_sizes": None, "stand_ins": None},
     "servers": [{"backend": None, "config": None, "startup_s": None, "error": None, "metrics_start": ANY,
                  "metrics_warm": ANY, "metrics_after_passes": ANY,
                  "metrics_end": ANY, "vit_calls": None, "captures_after_start": None,
@@ -526,8 +543,7 @@ def vit_server_table(report: dict) -> str:
         groups.setdefault((row["backend"], row["concurrency"], row["images"]), {}).setdefault(row["config"], []).append(row)
     for (backend, c, images), by_config in sorted(groups.items()):
         off = _spread(r["req_s"] for r in by_config.get("graphs-off", []))[0]
-        known = [n for n in VIT_SERVER_CONFIGS if n in by_config]
-        for name in known + sorted(set(by_config) - set(known)):
+        for name in _in_config_order(by_config):
             rows = by_config.get(name, [])
             med, lo, hi = _spread(r["req_s"] for r in rows)
             if med is None:
@@ -671,4 +687,4 @@ PREFILL_CP_SCHEMA = {
 }
 # The results files (docs/bench) each schema declares.
 SCHEMA_OF = {"pi05_*.json": PI05_SCHEMA, "vit.json": VIT_SCHEMA, "vit_server*.json": VIT_SERVER_SCHEMA,
-             "prefill_cp.json": PREFILL_CP_SCHEMA, "server_pi05.json": PI05_SERVER_SCHEMA}
+             "prefill_cp.json": PREFILL_CP_SCHEMA, "server_pi05*.json": PI05_SERVER_SCHEMA}

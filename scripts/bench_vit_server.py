@@ -8,7 +8,8 @@ while it loads and probes), all resident on the GPU at once and measured in inte
 machine is shared and noisy: medians and spread are reported):
   graphs-off       `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=0 (the baseline)
   ext              `python -m sglang_ext.launch_server` with sglang-ext's default ViT graph mode
-  0517-graphs-on   `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=1 (unpatched)
+  upstream-graphs-on  `python -m sglang.launch_server`, SGLANG_VIT_ENABLE_CUDA_GRAPH=1 (unpatched; the sglang
+                   on PYTHONPATH, recorded as config.sglang; `0517-graphs-on` in runs written before the rename)
   graphs-off-2     a second graphs-off process: the accuracy floor (its batches follow its own timing)
 Every server holds a KV pool of the same size (`--kv-tokens`), so batching is equal between them.
 The model is a random-weight checkpoint at real scale, written on the machine itself
@@ -490,7 +491,8 @@ def main(argv=None) -> int:
                              concurrencies=concurrencies, image_counts=image_counts, resolution=args.resolution,
                              command="python scripts/bench_vit_server.py " + " ".join(argv or sys.argv[1:]),
                              seconds=None, sglang=None,
-                             accuracy_sizes=args.accuracy_sizes if args.accuracy else None),
+                             accuracy_sizes=args.accuracy_sizes if args.accuracy else None,
+                             stand_ins=bench_results.stand_ins()),
               "servers": [], "passes": [], "accuracy": []}
     import importlib.metadata as md
 

@@ -137,6 +137,17 @@ def _provenance(sources) -> list:
     return [f"Kernels: {kernels}. Attention backend: {attention}. Runs: {runs}.", ""]
 
 
+def _release_line(sglang, kernels, stand_ins) -> list:
+    """For a run on another sglang release than the main tables: which release, on whose kernels, what stood in."""
+    line = f"sglang {sglang}"
+    kernel = (kernels or {}).get("sgl_kernel")
+    if sglang == "0.5.23" and kernel == "0.4.5":  # 0.5.23 pins sglang-kernel 0.4.10, which needs torch 2.14
+        line += "'s Python; the kernels were 0.5.17's sgl-kernel 0.4.5 (SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1)"
+    if stand_ins:
+        line += f"; stand-ins, imported and never called on this device: {', '.join(stand_ins)} (docs/gpu-harness.md)"
+    return [f"Release: {line}.", ""]
+
+
 def schema_problems() -> list:
     """"<file>: <keys>" for every results file carrying keys its script does not write."""
     problems = []
@@ -337,25 +348,23 @@ numpy array (its encode and decode included; base64 PNG encoding of the JSON cam
 (preprocess, prefix, denoise, postprocess); outside: latency minus stages, p50. captures after
 start: CUDA graphs captured after the server reported healthy (its log); eager after load: requests
 that no load-time graph held (a lower bound: logged at the 1st, 2nd, 4th, ...). The breakdown
-(p50 per part, ms; hop times from knob pi05_server_timing, so `-` for unpatched 0.5.17): transport =
+(p50 per part, ms; hop times from knob pi05_server_timing, so `-` for unpatched sglang): transport =
 the client's round trip minus the server's span (sockets, uvicorn, encoding the answer), http_parse
 = JSON / msgpack parsing (the JSON body read included), http_decode = image decoding and request
 building, to_worker / from_worker = the ZMQ hops with pickling, worker_queue = the scheduler before
 the worker, worker_other = the worker around the stages. rel vs exact: worst max|a - ref| / max|ref|
 over every answer, against the ext-exact server's openpi answer to the same observation. Servers:
-`0517` = unpatched `sglang serve`; `ext-no-transport` = sglang-ext with the transport patches off
-(0.5.17's request path, measured hop by hop); `ext-exact`; `ext-fast` = --ext-pi05-fast. Wire
+`upstream` (`0517` in runs before 0.5.23 ones) = unpatched `sglang serve` of the release named
+above the table; `ext-no-transport` = sglang-ext with the transport patches off (sglang's request
+path, measured hop by hop); `ext-exact`; `ext-fast` = --ext-pi05-fast. Wire
 `sglang` = sglang's own bench_pi05_openpi.py (openpi_ws). Unpatched 0.5.17 ends in a CUDA
 device-side assert at the first observation without the first camera (its prefix's rotary gather
-reads position -1; sglang-ext clamps it), and is unusable after: runs with the 0517 server keep
+reads position -1; sglang-ext clamps it), and is unusable after: runs with the unpatched server keep
 the first camera in every observation."""
 
 
-def _pi05_server_section():
-    path = os.path.join(BENCH_DIR, "server_pi05.json")
-    if not os.path.exists(path):
-        return None
-    run = _load(path)
+def _pi05_server_run(run) -> list:
+    """One bench_pi05_server.py run: provenance, table, targets, command."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         bench_results.print_pi05_server_table(run["results"])
@@ -368,15 +377,29 @@ def _pi05_server_section():
         head = []
     failed = [f"- {name}: {entry['error']}" for name, entry in run.get("servers", {}).items() if entry.get("error")]
     settings = run.get("settings", {})
-    return "\n".join([
-        f"## {PI05_SERVER_HEADING}", "",
-        *_stale("server_pi05.json", "bench_pi05_server.py"), PI05_SERVER_MEANING, "",
+    return [
         *_provenance([("server", run)]),
         f"Device: {run.get('device')}; torch {run.get('torch')}; sglang {run.get('sglang')}; "
         f"{settings.get('requests')} timed requests after {settings.get('warmup')} per server and wire; "
         f"client_png_encode_ms {run.get('client_png_encode_ms', 0):.2f} per camera.", "",
         "```", out.getvalue().strip("\n"), "```", *(["", "Servers that did not run:", *failed] if failed else []),
-        *(["", *head, *rows] if rows else []), "", f"Command: `{run.get('command')}`", ""])
+        *(["", *head, *rows] if rows else []), "", f"Command: `{run.get('command')}`", ""]
+
+
+def _pi05_server_section():
+    path = os.path.join(BENCH_DIR, "server_pi05.json")
+    if not os.path.exists(path):
+        return None
+    others = []  # runs on other releases, kept as server_pi05_<name>.json: one section each
+    for other in sorted(glob.glob(os.path.join(BENCH_DIR, "server_pi05_*.json"))):
+        run, name = _load(other), os.path.basename(other)
+        others += [f"### On sglang {run.get('sglang')}: `docs/bench/{name}`", "",
+                   *_stale(name, "bench_pi05_server.py"),
+                   *_release_line(run.get("sglang"), run.get("kernels"), run.get("stand_ins")), *_pi05_server_run(run)]
+    return "\n".join([
+        f"## {PI05_SERVER_HEADING}", "",
+        *_stale("server_pi05.json", "bench_pi05_server.py"), PI05_SERVER_MEANING, "",
+        *_pi05_server_run(_load(path)), *others])
 
 
 def _vit_targets(results, capacity) -> list:
@@ -497,8 +520,8 @@ ratio to graphs-off in the same slot; per pass: the median of each pass's ratio 
 that pass (the configurations of a pass run back to back, so the machine's drift between passes
 cancels); TTFT p50 / p99: medians over passes (ms). `ext` is
 sglang-ext's default ViT graph mode (bucket: ladder captured at load and ended where eager wins,
-calls above it eager; the multimodal embedding without its device sync); `0517-graphs-on` is
-unpatched sglang with its own ViT graphs; `ext-split` is `ext` with calls above the break-even split
+calls above it eager; the multimodal embedding without its device sync); `upstream-graphs-on`
+(`0517-graphs-on` in runs before 0.5.23 ones) is unpatched sglang, the release the run names, with its own ViT graphs; `ext-split` is `ext` with calls above the break-even split
 into whole-image chunks that replay (knob `vit_graph_above_ladder=split`; `ext-idle-split`: only while the
 ViT's stream has caught up with the host, a knob value since removed); `ext-full-ladder` is `ext` with every budget up to the server's largest call captured and replayed (no probe); `ext-no-replay` is sglang-ext's path with no graph replayed
 (a diagnostic: every call eager through the sync-free tower); `vit-free` is graphs-off with a vision
@@ -635,10 +658,21 @@ def _vit_server_run(run, name) -> list:
 
 
 def _vit_server_other_runs() -> list:
-    """Other bench_vit_server.py runs kept in docs/bench (vit_server_<name>.json), newest first: one line each."""
+    """Other bench_vit_server.py runs kept in docs/bench (vit_server_<name>.json), newest first: one line each;
+    runs on another sglang release than vit_server.json's in full, one section per release."""
+    main = _load(os.path.join(BENCH_DIR, "vit_server.json"))["config"].get("sglang")
     runs = [(_load(path), os.path.basename(path)) for path in glob.glob(os.path.join(BENCH_DIR, "vit_server_*.json"))]
+    releases = sorted({run["config"].get("sglang") for run, _ in runs} - {main}, key=str)
+    out = []
+    for release in releases:
+        for run, name in sorted(runs, key=lambda pair: pair[0].get("run_id") or ""):
+            if run["config"].get("sglang") == release:
+                out += [f"### On sglang {release}: `docs/bench/{name}`", "",
+                        *_release_line(release, run.get("kernels"), run["config"].get("stand_ins")),
+                        *_vit_server_run(run, name)[2:]]
+    runs = [(run, name) for run, name in runs if run["config"].get("sglang") == main]
     if not runs:
-        return []
+        return out
     lines = ["### Other runs", "", "Kept in `docs/bench/`; a run's table, targets and command: "
              "`python scripts/gen_performance_doc.py --show docs/bench/<file>`.", "",
              "| file | run id | model | attention | passes |", "|---|---|---|---|---|"]
@@ -646,7 +680,7 @@ def _vit_server_other_runs() -> list:
         cfg = run["config"]
         lines.append(f"| `{name}` | {run.get('run_id') or '-'} | {cfg.get('model')} | "
                      f"{run.get('attention') or cfg.get('mm_attention_backend') or '-'} | {_passes_line(run)} |")
-    return lines + [""]
+    return out + lines + [""]
 
 
 def show(path: str) -> str:
@@ -719,7 +753,8 @@ def _pi05_server_headline():
     fast, exact = rows.get(("ext-fast", "openpi", "random")), rows.get(("ext-exact", "openpi", "random"))
     if not fast or fast.get("p50_ms") is None:
         return None
-    unpatched = rows.get(("0517", "openpi", "random"), {})
+    unpatched = next((rows[(name, "openpi", "random")] for name in bench_results.UPSTREAM_PI05_SERVERS
+                      if (name, "openpi", "random") in rows), {})
     if unpatched.get("p50_ms") is not None:
         before = f"{unpatched['p50_ms']:.1f} ms, {unpatched.get('captures_after_start', '?')} captures while serving"
     else:

@@ -6,7 +6,8 @@
 # joins + verifies them once all are there, installs this checkout as a distribution (so sglang's
 # load_plugins() sees its entry points), exports PYTHONPATH and the JIT cache folders, and prints one
 # `sgx:` line saying what is real. Idempotent; a repeat call does only the checks.
-# SGX_PYTHON (default python3) is the interpreter; SGX_STANDINS names stand-in packages (see the doc).
+# SGX_PYTHON (default python3) is the interpreter; SGX_STANDINS names stand-in packages that every process
+# started after the source sees, sglang's spawned servers too (see the doc).
 # Sourced: never `exit`s the caller; returns non-zero (with one `sgx: ERROR` line) when unusable.
 
 _sgx_setup() {
@@ -92,8 +93,20 @@ _sgx_setup() {
   export SGX_ROOT="$root" SGX_SGLANG="$tag" SGX_SGLANG_DIR="$root/sgl$tag"
   # 0.5.23 on 0.5.17's kernels: its engine asserts sglang-kernel >= 0.4.9, and its FA3 would first try a kernel hub
   [ "$tag" = 0523 ] && export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 SGLANG_USE_SGL_FA3_KERNEL=1
+  # SGX_STANDINS: a folder per name, first on PYTHONPATH, so every process (sglang's spawned servers
+  # too) imports that package as a stand-in (test/sglang_ext_testkit/stand_ins.py)
+  local standins="" s
+  export SGX_STANDINS="${SGX_STANDINS:-}"                 # what the summary line and bench results report
+  for s in $(echo "${SGX_STANDINS:-}" | tr ',' ' '); do
+    case $s in *[!A-Za-z0-9_]*) _sgx_err "SGX_STANDINS: '$s' is not a top-level package name"; return 2 ;; esac
+    mkdir -p "$root/stand-ins/$s/$s" || return 1
+    printf '%s\n' "# stand-in written by scripts/gpu_env.sh for SGX_STANDINS (harness only)" "import sys" \
+      "from sglang_ext_testkit.stand_ins import stand_in_package" "sys.modules[__name__] = stand_in_package(__name__)" \
+      > "$root/stand-ins/$s/$s/__init__.py"
+    standins="$standins$root/stand-ins/$s:"
+  done
   # $repo/test: the test tooling (sglang_ext_testkit), never installed
-  export PYTHONPATH="$root/ext:$repo/test:$root/sgl$tag:$root/site${SGX_PYTHONPATH0:+:$SGX_PYTHONPATH0}"
+  export PYTHONPATH="$standins$root/ext:$repo/test:$root/sgl$tag:$root/site${SGX_PYTHONPATH0:+:$SGX_PYTHONPATH0}"
   export TVM_FFI_CACHE_DIR="$root/cache/tvm-ffi" TRITON_CACHE_DIR="$root/cache/triton"
   export TORCHINDUCTOR_CACHE_DIR="$root/cache/inductor"
   export FLASHINFER_WORKSPACE_BASE="$root/cache"          # flashinfer/jit/env.py: <base>/.cache/flashinfer
@@ -167,7 +180,12 @@ out.append(f"transformers {ver('transformers')}")
 eps = [e.name for e in md.entry_points(group="sglang.srt.plugins")]
 out.append(f"plugin={'yes' if 'sglang_ext' in eps else 'no'} sglang-ext {ver('sglang-ext')}")
 out.append(f"glibc {os.environ.get('SGX_GLIBC')}")
-out.append(f"stand-ins: {','.join(stand) if stand else 'none'}")
+out.append(f"stand-ins: {','.join(stand) + ' (every process)' if stand else 'none'}")
+if os.environ.get("SGX_SGLANG") == "0523":  # imported by a 0.5.23 server at start (docs/gpu-harness.md)
+    import importlib.util
+    need = {n: "stand-in" if n in stand else ("yes" if importlib.util.find_spec(n) else "NO: its server dies at start")
+            for n in ("cutlass", "imageio_ffmpeg")}
+    out.append("0523 needs " + " ".join(f"{n}={v}" for n, v in need.items()))
 print("sgx: " + " | ".join(out), flush=True)
 EOF
   unset -f _sgx_err _sgx_same

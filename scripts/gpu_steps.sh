@@ -16,7 +16,7 @@
 #                            and errors in server_log_excerpts.txt
 #   pi05-loop                robot closed loop over /openpi/policy (200 steps, fast path vs exact server) and the
 #                            observation-on-device GPU test; needs `websockets` (requirements/gpu-carry.txt)
-#   bench-pi05-server        scripts/bench_pi05_server.py: 0517, ext-no-transport, ext-exact, ext-fast servers one
+#   bench-pi05-server        scripts/bench_pi05_server.py: upstream, ext-no-transport, ext-exact, ext-fast servers one
 #                            after another (BENCH_PI05_SERVER_ARGS), JSON in the step's tarball (server_pi05.json)
 #   bench-pi05               scripts/bench_pi05.py: 0.5.17, 0.5.19, then sglang-ext (all modes), one
 #                            process each, one after another, one run id; then docs/performance.md's

@@ -8,16 +8,20 @@ carried), name it in SGX_STANDINS and run python through this module:
     SGX_STANDINS=sgl_kernel,flashinfer python3 -m sglang_ext_testkit.stand_ins scripts/bench_vit.py ...
 
 Every module under a named package then imports as an empty package whose attributes raise
-RuntimeError("stand-in: ...") when called; names in SGX_STANDINS_REFUSE (dotted submodules) raise
-ModuleNotFoundError instead, so code guarded by try/except takes its fallback. Only this process and
-children started through this module see the stand-ins (not sglang's spawned schedulers). gpu_env.sh's
-summary line reports SGX_STANDINS, so a result says what was not real.
+RuntimeError("stand-in: ...") when called (applied as a bare decorator, one gives back a stand-in that
+raises when called); names in SGX_STANDINS_REFUSE (dotted submodules) raise ModuleNotFoundError
+instead, so code guarded by try/except takes its fallback. Run through this module, only this process
+and children started through it see the stand-ins. Every process, sglang's spawned servers and
+schedulers too: scripts/gpu_env.sh puts a folder per SGX_STANDINS name first on PYTHONPATH whose
+__init__ calls stand_in_package() (how a 0.5.23 server starts without the CUTLASS DSL and imageio-ffmpeg,
+docs/gpu-harness.md). gpu_env.sh's summary line reports SGX_STANDINS, so a result says what was not real.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import inspect
 import os
 import runpy
 import sys
@@ -40,6 +44,8 @@ class _Missing:
         return _Missing(f"{self._qualname}.{name}")
 
     def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and (inspect.isfunction(args[0]) or isinstance(args[0], type)):
+            return _Missing(f"{self._qualname}({args[0].__qualname__})")  # a bare decorator at import time
         raise RuntimeError(f"stand-in: {self._qualname} is not available on this machine (SGX_STANDINS)")
 
     def __mro_entries__(self, bases):  # `class X(standin.Base)` still defines a class
@@ -83,9 +89,28 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> frozenset:
     """Put the finder first on sys.meta_path for SGX_STANDINS; returns the names (empty: nothing done)."""
     packages = _names("SGX_STANDINS")
-    if packages and not any(isinstance(f, StandInFinder) for f in sys.meta_path):
+    finder = next((f for f in sys.meta_path if isinstance(f, StandInFinder)), None)
+    if packages and finder is None:
         sys.meta_path.insert(0, StandInFinder(packages, _names("SGX_STANDINS_REFUSE")))
+    elif packages:
+        finder.packages = finder.packages | packages
     return packages
+
+
+def stand_in_package(name: str) -> types.ModuleType:
+    """The stand-in for top-level package `name`, its submodules through the finder (first on sys.meta_path).
+
+    For a folder on PYTHONPATH: its `name/__init__.py` does `sys.modules[__name__] = stand_in_package(__name__)`,
+    so every interpreter that imports `name` gets the stand-in, spawned ones included."""
+    finder = next((f for f in sys.meta_path if isinstance(f, StandInFinder)), None)
+    if finder is None:
+        finder = StandInFinder(frozenset(), _names("SGX_STANDINS_REFUSE"))
+        sys.meta_path.insert(0, finder)
+    finder.packages = finder.packages | {name}
+    spec = importlib.machinery.ModuleSpec(name, finder, is_package=True)
+    module = finder.create_module(spec)
+    module.__spec__, module.__loader__ = spec, finder
+    return module
 
 
 def main(argv: list) -> int:

@@ -77,6 +77,9 @@ def test_targets_are_for_moving_robots_and_compare_exact_with_unpatched():
         "ext-exact openpi random: p50 ms vs unpatched 0517": (60.0, 64.0),
         "ext-exact openpi random: p99 ms vs unpatched 0517": (70.0, 196.0),
     }
+    rows[3]["server"] = "upstream"  # the name since 0.5.23 runs (0517: files written before)
+    got = {label: (value, bound) for label, value, _, bound in bench_results.pi05_server_targets(rows)}
+    assert got["ext-exact openpi random: p50 ms vs unpatched upstream"] == (60.0, 64.0)
 
 
 def test_robot_streams_move_switch_tasks_and_cameras():
@@ -106,7 +109,7 @@ def test_graph_counts_come_from_the_server_log(tmp_path):
 
 
 def test_bad_server_or_wire_names_are_refused_with_the_allowed_ones():
-    with pytest.raises(SystemExit, match="--servers: ext-slow not allowed; allowed: 0517, ext-no-transport"):
+    with pytest.raises(SystemExit, match="--servers: ext-slow not allowed; allowed: upstream, ext-no-transport"):
         bench_pi05_server._choices("ext-exact,ext-slow", bench_pi05_server.SERVERS, "servers")
 
 
@@ -131,6 +134,15 @@ def test_performance_doc_renders_the_server_section_and_its_targets(tmp_path, mo
     assert "| ext-fast json random: client p50 ms | 16.10 | <= 21.00 | met |" in text
     assert "| ext-fast openpi random: graphs captured after start | 0.00 | <= 0.00 | met |" in text
     assert "- ext-exact: ServerError: exited" in text and "0517 | sglang | sglang's | 20 | 31.00" in text
+    # a run on sglang 0.5.23, kept beside it, renders as its own section naming its release and kernels
+    report.update(run_id="r2", sglang="0.5.23", kernels={"sgl_kernel": "0.4.5"}, stand_ins=["imageio_ffmpeg"])
+    report["results"][-1]["server"] = "upstream"
+    bench_results.write(str(tmp_path / "server_pi05_sglang_0523.json"), report, bench_results.PI05_SERVER_SCHEMA)
+    assert gen_performance_doc.main(["--bench-dir", str(tmp_path), "--doc", str(doc)]) == 0
+    text = doc.read_text().split("### On sglang 0.5.23: `docs/bench/server_pi05_sglang_0523.json`")
+    assert len(text) == 2 and "0517 | sglang | sglang's | 20 | 31.00" in text[0], text[0][-2000:]
+    assert "Release: sglang 0.5.23's Python; the kernels were 0.5.17's sgl-kernel 0.4.5" in text[1]
+    assert "one run (run id r2)" in text[1] and "upstream | sglang | sglang's | 20 | 31.00" in text[1]
     data = json.loads((tmp_path / "server_pi05.json").read_text())
     data["results"][0]["hand_added"] = 1
     (tmp_path / "server_pi05.json").write_text(json.dumps(data))

@@ -70,7 +70,7 @@ def test_ttft_p99_is_the_median_over_passes_per_slot():
                         (300.0, 100.0, 250.0)):
         row["ttft_p99_ms"] = p99
     assert bench_results.ttft_p99(report, "ext") == {("fa3", 8, "1"): 250.0, ("fa3", 32, "1"): 200.0}
-    assert bench_results.ttft_p99(report, "0517-graphs-on") == {}
+    assert bench_results.ttft_p99(report, "upstream-graphs-on") == {}
     import gen_performance_doc  # scripts/, on the path above
 
     rows = [r for r in gen_performance_doc._vit_server_targets(report) if "TTFT p99" in r]
@@ -130,7 +130,7 @@ def test_reserved_growth_of_a_run_without_timed_passes_counts_the_accuracy_reque
     report["accuracy"] = [dict(backend=backend, config=name, concurrency=c, requests=200, max_abs=0.0,
                                beyond_0_05=0, floor_max_abs=None, error=error)
                           for backend, name, c, error in (("fa3", "ext", 1, None), ("fa3", "ext", 16, None),
-                                                          ("fa3", "ext", 1, "died"), ("fa3", "0517-graphs-on", 1, None),
+                                                          ("fa3", "ext", 1, "died"), ("fa3", "upstream-graphs-on", 1, None),
                                                           ("triton_attn", "ext", 1, None))]
     assert bench_results.reserved_growth(report, ext) == (pytest.approx(500.0), 400)
     report["accuracy"][1]["samples"] = 3  # three passes at concurrency 16
@@ -158,7 +158,7 @@ def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_ag
              error=None),
         dict(backend="fa3", config="ext", concurrency=16, requests=200, max_abs=0.097, beyond_0_05=12,
              floor_max_abs=0.0789, error=None),
-        dict(backend="fa3", config="0517-graphs-on", concurrency=16, requests=200, max_abs=None, beyond_0_05=None,
+        dict(backend="fa3", config="upstream-graphs-on", concurrency=16, requests=200, max_abs=None, beyond_0_05=None,
              floor_max_abs=0.0789, error="died")]
     rows = [r for r in gen_performance_doc._vit_server_targets(report) if "graphs-off" in r and "c=" in r]
     assert "| fa3 c=1: requests beyond 0.05 of graphs-off (layout sizes) | 0 | <= 0 | met |" in rows
@@ -406,7 +406,7 @@ def test_the_unpatched_graphs_on_server_counts_upstreams_own_captures(monkeypatc
     server = SimpleNamespace(get_text=lambda path: "", capture_dir=str(tmp_path))
     assert bench_vit_server.metrics(server)["graph_captures_total"] == 3.0
     env = lambda name: bench_vit_server.server_env(name, str(tmp_path))  # noqa: E731
-    assert env("0517-graphs-on")["SGX_SERVER_TRACE"] == "captures" and "SGX_SERVER_TRACE_DIR" in env("0517-graphs-on")
+    assert env("upstream-graphs-on")["SGX_SERVER_TRACE"] == "captures" and "SGX_SERVER_TRACE_DIR" in env("upstream-graphs-on")
     assert not {"SGX_SERVER_TRACE", "SGX_SERVER_TRACE_DIR"} & (set(env("ext")) | set(env("graphs-off")))
 
 
@@ -556,6 +556,46 @@ def test_a_slice_worker_builds_with_the_tokenizer_and_model_its_arguments_name(m
     args = _dataset_args(7, tokenizer="/models/t", model="/models/m", served_model_name=None)
     assert bench_vit_server._build_slice((args, str(tmp_path))) == []
     assert fake.built == [(8, 7, "/models/m", "tokenizer of /models/t")]
+
+
+def test_the_unpatched_graphs_on_server_keeps_its_place_under_its_name_before_the_rename():
+    """Runs written before the release-neutral names call it 0517-graphs-on: shown as written, in the same row."""
+    order = []
+    for name in ("upstream-graphs-on", "0517-graphs-on"):
+        report = _report()
+        report["passes"] += [_row(name, 8, 26.0), _row("ext-no-replay", 8, 20.0), _row("graphs-off-2", 8, 23.0)]
+        rows = [x.split()[3] for x in bench_results.vit_server_table(report).splitlines() if "   8 " in x]
+        order.append([r.replace(name, "UNPATCHED") for r in rows])
+    assert order[0] == order[1] == ["ext", "graphs-off", "graphs-off-2", "UNPATCHED", "ext-no-replay", "vit-free"]
+
+
+def test_a_kept_run_on_another_release_gets_its_own_section_with_its_kernels(tmp_path, monkeypatch):
+    """vit_server.json is 0.5.17; a kept 0.5.23 run renders in full under its release, naming 0.5.17's kernels
+    and the stand-ins it ran with; kept 0.5.17 runs stay one line each."""
+    import json
+
+    import gen_performance_doc  # scripts/, on the path above
+
+    def run(release, run_id):
+        report = _report()
+        report.update(run_id=run_id, kernels={"sgl_kernel": "0.4.5", "flashinfer": "0.6.15.post1"}, attention="fa3",
+                      accuracy=[], config={"sglang": release, "model": "qwen2_5_vl real-scale random",
+                                           "requests": 64, "command": f"bench {release}"})
+        report["passes"].append(_row("upstream-graphs-on", 8, 26.0))
+        if release == "0.5.23":
+            report["config"]["stand_ins"] = ["cutlass", "imageio_ffmpeg"]
+        return report
+
+    for name, release, run_id in (("vit_server.json", "0.5.17", "r1"), ("vit_server_old.json", "0.5.17", "r0"),
+                                  ("vit_server_sglang_0523.json", "0.5.23", "r2")):
+        (tmp_path / name).write_text(json.dumps(run(release, run_id)))
+    monkeypatch.setattr(gen_performance_doc, "BENCH_DIR", str(tmp_path))
+    text = gen_performance_doc._vit_server_section()
+    own = text.split("### On sglang 0.5.23: `docs/bench/vit_server_sglang_0523.json`")[1].split("### Other runs")[0]
+    assert "Release: sglang 0.5.23's Python; the kernels were 0.5.17's sgl-kernel 0.4.5" in own
+    assert "stand-ins, imported and never called on this device: cutlass, imageio_ffmpeg" in own
+    assert "upstream-graphs-on" in own and "Command: `bench 0.5.23`" in own
+    assert "| `vit_server_old.json` | r0 |" in text and "vit_server_sglang_0523.json` |" not in text
 
 
 def test_an_accuracy_only_run_is_described_as_such():

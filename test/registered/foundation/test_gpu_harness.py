@@ -20,7 +20,7 @@ import tarfile
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=90, suite="base-a-test-cpu")
+register_cpu_ci(est_time=150, suite="base-a-test-cpu")
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 KERNEL = "sglang_kernel-9.9.9"
@@ -85,6 +85,9 @@ def tree(tmp_path):
     shutil.copy(os.path.join(REPO, "setup.py"), t)
     shutil.copytree(os.path.join(REPO, "python"), t / "python",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (t / "test" / "sglang_ext_testkit").mkdir(parents=True)
+    for name in ("__init__.py", "stand_ins.py"):
+        shutil.copy(os.path.join(REPO, "test", "sglang_ext_testkit", name), t / "test" / "sglang_ext_testkit")
     return t
 
 
@@ -139,3 +142,90 @@ def test_sglang_0523_tree_arrives_in_a_later_call_and_gets_its_kernel_settings(t
     assert "rc=0" in out and "skip=1 fa3=1" in out, out
     assert (root / "sgl0523" / "marker.txt").read_text() == "0523" and (root / "sgl0517").is_dir()
     assert f"PYTHONPATH={root}/ext:{tree}/test:{root}/sgl0523:{root}/site\n" in out, out
+
+
+# Imported the way sglang 0.5.23's CuTe DSL kernel module imports the CUTLASS DSL at module level, in a
+# process started with no help (as sglang spawns its schedulers): plain `python`, the environment only.
+DSL_LIKE = """
+import cutlass, cutlass.cute as cute
+from cutlass.cute import experimental as cute_ext
+from cutlass.utils import blackwell_helpers as sm100_utils
+@cute.experimental.jit
+def wrapper(x):
+    return x
+class Kernel:
+    @cute.experimental.kernel
+    def kernel(self):
+        pass
+import imageio_ffmpeg
+try:
+    wrapper(1)
+except RuntimeError as e:
+    print("call:", e)
+print("stubs:", cutlass.__sgl_stub__, imageio_ffmpeg.__sgl_stub__, cute_ext, Kernel.kernel)
+"""
+
+
+def test_stand_ins_reach_every_process_started_after_the_source(tree, tmp_path):
+    """SGX_STANDINS=cutlass,imageio_ffmpeg: what a 0.5.23 server imports at start is a stand-in in a plain
+    child process (sglang's spawned servers), its decorators apply at import time and its calls raise."""
+    root = tmp_path / "sgx"
+    place(tree, base=build_carry()[0], sgl0523=tar_xz({"sgl0523/marker.txt": b"0523"}))
+    probe = f"{sys.executable} -c '{DSL_LIKE}';"
+    out = source(tree, root, extra=f"SGX_STANDINS=cutlass,imageio_ffmpeg SGX_SGLANG=0523 source scripts/gpu_env.sh; {probe}")
+    assert "rc=0" in out and "stand-ins: cutlass,imageio_ffmpeg (every process)" in out, out
+    assert "0523 needs cutlass=stand-in imageio_ffmpeg=stand-in" in out, out
+    assert "call: stand-in: cutlass.cute.experimental.jit(wrapper) is not available" in out, out
+    assert "stubs: True True <stand-in cutlass.cute.experimental>" in out, out
+    assert f"PYTHONPATH={root}/stand-ins/cutlass:{root}/stand-ins/imageio_ffmpeg:{root}/ext:" in out, out
+    # without them the summary says what a 0.5.23 server would die of; a bad name is refused
+    out = source(tree, root, extra="SGX_SGLANG=0523 source scripts/gpu_env.sh;")
+    assert "0523 needs cutlass=NO: its server dies at start" in out and "stand-ins: none" in out, out
+    out = source(tree, root, extra="SGX_STANDINS=cuda.bindings source scripts/gpu_env.sh; echo rc2=$?;")
+    assert "'cuda.bindings' is not a top-level package name" in out and "rc2=2" in out, out
+
+
+SM90_DUAL_GEMM = """
+import sys, torch
+import sglang.srt.utils.common as common
+import sglang.srt.layers.dual_gemm as dual_gemm
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+dual_gemm.is_cuda = common.is_cuda = lambda: True
+common.get_device_sm = lambda: int(sys.argv[1])
+common.is_sm100_supported.cache_clear()
+class GateUp:  # what DualGemm._select_mode reads of Qwen2MLP's gate_up_proj (bf16, unquantized)
+    quant_method, params_dtype, output_partition_sizes = UnquantizedLinearMethod(), torch.bfloat16, [11008, 11008]
+gemm = dual_gemm.DualGemm.__new__(dual_gemm.DualGemm)
+gemm.down_proj, gemm.max_tokens = None, 0
+print("mode", gemm._select_mode(GateUp(), 2048), "max_tokens", gemm.max_tokens)
+import sglang.multimodal_gen.runtime.entrypoints.action.openpi, sglang.multimodal_gen.runtime.entrypoints.http_server
+from sglang.multimodal_gen.runtime.entrypoints import utils
+try:
+    utils._resolve_ffmpeg_exe()
+except RuntimeError as e:
+    print("video:", e)
+"""
+
+
+def test_sglang_0523_server_imports_take_the_sm90_path_with_the_stand_ins(tmp_path):
+    """sglang 0.5.23's Qwen2 MLP (Qwen2.5-VL / Qwen3-VL text models) builds a DualGemm whose mode check imports
+    the CUTLASS DSL on any CUDA device; the kernel is sm100-only (can_use_dual_gemm checks is_sm100_supported
+    first). With the stand-in, a device reporting sm90 gets no dual GEMM (sglang's gate_up + SiluAndMul path,
+    as with the real package); sm100 would pick it, and its first call would raise. The action API imports
+    imageio_ffmpeg for video encoding only."""
+    pytest.importorskip("sglang.srt.layers.dual_gemm", reason="sglang 0.5.23's DualGemm")
+    folders = []
+    for name in ("cutlass", "imageio_ffmpeg"):  # as scripts/gpu_env.sh writes them
+        (tmp_path / name / name).mkdir(parents=True)
+        (tmp_path / name / name / "__init__.py").write_text(
+            "import sys\nfrom sglang_ext_testkit.stand_ins import stand_in_package\n"
+            "sys.modules[__name__] = stand_in_package(__name__)\n")
+        folders.append(str(tmp_path / name))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(folders + [os.path.join(REPO, "test"), os.path.join(REPO, "python")]))
+    run = lambda sm: subprocess.run([sys.executable, "-c", SM90_DUAL_GEMM, sm], env=env, capture_output=True,
+                                    text=True, timeout=600)
+    sm90 = run("90")
+    assert sm90.returncode == 0 and "mode None max_tokens 0" in sm90.stdout, sm90.stdout + sm90.stderr[-3000:]
+    assert "video: stand-in: imageio_ffmpeg.get_ffmpeg_exe is not available" in sm90.stdout, sm90.stdout
+    sm100 = run("100")
+    assert "mode 4 max_tokens 16" in sm100.stdout, sm100.stdout + sm100.stderr[-3000:]  # DualGemmQuantMode.UNQUANT
