@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 from sglang.multimodal_gen.runtime.vla.prefix_cache import PrefixContext
@@ -108,16 +109,15 @@ class VLAGraphCacheInfo(CacheInfo):
 
 
 _GENERATIONS = itertools.count(1)
-_GENERATION_ATTR = "_vla_context_generation"
+_GENERATION_OF = WeakIdKeyDictionary()  # PrefixContext -> its number, held weakly by identity (nothing set on it)
 
 
 def prefix_context_generation(prefix_context: Any) -> int:
-    """A number naming this PrefixContext for the life of the process (stamped on first use);
-    unlike id(), never handed to another object."""
-    generation = getattr(prefix_context, _GENERATION_ATTR, None)
+    """A number naming this PrefixContext while it lives (given on first use); unlike id(), never handed to
+    another object."""
+    generation = _GENERATION_OF.get(prefix_context)
     if generation is None:
-        generation = next(_GENERATIONS)
-        object.__setattr__(prefix_context, _GENERATION_ATTR, generation)
+        generation = _GENERATION_OF[prefix_context] = next(_GENERATIONS)
     return generation
 
 
