@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_ext.graphs import stats as ext_graph_stats
-from sglang_ext.graphs.agreement import (OK, PERMANENT, agreed, agreed_capture, cpu_group_min, cpu_group_vote,
-                                         failure_vote, local_vote)
+from sglang_ext.graphs.agreement import OK, PERMANENT, agreed, agreed_capture, cpu_group_min, failure_vote
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.packing import median_wall_ms, whole_sequence_chunks
 from sglang_ext.vit import strategy, tp
@@ -105,7 +104,7 @@ class ViTGraphEngine:
 
     def vote(self, value):
         """`value` agreed by the tower's group: a MIN vote over its CPU group (gloo); alone, the value itself."""
-        return local_vote(value) if self.group is None else cpu_group_vote(self.group.cpu_group)(value)
+        return value if self.group is None else cpu_group_min(self.group.cpu_group, value)
 
     def warm_up(self):
         return tp.warm_up_context(self.group)
