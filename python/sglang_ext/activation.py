@@ -192,11 +192,6 @@ def resolve_version(settings: Optional[Settings], source_root: Optional[str] = N
     return installed
 
 
-def is_supported(version: Optional[str]) -> bool:
-    """A supported release, or one between two (its patches are decided by their fingerprints)."""
-    return version is not None and within_supported_range(version)
-
-
 def plan(settings: Settings, *, version: Optional[str], source_root: Optional[str] = None
          ) -> Dict[str, PatchStatus]:
     """Decide every patch's status without touching anything (doctor uses this too)."""

@@ -14,6 +14,8 @@ import os
 from functools import lru_cache
 from typing import Dict, Iterable, Optional
 
+from sglang_ext.versions import version_key
+
 _TABLE_DIR = os.path.join(os.path.dirname(__file__), "fingerprints")
 
 
@@ -103,7 +105,5 @@ def reference_table(version: str) -> Dict[str, Optional[str]]:
 
 
 def recorded_versions() -> list[str]:
-    from sglang_ext.versions import version_key
-
     names = [n[len("sglang-"):-len(".json")] for n in os.listdir(_TABLE_DIR) if n.endswith(".json")]
     return sorted(names, key=version_key)

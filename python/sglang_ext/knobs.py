@@ -249,7 +249,6 @@ def _check_vit_bucket_only(values: dict) -> None:
 
 
 def _check_vit_token_buckets(values: dict) -> None:
-    """Token buckets must keep merge groups whole."""
     buckets = values["vit_graph_token_buckets"]
     bad = [b for b in buckets if b % VIT_MERGE_UNIT]
     if bad:

@@ -53,7 +53,7 @@ class PatchContext:
 
     def setitem(self, mapping: Any, key: Any, value: Any) -> None:
         """Replace a dict entry (e.g. qwen3_vl.graph_runners_dict['cuda'])."""
-        original = mapping[key] if key in mapping else _MISSING
+        original = mapping.get(key, _MISSING)
         mapping[key] = value
         self._record(AttrSwap(_ItemOwner(mapping), key, original, value))
 
@@ -66,7 +66,8 @@ class PatchContext:
         """Verify: every recorded swap is still what is live."""
         out = []
         for s in self.swaps:
-            live = s.owner.get(s.name, _MISSING) if isinstance(s.owner, _ItemOwner) else _live_attr(s.owner, s.name)
+            live = (s.owner.mapping.get(s.name, _MISSING) if isinstance(s.owner, _ItemOwner)
+                    else _live_attr(s.owner, s.name))
             if live is not s.replacement and not _wraps(live, s.replacement):
                 out.append(f"{s.describe()} is not the patched object after applying")
         return out
@@ -165,9 +166,6 @@ def _wraps(live: Any, replacement: Any) -> bool:
 class _ItemOwner:
     def __init__(self, mapping: Any):
         self.mapping = mapping
-
-    def get(self, key: Any, default: Any) -> Any:
-        return self.mapping[key] if key in self.mapping else default
 
     def __repr__(self) -> str:  # for describe()
         return f"<dict {type(self.mapping).__name__}>"

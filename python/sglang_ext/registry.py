@@ -294,16 +294,15 @@ PATCHES: Tuple[PatchSpec, ...] = (
         targets=T(_PI05_CONFIG, "Pi05PipelineConfig")
         + T(f"{_MG_CONFIGS}.base", "PipelineConfig.update_pipeline_config", "PipelineConfig.check_pipeline_config")
         + T(_VLA_PROTOCOL, "action_metadata")
-        + T(f"{_ACTION}.api", "action_metadata_endpoint"),
+        + T(_VLA_API, "action_metadata_endpoint"),
         parts=(
             Part(_PI05_CONFIG, "sglang_ext.pi05.config:patch_pipeline_config"),
             Part(f"{_MG}.vla", "sglang_ext.pi05.config:install_prompt_bucketing", before="0.5.19"),
             Part(_VLA_PROTOCOL, "sglang_ext.pi05.action_metadata:patch_protocol"),
-            Part(f"{_ACTION}.api", "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
-            Part(f"{_ACTION}.ws_utils",
-                 "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
+            Part(_VLA_API, "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
+            Part(_VLA_WS, "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
         ),
-        rebinds=(f"{_ACTION}.api.action_metadata", f"{_ACTION}.ws_utils.action_metadata",
+        rebinds=(f"{_VLA_API}.action_metadata", f"{_VLA_WS}.action_metadata",
                  f"{_MG}.vla.prompt_bucketing (new module)",
                  f"{_ACTION}.protocol (module alias of {_VLA_PROTOCOL})"),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",

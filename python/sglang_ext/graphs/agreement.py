@@ -23,11 +23,6 @@ OK = 2
 Vote = Callable[[int], int]
 
 
-def local_vote(value: int) -> int:
-    """The vote of a world of one (or of a rank-local encoder)."""
-    return value
-
-
 def cpu_group_min(cpu_group: Any, value: int, bits: int = 32) -> int:
     """MIN of `value` over `cpu_group` (a gloo process group): one all-reduce of one int."""
     import torch
@@ -36,15 +31,6 @@ def cpu_group_min(cpu_group: Any, value: int, bits: int = 32) -> int:
     flag = torch.tensor([int(value)], dtype=torch.int64 if bits == 64 else torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
     return int(flag.item())
-
-
-def cpu_group_vote(cpu_group: Any) -> Vote:
-    """A vote over `cpu_group`: one MIN all-reduce of one int32."""
-
-    def vote(value: int) -> int:
-        return cpu_group_min(cpu_group, value)
-
-    return vote
 
 
 def failure_vote(exc: Optional[BaseException]) -> int:
@@ -59,8 +45,6 @@ class DeclinedByPeer(RuntimeError):
     def __init__(self, stage: str, transient: bool):
         super().__init__(f"graph {stage} failed on another rank "
                          f"({'transient: retried later' if transient else 'permanent'})")
-        self.stage = stage
-        self.transient = transient
 
 
 @dataclass
@@ -68,10 +52,8 @@ class Outcome:
     """What all ranks agreed: `ok` (with the step's `value`), else the failure (local or a peer's) and its class."""
 
     ok: bool
-    stage: str = ""  # the step that failed when not ok
     transient: bool = False
     error: Optional[BaseException] = None  # this rank's own error, or DeclinedByPeer
-    votes: int = 0
     value: Any = None
 
     @property
@@ -94,19 +76,16 @@ def agreed(vote: Vote, step: Callable[[], Any], stage: str) -> Outcome:
         transient = agreed == TRANSIENT
         if error is None:
             error = DeclinedByPeer(stage, transient)
-        return Outcome(False, stage, transient, error, votes=1)
-    return Outcome(True, votes=1, value=value)
+        return Outcome(False, transient, error)
+    return Outcome(True, value=value)
 
 
 def agreed_capture(vote: Vote, prepare: Callable[[], Any], capture: Callable[[], Any],
                    discard: Callable[[], None]) -> Outcome:
     """Run `prepare()`, vote, `capture()`, vote; on an agreed failure `discard()` (exceptions are returned)."""
-    votes = 0
     for stage, step in (("prepare", prepare), ("capture", capture)):
         outcome = agreed(vote, step, stage)
-        votes += 1
         if not outcome.ok:
             discard()
-            outcome.votes = votes
             return outcome
-    return Outcome(True, votes=votes)
+    return Outcome(True)

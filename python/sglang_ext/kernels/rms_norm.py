@@ -19,10 +19,6 @@ from sglang_ext.kernels.backend import after_previous_kernel, block_size, runs_t
 from sglang_ext.kernels.skinny_gemm import Partials
 
 
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t.reshape(-1, n)
-
-
 def _check(x, scale, shift, add, gate):
     n = x.shape[-1]
     rows = x.numel() // n
@@ -47,11 +43,11 @@ def ada_rms_norm_reference(x: torch.Tensor, scale: torch.Tensor, shift: Optional
     n, _, group = _check(x, scale, shift, add, gate)
 
     def per_row(t):
-        return _rows(t, n).float().repeat_interleave(group, dim=0)
+        return t.reshape(-1, n).float().repeat_interleave(group, dim=0)
 
-    rows = _rows(x, n)
+    rows = x.reshape(-1, n)
     if add is not None:
-        branch = _rows(add.total() if isinstance(add, Partials) else add, n).float()
+        branch = (add.total() if isinstance(add, Partials) else add).reshape(-1, n).float()
         if gate is not None:
             branch = branch * per_row(gate)
         rows.copy_((rows.float() + branch).to(x.dtype))

@@ -132,12 +132,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     _doctor_parser(sub)
     _tiny_model_parser(sub)
     args = ap.parse_args(argv)
-    if args.command == "doctor":
-        return doctor_main(args)
-    if args.command == "make-tiny-model":
-        return tiny_model_main(args)
-    ap.error(f"unknown command {args.command!r}")
-    return USAGE_EXIT
+    # a required subcommand: argparse has already refused anything else
+    return doctor_main(args) if args.command == "doctor" else tiny_model_main(args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_sett
 from sglang_ext.tools.prerequisites import missing_message, missing_modules
 from sglang_ext.registry import PATCHES, PatchSpec
 from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, installed_sglang_path,
-                                 installed_sglang_version, source_tree_version)
+                                 installed_sglang_version, source_tree_version, within_supported_range)
 
 # How each mode came to its statuses (shown in the report).
 MODE_LIVE = "live: statuses of this process's activation"
@@ -48,7 +48,7 @@ def environment(source_root: Optional[str] = None, version: Optional[str] = None
         sglang_path = installed_sglang_path()
     return {"sglang_ext": _dist_version("sglang-ext"),
             "sglang": {"version": sglang_version, "path": sglang_path, "installed_version": installed_sglang_version(),
-                       "supported": activation.is_supported(sglang_version),
+                       "supported": sglang_version is not None and within_supported_range(sglang_version),
                        "supported_versions": list(SUPPORTED_SGLANG), "supported_range": SUPPORTED_RANGE},
             "torch": _dist_version("torch"), "python": sys.version.split()[0], "executable": sys.executable}
 

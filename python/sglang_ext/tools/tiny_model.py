@@ -46,6 +46,8 @@ _TEXT = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_
 _VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=2, in_channels=3, spatial_merge_size=2,
                temporal_patch_size=2, out_hidden_size=_TEXT["hidden_size"], initializer_range=INIT_STD)
 _MROPE_SECTION = [8, 12, 12]  # sums to head_dim / 2 = 32
+_PROCESSING = dict(temporal_patch_size=2, merge_size=2, do_resize=True, do_rescale=True, rescale_factor=1 / 255,
+                   do_normalize=True, do_convert_rgb=True)  # both VL kinds' image and video processors
 
 
 ALLOWED_FOLDERS = ("allowed: a new or empty folder, one holding this same model, or --force to overwrite "
@@ -86,17 +88,13 @@ def _config(kind: str, vocab: Dict[str, int]) -> dict:
 
 def _preprocessor_configs(kind: str) -> Dict[str, dict]:
     if kind == "qwen2_5_vl":
-        common = dict(patch_size=14, temporal_patch_size=2, merge_size=2, do_resize=True, do_rescale=True,
-                      rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True,
-                      image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
-                      size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280})
+        common = dict(_PROCESSING, patch_size=14, size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+                      image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
         return {"preprocessor_config.json": dict(common, image_processor_type="Qwen2VLImageProcessor",
                                                  processor_class="Qwen2_5_VLProcessor"),
                 "video_preprocessor_config.json": dict(common, video_processor_type="Qwen2VLVideoProcessor",
                                                        processor_class="Qwen2_5_VLProcessor")}
-    common = dict(patch_size=16, temporal_patch_size=2, merge_size=2, do_resize=True, do_rescale=True,
-                  rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True,
-                  image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    common = dict(_PROCESSING, patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     return {"preprocessor_config.json": dict(common, image_processor_type="Qwen2VLImageProcessor",
                                              processor_class="Qwen3VLProcessor",
                                              size={"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 1280}),

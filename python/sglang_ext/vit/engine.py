@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_ext.graphs import stats as ext_graph_stats
-from sglang_ext.graphs.agreement import (OK, PERMANENT, agreed, agreed_capture, cpu_group_min, cpu_group_vote,
-                                         failure_vote, local_vote)
+from sglang_ext.graphs.agreement import OK, PERMANENT, agreed, agreed_capture, cpu_group_min, failure_vote
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.packing import median_wall_ms, whole_sequence_chunks
 from sglang_ext.vit import strategy, tp
@@ -69,11 +68,11 @@ def device_layout(layout, device):
     return None if layout is None else torch.tensor(layout, dtype=torch.int32).to(device, non_blocking=True)
 
 
-def rows_of(value, start, end):
-    """Rows [start, end) of a tensor, or of each one in a (nested) tuple; None stays None."""
+def map_tensors(fn, value):
+    """`fn` of a tensor, or of each one in a (nested) tuple; None stays None."""
     if isinstance(value, tuple):
-        return tuple(rows_of(v, start, end) for v in value)
-    return None if value is None else value[start:end]
+        return tuple(map_tensors(fn, v) for v in value)
+    return None if value is None else fn(value)
 
 
 class ViTGraphEngine:
@@ -105,7 +104,7 @@ class ViTGraphEngine:
 
     def vote(self, value):
         """`value` agreed by the tower's group: a MIN vote over its CPU group (gloo); alone, the value itself."""
-        return local_vote(value) if self.group is None else cpu_group_vote(self.group.cpu_group)(value)
+        return value if self.group is None else cpu_group_min(self.group.cpu_group, value)
 
     def warm_up(self):
         return tp.warm_up_context(self.group)
@@ -280,7 +279,7 @@ class ViTGraphEngine:
         def call_of(start, end):
             if (start, end) == (0, tokens):
                 return layout, x_3d, rotary
-            return layout.between(start, end), x_3d[start:end], rows_of(rotary, start, end)
+            return layout.between(start, end), x_3d[start:end], map_tensors(lambda t: t[start:end], rotary)
 
         if len(ranges) == 1:  # one call: its replay writes the output, reordered
             out, reason = (self._replay_budget(layout, x_3d, rotary, output_indices=output_indices) if limit
@@ -386,12 +385,8 @@ class ViTGraphEngine:
 
     def _synthetic_call(self, sample, tokens):
         """A call of `tokens` zero rows shaped like `sample`: one image, window-sized windows."""
-        def zeros(t):  # a tensor, or each one in a (nested) tuple
-            if isinstance(t, tuple):
-                return tuple(zeros(v) for v in t)
-            return None if t is None else torch.zeros((tokens,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-
-        return (self.ladder.synthetic(tokens, bool(self.store.full_blocks)),) + zeros(sample)
+        zeros = map_tensors(lambda t: t.new_zeros((tokens,) + tuple(t.shape[1:])), sample)
+        return (self.ladder.synthetic(tokens, bool(self.store.full_blocks)),) + zeros
 
     def capture_budget(self, sample, budget):
         """Capture the graph of one budget (agreed by every TP rank, its inputs too: raises on all or none)."""
