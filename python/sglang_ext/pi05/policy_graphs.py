@@ -35,6 +35,7 @@ from sglang.multimodal_gen.runtime.vla.observation import tensor_fingerprint
 from sglang.multimodal_gen.runtime.vla.parallel import get_vla_split_group
 from sglang.multimodal_gen.runtime.vla.prefix_cache import PrefixContext, VLAPrefixCacheManager
 from sglang_ext import knobs
+from sglang_ext.graphs.host_copy import to_device
 from sglang_ext.pi05 import graph_settings, load_capture
 from sglang_ext.pi05.fast_path import FastPaths
 from sglang_ext.pi05.prompt_bucketing import bucket_prompt_tokens, effective_token_length, select_prompt_token_bucket
@@ -193,23 +194,13 @@ def build_prefix_cache_key(self, observation, *, bucket_prompt=False):
         cache_namespace="pi05")
 
 
-def _to_device(tensor, device, dtype):
-    """`tensor` on `device` as `dtype`. A CPU tensor bound for a GPU is copied through pinned memory
-    without blocking the host: a pageable copy holds the host until it is done (probe_pi05_host: ~0.65
-    ms for two float32 cameras before the prefix graph could start). The pinned copy is torch's caching
-    host allocator's: not reused before the transfer that reads it completes."""
-    if tensor.device.type == "cpu" and torch.device(device).type == "cuda":
-        return tensor.pin_memory().to(device, dtype=dtype, non_blocking=True)
-    return tensor.to(device, dtype=dtype)
-
-
 def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None):
     """The prefix context, on the prefix graph for batch 1 (a bucket miss runs eager and marks the
     context ineligible for action graphs)."""
     use_bucket = bool(use_cuda_graph if bucket_prompt is None else bucket_prompt) and \
         self._prompt_token_bucketing_enabled()
     camera_order = tuple(observation.metadata.get("camera_order", ()))
-    images = [_to_device(observation.images[name], self.device, torch.float32) for name in camera_order]
+    images = [to_device(observation.images[name], self.device, torch.float32) for name in camera_order]
     image_masks = [observation.image_masks[name].to(self.device) for name in camera_order]
     if use_bucket and _graph_plan(self).at_load:
         camera_order, images, image_masks = _as_all_checkpoint_cameras(self, camera_order, images, image_masks)

@@ -17,21 +17,9 @@ from __future__ import annotations
 import torch
 
 from sglang.srt.models.utils import permute_inv
+from sglang_ext.graphs.host_copy import to_device
 from sglang_ext.graphs.keys import cumulative_lengths, dedup_consecutive, grid_thw_lengths
 from sglang_ext.vit.runner import bind_runner
-
-# Host tensors up to this size reach the device through pinned memory without a sync (bounds the
-# pinned blocks the caching host allocator keeps); larger ones copy blocking.
-PIN_MAX_BYTES = 64 << 20
-
-
-def to_device(tensor, device, dtype=None):
-    """`tensor.to(device, dtype)` without a stream sync for host tensors bound for the GPU (staged
-    through pinned memory, which the caching host allocator keeps until the copy has run)."""
-    if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and torch.device(device).type == "cuda"
-            and tensor.numel() * tensor.element_size() <= PIN_MAX_BYTES):
-        return tensor.pin_memory().to(device=device, dtype=dtype, non_blocking=True)
-    return tensor.to(device=device, dtype=dtype)
 
 
 def rot_pos_emb(vit, grid_thw):

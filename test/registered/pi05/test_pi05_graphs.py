@@ -859,11 +859,17 @@ def test_cameras_reach_the_gpu_through_pinned_memory_without_blocking(pi05):
     from conftest import ext_core
 
     pi05()
-    policy_graphs = ext_core("pi05.policy_graphs")
+    host_copy = ext_core("graphs.host_copy")  # what the policy's encode_prefix copies camera frames with
     calls = []
 
     class HostFrame:  # a CPU tensor's copy calls, as seen from here (no GPU on this machine)
         device = torch.device("cpu")
+
+        def numel(self):
+            return 3 * 224 * 224
+
+        def element_size(self):
+            return 4
 
         def pin_memory(self):
             calls.append("pin")
@@ -873,10 +879,10 @@ def test_cameras_reach_the_gpu_through_pinned_memory_without_blocking(pi05):
             calls.append((str(device), dtype, non_blocking))
             return self
 
-    policy_graphs._to_device(HostFrame(), "cuda:0", torch.float32)
+    host_copy.to_device(HostFrame(), "cuda:0", torch.float32)
     assert calls == ["pin", ("cuda:0", torch.float32, True)]
     calls.clear()
-    policy_graphs._to_device(HostFrame(), torch.device("cpu"), torch.float32)
+    host_copy.to_device(HostFrame(), torch.device("cpu"), torch.float32)
     assert calls == [("cpu", torch.float32, False)]
     frame = torch.arange(6, dtype=torch.uint8)
-    assert torch.equal(policy_graphs._to_device(frame, "cpu", torch.float32), frame.float())
+    assert torch.equal(host_copy.to_device(frame, "cpu", torch.float32), frame.float())
