@@ -30,6 +30,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 from sglang.srt.layers.cp.base import get_cp_strategy
 from sglang.srt.layers.cp import padding as cp_padding
 from sglang.srt.layers.cp import utils as cp_utils
@@ -200,6 +202,8 @@ def runner_methods(counters: RunnerCounters, upstream: Dict[str, Any]) -> Dict[s
     CP capture holds its break inputs."""
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR
 
+    decisions = WeakIdKeyDictionary()  # forward batch -> the decision can_run_graph made for it (load_batch's)
+
     @functools.wraps(upstream["can_run_graph"])
     def can_run_graph(self, forward_batch) -> bool:
         if not (cp_bcg_captured(self) and is_cp_active(forward_batch)):
@@ -218,8 +222,7 @@ def runner_methods(counters: RunnerCounters, upstream: Dict[str, Any]) -> Dict[s
         no_bucket = decision is None or not decision.fits  # 0.5.23's own check rejects these too
         if admitted or no_bucket:
             record_bucket_decision(counters.of(self), decision, self.capture_num_tokens)
-        # The batch carries the decision (as upstream would): load_batch reads it.
-        forward_batch.prefill_cp_bucket_decision = decision if admitted or no_bucket else None
+        decisions[forward_batch] = decision if admitted or no_bucket else None
         return admitted and not no_bucket
 
     @functools.wraps(upstream["load_batch"])
@@ -227,7 +230,7 @@ def runner_methods(counters: RunnerCounters, upstream: Dict[str, Any]) -> Dict[s
         if not (cp_bcg_captured(self) and is_cp_active(forward_batch)):
             return upstream["load_batch"](self, forward_batch, **kwargs)
         num_tokens = len(forward_batch.input_ids)
-        decision = getattr(forward_batch, "prefill_cp_bucket_decision", None)
+        decision = decisions.get(forward_batch)
         if decision is None or not decision.fits or decision.live_size != num_tokens:
             raise RuntimeError(admission_missing_message(decision, num_tokens))
         token = _EXT_ADMITTED_PREFILL_BUCKET.set((num_tokens, decision.bucket))
@@ -246,7 +249,8 @@ def runner_methods(counters: RunnerCounters, upstream: Dict[str, Any]) -> Dict[s
         finally:
             _EXT_HOLD_BREAK_INPUTS.reset(token)
 
-    can_run_graph.counters = counters  # doctor and tests read a runner's counters through the class
+    # doctor and tests read a runner's counters, and a batch's decision, through the class
+    can_run_graph.counters, can_run_graph.decision_of = counters, decisions.get
     return {"can_run_graph": can_run_graph, "load_batch": load_batch, "capture_one_shape": capture_one_shape}
 
 

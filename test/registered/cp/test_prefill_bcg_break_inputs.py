@@ -151,7 +151,7 @@ def replay_overflow_batch(runner, device):
     """Admit and load [1534, 161, 353] (-> the 2304 bucket), replay it; what the breaks read."""
     live = make_live_batch(OVERFLOW_LENS, device)
     assert runner.can_run_graph(live)
-    bucket = live.prefill_cp_bucket_decision.bucket
+    bucket = runner.can_run_graph.decision_of(live).bucket
     static = runner.load_batch(live)
     LOG.replayed = []
     try:

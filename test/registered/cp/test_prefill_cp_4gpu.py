@@ -42,6 +42,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+class _ForwardBatch(SimpleNamespace):
+    """A ForwardBatch stand-in; weakly referenceable, as the dataclass is (the patch keys decisions by batch)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,14 +149,14 @@ def _run_rank(rank, dist, out_dir):
         runner.max_num_tokens = BUCKETS[-1]
         runner.enable_cp_v2_bcg_capture = True
         runner.prefill_cp_bcg_input = cp_input
-        forward_batch = SimpleNamespace(
+        forward_batch = _ForwardBatch(
             batch_size=3, input_embeds=None, replace_embeds=None, mm_inputs=None, forward_mode=ForwardMode.EXTEND,
             capture_hidden_mode=CaptureHiddenMode.NULL, global_num_tokens_cpu=None, return_logprob=False,
             input_ids=list(range(sum(LIVE_LENS))), seq_lens_cpu=list(LIVE_LENS), extend_seq_lens_cpu=list(LIVE_LENS),
             extend_prefix_lens_cpu=[0, 0, 0],
         )
         assert runner.can_run_graph(forward_batch)
-        decision = forward_batch.prefill_cp_bucket_decision
+        decision = runner.can_run_graph.decision_of(forward_batch)
         decisions = [None] * WORLD
         dist.all_gather_object(decisions, (decision.bucket, decision.required))
         assert decisions == [(2304, 520)] * WORLD, decisions

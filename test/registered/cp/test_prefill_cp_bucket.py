@@ -123,9 +123,13 @@ def make_runner(capture_num_tokens=(2048, 2304), bucket_local_tokens=None, cp_bc
     return runner
 
 
+class _ForwardBatch(SimpleNamespace):
+    """A ForwardBatch stand-in; weakly referenceable, as the dataclass is (the patch keys decisions by batch)."""
+
+
 def make_forward_batch(extend_seq_lens=OVERFLOW_LENS, num_tokens=None):
     num_tokens = sum(extend_seq_lens) if num_tokens is None else num_tokens
-    return SimpleNamespace(
+    return _ForwardBatch(
         batch_size=len(extend_seq_lens),
         input_embeds=None,
         replace_embeds=None,
@@ -212,7 +216,7 @@ def test_load_batch_pads_to_admitted_larger_bucket(cp_patch):
     forward_batch = make_forward_batch()
     with cp_ranks(attn_cp_rank=0, attn_cp_size=4), align8():
         assert runner.can_run_graph(forward_batch)
-        decision = forward_batch.prefill_cp_bucket_decision
+        decision = runner.can_run_graph.decision_of(forward_batch)
         assert (decision.live_size, decision.bucket, decision.required, decision.capacity) == (2048, 2304, 520, 576)
         assert padded_by_load_batch(runner, forward_batch) == 2304
         # the bucket override is scoped to that call: the base rounding is back afterwards
@@ -232,7 +236,7 @@ def test_all_ranks_admit_the_same_bucket_and_match_real_zigzag_rows(cp_patch):
             with cp_ranks(attn_cp_rank=cp_rank, attn_cp_size=4):
                 forward_batch = make_forward_batch()
                 assert runner.can_run_graph(forward_batch)
-                decisions.append(forward_batch.prefill_cp_bucket_decision)
+                decisions.append(runner.can_run_graph.decision_of(forward_batch))
                 forward_batch.attn_cp_metadata = None
                 forward_batch.out_cache_loc = None
                 prepare_cp_forward(forward_batch)  # real zigzag split + physical padding
@@ -268,7 +272,7 @@ def test_non_zigzag_layout_unknown_runs_eager(cp_patch):
     with cp_ranks(attn_cp_rank=0, attn_cp_size=4), align8():
         assert runner.prefill_cp_bcg_input.required_local_tokens(None) is None
         assert runner.can_run_graph(forward_batch) is False
-        assert forward_batch.prefill_cp_bucket_decision is None
+        assert runner.can_run_graph.decision_of(forward_batch) is None
 
 
 def test_counters_reach_graph_stats(cp_patch):
@@ -456,10 +460,11 @@ VOCAB = 4096
 
 
 class _Batch(SimpleNamespace):
-    """A live ForwardBatch stand-in: fields it does not set read as None (as ForwardBatch defaults do)."""
+    """A live ForwardBatch stand-in: fields it does not set read as None (as ForwardBatch defaults do); private
+    names do not (weak maps probe them)."""
 
     def __getattr__(self, name):
-        if name.startswith("__"):
+        if name.startswith("_"):
             raise AttributeError(name)
         return None
 
@@ -584,8 +589,8 @@ def test_capacities_recorded_by_real_capture_prepare_drive_the_search(cp_patch):
         assert runner.prefill_cp_bcg_input.bucket_local_tokens == {2048: 512, 2304: 576, 2560: 640}
         live = make_live_batch(OVERFLOW_LENS)
         assert runner.can_run_graph(live)
-        assert live.prefill_cp_bucket_decision.bucket == 2304
-        assert live.prefill_cp_bucket_decision.capacity == 576
+        assert runner.can_run_graph.decision_of(live).bucket == 2304
+        assert runner.can_run_graph.decision_of(live).capacity == 576
 
 
 @plugin_only
@@ -664,7 +669,7 @@ def replay_all_ranks(device, capture):
                 live = make_live_batch(OVERFLOW_LENS, device)
                 live.input_ids = live_ids.to(device)
                 assert runner.can_run_graph(live)
-                decision = live.prefill_cp_bucket_decision
+                decision = runner.can_run_graph.decision_of(live)
                 decisions.append((decision.bucket, decision.required))
                 static = runner.load_batch(live)  # real 0.5.17 body; prepare() fills the fixed buffer
                 graphs[decision.bucket].replay()
