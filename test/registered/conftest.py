@@ -147,10 +147,15 @@ def sglang_ext_off_between_files():
     When a file ends, whatever it left applied is rolled back and the SGLANG_EXT* variables are
     what they were when it started (a test that set one without monkeypatch). Deactivation
     restores names modules bound from patched code too (patching._unpatched), so a file that
-    imported sglang modules while patched leaves them as sglang's."""
+    imported sglang modules while patched leaves them as sglang's. sglang 0.5.23's process-wide runtime
+    context (published server args, parallel stamps) is reset as its own tests reset it: a Pi0.5 file's
+    single-rank topology must not meet a later file's CP overrides."""
     saved = {name: value for name, value in os.environ.items() if _ext_variable(name)}
     yield
     ext_core("activation").deactivate()
+    runtime_context = sys.modules.get("sglang.srt.runtime_context")
+    if hasattr(runtime_context, "reset_context"):  # 0.5.23
+        runtime_context.reset_context()
     for name in [name for name in os.environ if _ext_variable(name) and name not in saved]:
         del os.environ[name]
     os.environ.update(saved)
