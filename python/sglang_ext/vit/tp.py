@@ -6,6 +6,7 @@ import torch
 
 from sglang.srt.layers.dp_attention import is_dp_attention_enabled
 from sglang.srt.runtime_context import get_parallel
+from sglang_ext.patching import PatchContext
 
 
 def agreeing_group(vit):
@@ -22,37 +23,26 @@ def agreeing_group(vit):
     return group if getattr(group, "world_size", 1) > 1 else None
 
 
-class LocalCollectives:
-    """The group's all-reduce / all-gather as local stand-ins for the warm-up (no peer can be left waiting)."""
+@contextlib.contextmanager
+def local_collectives(group):
+    """While open, the group's all-reduce / all-gather are local stand-ins (a warm-up: no peer can be left
+    waiting), swapped through a PatchContext of their own and undone on exit."""
+    world = group.world_size
 
-    _MISSING = object()
+    def all_gather(input_, dim=-1, output_tensor_list=None):
+        if output_tensor_list is not None:
+            for out in output_tensor_list:
+                out.copy_(input_)
+            return None
+        return torch.cat([input_] * world, dim=dim)
 
-    def __init__(self, group):
-        self.group = group
-        self.saved = {}
-
-    def __enter__(self):
-        world = self.group.world_size
-
-        def all_gather(input_, dim=-1, output_tensor_list=None):
-            if output_tensor_list is not None:
-                for out in output_tensor_list:
-                    out.copy_(input_)
-                return None
-            return torch.cat([input_] * world, dim=dim)
-
-        for name, stand_in in (("all_reduce", lambda input_: input_), ("all_gather", all_gather)):
-            self.saved[name] = self.group.__dict__.get(name, self._MISSING)
-            setattr(self.group, name, stand_in)
-        return self
-
-    def __exit__(self, *exc):
-        for name, value in self.saved.items():
-            if value is self._MISSING:
-                delattr(self.group, name)
-            else:
-                setattr(self.group, name, value)
-        return False
+    swaps = PatchContext("vit_cuda_graph warm-up", None)
+    try:
+        swaps.setattr(group, "all_reduce", lambda input_: input_)
+        swaps.setattr(group, "all_gather", all_gather)
+        yield
+    finally:
+        swaps.rollback()
 
 
 def warm_up_context(group):
@@ -64,5 +54,5 @@ def warm_up_context(group):
     for candidate in (group, get_parallel().tp_group):
         if all(candidate is not seen for seen in groups):
             groups.append(candidate)
-            stack.enter_context(LocalCollectives(candidate))
+            stack.enter_context(local_collectives(candidate))
     return stack
