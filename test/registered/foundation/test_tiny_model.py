@@ -1,4 +1,4 @@
-"""`sglang-ext make-tiny-model`: folders that load offline in transformers 5.12.1 and in sglang 0.5.17.
+"""`sglang-ext make-tiny-model`: folders that load offline in transformers and in sglang (0.5.17 and 0.5.23).
 
 For each kind: files written, weights at init scale, the same seed byte-identical (across
 processes, through the CLI), config / tokenizer / processor load offline and process

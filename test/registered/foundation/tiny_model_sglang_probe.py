@@ -1,4 +1,4 @@
-"""Run by test_tiny_model.py in a fresh process: sglang 0.5.17's own path over tiny model folders.
+"""Run by test_tiny_model.py in a fresh process: sglang's own path (0.5.17 or 0.5.23) over tiny model folders.
 
     python tiny_model_sglang_probe.py [--make KIND=DIR ...] KIND=DIR [KIND=DIR ...]   -> JSON on stdout
 
@@ -19,6 +19,7 @@ because it initialises sglang's parallel state.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 
@@ -63,11 +64,16 @@ def probe(kind: str, path: str) -> dict:
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.hf_transformers_utils import get_config, get_processor, get_tokenizer
 
+    from sglang_ext_testkit.single_rank import init_single_rank_parallel_state
+
     report = {"architectures": list(get_config(path, trust_remote_code=False).architectures)}
     args = ServerArgs(model_path=path, device="cpu", mm_attention_backend="triton_attn")
-    runtime_context.publish(args, role="test")
+    # 0.5.23 reads the parallel widths and this process's ranks from what is published
+    rank = {"ranks": runtime_context.SpawnRanks(world_rank=0)} if hasattr(runtime_context, "SpawnRanks") else {}
+    runtime_context.publish(args, role="test", **rank)
+    init_single_rank_parallel_state()
     config = ModelConfig(path)
-    initialize_dp_attention(args, config)
+    initialize_dp_attention(*(args, config)[:len(inspect.signature(initialize_dp_attention).parameters)])  # 0.5.23: args
     report.update(is_multimodal=config.is_multimodal, dtype=str(config.dtype), head_dim=config.head_dim,
                   context_len=config.context_len, vocab_size=config.vocab_size,
                   tokenizer=type(get_tokenizer(path)).__name__)
@@ -111,11 +117,8 @@ def main(argv) -> None:
     import sglang.srt.layers.rotary_embedding.base as rope_base
     import sglang.srt.multimodal.processors.base_processor as mm_base
 
-    from sglang_ext_testkit.single_rank import init_single_rank_parallel_state
-
     rope_base._is_cpu = True  # native rotary path; see the module docstring
     mm_base._is_cpu = True  # image preprocessing on the CPU
-    init_single_rank_parallel_state()
     reports = {}
     for spec in specs:
         kind, path = spec.split("=", 1)
