@@ -9,7 +9,8 @@ Never edit those by hand: change the registry or the knobs, rerun `scripts/gen_f
 
 Cell meanings (what `activate()` does on that release, from the recorded fingerprints):
   applies                      every target's fingerprint matches a supported release's (for a
-                               release between two supported ones too)
+                               release between two supported ones too), or one it was reviewed on
+                               (registry Target.also)
   not needed (upstream X)      upstream has an equivalent fix since X
   not ported yet               a supported release this patch is not yet written for (skipped)
   code unchanged, unsupported  fingerprints match, but the release is outside the supported range
@@ -49,8 +50,8 @@ def cell(spec: PatchSpec, version: str) -> str:
     if version in SUPPORTED_SGLANG and version not in spec.supported:
         return NOT_PORTED
     table = fingerprint.reference_table(version)
-    reference = [{fingerprint.reference_table(v).get(t.key) for v in spec.supported} - {None}
-                 for t in spec.targets]
+    reference = [{fingerprint.reference_table(v).get(t.key) for v in t.reference_releases(spec.supported, None)}
+                 - {None} for t in spec.targets]
     live = [table.get(t.key) for t in spec.targets]
     if any(fp is None for fp in live):
         return ABSENT

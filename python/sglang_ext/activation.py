@@ -26,7 +26,7 @@ from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_sett
 from sglang_ext.patching import PatchContext, cancel_trigger, when_imported
 from sglang_ext.registry import PATCHES, PatchSpec, resolve
 from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, at_least, installed_sglang_path,
-                                 installed_sglang_version, release as _release, source_tree_version,
+                                 installed_sglang_version, release as _release, source_tree_version, version_key,
                                  within_supported_range)
 
 logger = logging.getLogger("sglang_ext")
@@ -244,12 +244,12 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
         return PatchStatus(spec.name, SKIPPED, f"{NOT_PORTED} {_release(version)} yet; it applies on "
                            f"sglang {', '.join(spec.supported)}")
     st = PatchStatus(spec.name, ARMED)
-    # a supported release is checked against its own reference; one between them against any
-    references = (_release(version),) if _release(version) in spec.supported else spec.supported
-    changed, absent, unrecorded = [], [], []
+    changed, absent, unrecorded, checked = [], [], [], set()
     for target in spec.targets:
         name = target.key_in(version)  # as this release spells it
         live = fp.fingerprint_key(name, source_root)
+        references = target.reference_releases(spec.supported, _release(version))
+        checked.update(references)
         expected = {fp.reference_table(v).get(target.key) for v in references} - {None}
         ok = live is not None and live in expected
         st.fingerprints[name] = ok
@@ -267,7 +267,7 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
         st.state = SKIPPED
         st.detail = ("; ".join(reasons) + f" -- checked sglang {version}"
                      + (f" at {source_root}" if source_root else "")
-                     + f" against the reference of sglang {', '.join(references)}")
+                     + f" against the reference of sglang {', '.join(sorted(checked, key=version_key))}")
         if unrecorded:
             st.detail += "; regenerate the tables: python scripts/gen_fingerprints.py"
         return st

@@ -45,6 +45,7 @@ def resolve(name: str, version: Optional[str]) -> str:
 class Target:
     module: str
     qualname: str
+    also: Tuple[str, ...] = ()  # releases between the supported ones read and found compatible: accepted too
 
     @property
     def key(self) -> str:
@@ -52,6 +53,11 @@ class Target:
 
     def key_in(self, version: Optional[str]) -> str:
         return resolve(self.key, version)
+
+    def reference_releases(self, supported: Tuple[str, ...], release: Optional[str]) -> Tuple[str, ...]:
+        """The releases whose recorded fingerprint this target may have on `release`: a supported release its
+        own; one between them any supported one, or one this target was reviewed on."""
+        return (release,) if release in supported else tuple(supported) + self.also
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,9 @@ PATCHES: Tuple[PatchSpec, ...] = (
         + T("sglang.srt.layers.rotary_embedding.utils", "apply_rotary_pos_emb_native_eager")
         + T("sglang.kernels.ops.attention.prefill_attention", "context_attention_fwd", "_fwd_kernel")
         + T("sglang.srt.model_executor.runner_utils.pool", "get_or_create_global_graph_memory_pool")
-        + T(_MODEL_RUNNER, "ModelRunner.init_cuda_graphs"),
+        # Wrapped, not replaced: 0.5.21-0.5.22 differ from 0.5.23 only by a PD role switch's bookkeeping after
+        # the captures.
+        + (Target(_MODEL_RUNNER, "ModelRunner.init_cuda_graphs", also=("0.5.21", "0.5.22")),),
         parts=(
             Part(_VIT_RUNNER, "sglang_ext.vit.runner:patch_runner"),
             Part(_QWEN25, "sglang_ext.vit.qwen2_5:patch_qwen2_5_vl"),

@@ -104,10 +104,6 @@ def _graph_plan(self) -> graph_settings.GraphPlan:
     return state.plan
 
 
-def _buckets(self) -> tuple:
-    return _graph_plan(self).prompt_buckets
-
-
 def action_expert_forward(self, prefix_context, x_t, timestep, *, action_position_offset=0, denoise_layout=None):
     return self.core_model.denoise_step(prefix_context.prefix_pad_masks, prefix_context.past_key_values, x_t, timestep,
                                         bool(prefix_context.layout.get("full_attention", False)),
@@ -167,7 +163,7 @@ def _prefix_cuda_graph_enabled(self) -> bool:
 def _prompt_token_bucketing_enabled(self) -> bool:
     """Buckets configured and a graph to share them, on a single-rank CUDA prefix."""
     return bool(
-        _buckets(self)
+        _graph_plan(self).prompt_buckets
         and (self._prefix_cuda_graph_enabled() or graph_settings.action_graph_available(self.config))
         and VLAPrefixGraphRunner.device_captures(self.device) and self.runtime_role in ("all", "prefix")
         and not self._prefix_tensor_parallel_enabled() and get_vla_split_group() is None)
@@ -178,7 +174,7 @@ def build_prefix_cache_key(self, observation, *, bucket_prompt=False):
     token_len = effective_token_length(observation.token_masks)
     prompt_layout = "exact"
     if bucket_prompt and self._prompt_token_bucketing_enabled():
-        bucket = select_prompt_token_bucket(token_len, _buckets(self))
+        bucket = select_prompt_token_bucket(token_len, _graph_plan(self).prompt_buckets)
         prompt_layout = "bucket-miss-exact" if bucket is None else f"bucket-{bucket}"
     prompt = slice(None, token_len or None)
     config, camera_order = self.config, tuple(observation.metadata.get("camera_order", ()))
@@ -207,7 +203,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     bucket = None
     if use_bucket:
         tokens, token_masks, _, bucket = bucket_prompt_tokens(observation.tokens, observation.token_masks,
-                                                              _buckets(self))
+                                                              _graph_plan(self).prompt_buckets)
     else:
         token_len = effective_token_length(observation.token_masks)
         prompt = slice(None, token_len if 0 < token_len < observation.tokens.shape[1] else None)

@@ -113,8 +113,7 @@ _GENERATION_OF = WeakIdKeyDictionary()  # PrefixContext -> its number, held weak
 
 
 def prefix_context_generation(prefix_context: Any) -> int:
-    """A number naming this PrefixContext while it lives (given on first use); unlike id(), never handed to
-    another object."""
+    """A number naming this PrefixContext while it lives (given on first use); unlike id(), never reused."""
     generation = _GENERATION_OF.get(prefix_context)
     if generation is None:
         generation = _GENERATION_OF[prefix_context] = next(_GENERATIONS)

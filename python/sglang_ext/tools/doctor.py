@@ -58,10 +58,10 @@ def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str], version: Opti
     tables = {v: fingerprint.reference_table(v) for v in recorded}
     rows = []
     release = version.split("+")[0] if version else None
-    checked = (release,) if release in spec.supported else spec.supported  # as activation checks
     for target in spec.targets:
         live = fingerprint.fingerprint_key(target.key_in(version), source_root)
-        reference = {v: tables[v].get(target.key) for v in checked}
+        reference = {v: tables[v].get(target.key) for v in target.reference_releases(spec.supported, release)
+                     if v in tables}  # as activation checks
         same = [v for v in recorded if live is not None and tables[v].get(target.key) == live]
         rows.append({"target": target.key, "as_named_here": target.key_in(version), "fingerprint": live,
                      "reference": reference, "match": live is not None and live in set(reference.values()),

@@ -432,6 +432,26 @@ def test_matching_fingerprints_arm_every_patch(released_tree, monkeypatch):
         assert all(got[spec.name].fingerprints.values())
 
 
+@pytest.mark.parametrize("release", ["0.5.21", "0.5.22"])
+def test_a_target_reviewed_on_a_release_between_accepts_that_release(release, released_tree):
+    """sglang 0.5.21/0.5.22 (unsupported, between 0.5.17 and 0.5.23): vit_cuda_graph's targets all match 0.5.23's
+    but ModelRunner.init_cuda_graphs, which the registry names as reviewed there (Target.also): the patch is
+    armed. Targets without that declaration are checked against the supported releases only, so prefill_cp_bucket
+    stays skipped, naming its changed targets and the references checked."""
+    from sglang_ext.knobs import load_settings
+    from sglang_ext.registry import Target
+
+    got = activation.plan(load_settings({"SGLANG_EXT": "1"}), version=release, source_root=released_tree(release))
+    assert got["vit_cuda_graph"].state == "armed" and all(got["vit_cuda_graph"].fingerprints.values())
+    assert got["prefill_cp_bucket"].state == "skipped"
+    assert "fingerprint changed: " in got["prefill_cp_bucket"].detail
+    assert "against the reference of sglang 0.5.17, 0.5.23" in got["prefill_cp_bucket"].detail
+    reviewed, plain = Target("m", "f", also=(release,)), Target("m", "f")
+    assert reviewed.reference_releases(("0.5.17", "0.5.23"), release) == ("0.5.17", "0.5.23", release)
+    assert plain.reference_releases(("0.5.17", "0.5.23"), release) == ("0.5.17", "0.5.23")
+    assert reviewed.reference_releases(("0.5.17", "0.5.23"), "0.5.23") == ("0.5.23",)  # a supported one: its own
+
+
 def test_plugin_register_without_switch_touches_no_sglang_attribute(live_sglang):
     before, pending = live_sglang(), internals.pending_triggers()
     meta_path = list(sys.meta_path)

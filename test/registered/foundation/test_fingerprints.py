@@ -148,6 +148,9 @@ def test_support_matrix_cells_follow_the_tables():
     assert gen.cell(by_name["prefill_cp_bucket"], "0.5.12") == "absent"
     assert gen.cell(by_name["mg_worker_activation"], "0.5.23") == "not needed (upstream 0.5.21)"
     assert gen.cell(by_name["vit_cuda_graph"], "0.5.19") == "skipped (fingerprint changed)"
+    # init_cuda_graphs reviewed on 0.5.21-0.5.22 (Target.also): the ViT patch applies there, prefill CP does not
+    assert gen.cell(by_name["vit_cuda_graph"], "0.5.21") == gen.cell(by_name["vit_cuda_graph"], "0.5.22") == "applies"
+    assert gen.cell(by_name["prefill_cp_bucket"], "0.5.22") == "skipped (fingerprint changed)"
 
 
 def test_renames_give_each_release_its_own_names():
