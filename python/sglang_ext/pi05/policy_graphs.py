@@ -403,8 +403,7 @@ def patch_policy(ctx, module) -> None:
     graphs = PolicyGraphs(ctx, cls.__dict__["__init__"])
 
     @functools.wraps(graphs.sglang_init)
-    def __init__(self, config, **kwargs):
-        """sglang's constructor, then bounded runners sized by the config (and the --ext-pi05-* knobs)."""
+    def __init__(self, config, **kwargs):  # sglang's constructor, then our runners (_build_graphs)
         graphs.sglang_init(self, config, **kwargs)
         _build_graphs(self, graphs)
 

@@ -1,4 +1,4 @@
-"""ViT CUDA graphs on sglang 0.5.17 with the vit_cuda_graph patch, on a real GPU.
+"""ViT CUDA graphs on sglang (0.5.17, 0.5.23: the release on sys.path) with the vit_cuda_graph patch, on a real GPU.
 
 Real CUDA graphs, sglang's real `ViTCudaGraphRunner` (the patch's subclass), and for the
 tower tests sglang's real `Qwen2_5_VisionTransformer` / `Qwen3VLMoeVisionModel` (random
@@ -26,7 +26,6 @@ register_cuda_ci(est_time=120, stage="base-b", runner_config="1-gpu-small")
 
 
 from sglang_ext.registry import PATCH_NAMES  # noqa: E402
-from sglang_ext.versions import installed_sglang_version  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -40,8 +39,6 @@ def vit_patch(ext_patches, monkeypatch):
 
     def activate(**knobs):
         knobs.setdefault("vit_graph_mode", "layout")  # tests of the per-layout machinery; bucket tests say so
-        if installed_sglang_version() is None:  # unpacked source tree (GPU machine): no dist metadata
-            knobs.setdefault("assume_sglang", "0.5.17")
         statuses = ext_patches(disable=",".join(n for n in PATCH_NAMES if n != THIS_PATCH), **knobs)
         if statuses:
             assert statuses[THIS_PATCH].state == "applied", statuses[THIS_PATCH]
@@ -472,10 +469,7 @@ def test_qwen3_tower_graph_output_equals_sglang_eager_forward(ext_patches, qwen_
                 for p, g in batches]
 
     upstream = outputs(kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2))
-    knobs = {"disable": ",".join(n for n in PATCH_NAMES if n != THIS_PATCH), "vit_graph_max_entries": 16}
-    if installed_sglang_version() is None:
-        knobs["assume_sglang"] = "0.5.17"
-    ext_patches(**knobs)
+    ext_patches(disable=",".join(n for n in PATCH_NAMES if n != THIS_PATCH), vit_graph_max_entries=16)
     ours = outputs(kit.build_qwen3_tower(dtype=torch.bfloat16, seed=2))
     for label, pairs in (("0.5.17 graph", upstream), ("sglang-ext graph", ours)):
         worst = max((g.float() - e.float()).abs().max().item() for g, e in pairs)

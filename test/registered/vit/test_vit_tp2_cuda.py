@@ -67,10 +67,7 @@ def _activate(**knobs):
     """The `vit_cuda_graph` patch alone, strict, through the real activation path (as the `vit_patch` fixture)."""
     from sglang_ext import activation
     from sglang_ext.registry import PATCH_NAMES
-    from sglang_ext.versions import installed_sglang_version
 
-    if installed_sglang_version() is None:  # unpacked source tree (GPU machine): no dist metadata
-        knobs.setdefault("assume_sglang", "0.5.17")
     for name in [n for n in os.environ if n.startswith("SGLANG_EXT_VIT_GRAPH_")]:  # the previous phase's knobs
         del os.environ[name]
     for name, value in knobs.items():
