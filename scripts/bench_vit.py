@@ -1,4 +1,4 @@
-"""ViT CUDA-graph benchmark: sglang 0.5.17's runner vs the vit_cuda_graph patch (issues 8, 14).
+"""ViT CUDA-graph benchmark: sglang 0.5.17's runner vs the vit_cuda_graph patch.
 
 sglang's real Qwen2.5-VL vision tower (Qwen2.5-VL-7B's vision config, random weights, bf16)
 on the vision attention backend sglang picks on the machine (--backend auto: fa3 on SM90, the

@@ -1,6 +1,6 @@
 """scripts/bench_pi05.py plumbing on the CPU: accuracy, saved reference actions, weights that do not
 depend on projection packing, the graph-fast skip, the table and docs/performance.md's Pi0.5 parts,
-and gpu_steps.sh's bench-pi05 sequence (issues 17, 18)."""
+and gpu_steps.sh's bench-pi05 sequence."""
 
 from __future__ import annotations
 

@@ -195,6 +195,39 @@ def _reset_with_the_action_graphs(model):
                                                         weakref.ref(model), "reset_action"))
 
 
+def test_bench_modes_set_the_options_a_policy_built_with_them_would_read(pi05):
+    """bench_pi05's configure() rebuilds one policy's runners per mode: each mode's Pi05Options land in the
+    policy's state (the patch's PolicyGraphs, not attributes on the policy) and its graph plan is resolved
+    again from the config it just set."""
+    import sys
+
+    from sglang_ext_testkit.pi05_random import pi05_state
+
+    sys.argv, argv = ["bench_pi05.py", "--impl", "0517-ext", "--buckets", "32,64"], sys.argv
+    try:
+        import bench_pi05
+
+        args = bench_pi05.parse_args()
+    finally:
+        sys.argv = argv
+    m = pi05(pi05_fast=1, pi05_graph_capture="lazy")  # what bench_pi05 runs (pi05_random)
+    policy = _tiny_policy(m, _tiny_core(m))
+    policy.prefix_graph_runner = m.cg.VLAPrefixGraphRunner(enabled=False)
+    policy._prefix_language_model = lambda: SimpleNamespace(tensor_parallel=False)
+    state = pi05_state(policy)
+    assert state is not None and "_ext_options" not in vars(policy)
+    for mode, want in (("graph", (False, False, False, True, True)), ("graph-fused", (False, True, False, True, True)),
+                       ("graph-fast", (True, True, False, True, True)), ("graph-fast-fp8", (True, True, True, True, True)),
+                       ("graph-fast-nopdl", (True, True, False, True, False)),
+                       ("graph-fast-exact-vision", (True, True, False, False, True)),
+                       ("graph-bucket", (False, False, False, True, True))):
+        described = bench_pi05.configure(policy, "0517-ext", mode, args)
+        options = state.options
+        assert (options.fast, options.fused_denoise, options.fp8_expert, options.fused_vision, options.pdl) == want, mode
+        assert described["fused_vision"] == (want[3] if want[0] else None)
+        assert state.plan.prompt_buckets == ((32, 64) if mode == "graph-bucket" else ()), mode
+
+
 def test_the_modes_of_one_model_share_its_state(pi05):
     """Another mode (bench_pi05's modes, pdl=False in a test) is another path on the same state: graphs captured in
     either mode read the same FP8 copies and packed q/k/v, and a reset of one resets all."""
