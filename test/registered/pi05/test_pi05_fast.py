@@ -216,14 +216,17 @@ def test_bench_modes_set_the_options_a_policy_built_with_them_would_read(pi05):
     policy._prefix_language_model = lambda: SimpleNamespace(tensor_parallel=False)
     state = pi05_state(policy)
     assert state is not None and "_ext_options" not in vars(policy)
-    for mode, want in (("graph", (False, False, False, True, True)), ("graph-fused", (False, True, False, True, True)),
-                       ("graph-fast", (True, True, False, True, True)), ("graph-fast-fp8", (True, True, True, True, True)),
-                       ("graph-fast-nopdl", (True, True, False, True, False)),
-                       ("graph-fast-exact-vision", (True, True, False, False, True)),
-                       ("graph-bucket", (False, False, False, True, True))):
+    # (fast, fused_denoise, fp8_expert, fused_vision, pdl) each mode sets
+    modes = {"graph": (False, False, False, True, True), "graph-fused": (False, True, False, True, True),
+             "graph-fast": (True, True, False, True, True), "graph-fast-fp8": (True, True, True, True, True),
+             "graph-fast-nopdl": (True, True, False, True, False),
+             "graph-fast-exact-vision": (True, True, False, False, True),
+             "graph-bucket": (False, False, False, True, True)}
+    for mode, want in modes.items():
         described = bench_pi05.configure(policy, "0517-ext", mode, args)
         options = state.options
-        assert (options.fast, options.fused_denoise, options.fp8_expert, options.fused_vision, options.pdl) == want, mode
+        got = (options.fast, options.fused_denoise, options.fp8_expert, options.fused_vision, options.pdl)
+        assert got == want, mode
         assert described["fused_vision"] == (want[3] if want[0] else None)
         assert state.plan.prompt_buckets == ((32, 64) if mode == "graph-bucket" else ()), mode
 
