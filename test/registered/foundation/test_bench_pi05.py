@@ -227,8 +227,8 @@ def _write_run(directory, impl, run_id, results):
 
 @pytest.mark.parametrize("p50,rel,cos,verdicts", [(14.0, 4e-3, 0.99995, ["met"] * 5),
                                                   (16.0, 2e-2, 0.999, ["NOT met"] * 5)])
-def test_performance_doc_checks_issue_17_and_says_one_run_only_for_one_run_id(tmp_path, monkeypatch, p50, rel, cos,
-                                                                             verdicts):
+def test_performance_doc_checks_the_fast_targets_and_says_one_run_only_for_one_run_id(tmp_path, monkeypatch, p50,
+                                                                                     rel, cos, verdicts):
     for name in ("BENCH_DIR", "DOC"):  # main() points them at its arguments; restored after the test
         monkeypatch.setattr(gen_performance_doc, name, getattr(gen_performance_doc, name))
     _write_run(tmp_path, "0517", "r1", [{**_row("eager", 260.0), "impl": "0517"}])
@@ -236,8 +236,8 @@ def test_performance_doc_checks_issue_17_and_says_one_run_only_for_one_run_id(tm
     doc = tmp_path / "performance.md"
     assert gen_performance_doc.main(["--bench-dir", str(tmp_path), "--doc", str(doc)]) == 0
     text = doc.read_text()
-    issue17 = [line for line in text.splitlines() if line.startswith("| graph-fast")]
-    assert [line.rsplit("|", 2)[-2].strip() for line in issue17] == verdicts
+    fast_rows = [line for line in text.splitlines() if line.startswith("| graph-fast")]
+    assert [line.rsplit("|", 2)[-2].strip() for line in fast_rows] == verdicts
     assert "Runs: one run (run id r1)." in text and "One process per implementation (0517, 0517-ext)" in text
     assert "python3 scripts/bench_pi05.py --impl 0517-ext" in text
     assert "- 0517-ext graph-fast: `pytorch_flash::flash_fwd_kernel` x63" in text
@@ -247,7 +247,7 @@ def test_performance_doc_checks_issue_17_and_says_one_run_only_for_one_run_id(tm
     assert "not shown to be one run: 0517: run r0; 0517-ext: run r1" in text and "One process per" not in text
 
 
-def test_kernel_table_from_the_run_without_pdl_issue_29_targets_and_a_headline_of_the_default(tmp_path, monkeypatch):
+def test_kernel_table_from_the_run_without_pdl_targets_and_a_headline_of_the_default(tmp_path, monkeypatch):
     for name in ("BENCH_DIR", "DOC"):  # main() points them at its arguments; restored after the test
         monkeypatch.setattr(gen_performance_doc, name, getattr(gen_performance_doc, name))
     kernels = {"_skinny_gemm_kernel": [560.0, 3000.0], "_ada_rms_norm_kernel": [405.0, 1000.0]}

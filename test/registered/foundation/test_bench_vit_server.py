@@ -149,7 +149,7 @@ def test_graphs_off_counts_its_reference_passes_and_its_floor_passes_where_it_wa
     assert bench_results.accuracy_requests({"accuracy": rows}, "fa3", "ext") == 400
 
 
-def test_issue_31_targets_compare_concurrency_16_with_the_floor_of_graphs_off_against_itself():
+def test_targets_compare_concurrency_16_with_the_floor_of_graphs_off_against_itself():
     import gen_performance_doc  # scripts/, on the path above
 
     report = _report()

@@ -536,7 +536,7 @@ def test_fast_path_with_interpreted_triton_kernels_matches_exact_path():
     # knob pi05_fp8_expert: o, gate_up and down of every layer and step read FP8 weights
     assert results.pop("fp8_calls") == 2 * 2 * 2 * 3
     for layout, (relative, cosine) in results.items():
-        fp8 = layout.startswith("fp8")  # FP8 rounding of the weights: the FP8 bound, cosine >= 0.999
+        fp8 = layout.startswith("fp8")  # FP8 rounding of the weights: the FP8 bound, cosine >= 0.999
         assert relative <= (FP8_RELATIVE_TOLERANCE if fp8 else RELATIVE_TOLERANCE), (layout, relative, cosine)
         assert cosine >= (FP8_COSINE_FLOOR if fp8 else COSINE_FLOOR), (layout, relative, cosine)
 
