@@ -86,14 +86,21 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def _finder_with(packages: frozenset) -> "StandInFinder":
+    """The StandInFinder first on sys.meta_path (put there once), now also standing in for `packages`."""
+    finder = next((f for f in sys.meta_path if isinstance(f, StandInFinder)), None)
+    if finder is None:
+        finder = StandInFinder(frozenset(), _names("SGX_STANDINS_REFUSE"))
+        sys.meta_path.insert(0, finder)
+    finder.packages = finder.packages | packages
+    return finder
+
+
 def install() -> frozenset:
     """Put the finder first on sys.meta_path for SGX_STANDINS; returns the names (empty: nothing done)."""
     packages = _names("SGX_STANDINS")
-    finder = next((f for f in sys.meta_path if isinstance(f, StandInFinder)), None)
-    if packages and finder is None:
-        sys.meta_path.insert(0, StandInFinder(packages, _names("SGX_STANDINS_REFUSE")))
-    elif packages:
-        finder.packages = finder.packages | packages
+    if packages:
+        _finder_with(packages)
     return packages
 
 
@@ -102,11 +109,7 @@ def stand_in_package(name: str) -> types.ModuleType:
 
     For a folder on PYTHONPATH: its `name/__init__.py` does `sys.modules[__name__] = stand_in_package(__name__)`,
     so every interpreter that imports `name` gets the stand-in, spawned ones included."""
-    finder = next((f for f in sys.meta_path if isinstance(f, StandInFinder)), None)
-    if finder is None:
-        finder = StandInFinder(frozenset(), _names("SGX_STANDINS_REFUSE"))
-        sys.meta_path.insert(0, finder)
-    finder.packages = finder.packages | {name}
+    finder = _finder_with(frozenset({name}))
     spec = importlib.machinery.ModuleSpec(name, finder, is_package=True)
     module = finder.create_module(spec)
     module.__spec__, module.__loader__ = spec, finder
