@@ -43,25 +43,41 @@ class Knob:
     def error(self, problem: str) -> ExtConfigError:
         return ExtConfigError(f"{self.flag} / {self.env}: {problem}")
 
+    @property
+    def allowed(self) -> str:
+        """What a value may be, as every error about this knob names it."""
+        if self.kind == "bool":
+            return "allowed: 1/0, true/false, yes/no, on/off"
+        if self.kind == "int":
+            return "allowed: integers" + ("" if self.minimum is None else f" >= {self.minimum}")
+        if self.choices:
+            return "allowed: " + ", ".join(self.choices)
+        if self.kind == "name_list":
+            from sglang_ext.registry import PATCH_NAMES
+
+            return "allowed: comma-separated patch names from " + ", ".join(PATCH_NAMES)
+        if self.kind == "int_list":
+            return "allowed: comma-separated positive integers, strictly increasing"
+        return "allowed: a string"
+
     def parse(self, raw: str) -> Any:
         """Parse a raw string (flag or env value). Raises ExtConfigError."""
         text = raw.strip()
         if self.kind == "bool":
             if text.lower() in _TRUE | _FALSE:
                 return text.lower() in _TRUE
-            raise self.error(f"{raw!r} is not a boolean; allowed: 1/0, true/false, yes/no, on/off")
+            raise self.error(f"{raw!r} is not a boolean; {self.allowed}")
         if self.kind == "int":
             try:
                 value = int(text, 10)
             except ValueError:
-                raise self.error(f"{raw!r} is not an integer; allowed: "
-                                 + ("integers" if self.minimum is None else f"integers >= {self.minimum}")) from None
+                raise self.error(f"{raw!r} is not an integer; {self.allowed}") from None
             if self.minimum is not None and value < self.minimum:
-                raise self.error(f"{value} is below the minimum; allowed: integers >= {self.minimum}")
+                raise self.error(f"{value} is below the minimum; {self.allowed}")
             return value
         if self.kind == "choice":
             if text not in self.choices:
-                raise self.error(f"{raw!r} is not allowed; allowed: {', '.join(self.choices)}")
+                raise self.error(f"{raw!r} is not allowed; {self.allowed}")
             return text
         if self.kind == "int_list":
             values = []
@@ -69,8 +85,7 @@ class Knob:
                 try:
                     values.append(int(part.strip(), 10))
                 except ValueError:
-                    raise self.error(f"{part.strip()!r} in {raw!r} is not an integer; allowed: comma-separated "
-                                     "positive integers, strictly increasing") from None
+                    raise self.error(f"{part.strip()!r} in {raw!r} is not an integer; {self.allowed}") from None
             if any(v <= 0 for v in values):
                 raise self.error(f"{raw!r}: every value must be positive")
             if any(b <= a for a, b in zip(values, values[1:])):
@@ -80,7 +95,7 @@ class Knob:
             names = tuple(p.strip() for p in text.split(",") if p.strip())
             unknown = [n for n in names if self.choices and n not in self.choices]
             if unknown:
-                raise self.error(f"unknown name(s) {', '.join(unknown)}; allowed: {', '.join(self.choices)}")
+                raise self.error(f"unknown name(s) {', '.join(unknown)}; {self.allowed}")
             return names
         return text  # "str"
 

@@ -52,25 +52,9 @@ def split_ext_args(argv: Sequence[str]) -> Tuple[Dict[str, str], List[str]]:
             raw = argv[i]
             i += 1
         else:
-            raise ExtConfigError(f"{flag} needs a value; {allowed_text(knob)}")
+            raise ExtConfigError(f"{flag} needs a value; {knob.allowed}")
         values[knob.name] = raw
     return values, rest
-
-
-def allowed_text(knob: Knob) -> str:
-    if knob.kind == "bool":
-        return "allowed: bare flag (true) or =1/0, =true/false, =yes/no, =on/off"
-    if knob.kind == "int":
-        return f"allowed: an integer >= {knob.minimum}" if knob.minimum is not None else "allowed: an integer"
-    if knob.kind in ("choice", "name_list") and knob.choices:
-        return "allowed: " + ", ".join(knob.choices)
-    if knob.kind == "name_list":
-        from sglang_ext.registry import PATCH_NAMES
-
-        return "allowed: comma-separated patch names from " + ", ".join(PATCH_NAMES)
-    if knob.kind == "int_list":
-        return "allowed: comma-separated positive integers, strictly increasing"
-    return "allowed: a string"
 
 
 def env_text(knob: Knob, value) -> str:
@@ -127,7 +111,8 @@ def ext_help(prog: str) -> str:
              f"processes; the launcher sets {MASTER_ENV}=1). Boolean flags: bare = true, or =0/=1.", ""]
     for k in KNOBS:
         default = env_text(k, k.default) if k.default not in ((), "") else '""'
-        lines += [f"  {k.flag}  (env {k.env}, default {default})", f"      {k.help}", f"      {allowed_text(k)}"]
+        allowed = "allowed: bare flag (true) or =1/0, =true/false, =yes/no, =on/off" if k.kind == "bool" else k.allowed
+        lines += [f"  {k.flag}  (env {k.env}, default {default})", f"      {k.help}", f"      {allowed}"]
     lines.append("")
     return "\n".join(lines)
 

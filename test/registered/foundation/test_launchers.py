@@ -73,7 +73,7 @@ def test_bare_boolean_flag_never_swallows_the_next_argument():
 
 @pytest.mark.parametrize("argv, names", [
     (["--ext-strit"], ["--ext-strit", "did you mean --ext-strict", "allowed: --ext-strict"]),
-    (["--ext-vit-graph-max-entries"], ["--ext-vit-graph-max-entries needs a value", "integer >= 0"]),
+    (["--ext-vit-graph-max-entries"], ["--ext-vit-graph-max-entries needs a value", "integers >= 0"]),
     (["--ext-vit-graph-max-entries", "--tp", "2"], ["--ext-vit-graph-max-entries needs a value"]),
     (["--ext-strict", "--ext-strict=0"], ["--ext-strict given more than once"]),
     (["--ext-vit-graph-max-entries=many"], ["--ext-vit-graph-max-entries", "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES",
