@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-CONFIG_ERROR_EXIT = 2  # a bad setting is a usage error, as in the launchers
-
 
 def register() -> None:
     # Unset, empty or "0": off without importing anything. Any other value goes to
@@ -21,6 +19,7 @@ def register() -> None:
 
     from sglang_ext.activation import activate
     from sglang_ext.errors import ExtConfigError, SglangExtActivationError
+    from sglang_ext.tools.launcher import USAGE_EXIT  # a bad setting is a usage error, as in the launchers
 
     try:
         activate()
@@ -33,4 +32,4 @@ def register() -> None:
         # that embeds sglang (an Engine in a notebook) can still catch it instead of vanishing.
         sys.stderr.write(f"{exc}\n")
         sys.stderr.flush()
-        raise SystemExit(CONFIG_ERROR_EXIT) from None
+        raise SystemExit(USAGE_EXIT) from None

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import List, NoReturn, Optional
 
-USAGE_EXIT = 2
+from sglang_ext.tools.launcher import USAGE_EXIT, fail
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -52,24 +52,22 @@ def _doctor_parser(sub) -> None:
                         "(the server's SGLANG_EXT_ACTIVATION_DIR)")
 
 
-def _folder_error(option: str, path: Optional[str], needs: str = "") -> Optional[str]:
-    if path is None:
-        return None
-    if not os.path.isdir(path):
-        return f"{option} {path!r} is not a folder" + (f"; allowed: {needs}" if needs else "")
-    if needs == "a folder that contains the sglang/ package" and not os.path.isdir(os.path.join(path, "sglang")):
-        return f"{option} {path!r} has no sglang/ folder; allowed: {needs}"
+def _folder_error(option: str, path: Optional[str], needs: str, inner: str = "") -> Optional[str]:
+    if path is not None and not os.path.isdir(path):
+        return f"{option} {path!r} is not a folder; allowed: {needs}"
+    if path is not None and inner and not os.path.isdir(os.path.join(path, inner)):
+        return f"{option} {path!r} has no {inner}/ folder; allowed: {needs}"
     return None
 
 
 def doctor_main(args: argparse.Namespace) -> int:
     from sglang_ext.tools import doctor
 
-    for problem in (_folder_error("--source-root", args.source_root, "a folder that contains the sglang/ package"),
+    for problem in (_folder_error("--source-root", args.source_root, "a folder that contains the sglang/ package",
+                                  "sglang"),
                     _folder_error("--records", args.records, "the folder a server wrote with --ext-activation-dir")):
         if problem:
-            sys.stderr.write(f"sglang-ext doctor: error: {problem}\n")
-            return USAGE_EXIT
+            return fail("sglang-ext doctor", problem)
     logging.basicConfig(level=logging.ERROR, format="%(message)s")  # statuses are in the report itself
     rep = doctor.run_checks(import_targets=args.import_targets, source_root=args.source_root,
                             version=args.assume_version)

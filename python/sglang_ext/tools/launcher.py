@@ -129,7 +129,7 @@ def no_cuda_message() -> Optional[str]:
             f"sglang-ext clone: {interpreter()} scripts/run_suite.py --suite base-a-test-cpu")
 
 
-def _fail(prog: str, problem: str, status: int = USAGE_EXIT) -> int:
+def fail(prog: str, problem: str, status: int = USAGE_EXIT) -> int:
     print(f"{prog}: error: {problem}", file=sys.stderr)
     return status
 
@@ -145,7 +145,7 @@ def _help(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Option
         print(ext_help(prog))
         missing = missing_serving_modules_message()
         if missing is not None:
-            return _fail(prog, missing)
+            return fail(prog, missing)
         print("sglang's own arguments follow.\n", flush=True)
         return handover([a for a in argv if not a.startswith(FLAG_PREFIX)]) or 0
     except BrokenPipeError:
@@ -167,13 +167,13 @@ def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optiona
         updates = ext_environment(values)
         prepare_activation_dir({**os.environ, **updates})
     except ExtConfigError as exc:
-        return _fail(prog, str(exc))
+        return fail(prog, str(exc))
     missing = missing_serving_modules_message()
     if missing is not None:
-        return _fail(prog, missing)
+        return fail(prog, missing)
     problem = no_cuda_message() if require_cuda else None
     if problem is not None:
-        return _fail(prog, problem, NO_GPU_EXIT)
+        return fail(prog, problem, NO_GPU_EXIT)
     os.environ.update(updates)
     from sglang_ext.activation import activate
 
