@@ -24,10 +24,10 @@ from sglang_ext.errors import ExtConfigError, SglangExtActivationError
 from sglang_ext import knobs
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
 from sglang_ext.patching import PatchContext, cancel_trigger, when_imported
-from sglang_ext.registry import PATCHES, PatchSpec, resolve
+from sglang_ext.registry import PATCHES, PatchSpec, Target, resolve
 from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, at_least, installed_sglang_path,
-                                 installed_sglang_version, release as _release, source_tree_version, version_key,
-                                 within_supported_range)
+                                 installed_sglang_version, release as _release, source_tree_version,
+                                 unsupported_message, version_key, within_supported_range)
 
 logger = logging.getLogger("sglang_ext")
 
@@ -238,19 +238,16 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
     if spec.upstream_equivalent and spec.upstream_since and at_least(version, spec.upstream_since):
         return PatchStatus(spec.name, NOT_NEEDED, f"upstream has it since {spec.upstream_since}")
     if not within_supported_range(version):
-        return PatchStatus(spec.name, SKIPPED, f"sglang {version} is not supported; supported: "
-                           f"{', '.join(SUPPORTED_SGLANG)}")
+        return PatchStatus(spec.name, SKIPPED, unsupported_message(version))
     if _release(version) in SUPPORTED_SGLANG and _release(version) not in spec.supported:
         return PatchStatus(spec.name, SKIPPED, f"{NOT_PORTED} {_release(version)} yet; it applies on "
                            f"sglang {', '.join(spec.supported)}")
     st = PatchStatus(spec.name, ARMED)
     changed, absent, unrecorded, checked = [], [], [], set()
     for target in spec.targets:
-        name = target.key_in(version)  # as this release spells it
-        live = fp.fingerprint_key(name, source_root)
-        references = target.reference_releases(spec.supported, _release(version))
+        name, live, references = check_target(spec, target, version, source_root)
         checked.update(references)
-        expected = {fp.reference_table(v).get(target.key) for v in references} - {None}
+        expected = set(references.values()) - {None}
         ok = live is not None and live in expected
         st.fingerprints[name] = ok
         if ok:
@@ -276,6 +273,13 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
     return st
 
 
+def check_target(spec: PatchSpec, target: Target, version: Optional[str], source_root: Optional[str]) -> tuple:
+    """(`target` as `version` names it, its fingerprint there or None, {release: the fingerprint it may have})."""
+    name = target.key_in(version)
+    releases = target.reference_releases(spec.supported, _release(version) if version else None)
+    return name, fp.fingerprint_key(name, source_root), {v: fp.reference_table(v).get(target.key) for v in releases}
+
+
 def _pending_detail(st: PatchStatus) -> str:
     verb = "is" if len(st.parts_pending) == 1 else "are"
     return f"applies when {', '.join(st.parts_pending)} {verb} imported"
@@ -298,10 +302,8 @@ def _report_refusals(source_root: Optional[str]) -> None:
         else:
             advice = (f"Install a supported sglang, set {assume}=<version> for a source build of a "
                       f"supported release (fingerprints are still checked), or unset {MASTER_ENV}.")
-        problems = [
-            f"sglang {version} ({where}) is not supported by sglang-ext; supported: "
-            f"{', '.join(SUPPORTED_SGLANG)} ({SUPPORTED_RANGE}). Nothing was applied "
-            f"(skipped: {', '.join(st.name for st in skipped)}). {advice}"]
+        problems = [f"{unsupported_message(version, where)} ({SUPPORTED_RANGE}). Nothing was applied "
+                    f"(skipped: {', '.join(st.name for st in skipped)}). {advice}"]
     else:
         problems = [f"patch {st.name} skipped: {st.detail}" for st in skipped]
     if _state.strict:

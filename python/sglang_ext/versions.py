@@ -23,11 +23,16 @@ def version_key(version: str) -> Tuple[int, ...]:
     return tuple(out)
 
 
-def installed_sglang_version() -> Optional[str]:
+def dist_version(name: str) -> Optional[str]:
+    """The installed distribution's version (None: not installed)."""
     try:
-        return importlib.metadata.version("sglang")
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def installed_sglang_version() -> Optional[str]:
+    return dist_version("sglang")
 
 
 def at_least(version: str, since: str) -> bool:
@@ -42,6 +47,12 @@ def within_supported_range(version: str) -> bool:
     """A supported release, or one between two (decided per patch by fingerprints)."""
     key = version_key(release(version))
     return version_key(SUPPORTED_SGLANG[0]) <= key <= version_key(SUPPORTED_SGLANG[-1])
+
+
+def unsupported_message(version: Optional[str], where: Optional[str] = None) -> str:
+    """How every report says that this sglang release is not supported."""
+    return (f"sglang {version or '(not found)'}{f' ({where})' if where else ''} is not supported; "
+            f"supported: {', '.join(SUPPORTED_SGLANG)}")
 
 
 def installed_sglang_path() -> Optional[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import importlib.metadata
 import json
 import os
 import sys
@@ -20,22 +19,17 @@ from sglang_ext import activation, fingerprint
 from sglang_ext.graphs import stats
 from sglang_ext.errors import ExtConfigError
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
+from sglang_ext.tools.launcher import USAGE_EXIT
 from sglang_ext.tools.prerequisites import missing_message, missing_modules
 from sglang_ext.registry import PATCHES, PatchSpec
-from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, installed_sglang_path,
-                                 installed_sglang_version, source_tree_version, within_supported_range)
+from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, dist_version, installed_sglang_path,
+                                 installed_sglang_version, source_tree_version, unsupported_message,
+                                 within_supported_range)
 
 # How each mode came to its statuses (shown in the report).
 MODE_LIVE = "live: statuses of this process's activation"
 MODE_IMPORT = "applied here: every target module imported and patched in the doctor's own process"
 MODE_FINGERPRINTS = "fingerprints only: nothing imported or patched ('armed' = would apply when imported)"
-
-
-def _dist_version(name: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def environment(source_root: Optional[str] = None, version: Optional[str] = None) -> Dict[str, Any]:
@@ -46,24 +40,20 @@ def environment(source_root: Optional[str] = None, version: Optional[str] = None
     else:
         sglang_version = version or installed_sglang_version()
         sglang_path = installed_sglang_path()
-    return {"sglang_ext": _dist_version("sglang-ext"),
+    return {"sglang_ext": dist_version("sglang-ext"),
             "sglang": {"version": sglang_version, "path": sglang_path, "installed_version": installed_sglang_version(),
                        "supported": sglang_version is not None and within_supported_range(sglang_version),
                        "supported_versions": list(SUPPORTED_SGLANG), "supported_range": SUPPORTED_RANGE},
-            "torch": _dist_version("torch"), "python": sys.version.split()[0], "executable": sys.executable}
+            "torch": dist_version("torch"), "python": sys.version.split()[0], "executable": sys.executable}
 
 
 def _fingerprint_rows(spec: PatchSpec, source_root: Optional[str], version: Optional[str]) -> List[Dict[str, Any]]:
-    recorded = fingerprint.recorded_versions()
-    tables = {v: fingerprint.reference_table(v) for v in recorded}
+    tables = {v: fingerprint.reference_table(v) for v in fingerprint.recorded_versions()}
     rows = []
-    release = version.split("+")[0] if version else None
     for target in spec.targets:
-        live = fingerprint.fingerprint_key(target.key_in(version), source_root)
-        reference = {v: tables[v].get(target.key) for v in target.reference_releases(spec.supported, release)
-                     if v in tables}  # as activation checks
-        same = [v for v in recorded if live is not None and tables[v].get(target.key) == live]
-        rows.append({"target": target.key, "as_named_here": target.key_in(version), "fingerprint": live,
+        name, live, reference = activation.check_target(spec, target, version, source_root)
+        same = [v for v in tables if live is not None and tables[v].get(target.key) == live]
+        rows.append({"target": target.key, "as_named_here": name, "fingerprint": live,
                      "reference": reference, "match": live is not None and live in set(reference.values()),
                      "same_as_releases": same})
     return rows
@@ -80,6 +70,7 @@ def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus], sour
             "verified_live": None if live_problems is None else not live_problems,
             "live_problems": list(live_problems or []), "process": spec.process, "supported": list(spec.supported),
             "targets": _fingerprint_rows(spec, source_root, version), "rebinds": list(spec.rebinds),
+            "unported": st.unported,
             "upstream": {"pr": spec.upstream_pr, "since": spec.upstream_since,
                          "equivalent": spec.upstream_equivalent, "retire_when": spec.retire_when}}
 
@@ -196,42 +187,38 @@ def problems(rep: Dict[str, Any]) -> List[str]:
     if rep.get("config_error"):
         out.append(f"configuration error: {rep['config_error']}")
     for p in rep["patches"]:
-        if p["state"] == activation.FAILED or (p["state"] == activation.SKIPPED and not _unported(p)):
+        if p["state"] == activation.FAILED or (p["state"] == activation.SKIPPED and not p["unported"]):
             out.append(f"{p['name']}: {p['status']}")
         elif p["live_problems"]:
             out.append(f"{p['name']}: {p['status']}, but now: {'; '.join(p['live_problems'])}")
     return out
 
 
-def _unported(p: Dict[str, Any]) -> bool:
-    return p["state"] == activation.SKIPPED and p["detail"].startswith(activation.NOT_PORTED)
-
-
-def has_problem(rep: Dict[str, Any]) -> bool:
-    """Whether the verdict is PROBLEM."""
-    return bool(rep.get("config_error") or rep.get("missing_prerequisites") or not rep["sglang"]["supported"]
-                or problems(rep))
+def _usage_problem(rep: Dict[str, Any]) -> Optional[str]:
+    """A configuration error or sglang / torch missing: the whole verdict, and exit status 2."""
+    if rep.get("config_error"):
+        return f"configuration error: {rep['config_error']}"
+    return missing_message(rep["missing_prerequisites"]) if rep.get("missing_prerequisites") else None
 
 
 def exit_status(rep: Dict[str, Any]) -> int:
     """2: a configuration error or sglang / torch missing; 1: any other problem; 0: OK."""
-    if rep.get("config_error") or rep.get("missing_prerequisites"):
-        return 2
-    return 1 if has_problem(rep) else 0
+    if _usage_problem(rep):
+        return USAGE_EXIT
+    return 1 if not rep["sglang"]["supported"] or problems(rep) else 0
 
 
 def verdict(rep: Dict[str, Any]) -> str:
     """The report in one line: `sglang-ext: OK — ...` or `sglang-ext: PROBLEM \u2014 ...`."""
     sg = rep["sglang"]
     found = problems(rep)
-    if rep.get("config_error"):
-        return f"sglang-ext: PROBLEM \u2014 configuration error: {rep['config_error']}"
-    if rep.get("missing_prerequisites"):
-        return f"sglang-ext: PROBLEM \u2014 {missing_message(rep['missing_prerequisites'])}"
+    usage = _usage_problem(rep)
+    if usage:
+        return f"sglang-ext: PROBLEM \u2014 {usage}"
     if not sg["supported"]:
         skipped = sum(p["state"] == activation.SKIPPED for p in rep["patches"])
-        return (f"sglang-ext: PROBLEM \u2014 sglang {sg['version'] or '(not found)'} is not supported "
-                f"(supported: {', '.join(sg['supported_versions'])}); {skipped} patches skipped, nothing applied")
+        return (f"sglang-ext: PROBLEM \u2014 {unsupported_message(sg['version'])} ({skipped} patches skipped, "
+                "nothing applied)")
     if found:
         more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
         return f"sglang-ext: PROBLEM \u2014 {found[0]}{more}"
@@ -239,7 +226,7 @@ def verdict(rep: Dict[str, Any]) -> str:
              (activation.APPLIED, activation.ARMED, activation.DISABLED, activation.NOT_NEEDED)}
     requested = count[activation.APPLIED] + count[activation.ARMED]
     notes = [f"{count[s]} {s}" for s in (activation.DISABLED, activation.NOT_NEEDED) if count[s]]
-    unported = [p["name"] for p in rep["patches"] if _unported(p)]
+    unported = [p["name"] for p in rep["patches"] if p["unported"]]
     if unported:
         notes.append(f"not ported to sglang {sg['version']} yet: {', '.join(unported)}")
     if count[activation.ARMED]:
@@ -259,8 +246,8 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
     """The verdict in one line, the records a server wrote if asked for, and with `verbose` every detail."""
     lines = [verdict(rep)]
     if not verbose:
-        if has_problem(rep) and not (rep.get("config_error") or rep.get("missing_prerequisites")):
-            lines[0] += f" ({VERBOSE_HINT})"  # those two name everything in the line already
+        if exit_status(rep) == 1:  # a usage problem names everything in the line already
+            lines[0] += f" ({VERBOSE_HINT})"
         lines.extend(_record_lines(rep))
         return "\n".join(lines) + "\n"
     sg = rep["sglang"]

@@ -381,7 +381,7 @@ def test_unsupported_sglang_applies_nothing_with_one_clear_warning(released_tree
 
 def test_unsupported_sglang_aborts_in_strict_mode(released_tree, live_sglang):
     before = live_sglang()
-    with pytest.raises(SglangExtActivationError, match=r"strict mode .*sglang 0\.5\.12 .* is not supported .*"
+    with pytest.raises(SglangExtActivationError, match=r"strict mode .*sglang 0\.5\.12 .* is not supported; "
                        r"supported: 0\.5\.17, 0\.5\.23"):
         activation.activate(environ={"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1"},
                             source_root=released_tree("0.5.12"))

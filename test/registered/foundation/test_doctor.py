@@ -93,7 +93,7 @@ def test_other_tree_is_only_fingerprinted_and_its_problems_exit_1(released_tree,
     assert activation.statuses() == {}  # the doctor's look at another tree activated nothing here
     rc, out = run_cli("doctor", "--source-root", tree)  # the same problems in one line
     assert rc == 1 and out.count("\n") == 1
-    assert out.startswith("sglang-ext: PROBLEM \u2014 sglang 0.5.12 is not supported (supported: 0.5.17, 0.5.23)")
+    assert out.startswith("sglang-ext: PROBLEM \u2014 sglang 0.5.12 is not supported; supported: 0.5.17, 0.5.23 (")
     assert out.endswith(" (details: sglang-ext doctor --verbose)\n")
 
 
