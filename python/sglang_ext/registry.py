@@ -2,9 +2,9 @@
 
 Nothing here imports sglang or applies anything. Per patch: `targets` (sglang definitions whose
 fingerprint must match before any part is applied), `parts` (trigger module -> adapter function,
-run as `fn(ctx, module)` once it is imported), `rebinds` (bound names also rebound: documentation),
-`upstream_since` / `upstream_equivalent` (an equivalent upstream makes the patch "not needed"),
-`requires` (patches this one needs, perhaps only while a knob is set).
+run as `fn(ctx, module)` once it is imported), `upstream_since` / `upstream_equivalent` (an
+equivalent upstream makes the patch "not needed"), `requires` (patches this one needs, perhaps only
+while a knob is set).
 
 Every name is written in the shape of the newest supported release; `RENAMES` is the shim that
 gives an older release its own names (`resolve`).
@@ -85,7 +85,6 @@ class PatchSpec:
     upstream_pr: str
     retire_when: str
     supported: Tuple[str, ...] = SUPPORTED_SGLANG
-    rebinds: Tuple[str, ...] = ()
     upstream_since: Optional[str] = None
     upstream_equivalent: bool = False
     process: str = "srt scheduler"  # where it matters (doctor says)
@@ -149,8 +148,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
             # eager calls the compiled rotary graphs-off runs
             Part("sglang.srt.layers.attention.vision", "sglang_ext.vit.vision_rotary:patch_vision"),
         ),
-        rebinds=(f"{_QWEN3}.graph_runners_dict", f"{_QWEN25}.ViTCudaGraphRunner", f"{_QWEN3}.ViTCudaGraphRunner",
-                 "sglang.srt.layers.attention.vision.apply_rotary_pos_emb_native_eager"),
         upstream_pr="sgl-project/sglang#37043",
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream is unbounded, keeps retired workspaces, syncs on fallback
@@ -170,7 +167,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
         upstream_equivalent=True,
         retire_when="upstream checks the multimodal embedding length without a device sync and copies the "
         "placeholder ids to the device without one",
-        rebinds=(f"{_MM_UTILS}.torch (a proxy: its own as_tensor, torch's other names)",),
     ),
     PatchSpec(
         name="prefill_cp_bucket",
@@ -210,8 +206,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
         targets=T(f"{_MG}.launch_server", "launch_server", "launch_pool_disagg_server", "launch_disagg_role",
                   "_run_disagg_role_process"),
         parts=(Part(f"{_MG}.launch_server", "sglang_ext.mg_worker.spawn:patch_launch_server"),),
-        rebinds=(f"{_MG}.launch_server.run_scheduler_process", f"{_MG}.launch_server._run_disagg_role_process",
-                 f"{_MG}.launch_server._run_http_server_process"),
         upstream_pr="(multimodal_gen plugin group, sglang 0.5.21)",
         upstream_since="0.5.21",
         upstream_equivalent=True,
@@ -249,8 +243,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(_VLA_STAGES, "sglang_ext.pi05.stage_graphs:patch_stages"),
             Part(_VLA_STAGES, "sglang_ext.pi05.stage_graphs:backport_stages", before="0.5.19"),
         ),
-        rebinds=(f"{_PI05_POLICY}.VLADenoiseGraphRunner", f"{_PI05_POLICY}.VLADenoiseGraphSignature",
-                 f"{_MG}.vla.denoise_cuda_graph (module alias of {_MG}.vla.cuda_graph)"),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream keys the K/V refresh on id(), syncs after prefix replay
@@ -274,7 +266,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(_MG_LINEAR, "sglang_ext.pi05.merged_linear:patch_linear"),
             Part(_PI05_CORE, "sglang_ext.pi05.gemma_projections:patch_pi05_core"),
         ),
-        rebinds=(f"{_MG_LINEAR}.MergedReplicatedLinear (new class)",),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=True,
@@ -289,7 +280,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
         # module globals, so rebinding the function reaches them.
         targets=T(_PI05_CORE, "PiGemmaRMSNorm", "gated_residual"),
         parts=(Part(_PI05_CORE, "sglang_ext.pi05.fused_norms:patch_pi05_core"),),
-        rebinds=(f"{_PI05_CORE}.gated_residual",),
         upstream_pr="none (sglang-ext only)",
         retire_when="upstream PiGemmaRMSNorm uses a fused rms_norm and gated_residual is a single op",
         process="multimodal_gen worker",
@@ -310,9 +300,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(_VLA_API, "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
             Part(_VLA_WS, "sglang_ext.pi05.action_metadata:rebind_action_metadata"),
         ),
-        rebinds=(f"{_VLA_API}.action_metadata", f"{_VLA_WS}.action_metadata",
-                 f"{_MG}.vla.prompt_bucketing (new module)",
-                 f"{_ACTION}.protocol (module alias of {_VLA_PROTOCOL})"),
         upstream_pr="sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, supersedes #34588)",
         upstream_since="0.5.19",
         upstream_equivalent=False,  # upstream ignores misspelled graph keys in update_pipeline_config
@@ -345,7 +332,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(_VLA_PROTOCOL, "sglang_ext.pi05.action_transport:patch_protocol"),
             Part(_VLA_API, "sglang_ext.pi05.action_transport:patch_api"),
         ),
-        rebinds=(f"{_VLA_API}.router: the POST /v1/actions/generations route's endpoint",),
         upstream_pr="none (0.5.23 parses and decodes the same way)",
         retire_when="upstream parses action requests with a fast JSON parser and decodes cameras concurrently",
         process="multimodal_gen HTTP server",
@@ -358,7 +344,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
                   "Pi05Preprocessor")
         + T(_PI05_POLICY, "Pi05PolicyModel.encode_prefix", "Pi05PolicyModel.sample_actions"),
         parts=(Part(_PI05_PREPROCESS, "sglang_ext.pi05.observation_device:patch_preprocess"),),
-        rebinds=(f"{_PI05_PREPROCESS}._preprocess_image",),
         upstream_pr="none (0.5.23 preprocesses on the CPU)",
         retire_when="upstream preprocesses Pi0.5 observations on the device",
         process="multimodal_gen worker",
@@ -379,8 +364,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(f"{_MG}.managers.gpu_worker", "sglang_ext.mg_worker.memory_snapshot:patch_gpu_worker"),
             Part(f"{_MG}.pipelines_core.stages.base", "sglang_ext.pi05.stage_logs:patch_stage_base"),
         ),
-        rebinds=(f"{_MG}.managers.gpu_worker.capture_memory_snapshot",
-                 f"{_MG}.pipelines_core.stages.base.StageProfiler"),
         upstream_pr="none (0.5.23 still reads the statistics four times per snapshot and logs every stage at info)",
         retire_when="upstream reads the allocator's statistics once per snapshot and logs the stages of action "
         "requests at debug level",
@@ -404,8 +387,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(f"{_MG}.managers.scheduler", "sglang_ext.pi05.server_timing:patch_scheduler"),
             Part(f"{_MG}.managers.gpu_worker", "sglang_ext.pi05.server_timing:patch_gpu_worker"),
         ),
-        rebinds=(f"{_VLA_API}.infer_action", f"{_VLA_WS}.infer_action", f"{_VLA_WS}.unpack_msgpack",
-                 f"{_VLA_API}.router: the POST /v1/actions/generations route's endpoint (after pi05_action_transport)"),
         upstream_pr="none (sglang-ext only)",
         retire_when="upstream reports per-request hop times itself (not in 0.5.23)",
         process="multimodal_gen HTTP server and worker",
@@ -432,7 +413,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(_VLA_API, "sglang_ext.pi05.observation_checks:rebind_ws_loop"),
             Part(_VLA_STAGES, "sglang_ext.pi05.observation_checks:patch_stages"),
         ),
-        rebinds=(f"{_ACTION}.openpi.run_action_msgpack_ws", f"{_VLA_API}.run_action_msgpack_ws"),
         upstream_pr="none (0.5.23 checks neither values nor camera names)",
         retire_when="upstream refuses non-finite states and noise, badly shaped and unknown cameras and observations "
         "without a camera, per request, and its websockets answer a refused request without closing",

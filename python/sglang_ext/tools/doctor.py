@@ -69,8 +69,7 @@ def _patch_entry(spec: PatchSpec, status: Optional[activation.PatchStatus], sour
             # applied parts re-checked now: None = nothing applied in this process to check
             "verified_live": None if live_problems is None else not live_problems,
             "live_problems": list(live_problems or []), "process": spec.process, "supported": list(spec.supported),
-            "targets": _fingerprint_rows(spec, source_root, version), "rebinds": list(spec.rebinds),
-            "unported": st.unported,
+            "targets": _fingerprint_rows(spec, source_root, version), "unported": st.unported,
             "upstream": {"pr": spec.upstream_pr, "since": spec.upstream_since,
                          "equivalent": spec.upstream_equivalent, "retire_when": spec.retire_when}}
 
