@@ -17,11 +17,11 @@ How: wrapped: 0.5.19's `runtime.cuda_graph` block (the plan the workers resolve)
 from __future__ import annotations
 
 import functools
-import sys
 
 from sglang_ext.patching import install_module
 from sglang_ext.pi05 import graph_settings
 from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
+from sglang_ext.pi05.endpoint import sibling
 
 _ACTION_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.action.protocol"
 
@@ -80,5 +80,4 @@ def patch_protocol(ctx, module) -> None:
 
 def rebind_action_metadata(ctx, module) -> None:
     """Part for `...entrypoints.action.api` / `.ws_utils`, which bound the name at import."""
-    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
-    ctx.setattr(module, "action_metadata", protocol.action_metadata)
+    ctx.setattr(module, "action_metadata", sibling(module, "protocol").action_metadata)

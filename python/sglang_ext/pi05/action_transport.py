@@ -27,9 +27,7 @@ import orjson
 import pybase64
 from PIL import Image
 
-from sglang_ext.pi05.endpoint import like_endpoint
-
-_ACTION_PATH = "/v1/actions/generations"
+from sglang_ext.pi05.endpoint import ACTION_PATH, like_endpoint, post_route
 _EXT_DECODE_THREADS = max(2, min(8, os.cpu_count() or 2))
 _EXT_INT64_LIMIT = float(2**63)
 _ext_decode_pool = None
@@ -145,10 +143,9 @@ def patch_protocol(ctx, module) -> None:
 
 def patch_api(ctx, module) -> None:
     """Part for entrypoints.vla.api: the JSON endpoint parses with orjson."""
-    route = next((r for r in module.router.routes
-                  if getattr(r, "path", None) == _ACTION_PATH and "POST" in getattr(r, "methods", ())), None)
+    route = post_route(module.router)
     if route is None or route.endpoint is not module.create_action_generation:
-        raise RuntimeError(f"entrypoints.vla.api.router: POST {_ACTION_PATH} is not sglang's "
+        raise RuntimeError(f"entrypoints.vla.api.router: POST {ACTION_PATH} is not sglang's "
                            f"create_action_generation (found {getattr(route, 'endpoint', None)!r})")
     endpoint = _orjson_endpoint(module.create_action_generation, module.Request)
     ctx.setattr(module, "create_action_generation", endpoint)

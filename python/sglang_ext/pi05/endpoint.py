@@ -1,6 +1,18 @@
-"""A replacement of a FastAPI endpoint that FastAPI still serves like the original."""
+"""Endpoint replacements that FastAPI serves like the originals, and the lookups their adapters share."""
 
 import inspect
+import sys
+
+ACTION_PATH = "/v1/actions/generations"
+
+
+def sibling(module, name: str):  # an imported module of the same package
+    return sys.modules[module.__name__.rpartition(".")[0] + "." + name]
+
+
+def post_route(router, path: str = ACTION_PATH):  # None: the router has no POST route at `path`
+    return next((r for r in router.routes if getattr(r, "path", None) == path and "POST" in getattr(r, "methods", ())),
+                None)
 
 
 def like_endpoint(replacement, endpoint, request_cls):

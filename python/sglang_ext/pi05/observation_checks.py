@@ -26,6 +26,7 @@ import sys
 import numpy as np
 
 from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
+from sglang_ext.pi05.endpoint import sibling
 
 # Marks a worker's refusal in the error text sglang carries back to the HTTP process.
 REFUSED = "invalid observation: "
@@ -200,14 +201,13 @@ def patch_protocol(ctx, module) -> None:
 
 
 def patch_ws_utils(ctx, module) -> None:
-    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
-    ctx.setattr(module, "run_action_msgpack_ws", _answering_refusals(module.run_action_msgpack_ws, protocol))
+    ctx.setattr(module, "run_action_msgpack_ws", _answering_refusals(module.run_action_msgpack_ws,
+                                                                     sibling(module, "protocol")))
 
 
 def rebind_ws_loop(ctx, module) -> None:
     """Parts for the OpenPI and realtime routes' modules: their bound name of the message loop."""
-    ctx.setattr(module, "run_action_msgpack_ws", sys.modules[module.__name__.rsplit(".", 1)[0] + ".ws_utils"]
-                .run_action_msgpack_ws)
+    ctx.setattr(module, "run_action_msgpack_ws", sibling(module, "ws_utils").run_action_msgpack_ws)
 
 
 def patch_stages(ctx, module) -> None:

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import sys
 import time
 
-from sglang_ext.pi05.endpoint import like_endpoint
+from sglang_ext.pi05.endpoint import ACTION_PATH, like_endpoint, post_route, sibling
 
 TRACE_KEY = "ext_trace"  # Req.extra key: {"sent": t, "worker_in": t}
 _REPLY_AT = "_ext_reply_at"  # timings key the worker adds and the HTTP process removes
-_ACTION_PATH = "/v1/actions/generations"
 # When the endpoint got the request now being served (per asyncio task).
 _ARRIVED_AT = contextvars.ContextVar("sglang_ext_pi05_arrived_at", default=None)
 # Set by the traced infer_action while it runs: prepare_request records the send time in it.
@@ -119,19 +117,16 @@ def _stamping_unpack(original):
 
 def patch_api(ctx, module) -> None:
     """Part for entrypoints.vla.api: rebind infer_action, stamp the JSON endpoint's arrival."""
-    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
-    ctx.setattr(module, "infer_action", protocol.infer_action)
-    route = next((r for r in module.router.routes
-                  if getattr(r, "path", None) == _ACTION_PATH and "POST" in getattr(r, "methods", ())), None)
+    ctx.setattr(module, "infer_action", sibling(module, "protocol").infer_action)
+    route = post_route(module.router)
     if route is None:
-        raise RuntimeError(f"entrypoints.vla.api.router has no POST {_ACTION_PATH} route")
+        raise RuntimeError(f"entrypoints.vla.api.router has no POST {ACTION_PATH} route")
     ctx.setattr(route, "endpoint", _stamp_arrival(route.endpoint, _enabled(ctx), module.Request))
 
 
 def patch_ws_utils(ctx, module) -> None:
     """Part for entrypoints.vla.ws_utils: rebind infer_action, stamp each message's arrival."""
-    protocol = sys.modules[module.__name__.rpartition(".")[0] + ".protocol"]
-    ctx.setattr(module, "infer_action", protocol.infer_action)
+    ctx.setattr(module, "infer_action", sibling(module, "protocol").infer_action)
     original = module.unpack_msgpack
     ctx.setattr(module, "unpack_msgpack", _traced(original, _stamping_unpack, _enabled(ctx)))
 
