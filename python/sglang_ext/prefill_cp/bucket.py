@@ -41,7 +41,6 @@ from sglang_ext.graphs import stats as ext_graph_stats
 from sglang_ext.graphs.buckets import BucketDecision, select_bucket
 
 PREFILL_CP_BUCKET_STATS_NAME = "prefill_cp_bucket"  # the counters' name in stats snapshots
-RUNNER_METHODS = ("can_run_graph", "load_batch", "capture_one_shape")
 
 # 0.5.17's names: is_cp_v2_active, enable_cp_v2_bcg_capture (renamed in 0.5.20)
 is_cp_active = getattr(cp_utils, "is_cp_active", None) or cp_utils.is_cp_v2_active
@@ -179,30 +178,23 @@ def record_bucket_decision(
     ext_graph_stats.publish()  # Prometheus, when on
 
 
-class RunnerCounters:
-    """Each prefill runner's counters, created (and registered for stats) on its first CP decision;
-    one per activation of the patch, so a new activation starts from zero."""
-
-    def __init__(self):
-        self._by_runner: "weakref.WeakKeyDictionary[Any, PrefillCPBucketCounters]" = weakref.WeakKeyDictionary()
-
-    def of(self, runner) -> PrefillCPBucketCounters:
-        counters = self._by_runner.get(runner)
-        if counters is None:
-            counters = self._by_runner[runner] = PrefillCPBucketCounters()
-            # owner=runner: a dead runner's counters leave the snapshot
-            counters.stats_name = ext_graph_stats.register(PREFILL_CP_BUCKET_STATS_NAME, counters.as_dict,
-                                                           owner=runner)
-        return counters
-
-
-def runner_methods(counters: RunnerCounters, upstream: Dict[str, Any]) -> Dict[str, Any]:
+def runner_methods(upstream: Dict[str, Any]) -> Dict[str, Any]:
     """`can_run_graph`, `load_batch`, `capture_one_shape` over sglang's (`upstream`, by name): the CP
     decision is made once in can_run_graph, load_batch replays exactly that bucket (or refuses), and a
     CP capture holds its break inputs."""
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR
 
     decisions = WeakIdKeyDictionary()  # forward batch -> the decision can_run_graph made for it (load_batch's)
+    # Each runner's counters, registered for stats (owner: they leave with the runner) on its first CP
+    # decision; per activation of the patch, so a new activation starts from zero.
+    by_runner: "weakref.WeakKeyDictionary[Any, PrefillCPBucketCounters]" = weakref.WeakKeyDictionary()
+
+    def counters_of(runner) -> PrefillCPBucketCounters:
+        counters = by_runner.get(runner)
+        if counters is None:
+            counters = by_runner[runner] = PrefillCPBucketCounters()
+            counters.stats_name = ext_graph_stats.register(PREFILL_CP_BUCKET_STATS_NAME, counters.as_dict, owner=runner)
+        return counters
 
     @functools.wraps(upstream["can_run_graph"])
     def can_run_graph(self, forward_batch) -> bool:
@@ -221,7 +213,7 @@ def runner_methods(counters: RunnerCounters, upstream: Dict[str, Any]) -> Dict[s
             _EXT_ADMITTED_PREFILL_BUCKET.reset(token)
         no_bucket = decision is None or not decision.fits  # 0.5.23's own check rejects these too
         if admitted or no_bucket:
-            record_bucket_decision(counters.of(self), decision, self.capture_num_tokens)
+            record_bucket_decision(counters_of(self), decision, self.capture_num_tokens)
         decisions[forward_batch] = decision if admitted or no_bucket else None
         return admitted and not no_bucket
 
@@ -250,7 +242,7 @@ def runner_methods(counters: RunnerCounters, upstream: Dict[str, Any]) -> Dict[s
             _EXT_HOLD_BREAK_INPUTS.reset(token)
 
     # doctor and tests read a runner's counters, and a batch's decision, through the class
-    can_run_graph.counters, can_run_graph.decision_of = counters, decisions.get
+    can_run_graph.counters_of, can_run_graph.decision_of = counters_of, decisions.get
     return {"can_run_graph": can_run_graph, "load_batch": load_batch, "capture_one_shape": capture_one_shape}
 
 
@@ -278,7 +270,7 @@ def _pad_to_bucket(raw_size, buckets):
 
 def patch_prefill_runner(ctx, module) -> None:
     cls = module.PrefillCudaGraphRunner
-    methods = runner_methods(RunnerCounters(), {name: cls.__dict__[name] for name in RUNNER_METHODS})
+    methods = runner_methods({n: cls.__dict__[n] for n in ("can_run_graph", "load_batch", "capture_one_shape")})
     for name, fn in methods.items():
         ctx.setattr(cls, name, fn)
     ctx.setattr(cls, "_pad_to_bucket", staticmethod(_pad_to_bucket))
@@ -287,7 +279,6 @@ def patch_prefill_runner(ctx, module) -> None:
 # --------------------------------------------------------------------------
 # sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph
 # --------------------------------------------------------------------------
-BREAKABLE_CUDA_GRAPH_MODULE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
 
 
 def held_break_inputs(weak_ref_if_tensor):
@@ -310,5 +301,6 @@ def held_break_inputs(weak_ref_if_tensor):
 def patch_breakable_cuda_graph(ctx, prefill_runner_module) -> None:
     """Triggered by the prefill runner's import, not the breakable module's own: sglang imports that
     half-way through `sglang.srt.layers.cp`'s import chain, where importing this adapter is circular."""
-    module = importlib.import_module(BREAKABLE_CUDA_GRAPH_MODULE)
+    module = importlib.import_module(
+        "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph")
     ctx.setattr(module, "_weak_ref_if_tensor", held_break_inputs(module.__dict__["_weak_ref_if_tensor"]))

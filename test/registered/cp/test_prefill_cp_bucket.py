@@ -292,7 +292,7 @@ def test_counters_reach_graph_stats(cp_patch):
         fb = make_forward_batch()
         fb.extend_seq_lens_cpu = None
         assert not runner.can_run_graph(fb)
-    name = type(runner).can_run_graph.counters.of(runner).stats_name  # may carry a suffix: other runners live
+    name = type(runner).can_run_graph.counters_of(runner).stats_name  # may carry a suffix: other runners live
     assert name.split("#")[0] == PREFILL_CP_BUCKET_STATS_NAME
     snap = stats.snapshot()[name]
     assert snap == {

@@ -146,7 +146,8 @@ def test_prefill_cp_bucket_decisions_reach_the_metrics(monkeypatch, tmp_path):
     """The prefill CP runner's counters (real adapter code; the runner is a bare object)."""
     import prometheus_client  # noqa: F401  (before the variable: in-memory values in this process)
 
-    from sglang_ext.prefill_cp.bucket import RunnerCounters, record_bucket_decision
+    from sglang_ext.prefill_cp.bucket import (PREFILL_CP_BUCKET_STATS_NAME, PrefillCPBucketCounters,
+                                             record_bucket_decision)
     from sglang_ext.graphs import stats
     from sglang_ext.graphs.buckets import BucketDecision
 
@@ -154,7 +155,8 @@ def test_prefill_cp_bucket_decisions_reach_the_metrics(monkeypatch, tmp_path):
     reset_metrics(stats)
     try:
         runner = type("PrefillRunner", (), {})()
-        counters = RunnerCounters().of(runner)
+        counters = PrefillCPBucketCounters()  # registered as the patched runner registers it
+        stats.register(PREFILL_CP_BUCKET_STATS_NAME, counters.as_dict, owner=runner)
         captured = [64, 128, 256]
         record_bucket_decision(counters, BucketDecision(live_size=100, bucket=128), captured)
         record_bucket_decision(counters, BucketDecision(live_size=100, bucket=256), captured)  # larger bucket
