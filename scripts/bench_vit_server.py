@@ -85,7 +85,7 @@ def build_model(kind: str, path: str, seed: int = 0) -> float:
     done = os.path.join(path, ".real-scale")
     if os.path.exists(done):
         return float(open(done).read())
-    tiny_model.make_tiny_model(kind, path, seed=seed, force=True)
+    tiny_model.ensure_tiny_model(kind, path, seed=seed, force=True)
     cfg_path = os.path.join(path, "config.json")
     config = json.load(open(cfg_path))
     shapes = REAL_SCALE[kind]

@@ -98,7 +98,7 @@ def _tiny_model_parser(sub) -> None:
         description="Write a self-contained model folder (config, tokenizer with Qwen special tokens and "
         "a chat template, processor files, a few MB of seeded random weights) that sglang serves "
         "without a download. The same seed writes byte-identical files.")
-    # kind and seed are checked by make_tiny_model itself, so a bad value gets its one-line error
+    # kind and seed are checked by ensure_tiny_model itself, so a bad value gets its one-line error
     p.add_argument("kind", metavar="KIND", help="one of: " + ", ".join(KINDS))
     p.add_argument("dir", metavar="DIR", help="output folder: new or empty (or use --force)")
     p.add_argument("--seed", default="0", help="weight seed, an integer >= 0 (default 0)")

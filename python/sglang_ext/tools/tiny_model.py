@@ -55,7 +55,7 @@ ALLOWED_FOLDERS = ("allowed: a new or empty folder, one holding this same model,
 
 
 class TinyModelError(ValueError):
-    """Bad argument to make_tiny_model; the message is one line naming the field."""
+    """Bad argument to ensure_tiny_model; the message is one line naming the field."""
 
 
 def _token_ids(vocab: Dict[str, int]) -> Dict[str, int]:
@@ -318,13 +318,8 @@ def ensure_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) ->
     return out, True
 
 
-def make_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) -> pathlib.Path:
-    """Write the `kind` model folder at `path` (see `ensure_tiny_model`); returns the folder."""
-    return ensure_tiny_model(kind, path, seed, force=force)[0]
-
-
 def written_files(kind: str) -> List[str]:
-    """Names of the files make_tiny_model writes for `kind`."""
+    """Names of the files ensure_tiny_model writes for `kind`."""
     names = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
              "tokenizer_config.json"]
     if kind != "qwen2":

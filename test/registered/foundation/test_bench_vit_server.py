@@ -642,7 +642,7 @@ def test_the_slice_build_runs_sglangs_image_dataset_in_spawned_workers(tmp_path)
     from sglang_ext.tools import tiny_model
 
     model = str(tmp_path / "tiny")
-    tiny_model.make_tiny_model("qwen2_5_vl", model, seed=0, force=True)
+    tiny_model.ensure_tiny_model("qwen2_5_vl", model, seed=0, force=True)
     serving = bench_vit_server._serving_module(str(tmp_path))
     argv = bench_vit_server._serving_argv(0, model, 8, "1-2", 300, 1008, "random:224x224-256x256", os.devnull)
     args = bench_vit_server._parsed_args(serving, argv)

@@ -20,7 +20,7 @@ import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_ext.tools import cli
-from sglang_ext.tools.tiny_model import KINDS, SPECIAL_TOKENS, make_tiny_model, written_files
+from sglang_ext.tools.tiny_model import KINDS, SPECIAL_TOKENS, ensure_tiny_model, written_files
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
@@ -35,7 +35,7 @@ IMAGE_GRID = {"qwen2_5_vl": [1, 16, 20], "qwen3_vl": [1, 14, 18]}
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {kind: make_tiny_model(kind, root / kind, seed=0) for kind in KINDS}
+    return {kind: ensure_tiny_model(kind, root / kind, seed=0)[0] for kind in KINDS}
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_files_and_weight_scale(models, kind):
 
 
 def test_other_seed_changes_only_the_weights(models, tmp_path):
-    other = make_tiny_model("qwen2", tmp_path / "seed1", seed=1)
+    other = ensure_tiny_model("qwen2", tmp_path / "seed1", seed=1)[0]
     same, changed = _files(models["qwen2"]), _files(other)
     assert [n for n in same if same[n] != changed[n]] == ["model.safetensors"]
 

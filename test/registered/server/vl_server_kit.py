@@ -218,10 +218,10 @@ def _finish(run: Run, h: ServerProcess) -> None:
 
 
 def run_servers(kind: str, workdir: Path) -> Dict[str, Run]:
-    from sglang_ext.tools.tiny_model import make_tiny_model
+    from sglang_ext.tools.tiny_model import ensure_tiny_model
 
     # The model (a few MB) stays out of $OUT; logs and activation records go there.
-    model_dir = Path(make_tiny_model(kind, Path(tempfile.mkdtemp(prefix="sgx-tiny-")) / kind, seed=0))
+    model_dir = Path(ensure_tiny_model(kind, Path(tempfile.mkdtemp(prefix="sgx-tiny-")) / kind, seed=0)[0])
     unit = model_unit(model_dir)
     check_sizes_kept(model_dir, unit)
     runs = {c.name: Run(c, str(workdir / f"{c.name}.log"), str(workdir / f"{c.name}-activation"), unit=unit)
