@@ -27,6 +27,11 @@ def lease_released(lease: Any) -> bool:
     return lease._backing is None
 
 
+def live_leases(pool: Any) -> int:
+    """Leases not yet released, over every backing buffer a workspace pool still holds."""
+    return sum(b.leases for b in pool._alive())
+
+
 def metrics_registry(stats_module: Any = stats):
     """The CollectorRegistry holding this process's sglang-ext metrics (None before the first publish);
     `stats_module`: sglang_ext's, or the patched tree's copy."""

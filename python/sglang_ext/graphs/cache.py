@@ -315,10 +315,6 @@ class BoundedGraphCache(Generic[K, E]):
                          max_bytes=self.max_bytes, policy=self.policy, min_hits=self.min_hits,
                          quarantined=len(self._quarantine), sealed=self.sealed, sealed_misses=self.sealed_misses)
 
-    def __repr__(self) -> str:
-        i = self.info()
-        return f"BoundedGraphCache({i.name!r}, {i.size}/{i.capacity}, policy={i.policy}, bytes={i.bytes_resident})"
-
 
 def _trim(tracked: "OrderedDict[Any, Any]") -> None:
     while len(tracked) > MAX_TRACKED_KEYS:

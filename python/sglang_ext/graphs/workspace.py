@@ -45,14 +45,6 @@ class WorkspaceLease:
             raise RuntimeError(f"workspace lease of {self.owner!r} used after release")
         return self._tensors
 
-    @property
-    def tensor(self) -> Any:
-        """The only tensor of a count=1 lease."""
-        tensors = self.tensors
-        if len(tensors) != 1:
-            raise ValueError(f"lease holds {len(tensors)} tensors; use .tensors")
-        return tensors[0]
-
     def release(self) -> None:
         """Give the slices back (idempotent); frees a retired backing buffer with its last lease."""
         backing, self._backing, self._tensors = self._backing, None, ()
@@ -64,9 +56,7 @@ class StableWorkspacePool:
     """Backing buffers from which graphs lease fixed-address slices (the current one outlives its leases)."""
 
     def __init__(self, name: str, *, allocate: Optional[Callable[[int], Any]] = None, dtype: Any = None,
-                 device: Any = None, growth: float = 2.0) -> None:
-        if not isinstance(growth, (int, float)) or isinstance(growth, bool) or not growth >= 1:
-            raise ValueError(f"growth: {growth!r} is not allowed; allowed: numbers >= 1")
+                 device: Any = None) -> None:
         if allocate is None:
             import torch
 
@@ -74,7 +64,6 @@ class StableWorkspacePool:
                 return torch.empty(numel, dtype=_dtype, device=_device)
 
         self.name = name
-        self.growth = float(growth)
         self._allocate = allocate
         # alignment needs the element size up front; a 0-element tensor costs no memory
         self._element_size = allocate(0).element_size()
@@ -107,7 +96,7 @@ class StableWorkspacePool:
         current = self._current
         if current is not None and current.tensor.numel() >= needed:
             return current
-        size = needed if current is None else max(needed, math.ceil(current.tensor.numel() * self.growth))
+        size = needed if current is None else max(needed, 2 * current.tensor.numel())  # doubling
         new = _Backing(self._allocate(size))
         if current is not None and current.leases > 0:
             self._retired[id(current)] = current  # graphs still replay from it: keep it where it is
@@ -129,14 +118,6 @@ class StableWorkspacePool:
     @property
     def bytes_allocated(self) -> int:
         return sum(b.tensor.numel() * b.tensor.element_size() for b in self._alive())
-
-    @property
-    def live_leases(self) -> int:
-        return sum(b.leases for b in self._alive())
-
-    def __repr__(self) -> str:
-        return (f"StableWorkspacePool({self.name!r}, buffers={self.backing_buffers}, "
-                f"bytes={self.bytes_allocated}, leases={self.live_leases})")
 
 
 class GraphInputMovedError(AssertionError):

@@ -17,9 +17,3 @@ from sglang_ext.kernels.rope import linear_rope_qkv, linear_rope_qkv_reference, 
 from sglang_ext.kernels.rotate_half import rotate_half_qk, rotate_half_qk_reference
 from sglang_ext.kernels.skinny_gemm import Partials, quantize_rows_fp8, skinny_linear, skinny_linear_reference
 
-
-__all__ = ["Partials", "ada_rms_norm", "ada_rms_norm_reference", "add_layer_norm",
-           "add_layer_norm_reference", "first_rows_attention", "first_rows_attention_reference", "gelu_tanh_and_mul",
-           "gelu_tanh_and_mul_reference", "linear_rope_qkv", "linear_rope_qkv_reference", "quantize_rows_fp8",
-           "rope_qkv", "rope_qkv_reference", "rotate_half_qk", "rotate_half_qk_reference", "runs_triton",
-           "skinny_linear", "skinny_linear_reference"]

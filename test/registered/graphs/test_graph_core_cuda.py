@@ -22,6 +22,7 @@ except ImportError:  # the core is sglang-free; its tests run without sglang too
 from sglang_ext.graphs.cache import BoundedGraphCache
 from sglang_ext.graphs.workspace import StableWorkspacePool
 from sglang_ext.graphs.capture import capture_stream, guarded_capture
+from sglang_ext_testkit import internals
 from sglang_ext_testkit.graph_capture import capture_graph, capture_measured, pool_reserved_bytes, shared_graph_pool
 
 register_cuda_ci(est_time=60, stage="base-b", runner_config="1-gpu-small")
@@ -157,17 +158,17 @@ def test_replay_after_workspace_growth_reads_its_own_slice():
 
     def capture(rows):
         lease = workspace.lease(("g", rows), rows, (256,))
-        x = lease.tensor
+        x = lease.tensors[0]
         x.normal_()
         graph, out = capture_graph(lambda: x @ weight, pool=pool)
         return GraphEntry(graph, out, lease)
 
     small = capture(8)
-    small_ptr = small.lease.tensor.data_ptr()
-    small_block = small.lease.tensor.numel()
+    small_ptr = small.lease.tensors[0].data_ptr()
+    small_block = small.lease.tensors[0].numel()
     big = capture(4096)  # does not fit: growth starts a new backing buffer
     assert workspace.backing_buffers == 2
-    assert big.lease.tensor.data_ptr() != small_ptr
+    assert big.lease.tensors[0].data_ptr() != small_ptr
 
     # Defeat allocator reuse: take blocks of the small buffer's size and fill them with a sentinel.
     # Had the small graph's buffer been freed at growth, some of them would overlap its address range.
@@ -175,12 +176,12 @@ def test_replay_after_workspace_growth_reads_its_own_slice():
     holders = [torch.full((small_block,), 1e6, device=device) for _ in range(64)]
     assert not any(_overlaps(h.data_ptr(), nbytes, small_ptr, nbytes) for h in holders)
     xs, xb = torch.randn(8, 256, device=device), torch.randn(4096, 256, device=device)
-    small.lease.tensor.copy_(xs)  # what the runner does before a replay: write the graph's own slice
-    big.lease.tensor.copy_(xb)
+    small.lease.tensors[0].copy_(xs)  # what the runner does before a replay: write the graph's own slice
+    big.lease.tensors[0].copy_(xb)
     small.graph.replay()
     big.graph.replay()
     torch.cuda.synchronize()
-    assert small.lease.tensor.data_ptr() == small_ptr
+    assert small.lease.tensors[0].data_ptr() == small_ptr
     torch.testing.assert_close(small.output, xs @ weight)
     torch.testing.assert_close(big.output, xb @ weight)
 
@@ -241,13 +242,13 @@ def test_replayed_graph_matches_eager_on_random_inputs():
         if entry is None:
             assert cache.admit(bs).capture
             lease = inputs.lease(bs, bs, (512,))
-            static_in = lease.tensor
+            static_in = lease.tensors[0]
             static_in.zero_()
             graph, out = capture_graph(lambda: model(static_in), pool=pool)
             entry = GraphEntry(graph, out, lease)
             cache.put(bs, entry)
         x = torch.randn(bs, 512, device=device)
-        entry.lease.tensor.copy_(x)
+        entry.lease.tensors[0].copy_(x)
         entry.graph.replay()
         expected = model(x)
         torch.cuda.synchronize()
@@ -257,7 +258,7 @@ def test_replayed_graph_matches_eager_on_random_inputs():
     info = cache.info()
     assert info.evictions > 0 and info.hits > 0
     cache.clear()
-    assert inputs.live_leases == 0
+    assert internals.live_leases(inputs) == 0
     _summary(
         "replay equals eager",
         replays=replays,

@@ -35,6 +35,7 @@ import sglang.srt.multimodal.vit_cuda_graph_runner as runner_module
 
 from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 from sglang_ext.registry import PATCH_NAMES
+from sglang_ext_testkit import internals
 
 THIS_PATCH = "vit_cuda_graph"
 vit_runner = ext_core("vit.runner")  # the patch's modules (the plugin's, or the patched tree's copies)
@@ -456,7 +457,7 @@ def test_lru_eviction_resets_the_graph_and_frees_its_buffers(vit_patch, fake_cud
     first, second, third = fake_cuda.created
     assert (first.resets, second.resets, third.resets) == (1, 0, 0)
     assert len(graphs(runner)) == 2 and all(g.output is not None and g.rotary for g in graphs(runner).values())
-    assert sum(p.live_leases for p in runner.engine.store.rotary_pools.values()) == 2
+    assert sum(internals.live_leases(p) for p in runner.engine.store.rotary_pools.values()) == 2
     out, want = call(runner, 8, (0, 4, 8))  # evicted layout: captured again, still right
     torch.testing.assert_close(out, want)
     info = runner.engine.info()
@@ -504,7 +505,8 @@ def test_failed_capture_is_quarantined_and_runs_eager(vit_patch, fake_cuda):
     info = runner.engine.info()
     assert info["failures"] == 1 and info["fallback_capture_failed"] == 1 and info["fallback_quarantined"] == 2
     assert fake_cuda.created[0].resets == 1, "the half-captured graph must be reset"
-    assert graphs(runner) == {} and sum(p.live_leases for p in runner.engine.store.rotary_pools.values()) == 0
+    assert graphs(runner) == {}
+    assert sum(internals.live_leases(p) for p in runner.engine.store.rotary_pools.values()) == 0
 
 
 def test_min_hits_captures_on_the_nth_sighting(vit_patch, fake_cuda):
@@ -810,7 +812,7 @@ def test_real_qwen2_5_tower_falls_back_to_sglang_eager_result_when_capture_fails
     info = vit.cuda_graph_runner.engine.info()
     assert info["failures"] == 3 and info["fallback_capture_failed"] == 3 and info["resident_graphs"] == 0
     assert graphs(vit.cuda_graph_runner) == {}
-    assert sum(p.live_leases for p in vit.cuda_graph_runner.engine.store.rotary_pools.values()) == 0
+    assert sum(internals.live_leases(p) for p in vit.cuda_graph_runner.engine.store.rotary_pools.values()) == 0
 
 
 def test_real_qwen3_tower_graph_inputs_give_sglang_eager_result(vit_patch, monkeypatch, world_of_one):
