@@ -31,13 +31,9 @@ _ARRIVED_AT = contextvars.ContextVar("sglang_ext_pi05_arrived_at", default=None)
 _SENT = contextvars.ContextVar("sglang_ext_pi05_sent", default=None)
 
 
-def _enabled(ctx) -> bool:
-    return bool(ctx.settings.pi05_server_timing)
-
-
-def _traced(original, trace, enabled: bool):
+def _traced(ctx, original, trace):
     """`trace(original)` when the knob is on, else sglang's own function (installed as it is)."""
-    return trace(original) if enabled else original
+    return trace(original) if ctx.settings.pi05_server_timing else original
 
 
 def _ms(later: float, earlier: float) -> float:
@@ -86,10 +82,8 @@ def _stamping_prepare_request(original):
 
 def patch_protocol(ctx, module) -> None:
     """Part for entrypoints.vla.protocol: wrap infer_action and the prepare_request it calls."""
-    on = _enabled(ctx)
     for name, trace in (("infer_action", _traced_infer_action), ("prepare_request", _stamping_prepare_request)):
-        original = getattr(module, name)
-        ctx.setattr(module, name, _traced(original, trace, on))
+        ctx.setattr(module, name, _traced(ctx, getattr(module, name), trace))
 
 
 def _stamp_arrival(endpoint, enabled: bool, request_cls):
@@ -121,14 +115,14 @@ def patch_api(ctx, module) -> None:
     route = post_route(module.router)
     if route is None:
         raise RuntimeError(f"entrypoints.vla.api.router has no POST {ACTION_PATH} route")
-    ctx.setattr(route, "endpoint", _stamp_arrival(route.endpoint, _enabled(ctx), module.Request))
+    on = bool(ctx.settings.pi05_server_timing)
+    ctx.setattr(route, "endpoint", _stamp_arrival(route.endpoint, on, module.Request))
 
 
 def patch_ws_utils(ctx, module) -> None:
     """Part for entrypoints.vla.ws_utils: rebind infer_action, stamp each message's arrival."""
     ctx.setattr(module, "infer_action", sibling(module, "protocol").infer_action)
-    original = module.unpack_msgpack
-    ctx.setattr(module, "unpack_msgpack", _traced(original, _stamping_unpack, _enabled(ctx)))
+    ctx.setattr(module, "unpack_msgpack", _traced(ctx, module.unpack_msgpack, _stamping_unpack))
 
 
 def _stamping_recv_reqs(original):
@@ -147,8 +141,8 @@ def _stamping_recv_reqs(original):
 
 def patch_scheduler(ctx, module) -> None:
     """Part for managers.scheduler: stamp each request when the scheduler has unpickled it."""
-    original = module.Scheduler.__dict__["recv_reqs"]
-    ctx.setattr(module.Scheduler, "recv_reqs", _traced(original, _stamping_recv_reqs, _enabled(ctx)))
+    scheduler = module.Scheduler
+    ctx.setattr(scheduler, "recv_reqs", _traced(ctx, scheduler.__dict__["recv_reqs"], _stamping_recv_reqs))
 
 
 def _timed_execute_forward(original):
@@ -175,5 +169,5 @@ def _timed_execute_forward(original):
 
 def patch_gpu_worker(ctx, module) -> None:
     """Part for managers.gpu_worker: time execute_forward, put the worker's stamps in the answer."""
-    original = module.GPUWorker.__dict__["execute_forward"]
-    ctx.setattr(module.GPUWorker, "execute_forward", _traced(original, _timed_execute_forward, _enabled(ctx)))
+    worker = module.GPUWorker
+    ctx.setattr(worker, "execute_forward", _traced(ctx, worker.__dict__["execute_forward"], _timed_execute_forward))
