@@ -1,15 +1,7 @@
 """Captures into one shared graph pool: the pool pinned, one capture stream, failures undone.
-
-Adapters capture into sglang's global graph pool, so an evicted graph's blocks are reused by the
-next capture. When the last graph using a pool is reset, a new capture into it fails until
-`empty_cache()` tears it down; a bounded cache does exactly that, so every shared pool is pinned by
-one tiny graph that is never reset. torch is imported only when called.
-
-`guarded_capture` keeps the GC out of a capture (collecting a dropped graph invalidates it) and
-undoes a failed one: `capture_end` raises before its clean-up, which leaves every later capture
-into the pool and every CUDA RNG call failing. The undo leans on torch internals, so it runs only
-on the releases it was tested on (`REPAIR_TESTED_TORCH`); elsewhere one warning, and the error
-still propagates.
+A pool whose last graph is reset fails new captures until `empty_cache()`, so a shared pool is pinned by
+one never-reset graph. The undo of a failed capture leans on torch internals, so it runs only on the
+releases it was tested on (`REPAIR_TESTED_TORCH`); elsewhere one warning. torch is imported only when called.
 """
 
 from __future__ import annotations
@@ -60,8 +52,7 @@ def pin_graph_pool(pool: Any, device: Any = None) -> None:
 
 
 def capture_stream(device: Any = None) -> Any:
-    """The one side stream of all captures on `device`: the allocator reuses a freed pool block
-    only on the stream that allocated it."""
+    """The one side stream of all captures on `device` (a freed pool block is reused only on its stream)."""
     import torch
 
     index = _cuda_index(device)
@@ -73,7 +64,8 @@ def capture_stream(device: Any = None) -> Any:
 
 @contextlib.contextmanager
 def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[Any]:
-    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe from the GC and safe to fail."""
+    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe to fail and from the GC (a collected graph
+    invalidates the capture)."""
     import torch
 
     if pool is None:
@@ -83,8 +75,7 @@ def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iter
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        # The outer stream context restores the caller's stream even when
-        # torch.cuda.graph's __exit__ raises before restoring it.
+        # The outer stream context restores the caller's stream even when graph.__exit__ raises first.
         with torch.cuda.stream(stream):
             capture = torch.cuda.graph(graph, pool=pool, stream=stream)
             capture.__enter__()

@@ -21,8 +21,7 @@ _QKV_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
 
 
 class MergedReplicatedLinear(ReplicatedLinear):
-    """Several logical projections in one replicated weight, outputs concatenated in `output_sizes`
-    order: the non-TP counterpart of `MergedColumnParallelLinear`."""
+    """Several projections in one replicated weight, outputs concatenated: a non-TP `MergedColumnParallelLinear`."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True, **kwargs):
         """ReplicatedLinear's keywords (skip_bias_add, params_dtype, quant_config, prefix) pass through."""

@@ -40,8 +40,7 @@ def _by_window(rows, window_index, group):
 
 
 def forward_with_cuda_graph(self, x, grid_thw):
-    """Qwen2_5_VisionTransformer: the tower's inputs built from host metadata (the attention layout key
-    included), every host-to-device copy non-blocking from pinned memory."""
+    """Inputs from host metadata (the layout key too); every host-to-device copy non-blocking from pinned memory."""
     if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
         grid_thw = grid_thw.cpu()  # sglang reads it on the host anyway (get_window_index, rot_pos_emb)
     hidden = self.patch_embed(to_device(x, self.device, self.dtype))

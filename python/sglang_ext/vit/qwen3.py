@@ -22,8 +22,7 @@ from sglang_ext.vit.runner import bind_runner
 
 
 def graph_inputs(vit, x, grid_thw):
-    """sglang's `_prepare_graph_inputs`, with the position embedding interpolated as the eager
-    `forward` does it; also the full-attention boundaries as Python ints."""
+    """sglang's `_prepare_graph_inputs`, positions interpolated as eager `forward` does; boundaries as ints."""
     x = vit.patch_embed(x.to(device=vit.device, dtype=vit.dtype, non_blocking=True))
     grid = grid_thw if isinstance(grid_thw, list) else grid_thw.tolist()
     if vit._use_vectorized_pos_embed(len(grid)):
