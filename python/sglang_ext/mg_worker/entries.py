@@ -1,7 +1,5 @@
-"""Entry points of spawned multimodal_gen processes, with sglang-ext activation (patch
-mg_worker_activation, spawn.py). A `WorkerEntry` pickles as a call of `worker_entry(name)`, so the
-child activates while unpickling its target, before its arguments import `sglang.multimodal_gen`.
-"""
+"""Entry points of spawned multimodal_gen processes that activate sglang-ext (patch mg_worker_activation):
+the child activates while unpickling its target, before its arguments import `sglang.multimodal_gen`."""
 
 from __future__ import annotations
 
