@@ -88,7 +88,6 @@ def fingerprint(module: str, qualname: str, source_root: Optional[str] = None) -
 
 
 def fingerprint_key(key: str, source_root: Optional[str] = None) -> Optional[str]:
-    """`fingerprint` of a "module:qualname" key."""
     module, qualname = key.split(":")
     return fingerprint(module, qualname, source_root)
 

@@ -23,8 +23,7 @@ class AttrSwap:
     name: str
     original: Any  # _MISSING if the attribute did not exist
     replacement: Any
-    # swaps of names bound from this swap's replacement module whose sglang object is importable
-    # only once this swap is rolled back (see _unpatched)
+    # swaps of names bound from this module swap's replacement, settled at its rollback (see _unpatched)
     dependents: List["AttrSwap"] = field(default_factory=list)
 
     def describe(self) -> str:

@@ -12,7 +12,6 @@ PROG = "python -m sglang_ext.serve"
 
 
 def run_sglang_serve(argv: List[str]) -> None:
-    """Run sglang's `sglang serve` console entry with `argv`."""
     from sglang.cli.main import main as sglang_main
 
     sys.argv = ["sglang", "serve", *argv]

@@ -64,8 +64,7 @@ def capture_stream(device: Any = None) -> Any:
 
 @contextlib.contextmanager
 def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[Any]:
-    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe to fail and from the GC (a collected graph
-    invalidates the capture)."""
+    """`torch.cuda.graph(...)`, safe to fail and from the GC (collecting a dropped graph invalidates a capture)."""
     import torch
 
     if pool is None:
@@ -98,9 +97,8 @@ def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iter
 
 
 def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
-    """Make the pool, the CUDA generator and later captures usable after `capture_end` raised:
-    re-open an empty capture and call `capture_end` again (it also ends the pinned-host allocator's
-    recording, which has no binding); else end the recording and reset the generator by hand."""
+    """Make the pool, the CUDA generator and later captures usable after `capture_end` raised: call it again on an
+    empty capture (it also ends the pinned-host allocator's unbound recording), else undo both by hand."""
     import torch
 
     missing = repair_unavailable()

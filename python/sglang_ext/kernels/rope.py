@@ -60,8 +60,7 @@ if triton is not None:
     def _rotate_and_store(first, second, cos, sin, head, token, cols, mask, Q_OUT, K_OUT, V_OUT,
                           seq_len, kv_len, kv_start,
                           NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """Rotate columns (cols, cols + D/2) of `head` for `token` (v heads pass through) and store
-        them to q_out's row of the token or to the token's row of the K/V buffer."""
+        """Rotate columns (cols, cols + D/2) of `head` for `token` (v: as is) into q_out or the K/V buffer."""
         rotate = head < NUM_HEADS + NUM_KV  # v heads: cos 1, sin 0 (exact)
         cos = tl.where(rotate, cos, 1.0)
         sin = tl.where(rotate, sin, 0.0)

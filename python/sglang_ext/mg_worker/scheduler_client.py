@@ -9,8 +9,7 @@ Retire when: upstream keeps its scheduler sockets across requests
 
 Releases: 0.5.17, 0.5.23 (its `_forward_one`, per replica endpoint, and per-request array folders).
 
-Why: every request connects a new REQ socket to the scheduler: a TCP handshake and a ZMTP greeting
-on the critical path of a robot's control loop.
+Why: each request connects a new REQ socket (TCP handshake, ZMTP greeting) on a robot control loop's critical path.
 How: sglang's request code runs unchanged on a context whose REQ sockets are kept ones: one that completed
 its round trip goes back to an idle list per endpoint, others are closed (REQ must alternate send and
 receive). On 0.5.23 a kept socket's identity names its own `ipc_array` scratch folder, alive with it.

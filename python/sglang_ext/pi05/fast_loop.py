@@ -90,8 +90,7 @@ def fp8_candidates(core):
 
 
 def expert_projections(expert_model, state, dtype, fp8_rows=None):
-    """Per layer Projections, or None (not plain bias-free GEMMs, too many rows, no Triton). fp8_rows (weight ->
-    (float8_e4m3fn weight, row scales)): o, gate-up and down weights in FP8 (half their bytes per step)."""
+    """Per layer Projections, or None (not plain bias-free GEMMs, too many rows, no Triton); fp8_rows: FP8 weights."""
     if not _skinny_serves(state):
         return None
     sms = sm_count(state.device)

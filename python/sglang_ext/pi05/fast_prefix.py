@@ -9,8 +9,7 @@ from sglang_ext.pi05.fast_support import prefix_language_model, sm_count, visibl
 
 
 def _one_head_sdpa(q, keys, values, scale):
-    """Unmasked attention over one K/V head as SDPA of one head of S * H queries (its flash kernel;
-    the GQA form would take the math path)."""
+    """Unmasked attention over one K/V head as one-head SDPA of S * H queries (flash; GQA takes the math path)."""
     batch, seq, heads, head_dim = q.shape
     out = F.scaled_dot_product_attention(q.view(batch, 1, seq * heads, head_dim), keys.view(batch, 1, -1, head_dim),
                                          values.view(batch, 1, -1, head_dim), scale=scale)

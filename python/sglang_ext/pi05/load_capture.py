@@ -35,8 +35,7 @@ def _resident(runner) -> tuple:
 
 
 def capture_at_load(policy, buckets) -> None:
-    """Capture the prefix and action graphs of every prompt bucket on `policy`, then seal both caches. Policies
-    whose prompts are not bucketed (tensor-parallel prefix, split groups, no CUDA) keep capturing on first use."""
+    """Capture every prompt bucket's graphs, then seal both caches (unbucketed policies capture on first use)."""
     if not policy._prompt_token_bucketing_enabled():
         logger.info("Pi05 graphs: no load-time capture (prompt buckets need a single-rank CUDA prefix); "
                     "graphs are captured on first use")

@@ -38,7 +38,6 @@ def select_prompt_token_bucket(token_length: int, buckets: Sequence[int]) -> int
 
 
 def _fit(tensor: torch.Tensor, columns: int, fill) -> torch.Tensor:
-    """`tensor` cut to `columns`, or right-padded with `fill` up to it."""
     missing = columns - tensor.shape[1]
     return F.pad(tensor, (0, missing), value=fill) if missing > 0 else tensor[:, :columns]
 

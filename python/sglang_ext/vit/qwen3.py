@@ -5,11 +5,9 @@ Targets: sglang.srt.models.qwen3_vl:Qwen3VLMoeVisionModel.forward_with_cuda_grap
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Releases: 0.5.17, 0.5.23.
-Why: `_prepare_graph_inputs` interpolates the position embedding by another rule than the eager
-`forward` (graphs on never equal graphs off); 0.5.17's gives the runner device cu_seqlens only.
-How: the inputs built as `forward` builds them, the per-frame boundaries as Python ints (the
-runner's attention_layout_key); qwen3_omni_moe's vision encoder inherits it.
+Why: `_prepare_graph_inputs` interpolates positions by another rule than eager `forward` (graphs on never equal
+graphs off); 0.5.17's gives the runner device cu_seqlens only. Releases: 0.5.17, 0.5.23.
+How: inputs built as `forward` builds them, boundaries as Python ints (qwen3_omni_moe's encoder inherits it).
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ from sglang_ext.graphs.packing import sequences_between
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
-# Vision attention backends whose kernels read max_seqlen only as a bound and skip zero-length
-# sequences: the ones graphs are captured for, and on which class and bucket modes share a graph.
+# Backends whose kernels read max_seqlen only as a bound and skip empty sequences: class / bucket modes need them.
 CLASS_BACKENDS = ("triton_attn", "fa3", "fa4")
 # In multiples of one Qwen2.5-VL attention window (scripts/sim_vit_keys.py: least padding among 16-size ladders).
 DEFAULT_BUCKETS = dict(smallest=512, ratio=1.26, multiple=64)
@@ -181,7 +180,6 @@ class BudgetLadder:
                                   or self.above_ladder == "split")
 
     def synthetic(self, tokens, windowed):
-        """The layout of one zero image of `tokens` tokens with window-sized windows."""
         return LayoutKey(tokens, (0, tokens), padded_layout((0,), 0, tokens, self.window_chunk) if windowed else None)
 
     def plan(self, layout):

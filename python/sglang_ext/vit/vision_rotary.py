@@ -5,12 +5,11 @@ Targets: sglang.srt.layers.attention.vision:VisionAttention.forward
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Releases: 0.5.17, 0.5.23.
 Why: with ViT graphs on, VisionAttention applies rotary through its unfused eager function (compiling inside a
 capture is illegal): a dozen memory-bound kernels per layer where graphs-off runs one compiled kernel.
 How: the name VisionAttention calls is wrapped: with knob vit_triton_rotary, CUDA calls run our one-kernel rotary
 (rounded as the original) in captures and eager calls alike; else eager calls inside `compiled_rotary()` use
-sglang's compiled `apply_rotary_pos_emb`; else the original.
+sglang's compiled `apply_rotary_pos_emb`; else the original. Releases: 0.5.17, 0.5.23.
 """
 
 import contextlib
