@@ -130,8 +130,7 @@ def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
         graph.reset()  # drops the graph's capture registrations
     except Exception as exc:  # noqa: BLE001
         _logger.debug("reset of the failed graph raised: %s", exc)
-    # A capture that ends takes the generator out of capture mode: capture a no-op once,
-    # into its own pool (freed with the graph), on the same stream.
+    # An ended capture takes the generator out of capture mode: capture a no-op once (own pool, same stream).
     probe = torch.empty(1, device=torch.device("cuda", index))
     repair = torch.cuda.CUDAGraph()
     try:

@@ -8,8 +8,7 @@ ORIGINALS: dict = {}
 
 
 def _activate_in_worker() -> None:
-    # force: entries are installed only when the launcher process activated sglang-ext (perhaps
-    # with `activate(force=True)` and no SGLANG_EXT=1); knobs come from the inherited environment.
+    # force: installed only when the launcher activated sglang-ext (maybe without SGLANG_EXT=1); knobs from env.
     from sglang_ext.activation import activate
 
     activate(force=True)
