@@ -2,8 +2,7 @@
 
 
 class SglangExtActivationError(BaseException):
-    """A requested patch could not be applied (strict mode): abort start-up. A BaseException, so
-    sglang's plugin loader, which catches Exception, cannot swallow it."""
+    """A requested patch failed in strict mode: abort start-up (not an Exception, which sglang's loader eats)."""
 
 
 class ExtConfigError(ValueError):

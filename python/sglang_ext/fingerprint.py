@@ -1,7 +1,5 @@
-"""Fingerprints of sglang definitions: sha256 of `ast.dump` of one definition.
-
-The AST ignores formatting, comments and docstrings; sources are parsed, never imported.
-Reference tables (`fingerprints/sglang-<version>.json`) are written by scripts/gen_fingerprints.py.
+"""Fingerprints of sglang definitions: sha256 of `ast.dump` of one definition (formatting, comments and
+docstrings ignored; sources parsed, never imported). scripts/gen_fingerprints.py writes the reference tables.
 """
 
 from __future__ import annotations
@@ -90,7 +88,6 @@ def fingerprint(module: str, qualname: str, source_root: Optional[str] = None) -
 
 
 def fingerprint_key(key: str, source_root: Optional[str] = None) -> Optional[str]:
-    """`fingerprint` of a "module:qualname" key."""
     module, qualname = key.split(":")
     return fingerprint(module, qualname, source_root)
 

@@ -1,8 +1,5 @@
-"""`python -m sglang_ext.launch_server <sglang launch_server args> [--ext-* flags]`
-
-Same as `python -m sglang.launch_server`, with sglang-ext switched on in this process and
-(through the environment) in every child process.
-"""
+"""`python -m sglang_ext.launch_server <args> [--ext-* flags]`: `python -m sglang.launch_server` with sglang-ext
+switched on here and (through the environment) in every child process."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""How a patch touches sglang: recorded attribute swaps, applied on import.
-
-`PatchContext.setattr` / `setitem` are the only way adapters change sglang objects; each swap is
-recorded so that activation can verify it and roll a patch back whole. Parts run when their
-trigger module has been imported (a post-import hook), so an LLM-only server never imports the
-Qwen-VL or multimodal_gen stacks.
+"""How a patch touches sglang: recorded attribute swaps (verified, rolled back whole), applied on import.
+Parts run when their trigger module is imported, so an LLM-only server never imports the VL stacks.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ class AttrSwap:
     name: str
     original: Any  # _MISSING if the attribute did not exist
     replacement: Any
-    # swaps of names bound from this swap's replacement module whose sglang object is importable
-    # only once this swap is rolled back (see _unpatched)
+    # swaps of names bound from this module swap's replacement, settled at its rollback (see _unpatched)
     dependents: List["AttrSwap"] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -88,8 +83,7 @@ class PatchContext:
         self.swaps.clear()
 
 
-# Every recorded swap not yet rolled back, by id of its replacement (held by the swap, so the id is
-# not reused while the entry exists).
+# Swaps not yet rolled back, by id of their replacement (which the swap holds, so the id is not reused).
 _live_swaps: Dict[int, List[AttrSwap]] = {}
 
 
@@ -100,12 +94,9 @@ def _location(owner: Any, name: Any) -> Tuple[int, Any]:
 def _unpatched(swap: AttrSwap) -> Any:
     """What `swap`'s attribute held before sglang-ext, given that it holds `swap.original` now.
 
-    A module that bound a name from patched code holds the patch's object; restoring that on
-    rollback would leave our code behind. So: if the object is another swap's replacement, that
-    swap's original (a later patch wrapping the *same* attribute keeps it); if it comes from a
-    module installed whole in sys.modules, the same name in the module it replaced, resolved when
-    the module swap rolls back (`dependents`) if that was never imported. Only functions and
-    classes are followed."""
+    A name bound from patched code holds our object, which rollback must not restore: another swap's
+    replacement maps to that swap's original; a name from a module installed whole maps to the same name
+    in the module it replaced (resolved at that swap's rollback if never imported)."""
     current = swap.original
     if not isinstance(current, (_types.FunctionType, type)):
         return current
@@ -177,8 +168,6 @@ def _live_attr(owner: Any, name: str) -> Any:
         return d[name]
     return getattr(owner, name, _MISSING)
 
-
-# --- Post-import triggers ---
 
 _lock = threading.RLock()
 _pending: Dict[str, List[Callable[[ModuleType], None]]] = {}
@@ -255,8 +244,6 @@ class _TriggeringLoader(importlib.abc.Loader):
     def __getattr__(self, name):  # get_source, get_code, is_package, ...
         return getattr(self._inner, name)
 
-
-# --- Modules that 0.5.17 lacks ---
 
 def install_module(ctx: PatchContext, name: str, source_module: ModuleType) -> None:
     """Make `source_module` importable as `name` (and an attribute of its parent package)."""

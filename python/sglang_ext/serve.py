@@ -1,8 +1,5 @@
-"""`python -m sglang_ext.serve <sglang serve args> [--ext-* flags]`
-
-Same as `sglang serve` (LLM and multimodal_gen / Pi0.5 servers), with sglang-ext switched on in
-this process and (through the environment) in every child process.
-"""
+"""`python -m sglang_ext.serve <sglang serve args> [--ext-* flags]`: `sglang serve` with sglang-ext switched on
+here and (through the environment) in every child process."""
 
 from __future__ import annotations
 
@@ -15,7 +12,6 @@ PROG = "python -m sglang_ext.serve"
 
 
 def run_sglang_serve(argv: List[str]) -> None:
-    """Run sglang's `sglang serve` console entry with `argv`."""
     from sglang.cli.main import main as sglang_main
 
     sys.argv = ["sglang", "serve", *argv]

@@ -1,11 +1,6 @@
 """Every tensor-parallel rank takes the same decision, and none is left waiting.
-
-A rank-local step that may fail (allocations, a warm-up with local stand-ins for collectives, a
-capture, which records collectives but executes none) runs through `agreed`: its exception becomes
-this rank's vote, and every rank votes once whatever happened locally, so all ranks cast the same
-votes in the same order. A vote is a MIN all-reduce of `OK` / `TRANSIENT` / `PERMANENT` over a CPU
-(gloo) group: the worst outcome wins, so ranks also agree on whether to retry. `agreed_capture`
-votes after the prepare and after the capture ([1] or [1, 2] votes).
+A rank-local step that may fail runs through `agreed`: every rank votes once whatever happened locally, a MIN
+all-reduce over a CPU (gloo) group, so the worst outcome wins and ranks also agree on whether to retry.
 """
 
 from __future__ import annotations
@@ -58,13 +53,11 @@ class Outcome:
 
     @property
     def where(self) -> str:
-        """Who failed, for logs."""
         return "another rank" if isinstance(self.error, DeclinedByPeer) else "this rank"
 
 
 def agreed(vote: Vote, step: Callable[[], Any], stage: str) -> Outcome:
-    """Run `step()` on this rank, then vote on how it went: one vote on every rank, whatever
-    happened here (exceptions are returned, not raised)."""
+    """Run `step()` here, then vote on how it went: one vote on every rank (exceptions are returned, not raised)."""
     error: Optional[BaseException] = None
     value = None
     try:

@@ -1,15 +1,7 @@
 """Captures into one shared graph pool: the pool pinned, one capture stream, failures undone.
-
-Adapters capture into sglang's global graph pool, so an evicted graph's blocks are reused by the
-next capture. When the last graph using a pool is reset, a new capture into it fails until
-`empty_cache()` tears it down; a bounded cache does exactly that, so every shared pool is pinned by
-one tiny graph that is never reset. torch is imported only when called.
-
-`guarded_capture` keeps the GC out of a capture (collecting a dropped graph invalidates it) and
-undoes a failed one: `capture_end` raises before its clean-up, which leaves every later capture
-into the pool and every CUDA RNG call failing. The undo leans on torch internals, so it runs only
-on the releases it was tested on (`REPAIR_TESTED_TORCH`); elsewhere one warning, and the error
-still propagates.
+A pool whose last graph is reset fails new captures until `empty_cache()`, so a shared pool is pinned by
+one never-reset graph. The undo of a failed capture leans on torch internals, so it runs only on the
+releases it was tested on (`REPAIR_TESTED_TORCH`); elsewhere one warning. torch is imported only when called.
 """
 
 from __future__ import annotations
@@ -60,8 +52,7 @@ def pin_graph_pool(pool: Any, device: Any = None) -> None:
 
 
 def capture_stream(device: Any = None) -> Any:
-    """The one side stream of all captures on `device`: the allocator reuses a freed pool block
-    only on the stream that allocated it."""
+    """The one side stream of all captures on `device` (a freed pool block is reused only on its stream)."""
     import torch
 
     index = _cuda_index(device)
@@ -73,7 +64,7 @@ def capture_stream(device: Any = None) -> Any:
 
 @contextlib.contextmanager
 def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[Any]:
-    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, safe from the GC and safe to fail."""
+    """`torch.cuda.graph(...)`, safe to fail and from the GC (collecting a dropped graph invalidates a capture)."""
     import torch
 
     if pool is None:
@@ -83,8 +74,7 @@ def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iter
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        # The outer stream context restores the caller's stream even when
-        # torch.cuda.graph's __exit__ raises before restoring it.
+        # The outer stream context restores the caller's stream even when graph.__exit__ raises first.
         with torch.cuda.stream(stream):
             capture = torch.cuda.graph(graph, pool=pool, stream=stream)
             capture.__enter__()
@@ -107,9 +97,8 @@ def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iter
 
 
 def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
-    """Make the pool, the CUDA generator and later captures usable after `capture_end` raised:
-    re-open an empty capture and call `capture_end` again (it also ends the pinned-host allocator's
-    recording, which has no binding); else end the recording and reset the generator by hand."""
+    """Make the pool, the CUDA generator and later captures usable after `capture_end` raised: call it again on an
+    empty capture (it also ends the pinned-host allocator's unbound recording), else undo both by hand."""
     import torch
 
     missing = repair_unavailable()
@@ -141,8 +130,7 @@ def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
         graph.reset()  # drops the graph's capture registrations
     except Exception as exc:  # noqa: BLE001
         _logger.debug("reset of the failed graph raised: %s", exc)
-    # A capture that ends takes the generator out of capture mode: capture a no-op once,
-    # into its own pool (freed with the graph), on the same stream.
+    # An ended capture takes the generator out of capture mode: capture a no-op once (own pool, same stream).
     probe = torch.empty(1, device=torch.device("cuda", index))
     repair = torch.cuda.CUDAGraph()
     try:

@@ -1,9 +1,5 @@
-"""Graph key material: everything that changes what a captured graph does, as CPU values.
-
-A graph bakes in the token count and the attention layout, so both are in its key (each adapter
-has its own frozen key types). Keys are built from CPU metadata only: the helpers refuse a device
-tensor (a sync per forward) unless asked.
-"""
+"""Graph key material: everything that changes what a captured graph does, as CPU values (the helpers refuse
+a device tensor, a sync per forward, unless asked)."""
 
 from __future__ import annotations
 

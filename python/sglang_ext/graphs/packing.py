@@ -1,7 +1,5 @@
-"""Split one encoder call into chunks of whole attention sequences, and time graph against eager.
-
-A vision tower attends within sequences, so a call cut at boundaries every attention layout
-shares can be encoded piece by piece. No torch at import.
+"""Split one encoder call into chunks of whole attention sequences (cut where every layout has a boundary, a
+call encodes piece by piece), and time graph against eager. No torch at import.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ def sequences_between(layout: Sequence[int], start: int, end: int) -> Tuple[int,
 
 def whole_sequence_chunks(layouts: Sequence[Optional[Sequence[int]]], total: int, max_tokens: int,
                           max_sequences: int) -> List[Tuple[int, int]]:
-    """Token ranges [start, end) covering [0, total), cut only at boundaries all `layouts` share, each
-    with as many whole sequences as fit (greedy); a sequence too large alone is its own range."""
+    """Token ranges [start, end) covering [0, total), cut only at boundaries all `layouts` share, each with as many
+    whole sequences as fit (greedy); a sequence too large alone is its own range."""
     if max_tokens < 1 or max_sequences < 1:
         raise ValueError(f"max_tokens/max_sequences: {max_tokens}/{max_sequences}; allowed: integers >= 1")
     cuts = [c for c in shared_boundaries(layouts) if 0 < c < total] + [total]

@@ -1,11 +1,5 @@
 """Process-wide registry of graph-cache counters (`sglang-ext doctor`, debug logs, Prometheus).
-
-Registrations are weak (a bound method through a `WeakMethod`, or tied to `owner=`), so runners
-that die disappear from `snapshot()` by themselves.
-
-`publish()` writes the counters as Prometheus metrics (`sglang_ext_graph_*`) when
-PROMETHEUS_MULTIPROC_DIR is set (by sglang's `--enable-metrics`); otherwise it costs one check.
-Counters advance by the change of each snapshot since the last publish.
+Registrations are weak, so runners that die leave `snapshot()` by themselves.
 """
 
 from __future__ import annotations
@@ -85,8 +79,6 @@ def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
     return True
 
 
-# --- Prometheus ---
-
 # Registration name (before ":" or "#") -> the `cache` label of the sglang_ext_graph_* metrics.
 CACHE_LABELS = {"vit_cuda_graph": "vit_cuda_graph", "vla.prefix": "pi05_prefix_graph",
                 "vla.action-denoise": "pi05_action_graph", "prefill_cp_bucket": "prefill_cp_bucket"}
@@ -158,7 +150,8 @@ def _create_metrics() -> Dict[str, Any]:
 
 
 def publish() -> None:
-    """Write the current counters of every registration to the Prometheus metrics (see module doc)."""
+    """Counters as `sglang_ext_graph_*` metrics (advanced by their change since the last publish) when
+    PROMETHEUS_MULTIPROC_DIR is set (sglang's `--enable-metrics`); else one check."""
     if _prom["on"] is False:
         return
     if _prom["on"] is None:

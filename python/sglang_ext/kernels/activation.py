@@ -1,10 +1,5 @@
-"""gelu(tanh approximation)(gate) * up of a packed [gate, up] projection, in one kernel.
-
-x: [..., 2 * I] (packed [gate, up]); returns [..., I]. Math in float32, one rounding:
-
-    gelu(g) = 0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g^3)))
-
-tanh(u) is computed as 1 - 2 / (1 + exp(2u)) (plain exp: no libdevice needed).
+"""gelu(tanh approximation)(gate) * up of a packed [gate, up] projection, [..., 2 * I] -> [..., I], in one kernel.
+Math in float32, one rounding; tanh(u) = 1 - 2 / (1 + exp(2u)) (plain exp: no libdevice needed).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Bidirectional attention of a few query tokens over the first rows of a K/V buffer.
+"""Bidirectional attention of a few query tokens over the first rows of a K/V buffer (Pi0.5's actions, prefix K/V).
 
-q [B, S, H, D] over keys / values [B, T, KV, D], batch row b reading rows 0 .. used[b] - 1 (all T
-without `used`): Pi0.5's action tokens over the prefix K/V. The G = H / KV query heads of a K/V
-head form one block of S * G query rows, and the key rows are split over `splits` programs per
-block (flash-decoding); a second kernel combines the splits in a fixed order (deterministic).
-splits == 1 normalises in the first kernel and skips the second.
-
-With `key_rows` ([B, T] int32) the keys are rows key_rows[b, 0 .. used[b] - 1]: any subset, in any
-order. Math: float32 scores and softmax, probabilities rounded to q's dtype for P @ V (as
-FlashAttention does), float32 accumulation, one rounding of the output.
+The G = H / KV query heads of a K/V head form one block of S * G rows; key rows are split over `splits` programs
+(flash-decoding) and a second kernel combines them in a fixed order (deterministic; splits == 1 skips it).
+Math: float32 scores and softmax, probabilities rounded to q's dtype for P @ V (as FlashAttention does),
+float32 accumulation, one rounding of the output.
 """
 
 from __future__ import annotations
@@ -164,8 +159,8 @@ if triton is not None:
 
 def first_rows_attention(q, keys, values, used: Optional[torch.Tensor] = None, *, scale: float, splits: int = 1,
                          key_rows: Optional[torch.Tensor] = None, pdl: bool = True):
-    """Attention of q [B, S, H, D] over the first used[b] rows (of `key_rows` if given) of keys /
-    values [B, T, KV, D], in q's dtype. used: [B] int32 (None: all T); each reads at least one row."""
+    """Attention of q [B, S, H, D] over the first used[b] rows (of `key_rows` [B, T] int32 if given: any subset,
+    any order) of keys / values [B, T, KV, D], in q's dtype. used: [B] int32 (None: all T), each at least 1."""
     if not runs_triton(q):
         return first_rows_attention_reference(q, keys, values, used, scale=scale, splits=splits, key_rows=key_rows)
     batch, seq, heads, head_dim, total, kv_heads = _check(q, keys, values, used, key_rows)

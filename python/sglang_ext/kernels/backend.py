@@ -1,7 +1,4 @@
-"""Which implementation serves a tensor: the Triton kernel or the torch reference.
-
-triton is imported here, once; the kernels are defined only when it imports.
-"""
+"""Which implementation serves a tensor: the Triton kernel or the torch reference (triton imported here, once)."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ def block_size(n: int) -> int:
 
 
 def uses_pdl(tensor, enabled: bool = True) -> bool:
-    """True: kernels on `tensor`'s device launch with programmatic dependent launch (sm90+; each waits for the one
-    before, then lets the next launch: `after_previous_kernel`). enabled (each kernel's `pdl`) False: plain launches."""
+    """True: kernels on `tensor`'s device launch with programmatic dependent launch (sm90+ and `enabled`)."""
     return (enabled and gdc_wait is not None and not INTERPRET and tensor.is_cuda
             and _sm_major(tensor.device.index) >= 9)
 

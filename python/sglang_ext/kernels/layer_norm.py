@@ -1,10 +1,6 @@
-"""LayerNorm, optionally after a residual add, in one kernel (the SigLIP layers of Pi0.5's prefix).
-
-    x <- x + add                                   (only with `add`; written back to x, in x's dtype)
-    out = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias
-
-Statistics in float32 from x as stored (after the add's rounding), as `x = x + add` followed by
-torch's LayerNorm computes them; one rounding per output.
+"""LayerNorm, optionally after a residual add (written back to x in x's dtype), in one kernel (Pi0.5's SigLIP).
+Statistics in float32 from x as stored (after the add's rounding), as `x = x + add` followed by torch's LayerNorm
+computes them; one rounding per output.
 """
 
 from __future__ import annotations

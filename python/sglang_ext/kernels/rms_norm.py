@@ -1,12 +1,9 @@
-"""Modulated RMS norm, optionally after a gated residual add, in one kernel.
+"""Modulated RMS norm, optionally after a gated residual add, in one kernel: x <- x + add * gate (with `add`,
+written back in x's dtype), then out = rms(x) * (1 + scale) + shift.
 
-    x <- x + add * gate          (only with `add`; written back to x, in x's dtype)
-    out = rms(x) * (1 + scale) + shift
-
-rms(x) = x / sqrt(mean(x^2) + eps) from x as stored (after the residual add's rounding). `add` may
-be a skinny_linear `Partials` (summed here in float32: no reduce kernel). scale / shift / gate
-hold one row per group of rows of x: row c of a [C, N] conditioning applies to rows c*G .. c*G+G-1
-(adaRMS: C = batch, G = tokens). Math in float32, one rounding per output.
+rms(x) = x / sqrt(mean(x^2) + eps) from x as stored (after the residual add's rounding). `add` may be a
+skinny_linear `Partials` (summed here in float32). Row c of a [C, N] scale / shift / gate applies to rows
+c*G .. c*G+G-1 of x (adaRMS: C = batch, G = tokens). Math in float32, one rounding per output.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Neox-style rotary embedding of q and k straight out of a packed qkv projection.
 
-Reads qkv [B, S, (H + 2 * KV) * D], writes q to `q_out` [B, S, H, D] and k / v (v unrotated) into
-rows `kv_start .. kv_start + S` of `k_out` / `v_out` [B, T, KV, D] (a K/V buffer whose first rows
-hold a cached prefix). Rotation (neox: halves, not pairs):
-
-    out[:D/2] = x[:D/2] * cos - x[D/2:] * sin
-    out[D/2:] = x[D/2:] * cos + x[:D/2] * sin
-
-cos_sin: [B * S, D] float32, [cos | sin] (sglang's cos_sin_cache row layout). Math in float32.
-qkv may be a skinny_linear `Partials`. `linear_rope_qkv` also computes the qkv projection of a few
-rows in the same kernel, rotating it unrounded, so the projection never goes to memory.
+qkv [B, S, (H + 2 * KV) * D] (or skinny_linear `Partials`) -> q_out [B, S, H, D], k / v (v unrotated) into rows
+kv_start .. kv_start + S of k_out / v_out [B, T, KV, D] (after a cached prefix). Neox rotates halves, not pairs.
+cos_sin: [B * S, D] float32 [cos | sin] (sglang's cos_sin_cache rows); math in float32. `linear_rope_qkv` also
+computes the projection of a few rows in the same kernel, rotating it unrounded (it never goes to memory).
 """
 
 from __future__ import annotations
@@ -66,8 +60,7 @@ if triton is not None:
     def _rotate_and_store(first, second, cos, sin, head, token, cols, mask, Q_OUT, K_OUT, V_OUT,
                           seq_len, kv_len, kv_start,
                           NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """Rotate columns (cols, cols + D/2) of `head` for `token` (v heads pass through) and store
-        them to q_out's row of the token or to the token's row of the K/V buffer."""
+        """Rotate columns (cols, cols + D/2) of `head` for `token` (v: as is) into q_out or the K/V buffer."""
         rotate = head < NUM_HEADS + NUM_KV  # v heads: cos 1, sin 0 (exact)
         cos = tl.where(rotate, cos, 1.0)
         sin = tl.where(rotate, sin, 0.0)
@@ -175,8 +168,7 @@ if triton is not None:
 
 def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start,
                     block_n=16, block_k=128, pdl=True):
-    """rope_qkv of the projection x [B, S, K] @ weight [(H + 2 KV) * D, K].T, in one kernel
-    (block_n column pairs per program, block_k the K step)."""
+    """rope_qkv of x [B, S, K] @ weight [(H + 2 KV) * D, K].T in one kernel (block_n column pairs per program)."""
     if not runs_triton(q_out):
         return linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, num_heads=num_heads,
                                          num_kv_heads=num_kv_heads, head_dim=head_dim, kv_start=kv_start,

@@ -1,11 +1,9 @@
-"""Rotate-half rotary embedding of q and k in one kernel, rounded as the eager torch formula rounds it.
+"""Rotate-half rotary embedding of q and k in one kernel, rounded as the eager torch formula rounds it:
+out = x * cos + cat(-x[D/2:], x[:D/2]) * sin, float32 math, then x's dtype.
 
-    out = x * cos + cat(-x[D/2:], x[:D/2]) * sin      float32 math, then x's dtype
-
-q [T, H, D] and k [T, KV, D] contiguous; cos and sin [T, D] (rows may be strided), read as float32.
-One program per token rotates every head of q and k. The kernel is built without multiply-add
-contraction, so each product and the sum round on their own as torch's separate eager kernels do:
-on the GPU the output is that formula's, bit for bit (what a CUDA graph of the eager formula replays).
+q [T, H, D], k [T, KV, D] contiguous; cos, sin [T, D] read as float32; one program per token. Built without
+multiply-add contraction, so each product and the sum round on their own as torch's eager kernels do: on the
+GPU the output is the formula's bit for bit (what a CUDA graph of the eager formula replays).
 """
 
 from __future__ import annotations

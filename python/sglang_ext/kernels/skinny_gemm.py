@@ -1,20 +1,12 @@
 """x @ weight.T for a few rows (M <= 128): the weight-read-bound GEMMs of a small-batch step.
 
-Every program reads one [BLOCK_N, K / parts] slice of the weight once, with all rows of x in one
-tile, so the launch streams the weight exactly once (cuBLAS stays well below HBM bandwidth here).
-
-parts > 1 splits K: the result is `Partials` (float32 [parts, ..., N], summed in a fixed order by
-its consumer: ada_rms_norm's `add`, rope_qkv's `qkv`): no reduce kernel, no atomics. parts == 1
-returns [..., N], rounded once, after an optional epilogue:
-    gated:  weight is a packed [gate; up] [2I, K]; returns gelu_tanh(gate) * up [..., I]
-            (the float32 products, not rounded before the activation)
-    bias:   [N] added in float32
-    add_to: float32 [..., N] updated in place, add_to += alpha * result (returned)
-float32 x and weight multiply as three TF32 products (tf32x3: float32-level accuracy on tensor
-cores): the Pi0.5 action in/out projections, which sglang keeps in float32.
-FP8 weights (opt-in, `quantize_rows_fp8`): a float8_e4m3fn weight with a float32 scale per row is
-read as is (half the bytes), widened to x's dtype for the products (exact), and each product column
-multiplied by its row's scale before any epilogue (split-K parts too: the scale is linear).
+Every program reads one [BLOCK_N, K / parts] weight slice once with all rows of x in one tile, so the launch
+streams the weight exactly once (cuBLAS stays well below HBM bandwidth here). parts > 1 splits K into float32
+`Partials` that their consumer sums in a fixed order: no reduce kernel, no atomics. parts == 1 rounds once,
+after the epilogue: gated (packed [gate; up]) takes gelu_tanh(gate) * up of the unrounded float32 products;
+bias and add_to (+= alpha * result) are float32. float32 x and weight multiply as three TF32 products
+(tf32x3: float32-level accuracy on tensor cores; sglang keeps Pi0.5's action projections in float32).
+FP8 weights (`quantize_rows_fp8`) are widened to x's dtype (exact) and scaled per row before any epilogue.
 """
 
 from __future__ import annotations
@@ -50,7 +42,6 @@ class Partials(NamedTuple):
 
     @property
     def shape(self):
-        """The product's shape."""
         return self.parts.shape[1:]
 
     def total(self) -> torch.Tensor:

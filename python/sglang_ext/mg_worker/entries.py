@@ -1,7 +1,5 @@
-"""Entry points of spawned multimodal_gen processes, with sglang-ext activation (patch
-mg_worker_activation, spawn.py). A `WorkerEntry` pickles as a call of `worker_entry(name)`, so the
-child activates while unpickling its target, before its arguments import `sglang.multimodal_gen`.
-"""
+"""Entry points of spawned multimodal_gen processes that activate sglang-ext (patch mg_worker_activation):
+the child activates while unpickling its target, before its arguments import `sglang.multimodal_gen`."""
 
 from __future__ import annotations
 
@@ -10,8 +8,7 @@ ORIGINALS: dict = {}
 
 
 def _activate_in_worker() -> None:
-    # force: entries are installed only when the launcher process activated sglang-ext (perhaps
-    # with `activate(force=True)` and no SGLANG_EXT=1); knobs come from the inherited environment.
+    # force: installed only when the launcher activated sglang-ext (maybe without SGLANG_EXT=1); knobs from env.
     from sglang_ext.activation import activate
 
     activate(force=True)

@@ -6,10 +6,8 @@ Upstream PR: none (0.5.23 still reads the statistics four times per snapshot and
 Retire when: upstream reads the allocator's statistics once per snapshot and logs the stages of action requests at
 debug level
 
-Why: the worker takes a snapshot before and after every request; each of its four torch.cuda
-getters builds the allocator's whole statistics table and flattens it in Python.
-How: the worker's `capture_memory_snapshot` reads the four `all` counters from one
-`memory_stats_as_nested_dict()` (the table those getters read); other devices take sglang's.
+Why: a snapshot before and after every request; each of its four torch.cuda getters flattens the whole table.
+How: the worker's `capture_memory_snapshot` reads the four `all` counters from one `memory_stats_as_nested_dict()`.
 """
 
 from __future__ import annotations

@@ -9,13 +9,10 @@ Retire when: upstream keeps its scheduler sockets across requests
 
 Releases: 0.5.17, 0.5.23 (its `_forward_one`, per replica endpoint, and per-request array folders).
 
-Why: every request connects a new REQ socket to the scheduler: a TCP handshake and a ZMTP greeting
-on the critical path of a robot's control loop.
-How: sglang's own request code runs unchanged on a context whose REQ sockets (inside a request) are
-kept ones: a socket that completed its round trip goes back to an idle list for the next request to
-that endpoint; one that did not is closed (a REQ socket must alternate send and receive). On 0.5.23
-a kept socket's identity names its own scratch folder for large arrays (`ipc_array`), alive as
-long as the socket: the identity sglang sets per request is not applied to it.
+Why: each request connects a new REQ socket (TCP handshake, ZMTP greeting) on a robot control loop's critical path.
+How: sglang's request code runs unchanged on a context whose REQ sockets are kept ones: one that completed
+its round trip goes back to an idle list per endpoint, others are closed (REQ must alternate send and
+receive). On 0.5.23 a kept socket's identity names its own `ipc_array` scratch folder, alive with it.
 """
 
 from __future__ import annotations

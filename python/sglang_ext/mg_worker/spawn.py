@@ -8,9 +8,8 @@ Upstream PR: (multimodal_gen plugin group, sglang 0.5.21)
 Retire when: the minimum supported sglang loads sglang.multimodal_gen.plugins in workers (>= 0.5.21)
 
 Why: 0.5.17 spawns the GPU workers (and the `--webui` HTTP server) without loading plugins there.
-How: the launch_server globals used as process targets are rebound to `entries.ENTRIES` objects
-that pickle as a call of `entries.worker_entry(name)`: the child activates while unpickling its
-target (a function installed into launch_server would resolve to the original in the child).
+How: launch_server's process targets are rebound to `entries.ENTRIES` objects that pickle as a call of
+`entries.worker_entry(name)`: the child activates while unpickling (an installed function unpickles as the original).
 """
 
 from __future__ import annotations

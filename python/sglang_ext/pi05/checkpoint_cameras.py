@@ -1,8 +1,5 @@
-"""The cameras a Pi0.5 checkpoint names, known to the HTTP process too.
-
-sglang applies a checkpoint's config.json (`Pi05PolicyModel._apply_checkpoint_config`) in the worker
-only, so the HTTP process knows the pipeline config's default cameras; here upstream's own reader runs
-on a copy of the config, once per server.
+"""The cameras a Pi0.5 checkpoint names, known to the HTTP process too (sglang applies a checkpoint's config.json
+in the worker only): upstream's own reader runs on a copy of the config, once per server.
 """
 
 from __future__ import annotations
@@ -14,8 +11,7 @@ import weakref
 
 logger = logging.getLogger("sglang_ext")
 
-# id(pipeline config) -> (a weak reference to it, its checkpoint's cameras); the reference tells a live
-# config from a later one that reuses the id.
+# id(pipeline config) -> (weak reference, cameras); the reference tells a live config from one reusing the id.
 _CAMERAS: dict = {}
 
 

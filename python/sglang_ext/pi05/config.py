@@ -7,10 +7,9 @@ Retire when: the minimum supported sglang has the graph config fields (>= 0.5.19
 config keys
 
 Releases: 0.5.23 (fields upstream: knobs, stricter checks, misspelled keys), 0.5.17 (the fields backported).
-Why: the graph caches and prompt buckets need their settings on the config, checked at start-up;
-`update_pipeline_config` silently drops unknown keys, so a typo would leave them off.
-How: on 0.5.17 the four fields added to the class in place (and 0.5.19's `vla.prompt_bucketing`);
-`__post_init__` applies the `--ext-pi05-*` knobs, then validates; graph-like unknown keys raise.
+Why: graph settings belong on the config, checked at start-up; `update_pipeline_config` silently drops a typo.
+How: 0.5.17 gets the four fields (and 0.5.19's `vla.prompt_bucketing`); `__post_init__` applies the
+`--ext-pi05-*` knobs, then validates; graph-like unknown keys raise.
 """
 
 from __future__ import annotations

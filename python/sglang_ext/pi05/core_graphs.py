@@ -10,12 +10,10 @@ Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, super
 Retire when: upstream keys the action-graph K/V refresh on something id()-free and the minimum supported sglang has
 vla/cuda_graph.py (>= 0.5.19)
 
-Why: a missing first camera's tokens get position -1 (an out-of-bounds rotary gather; also 0.5.23).
-0.5.17's prefix copies its attention marks from a host list and probes its mask with .item()
-(neither capturable); every denoise step rebuilds the suffix mask, positions and sinusoid scaling.
-How: encode_prefix replaced (positions clamped, the fast path's prefix layers, no .item() on a hint);
-0.5.17 only: create_sinusoidal_pos_embedding wrapped (optional precomputed `scaling`), embed_prefix,
-embed_suffix, denoise_step replaced by 0.5.19's behaviour in our code, plus prepare_denoise_layout.
+Why: a missing first camera's tokens get position -1 (an out-of-bounds rotary gather; also 0.5.23); 0.5.17's
+prefix is not capturable (host-list marks, .item() mask probe) and every denoise step rebuilds its layout.
+How: encode_prefix replaced (positions clamped, fast-path prefix layers, no .item() on a hint); 0.5.17 also
+gets 0.5.19's embed_prefix, embed_suffix, denoise_step, cached sinusoid scaling and prepare_denoise_layout.
 Releases: 0.5.23 (encode_prefix), 0.5.17 (all).
 """
 
@@ -57,8 +55,7 @@ def _with_scaling(original):
 
 
 def embed_prefix(self, images, image_masks, tokens, token_masks):
-    """Image and language embeddings with their pad masks; the attention marks (all zero) are made
-    on the device, so the prefix stays capturable."""
+    """Image and language embeddings with pad masks; the (all-zero) attention marks are made on the device."""
     towers = self.paligemma_with_expert
     image_embs = towers.embed_images(images)
     language = towers.embed_language_tokens(tokens)

@@ -43,8 +43,7 @@ class Projections(NamedTuple):
 
 
 def skinny_plan(weight, sms, *, splittable=True, gated=False):
-    """(weight, parts, block_n, block_k) for skinny_linear, or None (no power-of-two K block >= 16):
-    the most programs that fit one wave (docs/gpu-notes.md), then the fewest parts."""
+    """(weight, parts, block_n, block_k) for skinny_linear, or None: most programs in one wave, then fewest parts."""
     n, k = weight.shape
     width = n // 2 if gated else n
     block_k = _block_k(k)
@@ -64,8 +63,7 @@ def skinny_plan(weight, sms, *, splittable=True, gated=False):
 
 
 def rope_plan(weight, head_dim, sms):
-    """(weight, block_n, block_k) for linear_rope_qkv, or None: the narrowest column-pair block
-    (most programs) that fits one wave, else the widest that divides head_dim / 2."""
+    """(weight, block_n, block_k) for linear_rope_qkv, or None: the narrowest block in one wave, else the widest."""
     block_k = _block_k(weight.shape[1])
     fitting = [b for b in (16, 32, 64) if (head_dim // 2) % b == 0]
     if block_k < 16 or not fitting:
@@ -92,8 +90,7 @@ def fp8_candidates(core):
 
 
 def expert_projections(expert_model, state, dtype, fp8_rows=None):
-    """Per layer Projections, or None (not plain bias-free GEMMs, too many rows, no Triton). fp8_rows (weight ->
-    (float8_e4m3fn weight, row scales)): o, gate-up and down weights in FP8 (half their bytes per step)."""
+    """Per layer Projections, or None (not plain bias-free GEMMs, too many rows, no Triton); fp8_rows: FP8 weights."""
     if not _skinny_serves(state):
         return None
     sms = sm_count(state.device)
@@ -117,8 +114,7 @@ def expert_projections(expert_model, state, dtype, fp8_rows=None):
 
 
 def action_projections(core, state):
-    """(weight, bias, block_k) of action_in_proj and of action_out_proj when skinny_linear can take
-    both (plain float32 GEMMs), else None."""
+    """(weight, bias, block_k) of action_in_proj and action_out_proj when skinny_linear takes both, else None."""
     if not _skinny_serves(state):
         return None
     pair = []
@@ -171,8 +167,7 @@ def _request_layout(expert_model, prefix_context, state, full_attention, action_
 
 def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, fp8_rows=None,
             pdl=True):
-    """Every denoise step of one request; `state` (x_t, float32) is updated in place. fp8_rows: as in
-    expert_projections (knob pi05_fp8_expert). pdl: the kernels' programmatic dependent launch."""
+    """Every denoise step of one request; `state` (x_t, float32) is updated in place."""
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
 

@@ -19,10 +19,8 @@ TIME_TABLE_ENTRIES = 4  # (steps, batch, device, dtype) tables kept per model; a
 
 
 class Pi05FastPath:
-    """The fused-kernel paths of `core` in one mode; its modes (FastPaths.path) share the rest: each path's support
-    verdict and first-use verification (not covered, or a first use that raised: the exact path), time tables,
-    FP8 weight copies, packed SigLIP q/k/v. fp8: knob pi05_fp8_expert. fused_vision: SigLIP's layers in 7 kernels
-    instead of 13 (off: bench_pi05's graph-fast-exact-vision). pdl: programmatic dependent launch (off: -nopdl)."""
+    """The fused-kernel paths of `core` in one mode (fp8: knob pi05_fp8_expert; fused_vision: SigLIP layers in 7
+    kernels, not 13; pdl: programmatic dependent launch). Modes share verdicts, tables and weight copies."""
 
     def __init__(self, core, *, fp8=False, fused_vision=True, pdl=True, registry=None):
         self._core, self._registry = weakref.ref(core), registry
@@ -109,16 +107,15 @@ class Pi05FastPath:
                                                                     position_ids, pad_masks, pdl=self.pdl))
 
     def prepare_vision(self) -> None:
-        """Pack every layer's q/k/v before prefix captures, once until reset_prefix (where the fused layers
-        serve). Not per request: checking 27 layers cost 0.4-0.5 ms of host time before each H200 replay."""
+        """Pack every layer's q/k/v before prefix captures, once until reset_prefix: checking 27 layers per
+        request cost 0.4-0.5 ms of host time before each H200 replay."""
         if "vision" not in self._prepared and self.serves("vision"):
             for layer in fast_support.vision_encoder(self._core()).layers:
                 fast_prefix.packed_qkv(self.packing, layer.self_attn)
             self._prepared.add("vision")
 
     def reset_prefix(self) -> None:
-        """prepare_vision checks (and packs) every layer again (with the prefix graphs, after new weights);
-        packed copies whose projections were replaced since are dropped now (they hold memory)."""
+        """prepare_vision checks every layer again (new prefix graphs or weights); stale packed copies go now."""
         if "vision" in self._prepared:
             self._prepared.discard("vision")
             for attn in [a for a in self.packing if fast_prefix.current_packing(self.packing, a) is None]:
@@ -135,8 +132,7 @@ class Pi05FastPath:
 
 
 class FastPaths:
-    """Each core model's fast paths (held weakly) by mode, made as the pi05_graphs patch is applied. A SigLIP encoder's
-    forward is wrapped once through its PatchContext (undone by deactivation) to run the open path's layers."""
+    """Each core model's fast paths by mode (held weakly); SigLIP's forward is wrapped once to run the open path."""
 
     def __init__(self, ctx):
         self._ctx = ctx

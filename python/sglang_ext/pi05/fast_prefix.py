@@ -9,8 +9,7 @@ from sglang_ext.pi05.fast_support import prefix_language_model, sm_count, visibl
 
 
 def _one_head_sdpa(q, keys, values, scale):
-    """Unmasked attention over one K/V head as SDPA of one head of S * H queries (its flash kernel;
-    the GQA form would take the math path)."""
+    """Unmasked attention over one K/V head as one-head SDPA of S * H queries (flash; GQA takes the math path)."""
     batch, seq, heads, head_dim = q.shape
     out = F.scaled_dot_product_attention(q.view(batch, 1, seq * heads, head_dim), keys.view(batch, 1, -1, head_dim),
                                          values.view(batch, 1, -1, head_dim), scale=scale)
@@ -18,9 +17,8 @@ def _one_head_sdpa(q, keys, values, scale):
 
 
 def prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks, *, pdl=True):
-    """The prefix K/V (VLADensePrefixCache) from the language model's layers (Gemma RMSNorm, no conditioning). A
-    mask is pad_masks[i] & pad_masks[j], so attention reads just the visible keys, without it (padded rows then
-    differ from the exact path's; nothing reads them)."""
+    """The prefix K/V (VLADensePrefixCache) from the language model's layers. Attention reads just the visible keys,
+    without a mask (padded rows then differ from the exact path's; nothing reads them)."""
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
     from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
     from sglang.multimodal_gen.runtime.vla.prefix_cache import VLADensePrefixCache
@@ -77,9 +75,8 @@ def prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks, 
 
 
 def packed_qkv(packing, attn):
-    """(weight, bias) of q, k and v packed into one projection (kept in `packing` by attention module), or None in
-    a capture before packing. Packed once, outside any capture: the projections' parameters become views of it
-    (no second copy; loaders that copy into them keep it current); one replaced since is packed again."""
+    """(weight, bias) of q, k and v packed into one projection, or None in a capture before packing. The
+    projections' parameters become views of it (loaders keep it current); one replaced since is packed again."""
     packed = current_packing(packing, attn)
     if packed is not None:
         return packed
@@ -123,9 +120,7 @@ def _linear_gelu_tanh(x, linear):
 
 
 def vision_layers(encoder, inputs_embeds, packing, *, pdl=True):
-    """The encoder's output (BaseModelOutput) from its layers on fused kernels: per layer one packed q/k/v
-    GEMM, the attention module, out_proj, residual add + LayerNorm, fc1 with gelu in its epilogue, fc2,
-    residual add + the next layer's LayerNorm."""
+    """The encoder's output (BaseModelOutput) from its layers on fused kernels (one packed q/k/v GEMM per layer)."""
     from transformers.modeling_outputs import BaseModelOutput
 
     from sglang_ext.kernels import add_layer_norm

@@ -6,10 +6,9 @@ sglang.multimodal_gen.runtime.models.vlas.pi05_core:gated_residual
 Upstream PR: none (sglang-ext only)
 Retire when: upstream PiGemmaRMSNorm uses a fused rms_norm and gated_residual is a single op
 
-Why: 0.5.17's adaRMS forward is about 13 elementwise kernels and each gated residual two; Pi0.5
-eager decoding is launch-bound.
-How: PiGemmaRMSNorm.forward replaced (F.rms_norm, addcmul); gated_residual wrapped (one addcmul);
-its callers look it up in pi05_core's globals, so rebinding it reaches them.
+Why: 0.5.17's adaRMS forward is about 13 elementwise kernels, each gated residual two; eager Pi0.5 is launch-bound.
+How: PiGemmaRMSNorm.forward replaced (F.rms_norm, addcmul); gated_residual (one addcmul) rebound in pi05_core's
+globals, where its callers look it up.
 """
 
 from __future__ import annotations

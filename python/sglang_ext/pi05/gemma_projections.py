@@ -7,8 +7,7 @@ Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, super
 Retire when: the minimum supported sglang has MergedReplicatedLinear (>= 0.5.19)
 
 Why: 0.5.17's non-TP branch runs q/k/v as three GEMMs and gate/up as two plus a torch.cat.
-How: after 0.5.17's __init__ the separate projections are replaced by one MergedReplicatedLinear;
-checkpoint tensors reach its shards through 0.5.17's own `_FUSED_WEIGHT_MAPPINGS`.
+How: after 0.5.17's __init__ one MergedReplicatedLinear replaces them (loaded via its `_FUSED_WEIGHT_MAPPINGS`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Pi0.5 graph settings: the pipeline config's graph fields (0.5.19's defaults where a config lacks
-them), each overridable by an `--ext-pi05-*` knob, read when a config or policy is built, and the
-`GraphPlan` a policy resolves from them once.
-"""
+"""Pi0.5 graph settings: the pipeline config's graph fields (0.5.19's defaults where a config lacks them),
+each overridable by an `--ext-pi05-*` knob, and the `GraphPlan` a policy resolves from them once."""
 
 from __future__ import annotations
 
@@ -100,9 +98,8 @@ class GraphPlan:
 
 
 def resolve_plan(config) -> GraphPlan:
-    """The knobs and the config as one plan. At load, each cache holds every bucket (the config's capacity
-    when larger; a capacity knob caps it; a config capacity of 0 still switches those graphs off); lazy keeps
-    upstream's capacities."""
+    """The knobs and the config as one plan. At load each cache holds every bucket (a capacity knob caps it;
+    a config capacity of 0 still switches those graphs off); lazy keeps upstream's capacities."""
     at_load = knobs.current("pi05_graph_capture") == "load"
     buckets = tuple(setting(config, "prompt_token_buckets") or ())
     if at_load and not buckets:

@@ -1,13 +1,6 @@
 """Pi0.5 graphs captured while the policy loads, none while serving (knob pi05_graph_capture=load).
-
-A robot's state is part of its prompt, so the prompt's token length moves from step to step; with
-graphs captured on first use, every new length paid a capture while serving, and once the caches
-were full it ran eager. Here the policy, once built, runs one synthetic request per prompt bucket
-(smallest first) through its own request path: the prefix graph and the action graph of each bucket
-are captured then, for the checkpoint's cameras (a missing camera is a masked one: same shapes), on
-the masked prefix layout every bucketed prompt takes. Then both caches are sealed: a request no graph
-holds (a prompt longer than every bucket, another step count, a batch) runs eager, counted as
-`no_graph_after_load`, and nothing is captured while serving.
+A robot's prompt length moves with its state, so each prompt bucket's prefix and action graphs are captured from
+one synthetic request at load; both caches are then sealed (a miss runs eager, counted as `no_graph_after_load`).
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ def _resident(runner) -> tuple:
 
 
 def capture_at_load(policy, buckets) -> None:
-    """Capture the prefix and action graphs of every prompt bucket on `policy`, then seal both caches. Policies
-    whose prompts are not bucketed (tensor-parallel prefix, split groups, no CUDA) keep capturing on first use."""
+    """Capture every prompt bucket's graphs, then seal both caches (unbucketed policies capture on first use)."""
     if not policy._prompt_token_bucketing_enabled():
         logger.info("Pi05 graphs: no load-time capture (prompt buckets need a single-rank CUDA prefix); "
                     "graphs are captured on first use")

@@ -6,8 +6,7 @@ Upstream PR: sgl-project/sglang Pi0.5 bounded CUDA graph cache PR (0.5.19, super
 Retire when: the minimum supported sglang has MergedReplicatedLinear (>= 0.5.19)
 
 Why: 0.5.17 has no non-TP packed layer, so PiGemma's non-TP projections run one GEMM each.
-How: a ReplicatedLinear subclass whose `weight_loader(param, tensor, shard_id)` writes one logical
-projection ("q"/"k"/"v" or an index), added to the linear module under upstream's name.
+How: a ReplicatedLinear subclass under upstream's name whose weight_loader writes the projection `shard_id` names.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ _QKV_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
 
 
 class MergedReplicatedLinear(ReplicatedLinear):
-    """Several logical projections in one replicated weight, outputs concatenated in `output_sizes`
-    order: the non-TP counterpart of `MergedColumnParallelLinear`."""
+    """Several projections in one replicated weight, outputs concatenated: a non-TP `MergedColumnParallelLinear`."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True, **kwargs):
         """ReplicatedLinear's keywords (skip_bias_add, params_dtype, quant_config, prefix) pass through."""

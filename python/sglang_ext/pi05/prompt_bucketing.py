@@ -1,9 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pi0.5 prompt token buckets (upstream module `sglang.multimodal_gen.runtime.vla.prompt_bucketing`).
-
-Installed on 0.5.17 under that name by patch `pi05_config`. Opt-in: padding changes reduction
-shapes and can change bf16 rounding. A prompt's logical length is its last visible position; it is
-padded (or cut) to the smallest bucket that holds it; a longer prompt keeps its exact length (a miss).
+"""Pi0.5 prompt token buckets (upstream's `vla.prompt_bucketing`, installed on 0.5.17 by patch `pi05_config`).
+Opt-in: padding changes reduction shapes and can change bf16 rounding. A prompt is padded (or cut) from its last
+visible position to the smallest bucket that holds it; a longer prompt keeps its exact length (a miss).
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ def select_prompt_token_bucket(token_length: int, buckets: Sequence[int]) -> int
 
 
 def _fit(tensor: torch.Tensor, columns: int, fill) -> torch.Tensor:
-    """`tensor` cut to `columns`, or right-padded with `fill` up to it."""
     missing = columns - tensor.shape[1]
     return F.pad(tensor, (0, missing), value=fill) if missing > 0 else tensor[:, :columns]
 

@@ -11,9 +11,8 @@ vla/cuda_graph.py (>= 0.5.19)
 
 Why: 0.5.17's prefix stage calls the policy without the request's `enable_cuda_graph` option,
 and a prefix-graph output (rewritten by the next replay) must not be shared by two requests.
-How: wrapped: during a request the policy is seen through a view that owns the graph's output when
-several requests are in flight (0.5.23: one group of ungroupable requests shares the graph's output)
-and, on 0.5.17, passes the option on; grouping also keys on it. Releases: 0.5.23, 0.5.17.
+How: during a request the policy is seen through a view that owns the graph's output while several requests
+are in flight and, on 0.5.17, passes the option on (grouping keys on it). Releases: 0.5.23, 0.5.17.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ vla/cuda_graph.py (>= 0.5.19)
 Why: 0.5.17 keeps one action graph per signature without bound, never graphs the prefix, and
 refreshes a graph's prefix K/V by id(), which CPython hands to the next request's K/V.
 How: our runners on sglang_ext.graphs, K/V refresh keyed by context generation, no host sync after a
-prefix replay; the policy builds them (policy_graphs). Releases: 0.5.23 (upstream's module stays; its
-runners have the same API); 0.5.17 (this module installed as `vla.cuda_graph` and `vla.denoise_cuda_graph`).
+prefix replay. Releases: 0.5.23 (upstream's runners, same API); 0.5.17 (installed under both module names).
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ logger = init_logger(__name__)
 
 @dataclass(frozen=True)
 class VLAPrefixGraphSignature:
-    """What a prefix graph is captured for: the input tensors' shapes and dtypes plus the control
-    flow they cannot show (camera count, full-attention hint, prompt bucket, fused-kernel layers)."""
+    """Input shapes and dtypes plus the control flow they cannot show (cameras, hint, prompt bucket, fused layers)."""
 
     batch_size: int
     input_shapes: tuple[tuple[int, ...], ...]
@@ -131,8 +129,7 @@ def own_prefix_context(prefix_context: PrefixContext) -> PrefixContext:
 
 
 class _BoundedCaptureCache(BoundedGraphCache):
-    """Upstream's graph cache interface on the shared core (`evict_on_miss`: LRU, else exact); a
-    release also forgets the recorded addresses of graphs no longer resident."""
+    """Upstream's graph cache interface on the shared core; a release also forgets evicted graphs' addresses."""
 
     def __init__(self, name: str, max_entries: int, *, evict_on_miss: bool, min_hits: int = 1,
                  address_guard: AddressGuard | None = None, max_bytes: int = 0):
@@ -244,7 +241,6 @@ class _VLAGraphRunnerBase:
 
     @staticmethod
     def device_captures(device: Any) -> bool:
-        """Graphs are captured on CUDA devices only; anything else runs eager."""
         kind = getattr(device, "type", None)  # a torch.device, or anything shaped like one
         return (torch.device(device).type if kind is None else kind) == "cuda"
 
@@ -326,8 +322,7 @@ class VLAPrefixGraphRunner(_VLAGraphRunnerBase):
     def capture_or_run(self, signature: VLAPrefixGraphSignature,
                        step_fn: Callable[[tuple[torch.Tensor, ...]], PrefixContext],
                        inputs: tuple[torch.Tensor, ...]) -> PrefixContext:
-        """The prefix context; on the graph path the graph's own, rewritten by its next replay
-        (consumers copy it, as the action graph does, or own it: own_prefix_context)."""
+        """The prefix context; on the graph path the graph's own, rewritten by its next replay (own_prefix_context)."""
         if not self.enabled or not inputs or not self._graph_device(inputs[0]):
             return step_fn(inputs)
 
@@ -353,8 +348,7 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
         return _denoise_graph_static_tensors(captured)
 
     def _sync_context_if_needed(self, captured: _CapturedDenoiseGraph, prefix_context: PrefixContext) -> None:
-        """Copy the request's prefix K/V and masks into the graph unless the same context
-        (generation) or prefix-cache entry (digest) is there; a prefix-graph output always is."""
+        """Copy the prefix K/V in unless its context or cache entry is there already (a graph output: always)."""
         generation = prefix_context_generation(prefix_context)
         digest = prefix_context.cache_key_digest
         if not prefix_context.layout.get("mutable_graph_output", False) and (

@@ -1,7 +1,5 @@
-"""Which Python packages a command needs and this interpreter lacks, and the one line that says so.
-
-sglang-ext declares no dependencies (sglang and torch are the user's), so the commands check here,
-before importing anything, and exit 2 with one line instead of a ModuleNotFoundError traceback.
+"""Which Python packages a command needs and this interpreter lacks, and the one line that says so (sglang-ext
+declares no dependencies, so commands check here and exit 2 instead of a ModuleNotFoundError traceback).
 """
 
 from __future__ import annotations

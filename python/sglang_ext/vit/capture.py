@@ -1,7 +1,4 @@
-"""The graphs of one ViT tower: buffers, leased workspaces, warm-up, capture, release, and the eager twin.
-
-Not how graphs are keyed, admitted or agreed (engine.py); docs/how-it-works.md says why each step is safe.
-"""
+"""The graphs of one ViT tower: buffers, leased workspaces, warm-up, capture, release, and the eager twin."""
 
 from __future__ import annotations
 
@@ -88,9 +85,8 @@ class GraphStore:
         return lease.tensors
 
     def prepare(self, key, layout, x_3d, rotary, *, shared, warm_up):
-        """Rank-local stage of a capture: backend check, buffers, boundaries, rotary, warm-up. Returns the
-        rotary kwargs. `shared`: input and workspace are slices of buffers every graph of the tower shares
-        (budgets are captured largest first: the ladder's buffers cost one graph's)."""
+        """Rank-local stage of a capture (buffers, boundaries, rotary, warm-up); returns the rotary kwargs.
+        `shared`: slices of buffers all the tower's graphs share (budgets captured largest first)."""
         if self.backend not in CLASS_BACKENDS:  # before anything is allocated
             raise RuntimeError(f"ViT CUDA graph does not support attention backend: {self.backend}")
         graph = self.graphs[key] = CapturedGraph(key)
@@ -139,8 +135,7 @@ class GraphStore:
         graph.nbytes += sum(t.numel() * t.element_size() for t in graph.rotary)
 
     def tower(self, y, block_kwargs, rotary):
-        """The blocks (attention kwargs `block_kwargs(layer_num, y)`), deepstack mergers and merger on `y`:
-        what a graph captures and the eager path runs."""
+        """Blocks, deepstack mergers and merger on `y`: what a graph captures and the eager path runs."""
         deepstack_outs = []
         mergers = getattr(self.vit, "deepstack_merger_list", None)
         for layer_num, blk in enumerate(self.vit.blocks):
@@ -153,8 +148,7 @@ class GraphStore:
         return torch.cat([out] + deepstack_outs, dim=1) if deepstack_outs else out
 
     def fill_rotary(self, graph, position_embeddings, rotary_pos_emb_cos, rotary_pos_emb_sin):
-        """This call's cos/sin into the graph's rotary buffers (leased at the first fill, in the dtype the
-        tower computed: Qwen3-VL's are float32); returns the block kwargs passing them."""
+        """This call's cos/sin into the graph's rotary buffers (in the tower's dtype: Qwen3-VL's are float32)."""
         cos, sin = position_embeddings if position_embeddings is not None else (rotary_pos_emb_cos, rotary_pos_emb_sin)
         if cos is None or sin is None:
             return {}
@@ -212,8 +206,7 @@ class GraphStore:
             lease.release()
 
     def run_eager(self, x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, max_full_len, max_window_len):
-        """The captured computation, run eagerly through the same blocks (same kernels, same result);
-        `output_indices`: those rows, in that order."""
+        """The captured computation, run eagerly through the same blocks (same kernels, same result)."""
         device = x_3d.device
         full_md = window_md = None
         if self.accepts_metadata:

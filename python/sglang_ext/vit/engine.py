@@ -1,7 +1,5 @@
 """The ViT graph engine, one per runner: keys a call (its strategy), admits, captures, replays or runs eager.
-
-It sees the tower and `run`'s arguments, never the upstream runner class (runner.py adapts that). Every
-decision that leads to a collective or to a graph being used is voted on by the tower's TP group first.
+Every decision that leads to a collective or to a graph being used is voted on by the tower's TP group first.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from sglang_ext.vit.vision_rotary import compiled_rotary
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
-# Why a call ran eager, as counted per runner.
 FALLBACK_REASONS = ("capacity", "warming", "quarantined", "disabled", "no_cpu_layout", "capture_failed", "no_fit",
                     "gate", "replay_failed")
 # Default byte budget (knob -1): this fraction of the free device memory, clamped to [floor, cap].
@@ -110,8 +107,7 @@ class ViTGraphEngine:
         return tp.warm_up_context(self.group)
 
     def agree_budget(self):
-        """Knob vit_graph_max_bytes -1: the byte budget sized at first use from free device memory, the MIN
-        over TP ranks (equal budgets keep admission and eviction identical on all ranks)."""
+        """Knob vit_graph_max_bytes -1: sized from free memory at first use, MIN over TP ranks (same evictions)."""
         if self.budget_agreed:
             return
         self.budget_agreed, free, auto = True, None, 0  # no device: no limit
@@ -123,7 +119,6 @@ class ViTGraphEngine:
         logger.info("ViT CUDA graph byte budget: %d MiB (%s)", self.cache.max_bytes >> 20,
                     "no device: no limit" if free is None else f"{free >> 20} MiB free at first use")
 
-    # --- Serving ---
     def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
             rotary_pos_emb_sin=None, output_indices=None, attention_layout_key=None):
         """One tower call (upstream's `run` arguments): replayed where a graph serves it, else eager."""
@@ -186,8 +181,7 @@ class ViTGraphEngine:
         return out
 
     def capture(self, key, layout, x_3d, rotary):
-        """Capture the graph of `key` from a call in `layout`, agreed by all TP ranks (callers decide
-        admission); a failure on any rank quarantines the key on every rank and raises here."""
+        """Capture `key`'s graph, agreed by all TP ranks: a failure on any rank quarantines it on all and raises."""
         prepared = {}
 
         def prepare():
@@ -203,10 +197,8 @@ class ViTGraphEngine:
         self.cache.put(key, self.store.graphs[key], nbytes=self.store.graphs[key].nbytes)
 
     def replay(self, key, x_3d, rotary, *, output_indices=None, rows=None, layout=None, out=None, agree=True):
-        """The graph's first `rows` output rows (all by default; `output_indices`: those rows, in that order), in
-        `out` or a new tensor the caller owns; inputs are padded with zero rows, `layout` (class and bucket
-        modes) written into its boundaries. What can fail runs first and is voted on: None when it failed on a
-        rank (all then run eager), so the graph's collectives run on all ranks or none. agree=False: the probe's."""
+        """The graph's first `rows` output rows (or `output_indices`' rows) in `out` or a new tensor. Staging is
+        voted on first: None when it failed on a rank, so collectives run on all ranks or none (agree=False: probe)."""
         graph = self.store.graphs[key]
         guard = self.store.address_guard
         if guard.enabled:  # a debug assertion: loud, never voted away
@@ -245,10 +237,8 @@ class ViTGraphEngine:
             return self.store.run_eager(x_3d, full, window, rotary, output_indices, layout.full_bound,
                                         layout.window_bound)
 
-    # --- Bucket mode: calls padded to a budget, or split into chunks of whole images ---
     def _replay_budget(self, layout, x_3d, rotary, counted=True, output_indices=None, out=None):
-        """(the call's merger rows from its budget graph, None), else (None, why it runs eager): "gate" (above the
-        limit), "no_fit" (no budget graph serves it) or "replay_failed" (a rank could not stage the replay).
+        """(merger rows, None) from the call's budget graph, else (None, the fallback reason).
         counted=False: the probe, no counters and no vote (its graphs hold local stand-ins for collectives)."""
         tokens = layout.num_tokens
         plan = self.ladder.plan(layout)
@@ -288,8 +278,7 @@ class ViTGraphEngine:
                 self.fallbacks[reason] += 1
                 out = self.eager_call(layout, x_3d, rotary, output_indices)
             return out
-        # Chunks write into one output allocated first on every rank (or on none: eager), so nothing
-        # allocates after a replay's collectives.
+        # One output allocated first on every rank (or none: eager): nothing allocates after a replay's collectives.
         template = next((g.output for g in self.store.graphs.values() if g.output is not None), None)
         outputs = None if template is None else agreed(self.vote, lambda: (
             template.new_empty((tokens // unit,) + tuple(template.shape[1:])),
@@ -317,10 +306,8 @@ class ViTGraphEngine:
             rows[eager_from // unit:].copy_(self.eager_call(*call_of(eager_from, tokens)))
         return rows if reordered is None else torch.index_select(rows, 0, output_indices, out=reordered)
 
-    # --- Bucket mode at load: the sample, the probe, the ladder ---
     def capture_at_load(self, vit, server_tokens):
-        """At server start (the model-runner hook): the ladder up to `server_tokens`, decided and captured from
-        what a synthetic image's trip through the tower's graph path hands `run` (voted on first)."""
+        """At server start: decide and capture the ladder up to `server_tokens` from a synthetic image's call."""
         ladder = self.ladder
         if ladder is None or ladder.decided:
             return
@@ -399,8 +386,7 @@ class ViTGraphEngine:
         return key
 
     def _probe(self, sample, ladder):
-        """The budgets whose graph beats eager on this GPU and model, agreed by every rank: smallest
-        first, a replay of the smallest call each serves against its eager run, up to the first loss."""
+        """Budgets whose graph beats eager on the smallest call each serves (all ranks agree), to the first loss."""
         on_cuda = isinstance(self.vit.device, torch.device) and self.vit.device.type == "cuda"
         sync = torch.cuda.synchronize if on_cuda else None
         kept, previous = [], 0

@@ -7,15 +7,10 @@ Upstream PR: (sglang 0.5.21: embedding length checked without a sync, placeholde
 Retire when: upstream checks the multimodal embedding length without a device sync and copies the
     placeholder ids to the device without one
 
-Why: `_adjust_embedding_length` compares the embedding's rows with `mask.sum().item()`, a device
-sync right after the vision tower; before it, `embed_mm_inputs` builds the placeholder ids with
-`torch.as_tensor(list, device=...)`, a pageable copy that waits for the stream, so each multimodal
-forward first drains the GPU of the batch before it.
-How: the wrapped `get_embedding_and_mask` counts the multimodal tokens on the host; the replaced
-`_adjust_embedding_length` returns the embedding as is when the count equals its rows, else runs
-the original. mm_utils sees `torch` through a proxy whose only own name is `as_tensor`: a list of
-Python ints bound for a CUDA device is copied from pinned memory without a wait (same values and
-dtype); everything else is torch's.
+Why: `_adjust_embedding_length` syncs on `mask.sum().item()` right after the tower, and `embed_mm_inputs`
+copies placeholder ids with a pageable `torch.as_tensor(list, device=...)`: each forward first drains the GPU.
+How: the multimodal tokens are counted on the host (a match skips the length check); mm_utils sees `torch`
+through a proxy whose `as_tensor` copies int lists to CUDA from pinned memory without a wait.
 """
 
 from __future__ import annotations
@@ -78,14 +73,12 @@ def copies_without_a_wait(data, device) -> bool:
 
 
 def pinned_copy(data, dtype, device):
-    """`data` on `device` through pinned memory, not waiting for the stream (the caching host allocator
-    keeps the pinned block until the copy is done)."""
+    """`data` on `device` through pinned memory, no wait (the host allocator keeps the block until the copy)."""
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class TorchForMmUtils(types.ModuleType):
-    """`torch` as mm_utils sees it: torch's names, and an `as_tensor` that copies int lists to CUDA
-    without waiting for the stream."""
+    """`torch` as mm_utils sees it: torch's names, and an `as_tensor` that copies int lists without a wait."""
 
     def __init__(self):
         super().__init__("torch", "torch for sglang.srt.managers.mm_utils (sglang-ext)")

@@ -5,11 +5,9 @@ Targets: sglang.srt.model_executor.model_runner:ModelRunner.init_cuda_graphs
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Releases: 0.5.17, 0.5.23.
-Why: otherwise the probe and the captures run inside the first image request; after sglang's own
-graphs, no later capture into the shared pool keeps an output a ViT replay could overwrite.
-How: wraps init_cuda_graphs: sglang's captures, then `capture_at_load` on the engine of every ViT
-graph runner of the loaded model.
+Why: otherwise the probe and the captures run inside the first image request; after sglang's own graphs, no
+later capture into the shared pool keeps an output a ViT replay could overwrite. Releases: 0.5.17, 0.5.23.
+How: wraps init_cuda_graphs: sglang's captures, then `capture_at_load` on every ViT graph runner's engine.
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ Targets: sglang.srt.models.qwen2_5_vl:Qwen2_5_VisionTransformer.forward_with_cud
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Releases: 0.5.17, 0.5.23.
-Why: the graph path syncs the stream on its host-to-device copies and its rotary indexing; 0.5.17's
-also passes the runner device cu_seqlens only (a key needs a sync).
-How: the tower's inputs built from the host's grid (the full and window boundaries as Python ints:
-the runner's attention_layout_key), host tensors copied non-blocking from pinned memory.
+Why: the graph path syncs on its host-to-device copies and rotary indexing; 0.5.17's also gives the runner
+device cu_seqlens only (a key needs a sync). Releases: 0.5.17, 0.5.23.
+How: inputs built from the host's grid (boundaries as Python ints: the runner's attention_layout_key),
+host tensors copied non-blocking from pinned memory.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from sglang_ext.vit.runner import bind_runner
 
 
 def rot_pos_emb(vit, grid_thw):
-    """sglang's `rot_pos_emb`, with its CPU position ids copied to the device without a sync (and
-    plain ints as `rot_pos_ids` arguments, so its lru_cache hits: tensor scalars hash by identity)."""
+    """sglang's `rot_pos_emb`, position ids copied without a sync, ints as `rot_pos_ids` arguments (its lru_cache
+    hits: tensor scalars hash by identity)."""
     pos_ids = []
     for t, h, w in grid_thw.tolist():
         base = vit.rot_pos_ids(h, w, vit.spatial_merge_size)
@@ -40,8 +39,7 @@ def _by_window(rows, window_index, group):
 
 
 def forward_with_cuda_graph(self, x, grid_thw):
-    """Qwen2_5_VisionTransformer: the tower's inputs built from host metadata (the attention layout key
-    included), every host-to-device copy non-blocking from pinned memory."""
+    """Inputs from host metadata (the layout key too); every host-to-device copy non-blocking from pinned memory."""
     if isinstance(grid_thw, torch.Tensor) and grid_thw.device.type != "cpu":
         grid_thw = grid_thw.cpu()  # sglang reads it on the host anyway (get_window_index, rot_pos_emb)
     hidden = self.patch_embed(to_device(x, self.device, self.dtype))

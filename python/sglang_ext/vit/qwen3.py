@@ -5,11 +5,9 @@ Targets: sglang.srt.models.qwen3_vl:Qwen3VLMoeVisionModel.forward_with_cuda_grap
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Releases: 0.5.17, 0.5.23.
-Why: `_prepare_graph_inputs` interpolates the position embedding by another rule than the eager
-`forward` (graphs on never equal graphs off); 0.5.17's gives the runner device cu_seqlens only.
-How: the inputs built as `forward` builds them, the per-frame boundaries as Python ints (the
-runner's attention_layout_key); qwen3_omni_moe's vision encoder inherits it.
+Why: `_prepare_graph_inputs` interpolates positions by another rule than eager `forward` (graphs on never equal
+graphs off); 0.5.17's gives the runner device cu_seqlens only. Releases: 0.5.17, 0.5.23.
+How: inputs built as `forward` builds them, boundaries as Python ints (qwen3_omni_moe's encoder inherits it).
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from sglang_ext.vit.runner import bind_runner
 
 
 def graph_inputs(vit, x, grid_thw):
-    """sglang's `_prepare_graph_inputs`, with the position embedding interpolated as the eager
-    `forward` does it; also the full-attention boundaries as Python ints."""
+    """sglang's `_prepare_graph_inputs`, positions interpolated as eager `forward` does; boundaries as ints."""
     x = vit.patch_embed(x.to(device=vit.device, dtype=vit.dtype, non_blocking=True))
     grid = grid_thw if isinstance(grid_thw, list) else grid_thw.tolist()
     if vit._use_vectorized_pos_embed(len(grid)):

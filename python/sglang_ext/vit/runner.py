@@ -9,9 +9,8 @@ Releases: 0.5.17, 0.5.23 (the same subclass: of upstream it uses `__init__` and 
 Why: 0.5.17 keys ViT graphs by token count only (other image boundaries replay stale cu_seqlens) and
 moves the rotary workspace under captured graphs; 0.5.23 captures every new layout while serving,
 keeps retired workspaces and returns the graph's own output; neither ever frees a graph.
-How: the module's ViTCudaGraphRunner becomes a subclass (one recorded swap) that keeps upstream's
-`__init__` and hands `run` to one ViTGraphEngine built from the activation's knobs (engine.py):
-keys from CPU layouts, a bounded LRU cache with an eager fallback, owned outputs.
+How: the module's ViTCudaGraphRunner becomes a subclass (one recorded swap) that hands `run` to one
+ViTGraphEngine (engine.py): keys from CPU layouts, a bounded LRU cache with an eager fallback, owned outputs.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from sglang_ext.vit.engine import GraphOptions, ViTGraphEngine
 
 
 class ViTGraphRunner(vit_cuda_graph_runner.ViTCudaGraphRunner):
-    """sglang's runner, every call served by its engine. Of upstream it uses `__init__` (`_attn_backend`) and
-    `run`'s signature: nothing else, in any release."""
+    """sglang's runner, every call served by its engine (of upstream: `__init__` and `run`'s signature only)."""
 
     options: GraphOptions  # the activation's knobs, on the class patch_runner installs
 

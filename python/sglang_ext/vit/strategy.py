@@ -1,7 +1,5 @@
 """How a ViT call finds its graph: the key types, and the mode (layout, class or bucket) resolved once per runner.
-
-A key says what a graph bakes in: its token count and, per attention kind, its sequence slots and
-max_seqlen bound. Bucket mode's strategy also holds the token ladder and the load-time decisions.
+A key says what a graph bakes in: token count and, per attention kind, sequence slots and max_seqlen bound.
 """
 
 from __future__ import annotations
@@ -16,16 +14,12 @@ from sglang_ext.graphs.packing import sequences_between
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
 
-# Vision attention backends whose kernels read max_seqlen only as a bound and skip zero-length
-# sequences: the ones graphs are captured for, and on which class and bucket modes share a graph.
+# Backends whose kernels read max_seqlen only as a bound and skip empty sequences: class / bucket modes need them.
 CLASS_BACKENDS = ("triton_attn", "fa3", "fa4")
-# The default token ladder, in multiples of one Qwen2.5-VL attention window (scripts/sim_vit_keys.py
-# chose it: least padding among 16-size ladders).
+# In multiples of one Qwen2.5-VL attention window (scripts/sim_vit_keys.py: least padding among 16-size ladders).
 DEFAULT_BUCKETS = dict(smallest=512, ratio=1.26, multiple=64)
-# The ladder's top when nothing says how large a call can be (no server limits known).
-DEFAULT_LARGEST = 16384
-# Full-attention sequence slots of every budget graph; a call with more is split into chunks.
-BUCKET_SEQUENCES = 36
+DEFAULT_LARGEST = 16384  # the ladder's top when no server limit is known
+BUCKET_SEQUENCES = 36  # full-attention sequence slots of every budget graph; a call with more is chunked
 # Window slots per budget token, 1 / (this * merge unit): a window holds at least 4 merge units for
 # images of the processors' minimum size (56 px), and padding windows are window-sized.
 TOKENS_PER_WINDOW_UNIT = 4
@@ -46,13 +40,11 @@ def _pow2(value):
 
 @dataclass(frozen=True)
 class LayoutKey:
-    """A call's attention layout as CPU ints (window None for towers without windows); in layout mode also
-    the key of its graph, whose slots and bounds are exactly the layout's."""
+    """A call's attention layout as CPU ints (window None for towers without windows); layout mode's key."""
 
     num_tokens: int
     full: Boundaries
     window: Boundaries = None
-    # What a graph of this key is sized and bounded by (the fields of the other key types).
     full_slots = property(lambda self: len(self.full) - 1)
     full_bound = property(lambda self: max_len(self.full))
     window_slots = property(lambda self: None if self.window is None else len(self.window) - 1)
@@ -65,8 +57,7 @@ class LayoutKey:
 
 
 def layout_key(num_tokens, cu_seqlens, cu_window_seqlens, attention_layout_key=None):
-    """The call's LayoutKey from `attention_layout_key` (full, window) or from CPU boundaries (a device
-    tensor raises DeviceSyncError: reading it would sync); None when the call has no boundaries."""
+    """The call's LayoutKey from `attention_layout_key` or CPU boundaries (a device tensor raises DeviceSyncError)."""
     if attention_layout_key is None:
         if cu_seqlens is None and cu_window_seqlens is None:
             return None
@@ -79,8 +70,7 @@ def layout_key(num_tokens, cu_seqlens, cu_window_seqlens, attention_layout_key=N
 
 @dataclass(frozen=True)
 class ClassKey:
-    """Class mode: one graph per token count, sequence-count class and longest-sequence class (powers of
-    two); a replay writes the call's boundaries into its slots, unused slots are empty sequences."""
+    """Class mode: one graph per token count and power-of-two classes of sequence count and longest sequence."""
 
     num_tokens: int
     full_slots: int
@@ -105,8 +95,7 @@ class LayoutKeys:
 
 
 class ClassKeys:
-    """'class': graphs shared by the layouts of a class; kernels read max_seqlen only as a bound, so a
-    replay equals eager bit for bit."""
+    """'class': kernels read max_seqlen only as a bound, so a replay equals eager bit for bit."""
 
     name = "class"
     rewrites_layout = True
@@ -151,8 +140,7 @@ def padded_layout(layout, real_tokens, bucket, chunk):
 
 
 class BudgetLadder:
-    """'bucket': one graph per token budget, captured at load; a call is padded to the smallest budget
-    that fits (equal to eager within bf16 rounding). Holds the ladder and the load-time decisions."""
+    """'bucket': a call padded to the smallest budget graph that fits (equal to eager within bf16 rounding)."""
 
     name = "bucket"
     rewrites_layout = True
@@ -183,9 +171,8 @@ class BudgetLadder:
         return BudgetKey(tokens, BUCKET_SEQUENCES, max(tokens, 1), *window)
 
     def decide(self, captured, probed):
-        """The ladder captured: calls up to its top replay. Above the probe's break-even a call runs as one
-        eager call (unless knob vit_graph_above_ladder says split); above a limit set by the knob or by
-        the capacity / byte cut graphs still win, so such a call is split into chunks that replay."""
+        """Above the probe's break-even a call runs as one eager call (unless vit_graph_above_ladder says split);
+        above a limit set by the knob or a capacity / byte cut graphs still win, so it is split into chunks."""
         self.decided = True
         self.budgets = tuple(sorted(captured))
         self.replay_limit = self.budgets[-1] if self.budgets else 0
@@ -193,12 +180,10 @@ class BudgetLadder:
                                   or self.above_ladder == "split")
 
     def synthetic(self, tokens, windowed):
-        """The layout of one zero image of `tokens` tokens with window-sized windows."""
         return LayoutKey(tokens, (0, tokens), padded_layout((0,), 0, tokens, self.window_chunk) if windowed else None)
 
     def plan(self, layout):
-        """(budget key, padded layout) of the captured budget this call fits, or None: from its CPU layout
-        alone. Padding rows are zeros in sequences of their own, so the merger's first rows are the real output."""
+        """(budget key, padded layout) of the budget this call fits, or None; padding rows are their own sequences."""
         tokens = layout.num_tokens
         if tokens % self.merge_unit or tokens > self.replay_limit:
             return None
@@ -214,8 +199,7 @@ class BudgetLadder:
 
 
 def resolve(options, backend, merge_unit, window_tokens_):
-    """The strategy of a runner: the mode `options` (engine.GraphOptions) name where the attention backend
-    allows it, else layout keys."""
+    """The strategy `options.mode` names where the attention backend allows it, else layout keys."""
     mode = options.mode
     if mode != "layout" and backend not in CLASS_BACKENDS:
         logger.warning("--ext-vit-graph-mode %s needs one of the vision attention backends %s; this tower uses %s, "

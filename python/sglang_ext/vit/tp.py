@@ -10,9 +10,8 @@ from sglang_ext.patching import PatchContext
 
 
 def agreeing_group(vit):
-    """The group the tower's TP collectives run on, when its ranks must agree (else None: a DP encoder
-    captures rank-locally, a world of one agrees with itself). The vision linears reduce over the
-    attention-TP group under DP attention, over the TP group otherwise."""
+    """The group the tower's TP collectives run on when its ranks must agree, else None (a DP encoder, a world of
+    one). The vision linears reduce over the attention-TP group under DP attention, over the TP group otherwise."""
     if getattr(vit, "use_data_parallel", False):
         return None
     try:
@@ -25,8 +24,7 @@ def agreeing_group(vit):
 
 @contextlib.contextmanager
 def local_collectives(group):
-    """While open, the group's all-reduce / all-gather are local stand-ins (a warm-up: no peer can be left
-    waiting), swapped through a PatchContext of their own and undone on exit."""
+    """While open, the group's all-reduce / all-gather are local stand-ins (a warm-up leaves no peer waiting)."""
     world = group.world_size
 
     def all_gather(input_, dim=-1, output_tensor_list=None):

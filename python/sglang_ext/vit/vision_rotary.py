@@ -5,15 +5,11 @@ Targets: sglang.srt.layers.attention.vision:VisionAttention.forward
 Upstream PR: sgl-project/sglang#37043
 Retire when: upstream bounds the ViT graph count, frees retired workspaces and returns owned outputs
 
-Releases: 0.5.17, 0.5.23.
-Why: with ViT graphs on, VisionAttention applies rotary through its unfused eager function
-on every call, because compiling inside a capture is illegal; a call that runs eager then pays a
-dozen memory-bound kernels per layer where graphs-off runs one compiled kernel.
-How: the name VisionAttention calls is wrapped. With knob vit_triton_rotary (the default), a CUDA
-call in a layout the kernel takes runs sglang_ext.kernels' one-kernel rotary, rounded as the original,
-in captures and eager calls alike: replays lose the dozen kernels per layer, every bitwise claim
-stands. Else, inside `compiled_rotary()` (the bucket runner's eager calls), on CUDA and not capturing,
-sglang's compiled `apply_rotary_pos_emb`; else the original.
+Why: with ViT graphs on, VisionAttention applies rotary through its unfused eager function (compiling inside a
+capture is illegal): a dozen memory-bound kernels per layer where graphs-off runs one compiled kernel.
+How: the name VisionAttention calls is wrapped: with knob vit_triton_rotary, CUDA calls run our one-kernel rotary
+(rounded as the original) in captures and eager calls alike; else eager calls inside `compiled_rotary()` use
+sglang's compiled `apply_rotary_pos_emb`; else the original. Releases: 0.5.17, 0.5.23.
 """
 
 import contextlib
