@@ -80,7 +80,7 @@ def build_model(kind: str, path: str, seed: int = 0) -> float:
     import torch
     from safetensors.torch import save_file
 
-    from sglang_ext.tools import tiny_model
+    from sglang_ext_testkit import tiny_model
 
     done = os.path.join(path, ".real-scale")
     if os.path.exists(done):

@@ -75,7 +75,7 @@ def write_tiny_gemma_tokenizer(path) -> pathlib.Path:
     """A byte-level BPE of a few hundred tokens with Gemma's special-token ids; adds <bos>."""
     from tokenizers import processors
 
-    from sglang_ext.tools.tiny_model import train_byte_level_bpe
+    from sglang_ext_testkit.tiny_model import train_byte_level_bpe
 
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,12 +2,11 @@
 
     sglang-ext doctor [--verbose] [--json] [--no-import] [--source-root DIR --assume-version V]
                       [--records DIR]
-    sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
 `doctor` prints a one-line verdict (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`); exit 0
 when every requested patch is applied, armed, disabled or not needed, 1 for a problem, 2 for a
-configuration error or missing sglang / torch (then the verdict goes to stderr). `make-tiny-model` exits 0 when written or already
-there, 2 otherwise. Every usage error is one line on stderr, exit 2.
+configuration error or missing sglang / torch (then the verdict goes to stderr). Every usage error is
+one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -90,48 +89,12 @@ def doctor_main(args: argparse.Namespace) -> int:
     return status
 
 
-def _tiny_model_parser(sub) -> None:
-    from sglang_ext.tools.tiny_model import KINDS
-
-    p = sub.add_parser(
-        "make-tiny-model", help="write a tiny offline Qwen model folder with seeded random weights",
-        description="Write a self-contained model folder (config, tokenizer with Qwen special tokens and "
-        "a chat template, processor files, a few MB of seeded random weights) that sglang serves "
-        "without a download. The same seed writes byte-identical files.")
-    # kind and seed are checked by ensure_tiny_model itself, so a bad value gets its one-line error
-    p.add_argument("kind", metavar="KIND", help="one of: " + ", ".join(KINDS))
-    p.add_argument("dir", metavar="DIR", help="output folder: new or empty (or use --force)")
-    p.add_argument("--seed", default="0", help="weight seed, an integer >= 0 (default 0)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty folder, overwriting the model files")
-
-
-def tiny_model_main(args: argparse.Namespace) -> int:
-    from sglang_ext.tools.tiny_model import TinyModelError, ensure_tiny_model
-
-    try:
-        seed = int(args.seed)
-    except ValueError:
-        seed = args.seed  # ensure_tiny_model names the field and the allowed values
-    try:
-        out, written = ensure_tiny_model(args.kind, args.dir, seed, force=args.force)
-    except TinyModelError as exc:
-        sys.stderr.write(f"sglang-ext: {exc}\n")
-        return USAGE_EXIT
-    if not written:
-        sys.stderr.write(f"sglang-ext: make-tiny-model: {str(out)!r} already holds this model "
-                         f"({args.kind}, seed {seed}); nothing written\n")
-    sys.stdout.write(f"{out}\n")
-    return 0
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = OneLineParser(prog="sglang-ext", description="sglang-ext tools")
     sub = ap.add_subparsers(dest="command", required=True)
     _doctor_parser(sub)
-    _tiny_model_parser(sub)
     args = ap.parse_args(argv)
-    # a required subcommand: argparse has already refused anything else
-    return doctor_main(args) if args.command == "doctor" else tiny_model_main(args)
+    return doctor_main(args)  # the only subcommand: argparse has already refused anything else
 
 
 if __name__ == "__main__":

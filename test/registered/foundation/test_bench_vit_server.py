@@ -639,7 +639,7 @@ def test_a_run_where_nothing_would_be_timed_or_an_unknown_configuration_is_refus
 def test_the_slice_build_runs_sglangs_image_dataset_in_spawned_workers(tmp_path):
     """Real sglang 0.5.17 bench_serving on a tiny Qwen2.5-VL: the slices come back whole and in order, each the
     dataset an in-process build of its arguments makes."""
-    from sglang_ext.tools import tiny_model
+    from sglang_ext_testkit import tiny_model
 
     model = str(tmp_path / "tiny")
     tiny_model.ensure_tiny_model("qwen2_5_vl", model, seed=0, force=True)

@@ -1,12 +1,12 @@
-"""`sglang-ext make-tiny-model`: folders that load offline in transformers and in sglang (0.5.17 and 0.5.23).
+"""`python -m sglang_ext_testkit.tiny_model`: folders that load offline in transformers and sglang (0.5.17, 0.5.23).
 
 For each kind: files written, weights at init scale, the same seed byte-identical (across
-processes, through the CLI), config / tokenizer / processor load offline and process
+processes, through its command line), config / tokenizer / processor load offline and process
 a real image through the chat template, and sglang's own config, tokenizer-manager image
 processor and model class accept it, the model loading every parameter from the checkpoint
 (tiny_model_sglang_probe.py, own process).
-Bad arguments and folders it cannot write: one line naming the field, exit status 2, nothing
-written. The same command run again on its own folder writes nothing and says so.
+Bad arguments, folders it cannot write and missing packages: one line naming the field, exit status 2,
+nothing written. The same command run again on its own folder writes nothing and says so.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from sglang_ext.tools import cli
-from sglang_ext.tools.tiny_model import KINDS, SPECIAL_TOKENS, ensure_tiny_model, written_files
+from sglang_ext_testkit import tiny_model
+from sglang_ext_testkit.tiny_model import KINDS, PROG, SPECIAL_TOKENS, ensure_tiny_model, written_files
 
 register_cpu_ci(est_time=60, suite="base-a-test-cpu")
 
@@ -170,16 +170,16 @@ def test_sglang_loads_every_weight_and_same_seed_gives_same_bytes_in_another_pro
 
 
 def _cli(argv, capsys):
-    code = cli.main(argv)
+    code = tiny_model.main(argv)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize("argv, field", [
-    (["make-tiny-model", "llama", "{dir}"], "kind must be one of qwen2, qwen2_5_vl, qwen3_vl"),
-    (["make-tiny-model", "qwen2", "{dir}", "--seed", "x"], "--seed must be an integer"),
-    (["make-tiny-model", "qwen2", "{dir}", "--seed", "-1"], "--seed must be an integer"),
-    (["make-tiny-model", "qwen2", "{full}"], "DIR '{full}' exists and holds other files (keep.txt)"),
+    (["llama", "{dir}"], "kind must be one of qwen2, qwen2_5_vl, qwen3_vl"),
+    (["qwen2", "{dir}", "--seed", "x"], "--seed must be an integer"),
+    (["qwen2", "{dir}", "--seed", "-1"], "--seed must be an integer"),
+    (["qwen2", "{full}"], "DIR '{full}' exists and holds other files (keep.txt)"),
 ])
 def test_bad_arguments_one_line_exit_2_nothing_written(tmp_path, capsys, argv, field):
     full = tmp_path / "full"
@@ -192,9 +192,25 @@ def test_bad_arguments_one_line_exit_2_nothing_written(tmp_path, capsys, argv, f
     assert not target.exists() and os.listdir(full) == ["keep.txt"]
 
 
+def test_usage_error_is_one_line_exit_2_from_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext_testkit.tiny_model", "qwen2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"{PROG}: error: the following arguments are required: DIR"), proc.stderr
+    assert proc.stderr.endswith(" --help)\n") and os.listdir(tmp_path) == []
+
+
+def test_missing_packages_are_one_line_exit_2_nothing_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tiny_model, "missing_modules", lambda names: ["tokenizers", "safetensors"])
+    code, out, err = _cli(["qwen2", str(tmp_path / "tiny")], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"{PROG}: tokenizers and safetensors are not installed in ") and "install_cpu_env.sh" in err
+    assert os.listdir(tmp_path) == []
+
+
 def test_force_writes_into_a_non_empty_folder(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
-    code, out, _ = _cli(["make-tiny-model", "qwen2", str(tmp_path), "--force", "--seed", "7"], capsys)
+    code, out, _ = _cli(["qwen2", str(tmp_path), "--force", "--seed", "7"], capsys)
     assert code == 0 and out.strip() == str(tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted(written_files("qwen2") + ["keep.txt"])
 
@@ -205,15 +221,15 @@ def test_force_writes_into_a_non_empty_folder(tmp_path, capsys):
     ("/proc/sglang-ext-tiny", "cannot create '/proc/sglang-ext-tiny'"),
     ("/proc/sglang-ext-tiny/deeper", "cannot create '/proc/sglang-ext-tiny'"),
 ])
-def test_folder_it_cannot_write_is_one_line_and_exit_2_from_the_real_cli(tmp_path, where, reason):
+def test_folder_it_cannot_write_is_one_line_and_exit_2_from_the_command_line(tmp_path, where, reason):
     a_file = tmp_path / "a-file"
     a_file.write_text("mine")
     target = where.format(file=a_file)
-    proc = subprocess.run([sys.executable, "-m", "sglang_ext", "make-tiny-model", "qwen2_5_vl", target],
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext_testkit.tiny_model", "qwen2_5_vl", target],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.startswith(f"sglang-ext: make-tiny-model: DIR {target!r}") and "; allowed: " in proc.stderr
+    assert proc.stderr.startswith(f"{PROG}: DIR {target!r}") and "; allowed: " in proc.stderr
     assert reason.format(file=a_file) in proc.stderr, proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["a-file"] and a_file.read_text() == "mine"
 
@@ -224,23 +240,23 @@ def _mtimes(path):
 
 def test_same_command_again_writes_nothing_and_another_model_needs_force(tmp_path, capsys):
     folder = tmp_path / "tiny"
-    assert _cli(["make-tiny-model", "qwen2", str(folder), "--seed", "3"], capsys) == (0, f"{folder}\n", "")
+    assert _cli(["qwen2", str(folder), "--seed", "3"], capsys) == (0, f"{folder}\n", "")
     before, first = _mtimes(folder), _files(folder)
-    code, out, err = _cli(["make-tiny-model", "qwen2", str(folder), "--seed", "3"], capsys)
+    code, out, err = _cli(["qwen2", str(folder), "--seed", "3"], capsys)
     assert (code, out) == (0, f"{folder}\n")
-    assert err == f"sglang-ext: make-tiny-model: '{folder}' already holds this model (qwen2, seed 3); nothing written\n"
+    assert err == f"{PROG}: '{folder}' already holds this model (qwen2, seed 3); nothing written\n"
     assert _mtimes(folder) == before
-    code, out, err = _cli(["make-tiny-model", "qwen2", str(folder), "--seed", "4"], capsys)
+    code, out, err = _cli(["qwen2", str(folder), "--seed", "4"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "holds another model (differs in model.safetensors)" in err and "--force" in err
     assert _files(folder) == first  # nothing half-written
     (folder / "config.json").unlink()  # an interrupted folder of our own files: completed, not refused
-    assert _cli(["make-tiny-model", "qwen2", str(folder), "--seed", "3"], capsys)[0] == 0
+    assert _cli(["qwen2", str(folder), "--seed", "3"], capsys)[0] == 0
     assert _files(folder) == first
 
 
 def test_unwritable_file_in_the_folder_leaves_every_file_as_it_was(tmp_path, capsys):
     (tmp_path / "config.json").mkdir()  # a folder where a file must go: the rename fails
-    code, out, err = _cli(["make-tiny-model", "qwen2", str(tmp_path), "--force"], capsys)
+    code, out, err = _cli(["qwen2", str(tmp_path), "--force"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1 and "cannot write" in err, err
     assert sorted(os.listdir(tmp_path)) == ["config.json"]  # no temporary or partial file left

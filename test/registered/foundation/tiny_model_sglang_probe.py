@@ -2,7 +2,7 @@
 
     python tiny_model_sglang_probe.py [--make KIND=DIR ...] KIND=DIR [KIND=DIR ...]   -> JSON on stdout
 
-`--make` first runs `sglang-ext make-tiny-model KIND DIR` (the console entry's main) here, so
+`--make` first runs `python -m sglang_ext_testkit.tiny_model KIND DIR` (its main) here, so
 the caller can compare it byte for byte with a folder its own process wrote.
 
 Per folder: sglang's `get_config`, `ModelConfig`, `get_tokenizer`, `get_processor` and, for VL
@@ -102,15 +102,15 @@ def probe(kind: str, path: str) -> dict:
 
 
 def main(argv) -> None:
-    from sglang_ext.tools import cli
+    from sglang_ext_testkit import tiny_model
 
     specs = []
     while argv:
         arg = argv.pop(0)
         if arg == "--make":
             kind, path = argv.pop(0).split("=", 1)
-            if cli.main(["make-tiny-model", kind, path]) != 0:
-                raise SystemExit(f"make-tiny-model {kind} {path} failed")
+            if tiny_model.main([kind, path]) != 0:
+                raise SystemExit(f"tiny_model {kind} {path} failed")
         else:
             specs.append(arg)
 

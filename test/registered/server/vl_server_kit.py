@@ -218,7 +218,7 @@ def _finish(run: Run, h: ServerProcess) -> None:
 
 
 def run_servers(kind: str, workdir: Path) -> Dict[str, Run]:
-    from sglang_ext.tools.tiny_model import ensure_tiny_model
+    from sglang_ext_testkit.tiny_model import ensure_tiny_model
 
     # The model (a few MB) stays out of $OUT; logs and activation records go there.
     model_dir = Path(ensure_tiny_model(kind, Path(tempfile.mkdtemp(prefix="sgx-tiny-")) / kind, seed=0)[0])

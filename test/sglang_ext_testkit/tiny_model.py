@@ -1,20 +1,23 @@
 """Tiny self-contained Qwen2 / Qwen2.5-VL / Qwen3-VL model folders, built offline and seeded.
 
-    sglang-ext make-tiny-model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
+    PYTHONPATH=test python -m sglang_ext_testkit.tiny_model {qwen2,qwen2_5_vl,qwen3_vl} DIR [--seed N] [--force]
 
 A real-server test needs a model without a download, with outputs that depend on the input
 (`--load-format dummy` weights are too small): a seeded random checkpoint at the scale of a Hugging
 Face initialisation, a few MB. Real architectures and vision geometry; every width, depth and the
 tokenizer small. The same seed writes the same bytes, so a second run changes nothing.
+Exit status 0 when written or already there, 2 otherwise; every error is one line on stderr.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import pathlib
-from typing import Dict, List, Tuple
+import sys
+from typing import Dict, List, Optional, Tuple
 
 from sglang_ext.tools.prerequisites import missing_message, missing_modules
 
@@ -208,25 +211,25 @@ def _dumps(obj) -> str:
 
 def _check_args(kind, path, seed, force) -> pathlib.Path:
     if kind not in KINDS:
-        raise TinyModelError(f"make-tiny-model: kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        raise TinyModelError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise TinyModelError(f"make-tiny-model: --seed must be an integer in [0, 2**63); got {seed!r}")
+        raise TinyModelError(f"--seed must be an integer in [0, 2**63); got {seed!r}")
     out = pathlib.Path(path)
     for parent in out.parents:  # the nearest existing one must be a folder (mkdir would say ENOTDIR)
         if parent.exists():
             if not parent.is_dir():
-                raise TinyModelError(f"make-tiny-model: DIR {str(out)!r}: {str(parent)!r} is a file, not a "
+                raise TinyModelError(f"DIR {str(out)!r}: {str(parent)!r} is a file, not a "
                                      "folder; allowed: a path whose existing parts are folders")
             break
     if out.exists() and not out.is_dir():
-        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} is a file, not a folder; {ALLOWED_FOLDERS}")
+        raise TinyModelError(f"DIR {str(out)!r} is a file, not a folder; {ALLOWED_FOLDERS}")
     if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):  # say so before seconds of generating
-        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} is not writable by this user; "
+        raise TinyModelError(f"DIR {str(out)!r} is not writable by this user; "
                              "allowed: a folder this user can write")
     if out.is_dir() and not force:
         foreign = sorted(set(os.listdir(out)) - set(written_files(kind)))
         if foreign:  # known at once; a folder of only our names is compared after generating
-            raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} exists and holds other files "
+            raise TinyModelError(f"DIR {str(out)!r} exists and holds other files "
                                  f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); {ALLOWED_FOLDERS}")
     return out
 
@@ -244,7 +247,7 @@ def _create_folder(out: pathlib.Path) -> List[pathlib.Path]:
             folder.mkdir()
         except OSError as exc:
             _remove_folders(created)
-            raise TinyModelError(f"make-tiny-model: DIR {str(out)!r}: cannot create {str(folder)!r} "
+            raise TinyModelError(f"DIR {str(out)!r}: cannot create {str(folder)!r} "
                                  f"({exc.strerror}); allowed: a folder in a location this user can write") from None
         created.append(folder)
     return created
@@ -286,7 +289,7 @@ def _write_files(out: pathlib.Path, files: Dict[str, bytes]) -> None:
             with contextlib.suppress(OSError):
                 tmp.unlink()
         where = exc.filename or out
-        raise TinyModelError(f"make-tiny-model: DIR {str(out)!r}: cannot write {str(where)!r} ({exc.strerror}); "
+        raise TinyModelError(f"DIR {str(out)!r}: cannot write {str(where)!r} ({exc.strerror}); "
                              "allowed: a folder this user can write, with room for a few MB") from None
 
 
@@ -296,7 +299,7 @@ def ensure_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) ->
     out = _check_args(kind, path, seed, force)
     missing = missing_modules(REQUIRED_MODULES)
     if missing:
-        raise TinyModelError(missing_message(missing, "make-tiny-model"))
+        raise TinyModelError(missing_message(missing))
     created = _create_folder(out)  # before the seconds of generating, so a bad place fails at once
     try:
         files = _model_files(kind, seed)
@@ -305,7 +308,7 @@ def ensure_tiny_model(kind: str, path, seed: int = 0, *, force: bool = False) ->
             differ = sorted(name for name, path in present.items() if not path.is_file()
                             or path.read_bytes() != files[name])
             if differ:
-                raise TinyModelError(f"make-tiny-model: DIR {str(out)!r} holds another model (differs in "
+                raise TinyModelError(f"DIR {str(out)!r} holds another model (differs in "
                                      f"{', '.join(differ)}); {ALLOWED_FOLDERS}")
             # what is there is this model: write only what is missing (an interrupted run), if anything
             files = {name: data for name, data in files.items() if name not in present}
@@ -325,3 +328,39 @@ def written_files(kind: str) -> List[str]:
     if kind != "qwen2":
         names += ["preprocessor_config.json", "video_preprocessor_config.json"]
     return sorted(names)
+
+
+PROG = "python -m sglang_ext_testkit.tiny_model"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from sglang_ext.tools.cli import OneLineParser
+    from sglang_ext.tools.launcher import USAGE_EXIT
+
+    ap = OneLineParser(
+        prog=PROG, description="Write a self-contained model folder (config, tokenizer with Qwen special tokens and "
+        "a chat template, processor files, a few MB of seeded random weights) that sglang serves without a "
+        "download. The same seed writes byte-identical files.")
+    # kind and seed are checked by ensure_tiny_model itself, so a bad value gets its one-line error
+    ap.add_argument("kind", metavar="KIND", help="one of: " + ", ".join(KINDS))
+    ap.add_argument("dir", metavar="DIR", help="output folder: new or empty (or use --force)")
+    ap.add_argument("--seed", default="0", help="weight seed, an integer >= 0 (default 0)")
+    ap.add_argument("--force", action="store_true", help="write into a non-empty folder, overwriting the model files")
+    args = ap.parse_args(argv)
+    try:
+        seed = int(args.seed)
+    except ValueError:
+        seed = args.seed  # ensure_tiny_model names the field and the allowed values
+    try:
+        out, written = ensure_tiny_model(args.kind, args.dir, seed, force=args.force)
+    except TinyModelError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return USAGE_EXIT
+    if not written:
+        sys.stderr.write(f"{PROG}: {str(out)!r} already holds this model ({args.kind}, seed {seed}); nothing written\n")
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
