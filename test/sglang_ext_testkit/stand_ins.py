@@ -32,6 +32,9 @@ def _names(var: str) -> frozenset:
     return frozenset(n.strip() for n in os.environ.get(var, "").split(",") if n.strip())
 
 
+_HIDDEN_FROM = frozenset({"flashinfer"})
+
+
 class _Missing:
     """Any attribute is another stand-in; calling one raises."""
 
@@ -47,6 +50,9 @@ class _Missing:
         if len(args) == 1 and not kwargs and (inspect.isfunction(args[0]) or isinstance(args[0], type)):
             return _Missing(f"{self._qualname}({args[0].__qualname__})")  # a bare decorator at import time
         raise RuntimeError(f"stand-in: {self._qualname} is not available on this machine (SGX_STANDINS)")
+
+    def __getitem__(self, item):  # `Type[standin.Numeric]` in annotations (flashinfer's cute_dsl)
+        return self
 
     def __mro_entries__(self, bases):  # `class X(standin.Base)` still defines a class
         return (object,)
@@ -109,6 +115,12 @@ def stand_in_package(name: str) -> types.ModuleType:
 
     For a folder on PYTHONPATH: its `name/__init__.py` does `sys.modules[__name__] = stand_in_package(__name__)`,
     so every interpreter that imports `name` gets the stand-in, spawned ones included."""
+    importer = sys._getframe(2)  # past the folder's __init__ that calls this
+    while importer is not None and importer.f_code.co_filename.startswith("<frozen importlib"):
+        importer = importer.f_back
+    # flashinfer probes the real CUTLASS DSL with try/import and uses it at import time: it must see none
+    if importer is not None and str(importer.f_globals.get("__name__", "")).split(".")[0] in _HIDDEN_FROM:
+        raise ModuleNotFoundError(f"No module named '{name}' (a stand-in, hidden from its importer)", name=name)
     finder = _finder_with(frozenset({name}))
     spec = importlib.machinery.ModuleSpec(name, finder, is_package=True)
     module = finder.create_module(spec)

@@ -147,6 +147,9 @@ def test_sglang_0523_tree_arrives_in_a_later_call_and_gets_its_kernel_settings(t
 # Imported the way sglang 0.5.23's CuTe DSL kernel module imports the CUTLASS DSL at module level, in a
 # process started with no help (as sglang spawns its schedulers): plain `python`, the environment only.
 DSL_LIKE = """
+probe = {"__name__": "flashinfer.cute_dsl"}  # flashinfer probes the DSL with try/import, before sglang imports it
+exec("try:\\n    import cutlass\\n    seen = cutlass\\nexcept ImportError as e:\\n    seen = e", probe)
+print("flashinfer sees:", repr(probe["seen"]))
 import cutlass, cutlass.cute as cute
 from cutlass.cute import experimental as cute_ext
 from cutlass.utils import blackwell_helpers as sm100_utils
@@ -163,6 +166,7 @@ try:
 except RuntimeError as e:
     print("call:", e)
 print("stubs:", cutlass.__sgl_stub__, imageio_ffmpeg.__sgl_stub__, cute_ext, Kernel.kernel)
+print("annotation:", cute.Type[cute.Numeric])
 """
 
 
@@ -177,6 +181,8 @@ def test_stand_ins_reach_every_process_started_after_the_source(tree, tmp_path):
     assert "0523 needs cutlass=stand-in imageio_ffmpeg=stand-in" in out, out
     assert "call: stand-in: cutlass.cute.experimental.jit(wrapper) is not available" in out, out
     assert "stubs: True True <stand-in cutlass.cute.experimental>" in out, out
+    assert "flashinfer sees: ModuleNotFoundError(\"No module named 'cutlass' (a stand-in, hidden" in out, out
+    assert "annotation: <stand-in cutlass.cute.Type>" in out, out
     assert f"PYTHONPATH={root}/stand-ins/cutlass:{root}/stand-ins/imageio_ffmpeg:{root}/ext:" in out, out
     # without them the summary says what a 0.5.23 server would die of; a bad name is refused
     out = source(tree, root, extra="SGX_SGLANG=0523 source scripts/gpu_env.sh;")
