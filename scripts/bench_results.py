@@ -138,7 +138,7 @@ def print_pi05_table(results: List[Dict[str, Any]]) -> None:
               "kernels/req", "kernel ms/req", "peak MiB", "pool +MiB", "graph buf MiB", "vs eager rel/cos",
               "vs graph rel/cos", "vs saved rel/cos")
     rows = [header]
-    notes = []
+    notes, compared = [], {}  # compared: the saved run -> the modes compared with it
     for r in results:
         if "p50_ms" not in r:
             notes.append(f"{r['impl']} {r['mode']}: " + (f"skipped: {r['skipped']}" if "skipped" in r
@@ -156,9 +156,10 @@ def print_pi05_table(results: List[Dict[str, Any]]) -> None:
         if saved.get("skipped"):
             notes.append(f"{r['impl']} {r['mode']}: vs saved skipped: {saved['skipped']}")
         elif saved.get("reference"):
-            notes.append(f"{r['impl']} {r['mode']}: vs saved = {saved['reference']}")
+            compared.setdefault(saved["reference"], []).append(f"{r['impl']} {r['mode']}")
         if r.get("note"):
             notes.append(f"{r['impl']} {r['mode']}: {r['note']}")
+    notes += [f"vs saved = {reference}: {', '.join(names)}" for reference, names in compared.items()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     print()
     for index, row in enumerate(rows):

@@ -299,8 +299,8 @@ def _pi05_roofline(runs, results) -> list:
 
 
 def _pi05_phases(runs, results) -> list:
-    """The per-phase kernel table: graph-fast-nopdl (each kernel's own time), the fastest fast mode
-    and the FP8 mode (its own target)."""
+    """The per-phase kernel table of graph-fast-nopdl (each kernel's own time; with PDL a kernel's time
+    includes its wait for the one before) and of the FP8 mode (its own target)."""
     work = next((run["work"] for run in runs if run.get("work")), None)
     profiled = [r for r in results if r.get("phase_kernels_per_request") and r.get("mode", "").startswith("graph-fast")]
     if work is None or not profiled:
@@ -308,7 +308,7 @@ def _pi05_phases(runs, results) -> list:
     import pi05_roofline
 
     picked = [r for r in profiled if r["mode"] == "graph-fast-nopdl"]
-    for r in (min(profiled, key=lambda r: r["p50_ms"]), *(r for r in profiled if r["mode"] == "graph-fast-fp8")):
+    for r in (r for r in profiled if r["mode"] == "graph-fast-fp8"):
         picked += [r] if r not in picked else []
     lines = []
     for r in picked:
@@ -673,13 +673,13 @@ def _vit_server_other_runs() -> list:
     runs = [(run, name) for run, name in runs if run["config"].get("sglang") == main]
     if not runs:
         return out
-    lines = ["### Other runs", "", "Kept in `docs/bench/`; a run's table, targets and command: "
-             "`python scripts/gen_performance_doc.py --show docs/bench/<file>`.", "",
-             "| file | run id | model | attention | passes |", "|---|---|---|---|---|"]
+    by_attention = {}
     for run, name in sorted(runs, key=lambda pair: pair[0].get("run_id") or "", reverse=True):
-        cfg = run["config"]
-        lines.append(f"| `{name}` | {run.get('run_id') or '-'} | {cfg.get('model')} | "
-                     f"{run.get('attention') or cfg.get('mm_attention_backend') or '-'} | {_passes_line(run)} |")
+        attention = run.get("attention") or run["config"].get("mm_attention_backend") or "-"
+        by_attention.setdefault(attention, []).append(f"`{name}`")
+    lines = ["### Other runs", "", "Kept in `docs/bench/` (newest first); a run's table, targets and command: "
+             "`python scripts/gen_performance_doc.py --show docs/bench/<file>`.", ""]
+    lines += [f"- {attention}: {', '.join(names)}" for attention, names in by_attention.items()]
     return out + lines + [""]
 
 

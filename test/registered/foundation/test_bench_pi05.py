@@ -210,7 +210,7 @@ def test_table_shows_phases_accuracy_and_why_a_mode_is_missing(capsys):
     assert cells[-3:] == ["-", "4.0e-03/0.999950", "4.0e-03/0.999950"]
     assert "0517-ext graph-bucket: FAILED: RuntimeError: boom" in out
     assert "0517-ext graph-fused: vs saved skipped: --compare-actions x: no such file" in out
-    assert "0517-ext graph-fast: vs saved = 0517 eager (run id r1)" in out
+    assert "vs saved = 0517 eager (run id r1): 0517-ext graph-fast" in out
     report = {"run_id": "r1", "impl": "0517-ext", "kernels": {"sgl_kernel": "0.4.5", "sgl_kernel_ops": "real",
               "fa3": "not available", "custom_ops": "dispatch"}, "attention_ran": {"requested": "torch_sdpa",
               "modules": {"torch_sdpa:sdpaimpl": 2}, "calls_per_request": {"unmasked: torch_sdpa:sdpaimpl": 3}},
