@@ -322,6 +322,44 @@ def test_cameras_decode_concurrently_into_the_same_images(server_args, ext_patch
         assert np.array_equal(np.asarray(patched.images[name]), image)
 
 
+@plugin_only
+def test_json_state_and_noise_go_on_as_arrays_the_preprocessor_reads_the_same(server_args, ext_patches):
+    """0.5.21+ walks every list of a request element by element on both sides of the scheduler hop: JSON state
+    and noise lists go on as float64 arrays, which the real preprocessor turns into the same tensors and prompt
+    (float32 rounding of doubles, subnormals and -0.0 included); lists numpy cannot read as numbers stay lists."""
+    import torch
+
+    from sglang_ext_testkit.upstream import upstream
+
+    protocol = upstream("sglang.multimodal_gen.runtime.entrypoints.action.protocol")
+    preprocess = upstream("sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.pi05_preprocess")
+    body = clients.json_body(OBSERVATIONS[2])
+    body["state"] = [0.1, 1 / 3, -0.0, 1e-40, -1, 2 ** -126 * 1.5, 0.999999999, 7e-46]
+    body["noise"][0][:3] = [1e-45, -0.0, 3]
+
+    def build():
+        return protocol.build_action_sampling_params(json.loads(json.dumps(body)), server_args)
+
+    unpatched = build()
+    ext_patches()
+    patched = build()
+    assert isinstance(unpatched.noise, list) and isinstance(unpatched.state, list)
+    for field in ("state", "noise"):
+        value = getattr(patched, field)
+        assert isinstance(value, np.ndarray) and value.dtype == np.float64, (field, type(value))
+        assert patched.observation[field] is value  # one array for the request's references, not three lists
+    config = server_args.pipeline_config
+    raw = lambda sp: {"prompt": sp.prompt, "images": dict(sp.images), "state": sp.state, "noise": sp.noise}  # noqa: E731
+    want, got = preprocess.Pi05Preprocessor(config)(raw(unpatched)), preprocess.Pi05Preprocessor(config)(raw(patched))
+    for field in ("state", "noise", "tokens"):
+        a, b = getattr(want, field), getattr(got, field)
+        assert a.dtype == b.dtype and torch.equal(a, b), field
+        if a.is_floating_point():
+            assert torch.equal(torch.signbit(a), torch.signbit(b)), field
+    body["state"] = ["0.5"] * 8  # not numbers: sglang's own handling, unchanged
+    assert build().state == ["0.5"] * 8
+
+
 def _png(array) -> str:
     from PIL import Image
 
