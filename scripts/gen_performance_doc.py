@@ -652,7 +652,8 @@ def _passes_line(run) -> str:
 def _vit_server_run(run, name) -> list:
     """One bench_vit_server.py run's table, targets and command (`--show` prints it)."""
     return [f"### `docs/bench/{name}`", "", *_provenance([(name, run)]),
-            f"{run['config'].get('model')} ({run['config'].get('parameters_b')} B); " + _passes_line(run), "",
+            f"Device: {run['config'].get('device')}; {run['config'].get('model')} "
+            f"({run['config'].get('parameters_b')} B); " + _passes_line(run), "",
             *_vit_server_notes(run), "```", bench_results.vit_server_table(run), "```", *_vit_server_targets(run),
             f"Command: `{run['config'].get('command')}`", ""]
 
