@@ -118,7 +118,7 @@ class Record:
     total_ms: float
     actions: np.ndarray
     timings: Dict[str, float] = field(default_factory=dict)
-    server_timing: Dict[str, float] = field(default_factory=dict)
+    server_timing: Dict[str, float] = field(default_factory=dict)  # sglang's own OpenPI one (infer_ms, ...)
 
 
 def _floats(mapping) -> Dict[str, float]:
