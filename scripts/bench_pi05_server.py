@@ -24,9 +24,8 @@ Servers (--servers):
                         `0517` in runs written before the rename)
   ext-no-transport      `python -m sglang_ext.serve` (exact path) with the transport patches off
                         (mg_scheduler_client_reuse, pi05_action_transport, pi05_observation_device,
-                        mg_worker_request_overhead):
-                        0.5.17's request path, measured hop by hop (knob pi05_server_timing)
-  ext-exact             sglang-ext, exact path, transport patches on, hop times on
+                        mg_worker_request_overhead): sglang's request path, against ext-exact
+  ext-exact             sglang-ext, exact path, transport patches on
   ext-fast              ext-exact plus --ext-pi05-fast
 Wires (--wires), each with this script's own client (sglang_ext_testkit.pi05_clients):
   openpi   the OpenPI websocket /openpi/policy, msgpack with numpy arrays (2 uint8 cameras 224x224,
@@ -42,10 +41,9 @@ Wires (--wires), each with this script's own client (sglang_ext_testkit.pi05_cli
            request ends every server, unpatched 0.5.17 included, in a CUDA device-side assert (an
            out-of-bounds gather in the prefix), and the server is unusable after it
 Latency = from the payload (dict) ready to the actions as a numpy array: the client's encode and
-decode included. Per request the breakdown splits it into client encode/decode, transport (the
-client's round trip minus the server's span: sockets, uvicorn, encoding the answer), parsing and
-image decoding in the HTTP process, the ZMQ hop to the worker, the queue, the worker around the
-pipeline, the pipeline stages (sglang's timings) and the way back; p50 of each is reported.
+decode included. Per request the breakdown splits it into client encode/decode, the pipeline stages
+(sglang's timings) and the rest (outside the pipeline); p50 of each is reported. The server's hops are
+not measured (`-` in the breakdown table; older runs' files carry them).
 Accuracy: every server sees the same observations and noise; each answer is compared with the
 ext-exact server's answer to the same observation (max|a - ref| / max|ref|).
 
@@ -144,16 +142,15 @@ def prepare_model(args, workdir: str) -> str:
 def server_command(name: str, args) -> tuple:
     """(argv, extra env) of one server."""
     py = sys.executable
-    timing = {"SGLANG_EXT_PI05_SERVER_TIMING": "1"}
     if args.cpu_logic_check:  # the launchers need a GPU: sglang's server with the stand-in policy
         base = [py, "-m", "sglang_ext_testkit.fake_pi05_server"]
         return {
             "upstream": (base, {"SGLANG_EXT": "0"}),
-            "ext-no-transport": (base + ["--ext"], {**timing, "SGLANG_EXT_DISABLE": TRANSPORT_PATCHES}),
-            "ext-exact": (base + ["--ext"], timing),
-            "ext-fast": (base + ["--ext"], {**timing, "SGLANG_EXT_PI05_FAST": "1"}),
+            "ext-no-transport": (base + ["--ext"], {"SGLANG_EXT_DISABLE": TRANSPORT_PATCHES}),
+            "ext-exact": (base + ["--ext"], {}),
+            "ext-fast": (base + ["--ext"], {"SGLANG_EXT_PI05_FAST": "1"}),
         }[name]
-    ext = [py, "-m", "sglang_ext.serve", "--ext-strict", "--ext-pi05-server-timing"]
+    ext = [py, "-m", "sglang_ext.serve", "--ext-strict"]
     env = {}
     from sglang_ext.versions import installed_sglang_version, source_tree_version
 

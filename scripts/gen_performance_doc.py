@@ -348,15 +348,16 @@ numpy array (its encode and decode included; base64 PNG encoding of the JSON cam
 (preprocess, prefix, denoise, postprocess); outside: latency minus stages, p50. captures after
 start: CUDA graphs captured after the server reported healthy (its log); eager after load: requests
 that no load-time graph held (a lower bound: logged at the 1st, 2nd, 4th, ...). The breakdown
-(p50 per part, ms; hop times from knob pi05_server_timing, so `-` for unpatched sglang): transport =
-the client's round trip minus the server's span (sockets, uvicorn, encoding the answer), http_parse
-= JSON / msgpack parsing (the JSON body read included), http_decode = image decoding and request
-building, to_worker / from_worker = the ZMQ hops with pickling, worker_queue = the scheduler before
-the worker, worker_other = the worker around the stages. rel vs exact: worst max|a - ref| / max|ref|
+(p50 per part, ms; the server's hops come from older runs' hop timing, a diagnostic since removed:
+`-` where not measured): transport = the client's round trip minus the server's span (sockets,
+uvicorn, encoding the answer), http_parse = JSON / msgpack parsing (the JSON body read included),
+http_decode = image decoding and request building, to_worker / from_worker = the ZMQ hops with
+pickling, worker_queue = the scheduler before the worker, worker_other = the worker around the
+stages. rel vs exact: worst max|a - ref| / max|ref|
 over every answer, against the ext-exact server's openpi answer to the same observation. Servers:
 `upstream` (`0517` in runs before 0.5.23 ones) = unpatched `sglang serve` of the release named
 above the table; `ext-no-transport` = sglang-ext with the transport patches off (sglang's request
-path, measured hop by hop); `ext-exact`; `ext-fast` = --ext-pi05-fast. Wire
+path); `ext-exact`; `ext-fast` = --ext-pi05-fast. Wire
 `sglang` = sglang's own bench_pi05_openpi.py (openpi_ws). Unpatched 0.5.17 ends in a CUDA
 device-side assert at the first observation without the first camera (its prefix's rotary gather
 reads position -1; sglang-ext clamps it), and is unusable after: runs with the unpatched server keep

@@ -194,10 +194,6 @@ KNOBS: tuple[Knob, ...] = (
          "Opt-in, needs pi05_fast: the fast denoise loop reads the action expert's o, gate-up and down weights "
          "in FP8 e4m3 with a float32 scale per row, quantized once at first use (not equal to the exact path "
          "beyond FP8 rounding). Weights changed in place need the action graphs reset."),
-    Knob("pi05_server_timing", "bool", False,
-         "Benchmarks: every Pi0.5 action answer's `timings` also carries the server's hop times "
-         "(http_parse_ms, http_decode_ms, to_worker_ms, worker_queue_ms, worker_forward_ms, "
-         "from_worker_ms, server_total_ms). Off: nothing is added."),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

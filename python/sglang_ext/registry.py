@@ -370,28 +370,6 @@ PATCHES: Tuple[PatchSpec, ...] = (
         process="multimodal_gen worker",
     ),
     PatchSpec(
-        name="pi05_server_timing",
-        summary="Knob pi05_server_timing: every Pi0.5 action answer's timings also carry the server's hop "
-        "times (parse, decode, to/from the worker, queue, worker forward); off: nothing added",
-        targets=T(_VLA_PROTOCOL, "infer_action")
-        + T(f"{_MG}.entrypoints.utils", "prepare_request")
-        + T(_VLA_API, "router", "create_action_generation")
-        + T(_VLA_WS, "run_action_msgpack_ws")
-        + T(f"{_MG}.managers.scheduler", "Scheduler.recv_reqs", "Scheduler.event_loop", "Scheduler.return_result")
-        + T(f"{_MG}.managers.gpu_worker", "GPUWorker.execute_forward")
-        + T(_VLA_STAGES, "VLAActionPostprocessStage.forward"),
-        parts=(
-            Part(_VLA_PROTOCOL, "sglang_ext.pi05.server_timing:patch_protocol"),
-            Part(_VLA_API, "sglang_ext.pi05.server_timing:patch_api"),
-            Part(_VLA_WS, "sglang_ext.pi05.server_timing:patch_ws_utils"),
-            Part(f"{_MG}.managers.scheduler", "sglang_ext.pi05.server_timing:patch_scheduler"),
-            Part(f"{_MG}.managers.gpu_worker", "sglang_ext.pi05.server_timing:patch_gpu_worker"),
-        ),
-        upstream_pr="none (sglang-ext only)",
-        retire_when="upstream reports per-request hop times itself (not in 0.5.23)",
-        process="multimodal_gen HTTP server and worker",
-    ),
-    PatchSpec(
         name="pi05_observation_checks",
         summary="Pi0.5 observations checked per request: a NaN or infinite state or noise, a badly shaped camera, "
         "a camera the checkpoint does not name and an observation without a usable camera are refused with one "

@@ -4,8 +4,8 @@
 the robot-loop GPU test and the CPU tests of the transport patches.
 
 Every request's record holds the client's own times (encode, round trip, decode, total, ms)
-and the answer's `timings` (sglang's stage times, and with knob pi05_server_timing the
-server's hop times): `breakdown()` splits a record into where the time went.
+and the answer's `timings` (sglang's stage times): `breakdown()` splits a record into where the
+time went.
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ import numpy as np
 PROMPT = "pick up the red block and put it in the basket"
 # sglang's stage timings (VLA pipeline): their sum is the time inside the pipeline
 STAGE_KEYS = ("preprocess_ms", "cache_lookup_ms", "prefix_ms", "action_denoise_ms", "postprocess_ms")
-# pi05_server_timing's hop times, in path order
-HOP_KEYS = ("http_parse_ms", "http_decode_ms", "to_worker_ms", "worker_queue_ms", "worker_forward_ms",
-            "from_worker_ms", "server_total_ms")
 
 
 # Tasks a robot switches between (robot_stream): prompts of other lengths.
@@ -121,7 +118,7 @@ class Record:
     total_ms: float
     actions: np.ndarray
     timings: Dict[str, float] = field(default_factory=dict)
-    server_timing: Dict[str, float] = field(default_factory=dict)
+    server_timing: Dict[str, float] = field(default_factory=dict)  # sglang's own OpenPI one (infer_ms, ...)
 
 
 def _floats(mapping) -> Dict[str, float]:
@@ -190,19 +187,13 @@ class JsonActionClient:
 
 
 def breakdown(record: Record) -> Dict[str, float]:
-    """Where one request's time went (ms). `pipeline` = sglang's stage times; `outside_pipeline` =
-    the client's total minus them. With hop times: `worker_other` = the worker's forward minus the
-    stages, `transport` = the client's round trip minus the server's span (sockets, uvicorn, the
-    answer's encoding)."""
+    """Where one request's time went (ms): the client's encode and decode, `pipeline` = sglang's stage
+    times (and each stage's), `outside_pipeline` = the client's total minus them."""
     t = record.timings
     pipeline = sum(t.get(k, 0.0) for k in STAGE_KEYS)
     out = {"total": record.total_ms, "client_encode": record.encode_ms, "client_decode": record.decode_ms,
            "pipeline": pipeline, "outside_pipeline": record.total_ms - pipeline}
     out.update({k[:-3]: t[k] for k in STAGE_KEYS if k in t})
-    if all(k in t for k in HOP_KEYS):
-        out.update({k[:-3]: t[k] for k in HOP_KEYS})
-        out["worker_other"] = t["worker_forward_ms"] - pipeline
-        out["transport"] = record.round_trip_ms - t["server_total_ms"]
     return out
 
 
