@@ -23,6 +23,28 @@ def init_single_rank_parallel_state() -> None:
                                                 else {}))
 
 
+def init_tp_parallel_state(world: int, rank: int, port: int, backend: str, mm_attention_backend: str,
+                           timeout=None) -> None:
+    """One rank of a TP world of `world` ranks: 0.5.17 takes the width as an argument, 0.5.23 reads the
+    published server settings and this process's rank."""
+    import inspect
+
+    from sglang.srt import runtime_context
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.server_args import ServerArgs
+
+    parallel_state.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend=backend,
+                                                distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
+    if "tensor_model_parallel_size" in inspect.signature(parallel_state.initialize_model_parallel).parameters:
+        runtime_context.publish(ServerArgs(model_path="dummy", mm_attention_backend=mm_attention_backend), role="test")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        return
+    runtime_context.publish(ServerArgs(model_path="dummy", mm_attention_backend=mm_attention_backend, tp_size=world),
+                            role="test", ranks=runtime_context.SpawnRanks(world_rank=rank))
+    runtime_context.get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    parallel_state.initialize_model_parallel()
+
+
 def release_single_rank_parallel_state() -> None:
     """Undo init_single_rank_parallel_state: processes this one forks later start without a world."""
     import torch.distributed as dist

@@ -1,7 +1,7 @@
 """ViT CUDA graphs at TP=2 on two GPUs: real NCCL, sglang's custom all-reduce, the real Qwen2.5-VL tower.
 
-Two spawned rank processes (NCCL; NVLink multicast off) start sglang 0.5.17's parallel state
-(`init_distributed_environment` + `initialize_model_parallel(tensor_model_parallel_size=2)`) with
+Two spawned rank processes (NCCL; NVLink multicast off) start sglang's parallel state
+(`single_rank.init_tp_parallel_state`: 0.5.17 takes the TP width, 0.5.23 reads published settings) with
 its custom all-reduce on (CustomAllReduceV2 on CUDA by default, the legacy CustomAllreduce with
 SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2=0; the test fails when neither comes up). Each rank builds
 sglang's `Qwen2_5_VisionTransformer` at TP=2 (`use_data_parallel=False`, bf16, random weights from
@@ -26,7 +26,6 @@ import json
 import os
 import random
 import socket
-import sys
 import time
 import traceback
 
@@ -258,13 +257,11 @@ def _rank_main(rank, port, out_dir):
     try:
         torch.cuda.set_device(rank)
         from sglang_ext_testkit import qwen_vit_kit as kit
+        from sglang_ext_testkit.single_rank import init_tp_parallel_state
         from sglang.srt.distributed import parallel_state as ps
 
-        kit.publish_runtime("triton_attn")
         ps.set_custom_all_reduce(True)
-        ps.init_distributed_environment(world_size=WORLD, rank=rank, local_rank=rank, backend="nccl",
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=GROUP_TIMEOUT_S)
-        ps.initialize_model_parallel(tensor_model_parallel_size=WORLD)
+        init_tp_parallel_state(WORLD, rank, port, "nccl", "triton_attn", timeout=GROUP_TIMEOUT_S)
         ca = ps.get_tp_group().ca_comm
         result["custom_all_reduce"] = None if ca is None else f"{type(ca).__name__} disabled={ca.disabled}"
         result["kernels"] = kit.kernel_report("triton_attn")
