@@ -34,6 +34,8 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
 from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci
 
+from sglang_ext.versions import installed_sglang_version
+
 from conftest import ext_core  # noqa: E402  (test/registered/conftest.py)
 
 # the activation fixture and the CP runner / batch builders of the bucket tests (same directory)
@@ -44,14 +46,16 @@ from test_prefill_cp_bucket import (  # noqa: F401  (cp_patch is a fixture)
     align8,
     cp_patch,
     cp_ranks,
-    drives_0517_load_batch,
     make_live_batch,
     make_replay_runner,
     zigzag,
 )
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
-pytestmark = drives_0517_load_batch  # and 0.5.17's BreakableCudaGraphBackend capture
+# 0.5.17's BreakableCudaGraphBackend capture with CPU stand-ins; 0.5.23's capture reads more than they
+# provide (the TP group; its `_weak_ref_if_tensor` returns CPU tensors as they are).
+pytestmark = pytest.mark.skipif(
+    installed_sglang_version() != "0.5.17", reason="CPU stand-ins for 0.5.17's breakable capture only")
 
 CP_RANK, CP_SIZE = 0, 4
 BUCKETS = (2048, 2304, 2560)  # make_replay_runner's; CP-local rows 512, 576, 640

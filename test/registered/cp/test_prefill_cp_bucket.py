@@ -1,13 +1,16 @@
-"""Prefill context-parallel graph bucket search on sglang 0.5.17 (patch prefill_cp_bucket).
+"""Prefill context-parallel graph bucket search on sglang 0.5.17 and 0.5.23 (patch prefill_cp_bucket).
 
-Real sglang 0.5.17 classes throughout: a minimal `PrefillCudaGraphRunner` built with
-`__new__` (as upstream's test does), the real zigzag strategy (`init_cp_strategy`), the
-real per-rank parallel state (`get_parallel().override`). Only GPU-side pieces (the
-static buffer registry, logits buffer, attention replay metadata) are CPU stand-ins;
-the end-to-end tests run 0.5.17's own `load_batch` and `PrefillCPBCGInput.prepare`. The first four tests port upstream's
-`TestPrefillCPBCGReplay` (sgl-project/sglang#33906); the load_batch test admits the
-batch first, because this port decides once at admission and refuses a replay
-that was never admitted.
+Real sglang classes throughout: a minimal `PrefillCudaGraphRunner` built with `__new__` (as
+upstream's test does), the real zigzag strategy (`init_cp_strategy`) and CP-local input class
+(0.5.23's `ZigzagCPBCGInput`), the real per-rank parallel state (`get_parallel().override`), and
+on 0.5.23 the real KV index translator and write plan over a plain KV pool. Only GPU-side pieces
+are CPU stand-ins: the static buffer registry, the logits buffer, the attention replay metadata
+and the model runner around the input embedding. The end-to-end tests run the installed
+release's own `load_batch` and `PrefillCPBCGInput.prepare`, and check that the bucket admitted
+once in `can_run_graph` is the one `load_batch` pads to, with the requirement computed once per
+batch. The first four tests port upstream's `TestPrefillCPBCGReplay` (sgl-project/sglang#33906);
+the load_batch test admits the batch first, because this port decides once at admission and
+refuses a replay that was never admitted.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ from sglang.srt.layers.cp import utils as cp_utils
 from sglang.srt.layers.cp.utils import prepare_cp_forward
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 from sglang.srt.runtime_context import get_parallel
 from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_ext.registry import PATCH_NAMES
-from sglang_ext.versions import installed_sglang_version
 
 register_cpu_ci(est_time=45, suite="base-a-test-cpu")
 
@@ -40,10 +43,6 @@ from conftest import ext_core, plugin_only, upstream  # noqa: E402  (test/regist
 PrefillCPBCGInput = upstream("sglang.srt.layers.cp.bcg.bcg:PrefillCPBCGInput")
 
 THIS_PATCH = "prefill_cp_bucket"
-# These drive 0.5.17's own load_batch / prepare(capture=True) with CPU stand-ins for its GPU pieces;
-# 0.5.23's load_batch reads more runner state than those stand-ins provide (not built yet).
-drives_0517_load_batch = pytest.mark.skipif(
-    installed_sglang_version() != "0.5.17", reason="stand-ins for 0.5.17's load_batch internals only")
 ALIGN = 8
 OVERFLOW_LENS = [1534, 161, 353]  # 2048 tokens; needs 513 rows on rank 0 -> 520 aligned
 
@@ -227,7 +226,7 @@ def test_load_batch_pads_to_admitted_larger_bucket(cp_patch):
 
 
 def test_all_ranks_admit_the_same_bucket_and_match_real_zigzag_rows(cp_patch):
-    """Every rank decides alike, and the requirement equals what 0.5.17's prepare builds."""
+    """Every rank decides alike, and the requirement equals what sglang's prepare builds."""
     runner = make_runner((2048, 2304, 2560), {2048: 512, 2304: 576, 2560: 640})
     zigzag(4)
     decisions, built_rows = [], []
@@ -437,7 +436,7 @@ def test_a_bucket_whose_capacity_equals_the_requirement_is_chosen(cp_patch):
     seq_split=st.booleans(),
 )
 def test_requirement_equals_rows_prepare_builds(cp_patch, cp_size, lens, seq_split):
-    """required_local_tokens == max physical rows of 0.5.17's real zigzag metadata, on every rank."""
+    """required_local_tokens == max physical rows of sglang's real zigzag metadata, on every rank."""
     align = 2 * cp_size if seq_split else cp_size
     zigzag(cp_size)
     cp_input = PrefillCPBCGInput(input_embeds=torch.empty(0), positions=torch.empty(0))
@@ -493,18 +492,50 @@ class PaddingRegistry:
     def get_slot(self, name):
         return self.slots[name]
 
-    def fill_from(self, source, *, raw_bs, padded_bs, raw_num_tokens, padded_num_tokens):
+    def fill_from(self, source, *, raw_bs, padded_bs, raw_num_tokens, padded_num_tokens, **_more):
         self.padded_num_tokens = padded_num_tokens
         for name, slot in self.slots.items():
             slot.tensor[:raw_num_tokens].copy_(getattr(source, name))
             slot.tensor[raw_num_tokens:padded_num_tokens].zero_()
 
 
+def zigzag_cp_bcg_input_type():
+    """The CP-local input class a zigzag runner creates: 0.5.23 picks it by strategy (its base class
+    leaves the requirement to the strategy's subclass); 0.5.17 has one class."""
+    try:
+        from sglang.srt.layers.cp.base import ContextParallelStrategyKind
+        from sglang.srt.layers.cp.bcg import get_cp_bcg_input_type
+    except ImportError:  # 0.5.17
+        return PrefillCPBCGInput
+    return get_cp_bcg_input_type(ContextParallelStrategyKind.ZIGZAG)
+
+
+def kv_index_translator(device="cpu"):
+    """0.5.23's real KV index translator over a plain (untranslated) KV pool; 0.5.17 has none."""
+    try:
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    except ImportError:  # 0.5.17
+        return None
+    return KVIndexTranslator(req_to_token=torch.zeros(8, VOCAB, dtype=torch.int32, device=device),
+                             token_to_kv_pool_allocator=None, token_to_kv_pool=None, page_size=1, device=device)
+
+
+class ReplayModelRunner(SimpleNamespace):
+    """Stands in for the ModelRunner (its model, pools and attention backend live on the GPU): the input
+    embedding and the KV index translator. 0.5.23's dummy-batch hook is ModelRunner's own; no attention-TP
+    sequence sharding (it follows the DP-attention / MoE gather setup, none here)."""
+
+    prepare_dummy_forward_batch = getattr(ModelRunner, "prepare_dummy_forward_batch", None)
+
+    def attn_tp_sequence_sharded(self, num_tokens):
+        return False
+
+
 def make_replay_runner(embedding, device="cpu"):
-    """Minimal runner whose real 0.5.17 load_batch runs through PrefillCPBCGInput.prepare."""
+    """Minimal runner whose real load_batch runs through PrefillCPBCGInput.prepare."""
     buckets = (2048, 2304, 2560)
     runner = make_runner(buckets, {2048: 512, 2304: 576, 2560: 640})
-    runner.prefill_cp_bcg_input = PrefillCPBCGInput(
+    runner.prefill_cp_bcg_input = zigzag_cp_bcg_input_type()(
         input_embeds=torch.zeros(buckets[-1], embedding.embedding_dim, device=device),
         positions=torch.zeros(buckets[-1], dtype=torch.int64, device=device),
         bucket_local_tokens={2048: 512, 2304: 576, 2560: 640},  # one-request captures, align 8
@@ -514,19 +545,41 @@ def make_replay_runner(embedding, device="cpu"):
     runner.capture_return_pooled_hidden_states = False
     runner._prefill_static_buffers = None
     runner.static_draft_hidden_states = None
-    runner.model_runner = SimpleNamespace(model=SimpleNamespace(get_input_embeddings=lambda: embedding))
+    runner.model_runner = ReplayModelRunner(model=SimpleNamespace(get_input_embeddings=lambda: embedding),
+                                            kv_index_translator=kv_index_translator(device))
     # GPU-side pieces of load_batch, recorded instead of run
     runner._next_token_logits_buffer = lambda rows: None
     runner._prefill_logits_buffer_rows = lambda forward_batch: 0
-    runner.replay_metadata_calls = []
-    runner._prepare_forward_metadata_for_replay = lambda *args: runner.replay_metadata_calls.append(args)
+    runner.replay_metadata_calls = []  # the padded size each call was for (0.5.23 passes it in a ShapeKey)
+
+    def prepare_forward_metadata_for_replay(forward_batch, static_forward_batch, shape):
+        runner.replay_metadata_calls.append(getattr(shape, "size", shape))  # 0.5.23 returns its read ends
+
+    runner._prepare_forward_metadata_for_replay = prepare_forward_metadata_for_replay
     return runner
+
+
+def count_requirements(cp_input):
+    """The extend lengths of each CP-local requirement computed on `cp_input` (the search's per-batch work)."""
+    computed, compute = [], cp_input.required_local_tokens
+
+    def required_local_tokens(extend_seq_lens):
+        computed.append(list(extend_seq_lens))
+        return compute(extend_seq_lens)
+
+    cp_input.required_local_tokens = required_local_tokens
+    return computed
+
+
+def loaded_batch(loaded):
+    """load_batch's static forward batch (0.5.23 returns it with the attention read ends)."""
+    return loaded[0] if isinstance(loaded, tuple) else loaded
 
 
 def make_live_batch(extend_seq_lens, device="cpu", generator=None):
     n = sum(extend_seq_lens)
     positions = torch.cat([torch.arange(length) for length in extend_seq_lens]).to(device)
-    return _Batch(
+    batch = _Batch(
         batch_size=len(extend_seq_lens),
         forward_mode=ForwardMode.EXTEND,
         global_forward_mode=ForwardMode.EXTEND,
@@ -539,28 +592,37 @@ def make_live_batch(extend_seq_lens, device="cpu", generator=None):
         extend_seq_lens_cpu=list(extend_seq_lens),
         extend_prefix_lens_cpu=[0] * len(extend_seq_lens),
         extend_num_tokens=n,
+        contains_mm_inputs=lambda: False,  # 0.5.23 asks
     )
+    translator = kv_index_translator(device)
+    if translator is not None:  # 0.5.23: the iteration's KV write plan over its slots (load_batch binds it)
+        seq_lens = torch.tensor(extend_seq_lens, device=device)
+        batch.kv_loc_plan = translator.plan(req_pool_indices=torch.arange(len(extend_seq_lens), device=device),
+                                            seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
+                                            write_virtual=batch.out_cache_loc)
+    return batch
 
 
-@drives_0517_load_batch
 @pytest.mark.parametrize("cp_rank", [0, 1, 2, 3])
 def test_real_load_batch_replays_overflowing_layout_in_the_admitted_bucket(cp_patch, cp_rank):
-    """0.5.17's own load_batch + prepare on CPU: the 520-row layout lands in the 2304 bucket's 576 rows."""
+    """sglang's own load_batch + prepare on CPU: the 520-row layout lands in the 2304 bucket's 576 rows."""
     torch.manual_seed(cp_rank)
     embedding = torch.nn.Embedding(VOCAB, HIDDEN)
     runner = make_replay_runner(embedding)
     zigzag(4)
     live = make_live_batch(OVERFLOW_LENS)
+    computed = count_requirements(runner.prefill_cp_bcg_input)
     with cp_ranks(attn_cp_rank=cp_rank, attn_cp_size=4), align8(), patch(
         "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
     ), torch.no_grad():
         assert runner.can_run_graph(live)
-        static = runner.load_batch(live)
+        static = loaded_batch(runner.load_batch(live))
 
+        assert computed == [OVERFLOW_LENS]  # decided once, at admission (0.5.23 alone would search again here)
         assert runner.buffer_registry.padded_num_tokens == 2304
         assert len(static.input_ids) == 2304
         assert static.attn_cp_metadata.per_rank_actual_token == [576] * 4  # the captured geometry
-        assert len(runner.replay_metadata_calls) == 1 and runner.replay_metadata_calls[0][2] == 2304
+        assert runner.replay_metadata_calls == [2304]
         # this rank's zigzag blocks of the live embeddings, then zeros up to the captured 576 rows
         metadata = static.attn_cp_metadata
         logical = metadata.per_rank_logical_token[cp_rank]
@@ -573,9 +635,8 @@ def test_real_load_batch_replays_overflowing_layout_in_the_admitted_bucket(cp_pa
         assert torch.count_nonzero(static.input_embeds[logical:]) == 0
 
 
-@drives_0517_load_batch
 def test_capacities_recorded_by_real_capture_prepare_drive_the_search(cp_patch):
-    """0.5.17's prepare(capture=True) records every bucket's local rows; the search uses exactly those."""
+    """sglang's prepare(capture=True) records every bucket's local rows; the search uses exactly those."""
     embedding = torch.nn.Embedding(VOCAB, HIDDEN)
     runner = make_replay_runner(embedding)
     runner.prefill_cp_bcg_input.bucket_local_tokens = {}
@@ -583,7 +644,7 @@ def test_capacities_recorded_by_real_capture_prepare_drive_the_search(cp_patch):
     with cp_ranks(attn_cp_rank=2, attn_cp_size=4), align8(), patch(
         "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
     ), torch.no_grad():
-        for bucket in reversed(runner.capture_num_tokens):  # capture order of 0.5.17
+        for bucket in reversed(runner.capture_num_tokens):  # sglang's capture order (largest first)
             dummy = make_live_batch([bucket])  # capture_prepare's one-request dummy batch
             runner.prefill_cp_bcg_input.prepare(runner, dummy, static_num_tokens=bucket, capture=True)
         assert runner.prefill_cp_bcg_input.bucket_local_tokens == {2048: 512, 2304: 576, 2560: 640}
@@ -594,20 +655,27 @@ def test_capacities_recorded_by_real_capture_prepare_drive_the_search(cp_patch):
 
 
 @plugin_only
-@drives_0517_load_batch
-def test_unpatched_load_batch_crashes_on_the_same_layout(cp_patch):
-    """The bug this patch fixes: unpatched 0.5.17 pads to 2048 and prepare() refuses 520 > 512 rows."""
+def test_unpatched_load_batch_on_the_same_layout(cp_patch):
+    """What this patch changes, unpatched: 0.5.17 pads to 2048 and prepare() refuses 520 > 512 rows (the
+    crash); 0.5.23 finds the 2304 bucket itself, but searches twice: at admission and again at replay."""
     from sglang_ext import activation
 
     activation.deactivate()
+    upstream_searches = hasattr(PrefillCPBCGInput, "select_replay_bucket_for_batch")  # 0.5.23; 0.5.17 has none
     embedding = torch.nn.Embedding(VOCAB, HIDDEN)
     runner = make_replay_runner(embedding)
+    computed = count_requirements(runner.prefill_cp_bcg_input) if upstream_searches else None
     zigzag(4)
     live = make_live_batch(OVERFLOW_LENS)
     with cp_ranks(attn_cp_rank=0, attn_cp_size=4), patch(
         "sglang.srt.layers.cp.padding.get_cp_padding_align_size", return_value=ALIGN
     ), torch.no_grad():
         assert runner.can_run_graph(live)  # admitted ...
+        if upstream_searches:
+            loaded_batch(runner.load_batch(live))
+            assert computed == [OVERFLOW_LENS] * 2  # ... and searched again at replay
+            assert runner.buffer_registry.padded_num_tokens == 2304
+            return
         with pytest.raises(RuntimeError, match="needs 520 local CP rows, but global prefill bucket 2048"):
             runner.load_batch(live)  # ... and killed at replay
     assert runner.buffer_registry.padded_num_tokens == 2048
@@ -659,7 +727,7 @@ def replay_all_ranks(device, capture):
                 cp_input = runner.prefill_cp_bcg_input
                 cp_input.bucket_local_tokens = {}
                 graphs, outputs = {}, {}
-                for bucket in reversed(runner.capture_num_tokens):  # 0.5.17's capture order
+                for bucket in reversed(runner.capture_num_tokens):  # sglang's capture order (largest first)
                     dummy = make_live_batch([bucket], device)
                     cp_input.prepare(runner, dummy, static_num_tokens=bucket, capture=True)
                     rows = cp_input.bucket_local_tokens[bucket]
@@ -671,7 +739,7 @@ def replay_all_ranks(device, capture):
                 assert runner.can_run_graph(live)
                 decision = runner.can_run_graph.decision_of(live)
                 decisions.append((decision.bucket, decision.required))
-                static = runner.load_batch(live)  # real 0.5.17 body; prepare() fills the fixed buffer
+                static = loaded_batch(runner.load_batch(live))  # sglang's body; prepare() fills the fixed buffer
                 graphs[decision.bucket].replay()
                 replayed.append(decision.bucket)
                 if device.type == "cuda":
@@ -699,6 +767,5 @@ def _zigzag_rows(total, metadata):
     return torch.cat([blocks[i] for i in metadata.zigzag_index])
 
 
-@drives_0517_load_batch
 def test_replay_in_admitted_bucket_equals_eager_on_every_rank(cp_patch):
     assert replay_all_ranks(torch.device("cpu"), capture_fake_graph) == [2304] * 4
