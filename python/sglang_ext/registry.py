@@ -333,7 +333,7 @@ PATCHES: Tuple[PatchSpec, ...] = (
             Part(_VLA_API, "sglang_ext.pi05.action_transport:patch_api"),
         ),
         upstream_pr="none (0.5.23 parses and decodes the same way)",
-        retire_when="upstream parses action requests with a fast JSON parser and decodes cameras concurrently",
+        retire_when="upstream parses JSON fast, decodes cameras concurrently and sends number lists as arrays",
         process="multimodal_gen HTTP server",
     ),
     PatchSpec(

@@ -5,8 +5,7 @@ Targets: sglang.multimodal_gen.runtime.entrypoints.action.api:create_action_gene
 sglang.multimodal_gen.runtime.entrypoints.action.protocol:_decode_b64_image,
 sglang.multimodal_gen.runtime.entrypoints.action.protocol:_normalize_observation
 Upstream PR: none (0.5.23 parses and decodes the same way)
-Retire when: upstream parses action requests with a fast JSON parser, decodes cameras concurrently and
-sends number lists as arrays
+Retire when: upstream parses JSON fast, decodes cameras concurrently and sends number lists as arrays
 
 Why: the HTTP process parses JSON and base64 with the standard library and decodes the frames one
 after another, all on the event loop; from 0.5.21 a JSON noise list costs ~10 ms more on the scheduler hop.
