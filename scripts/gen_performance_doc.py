@@ -348,8 +348,7 @@ numpy array (its encode and decode included; base64 PNG encoding of the JSON cam
 (preprocess, prefix, denoise, postprocess); outside: latency minus stages, p50. captures after
 start: CUDA graphs captured after the server reported healthy (its log); eager after load: requests
 that no load-time graph held (a lower bound: logged at the 1st, 2nd, 4th, ...). The breakdown
-(p50 per part, ms; the server's hops come from older runs' hop timing, a diagnostic since removed:
-`-` where not measured): transport = the client's round trip minus the server's span (sockets,
+(p50 per part, ms; the server's hops only in runs that recorded them, `-` elsewhere): transport = the client's round trip minus the server's span (sockets,
 uvicorn, encoding the answer), http_parse = JSON / msgpack parsing (the JSON body read included),
 http_decode = image decoding and request building, to_worker / from_worker = the ZMQ hops with
 pickling, worker_queue = the scheduler before the worker, worker_other = the worker around the

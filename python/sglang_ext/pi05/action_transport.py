@@ -150,7 +150,7 @@ def _wrap_normalize_observation(original, protocol):
         normalized = original(observation)
         if isinstance(normalized, dict):
             for name in _NUMBER_FIELDS:
-                if isinstance(normalized.get(name), list):
+                if name in normalized:
                     normalized[name] = _ext_number_array(normalized[name])
         return normalized
 
