@@ -159,7 +159,6 @@ def main() -> None:
     parser.add_argument("--mode", default="bucket", choices=("layout", "class", "bucket"))
     parser.add_argument("--capacity", type=int, default=16)
     parser.add_argument("--buckets", default="", help="token ladder (default: the patch's default ladder)")
-    parser.add_argument("--precapture", type=int, default=1)
     parser.add_argument("--replay-max-tokens", type=int, default=4096,
                         help="bucket mode's replay limit (on a GPU the load-time probe times it; a stub cannot)")
     parser.add_argument("--requests", type=int, default=1000)
@@ -169,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update({"SGLANG_EXT": "1", "SGLANG_EXT_STRICT": "1", "SGLANG_EXT_VIT_GRAPH_MODE": args.mode,
                        "SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES": str(args.capacity),
-                       "SGLANG_EXT_VIT_GRAPH_MAX_BYTES": "0", "SGLANG_EXT_VIT_GRAPH_PRECAPTURE": str(args.precapture),
+                       "SGLANG_EXT_VIT_GRAPH_MAX_BYTES": "0",
                        "SGLANG_EXT_VIT_GRAPH_REPLAY_MAX_TOKENS": str(args.replay_max_tokens),
                        "SGLANG_EXT_VIT_GRAPH_TOKEN_BUCKETS": args.buckets if args.mode == "bucket" else ""})
     from sglang_ext import activation

@@ -111,11 +111,6 @@ KNOBS: tuple[Knob, ...] = (
          "Fingerprints are still checked."),
     Knob("activation_dir", "str", "",
          "If set, every process writes <dir>/<role>-<pid>.json with its patch statuses."),
-    Knob("debug_addresses", "bool", False,
-         "Debug: assert that captured graph input addresses are unchanged at every replay."),
-    Knob("stats_log_interval_s", "int", 60,
-         "Log graph-cache counters at debug level at most this often (seconds; 0 = never).",
-         minimum=0),
     # --- ViT graphs (patch vit_cuda_graph) ---
     Knob("vit_graph_max_entries", "int", 32,
          "Most ViT CUDA graphs resident at once (0 disables ViT graphs: every batch runs eager).",
@@ -158,9 +153,6 @@ KNOBS: tuple[Knob, ...] = (
          "ViT graphs on: every vision attention call, eager and captured, rotates q and k with one Triton "
          "kernel rounded as sglang's eager rotary (bitwise equal to it on the GPU). Off, or without Triton: "
          "sglang's own rotary functions."),
-    Knob("vit_graph_precapture", "bool", True,
-         "Bucket mode: capture the budget ladder when the model loads (after sglang's own CUDA graphs, before "
-         "the server reports healthy); off = at the tower's first call."),
     # --- Pi0.5 graphs (patches pi05_*) ---
     Knob("pi05_prefix_graph_max_entries", "int", -1,
          "Override prefix_cuda_graph_max_entries of the Pi0.5 pipeline config (-1 = keep config).",

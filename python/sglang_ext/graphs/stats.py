@@ -1,4 +1,4 @@
-"""Process-wide registry of graph-cache counters (`sglang-ext doctor`, debug logs, Prometheus).
+"""Process-wide registry of graph-cache counters (`sglang-ext doctor`, Prometheus).
 Registrations are weak, so runners that die leave `snapshot()` by themselves.
 """
 
@@ -7,13 +7,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 # name -> a resolver returning the live info callable, or None once its object died
 _registry: Dict[str, Callable[[], Optional[Callable[[], Any]]]] = {}
-_last_log = [float("-inf")]
 
 
 def _read(name: str, *, copy: bool = True) -> Optional[Dict[str, Any]]:
@@ -62,21 +60,6 @@ def snapshot() -> Dict[str, Dict[str, Any]]:
         else:
             out[name] = values
     return out
-
-
-def maybe_log(logger: logging.Logger, interval_s: float) -> bool:
-    """Debug-log a line per cache at most once per `interval_s` (0: never); returns whether it logged."""
-    if interval_s < 0:
-        raise ValueError(f"interval_s: {interval_s!r} is not allowed; allowed: numbers >= 0 (0 = never)")
-    if interval_s == 0:
-        return False
-    now = time.monotonic()
-    if not logger.isEnabledFor(logging.DEBUG) or now - _last_log[0] < interval_s:
-        return False
-    _last_log[0] = now
-    for name, values in snapshot().items():
-        logger.debug("sglang-ext graphs %s: %s", name, " ".join(f"{k}={v}" for k, v in values.items() if k != "name"))
-    return True
 
 
 # Registration name (before ":" or "#") -> the `cache` label of the sglang_ext_graph_* metrics.

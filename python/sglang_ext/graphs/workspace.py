@@ -11,7 +11,7 @@ concurrently and each replay first copies its inputs in. Lease before capturing.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from sglang_ext.graphs.keys import _is_int
 
@@ -118,51 +118,3 @@ class StableWorkspacePool:
     @property
     def bytes_allocated(self) -> int:
         return sum(b.tensor.numel() * b.tensor.element_size() for b in self._alive())
-
-
-class GraphInputMovedError(AssertionError):
-    """A captured graph's input no longer has its capture-time address (a bug, never a fallback case)."""
-
-
-class AddressGuard:
-    """Debug check (knob debug_addresses) that a graph's inputs still have their capture-time addresses."""
-
-    def __init__(self, enabled: Optional[bool] = None) -> None:
-        if enabled is None:
-            from sglang_ext import knobs
-
-            enabled = bool(knobs.current("debug_addresses"))
-        self.enabled = enabled
-        self._recorded: Dict[Hashable, Tuple[Tuple[str, ...], Tuple[int, ...]]] = {}
-
-    @staticmethod
-    def _addresses(tensors: Union[Sequence[Any], Mapping[str, Any]]) -> Tuple[Tuple[str, ...], Tuple[int, ...]]:
-        if isinstance(tensors, Mapping):
-            return tuple(f"input {name!r}" for name in tensors), tuple(t.data_ptr() for t in tensors.values())
-        return tuple(f"input tensor {i}" for i in range(len(tensors))), tuple(t.data_ptr() for t in tensors)
-
-    def record(self, key: Hashable, tensors: Union[Sequence[Any], Mapping[str, Any]]) -> None:
-        if self.enabled:
-            self._recorded[key] = self._addresses(tensors)
-
-    def check(self, key: Hashable, tensors: Union[Sequence[Any], Mapping[str, Any]]) -> None:
-        if not self.enabled or key not in self._recorded:
-            return
-        names, captured = self._recorded[key]
-        _, now = self._addresses(tensors)
-        if len(now) != len(captured):
-            raise GraphInputMovedError(f"graph {key!r}: captured {len(captured)} inputs, replay passes {len(now)}")
-        for name, old, new in zip(names, captured, now):
-            if old != new:
-                raise GraphInputMovedError(f"graph {key!r}: {name} moved from {old:#x} to {new:#x} since capture")
-
-    def __contains__(self, key: object) -> bool:
-        """Whether addresses are recorded for `key` (a live graph captured while enabled)."""
-        return key in self._recorded
-
-    def keys(self) -> Tuple[Hashable, ...]:
-        return tuple(self._recorded)
-
-    def forget(self, key: Hashable) -> None:
-        """Call when the graph is released."""
-        self._recorded.pop(key, None)

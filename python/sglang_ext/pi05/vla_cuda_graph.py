@@ -33,9 +33,8 @@ from sglang.srt.distributed.device_communicators.pynccl_allocator import set_gra
 from sglang.srt.model_executor.runner_utils.pool import get_or_create_global_graph_memory_pool
 from sglang_ext import knobs
 from sglang_ext.graphs import stats as graph_stats
-from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo, release_entry
+from sglang_ext.graphs.cache import Admission, BoundedGraphCache, CacheInfo
 from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
-from sglang_ext.graphs.workspace import AddressGuard, GraphInputMovedError
 from sglang_ext.patching import install_module
 
 try:  # upstream's helpers (the same in 0.5.17 and 0.5.23) under each release's module name
@@ -129,24 +128,12 @@ def own_prefix_context(prefix_context: PrefixContext) -> PrefixContext:
 
 
 class _BoundedCaptureCache(BoundedGraphCache):
-    """Upstream's graph cache interface on the shared core; a release also forgets evicted graphs' addresses."""
+    """Upstream's graph cache interface on the shared core."""
 
-    def __init__(self, name: str, max_entries: int, *, evict_on_miss: bool, min_hits: int = 1,
-                 address_guard: AddressGuard | None = None, max_bytes: int = 0):
+    def __init__(self, name: str, max_entries: int, *, evict_on_miss: bool, min_hits: int = 1, max_bytes: int = 0):
         self.evict_on_miss = bool(evict_on_miss)
-        self.address_guard = address_guard
         super().__init__(f"vla.{name}", max(0, int(max_entries)), policy="lru" if evict_on_miss else "exact",
-                         min_hits=min_hits, max_bytes=max_bytes, release=self._release_and_forget)
-
-    def _release_and_forget(self, entry: Any) -> None:
-        try:
-            release_entry(entry)
-        finally:
-            guard = self.address_guard
-            if guard is not None and guard.enabled:
-                for signature in guard.keys():
-                    if signature not in self:
-                        guard.forget(signature)
+                         min_hits=min_hits, max_bytes=max_bytes)
 
     @property
     def max_entries(self) -> int:
@@ -183,36 +170,14 @@ def _resident_bytes(captured: Any) -> int:
     return sum(sizes.values())
 
 
-def _context_tensors(name: str, context: PrefixContext) -> dict:
-    tensors = {f"{name}.prefix_pad_masks": context.prefix_pad_masks}
-    for layer, (keys, values, _) in enumerate(context.past_key_values):
-        tensors[f"{name}.past_key_values[{layer}].keys"] = keys
-        tensors[f"{name}.past_key_values[{layer}].values"] = values
-    return tensors
-
-
-def _prefix_graph_static_tensors(captured: _CapturedPrefixGraph) -> dict:
-    """Every tensor a prefix graph reads (inputs) or writes (K/V, masks), by name."""
-    inputs = {f"static_inputs[{i}]": tensor for i, tensor in enumerate(captured.static_inputs)}
-    return {**inputs, **_context_tensors("static_output", captured.static_output)}
-
-
-def _denoise_graph_static_tensors(captured: _CapturedDenoiseGraph) -> dict:
-    """Every tensor a denoise graph reads (prefix K/V, masks, x_t, timesteps) or writes, by name."""
-    return {**_context_tensors("static_prefix_context", captured.static_prefix_context),
-            "static_x_t": captured.static_x_t, "static_timestep": captured.static_timestep,
-            "static_output": captured.static_output}  # a loop graph's output is static_x_t itself
-
-
 class _VLAGraphRunnerBase:
     _cache_name = "graph"
 
     def __init__(self, enabled: bool = True, max_entries: int = 1, *, evict_on_miss: bool = False,
                  max_bytes: int = 0):
-        self._address_guard = AddressGuard()
         self._cache = _BoundedCaptureCache(self._cache_name, max_entries, evict_on_miss=evict_on_miss,
                                            min_hits=int(knobs.current("pi05_graph_min_hits")),
-                                           address_guard=self._address_guard, max_bytes=max_bytes)
+                                           max_bytes=max_bytes)
         self.max_entries = self._cache.max_entries
         self.enabled = bool(enabled) and self.max_entries > 0
         self._capture_stream: Any = None
@@ -248,9 +213,6 @@ class _VLAGraphRunnerBase:
     def _graph_device(cls, tensor: Any) -> bool:
         return cls.device_captures(tensor.device)
 
-    def _static_tensors(self, captured: Any) -> dict:
-        raise NotImplementedError
-
     def _capture_graph(self, device: torch.device, run: Callable[[], Any]):
         """Warm `run` up on the capture stream, then capture it; returns (graph, output)."""
         device_module = torch.get_device_module(device)
@@ -276,22 +238,15 @@ class _VLAGraphRunnerBase:
         captured = self._cache.get(signature)
         if captured is None and not self._admit(signature):
             return eager()
-        guard = self._address_guard
         try:
             if captured is None:
                 captured = capture()
-                stored = self._cache.put(signature, captured, nbytes=_resident_bytes(captured))
+                self._cache.put(signature, captured, nbytes=_resident_bytes(captured))
                 logger.info("Captured VLA %s CUDA graph for %s (capacity %d, %s)", self._cache_name, signature,
                             self.max_entries, self._cache.policy)
-                if stored and guard.enabled:
-                    guard.record(signature, self._static_tensors(captured))
             load(captured)
-            if guard.enabled and signature in guard:
-                guard.check(signature, self._static_tensors(captured))
             captured.graph.replay()
             return result(captured)
-        except GraphInputMovedError:
-            raise  # a bug to report, not a capture failure to hide behind eager
         except Exception:
             self._cache.mark_failure(signature)
             logger.warning("VLA %s CUDA graph disabled for signature %s", self._cache_name, signature, exc_info=True)
@@ -315,9 +270,6 @@ class VLAPrefixGraphRunner(_VLAGraphRunnerBase):
     """CUDA graphs of the prefix encoding (vision + language prefix K/V)."""
 
     _cache_name = "prefix"
-
-    def _static_tensors(self, captured: _CapturedPrefixGraph) -> dict:
-        return _prefix_graph_static_tensors(captured)
 
     def capture_or_run(self, signature: VLAPrefixGraphSignature,
                        step_fn: Callable[[tuple[torch.Tensor, ...]], PrefixContext],
@@ -343,9 +295,6 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
     """CUDA graphs of the action denoise: one step per graph, or all steps (`capture_or_run_loop`)."""
 
     _cache_name = "action-denoise"
-
-    def _static_tensors(self, captured: _CapturedDenoiseGraph) -> dict:
-        return _denoise_graph_static_tensors(captured)
 
     def _sync_context_if_needed(self, captured: _CapturedDenoiseGraph, prefix_context: PrefixContext) -> None:
         """Copy the prefix K/V in unless its context or cache entry is there already (a graph output: always)."""

@@ -13,7 +13,7 @@ import torch
 from sglang.srt.layers.attention.vision import VisionAttentionMetadata, prepare_vision_attention_metadata
 from sglang.srt.model_executor.runner_utils.pool import get_or_create_global_graph_memory_pool
 from sglang_ext.graphs.capture import capture_stream, guarded_capture, pin_graph_pool
-from sglang_ext.graphs.workspace import AddressGuard, StableWorkspacePool
+from sglang_ext.graphs.workspace import StableWorkspacePool
 from sglang_ext.vit.strategy import CLASS_BACKENDS
 
 logger = logging.getLogger("sglang_ext.vit_cuda_graph")
@@ -61,7 +61,7 @@ class CapturedGraph:
 class GraphStore:
     """The graphs of one tower by key, and the workspaces they lease (stable addresses, freed with them)."""
 
-    def __init__(self, vit, backend, debug_addresses=False):
+    def __init__(self, vit, backend):
         self.vit = vit
         self.backend = backend
         self.full_blocks = set(getattr(vit, "fullatt_block_indexes", ()) or ())
@@ -70,7 +70,6 @@ class GraphStore:
         self.graphs: Dict[Any, CapturedGraph] = {}
         self.rotary_pools: Dict[tuple, StableWorkspacePool] = {}
         self.shared_pools: Dict[tuple, StableWorkspacePool] = {}  # bucket mode: input and attention workspace
-        self.address_guard = AddressGuard(debug_addresses)  # debug: no captured tensor moved before a replay
 
     def is_full(self, layer_num):
         return not self.full_blocks or layer_num in self.full_blocks
@@ -129,7 +128,6 @@ class GraphStore:
         pin_graph_pool(pool)  # evicting every ViT graph must never empty sglang's shared pool
         with guarded_capture(graph.graph, pool=pool, stream=capture_stream()):
             graph.output = self.tower(graph.input, lambda layer_num, y: self.block_kwargs(graph, layer_num), rotary)
-        self.address_guard.record(key, graph.tensors())
         leased = {id(t) for lease in graph.leases for t in lease.tensors}  # shared buffers: counted once
         graph.nbytes = sum(t.numel() * t.element_size() for t in graph.tensors() if id(t) not in leased)
         graph.nbytes += sum(t.numel() * t.element_size() for t in graph.rotary)
@@ -201,7 +199,6 @@ class GraphStore:
                 graph.graph.reset()
             except Exception as exc:  # noqa: BLE001 - a half-captured graph must not mask the capture error
                 logger.debug("reset of ViT graph %s failed: %s", key, exc)
-        self.address_guard.forget(key)
         for lease in graph.leases:
             lease.release()
 

@@ -8,7 +8,7 @@ import functools
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -43,17 +43,10 @@ class GraphOptions:
     token_buckets: tuple
     replay_max_tokens: int
     above_ladder: str
-    precapture: bool
-    stats_log_interval_s: int
-    debug_addresses: bool
 
     @classmethod
     def from_settings(cls, settings):
-        value = settings.values.__getitem__
-        return cls(**{name: value(f"vit_graph_{name}") for name in (
-            "mode", "max_entries", "max_bytes", "policy", "min_hits", "token_buckets", "replay_max_tokens",
-            "above_ladder", "precapture")}, stats_log_interval_s=value("stats_log_interval_s"),
-            debug_addresses=bool(value("debug_addresses")))
+        return cls(**{f.name: settings.values[f"vit_graph_{f.name}"] for f in fields(cls)})
 
 
 def on_device(value):
@@ -82,7 +75,7 @@ class ViTGraphEngine:
         self.merge_unit = int(getattr(vit, "spatial_merge_unit", 1) or 1)
         self.strategy = strategy.resolve(options, attention_backend, self.merge_unit, strategy.window_tokens(vit))
         self.ladder = self.strategy if isinstance(self.strategy, BudgetLadder) else None
-        self.store = GraphStore(vit, attention_backend, options.debug_addresses)
+        self.store = GraphStore(vit, attention_backend)
         self.cache = BoundedGraphCache("vit_cuda_graph", options.max_entries, policy=options.policy,
                                        max_bytes=max(options.max_bytes, 0), min_hits=options.min_hits,
                                        release=self.store.release)
@@ -146,7 +139,6 @@ class ViTGraphEngine:
             out = self._run_budget(layout, x_3d, rotary, output_indices)
         else:
             out = self._run_keyed(layout, x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices)
-        ext_graph_stats.maybe_log(logger, self.options.stats_log_interval_s)
         ext_graph_stats.publish()
         return out
 
@@ -200,9 +192,6 @@ class ViTGraphEngine:
         """The graph's first `rows` output rows (or `output_indices`' rows) in `out` or a new tensor. Staging is
         voted on first: None when it failed on a rank, so collectives run on all ranks or none (agree=False: probe)."""
         graph = self.store.graphs[key]
-        guard = self.store.address_guard
-        if guard.enabled:  # a debug assertion: loud, never voted away
-            guard.check(key, graph.tensors())
 
         def stage():
             if layout is not None:
@@ -314,8 +303,6 @@ class ViTGraphEngine:
         self.agree_budget()
         ladder.budgets = token_buckets(ladder.configured, self.merge_unit, server_tokens)
         ladder.replay_limit = ladder.budgets[-1] if ladder.budgets else 0
-        if not self.options.precapture:
-            return
         error, self._sampling = None, []
         try:
             t, h, w = SAMPLE_GRID
@@ -422,7 +409,7 @@ class ViTGraphEngine:
         return kept
 
     def info(self):
-        """Counters for `sglang-ext doctor`, the metrics and periodic debug logs."""
+        """Counters for `sglang-ext doctor` and the metrics."""
         info = self.cache.info().as_dict()
         shared_bytes = sum(p.bytes_allocated for p in self.store.shared_pools.values())
         info["bytes_resident"] += shared_bytes

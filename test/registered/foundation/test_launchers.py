@@ -66,8 +66,8 @@ def test_split_keeps_sglang_arguments_in_order():
 
 
 def test_bare_boolean_flag_never_swallows_the_next_argument():
-    values, rest = launcher.split_ext_args(["--ext-strict", "Qwen/Qwen2.5-VL-7B-Instruct", "--ext-debug-addresses=0"])
-    assert values == {"strict": "1", "debug_addresses": "0"}
+    values, rest = launcher.split_ext_args(["--ext-strict", "Qwen/Qwen2.5-VL-7B-Instruct", "--ext-pi05-fast=0"])
+    assert values == {"strict": "1", "pi05_fast": "0"}
     assert rest == ["Qwen/Qwen2.5-VL-7B-Instruct"]  # `sglang serve <model>` positional survives
 
 
@@ -246,7 +246,7 @@ def test_flags_are_exported_canonically_and_activation_runs_here(clean_env):
     status = main_without_gpu_check([
         "--model-path", "m", "--ext-strict", f"--ext-disable={ALL_PATCHES}",
         "--ext-vit-graph-max-entries", "4", "--ext-pi05-prompt-token-buckets", "16, 32,64",
-        "--ext-debug-addresses=off", "--port", "30001",
+        "--ext-pi05-fast=off", "--port", "30001",
     ], "prog", handover)
     assert status == 0
     assert handover.calls == [["--model-path", "m", "--port", "30001"]]
@@ -256,7 +256,7 @@ def test_flags_are_exported_canonically_and_activation_runs_here(clean_env):
     assert env["SGLANG_EXT_DISABLE"] == ALL_PATCHES
     assert env["SGLANG_EXT_VIT_GRAPH_MAX_ENTRIES"] == "4"
     assert env["SGLANG_EXT_PI05_PROMPT_TOKEN_BUCKETS"] == "16,32,64"
-    assert env["SGLANG_EXT_DEBUG_ADDRESSES"] == "0"
+    assert env["SGLANG_EXT_PI05_FAST"] == "0"
     assert "SGLANG_EXT_VIT_GRAPH_POLICY" not in env  # not given: the default applies, nothing exported
     # activated in the launcher process, with the flags' values
     assert {name: str(st) for name, st in activation.statuses().items()} == {n: "disabled" for n in PATCH_NAMES}

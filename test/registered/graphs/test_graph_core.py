@@ -666,30 +666,6 @@ def test_stats_bad_registration():
         stats.register("", lambda: {})
 
 
-def test_stats_maybe_log_is_rate_limited(monkeypatch, caplog):
-    monkeypatch.setattr(stats, "_last_log", [float("-inf")])
-    cache = BoundedGraphCache("stats-log", 3)
-    name = stats.register("stats-log", cache.info)
-    logger = logging.getLogger("sglang_ext.test.stats")
-    try:
-        logger.setLevel(logging.INFO)
-        assert stats.maybe_log(logger, 0) is False  # debug off: nothing computed or logged
-        logger.setLevel(logging.DEBUG)
-        with caplog.at_level(logging.DEBUG, logger=logger.name):
-            assert stats.maybe_log(logger, 0) is False  # 0 = never, even the first time
-            assert stats.maybe_log(logger, 3600) is True
-            assert stats.maybe_log(logger, 3600) is False
-            monkeypatch.setattr(stats, "_last_log", [float("-inf")])
-            assert stats.maybe_log(logger, 0) is False
-            assert stats.maybe_log(logger, 1e-9) is True
-        lines = [r.getMessage() for r in caplog.records if "stats-log" in r.getMessage()]
-        assert len(lines) == 2 and "capacity=3" in lines[0]
-        with pytest.raises(ValueError, match="^interval_s:"):
-            stats.maybe_log(logger, -1)
-    finally:
-        internals.unregister(name)
-
-
 # ------------------------------------------------------------------------ capture
 
 

@@ -14,7 +14,6 @@ import gc
 import importlib
 import importlib.util
 import os
-import re
 import sys
 import weakref
 from types import MethodType, SimpleNamespace
@@ -705,7 +704,7 @@ def test_grouped_requests_keep_their_own_prefix_kv(pi05, fake_graphs):
 
 
 # --------------------------------------------------------------------------
-# --ext-debug-addresses: every static tensor of a Pi0.5 graph is checked before replay
+# A graph's static tensors stay where they were captured: requests refresh them in place
 # --------------------------------------------------------------------------
 
 
@@ -728,13 +727,8 @@ def _loop_kv_steps(context, x_t, timesteps):
     return x_t
 
 
-def _move_first_kv_keys(context):
-    keys, values, window = context.past_key_values.layers[0]
-    context.past_key_values.layers[0] = (keys.clone(), values, window)  # a re-allocated K buffer
-
-
 def _graph_case(m, kind):
-    """A runner of `kind`, `run(value)` (one request), the static tensor to move and its name."""
+    """A runner of `kind` and `run(value)` (one request)."""
     if kind == "prefix":
         runner = m.cg.VLAPrefixGraphRunner(enabled=True, max_entries=2)
         signature = m.cg.VLAPrefixGraphSignature(
@@ -745,10 +739,7 @@ def _graph_case(m, kind):
         def run(value):
             return runner.capture_or_run(signature, encode, (torch.full((1, 3), value),))
 
-        def move(captured):
-            captured.static_inputs = tuple(t.clone() for t in captured.static_inputs)
-
-        return SimpleNamespace(runner=runner, signature=signature, run=run, move=move, moved="static_inputs[0]")
+        return SimpleNamespace(runner=runner, signature=signature, run=run)
     if kind == "step":
         runner = m.cg.VLADenoiseGraphRunner(enabled=True, max_entries=2)
         signature = _signature(m.cg, 3)
@@ -758,10 +749,7 @@ def _graph_case(m, kind):
                 signature, _kv_step, _context(m.prefix_cache, value), torch.zeros(1, 2, 4), torch.ones(1)
             )
 
-        def move(captured):
-            captured.static_timestep = captured.static_timestep.clone()
-
-        return SimpleNamespace(runner=runner, signature=signature, run=run, move=move, moved="static_timestep")
+        return SimpleNamespace(runner=runner, signature=signature, run=run)
     runner = m.cg.VLADenoiseGraphRunner(enabled=True, max_entries=2)
     signature = m.cg.VLADenoiseLoopGraphSignature(step=_signature(m.cg, 3), num_steps=2)
 
@@ -770,87 +758,36 @@ def _graph_case(m, kind):
             signature, _loop_kv_steps, _context(m.prefix_cache, value), torch.zeros(1, 2, 4), torch.ones(2)
         )
 
-    def move(captured):
-        _move_first_kv_keys(captured.static_prefix_context)
-
-    return SimpleNamespace(
-        runner=runner, signature=signature, run=run, move=move, moved="static_prefix_context.past_key_values[0].keys"
-    )
+    return SimpleNamespace(runner=runner, signature=signature, run=run)
 
 
-def _count_static_tensor_collections(cg, monkeypatch):
-    calls = []
-    for name in ("_prefix_graph_static_tensors", "_denoise_graph_static_tensors"):
-        collect = getattr(cg, name)
-
-        def counting(captured, _collect=collect, _name=name):
-            calls.append(_name)
-            return _collect(captured)
-
-        monkeypatch.setattr(cg, name, counting)
-    return calls
+def _static_addresses(captured):
+    """Address of every tensor a captured entry holds (prefix K/V and masks included), by attribute."""
+    out = {}
+    for name, value in vars(captured).items():
+        if hasattr(value, "past_key_values"):
+            value = [value.prefix_pad_masks, *(t for keys, values, _ in value.past_key_values for t in (keys, values))]
+        for i, tensor in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(tensor, torch.Tensor):
+                out[f"{name}[{i}]"] = tensor.data_ptr()
+    return out
 
 
 @pytest.mark.parametrize("kind", ["prefix", "step", "loop"])
-def test_debug_addresses_reports_a_moved_static_tensor_before_replay(pi05, fake_graphs, kind):
-    m = pi05(debug_addresses=1)
+def test_requests_refresh_static_tensors_in_place(pi05, fake_graphs, kind):
+    m = pi05()
     graphs = fake_graphs(m.cg)
     case = _graph_case(m, kind)
-    case.run(1.0)
-    case.run(2.0)  # a new request: inputs and K/V are refreshed in place, nothing moves
+    values = (lambda out: out.past_key_values[0][0]) if kind == "prefix" else (lambda out: out)
+    first = values(case.run(1.0)).clone()
+    captured = case.runner._cache.entries[case.signature]
+    addresses = _static_addresses(captured)
+    assert len(addresses) >= 3
+    second = values(case.run(2.0))  # a new request: inputs and K/V are copied into the captured tensors
     (graph,) = graphs.graphs
-    assert graph.replays == 2
-
-    case.move(case.runner._cache.entries[case.signature])
-    with pytest.raises(AssertionError, match=re.escape(f"'{case.moved}' moved")):
-        case.run(3.0)
-    assert graph.replays == 2  # checked before the replay
-    assert case.runner.cache_info().failures == 0  # raised, not hidden behind an eager fallback
-
-
-@pytest.mark.parametrize("kind", ["prefix", "step", "loop"])
-def test_debug_addresses_off_collects_no_addresses(pi05, fake_graphs, monkeypatch, kind, set_knob):
-    m = pi05(debug_addresses=0)
-    graphs = fake_graphs(m.cg)
-    calls = _count_static_tensor_collections(m.cg, monkeypatch)
-    case = _graph_case(m, kind)
-    case.run(1.0)
-    case.move(case.runner._cache.entries[case.signature])
-    case.run(2.0)  # no check: the moved tensor goes unnoticed, as without the knob
-    assert graphs.graphs[0].replays == 2
-    assert calls == []
-
-    set_knob("debug_addresses", 1)  # read when a runner is made
-    _graph_case(m, kind).run(1.0)
-    assert calls  # the counter sees the collections the knob turns on
-
-
-def test_debug_addresses_forget_released_graphs(pi05, fake_graphs, monkeypatch):
-    m = pi05(debug_addresses=1)
-    graphs = fake_graphs(m.cg)
-    runner = m.cg.VLADenoiseGraphRunner(enabled=True, max_entries=1, evict_on_miss=True)
-    guard = runner._address_guard
-    context = _context(m.prefix_cache, 1.0)
-    x_t = torch.zeros(1, 2, 4)
-    runner.capture_or_run(_signature(m.cg, 3), _kv_step, context, x_t, torch.ones(1))
-    assert _signature(m.cg, 3) in guard
-
-    runner.capture_or_run(_signature(m.cg, 4), _kv_step, context, x_t, torch.ones(1))  # evicts 3
-    assert graphs.graphs[0].resets == 1
-    assert _signature(m.cg, 3) not in guard and _signature(m.cg, 4) in guard
-
-    def failing_replay():
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    monkeypatch.setattr(graphs.graphs[1], "replay", failing_replay)
-    out = runner.capture_or_run(_signature(m.cg, 4), _kv_step, context, x_t, torch.ones(1))
-    torch.testing.assert_close(out, _kv_step(context, x_t, torch.ones(1)))  # eager fallback
-    assert runner.cache_info().failures == 1 and _signature(m.cg, 4) not in guard
-
-    runner.capture_or_run(_signature(m.cg, 5), _kv_step, context, x_t, torch.ones(1))
-    assert _signature(m.cg, 5) in guard
-    runner.clear()
-    assert _signature(m.cg, 5) not in guard and guard.keys() == ()
+    assert graph.replays == 2 and case.runner._cache.entries[case.signature] is captured
+    assert _static_addresses(captured) == addresses
+    assert not torch.equal(first, second)  # the replay read the new request's values
 
 
 def test_cameras_reach_the_gpu_through_pinned_memory_without_blocking(pi05):

@@ -907,29 +907,6 @@ def test_real_qwen3_tower_graph_rotates_with_the_float32_cos_sin_of_eager(vit_pa
         runtime_context.reset_context()
 
 
-def test_debug_addresses_catches_a_captured_tensor_that_moved(vit_patch, fake_cuda):
-    """--ext-debug-addresses: a replay whose captured buffer was replaced fails loudly, not silently."""
-    vit_patch(vit_graph_max_entries=2, debug_addresses=1)
-    runner = new_runner(StubTower(fullatt=()))
-    out, want = call(runner, 4, (0, 2, 4), position=1)
-    out, want = call(runner, 4, (0, 2, 4), position=2)  # a replay with every address as captured
-    torch.testing.assert_close(out, want)
-    key = next(iter(graphs(runner)))
-    graphs(runner)[key].cu_full = graphs(runner)[key].cu_full.clone()  # what a moved workspace looks like
-    with pytest.raises(AssertionError, match="moved"):
-        call(runner, 4, (0, 2, 4), position=3)
-
-
-def test_debug_addresses_off_by_default_costs_nothing(vit_patch, fake_cuda):
-    vit_patch(vit_graph_max_entries=2)
-    runner = new_runner(StubTower(fullatt=()))
-    call(runner, 4, (0, 2, 4), position=1)
-    assert runner.engine.store.address_guard.enabled is False
-    key = next(iter(graphs(runner)))
-    graphs(runner)[key].cu_full = graphs(runner)[key].cu_full.clone()
-    call(runner, 4, (0, 2, 4), position=2)  # no check, no error (the default keeps replay lean)
-
-
 # ---------------------------------------------------------------------------
 # Custom all-reduce: evictable graphs register nothing
 # ---------------------------------------------------------------------------
@@ -1045,26 +1022,6 @@ def test_device_boundaries_without_a_layout_key_run_eager_and_warn_once_per_runn
     for runner in runners:
         info = runner.engine.info()
         assert (info["fallback_no_cpu_layout"], info["captures"]) == (4, 0) and not fake_cuda.created
-
-
-def test_stats_log_interval_zero_never_logs(vit_patch, fake_cuda, monkeypatch, caplog):
-    vit_patch(stats_log_interval_s=0)
-    stats = ext_core("graphs.stats")
-    logger = stats.__name__.rsplit(".graphs.", 1)[0] + ".vit_cuda_graph"  # sglang_ext.* or the fork's sglang.ext.*
-    monkeypatch.setattr(stats, "_last_log", [float("-inf")])
-    runner = new_runner(StubTower())
-    with caplog.at_level(logging.DEBUG, logger=logger):
-        for _ in range(3):
-            call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
-    assert not [r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]
-    vit_patch(stats_log_interval_s=3600)
-    runner = new_runner(StubTower())
-    with caplog.at_level(logging.DEBUG, logger=logger):
-        for _ in range(3):
-            call(runner, 8, (0, 0, 4, 8), (0, 4, 8))
-    assert len([r for r in caplog.records if "sglang-ext graphs" in r.getMessage()]) >= 1  # the control logs
-# Production attention backends: fa3 (Hopper default) and fa4 (Blackwell default)
-# ---------------------------------------------------------------------------
 
 
 def flash_tower(backend, tower=None):

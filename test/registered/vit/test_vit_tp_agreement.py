@@ -122,13 +122,15 @@ def arm(runner, stage):
     if stage == "capture":  # the second block raises inside the capture: permanent
         runner.vit.blocks[1].fail_capture = True
         return lambda: setattr(runner.vit.blocks[1], "fail_capture", False)
-    guard = runner.engine.store.address_guard  # after the capture: its bookkeeping raises (permanent)
+    store = runner.engine.store  # after the capture: its bookkeeping raises (permanent)
+    real_capture = store.capture
 
-    def record(*args):
-        raise RuntimeError("address bookkeeping failed (injected)")
+    def capture(*args, **kwargs):
+        real_capture(*args, **kwargs)
+        raise RuntimeError("graph bookkeeping failed (injected)")
 
-    guard.record = record
-    return lambda: delattr(guard, "record")
+    store.capture = capture
+    return lambda: delattr(store, "capture")
 
 
 def init_tp_group(rank, world, port):
