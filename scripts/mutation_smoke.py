@@ -240,7 +240,7 @@ MUTANTS: List[Mutant] = [
            (f"{PI05_FAST_TESTS}::test_fast_and_exact_fused_loops_get_separate_graphs",),
            "knob pi05_fp8_expert read but never reaching the fast loop"),
     Mutant("pi05-fast-modes-apart", PI05_FAST_PATH,
-           "copy.copy(known) if known else Pi05FastPath(core, registry=self)", "Pi05FastPath(core, registry=self)",
+           "copy.copy(known) if known else Pi05FastPath(core, self, mode)", "Pi05FastPath(core, self, mode)",
            (f"{PI05_FAST_TESTS}::test_the_modes_of_one_model_share_its_state",),
            "Pi0.5 fast path: another mode's path on fresh state (its FP8 copies and packed q/k/v made twice)"),
     Mutant("pi05-fast-reads-fp8-checkpoints", "sglang_ext/pi05/fast_support.py",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from sglang_ext.pi05.fast_support import adaptive_norms, expert, plain_weight, sm_count, visible_first
@@ -15,31 +13,17 @@ def build_time_conditioning(core, num_steps, batch_size, device, dtype):
     timesteps = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float32, device=device)
     steps = timesteps.repeat_interleave(batch_size)
     no_actions = torch.zeros(steps.shape[0], 1, core.config.action_dim, dtype=torch.float32, device=device)
-    norms = adaptive_norms(expert(core))
-    width = norms[0].dim
-    table = torch.empty(num_steps, len(norms), 3, batch_size, width, dtype=torch.float32, device=device)
+    table = []
     with torch.no_grad():
         _, adarms_cond = core.embed_suffix(no_actions, steps)
-        for index, norm in enumerate(norms):
-            modulation = norm.dense(adarms_cond.to(dtype=norm.dense.weight.dtype))
-            scale, shift, gate = modulation.chunk(3, dim=-1)
-            for slot, value in enumerate((scale.float(), shift.float(), gate.to(dtype).float())):
-                table[:, index, slot] = value.reshape(num_steps, batch_size, width)
-    return table
+        for norm in adaptive_norms(expert(core)):
+            scale, shift, gate = norm.dense(adarms_cond.to(dtype=norm.dense.weight.dtype)).chunk(3, dim=-1)
+            table.append(torch.stack((scale.float(), shift.float(), gate.to(dtype).float())))
+        # [norms, 3, steps * batch, width] -> [steps, norms, 3, batch, width]
+        return torch.stack(table).unflatten(2, (num_steps, batch_size)).permute(2, 0, 1, 3, 4).contiguous()
 
 
 _MAX_PARTS = 8  # partial products cost their consumer a read each
-
-
-class Projections(NamedTuple):
-    """One expert layer's plan per GEMM: (weight, parts, block_n, block_k); qkv: (weight, block_n, block_k). With
-    FP8 weights (knob pi05_fp8_expert) o, gate_up and down hold float8_e4m3fn weights, row scales in `scales`."""
-
-    qkv: tuple
-    o: tuple
-    gate_up: tuple  # gated: gelu-and-mul in the GEMM's epilogue
-    down: tuple
-    scales: dict
 
 
 def skinny_plan(weight, sms, *, splittable=True, gated=False):
@@ -49,17 +33,16 @@ def skinny_plan(weight, sms, *, splittable=True, gated=False):
     block_k = _block_k(k)
     if block_k < 16:
         return None
-    best = None
+    scored = []
     for block_n in (32, 64):
         parts = 1
         while (splittable and parts < _MAX_PARTS and k % (parts * 2 * block_k) == 0
                and k // (parts * 2) >= 2 * block_k and -(-width // block_n) * parts * 2 <= sms):
             parts *= 2
         programs = -(-width // block_n) * parts
-        score = (programs <= sms, programs if programs <= sms else -programs, -parts)
-        if best is None or score > best[0]:
-            best = (score, (weight, parts, block_n, block_k))
-    return best[1]
+        scored.append(((programs <= sms, programs if programs <= sms else -programs, -parts), parts, block_n))
+    _, parts, block_n = max(scored, key=lambda entry: entry[0])  # the first of equals
+    return weight, parts, block_n, block_k
 
 
 def rope_plan(weight, head_dim, sms):
@@ -72,58 +55,48 @@ def rope_plan(weight, head_dim, sms):
     return weight, (one_wave or fitting[::-1])[0], block_k
 
 
-def _skinny_serves(state) -> bool:
-    """skinny_linear can take the action rows of `state` ([B, S, ...]): Triton here, few rows."""
-    from sglang_ext.kernels import runs_triton
-    from sglang_ext.kernels.skinny_gemm import MAX_ROWS
-
-    return runs_triton(state) and state.shape[0] * state.shape[1] <= MAX_ROWS
-
-
 def fp8_candidates(core):
     """The expert's plain bias-free o, gate-up and down weights (what pi05_fp8_expert quantizes)."""
     for layer in expert(core).layers:
         for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             plain = plain_weight(module, layer.self_attn.projection_dtype)
-            if plain is not None and plain[1] is None:
+            if plain is not None:
                 yield plain[0]
 
 
 def expert_projections(expert_model, state, dtype, fp8_rows=None):
-    """Per layer Projections, or None (not plain bias-free GEMMs, too many rows, no Triton); fp8_rows: FP8 weights."""
-    if not _skinny_serves(state):
+    """Per layer ({GEMM: plan}, {GEMM: FP8 row scales}), or None (not plain bias-free GEMMs, too many rows, no Triton):
+    qkv's rope_plan; o, gate_up (gelu-and-mul epilogue) and down's skinny_plan, on FP8 copies with fp8_rows."""
+    from sglang_ext.kernels import runs_triton
+    from sglang_ext.kernels.skinny_gemm import MAX_ROWS
+
+    if not runs_triton(state) or state.shape[0] * state.shape[1] > MAX_ROWS:
         return None
     sms = sm_count(state.device)
     plans = []
     for layer in expert_model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        plain = [plain_weight(m, dtype) for m in modules]
-        if any(p is None or p[1] is not None for p in plain):
+        plain = [plain_weight(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if None in plain:
             return None
-        qkv, o, gate_up, down = (p[0] for p in plain)
+        qkv, o, gate_up, down = (weight for weight, _ in plain)  # bias-free: plain_weight declines a bias
         scales = {}
         if fp8_rows is not None:
             (o, scales["o"]), (gate_up, scales["gate_up"]), (down, scales["down"]) = map(fp8_rows, (o, gate_up, down))
-        plan = Projections(rope_plan(qkv, attn.head_dim, sms), skinny_plan(o, sms),
-                           skinny_plan(gate_up, sms, splittable=False, gated=True), skinny_plan(down, sms), scales)
-        if None in plan:
+        plan = {"qkv": rope_plan(qkv, attn.head_dim, sms), "o": skinny_plan(o, sms),
+                "gate_up": skinny_plan(gate_up, sms, splittable=False, gated=True), "down": skinny_plan(down, sms)}
+        if None in plan.values():
             return None
-        plans.append(plan)
+        plans.append((plan, scales))
     return plans
 
 
-def action_projections(core, state):
+def action_projections(core):
     """(weight, bias, block_k) of action_in_proj and action_out_proj when skinny_linear takes both, else None."""
-    if not _skinny_serves(state):
+    plain = [plain_weight(m, torch.float32, bias_ok=True) for m in (core.action_in_proj, core.action_out_proj)]
+    if None in plain or any(_block_k(weight.shape[1]) < 16 for weight, _ in plain):
         return None
-    pair = []
-    for module in (core.action_in_proj, core.action_out_proj):
-        plain = plain_weight(module, torch.float32, bias_ok=True)
-        if plain is None or _block_k(plain[0].shape[1]) < 16:
-            return None
-        pair.append((*plain, _block_k(plain[0].shape[1])))
-    return tuple(pair)
+    return tuple((weight, bias, _block_k(weight.shape[1])) for weight, bias in plain)
 
 
 def _block_k(k: int) -> int:
@@ -140,27 +113,20 @@ def _request_layout(expert_model, prefix_context, state, full_attention, action_
     prefix_len = prefix_masks.shape[1]
     positions = (prefix_masks.sum(dim=-1, keepdim=True) + action_position_offset
                  + torch.arange(seq, device=state.device)[None, :])
-    rotary = expert_model.rotary_emb
-    rotary._ensure_cache(state)
-    cos_sin = rotary.rope.cos_sin_cache.index_select(0, positions.reshape(-1))
+    expert_model.rotary_emb._ensure_cache(state)
+    cos_sin = expert_model.rotary_emb.rope.cos_sin_cache.index_select(0, positions.reshape(-1))
 
     attn = expert_model.layers[0].self_attn
     kv = torch.empty(len(expert_model.layers), 2, batch, prefix_len + seq, attn.num_key_value_heads, attn.head_dim,
                      dtype=dtype, device=state.device)
-    if full_attention:
-        kv_start, used, order = prefix_len, None, None
-    else:
-        kv_start = 0
-        used = (prefix_masks.sum(dim=-1) + seq).to(torch.int32)
-        order = visible_first(prefix_masks)
-    for index, (keys, values, _) in enumerate(prefix_context.past_key_values):
-        if index >= len(expert_model.layers):
-            break
+    kv_start = prefix_len if full_attention else 0
+    used = None if full_attention else (prefix_masks.sum(dim=-1) + seq).to(torch.int32)
+    gather = None if full_attention else visible_first(prefix_masks)[:, :, None, None].expand(-1, -1, *kv.shape[-2:])
+    for index, (keys, values, _) in zip(range(len(expert_model.layers)), prefix_context.past_key_values):
         for slot, prefix in enumerate((keys.transpose(1, 2), values.transpose(1, 2))):  # [B, P, KV, D]
-            if order is None:
+            if full_attention:
                 kv[index, slot, :, :prefix_len].copy_(prefix)
             else:
-                gather = order[:, :, None, None].expand(-1, -1, *prefix.shape[2:])
                 kv[index, slot, :, seq:].copy_(torch.gather(prefix, 1, gather))
     return cos_sin, kv, kv_start, used
 
@@ -176,28 +142,28 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     from sglang_ext.kernels.attention import key_splits
 
     model = expert(core)
-    layers = model.layers
-    attn0 = layers[0].self_attn
+    attn0 = model.layers[0].self_attn
     heads, kv_heads, head_dim = attn0.num_heads, attn0.num_key_value_heads, attn0.head_dim
     dtype = attn0.projection_dtype
     batch, seq = state.shape[:2]
     norms = adaptive_norms(model)
     projections = expert_projections(model, state, dtype, fp8_rows)
-    actions = action_projections(core, state) if projections is not None else None
+    actions = action_projections(core) if projections is not None else None  # the same rows and Triton
 
     def gemm(index, name, module, x):
         if projections is None:
             out = linear_forward(module, x)
             return gelu_tanh_and_mul(out, pdl=pdl) if name == "gate_up" else out
-        weight, parts, block_n, block_k = getattr(projections[index], name)
+        plan, scales = projections[index]
+        weight, parts, block_n, block_k = plan[name]
         return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up",
-                             weight_scale=projections[index].scales.get(name), pdl=pdl)
+                             weight_scale=scales.get(name), pdl=pdl)
 
     def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
         shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start, pdl=pdl)
         if projections is None:
             return rope_qkv(linear_forward(module, x), cos_sin, q, keys, values, **shape)
-        weight, block_n, block_k = projections[index].qkv
+        weight, block_n, block_k = projections[index][0]["qkv"]
         return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k, **shape)
 
     def action_in(x_t):
@@ -218,11 +184,10 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
                                                       action_position_offset, dtype)
         splits = key_splits(batch, seq, heads, kv_heads, kv.shape[3], sm_count(state.device))
         q = torch.empty(batch, seq, heads, head_dim, dtype=dtype, device=state.device)
-        for step in range(table.shape[0]):
-            cond = table[step]  # [norms, 3, batch, width]
+        for cond in table:  # a step's [norms, 3, batch, width]
             hidden = action_in(state)
             normed = ada_rms_norm(hidden, cond[0, 0], cond[0, 1], eps=norms[0].eps, pdl=pdl)
-            for index, layer in enumerate(layers):
+            for index, layer in enumerate(model.layers):
                 attn = layer.self_attn
                 keys, values = kv[index, 0], kv[index, 1]
                 qkv_rope(index, attn.qkv_proj, normed, keys, values)
@@ -231,13 +196,11 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
                 post = 2 * index + 1
                 normed = ada_rms_norm(hidden, cond[post, 0], cond[post, 1], eps=norms[post].eps,
                                       add=gemm(index, "o", attn.o_proj, out), gate=cond[post - 1, 2], pdl=pdl)
-                mlp = layer.mlp
-                out = gemm(index, "gate_up", mlp.gate_up_proj, normed)
+                out = gemm(index, "gate_up", layer.mlp.gate_up_proj, normed)
                 following = post + 1  # next layer's input norm, or the final norm
-                final = following == len(norms) - 1
-                # the float32 action_out_proj reads the final norm unrounded
+                final = following == len(norms) - 1  # the float32 action_out_proj reads the final norm unrounded
                 normed = ada_rms_norm(hidden, cond[following, 0], cond[following, 1], eps=norms[following].eps,
-                                      add=gemm(index, "down", mlp.down_proj, out), gate=cond[post, 2],
+                                      add=gemm(index, "down", layer.mlp.down_proj, out), gate=cond[post, 2],
                                       out_dtype=torch.float32 if final and actions is not None else None, pdl=pdl)
             action_out(normed, state)
     return state

@@ -16,15 +16,16 @@ from sglang_ext.pi05 import fast_loop, fast_prefix, fast_support
 logger = logging.getLogger(__name__)
 
 TIME_TABLE_ENTRIES = 4  # (steps, batch, device, dtype) tables kept per model; a server uses one
+PATHS = {"denoise": "fast loop", "prefix": "fast prefix", "vision": "fused vision layers"}  # as logs name them
 
 
 class Pi05FastPath:
     """The fused-kernel paths of `core` in one mode (fp8: knob pi05_fp8_expert; fused_vision: SigLIP layers in 7
     kernels, not 13; pdl: programmatic dependent launch). Modes share verdicts, tables and weight copies."""
 
-    def __init__(self, core, *, fp8=False, fused_vision=True, pdl=True, registry=None):
+    def __init__(self, core, registry, mode):
         self._core, self._registry = weakref.ref(core), registry
-        self.fp8, self.fused_vision, self.pdl = bool(fp8), bool(fused_vision), bool(pdl)
+        self.fp8, self.fused_vision, self.pdl = mode
         self._reasons = {}  # path -> why it is not used ("": it is)
         self._verified, self._prepared = set(), set()  # _prepared: "fp8", "vision", done until a reset
         self._tables = OrderedDict()
@@ -34,10 +35,9 @@ class Pi05FastPath:
     def unsupported_reason(self, path: str = "denoise"):
         """None when the fast `path` ("denoise", "prefix", "vision") can run this model, else why not."""
         if path not in self._reasons:
-            check, what, _ = fast_support.PATHS[path]
-            self._reasons[path] = getattr(fast_support, check)(self._core()) or ""
+            self._reasons[path] = getattr(fast_support, f"{path}_unsupported")(self._core()) or ""
             if self._reasons[path]:
-                logger.info("Pi05 fast %s not used (%s): the exact path runs", what, self._reasons[path])
+                logger.info("Pi05 %s not used (%s): the exact path runs", PATHS[path], self._reasons[path])
         return self._reasons[path] or None
 
     def serves(self, path: str = "denoise") -> bool:
@@ -54,7 +54,7 @@ class Pi05FastPath:
         try:
             result = run()
         except Exception as exc:  # noqa: BLE001 - logged, then the exact path runs
-            what, first_line = fast_support.PATHS[path][2], (str(exc).splitlines() or [""])[0]
+            what, first_line = PATHS[path], (str(exc).splitlines() or [""])[0]
             self._reasons[path] = reason = f"{what} failed on first use: {type(exc).__name__}: {first_line}"
             logger.warning("Pi05 %s disabled (%s): the exact path runs", what, reason, exc_info=exc)
             return None
@@ -65,11 +65,10 @@ class Pi05FastPath:
         """fast_loop.build_time_conditioning's table, kept for the last TIME_TABLE_ENTRIES keys."""
         dtype = fast_support.expert(self._core()).layers[0].self_attn.projection_dtype
         key = (int(num_steps), int(batch_size), str(torch.device(device)), str(dtype))
-        if key in self._tables:
-            self._tables.move_to_end(key)
-            return self._tables[key]
-        table = self._tables[key] = fast_loop.build_time_conditioning(self._core(), num_steps, batch_size,
-                                                                      torch.device(device), dtype)
+        table = self._tables.pop(key, None)  # put back last: the newest
+        if table is None:
+            table = fast_loop.build_time_conditioning(self._core(), num_steps, batch_size, torch.device(device), dtype)
+        self._tables[key] = table
         while len(self._tables) > TIME_TABLE_ENTRIES:
             self._tables.popitem(last=False)
         return table
@@ -121,14 +120,11 @@ class Pi05FastPath:
             for attn in [a for a in self.packing if fast_prefix.current_packing(self.packing, a) is None]:
                 del self.packing[attn]
 
-    @contextlib.contextmanager
     def vision(self):
         """While open, the SigLIP encoder runs the fused layers where they serve (one request at a time per process)."""
-        serving = self._registry is not None and self.serves("vision")
-        encoder = fast_support.vision_encoder(self._core()) if serving else None
-        with self._registry.running(encoder, self) if serving else contextlib.nullcontext():
-            yield
-
+        if not self.serves("vision"):
+            return contextlib.nullcontext()
+        return self._registry.running(fast_support.vision_encoder(self._core()), self)
 
 
 class FastPaths:
@@ -144,7 +140,7 @@ class FastPaths:
         modes, mode = self._paths.setdefault(core, {}), (bool(fp8), bool(fused_vision), bool(pdl))
         if mode not in modes:
             known = next(iter(modes.values()), None)
-            modes[mode] = copy.copy(known) if known else Pi05FastPath(core, registry=self)
+            modes[mode] = copy.copy(known) if known else Pi05FastPath(core, self, mode)
             modes[mode].fp8, modes[mode].fused_vision, modes[mode].pdl = mode
         return modes[mode]
 

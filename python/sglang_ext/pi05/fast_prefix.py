@@ -8,14 +8,6 @@ import torch.nn.functional as F
 from sglang_ext.pi05.fast_support import prefix_language_model, sm_count, visible_first
 
 
-def _one_head_sdpa(q, keys, values, scale):
-    """Unmasked attention over one K/V head as one-head SDPA of S * H queries (flash; GQA takes the math path)."""
-    batch, seq, heads, head_dim = q.shape
-    out = F.scaled_dot_product_attention(q.view(batch, 1, seq * heads, head_dim), keys.view(batch, 1, -1, head_dim),
-                                         values.view(batch, 1, -1, head_dim), scale=scale)
-    return out.view(batch, seq, heads, head_dim)
-
-
 def prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks, *, pdl=True):
     """The prefix K/V (VLADensePrefixCache) from the language model's layers. Attention reads just the visible keys,
     without a mask (padded rows then differ from the exact path's; nothing reads them)."""
@@ -31,8 +23,7 @@ def prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks, 
     attn0 = layers[0].self_attn
     heads, kv_heads, head_dim = attn0.num_heads, attn0.num_key_value_heads, attn0.head_dim
     dtype = attn0.projection_dtype
-    hidden = inputs_embeds.to(dtype)
-    hidden = hidden.clone() if hidden is inputs_embeds else hidden.contiguous()  # updated in place
+    hidden = inputs_embeds.to(dtype, memory_format=torch.contiguous_format, copy=True)  # updated in place
     batch, seq = hidden.shape[:2]
     with torch.no_grad():
         model.rotary_emb._ensure_cache(hidden)
@@ -60,8 +51,9 @@ def prefix_layers(core, inputs_embeds, attention_mask, position_ids, pad_masks, 
                 used, key_rows, splits = visible
                 out = first_rows_attention(q, keys, values, used, scale=attn.scaling, splits=splits, key_rows=key_rows,
                                            pdl=pdl)
-            elif sdpa_full:
-                out = _one_head_sdpa(q, keys, values, attn.scaling)
+            elif sdpa_full:  # one K/V head: one-head SDPA of S * H queries runs flash (GQA takes the math path)
+                out = F.scaled_dot_product_attention(q.view(batch, 1, -1, head_dim), keys.view(batch, 1, -1, head_dim),
+                                                     values.view(batch, 1, -1, head_dim), scale=attn.scaling)
             else:
                 out = attn.attn(q, keys, values)
             out = linear_forward(attn.o_proj, out.reshape(batch, seq, heads * head_dim))
@@ -78,18 +70,14 @@ def packed_qkv(packing, attn):
     """(weight, bias) of q, k and v packed into one projection, or None in a capture before packing. The
     projections' parameters become views of it (loaders keep it current); one replaced since is packed again."""
     packed = current_packing(packing, attn)
-    if packed is not None:
-        return packed
+    if packed is not None or (attn.q_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return packed  # None in a capture: the packed copy would live in the graph
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    if attn.q_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
     with torch.inference_mode(False), torch.no_grad():  # parameters stay normal tensors (loaders write them)
         packed = tuple(torch.cat([getattr(p, name).data for p in projections]) for name in ("weight", "bias"))
-        start = 0
-        for projection in projections:
-            rows = projection.weight.shape[0]
-            projection.weight.data, projection.bias.data = (t[start:start + rows] for t in packed)
-            start += rows
+        rows = [p.weight.shape[0] for p in projections]
+        for projection, weight, bias in zip(projections, packed[0].split(rows), packed[1].split(rows)):
+            projection.weight.data, projection.bias.data = weight, bias
     packing[attn] = packed
     return packed
 
@@ -97,18 +85,16 @@ def packed_qkv(packing, attn):
 def current_packing(packing, attn):
     """The layer's packed (weight, bias) while q, k and v are still views of it, else None."""
     packed = packing.get(attn)
-    if packed is not None and all(_views(packed, (attn.q_proj, attn.k_proj, attn.v_proj))):
-        return packed
-    return None
-
-
-def _views(packed, projections):
+    if packed is None:
+        return None
     start = 0  # rows; addresses by arithmetic (a slice per check would cost host time every request)
-    for projection in projections:
+    for projection in (attn.q_proj, attn.k_proj, attn.v_proj):
         for name, whole in zip(("weight", "bias"), packed):
             offset = start * whole.stride(0) * whole.element_size()
-            yield getattr(projection, name).data_ptr() == whole.data_ptr() + offset
+            if getattr(projection, name).data_ptr() != whole.data_ptr() + offset:
+                return None
         start += projection.weight.shape[0]
+    return packed
 
 
 def _linear_gelu_tanh(x, linear):

@@ -13,9 +13,7 @@ def expert(core):
 
 def adaptive_norms(expert_model) -> list:
     """Every adaRMS norm in the order the time table stores them: per layer input, post; final."""
-    norms = []
-    for layer in expert_model.layers:
-        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    norms = [norm for layer in expert_model.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
     return norms + [expert_model.norm]
 
 
@@ -35,8 +33,7 @@ def visible_first(pad_masks):
     return torch.argsort((~pad_masks).to(torch.int8), dim=1, stable=True)
 
 
-def sm_count(device) -> int:
-    device = torch.device(device)
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
@@ -49,17 +46,15 @@ def quantized(module) -> bool:
 
 def plain_weight(module, dtype, *, bias_ok=False):
     """(weight, bias) when `module` is a plain unquantized GEMM in `dtype` (a bias only with bias_ok), else None."""
-    if quantized(module):
-        return None
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if weight is None or weight.dtype != dtype or weight.dim() != 2 or not weight.is_contiguous():
+    if quantized(module) or weight is None or weight.dtype != dtype or weight.dim() != 2 or not weight.is_contiguous():
         return None
     if bias is not None and (not bias_ok or bias.dtype != dtype or not bias.is_contiguous()):
         return None
     return weight, bias
 
 
-def _stack_unsupported(model, what: str, tp_what: str = ""):
+def _stack_unsupported(model, what: str):
     """What keeps a Gemma layer stack off the fast kernels, or None."""
     if getattr(model, "layerwise_cpu_offload_enabled", False):
         return f"layerwise CPU offload of the {what}"
@@ -70,7 +65,7 @@ def _stack_unsupported(model, what: str, tp_what: str = ""):
         if getattr(attn, "qkv_proj", None) is None or getattr(mlp, "gate_up_proj", None) is None:
             return "unpacked q/k/v or gate/up projections (patch pi05_merged_linear is off)"
         if attn.tensor_parallel or mlp.tensor_parallel:
-            return f"tensor-parallel {tp_what or what}"
+            return f"tensor-parallel {what}"  # the layers take the model's setting
         if any(quantized(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return f"FP8-quantized {what} projections (a ModelOpt checkpoint)"
     return None
@@ -80,8 +75,7 @@ def denoise_unsupported(core):
     if getattr(core, "action_in_proj", None) is None or core.paligemma_with_expert.gemma_expert is None:
         return "no action expert on this rank"
     model = expert(core)
-    reason = _stack_unsupported(model, "action expert")
-    if reason:
+    if reason := _stack_unsupported(model, "action expert"):
         return reason
     if any(getattr(layer.self_attn, "sp_attn", None) is not None for layer in model.layers):
         return "Ulysses sequence-parallel action attention"
@@ -96,10 +90,7 @@ def prefix_unsupported(core):
     model = prefix_language_model(core)
     if model is None:
         return "no prefix model on this rank"
-    if model.tensor_parallel:
-        return "tensor-parallel prefix"
-    reason = _stack_unsupported(model, "prefix", "prefix layers")
-    if reason:
+    if reason := _stack_unsupported(model, "prefix"):
         return reason
     if any(layer.input_layernorm.dense is not None or layer.post_attention_layernorm.dense is not None
            for layer in model.layers):
@@ -119,9 +110,8 @@ def vision_unsupported(core):
         attn, mlp = layer.self_attn, layer.mlp
         if getattr(attn, "q_proj", None) is None:  # 0.5.18+: srt's SigLIP (VisionAttention, packed q/k/v)
             return "vision attention without separate q/k/v projections (srt's SigLIP tower)"
-        dtype = attn.q_proj.weight.dtype
         modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2)
-        if any(plain_weight(m, dtype, bias_ok=True) is None or m.bias is None for m in modules):
+        if any(plain_weight(m, attn.q_proj.weight.dtype, bias_ok=True) is None or m.bias is None for m in modules):
             return "vision projections that are not plain biased GEMMs of one dtype"
         width = attn.num_heads * attn.head_dim  # the packed q/k/v splits into three of these
         if any(p.weight.shape != (width, width) for p in (attn.q_proj, attn.k_proj, attn.v_proj)):
@@ -135,8 +125,3 @@ def vision_unsupported(core):
             if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is None or norm.bias is None:
                 return "vision norms that are not affine LayerNorms"
     return None
-
-
-PATHS = {"denoise": ("denoise_unsupported", "denoise path", "fast loop"),  # (check, what its log, a failed use names)
-         "prefix": ("prefix_unsupported", "prefix layers", "fast prefix"),
-         "vision": ("vision_unsupported", "vision layers", "fused vision layers")}

@@ -21,12 +21,9 @@ import torch.nn.functional as F
 
 def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     dtype = x.dtype
-    if cond is None or self.dense is None:
-        if self.dense is not None:  # adaptive norm called without its condition: plain rms
-            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-            return normed.type_as(x), None
-        normed = F.rms_norm(x.float(), (x.shape[-1],), weight=1.0 + self.weight.float(), eps=self.eps)
-        return normed.type_as(x), None
+    if cond is None or self.dense is None:  # unmodulated (an adaptive norm without its condition: unweighted too)
+        weight = None if self.dense is not None else 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), weight=weight, eps=self.eps).type_as(x), None
 
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
     modulation = self.dense(cond.to(dtype=self.dense.weight.dtype))
@@ -37,9 +34,8 @@ def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[to
     modulated = torch.addcmul(normed, normed, scale)
     if torch.is_grad_enabled():  # out= does not support autograd
         return (modulated + shift).to(dtype), gate.to(dtype)
-    out = torch.empty_like(modulated, dtype=dtype)
-    torch.add(modulated, shift, out=out)  # computed in float32, stored as dtype
-    return out, gate.to(dtype)
+    # computed in float32, stored as dtype
+    return torch.add(modulated, shift, out=torch.empty_like(modulated, dtype=dtype)), gate.to(dtype)
 
 
 def _single_op(original):

@@ -12,7 +12,6 @@ How: a ReplicatedLinear subclass under upstream's name whose weight_loader write
 from __future__ import annotations
 
 import torch
-from torch.nn.parameter import Parameter
 
 from sglang.multimodal_gen.runtime.layers.linear import ReplicatedLinear, adjust_scalar_to_fused_array
 
@@ -23,41 +22,26 @@ class MergedReplicatedLinear(ReplicatedLinear):
     """Several projections in one replicated weight, outputs concatenated: a non-TP `MergedColumnParallelLinear`."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True, **kwargs):
-        """ReplicatedLinear's keywords (skip_bias_add, params_dtype, quant_config, prefix) pass through."""
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias, output_sizes=self.output_sizes, **kwargs)
 
-    def _shard_index(self, loaded_shard_id: int | str) -> int:
-        if isinstance(loaded_shard_id, str):
-            index = _QKV_SHARD_INDEX.get(loaded_shard_id)
-        elif isinstance(loaded_shard_id, int) and not isinstance(loaded_shard_id, bool):
-            index = loaded_shard_id
-        else:
-            index = None
-        if index is None or not 0 <= index < len(self.output_sizes):
-            raise ValueError(f"Invalid merged shard id: {loaded_shard_id!r} for {self._describe()}; "
-                             f"allowed: integers 0..{len(self.output_sizes) - 1} or 'q', 'k', 'v' (0, 1, 2)")
-        return index
-
     def _describe(self, param: torch.Tensor | None = None) -> str:
-        name = "parameter"
-        for attr in ("weight", "bias"):
-            if param is not None and getattr(self, attr, None) is param:
-                name = attr
+        name = next((attr for attr, value in self.named_parameters(recurse=False) if value is param), "parameter")
         where = f" {self.prefix!r}" if getattr(self, "prefix", "") else ""
         return f"MergedReplicatedLinear{where} {name} (output_sizes={self.output_sizes})"
 
-    def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int | str | None = None
-                      ) -> None:
+    def weight_loader(self, param: torch.nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: int | str | None = None) -> None:
         if loaded_shard_id is None:  # an already packed tensor
             return super().weight_loader(param, loaded_weight)
 
-        index = self._shard_index(loaded_shard_id)
+        index = _QKV_SHARD_INDEX.get(loaded_shard_id) if isinstance(loaded_shard_id, str) else loaded_shard_id
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self.output_sizes):
+            raise ValueError(f"Invalid merged shard id: {loaded_shard_id!r} for {self._describe()}; "
+                             f"allowed: integers 0..{len(self.output_sizes) - 1} or 'q', 'k', 'v' (0, 1, 2)")
         param_data = param.data
-        output_dim = getattr(param, "output_dim", None)
-        if output_dim is not None:
-            offset = sum(self.output_sizes[:index])
-            param_data = param_data.narrow(output_dim, offset, self.output_sizes[index])
+        if (output_dim := getattr(param, "output_dim", None)) is not None:
+            param_data = param_data.narrow(output_dim, sum(self.output_sizes[:index]), self.output_sizes[index])
         elif getattr(param, "is_metadata", False):
             # Metadata rows (e.g. GGUF type ids) hold one equally sized block per shard.
             size = loaded_weight.shape[0]
