@@ -36,7 +36,6 @@ def _check(x, scale, shift, add, gate):
 def ada_rms_norm_reference(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None, *, eps: float,
                            add: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
                            out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """torch version of `ada_rms_norm` (same float32 math)."""
     n, _, group = _check(x, scale, shift, add, gate)
 
     def per_row(t):

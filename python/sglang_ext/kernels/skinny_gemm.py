@@ -46,10 +46,7 @@ class Partials(NamedTuple):
 
     def total(self) -> torch.Tensor:
         """The product in float32 (summed in part order, as the kernels sum it)."""
-        total = self.parts[0].clone()
-        for part in self.parts[1:]:
-            total += part
-        return total
+        return sum(self.parts[1:], start=self.parts[0])
 
 
 def check_rows_and_blocks(x, weight, parts, block_n, block_k, epilogue=(), what="skinny_linear"):
@@ -75,7 +72,6 @@ def _epilogue(gated, bias, add_to):
 
 def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None,
                             out_dtype=None, add_to=None, alpha=1.0, weight_scale=None):
-    """torch version of `skinny_linear` (float32 accumulation per part, same epilogue)."""
     rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     xs = x.reshape(rows, k).float().chunk(parts, dim=1)
     ws = weight.float().chunk(parts, dim=1)
