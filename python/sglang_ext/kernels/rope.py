@@ -140,7 +140,6 @@ if triton is not None:
 
 
 def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start, pdl=True):
-    """Rotate q and k of `qkv`; q -> q_out, k / v -> rows kv_start.. of k_out / v_out."""
     if not runs_triton(q_out):
         return rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, kv_start=kv_start)
