@@ -19,7 +19,6 @@ def _check(x):
 
 
 def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """torch version of `gelu_tanh_and_mul` (float32 math, one rounding)."""
     inner = _check(x)
     gate, up = x.float().split(inner, dim=-1)
     return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)

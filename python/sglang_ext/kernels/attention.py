@@ -44,7 +44,6 @@ def key_splits(batch, seq, heads, kv_heads, total, sms):
 
 
 def first_rows_attention_reference(q, keys, values, used=None, *, scale, splits=1, key_rows=None):
-    """torch version of `first_rows_attention` (float32 math, probabilities in q's dtype)."""
     batch, seq, heads, head_dim, total, kv_heads = _check(q, keys, values, used, key_rows)
     if key_rows is not None:
         index = key_rows.long()[:, :, None, None].expand(-1, -1, kv_heads, head_dim)

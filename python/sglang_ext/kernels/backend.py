@@ -24,9 +24,7 @@ DOT_UPCAST = INTERPRET
 
 def runs_triton(tensor) -> bool:
     """True: `tensor` goes to the Triton kernel (CUDA, or CPU under the interpreter)."""
-    if triton is None:
-        return False
-    return tensor.is_cuda or (INTERPRET and tensor.device.type == "cpu")
+    return triton is not None and (tensor.is_cuda or (INTERPRET and tensor.device.type == "cpu"))
 
 
 def block_size(n: int) -> int:

@@ -27,7 +27,6 @@ def _check(x, weight, bias, add):
 
 def add_layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps: float,
                              add: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """torch version of `add_layer_norm` (same float32 math)."""
     n, _ = _check(x, weight, bias, add)
     rows = x.view(-1, n)
     if add is not None:

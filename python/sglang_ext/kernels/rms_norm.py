@@ -36,7 +36,6 @@ def _check(x, scale, shift, add, gate):
 def ada_rms_norm_reference(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None, *, eps: float,
                            add: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
                            out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """torch version of `ada_rms_norm` (same float32 math)."""
     n, _, group = _check(x, scale, shift, add, gate)
 
     def per_row(t):
@@ -93,8 +92,7 @@ if triton is not None:
 def ada_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor] = None, *, eps: float,
                  add: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
                  out_dtype: Optional[torch.dtype] = None, pdl: bool = True) -> torch.Tensor:
-    """rms(x [+ add * gate]) * (1 + scale) + shift (with `add`, x is updated in place), as a new
-    tensor in `out_dtype` (default x.dtype). scale / shift / gate: C * N elements."""
+    """The norm as a new tensor in `out_dtype` (default x.dtype); with `add`, x is updated in place first."""
     if not runs_triton(x):
         return ada_rms_norm_reference(x, scale, shift, eps=eps, add=add, gate=gate, out_dtype=out_dtype)
     n, rows, group = _check(x, scale, shift, add, gate)

@@ -37,8 +37,15 @@ def _check(shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_di
     return batch, seq
 
 
+def _check_linear(x, weight, head_dim, block_n, block_k):
+    if x.dim() != 3:
+        raise ValueError(f"linear_rope_qkv: x {tuple(x.shape)}; allowed: [B, S, K]")
+    check_rows_and_blocks(x, weight, 1, block_n, block_k, what="linear_rope_qkv")
+    if (head_dim // 2) % block_n:
+        raise ValueError(f"linear_rope_qkv: block_n={block_n}; allowed: dividing head_dim / 2={head_dim // 2}")
+
+
 def rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start):
-    """torch version of `rope_qkv` (same float32 math)."""
     batch, seq = _check(qkv.shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
     qkv = qkv.total() if isinstance(qkv, Partials) else qkv
     q, k, v = qkv.float().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -52,6 +59,14 @@ def rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_h
     q_out.copy_(rotate(q, num_heads))
     k_out[:, rows].copy_(rotate(k, num_kv_heads))
     v_out[:, rows].copy_(v.view(batch, seq, num_kv_heads, head_dim))
+
+
+def linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim,
+                              kv_start, block_n=16, block_k=128):
+    _check_linear(x, weight, head_dim, block_n, block_k)
+    qkv = (x.float() @ weight.float().t()).reshape(*x.shape[:-1], weight.shape[0])
+    rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, kv_start=kv_start)
 
 
 if triton is not None:
@@ -100,48 +115,6 @@ if triton is not None:
         _rotate_and_store(first, second, cos, sin, head, token, cols, mask, Q_OUT, K_OUT, V_OUT,
                           seq_len, kv_len, kv_start, NUM_HEADS, NUM_KV, HEAD_DIM)
 
-
-def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start, pdl=True):
-    """Rotate q and k of `qkv`; q -> q_out, k / v -> rows kv_start.. of k_out / v_out."""
-    if not runs_triton(q_out):
-        return rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  head_dim=head_dim, kv_start=kv_start)
-    batch, seq = _check(qkv.shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
-    parts, pdl = 1, uses_pdl(q_out, pdl)
-    if isinstance(qkv, Partials):
-        qkv, parts = qkv.parts, qkv.parts.shape[0]
-    for name, t in (("qkv", qkv), ("cos_sin", cos_sin), ("q_out", q_out), ("k_out", k_out), ("v_out", v_out)):
-        if not t.is_contiguous():
-            raise ValueError(f"rope_qkv: {name} must be contiguous")
-    if not (q_out.dtype == k_out.dtype == v_out.dtype):
-        raise ValueError("rope_qkv: q_out, k_out and v_out must share one dtype")
-    if cos_sin.dtype != torch.float32:
-        raise ValueError(f"rope_qkv: cos_sin dtype {cos_sin.dtype}; allowed: torch.float32")
-    _rope_qkv_kernel[(batch * seq, num_heads + 2 * num_kv_heads)](
-        qkv, cos_sin, q_out, k_out, v_out, seq, k_out.shape[1], int(kv_start), qkv[0].numel(), PARTS=parts,
-        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2), PDL=pdl,
-        launch_pdl=pdl, num_warps=1 if head_dim <= 256 else 2)
-
-
-def linear_rope_qkv_reference(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim,
-                              kv_start, block_n=16, block_k=128):
-    """torch version of `linear_rope_qkv`: the float32 product, then rope_qkv's float32 math."""
-    _check_linear(x, weight, head_dim, block_n, block_k)
-    qkv = (x.float() @ weight.float().t()).reshape(*x.shape[:-1], weight.shape[0])
-    rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, kv_start=kv_start)
-
-
-def _check_linear(x, weight, head_dim, block_n, block_k):
-    if x.dim() != 3:
-        raise ValueError(f"linear_rope_qkv: x {tuple(x.shape)}; allowed: [B, S, K]")
-    check_rows_and_blocks(x, weight, 1, block_n, block_k, what="linear_rope_qkv")
-    if (head_dim // 2) % block_n:
-        raise ValueError(f"linear_rope_qkv: block_n={block_n}; allowed: dividing head_dim / 2={head_dim // 2}")
-
-
-if triton is not None:
-
     @triton.jit
     def _linear_rope_qkv_kernel(
         X, W, COS_SIN, Q_OUT, K_OUT, V_OUT,
@@ -164,6 +137,27 @@ if triton is not None:
         sin = tl.load(table + half, mask=row_ok, other=0.0)
         _rotate_and_store(first, second, cos, sin, head, rm[:, None], c[None, :], row_ok, Q_OUT, K_OUT, V_OUT,
                           seq_len, kv_len, kv_start, NUM_HEADS, NUM_KV, HEAD_DIM)
+
+
+def rope_qkv(qkv, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start, pdl=True):
+    if not runs_triton(q_out):
+        return rope_qkv_reference(qkv, cos_sin, q_out, k_out, v_out, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, kv_start=kv_start)
+    batch, seq = _check(qkv.shape, cos_sin, q_out, k_out, v_out, num_heads, num_kv_heads, head_dim, kv_start)
+    parts, pdl = 1, uses_pdl(q_out, pdl)
+    if isinstance(qkv, Partials):
+        qkv, parts = qkv.parts, qkv.parts.shape[0]
+    for name, t in (("qkv", qkv), ("cos_sin", cos_sin), ("q_out", q_out), ("k_out", k_out), ("v_out", v_out)):
+        if not t.is_contiguous():
+            raise ValueError(f"rope_qkv: {name} must be contiguous")
+    if not (q_out.dtype == k_out.dtype == v_out.dtype):
+        raise ValueError("rope_qkv: q_out, k_out and v_out must share one dtype")
+    if cos_sin.dtype != torch.float32:
+        raise ValueError(f"rope_qkv: cos_sin dtype {cos_sin.dtype}; allowed: torch.float32")
+    _rope_qkv_kernel[(batch * seq, num_heads + 2 * num_kv_heads)](
+        qkv, cos_sin, q_out, k_out, v_out, seq, k_out.shape[1], int(kv_start), qkv[0].numel(), PARTS=parts,
+        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block_size(head_dim // 2), PDL=pdl,
+        launch_pdl=pdl, num_warps=1 if head_dim <= 256 else 2)
 
 
 def linear_rope_qkv(x, weight, cos_sin, q_out, k_out, v_out, *, num_heads, num_kv_heads, head_dim, kv_start,

@@ -14,7 +14,6 @@ from sglang_ext.kernels.backend import after_previous_kernel, block_size, runs_t
 
 
 def rotate_half_qk_reference(q, k, cos, sin):
-    """torch version of `rotate_half_qk` (the formula itself)."""
     cos, sin = cos.float()[:, None], sin.float()[:, None]
 
     def rotate(x):

@@ -22,7 +22,6 @@ from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block
 
 MAX_ROWS = 128
 STAGES = 4  # pipeline stages of the GEMM loops (skinny_linear, linear_rope_qkv)
-FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
@@ -32,7 +31,7 @@ def quantize_rows_fp8(weight):
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (w / scale[:, None]).to(FP8).contiguous(), scale.contiguous()
+    return (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
 class Partials(NamedTuple):
@@ -46,10 +45,7 @@ class Partials(NamedTuple):
 
     def total(self) -> torch.Tensor:
         """The product in float32 (summed in part order, as the kernels sum it)."""
-        total = self.parts[0].clone()
-        for part in self.parts[1:]:
-            total += part
-        return total
+        return sum(self.parts[1:], start=self.parts[0])
 
 
 def check_rows_and_blocks(x, weight, parts, block_n, block_k, epilogue=(), what="skinny_linear"):
@@ -75,7 +71,6 @@ def _epilogue(gated, bias, add_to):
 
 def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None,
                             out_dtype=None, add_to=None, alpha=1.0, weight_scale=None):
-    """torch version of `skinny_linear` (float32 accumulation per part, same epilogue)."""
     rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     xs = x.reshape(rows, k).float().chunk(parts, dim=1)
     ws = weight.float().chunk(parts, dim=1)
@@ -177,7 +172,7 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
     rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     if not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError("skinny_linear: x and weight must be contiguous")
-    scaled = FP8 is not None and weight.dtype == FP8
+    scaled = weight.dtype == torch.float8_e4m3fn
     if scaled:
         if x.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"skinny_linear: x {x.dtype} with float8_e4m3fn weights; allowed: bfloat16, float16")

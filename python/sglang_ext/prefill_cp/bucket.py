@@ -49,16 +49,11 @@ is_cp_active = getattr(cp_utils, "is_cp_active", None) or cp_utils.is_cp_v2_acti
 def cp_bcg_captured(runner) -> bool:
     return bool(getattr(runner, "enable_cp_bcg_capture", False) or getattr(runner, "enable_cp_v2_bcg_capture", False))
 
+
 # True while PrefillCudaGraphRunner.capture_one_shape captures a CP BCG prefill bucket.
-_EXT_HOLD_BREAK_INPUTS: contextvars.ContextVar = contextvars.ContextVar("sglang_ext_hold_break_inputs", default=False)
+_EXT_HOLD_BREAK_INPUTS = contextvars.ContextVar("sglang_ext_hold_break_inputs", default=False)
 # (live tokens, admitted bucket) while PrefillCudaGraphRunner.load_batch runs a CP batch.
-_EXT_ADMITTED_PREFILL_BUCKET: contextvars.ContextVar = contextvars.ContextVar(
-    "sglang_ext_admitted_prefill_bucket", default=None)
-
-
-# --------------------------------------------------------------------------
-# sglang.srt.layers.cp.bcg(.bcg).PrefillCPBCGInput
-# --------------------------------------------------------------------------
+_EXT_ADMITTED_PREFILL_BUCKET = contextvars.ContextVar("sglang_ext_admitted_prefill_bucket", default=None)
 
 
 def zigzag_required_local_rows(extend_seq_lens: Sequence[Any], cp_size: int, align_size: int) -> int:
@@ -67,11 +62,10 @@ def zigzag_required_local_rows(extend_seq_lens: Sequence[Any], cp_size: int, ali
     Each request is cut into 2*cp blocks of `base` rows, the first `rem` blocks one row longer;
     rank r owns blocks r and 2*cp-1-r, so it holds 2*sum(base) + #(rem > r) + #(rem > 2*cp-1-r).
     """
-    if not isinstance(extend_seq_lens, (list, tuple)):
-        extend_seq_lens = [int(length) for length in extend_seq_lens]  # CPU tensor / array
+    lengths = [int(length) for length in extend_seq_lens]  # a list, CPU tensor or array
     segments = 2 * cp_size
-    remainders = sorted([length % segments for length in extend_seq_lens])
-    total_base = (sum(extend_seq_lens) - sum(remainders)) // segments
+    remainders = sorted(length % segments for length in lengths)
+    total_base = (sum(lengths) - sum(remainders)) // segments
     both = 2 * len(remainders)
     busiest = max(
         both - bisect.bisect_right(remainders, rank) - bisect.bisect_right(remainders, segments - 1 - rank)
@@ -138,11 +132,6 @@ def patch_bcg(ctx, module) -> None:
     for fn in (zigzag_required_local_tokens(upstream), replay_bucket_decision, select_replay_bucket,
                select_replay_bucket_for_batch):
         ctx.setattr(cls, fn.__name__, fn)
-
-
-# --------------------------------------------------------------------------
-# sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner
-# --------------------------------------------------------------------------
 
 
 @dataclass
@@ -274,11 +263,6 @@ def patch_prefill_runner(ctx, module) -> None:
     for name, fn in methods.items():
         ctx.setattr(cls, name, fn)
     ctx.setattr(cls, "_pad_to_bucket", staticmethod(_pad_to_bucket))
-
-
-# --------------------------------------------------------------------------
-# sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph
-# --------------------------------------------------------------------------
 
 
 def held_break_inputs(weak_ref_if_tensor):
