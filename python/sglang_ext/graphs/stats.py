@@ -14,15 +14,13 @@ from typing import Any, Callable, Dict, Optional, Tuple
 _registry: Dict[str, Callable[[], Optional[Callable[[], Any]]]] = {}
 
 
-def _read(name: str, *, copy: bool = True) -> Optional[Dict[str, Any]]:
-    """One registration's counters (copy=False: no `dataclasses.asdict` deep copy, for per-call use)."""
+def _read(name: str) -> Optional[Dict[str, Any]]:
+    """One registration's counters, not copied (a CacheInfo's fields are plain values)."""
     fn = _registry[name]()
     if fn is None:
         return None
     info = fn()
-    if not copy:
-        return info if isinstance(info, dict) else vars(info)
-    return dict(info.as_dict() if hasattr(info, "as_dict") else info)
+    return info if isinstance(info, dict) else vars(info)
 
 
 def _weak_callable(info_fn: Callable[[], Any], owner: Any) -> Callable[[], Optional[Callable[[], Any]]]:
@@ -52,7 +50,7 @@ def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str
 def snapshot() -> Dict[str, Dict[str, Any]]:
     """Counters of every live registration, by name (sorted)."""
     _drop_dead()
-    return {name: values for name in sorted(_registry) if (values := _read(name)) is not None}
+    return {name: dict(values) for name in sorted(_registry) if (values := _read(name)) is not None}
 
 
 def _drop_dead() -> None:
@@ -155,7 +153,7 @@ def _child(family: str, label: str, reason: str = ""):
 
 def _publish() -> None:
     snap = {name: values for name in list(_registry)
-            if cache_label(name) is not None and (values := _read(name, copy=False)) is not None}
+            if cache_label(name) is not None and (values := _read(name)) is not None}
     if not snap and _prom["metrics"] is None:
         return  # no runner yet: create nothing
     if _prom["metrics"] is None:
