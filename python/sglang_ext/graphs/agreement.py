@@ -67,9 +67,7 @@ def agreed(vote: Vote, step: Callable[[], Any], stage: str) -> Outcome:
     agreed = vote(failure_vote(error))
     if agreed != OK:
         transient = agreed == TRANSIENT
-        if error is None:
-            error = DeclinedByPeer(stage, transient)
-        return Outcome(False, transient, error)
+        return Outcome(False, transient, error or DeclinedByPeer(stage, transient))
     return Outcome(True, value=value)
 
 

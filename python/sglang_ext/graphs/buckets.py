@@ -1,7 +1,5 @@
-"""Bucket selection: which captured size a live batch is padded to.
-
-The choice is made once, as a `BucketDecision`, so admission and replay use the same bucket.
-"""
+"""Bucket selection: which captured size a live batch is padded to, chosen once (a `BucketDecision`) so
+admission and replay use the same bucket."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
-from sglang_ext.graphs.keys import _is_int
+from sglang_ext.graphs.keys import _check_int, _is_int
 
 
 @dataclass(frozen=True)
@@ -33,25 +31,15 @@ class BucketDecision:
 
 
 # Bucket lists already validated: runners pass the same list for every batch.
-_VALIDATED: dict = {}
+_VALIDATED: set = set()
 _VALIDATED_MAX = 64
 
 
 def validate_buckets(buckets: Sequence[Any], *, field: str = "buckets") -> Tuple[int, ...]:
     """Return `buckets` as a tuple after checking: positive ints, strictly increasing."""
-    if isinstance(buckets, (tuple, list)):
-        as_tuple = tuple(buckets)
-        # Exact ints only: True == 1 and 1.0 == 1 would otherwise hit a cached (1,).
-        if set(map(type, as_tuple)) == {int} and as_tuple in _VALIDATED:
-            return as_tuple
-    out = _check_buckets(buckets, field)
-    if len(_VALIDATED) >= _VALIDATED_MAX:
-        _VALIDATED.clear()
-    _VALIDATED[out] = True
-    return out
-
-
-def _check_buckets(buckets: Sequence[Any], field: str) -> Tuple[int, ...]:
+    # Exact ints only: True == 1 and 1.0 == 1 would otherwise hit a cached (1,).
+    if isinstance(buckets, (tuple, list)) and set(map(type, buckets)) == {int} and tuple(buckets) in _VALIDATED:
+        return tuple(buckets)
     allowed = "allowed: positive integers, strictly increasing, no duplicates"
     if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
         raise ValueError(f"{field}: {buckets!r} is not allowed; {allowed}")
@@ -62,15 +50,18 @@ def _check_buckets(buckets: Sequence[Any], field: str) -> Tuple[int, ...]:
         if i and size <= out[i - 1]:
             what = "duplicate" if size == out[i - 1] else "out of order"
             raise ValueError(f"{field}: {size} is {what}; {allowed}")
-    return tuple(int(size) for size in out)
+    out = tuple(int(size) for size in out)
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.clear()
+    _VALIDATED.add(out)
+    return out
 
 
 def select_bucket(live_size: int, buckets: Sequence[int], *, max_padding_factor: float = 2.0,
                   capacity: Optional[Mapping[int, int]] = None, required: Optional[int] = None) -> BucketDecision:
     """Smallest bucket with `live_size <= bucket <= live_size * max_padding_factor` and, if
     `required` is given, `capacity[bucket] >= required` (unknown capacity does not qualify)."""
-    if not _is_int(live_size) or live_size < 0:
-        raise ValueError(f"live_size: {live_size!r} is not allowed; allowed: integers >= 0")
+    _check_int("live_size", live_size, 0)
     if (not isinstance(max_padding_factor, numbers.Real) or isinstance(max_padding_factor, bool)
             or math.isnan(max_padding_factor) or max_padding_factor < 1):
         raise ValueError(f"max_padding_factor: {max_padding_factor!r} is not allowed; allowed: numbers >= 1 "
@@ -94,8 +85,7 @@ def geometric_buckets(smallest: int, largest: int, *, ratio: float, multiple: in
     """Sizes from `smallest` growing by `ratio`, each rounded up to `multiple`, until one is >= `largest`
     (padding wastes under `ratio - 1`; the number of graphs stays logarithmic)."""
     for name, value in (("smallest", smallest), ("largest", largest), ("multiple", multiple)):
-        if not _is_int(value) or value <= 0:
-            raise ValueError(f"{name}: {value!r} is not allowed; allowed: positive integers")
+        _check_int(name, value, 1)
     if largest < smallest:
         raise ValueError(f"largest: {largest} is below smallest {smallest}; allowed: integers >= smallest")
     # >= 1.01 keeps the loop short (at most ~1400 steps per 10^6 of range).

@@ -16,11 +16,9 @@ Protocol for a runner (one cache per runner, single-threaded like sglang's runne
 `admit` evicts before the capture so the evicted graph's pool memory is reused by the new one.
 A sealed cache (`seal()`, for graphs captured at load) never captures again: a miss runs eager and
 is counted in `sealed_misses`.
-Every decision depends only on the sequence of calls (keys and the byte sizes passed in), never on
-free memory or time, so tensor-parallel ranks fed the same requests (and the same byte sizes)
-capture in lockstep. A transient failure (out of memory) quarantines the key for 2, 4, 8, ... of
-its next misses (at most `MAX_RETRY_BACKOFF`), then retries it; any other failure stays
-quarantined until `clear()`.
+Decisions depend only on the calls (keys and the byte sizes passed in), never on free memory or time.
+A transient failure (out of memory) quarantines the key for 2, 4, 8, ... of its next misses (at most
+`MAX_RETRY_BACKOFF`), then retries it; any other failure stays quarantined until `clear()`.
 """
 
 from __future__ import annotations
@@ -28,12 +26,12 @@ from __future__ import annotations
 import enum
 import functools
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Generic, Hashable, Mapping, Optional, TypeVar
 
 from sglang_ext.graphs import stats as _stats
-from sglang_ext.graphs.keys import _is_int
+from sglang_ext.graphs.keys import _check_int
 
 K = TypeVar("K", bound=Hashable)
 E = TypeVar("E")
@@ -48,9 +46,7 @@ MAX_RETRY_BACKOFF = 1024
 
 def is_transient_failure(exc: Optional[BaseException]) -> bool:
     """Whether a failed capture may succeed later: out of memory, matched by message (no torch needed)."""
-    if isinstance(exc, MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
 
 
 @dataclass
@@ -63,14 +59,11 @@ class _Quarantined:
 
 def release_entry(entry: Any) -> None:
     """Default release: `entry.release()`, else `entry.graph.reset()`, else `entry.reset()`."""
-    release = getattr(entry, "release", None)
-    if callable(release):
-        release()
-        return
-    graph = getattr(entry, "graph", None)
-    reset = getattr(graph, "reset", None) or getattr(entry, "reset", None)
-    if callable(reset):
-        reset()
+    for release in (getattr(entry, "release", None), getattr(getattr(entry, "graph", None), "reset", None),
+                    getattr(entry, "reset", None)):
+        if callable(release):
+            release()
+            return
 
 
 @dataclass(frozen=True)
@@ -121,12 +114,6 @@ def _publishes(method):
             _stats.publish()
 
     return step
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name}: {value!r} is not allowed; allowed: integers >= {minimum}")
-    return int(value)
 
 
 class BoundedGraphCache(Generic[K, E]):
@@ -218,10 +205,8 @@ class BoundedGraphCache(Generic[K, E]):
             # Backoff over: try again (a success forgets the failures, another failure doubles the wait).
         if key in self._entries:
             return Admission.CAPTURE  # a re-capture; put() replaces (and releases) the old entry
-        if self.policy == "exact" and self._over_budget(1, expected_bytes):
-            self.rejections += 1
-            return Admission.EAGER_CAPACITY
-        if self.max_bytes > 0 and expected_bytes > self.max_bytes:
+        too_big = self.max_bytes > 0 and expected_bytes > self.max_bytes
+        if too_big or (self.policy == "exact" and self._over_budget(1, expected_bytes)):
             self.rejections += 1
             return Admission.EAGER_CAPACITY
         if self.min_hits > 1:
@@ -243,10 +228,7 @@ class BoundedGraphCache(Generic[K, E]):
             self._release(entry)
             return False
         self._quarantine.pop(key, None)
-        old = self._entries.pop(key, None)
-        self._nbytes.pop(key, None)
-        if old is not None:
-            self._release(old)
+        self.discard(key)  # a re-capture replaces the old entry
         if self.policy == "exact" and self._over_budget(1, nbytes):
             self.rejections += 1
             self._release(entry)
@@ -264,12 +246,11 @@ class BoundedGraphCache(Generic[K, E]):
         """Quarantine `key` after a failed capture: if transient (or `transient=`, agreed across ranks)
         for its next 2**n misses, else until `clear()`."""
         self.failures += 1
-        if transient is None:
-            transient = is_transient_failure(exc)
+        transient = is_transient_failure(exc) if transient is None else bool(transient)
         previous = self._quarantine.pop(key, None)
         failures = previous.failures + 1 if previous is not None and previous.transient else 1
         reason = "" if exc is None else f"{type(exc).__name__}: {exc}"[:200]
-        self._quarantine[key] = _Quarantined(reason, bool(transient), failures,
+        self._quarantine[key] = _Quarantined(reason, transient, failures,
                                              min(2 ** failures, MAX_RETRY_BACKOFF) if transient else 0)
         _trim(self._quarantine)
         self._sightings.pop(key, None)
@@ -294,10 +275,8 @@ class BoundedGraphCache(Generic[K, E]):
     def clear(self) -> None:
         """Release every entry and forget all state (quarantine, counters) as if new."""
         entries = list(self._entries.values())
-        self._entries.clear()
-        self._nbytes.clear()
-        self._sightings.clear()
-        self._quarantine.clear()
+        for state in (self._entries, self._nbytes, self._sightings, self._quarantine):
+            state.clear()
         self._reset_counters()
         first_error: Optional[BaseException] = None
         for entry in entries:  # release all even if one release raises
@@ -309,11 +288,8 @@ class BoundedGraphCache(Generic[K, E]):
             raise first_error
 
     def info(self) -> CacheInfo:
-        return CacheInfo(name=self.name, size=len(self._entries), capacity=self.capacity, hits=self.hits,
-                         misses=self.misses, captures=self.captures, evictions=self.evictions,
-                         rejections=self.rejections, failures=self.failures, bytes_resident=self.bytes_resident,
-                         max_bytes=self.max_bytes, policy=self.policy, min_hits=self.min_hits,
-                         quarantined=len(self._quarantine), sealed=self.sealed, sealed_misses=self.sealed_misses)
+        same_name = {f.name: getattr(self, f.name) for f in fields(CacheInfo) if f.name not in ("size", "quarantined")}
+        return CacheInfo(size=len(self._entries), quarantined=len(self._quarantine), **same_name)
 
 
 def _trim(tracked: "OrderedDict[Any, Any]") -> None:

@@ -19,8 +19,12 @@ _logger = logging.getLogger("sglang_ext.graphs.capture")
 # Torch releases (major, minor) whose capture internals the undo was tested on, inclusive.
 REPAIR_TESTED_TORCH = ((2, 11), (2, 14))
 
+_CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
+
 _capture_streams: Dict[int, Any] = {}
 _pins: Dict[Tuple[int, Tuple[int, ...]], Any] = {}  # (device, pool id) -> (graph, tensor) never reset
+_warned_no_repair: list = []
+_runtime_begin: list = []  # [cudaStreamBeginCapture or None] once looked up
 
 
 def _cuda_index(device: Any) -> int:
@@ -56,21 +60,18 @@ def capture_stream(device: Any = None) -> Any:
     import torch
 
     index = _cuda_index(device)
-    stream = _capture_streams.get(index)
-    if stream is None:
-        stream = _capture_streams[index] = torch.cuda.Stream(device=index)
-    return stream
+    if index not in _capture_streams:
+        _capture_streams[index] = torch.cuda.Stream(device=index)
+    return _capture_streams[index]
 
 
 @contextlib.contextmanager
-def guarded_capture(graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[Any]:
+def guarded_capture(graph: Any, *, stream: Any, pool: Any = None) -> Iterator[Any]:
     """`torch.cuda.graph(...)`, safe to fail and from the GC (collecting a dropped graph invalidates a capture)."""
     import torch
 
     if pool is None:
         pool = torch.cuda.graph_pool_handle()
-    if stream is None:
-        stream = capture_stream()
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -142,9 +143,6 @@ def _undo_failed_capture(graph: Any, pool: Any, stream: Any) -> None:
         repair.reset()
 
 
-_warned_no_repair: list = []
-
-
 def _torch_release(version: str) -> Tuple[int, ...]:
     return version_key(version)[:2]
 
@@ -161,17 +159,12 @@ def repair_unavailable() -> Optional[str]:
     return None
 
 
-_CAPTURE_MODE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
-
-
 def _end_capture_in_place(graph: Any, stream: Any) -> bool:
     """Re-open an empty capture and let `graph.capture_end()` clean up (False: use the fallback)."""
     import warnings
 
     begin = _runtime_begin_capture()
-    if begin is None:
-        return False
-    if begin(stream.cuda_stream, _CAPTURE_MODE_RELAXED) != 0:
+    if begin is None or begin(stream.cuda_stream, _CAPTURE_MODE_RELAXED) != 0:
         return False
     try:
         with warnings.catch_warnings():
@@ -181,9 +174,6 @@ def _end_capture_in_place(graph: Any, stream: Any) -> bool:
         _logger.debug("capture_end of the re-opened capture raised: %s", exc)
         return False
     return True
-
-
-_runtime_begin: list = []
 
 
 def _runtime_begin_capture() -> Optional[Callable[[int, int], int]]:
@@ -197,11 +187,10 @@ def _runtime_begin_capture() -> Optional[Callable[[int, int], int]]:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
         for path in sorted(paths):
-            candidate = getattr(ctypes.CDLL(path), "cudaStreamBeginCapture", None)
-            if candidate is not None:
-                candidate.argtypes = [ctypes.c_void_p, ctypes.c_int]
-                candidate.restype = ctypes.c_int
-                fn = candidate
+            fn = getattr(ctypes.CDLL(path), "cudaStreamBeginCapture", None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
+                fn.restype = ctypes.c_int
                 break
     except OSError as exc:
         _logger.debug("CUDA runtime not found for capture clean-up: %s", exc)

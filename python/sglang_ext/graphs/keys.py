@@ -3,6 +3,7 @@ a device tensor, a sync per forward, unless asked)."""
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from typing import Any, Iterable, Tuple
 
@@ -14,6 +15,12 @@ class DeviceSyncError(ValueError):
 def _is_int(value: Any) -> bool:
     """True for Python/numpy integers, False for bool (a flag is never a size)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name}: {value!r} is not allowed; allowed: integers >= {minimum}")
+    return int(value)
 
 
 def _host_values(values: Any, *, field: str, allow_device_sync: bool) -> Any:
@@ -44,16 +51,12 @@ def cpu_ints(values: Any, *, field: str, allow_device_sync: bool = False) -> Tup
 
 def cumulative_lengths(lengths: Iterable[int], *, leading_zeros: int = 1) -> Tuple[int, ...]:
     """Prefix sums of non-negative lengths, e.g. [4, 4] -> (0, 4, 8) (cu_seqlens as ints)."""
-    if not _is_int(leading_zeros) or leading_zeros < 0:
-        raise ValueError(f"leading_zeros: {leading_zeros!r} is not allowed; allowed: integers >= 0")
-    out = [0] * leading_zeros
-    total = 0
-    for length in cpu_ints(lengths, field="lengths"):
-        if length < 0:
-            raise ValueError(f"lengths: {length} is not allowed; allowed: integers >= 0")
-        total += length
-        out.append(total)
-    return tuple(out)
+    zeros = (0,) * _check_int("leading_zeros", leading_zeros, 0)
+    lengths = cpu_ints(lengths, field="lengths")
+    negative = [length for length in lengths if length < 0]
+    if negative:
+        raise ValueError(f"lengths: {negative[0]} is not allowed; allowed: integers >= 0")
+    return zeros + tuple(itertools.accumulate(lengths))
 
 
 def grid_thw_lengths(grid_thw: Any, *, field: str = "grid_thw") -> Tuple[int, ...]:
@@ -72,8 +75,4 @@ def grid_thw_lengths(grid_thw: Any, *, field: str = "grid_thw") -> Tuple[int, ..
 
 def dedup_consecutive(values: Iterable[Any]) -> tuple:
     """Drop consecutive repeats, like torch.unique_consecutive, for Python values."""
-    out: list = []
-    for value in values:
-        if not out or out[-1] != value:
-            out.append(value)
-    return tuple(out)
+    return tuple(value for value, _ in itertools.groupby(values))

@@ -9,14 +9,6 @@ import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 
-def shared_boundaries(layouts: Sequence[Optional[Sequence[int]]]) -> Tuple[int, ...]:
-    """Cumulative boundaries present in every non-None layout, ascending."""
-    present = [set(int(v) for v in layout) for layout in layouts if layout is not None]
-    if not present:
-        return ()
-    return tuple(sorted(set.intersection(*present)))
-
-
 def sequences_between(layout: Sequence[int], start: int, end: int) -> Tuple[int, ...]:
     """The boundaries of `layout` within [start, end], shifted so the piece starts at 0."""
     return tuple(int(v) - start for v in layout if start <= int(v) <= end)
@@ -28,7 +20,9 @@ def whole_sequence_chunks(layouts: Sequence[Optional[Sequence[int]]], total: int
     whole sequences as fit (greedy); a sequence too large alone is its own range."""
     if max_tokens < 1 or max_sequences < 1:
         raise ValueError(f"max_tokens/max_sequences: {max_tokens}/{max_sequences}; allowed: integers >= 1")
-    cuts = [c for c in shared_boundaries(layouts) if 0 < c < total] + [total]
+    present = [set(int(v) for v in layout) for layout in layouts if layout is not None]
+    shared = set.intersection(*present) if present else set()
+    cuts = sorted(c for c in shared if 0 < c < total) + [total]
     full = layouts[0]
 
     def fits(start: int, end: int) -> bool:  # (empty sequences count too)

@@ -14,15 +14,13 @@ from typing import Any, Callable, Dict, Optional, Tuple
 _registry: Dict[str, Callable[[], Optional[Callable[[], Any]]]] = {}
 
 
-def _read(name: str, *, copy: bool = True) -> Optional[Dict[str, Any]]:
-    """One registration's counters (copy=False: no `dataclasses.asdict` deep copy, for per-call use)."""
+def _read(name: str) -> Optional[Dict[str, Any]]:
+    """One registration's counters, not copied (a CacheInfo's fields are plain values)."""
     fn = _registry[name]()
     if fn is None:
         return None
     info = fn()
-    if not copy:
-        return info if isinstance(info, dict) else vars(info)
-    return dict(info.as_dict() if hasattr(info, "as_dict") else info)
+    return info if isinstance(info, dict) else vars(info)
 
 
 def _weak_callable(info_fn: Callable[[], Any], owner: Any) -> Callable[[], Optional[Callable[[], Any]]]:
@@ -40,8 +38,7 @@ def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str
         raise ValueError(f"name: {name!r} is not allowed; allowed: a non-empty string")
     if not callable(info_fn):
         raise ValueError(f"info_fn: {info_fn!r} is not allowed; allowed: a callable returning CacheInfo or dict")
-    for dead in [n for n, resolve in _registry.items() if resolve() is None]:
-        del _registry[dead]
+    _drop_dead()
     used, n = name, 1
     while used in _registry:
         n += 1
@@ -52,14 +49,13 @@ def register(name: str, info_fn: Callable[[], Any], *, owner: Any = None) -> str
 
 def snapshot() -> Dict[str, Dict[str, Any]]:
     """Counters of every live registration, by name (sorted)."""
-    out = {}
-    for name in sorted(_registry):
-        values = _read(name)
-        if values is None:
-            del _registry[name]
-        else:
-            out[name] = values
-    return out
+    _drop_dead()
+    return {name: dict(values) for name in sorted(_registry) if (values := _read(name)) is not None}
+
+
+def _drop_dead() -> None:
+    for dead in [name for name, resolve in _registry.items() if resolve() is None]:
+        del _registry[dead]
 
 
 # Registration name (before ":" or "#") -> the `cache` label of the sglang_ext_graph_* metrics.
@@ -135,12 +131,10 @@ def _create_metrics() -> Dict[str, Any]:
 def publish() -> None:
     """Counters as `sglang_ext_graph_*` metrics (advanced by their change since the last publish) when
     PROMETHEUS_MULTIPROC_DIR is set (sglang's `--enable-metrics`); else one check."""
-    if _prom["on"] is False:
-        return
     if _prom["on"] is None:
         _prom["on"] = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        if not _prom["on"]:
-            return
+    if not _prom["on"]:
+        return
     try:
         _publish()
     except Exception as exc:  # noqa: BLE001 - metrics must never break a runner
@@ -151,28 +145,21 @@ def publish() -> None:
 
 def _child(family: str, label: str, reason: str = ""):
     key = (family, label, reason)
-    child = _prom["children"].get(key)
-    if child is None:
+    if key not in _prom["children"]:  # labels() locks and validates: once per series
         metric = _prom["metrics"][family]
-        child = metric.labels(label, reason) if reason else metric.labels(label)
-        _prom["children"][key] = child
-    return child
+        _prom["children"][key] = metric.labels(label, reason) if reason else metric.labels(label)
+    return _prom["children"][key]
 
 
 def _publish() -> None:
-    snap = {}
-    for name in list(_registry):
-        if cache_label(name) is None:
-            continue
-        values = _read(name, copy=False)
-        if values is not None:
-            snap[name] = values
+    snap = {name: values for name in list(_registry)
+            if cache_label(name) is not None and (values := _read(name)) is not None}
     if not snap and _prom["metrics"] is None:
         return  # no runner yet: create nothing
     if _prom["metrics"] is None:
         _prom["metrics"] = _create_metrics()
     last, last_gauges = _prom["last"], _prom["gauges"]
-    gauges: Dict[Tuple[str, str], int] = {}
+    gauges = dict.fromkeys(last_gauges, 0)  # a kind whose runners all died reads 0, not its last value
     for name, values in snap.items():
         label = cache_label(name)
         counters, now_gauges = _metric_values(values)
@@ -189,8 +176,6 @@ def _publish() -> None:
             gauges[(family, label)] = gauges.get((family, label), 0) + value
     for name in [n for n in last if n not in snap]:
         del last[name]  # a dead runner: what it counted stays counted
-    for key in last_gauges:  # a kind whose runners all died reads 0, not its last value
-        gauges.setdefault(key, 0)
     for key, value in gauges.items():
         if last_gauges.get(key) != value:
             _child(key[0], key[1]).set(value)

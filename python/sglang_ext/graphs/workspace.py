@@ -10,10 +10,11 @@ concurrently and each replay first copies its inputs in. Lease before capturing.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from sglang_ext.graphs.keys import _is_int
+from sglang_ext.graphs.keys import _check_int, _is_int
 
 # Each tensor of a lease starts on this byte boundary, as a fresh allocation would.
 ALIGN_BYTES = 256
@@ -30,11 +31,10 @@ class _Backing:
 class WorkspaceLease:
     """Slices of one backing buffer held by one graph; `release()` when the graph goes."""
 
-    __slots__ = ("owner", "rows", "_pool", "_backing", "_tensors")
+    __slots__ = ("owner", "_pool", "_backing", "_tensors")
 
-    def __init__(self, pool: "StableWorkspacePool", backing: _Backing, owner: Any, rows: int, tensors: tuple):
+    def __init__(self, pool: "StableWorkspacePool", backing: _Backing, owner: Any, tensors: tuple):
         self.owner = owner
-        self.rows = rows
         self._pool = pool
         self._backing = backing
         self._tensors = tensors
@@ -60,9 +60,7 @@ class StableWorkspacePool:
         if allocate is None:
             import torch
 
-            def allocate(numel: int, _dtype=dtype, _device=device) -> Any:
-                return torch.empty(numel, dtype=_dtype, device=_device)
-
+            allocate = functools.partial(torch.empty, dtype=dtype, device=device)
         self.name = name
         self._allocate = allocate
         # alignment needs the element size up front; a 0-element tensor costs no memory
@@ -72,10 +70,8 @@ class StableWorkspacePool:
 
     def lease(self, owner: Any, rows: int, row_shape: Sequence[int] = (), *, count: int = 1) -> WorkspaceLease:
         """`count` non-overlapping tensors of shape (rows, *row_shape) that never move."""
-        if not _is_int(rows) or rows < 0:
-            raise ValueError(f"rows: {rows!r} is not allowed; allowed: integers >= 0")
-        if not _is_int(count) or count < 1:
-            raise ValueError(f"count: {count!r} is not allowed; allowed: integers >= 1")
+        _check_int("rows", rows, 0)
+        _check_int("count", count, 1)
         row_shape = tuple(row_shape)
         if not all(_is_int(d) and d >= 0 for d in row_shape):
             raise ValueError(f"row_shape: {row_shape!r} is not allowed; allowed: a tuple of integers >= 0")
@@ -86,7 +82,7 @@ class StableWorkspacePool:
         flat = backing.tensor
         tensors = tuple(flat[i * stride : i * stride + per_tensor].view(rows, *row_shape) for i in range(count))
         backing.leases += 1
-        return WorkspaceLease(self, backing, owner, rows, tensors)
+        return WorkspaceLease(self, backing, owner, tensors)
 
     def _aligned(self, numel: int) -> int:
         unit = max(1, ALIGN_BYTES // self._element_size)
