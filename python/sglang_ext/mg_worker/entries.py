@@ -3,6 +3,8 @@ the child activates while unpickling its target, before its arguments import `sg
 
 from __future__ import annotations
 
+import functools
+
 # sglang's targets the entries replaced, by name (filled, and emptied on rollback, by the patch's context).
 ORIGINALS: dict = {}
 
@@ -45,9 +47,7 @@ class WorkerEntry:
 
     def __init__(self, function):
         self.function = function
-        self.__name__ = self.__qualname__ = function.__name__
-        self.__module__ = function.__module__
-        self.__doc__ = function.__doc__
+        functools.update_wrapper(self, function)
 
     def __call__(self, *args, **kwargs):
         return self.function(*args, **kwargs)
