@@ -21,10 +21,7 @@ def module_source_path(module: str, source_root: Optional[str] = None) -> Option
     """Path of a module's .py file, without importing it (parents are not imported either)."""
     if source_root is not None:
         base = os.path.join(source_root, *module.split("."))
-        for cand in (base + ".py", os.path.join(base, "__init__.py")):
-            if os.path.exists(cand):
-                return cand
-        return None
+        return next((p for p in (base + ".py", os.path.join(base, "__init__.py")) if os.path.exists(p)), None)
     top = module.split(".")[0]
     spec = importlib.util.find_spec(top)
     if spec is None or not spec.submodule_search_locations:
