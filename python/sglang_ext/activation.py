@@ -19,9 +19,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from sglang_ext import fingerprint as fp
+from sglang_ext import fingerprint as fp, knobs
 from sglang_ext.errors import ExtConfigError, SglangExtActivationError
-from sglang_ext import knobs
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
 from sglang_ext.patching import PatchContext, cancel_trigger, when_imported
 from sglang_ext.registry import PATCHES, PatchSpec, Target, resolve
@@ -33,8 +32,6 @@ logger = logging.getLogger("sglang_ext")
 
 APPLIED, ARMED, DISABLED, NOT_NEEDED, SKIPPED, FAILED = (
     "applied", "armed", "disabled", "not needed", "skipped", "failed")
-
-
 NOT_PORTED = "not ported to sglang"  # a skip the registry declares (not a problem, even in strict mode)
 
 
@@ -53,9 +50,6 @@ class PatchStatus:
         if self.state == FAILED:
             return f"failed: {self.detail}"
         return f"{self.state} ({self.detail})"
-
-    def as_dict(self) -> Dict[str, Any]:
-        return {**asdict(self), "status": str(self)}
 
     @property
     def unported(self) -> bool:
@@ -108,8 +102,7 @@ def activate(*, environ: Optional[Mapping[str, str]] = None, force: bool = False
                 _import_triggers()
             return statuses()
         env = os.environ if environ is None else environ
-        carried = sglang_carries_sglang_ext()
-        if carried:
+        if carried := sglang_carries_sglang_ext():
             logger.info("sglang-ext: %s is patched with the fork series and activates its own copy; "
                         "the installed plugin stands aside", carried)
             return {}
@@ -339,9 +332,8 @@ def _fail(spec: PatchSpec, ctx: PatchContext, st: PatchStatus, detail: str,
     _check_requirements(_state.statuses, _state.settings)
     for name, dst in _state.statuses.items():
         if was[name] in (ARMED, APPLIED) and dst.state == SKIPPED:
-            dependent_ctx = _state.contexts.get(name)
-            if dependent_ctx is not None:
-                dependent_ctx.rollback()
+            if name in _state.contexts:
+                _state.contexts[name].rollback()
             logger.warning("sglang-ext: patch %s skipped, nothing of it applied: %s", name, dst.detail)
     _write_record()
 
@@ -403,7 +395,7 @@ def record() -> Dict[str, Any]:
     """This process's activation record (what `SGLANG_EXT_ACTIVATION_DIR` files hold)."""
     return {"pid": os.getpid(), "role": process_role(), "argv0": sys.argv[0] if sys.argv else "",
             "sglang": _state.version, "strict": _state.strict,
-            "patches": {k: v.as_dict() for k, v in _state.statuses.items()}}
+            "patches": {k: {**asdict(v), "status": str(v)} for k, v in _state.statuses.items()}}
 
 
 def _write_record() -> None:

@@ -78,9 +78,7 @@ def _parse(path: str) -> ast.Module:
 def fingerprint(module: str, qualname: str, source_root: Optional[str] = None) -> Optional[str]:
     """Fingerprint of `module:qualname` in the installed (or given) sglang; None if absent."""
     path = module_source_path(module, source_root)
-    if path is None:
-        return None
-    node = _find_definition(_parse(path), qualname)
+    node = _find_definition(_parse(path), qualname) if path is not None else None
     return None if node is None else digest(node)
 
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
-import importlib.util
 import sys
 import threading
-import types as _types
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 _MISSING = object()
@@ -93,7 +91,7 @@ def _unpatched(swap: AttrSwap) -> Any:
     replacement maps to that swap's original; a name from a module installed whole maps to the same name
     in the module it replaced (resolved at that swap's rollback if never imported)."""
     current = swap.original
-    if not isinstance(current, (_types.FunctionType, type)):
+    if not isinstance(current, (FunctionType, type)):
         return current
     here = _location(swap.owner, swap.name)
     sources = _live_swaps.get(id(current), [])

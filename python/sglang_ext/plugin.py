@@ -29,6 +29,5 @@ def register() -> None:
         # A bad setting: one line and exit 2, no traceback. SystemExit, not os._exit: it passes the loader
         # (which catches Exception), runs finally blocks and atexit handlers, ends a multiprocessing child
         # with this status, and a program that embeds sglang (an Engine in a notebook) can still catch it.
-        sys.stderr.write(f"{exc}\n")
-        sys.stderr.flush()
+        print(exc, file=sys.stderr, flush=True)
         raise SystemExit(USAGE_EXIT) from None

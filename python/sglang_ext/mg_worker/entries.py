@@ -46,11 +46,10 @@ class WorkerEntry:
     """Process target that activates sglang-ext in a spawned child as early as unpickling."""
 
     def __init__(self, function):
-        self.function = function
-        functools.update_wrapper(self, function)
+        functools.update_wrapper(self, function)  # __wrapped__, __name__, __module__, ...
 
     def __call__(self, *args, **kwargs):
-        return self.function(*args, **kwargs)
+        return self.__wrapped__(*args, **kwargs)
 
     def __reduce__(self):
         return (worker_entry, (self.__name__,))

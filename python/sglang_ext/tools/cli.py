@@ -1,12 +1,5 @@
-"""`sglang-ext` console script (also `python -m sglang_ext`).
-
-    sglang-ext doctor [--verbose] [--json] [--no-import] [--source-root DIR --assume-version V]
-                      [--records DIR]
-
-`doctor` prints a one-line verdict (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`); exit 0
-when every requested patch is applied, armed, disabled or not needed, 1 for a problem, 2 for a
-configuration error or missing sglang / torch (then the verdict goes to stderr). Every usage error is
-one line on stderr, exit 2.
+"""`sglang-ext` console script (also `python -m sglang_ext`): `sglang-ext doctor`, whose --help gives its
+options and exit statuses. Every usage error is one line on stderr, exit 2.
 """
 
 from __future__ import annotations

@@ -239,8 +239,7 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
     lines.append("")
     width = max(len(p["name"]) for p in rep["patches"]) if rep["patches"] else 10
     for p in rep["patches"]:
-        problems = "; ".join(p["live_problems"])
-        check = {None: "", True: "  [verified live]", False: f"  [NO LONGER LIVE: {problems}]"}
+        check = {None: "", True: "  [verified live]", False: f"  [NO LONGER LIVE: {'; '.join(p['live_problems'])}]"}
         lines.append(f"{p['name']:<{width}}  {p['status']}{check[p['verified_live']]}")
         lines.append(f"{'':<{width}}  {p['summary']}")
         for t in p["targets"]:

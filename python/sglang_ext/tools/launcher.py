@@ -95,7 +95,8 @@ def env_text(knob: Knob, value) -> str:
 
 
 def ext_environment(values: Mapping[str, str]) -> Dict[str, str]:
-    """Environment entries to export for these flag values, validated with the inherited environment."""
+    """Environment entries to export for these flag values, validated with the inherited environment; creates
+    the activation-record folder."""
     base = dict(os.environ)
     # The launcher sets SGLANG_EXT=1 itself; an inherited value it would overwrite must still be
     # one the children's plugin loader accepts, or it hides a typo (SGLANG_EXT=2).
@@ -104,7 +105,7 @@ def ext_environment(values: Mapping[str, str]) -> Dict[str, str]:
     for name, raw in values.items():
         k = knob(name)
         updates[k.env] = env_text(k, k.parse(raw))
-    load_settings({**base, **updates})
+    settings = load_settings({**base, **updates})
     # sglang's loader runs only the entry points SGLANG_PLUGINS lists, when it is set: without
     # sglang_ext there, the srt scheduler processes would run unpatched.
     raw = base.get("SGLANG_PLUGINS", "")
@@ -112,14 +113,13 @@ def ext_environment(values: Mapping[str, str]) -> Dict[str, str]:
     if names and PLUGIN_NAME not in names:
         raise ExtConfigError(f"SGLANG_PLUGINS={raw!r} leaves out {PLUGIN_NAME}, so sglang would not load it in its "
                              f"scheduler processes; allowed: unset/empty, or a list that includes {PLUGIN_NAME}")
+    if settings.activation_dir:
+        prepare_activation_dir(settings.activation_dir)
     return updates
 
 
-def prepare_activation_dir(env: Mapping[str, str]) -> None:
+def prepare_activation_dir(directory: str) -> None:
     """Create the activation-record folder now, or raise ExtConfigError (the servers would only warn)."""
-    directory = load_settings(env).activation_dir
-    if not directory:
-        return
     k, allowed = knob("activation_dir"), "allowed: a folder this user can write"
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise k.error(f"{directory!r} is a file, not a folder; {allowed}")
@@ -165,8 +165,7 @@ def fail(prog: str, problem: str, status: int = USAGE_EXIT) -> int:
 def _help(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]]) -> int:
     try:
         print(ext_help(prog))
-        missing = missing_message(missing_modules(SERVING_MODULES))
-        if missing is not None:
+        if missing := missing_message(missing_modules(SERVING_MODULES)):
             return fail(prog, missing)
         print("sglang's own arguments follow.\n", flush=True)
         return handover([a for a in argv if not a.startswith(FLAG_PREFIX)]) or 0
@@ -187,14 +186,11 @@ def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optiona
     try:  # every configuration check before the GPU check: a machine without one still hears about them
         values, rest = split_ext_args(argv)
         updates = ext_environment(values)
-        prepare_activation_dir({**os.environ, **updates})
     except ExtConfigError as exc:
         return fail(prog, str(exc))
-    missing = missing_message(missing_modules(SERVING_MODULES))
-    if missing is not None:
+    if missing := missing_message(missing_modules(SERVING_MODULES)):
         return fail(prog, missing)
-    problem = no_cuda_message() if require_cuda else None
-    if problem is not None:
+    if require_cuda and (problem := no_cuda_message()) is not None:
         return fail(prog, problem, NO_GPU_EXIT)
     os.environ.update(updates)
     from sglang_ext.activation import activate
