@@ -19,9 +19,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from sglang_ext import fingerprint as fp
+from sglang_ext import fingerprint as fp, knobs
 from sglang_ext.errors import ExtConfigError, SglangExtActivationError
-from sglang_ext import knobs
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
 from sglang_ext.patching import PatchContext, cancel_trigger, when_imported
 from sglang_ext.registry import PATCHES, PatchSpec, Target, resolve
@@ -33,8 +32,6 @@ logger = logging.getLogger("sglang_ext")
 
 APPLIED, ARMED, DISABLED, NOT_NEEDED, SKIPPED, FAILED = (
     "applied", "armed", "disabled", "not needed", "skipped", "failed")
-
-
 NOT_PORTED = "not ported to sglang"  # a skip the registry declares (not a problem, even in strict mode)
 
 
@@ -54,9 +51,6 @@ class PatchStatus:
             return f"failed: {self.detail}"
         return f"{self.state} ({self.detail})"
 
-    def as_dict(self) -> Dict[str, Any]:
-        return {**asdict(self), "status": str(self)}
-
     @property
     def unported(self) -> bool:
         return self.state == SKIPPED and self.detail.startswith(NOT_PORTED)
@@ -65,14 +59,16 @@ class PatchStatus:
 class _ProcessState:
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.activated = False
-        self.settings: Optional[Settings] = None
+        self.generation = 0  # bumped by deactivate(): callbacks of an older activation do nothing
+        self.reset()
+
+    def reset(self) -> None:
+        self.settings: Optional[Settings] = None  # None: not activated
         self.version: Optional[str] = None
         self.strict = False
         self.statuses: Dict[str, PatchStatus] = {}
         self.contexts: Dict[str, PatchContext] = {}
         self.triggers: List[Tuple[str, Callable[[Any], None]]] = []  # (module, callback) not yet fired
-        self.generation = 0  # bumped by deactivate(): callbacks of an older activation do nothing
 
 
 _state = _ProcessState()
@@ -101,13 +97,12 @@ def activate(*, environ: Optional[Mapping[str, str]] = None, force: bool = False
     strict: override the knob; eager: import every trigger module now; source_root / version: check
     another sglang tree."""
     with _state.lock:
-        if _state.activated:
+        if _state.settings is not None:  # activated already
             if eager:
                 _import_triggers()
             return statuses()
         env = os.environ if environ is None else environ
-        carried = sglang_carries_sglang_ext()
-        if carried:
+        if carried := sglang_carries_sglang_ext():
             logger.info("sglang-ext: %s is patched with the fork series and activates its own copy; "
                         "the installed plugin stands aside", carried)
             return {}
@@ -121,7 +116,6 @@ def activate(*, environ: Optional[Mapping[str, str]] = None, force: bool = False
         _state.settings = settings
         knobs.use(settings)
         _state.strict = settings.strict if strict is None else strict
-        _state.activated = True
         _state.version = resolve_version(settings, source_root, version)
         _state.statuses = plan(settings, version=_state.version, source_root=source_root)
         try:
@@ -152,26 +146,16 @@ def deactivate() -> None:
         _state.generation += 1
         for module_name, callback in _state.triggers:
             cancel_trigger(module_name, callback)
-        _state.triggers.clear()
         for ctx in reversed(list(_state.contexts.values())):
             ctx.rollback()
-        _state.contexts.clear()
-        _state.statuses.clear()
-        _state.activated = False
-        _state.settings = None
+        _state.reset()
         knobs.use(None)
-        _state.version = None
-        _state.strict = False
 
 
 def verify_applied() -> Dict[str, List[str]]:
     """Re-check that every swap of every (partly) applied patch is still live (for `doctor`)."""
-    out: Dict[str, List[str]] = {}
-    for name, st in _state.statuses.items():
-        ctx = _state.contexts.get(name)
-        if ctx is not None and st.parts_applied:
-            out[name] = ctx.problems()
-    return out
+    return {name: _state.contexts[name].problems() for name, st in _state.statuses.items()
+            if name in _state.contexts and st.parts_applied}
 
 
 def resolve_version(settings: Optional[Settings], source_root: Optional[str] = None,
@@ -183,13 +167,9 @@ def resolve_version(settings: Optional[Settings], source_root: Optional[str] = N
         return settings.assume_sglang
     if source_root is not None:
         return source_tree_version(source_root)
-    installed = installed_sglang_version()
-    if installed is None:
-        # an sglang without dist metadata (an unpacked wheel): its _version.py says which release
-        path = installed_sglang_path()
-        if path is not None:
-            return source_tree_version(os.path.dirname(path))
-    return installed
+    path = installed_sglang_path()
+    # an sglang without dist metadata (an unpacked wheel): its _version.py says which release
+    return installed_sglang_version() or (source_tree_version(os.path.dirname(path)) if path else None)
 
 
 def plan(settings: Settings, *, version: Optional[str], source_root: Optional[str] = None
@@ -210,14 +190,10 @@ def _check_requirements(decided: Dict[str, PatchStatus], settings: Settings) -> 
         changed = False
         for spec in PATCHES:
             st = decided[spec.name]
-            if st.state not in _GOING:
-                continue
             for req in spec.requires:
                 needed = decided[req.patch]
-                if needed.state in _GOING:
-                    continue
                 knobs_set = [knob(k) for k in req.when_knobs if settings.values[k] != knob(k).default]
-                if req.when_knobs and not knobs_set:
+                if st.state not in _GOING or needed.state in _GOING or (req.when_knobs and not knobs_set):
                     continue
                 envs = ", ".join(k.env for k in knobs_set)
                 st.state = SKIPPED
@@ -226,7 +202,6 @@ def _check_requirements(decided: Dict[str, PatchStatus], settings: Settings) -> 
                              f"{knob('disable').env} too{f', or unset {envs}' if envs else ''}")
                 st.parts_pending, st.parts_applied = [], []
                 changed = True
-                break
 
 
 def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_root: Optional[str]) -> PatchStatus:
@@ -243,29 +218,24 @@ def _decide(spec: PatchSpec, settings: Settings, version: Optional[str], source_
         return PatchStatus(spec.name, SKIPPED, f"{NOT_PORTED} {_release(version)} yet; it applies on "
                            f"sglang {', '.join(spec.supported)}")
     st = PatchStatus(spec.name, ARMED)
-    changed, absent, unrecorded, checked = [], [], [], set()
+    unrecorded = "no reference fingerprint recorded for "
+    failing: Dict[str, List[str]] = {"fingerprint changed: ": [], "target absent: ": [], unrecorded: []}
+    checked = set()
     for target in spec.targets:
         name, live, references = check_target(spec, target, version, source_root)
         checked.update(references)
         expected = set(references.values()) - {None}
-        ok = live is not None and live in expected
-        st.fingerprints[name] = ok
-        if ok:
-            continue
-        if live is None:
-            absent.append(name)
-        elif not expected:
-            unrecorded.append(name)
-        else:
-            changed.append(name)
-    if changed or absent or unrecorded:
-        reasons = [what + ", ".join(keys) for what, keys in (("fingerprint changed: ", changed),
-                   ("target absent: ", absent), ("no reference fingerprint recorded for ", unrecorded)) if keys]
+        st.fingerprints[name] = ok = live is not None and live in expected
+        if not ok:
+            why = "target absent: " if live is None else "fingerprint changed: " if expected else unrecorded
+            failing[why].append(name)
+    reasons = [what + ", ".join(keys) for what, keys in failing.items() if keys]
+    if reasons:
         st.state = SKIPPED
         st.detail = ("; ".join(reasons) + f" -- checked sglang {version}"
                      + (f" at {source_root}" if source_root else "")
                      + f" against the reference of sglang {', '.join(sorted(checked, key=version_key))}")
-        if unrecorded:
+        if failing[unrecorded]:
             st.detail += "; regenerate the tables: python scripts/gen_fingerprints.py"
         return st
     st.parts_pending = [resolve(p.trigger_module, version) for p in spec.parts_on(version)]
@@ -315,17 +285,14 @@ def _report_refusals(source_root: Optional[str]) -> None:
         logger.warning("sglang-ext: patch %s skipped, nothing of it applied: %s", st.name, st.detail)
 
 
-_STARTUP_ORDER = (APPLIED, ARMED, NOT_NEEDED, DISABLED, SKIPPED, FAILED)
-
-
 def startup_line() -> str:
     """This process's activation in one line: role, pid, sglang version, patches by state."""
-    by_state: Dict[str, List[str]] = {}
-    for st in _state.statuses.values():
-        by_state.setdefault(st.state, []).append(st.name)
-    groups = [f"{state} {', '.join(by_state[state])}" + (" (each applies when sglang imports its module)"
-                                                          if state == ARMED else "")
-              for state in _STARTUP_ORDER if state in by_state]
+    groups = []
+    for state in (APPLIED, ARMED, NOT_NEEDED, DISABLED, SKIPPED, FAILED):
+        names = [st.name for st in _state.statuses.values() if st.state == state]
+        if names:
+            groups.append(f"{state} {', '.join(names)}"
+                          + (" (each applies when sglang imports its module)" if state == ARMED else ""))
     return (f"sglang-ext: on in {process_role()} pid {os.getpid()}, sglang {_state.version or '?'}"
             f"{', strict' if _state.strict else ''}: " + "; ".join(groups))
 
@@ -365,9 +332,8 @@ def _fail(spec: PatchSpec, ctx: PatchContext, st: PatchStatus, detail: str,
     _check_requirements(_state.statuses, _state.settings)
     for name, dst in _state.statuses.items():
         if was[name] in (ARMED, APPLIED) and dst.state == SKIPPED:
-            dependent_ctx = _state.contexts.get(name)
-            if dependent_ctx is not None:
-                dependent_ctx.rollback()
+            if name in _state.contexts:
+                _state.contexts[name].rollback()
             logger.warning("sglang-ext: patch %s skipped, nothing of it applied: %s", name, dst.detail)
     _write_record()
 
@@ -410,9 +376,7 @@ def _part_runner(spec: PatchSpec, part, trigger: str, ctx: PatchContext, generat
 def _import_triggers() -> None:
     """Import every pending trigger module now (doctor, tests); an import error fails its patch."""
     for spec in PATCHES:
-        st = _state.statuses.get(spec.name)
-        if st is None:
-            continue
+        st = _state.statuses[spec.name]
         for module in list(st.parts_pending):
             if st.state != ARMED:
                 break
@@ -431,12 +395,11 @@ def record() -> Dict[str, Any]:
     """This process's activation record (what `SGLANG_EXT_ACTIVATION_DIR` files hold)."""
     return {"pid": os.getpid(), "role": process_role(), "argv0": sys.argv[0] if sys.argv else "",
             "sglang": _state.version, "strict": _state.strict,
-            "patches": {k: v.as_dict() for k, v in _state.statuses.items()}}
+            "patches": {k: {**asdict(v), "status": str(v)} for k, v in _state.statuses.items()}}
 
 
 def _write_record() -> None:
-    settings = _state.settings
-    directory = settings.activation_dir if settings is not None else ""
+    directory = _state.settings.activation_dir if _state.settings is not None else ""
     if not directory:
         return
     path = os.path.join(directory, f"{process_role()}-{os.getpid()}.json")

@@ -21,10 +21,7 @@ def module_source_path(module: str, source_root: Optional[str] = None) -> Option
     """Path of a module's .py file, without importing it (parents are not imported either)."""
     if source_root is not None:
         base = os.path.join(source_root, *module.split("."))
-        for cand in (base + ".py", os.path.join(base, "__init__.py")):
-            if os.path.exists(cand):
-                return cand
-        return None
+        return next((p for p in (base + ".py", os.path.join(base, "__init__.py")) if os.path.exists(p)), None)
     top = module.split(".")[0]
     spec = importlib.util.find_spec(top)
     if spec is None or not spec.submodule_search_locations:
@@ -81,9 +78,7 @@ def _parse(path: str) -> ast.Module:
 def fingerprint(module: str, qualname: str, source_root: Optional[str] = None) -> Optional[str]:
     """Fingerprint of `module:qualname` in the installed (or given) sglang; None if absent."""
     path = module_source_path(module, source_root)
-    if path is None:
-        return None
-    node = _find_definition(_parse(path), qualname)
+    node = _find_definition(_parse(path), qualname) if path is not None else None
     return None if node is None else digest(node)
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import runpy
 import sys
-from typing import List
 
 from sglang_ext.tools.launcher import main
 
 PROG = "python -m sglang_ext.launch_server"
 
 
-def run_sglang_launch_server(argv: List[str]) -> None:
+def run_sglang_launch_server(argv: list[str]) -> None:
     """Run `python -m sglang.launch_server` with `argv` (alter_sys: children re-import it as `__mp_main__`)."""
     sys.argv = [sys.argv[0], *argv]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
-import importlib.util
 import sys
 import threading
-import types as _types
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 _MISSING = object()
@@ -59,13 +57,8 @@ class PatchContext:
 
     def problems(self) -> List[str]:
         """Verify: every recorded swap is still what is live."""
-        out = []
-        for s in self.swaps:
-            live = (s.owner.mapping.get(s.name, _MISSING) if isinstance(s.owner, _ItemOwner)
-                    else _live_attr(s.owner, s.name))
-            if live is not s.replacement and not _wraps(live, s.replacement):
-                out.append(f"{s.describe()} is not the patched object after applying")
-        return out
+        return [f"{s.describe()} is not the patched object after applying" for s in self.swaps
+                if _live_attr(s.owner, s.name) is not s.replacement]
 
     def rollback(self) -> None:
         for s in reversed(self.swaps):
@@ -98,7 +91,7 @@ def _unpatched(swap: AttrSwap) -> Any:
     replacement maps to that swap's original; a name from a module installed whole maps to the same name
     in the module it replaced (resolved at that swap's rollback if never imported)."""
     current = swap.original
-    if not isinstance(current, (_types.FunctionType, type)):
+    if not isinstance(current, (FunctionType, type)):
         return current
     here = _location(swap.owner, swap.name)
     sources = _live_swaps.get(id(current), [])
@@ -143,17 +136,6 @@ def _forget(swap: AttrSwap) -> None:
             setattr(dep.owner, dep.name, original)  # rolled back already, to the replaced module's object
 
 
-def _wraps(live: Any, replacement: Any) -> bool:
-    """True when `live` is a later patch's wrapper around `replacement` (`__sglang_ext_wraps__`)."""
-    for _ in range(8):
-        live = getattr(live, "__sglang_ext_wraps__", None)
-        if live is None:
-            return False
-        if live is replacement:
-            return True
-    return False
-
-
 class _ItemOwner:
     def __init__(self, mapping: Any):
         self.mapping = mapping
@@ -162,7 +144,9 @@ class _ItemOwner:
         return f"<dict {type(self.mapping).__name__}>"
 
 
-def _live_attr(owner: Any, name: str) -> Any:
+def _live_attr(owner: Any, name: Any) -> Any:
+    if isinstance(owner, _ItemOwner):
+        return owner.mapping.get(name, _MISSING)
     d = getattr(owner, "__dict__", None)
     if d is not None and name in d:
         return d[name]
@@ -218,12 +202,9 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         if fullname not in _pending:
             return None
         for finder in sys.meta_path:
-            if finder is self:
+            if finder is self or not hasattr(finder, "find_spec"):
                 continue
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec = find(fullname, path, target)
+            spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
                 spec.loader = _TriggeringLoader(spec.loader)
                 return spec

@@ -26,10 +26,8 @@ def register() -> None:
     except SglangExtActivationError as exc:
         if not isinstance(exc.__cause__, ExtConfigError):
             raise  # strict mode: the traceback shows where the patch failed
-        # A bad setting: one line and exit 2, no traceback. SystemExit rather than os._exit: the
-        # loader catches only Exception, so it passes through; its finally blocks, atexit handlers
-        # and buffered logs still run; a multiprocessing child ends with this status; and a program
-        # that embeds sglang (an Engine in a notebook) can still catch it instead of vanishing.
-        sys.stderr.write(f"{exc}\n")
-        sys.stderr.flush()
+        # A bad setting: one line and exit 2, no traceback. SystemExit, not os._exit: it passes the loader
+        # (which catches Exception), runs finally blocks and atexit handlers, ends a multiprocessing child
+        # with this status, and a program that embeds sglang (an Engine in a notebook) can still catch it.
+        print(exc, file=sys.stderr, flush=True)
         raise SystemExit(USAGE_EXIT) from None

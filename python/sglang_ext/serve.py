@@ -4,14 +4,13 @@ here and (through the environment) in every child process."""
 from __future__ import annotations
 
 import sys
-from typing import List
 
 from sglang_ext.tools.launcher import main
 
 PROG = "python -m sglang_ext.serve"
 
 
-def run_sglang_serve(argv: List[str]) -> None:
+def run_sglang_serve(argv: list[str]) -> None:
     from sglang.cli.main import main as sglang_main
 
     sys.argv = ["sglang", "serve", *argv]

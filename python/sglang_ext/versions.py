@@ -16,11 +16,8 @@ SUPPORTED_RANGE = f">={SUPPORTED_SGLANG[0]},<={SUPPORTED_SGLANG[-1]}"
 
 
 def version_key(version: str) -> Tuple[int, ...]:
-    out = []
-    for part in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
+    digits = ("".join(ch for ch in part if ch.isdigit()) for part in release(version).split("."))
+    return tuple(int(d or 0) for d in digits)
 
 
 def dist_version(name: str) -> Optional[str]:

@@ -19,7 +19,7 @@ import pathlib
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from sglang_ext.tools.prerequisites import missing_message, missing_modules
+from sglang_ext.tools.launcher import missing_message, missing_modules
 
 KINDS = ("qwen2", "qwen2_5_vl", "qwen3_vl")
 REQUIRED_MODULES = ("torch", "transformers", "tokenizers", "safetensors")

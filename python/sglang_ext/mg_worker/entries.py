@@ -3,6 +3,8 @@ the child activates while unpickling its target, before its arguments import `sg
 
 from __future__ import annotations
 
+import functools
+
 # sglang's targets the entries replaced, by name (filled, and emptied on rollback, by the patch's context).
 ORIGINALS: dict = {}
 
@@ -44,13 +46,10 @@ class WorkerEntry:
     """Process target that activates sglang-ext in a spawned child as early as unpickling."""
 
     def __init__(self, function):
-        self.function = function
-        self.__name__ = self.__qualname__ = function.__name__
-        self.__module__ = function.__module__
-        self.__doc__ = function.__doc__
+        functools.update_wrapper(self, function)  # __wrapped__, __name__, __module__, ...
 
     def __call__(self, *args, **kwargs):
-        return self.function(*args, **kwargs)
+        return self.__wrapped__(*args, **kwargs)
 
     def __reduce__(self):
         return (worker_entry, (self.__name__,))

@@ -34,9 +34,13 @@ class _Kept:
 
     def __init__(self, context, endpoint: str):
         self.endpoint, self.scratch = endpoint, contextlib.ExitStack()
-        ipc_request = _array_ipc_request()
-        identity = self.scratch.enter_context(ipc_request(endpoint)) if ipc_request else None
         self.socket = context.socket(zmq.REQ)
+        try:
+            from sglang.multimodal_gen.runtime.ipc_array import array_ipc_request  # 0.5.23
+        except ImportError:
+            identity = None
+        else:
+            identity = self.scratch.enter_context(array_ipc_request(endpoint))  # None: not a local endpoint
         if identity is not None:
             self.socket.setsockopt(zmq.IDENTITY, identity)
         self.socket.connect(endpoint)
@@ -44,14 +48,6 @@ class _Kept:
     def close(self) -> None:
         self.socket.close(linger=0)
         self.scratch.close()  # the folder goes with its socket
-
-
-def _array_ipc_request():
-    try:
-        from sglang.multimodal_gen.runtime.ipc_array import array_ipc_request  # 0.5.23
-    except ImportError:
-        return None
-    return array_ipc_request
 
 
 class _Lease:
@@ -129,8 +125,12 @@ def _settle(client, lease: _Lease, keep: bool) -> None:
         lease.kept.close()
 
 
-def _keeping_sockets(request):
-    """sglang's request method (0.5.23: `_forward_one`, 0.5.17: `forward`), its sockets kept."""
+def patch_scheduler_client(ctx, module) -> None:
+    cls = module.AsyncSchedulerClient
+    # sglang's request method (0.5.23: `_forward_one`, 0.5.17: `forward`), its sockets kept
+    name = "_forward_one" if "_forward_one" in cls.__dict__ else "forward"
+    request, initialize, close = cls.__dict__[name], cls.__dict__["initialize"], cls.__dict__["close"]
+
     @functools.wraps(request)
     async def keeping(self, *args, **kwargs):
         leases = []
@@ -145,32 +145,18 @@ def _keeping_sockets(request):
             for lease in leases:
                 _settle(self, lease, ok)
 
-    return keeping
-
-
-def _wrap_initialize(original):
-    @functools.wraps(original)
-    def initialize(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+    @functools.wraps(initialize)
+    def keeping_initialize(self, *args, **kwargs):
+        initialize(self, *args, **kwargs)
         self.context = _KeepingContext(self, self.context)
 
-    return initialize
-
-
-def _wrap_close(original):
-    @functools.wraps(original)
-    def close(self):
+    @functools.wraps(close)
+    def closing(self):
         """Closes the idle scheduler sockets, then sglang's close (terminates the context)."""
         for kept in self.__dict__.pop("_ext_idle_sockets", []):
             kept.close()
-        return original(self)
+        return close(self)
 
-    return close
-
-
-def patch_scheduler_client(ctx, module) -> None:
-    cls = module.AsyncSchedulerClient
-    request = "_forward_one" if "_forward_one" in cls.__dict__ else "forward"
-    ctx.setattr(cls, request, _keeping_sockets(cls.__dict__[request]))
-    ctx.setattr(cls, "initialize", _wrap_initialize(cls.__dict__["initialize"]))
-    ctx.setattr(cls, "close", _wrap_close(cls.__dict__["close"]))
+    ctx.setattr(cls, name, keeping)
+    ctx.setattr(cls, "initialize", keeping_initialize)
+    ctx.setattr(cls, "close", closing)

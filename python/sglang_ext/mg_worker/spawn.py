@@ -22,10 +22,8 @@ def patch_launch_server(ctx, module) -> None:
 
     gpu_worker = sys.modules["sglang.multimodal_gen.runtime.managers.gpu_worker"]
     if module.run_scheduler_process is not gpu_worker.run_scheduler_process:
-        raise RuntimeError(
-            "launch_server.run_scheduler_process is not gpu_worker.run_scheduler_process "
-            f"(found {module.run_scheduler_process!r}); another patch owns the worker entry"
-        )
+        raise RuntimeError("launch_server.run_scheduler_process is not gpu_worker.run_scheduler_process "
+                           f"(found {module.run_scheduler_process!r}); another patch owns the worker entry")
     for name in ("_run_disagg_role_process", "_run_http_server_process"):  # the entries call these
         ctx.setitem(mg_worker.ORIGINALS, name, getattr(module, name))
     for name, entry in mg_worker.ENTRIES.items():

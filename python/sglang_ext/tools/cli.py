@@ -1,12 +1,5 @@
-"""`sglang-ext` console script (also `python -m sglang_ext`).
-
-    sglang-ext doctor [--verbose] [--json] [--no-import] [--source-root DIR --assume-version V]
-                      [--records DIR]
-
-`doctor` prints a one-line verdict (`sglang-ext: OK — ...` or `sglang-ext: PROBLEM — ...`); exit 0
-when every requested patch is applied, armed, disabled or not needed, 1 for a problem, 2 for a
-configuration error or missing sglang / torch (then the verdict goes to stderr). Every usage error is
-one line on stderr, exit 2.
+"""`sglang-ext` console script (also `python -m sglang_ext`): `sglang-ext doctor`, whose --help gives its
+options and exit statuses. Every usage error is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -26,29 +19,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_EXIT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _doctor_parser(sub) -> None:
-    p = sub.add_parser(
-        "doctor", help="one line: does every sglang-ext patch apply to this sglang (--verbose: why)",
-        description="Check which sglang-ext patches apply to this sglang, and why. By default the "
-        "doctor activates every patch in its own process and imports every target module, so "
-        "'applied' is proven (10-25 s). Settings (SGLANG_EXT_DISABLE, ...) come from the environment. "
-        "Exit status: 0 OK, 1 a problem reported, 2 a configuration error or sglang / torch missing.")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="after the verdict: every patch's status, versions, fingerprints per target, upstream, "
-                        "graph caches, and what sglang and torch printed while being imported")
-    p.add_argument("--no-import", dest="import_targets", action="store_false",
-                   help="only compare fingerprints; import and patch nothing ('armed' = would apply)")
-    p.add_argument("--source-root", metavar="DIR",
-                   help="check another sglang tree: the directory that contains its sglang/ package "
-                        "(e.g. an unpacked wheel); implies --no-import")
-    p.add_argument("--assume-version", metavar="V",
-                   help="treat the checked sglang as this version (default: read from the tree / installed)")
-    p.add_argument("--records", metavar="DIR",
-                   help="also show the per-process activation records a server wrote there "
-                        "(the server's SGLANG_EXT_ACTIVATION_DIR)")
 
 
 def _folder_error(option: str, path: Optional[str], needs: str, inner: str = "") -> Optional[str]:
@@ -75,10 +45,8 @@ def doctor_main(args: argparse.Namespace) -> int:
     rep["problems"] = doctor.problems(rep)
     rep["verdict"] = doctor.verdict(rep)
     status = doctor.exit_status(rep)
-    if args.json:
-        report = json.dumps(rep, indent=1, sort_keys=True) + "\n"
-    else:
-        report = doctor.render_text(rep, verbose=args.verbose)
+    report = (json.dumps(rep, indent=1, sort_keys=True) + "\n" if args.json
+              else doctor.render_text(rep, verbose=args.verbose))
     if status == USAGE_EXIT:
         # A bad setting or a missing sglang / torch is a usage error: its one line goes to stderr, like
         # every usage error here; the report (JSON, --verbose details) stays on stdout.
@@ -91,10 +59,27 @@ def doctor_main(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = OneLineParser(prog="sglang-ext", description="sglang-ext tools")
-    sub = ap.add_subparsers(dest="command", required=True)
-    _doctor_parser(sub)
-    args = ap.parse_args(argv)
-    return doctor_main(args)  # the only subcommand: argparse has already refused anything else
+    p = ap.add_subparsers(dest="command", required=True).add_parser(
+        "doctor", help="one line: does every sglang-ext patch apply to this sglang (--verbose: why)",
+        description="Check which sglang-ext patches apply to this sglang, and why. By default the "
+        "doctor activates every patch in its own process and imports every target module, so "
+        "'applied' is proven (10-25 s). Settings (SGLANG_EXT_DISABLE, ...) come from the environment. "
+        "Exit status: 0 OK, 1 a problem reported, 2 a configuration error or sglang / torch missing.")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="after the verdict: every patch's status, versions, fingerprints per target, upstream, "
+                        "graph caches, and what sglang and torch printed while being imported")
+    p.add_argument("--no-import", dest="import_targets", action="store_false",
+                   help="only compare fingerprints; import and patch nothing ('armed' = would apply)")
+    p.add_argument("--source-root", metavar="DIR",
+                   help="check another sglang tree: the directory that contains its sglang/ package "
+                        "(e.g. an unpacked wheel); implies --no-import")
+    p.add_argument("--assume-version", metavar="V",
+                   help="treat the checked sglang as this version (default: read from the tree / installed)")
+    p.add_argument("--records", metavar="DIR",
+                   help="also show the per-process activation records a server wrote there "
+                        "(the server's SGLANG_EXT_ACTIVATION_DIR)")
+    return doctor_main(ap.parse_args(argv))  # the only subcommand: argparse has already refused anything else
 
 
 if __name__ == "__main__":

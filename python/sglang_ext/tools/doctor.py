@@ -19,12 +19,10 @@ from sglang_ext import activation, fingerprint
 from sglang_ext.graphs import stats
 from sglang_ext.errors import ExtConfigError
 from sglang_ext.knobs import MASTER_ENV, Settings, knob, knob_enabled, load_settings
-from sglang_ext.tools.launcher import USAGE_EXIT
-from sglang_ext.tools.prerequisites import missing_message, missing_modules
+from sglang_ext.tools.launcher import USAGE_EXIT, missing_message, missing_modules
 from sglang_ext.registry import PATCHES, PatchSpec
 from sglang_ext.versions import (SUPPORTED_RANGE, SUPPORTED_SGLANG, dist_version, installed_sglang_path,
-                                 installed_sglang_version, source_tree_version, unsupported_message,
-                                 within_supported_range)
+                                 installed_sglang_version, unsupported_message, within_supported_range)
 
 # How each mode came to its statuses (shown in the report).
 MODE_LIVE = "live: statuses of this process's activation"
@@ -32,14 +30,9 @@ MODE_IMPORT = "applied here: every target module imported and patched in the doc
 MODE_FINGERPRINTS = "fingerprints only: nothing imported or patched ('armed' = would apply when imported)"
 
 
-def environment(source_root: Optional[str] = None, version: Optional[str] = None) -> Dict[str, Any]:
+def environment(source_root: Optional[str], sglang_version: Optional[str]) -> Dict[str, Any]:
     """Versions and paths (no import of torch or sglang)."""
-    if source_root is not None:
-        sglang_version = version or source_tree_version(source_root)
-        sglang_path = os.path.join(source_root, "sglang")
-    else:
-        sglang_version = version or installed_sglang_version()
-        sglang_path = installed_sglang_path()
+    sglang_path = os.path.join(source_root, "sglang") if source_root is not None else installed_sglang_path()
     return {"sglang_ext": dist_version("sglang-ext"),
             "sglang": {"version": sglang_version, "path": sglang_path, "installed_version": installed_sglang_version(),
                        "supported": sglang_version is not None and within_supported_range(sglang_version),
@@ -93,21 +86,16 @@ def report(*, source_root: Optional[str] = None, version: Optional[str] = None,
     """The doctor report of this process: live statuses, else statuses planned from the fingerprints."""
     env = os.environ if environ is None else environ
     live = activation.statuses() if source_root is None else {}
-    settings: Optional[Settings] = activation.current_settings() if live else None
     config_error = None
-    if settings is None:
-        try:
-            settings = load_settings(env)
-        except ExtConfigError as exc:
-            config_error = str(exc)
+    try:
+        settings: Optional[Settings] = activation.current_settings() if live else load_settings(env)
+    except ExtConfigError as exc:
+        settings, config_error = None, str(exc)
     if live:
-        statuses, mode = live, MODE_LIVE
-        checked_version = activation.activated_version()
-    elif settings is not None:
-        checked_version = activation.resolve_version(settings, source_root, version)
-        statuses, mode = activation.plan(settings, version=checked_version, source_root=source_root), MODE_FINGERPRINTS
+        statuses, mode, checked_version = live, MODE_LIVE, activation.activated_version()
     else:
-        checked_version, statuses, mode = version, {}, MODE_FINGERPRINTS
+        checked_version, mode = activation.resolve_version(settings, source_root, version), MODE_FINGERPRINTS
+        statuses = activation.plan(settings, version=checked_version, source_root=source_root) if settings else {}
     verified = activation.verify_applied() if live else {}
     out = environment(source_root, checked_version)
     try:
@@ -147,20 +135,14 @@ def held_stderr(lines: List[str]) -> Iterator[None]:
             lines.extend(text.splitlines())
 
 
-def missing_prerequisites(*, import_targets: bool, source_root: Optional[str]) -> List[str]:
-    """sglang (and torch, to import sglang's modules) if this Python lacks them; another tree needs neither."""
-    if source_root is not None:
-        return []
-    return missing_modules(("sglang", "torch") if import_targets else ("sglang",))
-
-
 def run_checks(*, import_targets: bool = True, source_root: Optional[str] = None,
                version: Optional[str] = None) -> Dict[str, Any]:
     """What the console script does: activate in this (throw-away) process, then report. With
     `import_targets` every trigger module is imported (what sglang and torch print meanwhile goes
     to `import_messages`); another tree is only fingerprinted."""
     env = dict(os.environ)
-    missing = missing_prerequisites(import_targets=import_targets, source_root=source_root)
+    # sglang (and torch, to import sglang's modules) if this Python lacks them; another tree needs neither
+    missing = [] if source_root is not None else missing_modules(("sglang", "torch") if import_targets else ("sglang",))
     try:
         settings = load_settings(env)
     except ExtConfigError as exc:
@@ -182,9 +164,7 @@ def run_checks(*, import_targets: bool = True, source_root: Optional[str] = None
 
 def problems(rep: Dict[str, Any]) -> List[str]:
     """Requested patches that would not be live (failed or skipped), plus configuration errors."""
-    out = []
-    if rep.get("config_error"):
-        out.append(f"configuration error: {rep['config_error']}")
+    out = [f"configuration error: {rep['config_error']}"] if rep.get("config_error") else []
     for p in rep["patches"]:
         if p["state"] == activation.FAILED or (p["state"] == activation.SKIPPED and not p["unported"]):
             out.append(f"{p['name']}: {p['status']}")
@@ -197,7 +177,7 @@ def _usage_problem(rep: Dict[str, Any]) -> Optional[str]:
     """A configuration error or sglang / torch missing: the whole verdict, and exit status 2."""
     if rep.get("config_error"):
         return f"configuration error: {rep['config_error']}"
-    return missing_message(rep["missing_prerequisites"]) if rep.get("missing_prerequisites") else None
+    return missing_message(rep.get("missing_prerequisites", []))
 
 
 def exit_status(rep: Dict[str, Any]) -> int:
@@ -209,9 +189,7 @@ def exit_status(rep: Dict[str, Any]) -> int:
 
 def verdict(rep: Dict[str, Any]) -> str:
     """The report in one line: `sglang-ext: OK — ...` or `sglang-ext: PROBLEM \u2014 ...`."""
-    sg = rep["sglang"]
-    found = problems(rep)
-    usage = _usage_problem(rep)
+    sg, found, usage = rep["sglang"], problems(rep), _usage_problem(rep)
     if usage:
         return f"sglang-ext: PROBLEM \u2014 {usage}"
     if not sg["supported"]:
@@ -223,22 +201,17 @@ def verdict(rep: Dict[str, Any]) -> str:
         return f"sglang-ext: PROBLEM \u2014 {found[0]}{more}"
     count = {state: sum(p["state"] == state for p in rep["patches"]) for state in
              (activation.APPLIED, activation.ARMED, activation.DISABLED, activation.NOT_NEEDED)}
-    requested = count[activation.APPLIED] + count[activation.ARMED]
+    applied, armed = count[activation.APPLIED], count[activation.ARMED]
     notes = [f"{count[s]} {s}" for s in (activation.DISABLED, activation.NOT_NEEDED) if count[s]]
     unported = [p["name"] for p in rep["patches"] if p["unported"]]
     if unported:
         notes.append(f"not ported to sglang {sg['version']} yet: {', '.join(unported)}")
-    if count[activation.ARMED]:
-        done = f"{count[activation.ARMED]}/{requested} patches armed"
-        if count[activation.APPLIED]:
-            done += f", {count[activation.APPLIED]} applied"
+    if armed:
+        done = f"{armed}/{applied + armed} patches armed" + (f", {applied} applied" if applied else "")
         notes.insert(0, "fingerprints match; each applies when sglang imports its module")
     else:
-        done = f"{count[activation.APPLIED]}/{requested} patches applied"
+        done = f"{applied}/{applied + armed} patches applied"
     return f"sglang-ext: OK \u2014 {done} on sglang {sg['version']}" + (f" ({'; '.join(notes)})" if notes else "")
-
-
-VERBOSE_HINT = "details: sglang-ext doctor --verbose"
 
 
 def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
@@ -246,7 +219,7 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
     lines = [verdict(rep)]
     if not verbose:
         if exit_status(rep) == 1:  # a usage problem names everything in the line already
-            lines[0] += f" ({VERBOSE_HINT})"
+            lines[0] += " (details: sglang-ext doctor --verbose)"
         lines.extend(_record_lines(rep))
         return "\n".join(lines) + "\n"
     sg = rep["sglang"]
@@ -266,8 +239,7 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
     lines.append("")
     width = max(len(p["name"]) for p in rep["patches"]) if rep["patches"] else 10
     for p in rep["patches"]:
-        problems = "; ".join(p["live_problems"])
-        check = {None: "", True: "  [verified live]", False: f"  [NO LONGER LIVE: {problems}]"}
+        check = {None: "", True: "  [verified live]", False: f"  [NO LONGER LIVE: {'; '.join(p['live_problems'])}]"}
         lines.append(f"{p['name']:<{width}}  {p['status']}{check[p['verified_live']]}")
         lines.append(f"{'':<{width}}  {p['summary']}")
         for t in p["targets"]:
@@ -279,16 +251,11 @@ def render_text(rep: Dict[str, Any], *, verbose: bool = False) -> str:
         since = f"upstream since {up['since']}" if up["since"] else "not upstream"
         equiv = "equivalent" if up["equivalent"] else "not equivalent"
         lines.append(f"{'':<{width}}  upstream {up['pr']}; {since} ({equiv}); retire when {up['retire_when']}")
-    caches = rep.get("graph_caches")
-    lines.append("")
-    if not caches:
-        lines.append("graph caches: none in this process (run doctor inside the server, "
-                     "sglang_ext.tools.doctor.report(), to see a server's counters)")
-    else:
-        lines.append("graph caches:")
-        for name, info in sorted(caches.items()):
-            fields = ", ".join(f"{k}={v}" for k, v in info.items() if k != "name")
-            lines.append(f"  {name}: {fields}")
+    caches = rep.get("graph_caches") or {}
+    lines += ["", "graph caches:" if caches else "graph caches: none in this process (run doctor inside the server, "
+              "sglang_ext.tools.doctor.report(), to see a server's counters)"]
+    lines += [f"  {name}: " + ", ".join(f"{k}={v}" for k, v in info.items() if k != "name")
+              for name, info in sorted(caches.items())]
     lines.extend(_record_lines(rep))
     held = rep.get("import_messages") or []
     if held:

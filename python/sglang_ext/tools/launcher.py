@@ -1,4 +1,5 @@
-"""Shared logic of `python -m sglang_ext.launch_server` and `python -m sglang_ext.serve`.
+"""Shared logic of `python -m sglang_ext.launch_server` and `python -m sglang_ext.serve`, and the one line
+that says which of sglang / torch this interpreter lacks (sglang-ext declares no dependencies).
 
 The steps are in docs/how-it-works.md ("The launchers"). This module imports no sglang code, so
 spawned children that re-import the launcher as `__mp_main__` pay nothing for it.
@@ -7,20 +8,47 @@ spawned children that re-import the launcher as `__mp_main__` pay nothing for it
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import sys
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from sglang_ext.errors import ExtConfigError, SglangExtActivationError
 from sglang_ext.knobs import FLAG_PREFIX, KNOBS, MASTER_ENV, Knob, knob, knob_enabled, load_settings
-from sglang_ext.tools.prerequisites import interpreter, missing_message, missing_modules
 
 USAGE_EXIT = 2  # argparse's exit status for bad command lines
 PLUGIN_NAME = "sglang_ext"  # entry-point name in setup.py; what SGLANG_PLUGINS filters on
 NO_GPU_EXIT = 1  # the command line is fine; this machine cannot serve
 SERVING_MODULES = ("sglang", "torch")  # what every launcher hands over to
+# How to get an environment that has sglang and torch (README, Quick start).
+HOW_TO_INSTALL = ("install sglang-ext into the environment that has sglang 0.5.17 and its torch "
+                  "(pip install --no-deps .), or build the test environment from the sglang-ext clone: "
+                  "bash scripts/install_cpu_env.sh")
 
 _BY_FLAG: Dict[str, Knob] = {k.flag: k for k in KNOBS}
+
+
+def missing_modules(names: Sequence[str]) -> List[str]:
+    """The top-level modules of `names` that this interpreter cannot import (found, never imported)."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+def interpreter() -> str:
+    """This interpreter as a user would type it: relative to the working directory when below it."""
+    exe = sys.executable or "python"
+    try:
+        rel = os.path.relpath(exe)
+    except ValueError:  # another drive (Windows)
+        return exe
+    return exe if rel.startswith("..") else rel
+
+
+def missing_message(missing: Sequence[str]) -> Optional[str]:
+    """One line: which packages this interpreter lacks, and what to do (None: it lacks none)."""
+    if not missing:
+        return None
+    names = " and ".join(missing) if len(missing) <= 2 else ", ".join(missing[:-1]) + " and " + missing[-1]
+    return f"{names} {'is' if len(missing) == 1 else 'are'} not installed in {interpreter()}; {HOW_TO_INSTALL}"
 
 
 def split_ext_args(argv: Sequence[str]) -> Tuple[Dict[str, str], List[str]]:
@@ -67,7 +95,8 @@ def env_text(knob: Knob, value) -> str:
 
 
 def ext_environment(values: Mapping[str, str]) -> Dict[str, str]:
-    """Environment entries to export for these flag values, validated with the inherited environment."""
+    """Environment entries to export for these flag values, validated with the inherited environment; creates
+    the activation-record folder."""
     base = dict(os.environ)
     # The launcher sets SGLANG_EXT=1 itself; an inherited value it would overwrite must still be
     # one the children's plugin loader accepts, or it hides a typo (SGLANG_EXT=2).
@@ -76,7 +105,7 @@ def ext_environment(values: Mapping[str, str]) -> Dict[str, str]:
     for name, raw in values.items():
         k = knob(name)
         updates[k.env] = env_text(k, k.parse(raw))
-    load_settings({**base, **updates})
+    settings = load_settings({**base, **updates})
     # sglang's loader runs only the entry points SGLANG_PLUGINS lists, when it is set: without
     # sglang_ext there, the srt scheduler processes would run unpatched.
     raw = base.get("SGLANG_PLUGINS", "")
@@ -84,14 +113,13 @@ def ext_environment(values: Mapping[str, str]) -> Dict[str, str]:
     if names and PLUGIN_NAME not in names:
         raise ExtConfigError(f"SGLANG_PLUGINS={raw!r} leaves out {PLUGIN_NAME}, so sglang would not load it in its "
                              f"scheduler processes; allowed: unset/empty, or a list that includes {PLUGIN_NAME}")
+    if settings.activation_dir:
+        prepare_activation_dir(settings.activation_dir)
     return updates
 
 
-def prepare_activation_dir(env: Mapping[str, str]) -> None:
+def prepare_activation_dir(directory: str) -> None:
     """Create the activation-record folder now, or raise ExtConfigError (the servers would only warn)."""
-    directory = load_settings(env).activation_dir
-    if not directory:
-        return
     k, allowed = knob("activation_dir"), "allowed: a folder this user can write"
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise k.error(f"{directory!r} is a file, not a folder; {allowed}")
@@ -134,17 +162,10 @@ def fail(prog: str, problem: str, status: int = USAGE_EXIT) -> int:
     return status
 
 
-def missing_serving_modules_message() -> Optional[str]:
-    """One line if sglang or torch is not importable here (None when both are)."""
-    missing = missing_modules(SERVING_MODULES)
-    return missing_message(missing) if missing else None
-
-
 def _help(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optional[int]]) -> int:
     try:
         print(ext_help(prog))
-        missing = missing_serving_modules_message()
-        if missing is not None:
+        if missing := missing_message(missing_modules(SERVING_MODULES)):
             return fail(prog, missing)
         print("sglang's own arguments follow.\n", flush=True)
         return handover([a for a in argv if not a.startswith(FLAG_PREFIX)]) or 0
@@ -165,14 +186,11 @@ def main(argv: Sequence[str], prog: str, handover: Callable[[List[str]], Optiona
     try:  # every configuration check before the GPU check: a machine without one still hears about them
         values, rest = split_ext_args(argv)
         updates = ext_environment(values)
-        prepare_activation_dir({**os.environ, **updates})
     except ExtConfigError as exc:
         return fail(prog, str(exc))
-    missing = missing_serving_modules_message()
-    if missing is not None:
+    if missing := missing_message(missing_modules(SERVING_MODULES)):
         return fail(prog, missing)
-    problem = no_cuda_message() if require_cuda else None
-    if problem is not None:
+    if require_cuda and (problem := no_cuda_message()) is not None:
         return fail(prog, problem, NO_GPU_EXIT)
     os.environ.update(updates)
     from sglang_ext.activation import activate

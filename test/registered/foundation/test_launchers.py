@@ -16,7 +16,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang_ext import activation
 from sglang_ext.tools import launcher
 from sglang_ext.knobs import KNOBS, MASTER_ENV, load_settings
-from sglang_ext.tools.prerequisites import interpreter
+from sglang_ext.tools.launcher import interpreter
 from sglang_ext.registry import PATCH_NAMES
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
