@@ -53,10 +53,6 @@ class CapturedGraph:
     nbytes: int = 0
     leases: List[Any] = field(default_factory=list)
 
-    def tensors(self):
-        return tuple(t for t in (self.input, self.workspace, self.output, self.cu_full, self.full_lengths,
-                                 self.cu_window, self.window_lengths) + self.rotary if t is not None)
-
 
 class GraphStore:
     """The graphs of one tower by key, and the workspaces they lease (stable addresses, freed with them)."""
@@ -110,11 +106,9 @@ class GraphStore:
         kwargs = self.fill_rotary(graph, *rotary)
         # Warm-up, one block per attention kind: kernels that compile on first use must not compile inside
         # the capture. Local stand-ins for the TP collectives; the sync surfaces async errors before the vote.
-        warm_layers = {}
-        for layer_num in range(len(self.vit.blocks)):
-            warm_layers.setdefault(self.is_full(layer_num), layer_num)
+        first_of_kind = {self.is_full(layer_num): layer_num for layer_num in reversed(range(len(self.vit.blocks)))}
         with torch.no_grad(), warm_up():
-            for layer_num in sorted(warm_layers.values()):
+            for layer_num in sorted(first_of_kind.values()):
                 self.vit.blocks[layer_num](graph.input, **self.block_kwargs(graph, layer_num), **kwargs)
         torch.cuda.synchronize()
         return kwargs
@@ -129,19 +123,17 @@ class GraphStore:
         with guarded_capture(graph.graph, pool=pool, stream=capture_stream()):
             graph.output = self.tower(graph.input, lambda layer_num, y: self.block_kwargs(graph, layer_num), rotary)
         leased = {id(t) for lease in graph.leases for t in lease.tensors}  # shared buffers: counted once
-        graph.nbytes = sum(t.numel() * t.element_size() for t in graph.tensors() if id(t) not in leased)
-        graph.nbytes += sum(t.numel() * t.element_size() for t in graph.rotary)
+        own = [t for t in (graph.input, graph.workspace, graph.output, graph.cu_full, graph.full_lengths,
+                           graph.cu_window, graph.window_lengths) if t is not None and id(t) not in leased]
+        graph.nbytes = sum(t.numel() * t.element_size() for t in own + list(graph.rotary))
 
     def tower(self, y, block_kwargs, rotary):
         """Blocks, deepstack mergers and merger on `y`: what a graph captures and the eager path runs."""
         deepstack_outs = []
-        mergers = getattr(self.vit, "deepstack_merger_list", None)
         for layer_num, blk in enumerate(self.vit.blocks):
             y = blk(y, **block_kwargs(layer_num, y), **rotary)
             if layer_num in self.deepstack:
-                if mergers is None:
-                    raise RuntimeError("deepstack_visual_indexes exists but deepstack_merger_list is missing.")
-                deepstack_outs.append(mergers[len(deepstack_outs)](y))
+                deepstack_outs.append(self.vit.deepstack_merger_list[len(deepstack_outs)](y))
         out = self.vit.merger(y)
         return torch.cat([out] + deepstack_outs, dim=1) if deepstack_outs else out
 
