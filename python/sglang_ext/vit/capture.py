@@ -63,6 +63,8 @@ class GraphStore:
         self.full_blocks = set(getattr(vit, "fullatt_block_indexes", ()) or ())
         self.deepstack = list(getattr(vit, "deepstack_visual_indexes", []) or [])
         self.accepts_metadata = "forward_metadata" in inspect.signature(vit.blocks[0].forward).parameters
+        attn = vit.blocks[0].attn
+        self.workspace_row = (attn.num_attention_heads_per_partition, attn.head_size)  # attention output per token
         self.graphs: Dict[Any, CapturedGraph] = {}
         self.rotary_pools: Dict[tuple, StableWorkspacePool] = {}
         self.shared_pools: Dict[tuple, StableWorkspacePool] = {}  # bucket mode: input and attention workspace
@@ -85,9 +87,7 @@ class GraphStore:
         if self.backend not in CLASS_BACKENDS:  # before anything is allocated
             raise RuntimeError(f"ViT CUDA graph does not support attention backend: {self.backend}")
         graph = self.graphs[key] = CapturedGraph(key)
-        device, dtype, tokens = self.vit.device, self.vit.dtype, key.num_tokens
-        attn = self.vit.blocks[0].attn
-        ws_row = (attn.num_attention_heads_per_partition, attn.head_size)
+        device, dtype, tokens, ws_row = self.vit.device, self.vit.dtype, key.num_tokens, self.workspace_row
         if shared:
             row = tuple(x_3d.shape[1:])
             (graph.input,) = self._lease(graph, self.shared_pools, "vit_input", x_3d.dtype, tokens, row)
@@ -224,8 +224,7 @@ class GraphStore:
 
     def expected_bytes(self, x_3d, rows=None):
         """Input + attention workspace bytes of a graph for x_3d, or for `rows` rows shaped like it."""
-        attn = self.vit.blocks[0].attn
-        row_elements = math.prod(x_3d.shape[1:]) + attn.num_attention_heads_per_partition * attn.head_size
+        row_elements = math.prod(x_3d.shape[1:]) + math.prod(self.workspace_row)
         return (int(x_3d.shape[0]) if rows is None else int(rows)) * row_elements * x_3d.element_size()
 
     def retired_rotary_buffers(self):
