@@ -165,7 +165,7 @@ MUTANTS: List[Mutant] = [
            (f"{BUDGET_TESTS}::test_the_probe_ends_the_ladder_at_the_first_budget_eager_wins",),
            "bucket mode: budgets whose graph loses to eager are replayed"),
     Mutant("vit-ladder-ignores-the-merge-unit", VIT_MODEL_RUNNER,
-           "runner.engine.capture_at_load(tower, prefill * unit if prefill > 0 else None)",
+           "runner.engine.capture_at_load(tower, prefill * runner.engine.merge_unit if prefill > 0 else None)",
            "runner.engine.capture_at_load(tower, prefill if prefill > 0 else None)",
            (f"{BUDGET_TESTS}::test_model_runner_captures_the_ladder_after_its_own_graphs",),
            "bucket mode: the ladder's top counts LLM tokens, not patches (calls above it chunk needlessly)"),

@@ -53,10 +53,6 @@ class CapturedGraph:
     nbytes: int = 0
     leases: List[Any] = field(default_factory=list)
 
-    def tensors(self):
-        return tuple(t for t in (self.input, self.workspace, self.output, self.cu_full, self.full_lengths,
-                                 self.cu_window, self.window_lengths) + self.rotary if t is not None)
-
 
 class GraphStore:
     """The graphs of one tower by key, and the workspaces they lease (stable addresses, freed with them)."""
@@ -67,6 +63,8 @@ class GraphStore:
         self.full_blocks = set(getattr(vit, "fullatt_block_indexes", ()) or ())
         self.deepstack = list(getattr(vit, "deepstack_visual_indexes", []) or [])
         self.accepts_metadata = "forward_metadata" in inspect.signature(vit.blocks[0].forward).parameters
+        attn = vit.blocks[0].attn
+        self.workspace_row = (attn.num_attention_heads_per_partition, attn.head_size)  # attention output per token
         self.graphs: Dict[Any, CapturedGraph] = {}
         self.rotary_pools: Dict[tuple, StableWorkspacePool] = {}
         self.shared_pools: Dict[tuple, StableWorkspacePool] = {}  # bucket mode: input and attention workspace
@@ -89,9 +87,7 @@ class GraphStore:
         if self.backend not in CLASS_BACKENDS:  # before anything is allocated
             raise RuntimeError(f"ViT CUDA graph does not support attention backend: {self.backend}")
         graph = self.graphs[key] = CapturedGraph(key)
-        device, dtype, tokens = self.vit.device, self.vit.dtype, key.num_tokens
-        attn = self.vit.blocks[0].attn
-        ws_row = (attn.num_attention_heads_per_partition, attn.head_size)
+        device, dtype, tokens, ws_row = self.vit.device, self.vit.dtype, key.num_tokens, self.workspace_row
         if shared:
             row = tuple(x_3d.shape[1:])
             (graph.input,) = self._lease(graph, self.shared_pools, "vit_input", x_3d.dtype, tokens, row)
@@ -110,11 +106,9 @@ class GraphStore:
         kwargs = self.fill_rotary(graph, *rotary)
         # Warm-up, one block per attention kind: kernels that compile on first use must not compile inside
         # the capture. Local stand-ins for the TP collectives; the sync surfaces async errors before the vote.
-        warm_layers = {}
-        for layer_num in range(len(self.vit.blocks)):
-            warm_layers.setdefault(self.is_full(layer_num), layer_num)
+        first_of_kind = {self.is_full(layer_num): layer_num for layer_num in reversed(range(len(self.vit.blocks)))}
         with torch.no_grad(), warm_up():
-            for layer_num in sorted(warm_layers.values()):
+            for layer_num in sorted(first_of_kind.values()):
                 self.vit.blocks[layer_num](graph.input, **self.block_kwargs(graph, layer_num), **kwargs)
         torch.cuda.synchronize()
         return kwargs
@@ -129,19 +123,17 @@ class GraphStore:
         with guarded_capture(graph.graph, pool=pool, stream=capture_stream()):
             graph.output = self.tower(graph.input, lambda layer_num, y: self.block_kwargs(graph, layer_num), rotary)
         leased = {id(t) for lease in graph.leases for t in lease.tensors}  # shared buffers: counted once
-        graph.nbytes = sum(t.numel() * t.element_size() for t in graph.tensors() if id(t) not in leased)
-        graph.nbytes += sum(t.numel() * t.element_size() for t in graph.rotary)
+        own = [t for t in (graph.input, graph.workspace, graph.output, graph.cu_full, graph.full_lengths,
+                           graph.cu_window, graph.window_lengths) if t is not None and id(t) not in leased]
+        graph.nbytes = sum(t.numel() * t.element_size() for t in own + list(graph.rotary))
 
     def tower(self, y, block_kwargs, rotary):
         """Blocks, deepstack mergers and merger on `y`: what a graph captures and the eager path runs."""
         deepstack_outs = []
-        mergers = getattr(self.vit, "deepstack_merger_list", None)
         for layer_num, blk in enumerate(self.vit.blocks):
             y = blk(y, **block_kwargs(layer_num, y), **rotary)
             if layer_num in self.deepstack:
-                if mergers is None:
-                    raise RuntimeError("deepstack_visual_indexes exists but deepstack_merger_list is missing.")
-                deepstack_outs.append(mergers[len(deepstack_outs)](y))
+                deepstack_outs.append(self.vit.deepstack_merger_list[len(deepstack_outs)](y))
         out = self.vit.merger(y)
         return torch.cat([out] + deepstack_outs, dim=1) if deepstack_outs else out
 
@@ -232,8 +224,7 @@ class GraphStore:
 
     def expected_bytes(self, x_3d, rows=None):
         """Input + attention workspace bytes of a graph for x_3d, or for `rows` rows shaped like it."""
-        attn = self.vit.blocks[0].attn
-        row_elements = math.prod(x_3d.shape[1:]) + attn.num_attention_heads_per_partition * attn.head_size
+        row_elements = math.prod(x_3d.shape[1:]) + math.prod(self.workspace_row)
         return (int(x_3d.shape[0]) if rows is None else int(rows)) * row_elements * x_3d.element_size()
 
     def retired_rotary_buffers(self):

@@ -53,11 +53,6 @@ def on_device(value):
     return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
-def device_layout(layout, device):
-    """A CPU layout as an int32 tensor on `device`, copied without a sync (None stays None)."""
-    return None if layout is None else torch.tensor(layout, dtype=torch.int32).to(device, non_blocking=True)
-
-
 def map_tensors(fn, value):
     """`fn` of a tensor, or of each one in a (nested) tuple; None stays None."""
     if isinstance(value, tuple):
@@ -70,7 +65,6 @@ class ViTGraphEngine:
 
     def __init__(self, vit, attention_backend, options: GraphOptions):
         self.vit = vit
-        self.options = options
         # Merger rows: `spatial_merge_unit` input tokens make one output row (1 for towers without merging).
         self.merge_unit = int(getattr(vit, "spatial_merge_unit", 1) or 1)
         self.strategy = strategy.resolve(options, attention_backend, self.merge_unit, strategy.window_tokens(vit))
@@ -81,9 +75,8 @@ class ViTGraphEngine:
                                        release=self.store.release)
         self.budget_agreed = options.max_bytes >= 0  # -1: agreed at first use (the free memory then)
         self.fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
-        self.padding = dict(padded_batches=0, padding_tokens=0, real_tokens=0)
-        self.chunking = dict(chunked_calls=0, chunks=0)
-        self.load_capture = dict(precapture_graphs=0, precapture_ms=0, precapture_reserved_bytes=0)
+        self.counts = dict(padded_batches=0, padding_tokens=0, real_tokens=0, precapture_graphs=0, precapture_ms=0,
+                           precapture_reserved_bytes=0, chunked_calls=0, chunks=0)
         self._sampling = None  # while capture_at_load runs the tower: the calls that reached run()
         self.stats_name = ext_graph_stats.register(f"vit_cuda_graph:{type(vit).__name__}@{id(self):x}", self.info)
 
@@ -95,9 +88,6 @@ class ViTGraphEngine:
     def vote(self, value):
         """`value` agreed by the tower's group: a MIN vote over its CPU group (gloo); alone, the value itself."""
         return value if self.group is None else cpu_group_min(self.group.cpu_group, value)
-
-    def warm_up(self):
-        return tp.warm_up_context(self.group)
 
     def agree_budget(self):
         """Knob vit_graph_max_bytes -1: sized from free memory at first use, MIN over TP ranks (same evictions)."""
@@ -129,13 +119,12 @@ class ViTGraphEngine:
             self.fallbacks["no_cpu_layout"] += 1
             tokens = x_3d.shape[0]  # an upper bound of max_seqlen: exact for the triton kernel, no sync
             out = self.store.run_eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices, tokens, tokens)
-        elif self.ladder is not None and self._sampling is not None:  # capture_at_load's sample: kept, not run
+        elif self._sampling is not None:  # capture_at_load's sample (bucket mode): kept, not run
             self._sampling.append((x_3d, rotary))
             return None
         elif self.ladder is not None:
             if not self.ladder.decided:
-                with torch.no_grad():
-                    self._capture_ladder(x_3d, rotary)
+                self._capture_ladder(x_3d, rotary)
             out = self._run_budget(layout, x_3d, rotary, output_indices)
         else:
             out = self._run_keyed(layout, x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices)
@@ -153,21 +142,17 @@ class ViTGraphEngine:
             else:
                 try:
                     self.capture(key, layout, x_3d, rotary)
+                    reason = None if key in self.cache else "capacity"  # the exact policy's budget had no room
                 except Exception as exc:  # noqa: BLE001 - the batch still gets a correct result
                     retry = self.cache.retry_in(key)  # quarantined on every rank (transient: retried)
                     logger.warning("ViT CUDA graph capture failed for %d tokens; running eager %s: %s: %s",
                                    layout.num_tokens, "from now on for this layout" if retry is None else
                                    f"for this layout's next {retry} misses, then retrying", type(exc).__name__, exc)
                     reason = "capture_failed"
-                else:  # not cached: the exact policy's budget had no room for it
-                    reason = None if key in self.cache else "capacity"
-        out = None
-        if reason is None:
-            out = self.replay(key, x_3d, rotary, output_indices=output_indices,
-                              layout=layout if self.strategy.rewrites_layout else None)
-            reason = None if out is not None else "replay_failed"
-        if reason is not None:
-            self.fallbacks[reason] += 1
+        out = None if reason else self.replay(key, x_3d, rotary, output_indices=output_indices,
+                                              layout=None if self.strategy.name == "layout" else layout)
+        if out is None:
+            self.fallbacks[reason or "replay_failed"] += 1
             out = self.store.run_eager(x_3d, cu_seqlens, cu_window_seqlens, rotary, output_indices,
                                        layout.full_bound, layout.window_bound)
         return out
@@ -178,7 +163,7 @@ class ViTGraphEngine:
 
         def prepare():
             prepared.update(self.store.prepare(key, layout, x_3d, rotary, shared=self.ladder is not None,
-                                               warm_up=self.warm_up))
+                                               warm_up=functools.partial(tp.warm_up_context, self.group)))
 
         outcome = agreed_capture(self.vote, prepare, lambda: self.store.capture(key, prepared),
                                  lambda: self.store.drop(key))
@@ -221,7 +206,8 @@ class ViTGraphEngine:
 
     def eager_call(self, layout, x_3d, rotary, output_indices=None):
         """The sync-free eager run of one call given by its CPU layout, rotary on graphs-off's compiled kernel."""
-        full, window = (device_layout(bounds, x_3d.device) for bounds in (layout.full, layout.window))
+        full, window = (None if bounds is None else torch.tensor(bounds, dtype=torch.int32).to(
+            x_3d.device, non_blocking=True) for bounds in (layout.full, layout.window))
         with compiled_rotary():
             return self.store.run_eager(x_3d, full, window, rotary, output_indices, layout.full_bound,
                                         layout.window_bound)
@@ -229,17 +215,17 @@ class ViTGraphEngine:
     def _replay_budget(self, layout, x_3d, rotary, counted=True, output_indices=None, out=None):
         """(merger rows, None) from the call's budget graph, else (None, the fallback reason).
         counted=False: the probe, no counters and no vote (its graphs hold local stand-ins for collectives)."""
-        tokens = layout.num_tokens
+        tokens, limit = layout.num_tokens, self.ladder.replay_limit
         plan = self.ladder.plan(layout)
-        if plan is None:
-            return None, "gate" if tokens > self.ladder.replay_limit else "no_fit"
+        if plan is None:  # gate: no ladder, or a call above it
+            return None, "gate" if tokens > limit or not limit else "no_fit"
         key, padded = plan
         if (self.cache.get(key) if counted else self.cache.entries.get(key)) is None:
             return None, "no_fit"
         if counted:
-            self.padding["real_tokens"] += tokens
-            self.padding["padded_batches"] += key.num_tokens > tokens
-            self.padding["padding_tokens"] += key.num_tokens - tokens
+            self.counts["real_tokens"] += tokens
+            self.counts["padded_batches"] += key.num_tokens > tokens
+            self.counts["padding_tokens"] += key.num_tokens - tokens
         rows = self.replay(key, x_3d, rotary, output_indices=output_indices, rows=tokens // self.merge_unit,
                            layout=padded, out=out, agree=counted)
         return rows, None if rows is not None else "replay_failed"
@@ -247,13 +233,11 @@ class ViTGraphEngine:
     def _run_budget(self, layout, x_3d, rotary, output_indices):
         """Replay the call, or its whole-image chunks, where a captured budget serves them; else eager."""
         tokens, limit, unit = layout.num_tokens, self.ladder.replay_limit, self.merge_unit
-        ranges = [(0, tokens)]
-        if limit and tokens > limit and not self.ladder.split_above_limit:
-            limit = 0  # above the probe's break-even: one eager call
-        elif limit and tokens > limit:
+        ranges = [(0, tokens)]  # above the probe's break-even (split_above_limit False): one eager call
+        if limit and tokens > limit and self.ladder.split_above_limit:
             ranges = whole_sequence_chunks((layout.full, layout.window), tokens, limit, BUCKET_SEQUENCES - 1)
-            self.chunking["chunked_calls"] += 1
-            self.chunking["chunks"] += len(ranges)
+            self.counts["chunked_calls"] += 1
+            self.counts["chunks"] += len(ranges)
 
         def call_of(start, end):
             if (start, end) == (0, tokens):
@@ -261,8 +245,7 @@ class ViTGraphEngine:
             return layout.between(start, end), x_3d[start:end], map_tensors(lambda t: t[start:end], rotary)
 
         if len(ranges) == 1:  # one call: its replay writes the output, reordered
-            out, reason = (self._replay_budget(layout, x_3d, rotary, output_indices=output_indices) if limit
-                           else (None, "gate"))
+            out, reason = self._replay_budget(layout, x_3d, rotary, output_indices=output_indices)
             if out is None:
                 self.fallbacks[reason] += 1
                 out = self.eager_call(layout, x_3d, rotary, output_indices)
@@ -302,14 +285,12 @@ class ViTGraphEngine:
             return
         self.agree_budget()
         ladder.budgets = token_buckets(ladder.configured, self.merge_unit, server_tokens)
-        ladder.replay_limit = ladder.budgets[-1] if ladder.budgets else 0
         error, self._sampling = None, []
         try:
-            t, h, w = SAMPLE_GRID
-            proj = vit.patch_embed.proj.weight
-            pixels = torch.zeros(t * h * w, proj[0].numel(), dtype=vit.dtype, device=vit.device)
+            pixels = torch.zeros(math.prod(SAMPLE_GRID), vit.patch_embed.proj.weight[0].numel(), dtype=vit.dtype,
+                                 device=vit.device)
             with torch.no_grad():
-                vit.forward_with_cuda_graph(pixels, torch.tensor([[t, h, w]], dtype=torch.int64))
+                vit.forward_with_cuda_graph(pixels, torch.tensor([SAMPLE_GRID], dtype=torch.int64))
             if not self._sampling:
                 raise RuntimeError("the tower's graph path did not reach the runner")
         except Exception as exc:  # noqa: BLE001 - voted on below
@@ -321,9 +302,9 @@ class ViTGraphEngine:
             logger.warning("ViT CUDA graphs stay off: the load-time sample failed on %s: %s",
                            "this rank" if error else "another rank", error)
             return
-        with torch.no_grad():
-            self._capture_ladder(*sample[0])
+        self._capture_ladder(*sample[0])
 
+    @torch.no_grad()
     def _capture_ladder(self, x_3d, rotary):
         """Decide the replay ladder and capture it (at load, else at the first call); nothing is captured later."""
         ladder, cache = self.ladder, self.cache
@@ -332,7 +313,7 @@ class ViTGraphEngine:
         reserved = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
         sample = (x_3d[:1], rotary)
         limit = ladder.replay_max_tokens
-        probed = [b for b in ladder.budgets if b <= limit] if limit >= 0 else self._probe(sample, ladder.budgets)
+        probed = [b for b in ladder.budgets if b <= limit] if limit >= 0 else self._probe(sample)
         kept = probed[:cache.capacity]
         while kept and cache.max_bytes > 0 and self.store.expected_bytes(x_3d, rows=kept[-1]) > cache.max_bytes:
             kept.pop()
@@ -348,7 +329,7 @@ class ViTGraphEngine:
                 captured = []
                 break
         ladder.decide([key.num_tokens for key in captured], probed)
-        info = self.load_capture
+        info = self.counts
         info.update(precapture_graphs=len(captured), precapture_ms=int((time.perf_counter() - started) * 1e3))
         if torch.cuda.is_available():
             info["precapture_reserved_bytes"] = int(torch.cuda.memory_reserved() - reserved)
@@ -372,40 +353,36 @@ class ViTGraphEngine:
         self.capture(key, layout, x_3d, rotary)
         return key
 
-    def _probe(self, sample, ladder):
+    def _probe(self, sample):
         """Budgets whose graph beats eager on the smallest call each serves (all ranks agree), to the first loss."""
-        on_cuda = isinstance(self.vit.device, torch.device) and self.vit.device.type == "cuda"
-        sync = torch.cuda.synchronize if on_cuda else None
-        kept, previous = [], 0
-        for budget in ladder:
+        sync = torch.cuda.synchronize if getattr(self.vit.device, "type", None) == "cuda" else None
+        kept = []
+        for budget in self.ladder.budgets:
             try:
-                with self.warm_up():
+                with tp.warm_up_context(self.group):
                     key = self.capture_budget(sample, budget)
             except Exception:  # noqa: BLE001 - agreed on every rank; the capture logged nothing, so say it here
                 logger.warning("ViT CUDA graph probe: capture of the %d-token budget failed; the ladder ends below it",
                                budget, exc_info=True)
                 break
-            tokens = previous + self.merge_unit
-            error = None
+            tokens = (kept[-1] if kept else 0) + self.merge_unit  # the smallest call this budget serves
             try:  # rank-local (graphs captured with local stand-ins for the collectives), voted below
                 call = self._synthetic_call(sample, tokens)
-                with torch.no_grad(), self.warm_up():
+                with tp.warm_up_context(self.group):
                     graph_ms = median_wall_ms(lambda: self._replay_budget(*call, counted=False),
                                               repeats=PROBE_REPEATS, synchronize=sync)
                     eager_ms = median_wall_ms(lambda: self.eager_call(*call), repeats=PROBE_REPEATS, synchronize=sync)
             except Exception as exc:  # noqa: BLE001 - voted on below
-                error, graph_ms, eager_ms = exc, math.inf, 0.0
+                logger.warning("ViT CUDA graph probe of the %d-token budget failed: %s: %s", budget,
+                               type(exc).__name__, exc)
+                graph_ms, eager_ms = math.inf, 0.0
             self.cache.discard(key)
-            wins = self.vote(OK if error is None and graph_ms < eager_ms else PERMANENT) == OK
+            wins = self.vote(OK if graph_ms < eager_ms else PERMANENT) == OK
             self.ladder.gate.append({"budget": budget, "tokens": tokens, "graph_ms": round(graph_ms, 3),
                                      "eager_ms": round(eager_ms, 3), "replay": wins})
-            if error is not None:
-                logger.warning("ViT CUDA graph probe of the %d-token budget failed: %s: %s", budget,
-                               type(error).__name__, error)
             if not wins:
                 break
             kept.append(budget)
-            previous = budget
         return kept
 
     def info(self):
@@ -414,11 +391,11 @@ class ViTGraphEngine:
         shared_bytes = sum(p.bytes_allocated for p in self.store.shared_pools.values())
         info["bytes_resident"] += shared_bytes
         rotary_pools = self.store.rotary_pools.values()
-        info.update(mode=self.strategy.name, attention_backend=self.store.backend, **self.padding,
+        info.update(mode=self.strategy.name, attention_backend=self.store.backend, **self.counts,
                     resident_graphs=len(self.cache), fallbacks=sum(self.fallbacks.values()),
                     **{f"fallback_{reason}": count for reason, count in self.fallbacks.items()},
                     rotary_backing_buffers=sum(p.backing_buffers for p in rotary_pools),
                     rotary_bytes=sum(p.bytes_allocated for p in rotary_pools), shared_buffer_bytes=shared_bytes,
                     replay_limit_tokens=self.ladder.replay_limit if self.ladder else 0,
-                    budgets=len(self.ladder.budgets) if self.ladder else 0, **self.load_capture, **self.chunking)
+                    budgets=len(self.ladder.budgets) if self.ladder else 0)
         return info

@@ -27,8 +27,7 @@ def precapture_vit_graphs(model_runner):
         for name in ("cuda_graph_runner", "graph_runners"):  # Qwen2.5-VL's attribute, Qwen3-VL's
             runner = tower.__dict__.get(name)
             if isinstance(runner, ViTGraphRunner):
-                unit = int(getattr(tower, "spatial_merge_unit", 1) or 1)
-                runner.engine.capture_at_load(tower, prefill * unit if prefill > 0 else None)
+                runner.engine.capture_at_load(tower, prefill * runner.engine.merge_unit if prefill > 0 else None)
 
 
 def _then_vit_graphs(original):

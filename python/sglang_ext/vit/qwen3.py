@@ -16,27 +16,21 @@ from collections import defaultdict
 
 import torch
 
+from sglang_ext.graphs.keys import cumulative_lengths
 from sglang_ext.vit.runner import bind_runner
 
 
-def graph_inputs(vit, x, grid_thw):
-    """sglang's `_prepare_graph_inputs`, positions interpolated as eager `forward` does; boundaries as ints."""
-    x = vit.patch_embed(x.to(device=vit.device, dtype=vit.dtype, non_blocking=True))
-    grid = grid_thw if isinstance(grid_thw, list) else grid_thw.tolist()
-    if vit._use_vectorized_pos_embed(len(grid)):
-        x += vit.fast_pos_embed_interpolate_vectorized(grid)
-    else:
-        x += vit.fast_pos_embed_interpolate_from_list(grid)
-    rotary_pos_emb_cos, rotary_pos_emb_sin = vit.rot_pos_emb(grid)
-    full_layout = [0]
-    for t, h, w in grid:  # one attention sequence per frame, as eager's token_cu_seqlens
-        for _ in range(int(t)):
-            full_layout.append(full_layout[-1] + int(h) * int(w))
-    return x, tuple(full_layout), rotary_pos_emb_cos, rotary_pos_emb_sin
-
-
 def forward_with_cuda_graph(self, x, grid_thw):
-    x, full_layout, rotary_pos_emb_cos, rotary_pos_emb_sin = graph_inputs(self, x, grid_thw)
+    """sglang's `_prepare_graph_inputs`, positions interpolated as eager `forward` does; boundaries as ints."""
+    x = self.patch_embed(x.to(device=self.device, dtype=self.dtype, non_blocking=True))
+    grid = grid_thw if isinstance(grid_thw, list) else grid_thw.tolist()
+    if self._use_vectorized_pos_embed(len(grid)):
+        x += self.fast_pos_embed_interpolate_vectorized(grid)
+    else:
+        x += self.fast_pos_embed_interpolate_from_list(grid)
+    rotary_pos_emb_cos, rotary_pos_emb_sin = self.rot_pos_emb(grid)
+    # one attention sequence per frame, as eager's token_cu_seqlens
+    full_layout = cumulative_lengths([int(h) * int(w) for t, h, w in grid for _ in range(int(t))])
     cu_seqlens = torch.tensor(full_layout, dtype=torch.int32).to(x.device, non_blocking=True)
     # no windows, rotary as cos/sin tables, rows in the tower's order
     return self.graph_runners.run(x=x, cu_seqlens=cu_seqlens, cu_window_seqlens=None, position_embeddings=None,

@@ -28,10 +28,8 @@ class ViTGraphRunner(vit_cuda_graph_runner.ViTCudaGraphRunner):
         super().__init__(vit)
         self.engine = ViTGraphEngine(vit, self._attn_backend, options or self.options)
 
-    def run(self, x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos=None,
-            rotary_pos_emb_sin=None, output_indices=None, attention_layout_key=None):
-        return self.engine.run(x, cu_seqlens, cu_window_seqlens, position_embeddings, rotary_pos_emb_cos,
-                               rotary_pos_emb_sin, output_indices, attention_layout_key)
+    def run(self, *args, **kwargs):  # upstream's `run` arguments (ViTGraphEngine.run)
+        return self.engine.run(*args, **kwargs)
 
 
 def bind_runner(ctx, module) -> None:

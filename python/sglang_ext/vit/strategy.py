@@ -29,9 +29,7 @@ Boundaries = Optional[Tuple[int, ...]]
 
 def max_len(layout):
     """Longest sequence of a cumulative layout (0 for an empty one)."""
-    if not layout or len(layout) < 2:
-        return 0
-    return max(b - a for a, b in zip(layout, layout[1:]))
+    return max((b - a for a, b in zip(layout, layout[1:])), default=0) if layout else 0
 
 
 def _pow2(value):
@@ -88,7 +86,6 @@ class LayoutKeys:
     """'layout': one graph per exact layout, its boundaries written once at capture."""
 
     name = "layout"
-    rewrites_layout = False
 
     def key(self, layout):
         return layout
@@ -98,7 +95,6 @@ class ClassKeys:
     """'class': kernels read max_seqlen only as a bound, so a replay equals eager bit for bit."""
 
     name = "class"
-    rewrites_layout = True
 
     def key(self, layout):
         tokens = layout.num_tokens
@@ -131,36 +127,27 @@ def padded_layout(layout, real_tokens, bucket, chunk):
     """`layout` plus padding sequences covering [real_tokens, bucket), none longer than `chunk`."""
     if layout is None:
         return None
-    cuts = list(layout)
-    end = real_tokens
-    while end < bucket:
-        end = min(end + chunk, bucket)
-        cuts.append(end)
-    return tuple(cuts)
+    padding = (*range(real_tokens + chunk, bucket, chunk), bucket) if real_tokens < bucket else ()
+    return tuple(layout) + padding
 
 
 class BudgetLadder:
     """'bucket': a call padded to the smallest budget graph that fits (equal to eager within bf16 rounding)."""
 
     name = "bucket"
-    rewrites_layout = True
+    replay_limit = property(lambda self: self.budgets[-1] if self.budgets else 0)  # calls up to this many replay
 
     def __init__(self, configured, merge_unit, window_tokens_, replay_max_tokens, above_ladder):
         self.configured = tuple(configured)
         self.merge_unit = merge_unit
         self.window_tokens = window_tokens_
+        self.window_chunk = max(window_tokens_ or 0, merge_unit)  # a padding window: a full one, >= one merge unit
         self.replay_max_tokens = replay_max_tokens  # -1: the probe decides
         self.above_ladder = above_ladder
         self.budgets = token_buckets(self.configured, merge_unit)  # the captured ladder, once decided
-        self.replay_limit = self.budgets[-1] if self.budgets else 0  # calls up to this many tokens replay
         self.split_above_limit = True  # above the limit: chunks that replay (else one eager call)
         self.decided = False
         self.gate = []  # the load-time probe: one row per budget measured
-
-    @property
-    def window_chunk(self):
-        """Tokens of a padding window (a full window of the tower, at least one merge unit)."""
-        return max(self.window_tokens or 0, self.merge_unit)
 
     def key(self, layout):
         tokens = layout.num_tokens
@@ -175,7 +162,6 @@ class BudgetLadder:
         above a limit set by the knob or a capacity / byte cut graphs still win, so it is split into chunks."""
         self.decided = True
         self.budgets = tuple(sorted(captured))
-        self.replay_limit = self.budgets[-1] if self.budgets else 0
         self.split_above_limit = (self.replay_max_tokens >= 0 or len(captured) < len(probed)
                                   or self.above_ladder == "split")
 
@@ -204,7 +190,7 @@ def resolve(options, backend, merge_unit, window_tokens_):
     if mode != "layout" and backend not in CLASS_BACKENDS:
         logger.warning("--ext-vit-graph-mode %s needs one of the vision attention backends %s; this tower uses %s, "
                        "so its graphs are keyed by exact layout", mode, "/".join(CLASS_BACKENDS), backend)
-        return LayoutKeys()
+        mode = "layout"
     if mode == "layout":
         return LayoutKeys()
     if mode == "class":

@@ -25,14 +25,12 @@ def agreeing_group(vit):
 @contextlib.contextmanager
 def local_collectives(group):
     """While open, the group's all-reduce / all-gather are local stand-ins (a warm-up leaves no peer waiting)."""
-    world = group.world_size
-
     def all_gather(input_, dim=-1, output_tensor_list=None):
         if output_tensor_list is not None:
             for out in output_tensor_list:
                 out.copy_(input_)
             return None
-        return torch.cat([input_] * world, dim=dim)
+        return torch.cat([input_] * group.world_size, dim=dim)
 
     swaps = PatchContext("vit_cuda_graph warm-up", None)
     try:
@@ -43,14 +41,11 @@ def local_collectives(group):
         swaps.rollback()
 
 
+@contextlib.contextmanager
 def warm_up_context(group):
-    """Local stand-ins on the tower's group (and the TP group) for `with`, when there is a group."""
-    if group is None:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    groups = []
-    for candidate in (group, get_parallel().tp_group):
-        if all(candidate is not seen for seen in groups):
-            groups.append(candidate)
-            stack.enter_context(local_collectives(candidate))
-    return stack
+    """While open, local stand-ins on the tower's group and the TP group (each once), when there is a group."""
+    with contextlib.ExitStack() as stack:
+        if group is not None:
+            for candidate in {id(g): g for g in (group, get_parallel().tp_group)}.values():
+                stack.enter_context(local_collectives(candidate))
+        yield
