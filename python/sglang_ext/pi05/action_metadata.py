@@ -17,11 +17,11 @@ How: wrapped: 0.5.19's `runtime.cuda_graph` block (the plan the workers resolve)
 from __future__ import annotations
 
 import functools
+import importlib
 
 from sglang_ext.patching import install_module
 from sglang_ext.pi05 import graph_settings
-from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
-from sglang_ext.pi05.endpoint import sibling
+from sglang_ext.pi05.observation_checks import checkpoint_cameras
 
 _ACTION_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.action.protocol"
 
@@ -34,21 +34,19 @@ def _our_graphs() -> bool:
     return status is not None and status.state in (activation.ARMED, activation.APPLIED)
 
 
-def _cuda_graph_block(pipeline_config) -> dict:
-    """The graph settings the workers resolve (graph_settings.resolve_plan); a config without the 0.5.19
-    methods reports 0.5.17's action flag."""
-    prefix_available = getattr(pipeline_config, "prefix_cuda_graph_available", None)
-    action_available = getattr(pipeline_config, "action_cuda_graph_available", None)
-    plan = graph_settings.resolve_plan(pipeline_config) if callable(prefix_available) and _our_graphs() else None
+def _cuda_graph_block(config) -> dict:
+    """The graph settings the workers resolve (graph_settings.resolve_plan) from the pipeline config; a config
+    without the 0.5.19 methods reports 0.5.17's action flag."""
+    prefix_available = getattr(config, "prefix_cuda_graph_available", None)
+    action_available = getattr(config, "action_cuda_graph_available", None)
+    plan = graph_settings.resolve_plan(config) if callable(prefix_available) and _our_graphs() else None
     return {
-        "prefix_enabled": bool(prefix_available()) if callable(prefix_available) else False,
-        "prefix_max_entries": plan.prefix_entries if plan else getattr(pipeline_config, "prefix_cuda_graph_max_entries", 0),
-        "action_enabled": (bool(action_available()) if callable(action_available)
-                           else bool(getattr(pipeline_config, "enable_action_cuda_graph", False))),
-        "action_max_entries": plan.action_entries if plan else getattr(pipeline_config, "action_cuda_graph_max_entries",
-                                                                       None),
-        "prompt_token_buckets": list(plan.prompt_buckets if plan else getattr(pipeline_config, "prompt_token_buckets",
-                                                                              ())),
+        "prefix_enabled": callable(prefix_available) and bool(prefix_available()),
+        "prefix_max_entries": plan.prefix_entries if plan else getattr(config, "prefix_cuda_graph_max_entries", 0),
+        "action_enabled": bool(action_available() if callable(action_available)
+                               else getattr(config, "enable_action_cuda_graph", False)),
+        "action_max_entries": plan.action_entries if plan else getattr(config, "action_cuda_graph_max_entries", None),
+        "prompt_token_buckets": list(plan.prompt_buckets if plan else getattr(config, "prompt_token_buckets", ())),
     }
 
 
@@ -80,4 +78,4 @@ def patch_protocol(ctx, module) -> None:
 
 def rebind_action_metadata(ctx, module) -> None:
     """Part for `...entrypoints.action.api` / `.ws_utils`, which bound the name at import."""
-    ctx.setattr(module, "action_metadata", sibling(module, "protocol").action_metadata)
+    ctx.setattr(module, "action_metadata", importlib.import_module(".protocol", module.__package__).action_metadata)

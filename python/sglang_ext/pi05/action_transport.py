@@ -18,26 +18,23 @@ from __future__ import annotations
 
 import base64
 import binascii
+import inspect
 import io
 import json
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import orjson
 import pybase64
 from PIL import Image
 
-from sglang_ext.pi05.endpoint import ACTION_PATH, like_endpoint, post_route
-
+ACTION_PATH = "/v1/actions/generations"
 # JSON state and noise lists: 0.5.21+ walks a request's lists element by element on both sides of the
 # scheduler hop (ipc_cuda._map_tree), and the request holds each list three times: ~10 ms for 50x32 noise.
 _NUMBER_FIELDS = ("state", "noise", "observation.state", "observation.noise")
-_EXT_DECODE_THREADS = max(2, min(8, os.cpu_count() or 2))
-_EXT_INT64_LIMIT = float(2**63)
-_ext_decode_pool = None
-_ext_decode_pool_lock = threading.Lock()
+# Its threads start on the first submit.
+_EXT_DECODE_POOL = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="sglang-ext-image-decode")
 
 
 def _ext_maybe_wide_int(parsed) -> bool:
@@ -50,7 +47,7 @@ def _ext_maybe_wide_int(parsed) -> bool:
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-        elif type(item) is float and abs(item) >= _EXT_INT64_LIMIT and item == item and item.is_integer():
+        elif type(item) is float and abs(item) >= 2.0**63 and item == item and item.is_integer():
             return True
     return False
 
@@ -72,8 +69,6 @@ def _ext_b64decode(data):
 
 
 class _OrjsonBodyRequest:
-    """The endpoint's request, whose `json()` is `_ext_json_body` of its body."""
-
     def __init__(self, request):
         self._request = request
 
@@ -85,11 +80,16 @@ class _OrjsonBodyRequest:
 
 
 def _orjson_endpoint(endpoint, request_cls):
+    """The endpoint on `_OrjsonBodyRequest`, with its doc and the signature by which FastAPI injects the Request:
+    the class itself, not a name FastAPI would resolve in our module."""
     async def create_action_generation(request):
         return await endpoint(_OrjsonBodyRequest(request))
 
     create_action_generation.__wrapped__ = endpoint
-    return like_endpoint(create_action_generation, endpoint, request_cls)
+    create_action_generation.__doc__ = endpoint.__doc__
+    create_action_generation.__signature__ = inspect.Signature(
+        [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=request_cls)])
+    return create_action_generation
 
 
 def _decode_b64_image(payload):
@@ -100,32 +100,6 @@ def _decode_b64_image(payload):
     if isinstance(data, str) and data.startswith("data:") and "," in data:
         data = data.partition(",")[2]  # a data URL: the payload after the header
     return Image.open(io.BytesIO(_ext_b64decode(data))).convert("RGB")
-
-
-def _ext_pool() -> ThreadPoolExecutor:
-    global _ext_decode_pool
-    with _ext_decode_pool_lock:
-        if _ext_decode_pool is None:
-            _ext_decode_pool = ThreadPoolExecutor(_EXT_DECODE_THREADS, thread_name_prefix="sglang-ext-image-decode")
-        return _ext_decode_pool
-
-
-def _ext_decode_concurrently(decode, images: dict) -> dict:
-    """`images` with every encoded camera decoded on the pool; the first failure in order is raised."""
-    names = [name for name, value in images.items()
-             if isinstance(value, dict) and ("b64_json" in value or "base64" in value)]
-    if len(names) < 2:
-        return images
-    futures = [_ext_pool().submit(decode, images[name]) for name in names]
-    decoded, first_error = {}, None
-    for name, future in zip(names, futures):
-        try:
-            decoded[name] = future.result()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, the first in request order
-            first_error = first_error or exc
-    if first_error is not None:
-        raise first_error
-    return {name: decoded.get(name, value) for name, value in images.items()}
 
 
 def _ext_number_array(value):
@@ -143,10 +117,13 @@ def _ext_number_array(value):
 def _wrap_normalize_observation(original, protocol):
     def _normalize_observation(observation):
         images = observation.get("images") if isinstance(observation, dict) else None
-        if isinstance(images, dict):
-            decoded = _ext_decode_concurrently(protocol._decode_b64_image, images)
-            if decoded is not images:
-                observation = {**observation, "images": decoded}
+        encoded = [name for name, value in images.items() if isinstance(value, dict)
+                   and ("b64_json" in value or "base64" in value)] if isinstance(images, dict) else []
+        if len(encoded) > 1:  # decoded on the pool; all end before the first failure, in request order, is raised
+            futures = {name: _EXT_DECODE_POOL.submit(protocol._decode_b64_image, images[name]) for name in encoded}
+            wait(futures.values())
+            decoded = {name: futures[name].result() if name in futures else value for name, value in images.items()}
+            observation = {**observation, "images": decoded}
         normalized = original(observation)
         if isinstance(normalized, dict):
             for name in _NUMBER_FIELDS:
@@ -166,7 +143,8 @@ def patch_protocol(ctx, module) -> None:
 
 def patch_api(ctx, module) -> None:
     """Part for entrypoints.vla.api: the JSON endpoint parses with orjson."""
-    route = post_route(module.router)
+    route = next((r for r in module.router.routes
+                  if getattr(r, "path", None) == ACTION_PATH and "POST" in getattr(r, "methods", ())), None)
     if route is None or route.endpoint is not module.create_action_generation:
         raise RuntimeError(f"entrypoints.vla.api.router: POST {ACTION_PATH} is not sglang's "
                            f"create_action_generation (found {getattr(route, 'endpoint', None)!r})")

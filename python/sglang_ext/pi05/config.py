@@ -25,36 +25,8 @@ from sglang_ext.errors import ExtConfigError
 from sglang_ext.graphs.keys import _is_int
 from sglang_ext.patching import install_module
 
-
-_EXT_PI05_GRAPH_FIELDS = _ext_pi05_settings.GRAPH_FIELDS
-
 # Keys a misspelling is checked against: the new fields and 0.5.17's action flag.
-_EXT_PI05_GRAPH_KEYS = tuple(f.name for f in _EXT_PI05_GRAPH_FIELDS) + ("enable_action_cuda_graph",)
-
-
-def _ext_apply_pi05_graph_knobs(config) -> list:
-    """Apply `--ext-pi05-*` overrides; return 'field (from flag / env)' for each applied."""
-    applied = []
-    for field_name, knob_name in _ext_pi05_settings.KNOB_OF.items():
-        value = _ext_pi05_settings.knob_override(field_name)
-        if value is None:
-            continue
-        setattr(config, field_name, value)
-        knob = _ext_knobs.knob(knob_name)
-        applied.append(f"{field_name} (from {knob.flag} / {knob.env})")
-    return applied
-
-
-def _ext_reject_misspelled_graph_keys(config, source_pipeline_dict) -> None:
-    known = {f.name for f in fields(config)}
-    for key in source_pipeline_dict:
-        if not isinstance(key, str) or key in known:
-            continue
-        close = difflib.get_close_matches(key, _EXT_PI05_GRAPH_KEYS, n=1, cutoff=0.8)
-        if close or "cuda_graph" in key or "token_bucket" in key:
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ExtConfigError(f"unknown Pi0.5 pipeline config key {key!r}: {hint}"
-                                 f"allowed graph keys: {', '.join(_EXT_PI05_GRAPH_KEYS)}")
+_EXT_PI05_GRAPH_KEYS = tuple(f.name for f in _ext_pi05_settings.GRAPH_FIELDS) + ("enable_action_cuda_graph",)
 
 
 def config_init(upstream):
@@ -62,9 +34,9 @@ def config_init(upstream):
 
     @functools.wraps(upstream)
     def __init__(self, *args, **kwargs):
-        for graph_field in _EXT_PI05_GRAPH_FIELDS:
-            setattr(self, graph_field.name, kwargs.pop(graph_field.name) if graph_field.name in kwargs
-                    else _ext_pi05_settings.default(graph_field))
+        defaults = _ext_pi05_settings.GraphConfigFields()
+        for graph_field in _ext_pi05_settings.GRAPH_FIELDS:
+            setattr(self, graph_field.name, kwargs.pop(graph_field.name, getattr(defaults, graph_field.name)))
         upstream(self, *args, **kwargs)
         self.__post_init__()
 
@@ -72,7 +44,14 @@ def config_init(upstream):
 
 
 def __post_init__(self) -> None:
-    overrides = _ext_apply_pi05_graph_knobs(self)
+    """Apply the `--ext-pi05-*` knobs set, then validate (an error names the knobs applied)."""
+    overrides = []
+    for field_name, knob_name in _ext_pi05_settings.KNOB_OF.items():
+        value = _ext_pi05_settings.knob_override(field_name)
+        if value is not None:
+            setattr(self, field_name, value)
+            knob = _ext_knobs.knob(knob_name)
+            overrides.append(f"{field_name} (from {knob.flag} / {knob.env})")
     try:
         self._validate_cuda_graph_config()
     except ValueError as exc:
@@ -113,29 +92,30 @@ def check_pipeline_config(self) -> None:
 
 
 def update_pipeline_config(self, source_pipeline_dict) -> None:
-    _ext_reject_misspelled_graph_keys(self, source_pipeline_dict)
+    known = {f.name for f in fields(self)}
+    for key in source_pipeline_dict:
+        if not isinstance(key, str) or key in known:
+            continue
+        close = difflib.get_close_matches(key, _EXT_PI05_GRAPH_KEYS, n=1, cutoff=0.8)
+        if close or "cuda_graph" in key or "token_bucket" in key:
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ExtConfigError(f"unknown Pi0.5 pipeline config key {key!r}: {hint}"
+                                 f"allowed graph keys: {', '.join(_EXT_PI05_GRAPH_KEYS)}")
     PipelineConfig.update_pipeline_config(self, source_pipeline_dict)
-
-
-def prefix_cuda_graph_available(self) -> bool:
-    return _ext_pi05_settings.prefix_graph_available(self)
-
-
-def action_cuda_graph_available(self) -> bool:
-    return _ext_pi05_settings.action_graph_available(self)
 
 
 def patch_pipeline_config(ctx, module) -> None:
     cls = module.Pi05PipelineConfig
     if "prompt_token_buckets" not in cls.__dataclass_fields__:  # 0.5.17: the fields backported
-        for graph_field in _EXT_PI05_GRAPH_FIELDS:
+        for graph_field in _ext_pi05_settings.GRAPH_FIELDS:
             ctx.setitem(cls.__dataclass_fields__, graph_field.name, graph_field)
             # For instances unpickled from a process without the patch; a tuple, never a shared list.
             fallback = () if graph_field.default_factory is not MISSING else graph_field.default
             ctx.setattr(cls, graph_field.name, fallback)
         ctx.setattr(cls, "__init__", config_init(cls.__dict__["__init__"]))
-        for method in (prefix_cuda_graph_available, action_cuda_graph_available, check_pipeline_config):
-            ctx.setattr(cls, method.__name__, method)
+        ctx.setattr(cls, "prefix_cuda_graph_available", _ext_pi05_settings.prefix_graph_available)
+        ctx.setattr(cls, "action_cuda_graph_available", _ext_pi05_settings.action_graph_available)
+        ctx.setattr(cls, "check_pipeline_config", check_pipeline_config)
     for method in (__post_init__, _validate_cuda_graph_config, update_pipeline_config):
         ctx.setattr(cls, method.__name__, method)
 

@@ -3,7 +3,7 @@ each overridable by an `--ext-pi05-*` knob, and the `GraphPlan` a policy resolve
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from sglang_ext import knobs
 from sglang_ext.graphs.buckets import geometric_buckets
@@ -32,10 +32,6 @@ PREFIX_OFFLOAD_FLAGS = ("offload_prefix_image_encoder", "offload_prefix_image_en
                         "offload_prefix_language_layers_after_prefix", "empty_cache_after_prefix")
 
 
-def default(graph_field):
-    return graph_field.default_factory() if graph_field.default_factory is not MISSING else graph_field.default
-
-
 def knob_override(field_name: str):
     """The knob's value for a config field, or None when the knob is unset."""
     value = knobs.current(KNOB_OF[field_name])
@@ -51,7 +47,7 @@ def setting(config, field_name: str):
 
 
 def _field(config, name: str):
-    return getattr(config, name, default(next(f for f in GRAPH_FIELDS if f.name == name)))
+    return getattr(config, name, getattr(GraphConfigFields(), name))
 
 
 def _segmented(config) -> bool:  # 0.5.23's segmented actions denoise eagerly: no graphs (upstream's rule)
@@ -73,16 +69,12 @@ def action_graph_available(config) -> bool:
                 and not getattr(config, "offload_action_expert_after_denoise", False))
 
 
-# Default prompt buckets (tokens): the shortest prompts (task + state) fit the first; each step pads a
-# prompt by at most 25 % (a prompt is a small part of a prefix that also holds 256 tokens per camera).
-PROMPT_LADDER = dict(smallest=32, ratio=1.25, multiple=16)
-
-
 def prompt_ladder(max_token_len: int) -> tuple:
     """Prompt buckets up to `max_token_len` (the tokenizer pads or cuts every prompt to it), the last one it."""
     largest = max(int(max_token_len), 1)
-    ladder = geometric_buckets(min(PROMPT_LADDER["smallest"], largest), largest, ratio=PROMPT_LADDER["ratio"],
-                               multiple=PROMPT_LADDER["multiple"])
+    # The shortest prompts (task + state) fit the first, 32 tokens; each step pads a prompt by at most 25 %
+    # (a prompt is a small part of a prefix that also holds 256 tokens per camera).
+    ladder = geometric_buckets(min(32, largest), largest, ratio=1.25, multiple=16)
     return tuple(b for b in ladder if b < largest) + (largest,)
 
 
@@ -106,13 +98,10 @@ def resolve_plan(config) -> GraphPlan:
         buckets = prompt_ladder(getattr(config, "max_token_len", 200))
 
     def entries(field_name):
-        if not at_load:
-            return setting(config, field_name)
-        override = knob_override(field_name)
-        if override is not None:
-            return override
-        configured = _field(config, field_name)
-        return 0 if configured == 0 else max(configured, len(buckets), 1)
+        configured = setting(config, field_name)
+        if not at_load or knob_override(field_name) is not None or configured == 0:
+            return configured
+        return max(configured, len(buckets), 1)
 
     return GraphPlan(at_load=at_load, prompt_buckets=buckets, prefix_entries=entries("prefix_cuda_graph_max_entries"),
                      action_entries=entries("action_cuda_graph_max_entries"),

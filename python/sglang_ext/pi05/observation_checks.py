@@ -20,17 +20,45 @@ goes on; the worker checks again for requests that reach it another way.
 
 from __future__ import annotations
 
+import copy
 import functools
+import importlib
+import logging
+import os
 import sys
+import weakref
 
 import numpy as np
 
-from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
-from sglang_ext.pi05.endpoint import sibling
+logger = logging.getLogger("sglang_ext")
 
 # Marks a worker's refusal in the error text sglang carries back to the HTTP process.
 REFUSED = "invalid observation: "
 CHANNELS = (1, 3, 4)
+# (weak reference to the last pipeline config asked about, its cameras): a server asks about one config.
+_LAST: tuple = (None, ())
+
+
+def checkpoint_cameras(server_args) -> tuple:
+    """The checkpoint's cameras (the pipeline config's when the model path holds no config.json), known to the HTTP
+    process too (sglang applies a checkpoint's config.json in the worker only): sglang's reader runs on a copy."""
+    global _LAST
+    config = server_args.pipeline_config
+    ref, cameras = _LAST
+    if ref is None or ref() is not config:
+        cameras = tuple(config.image_keys)
+        path = getattr(server_args, "model_path", None)
+        if path and os.path.isfile(os.path.join(path, "config.json")):
+            from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
+
+            probe = copy.deepcopy(config)
+            try:
+                Pi05PolicyModel._apply_checkpoint_config(path, probe)
+                cameras = tuple(probe.image_keys)
+            except Exception:  # noqa: BLE001 - a config.json sglang cannot read fails in the worker, as before
+                logger.warning("sglang-ext: could not read the cameras of %s", path, exc_info=True)
+        _LAST = (weakref.ref(config), cameras)
+    return cameras
 
 
 def _finite(field: str, value) -> None:
@@ -49,12 +77,9 @@ def _finite(field: str, value) -> None:
 
 def _image(name: str, value) -> None:
     shape = getattr(value, "shape", None)
-    if shape is None:
-        if isinstance(value, (list, tuple)):
-            shape = np.asarray(value).shape
-        else:
-            return  # a PIL image (decoded, always usable) or a payload sglang decodes later
-    shape = tuple(int(d) for d in shape)
+    if shape is None and not isinstance(value, (list, tuple)):
+        return  # a PIL image (decoded, always usable) or a payload sglang decodes later
+    shape = tuple(int(d) for d in (np.asarray(value).shape if shape is None else shape))
     if len(shape) == 4 and shape[0] == 1:
         shape = shape[1:]
     if len(shape) != 3 or (shape[0] not in CHANNELS and shape[-1] not in CHANNELS) or min(shape) < 1:
@@ -136,11 +161,8 @@ def _every_camera(images_from_observation, protocol):
     def every_camera(observation, pipeline_config):
         images = images_from_observation(observation, pipeline_config)
         prefix = "observation.images."
-        extra = {key[len(prefix):]: value for key, value in observation.items()
-                 if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] not in images}
-        if extra:
-            normalize = protocol._normalize_image_value
-            images.update({name: normalize(value) for name, value in extra.items()})
+        images.update({key[len(prefix):]: protocol._normalize_image_value(value) for key, value in observation.items()
+                       if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] not in images})
         return images
 
     return every_camera
@@ -153,7 +175,7 @@ class _RefusalAnswering:
 
     def __init__(self, websocket, pack):
         self._websocket, self._pack = websocket, pack
-        self.resumed = self.refused = False
+        self.resumed = self.refused = self._metadata_pending = False
 
     def __getattr__(self, name):
         return getattr(self._websocket, name)
@@ -175,8 +197,6 @@ class _RefusalAnswering:
     async def close(self, *args, **kwargs):
         if not self.refused:
             await self._websocket.close(*args, **kwargs)
-
-    _metadata_pending = False
 
     def resume(self):
         self.resumed, self.refused, self._metadata_pending = True, False, True
@@ -201,13 +221,14 @@ def patch_protocol(ctx, module) -> None:
 
 
 def patch_ws_utils(ctx, module) -> None:
-    ctx.setattr(module, "run_action_msgpack_ws", _answering_refusals(module.run_action_msgpack_ws,
-                                                                     sibling(module, "protocol")))
+    protocol = importlib.import_module(".protocol", module.__package__)
+    ctx.setattr(module, "run_action_msgpack_ws", _answering_refusals(module.run_action_msgpack_ws, protocol))
 
 
 def rebind_ws_loop(ctx, module) -> None:
     """Parts for the OpenPI and realtime routes' modules: their bound name of the message loop."""
-    ctx.setattr(module, "run_action_msgpack_ws", sibling(module, "ws_utils").run_action_msgpack_ws)
+    ctx.setattr(module, "run_action_msgpack_ws",
+                importlib.import_module(".ws_utils", module.__package__).run_action_msgpack_ws)
 
 
 def patch_stages(ctx, module) -> None:

@@ -15,6 +15,7 @@ tokenizer, checked against transformers' call on its first answers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -27,16 +28,11 @@ logger = logging.getLogger("sglang_ext")
 _EXT_TOKENIZER_CHECKS = 16
 
 
-# uint8 level -> sglang's float32 value, computed on the CPU with sglang's ops and kept per device. Scaling
-# on the GPU would not give the same bits: CUDA divides by a scalar as a multiply by its reciprocal.
-_LEVELS = {}
-
-
+@functools.cache
 def _levels_on(device):
-    table = _LEVELS.get(device)
-    if table is None:
-        table = _LEVELS[device] = (torch.arange(256, dtype=torch.float32) / 255.0 * 2.0 - 1.0).to(device)
-    return table
+    """uint8 level -> sglang's float32 value, computed on the CPU with sglang's ops and kept per device. Scaling
+    on the GPU would not give the same bits: CUDA divides by a scalar as a multiply by its reciprocal."""
+    return (torch.arange(256, dtype=torch.float32) / 255.0 * 2.0 - 1.0).to(device)
 
 
 def _ext_observation_device():
@@ -79,13 +75,9 @@ def preprocess_frame_on(arr: np.ndarray, size, device: torch.device, *, hwc: boo
 def _wrap_preprocess_image(original):
     def _preprocess_image(value, size):
         device = _ext_observation_device()
-        if device is not None:
-            frame = _ext_uint8_frame(value)
-            if frame is not None:
-                out = preprocess_frame_on(frame[0], size, device, hwc=frame[1])
-                if out is not None:
-                    return out
-        return original(value, size)
+        frame = _ext_uint8_frame(value) if device is not None else None
+        out = preprocess_frame_on(frame[0], size, device, hwc=frame[1]) if frame is not None else None
+        return original(value, size) if out is None else out
 
     _preprocess_image.__wrapped__ = original
     return _preprocess_image
@@ -136,11 +128,6 @@ class RustTokenizerFront:
             self._ext_backends[max_length] = backend
         return backend
 
-    def _ext_fast(self, text, max_length: int) -> dict:
-        encodings = self._ext_backend(max_length).encode_batch(text, add_special_tokens=True)
-        return {"input_ids": torch.tensor([e.ids for e in encodings], dtype=torch.long),
-                "attention_mask": torch.tensor([e.attention_mask for e in encodings], dtype=torch.long)}
-
     def __call__(self, text=None, *args, **kwargs):
         tok = self._ext_tokenizer
         sglang_call = (not args and isinstance(text, list) and all(isinstance(t, str) for t in text)
@@ -149,7 +136,9 @@ class RustTokenizerFront:
                        and kwargs["return_tensors"] == "pt" and isinstance(kwargs["max_length"], int))
         if self._ext_disabled or not sglang_call:
             return tok(text, *args, **kwargs)
-        fast = self._ext_fast(text, kwargs["max_length"])
+        encodings = self._ext_backend(kwargs["max_length"]).encode_batch(text, add_special_tokens=True)
+        fast = {"input_ids": torch.tensor([e.ids for e in encodings], dtype=torch.long),
+                "attention_mask": torch.tensor([e.attention_mask for e in encodings], dtype=torch.long)}
         if self._ext_checks_left > 0:
             reference = tok(text, **kwargs)
             same = all(torch.equal(fast[key], reference[key].to(torch.long)) for key in fast)

@@ -47,15 +47,10 @@ class ActionStageProfiler(StageProfiler):
             self.logger = _InfoAtDebug(self.logger)
 
 
-def _is_action(batch) -> bool:
-    return getattr(getattr(batch, "sampling_params", None), "data_type", None) == DataType.ACTION
-
-
 def _wrap_call(original):
     def __call__(self, batch, server_args):
-        if not _is_action(batch):
-            return original(self, batch, server_args)
-        token = _ACTION_STAGE.set(True)
+        data_type = getattr(getattr(batch, "sampling_params", None), "data_type", None)
+        token = _ACTION_STAGE.set(data_type == DataType.ACTION)
         try:
             return original(self, batch, server_args)
         finally:
