@@ -30,13 +30,6 @@ from sglang.multimodal_gen.runtime.models.vlas.pi05_core import (VLADensePrefixC
                                                                  set_forward_context, trim_trailing_padding_tokens)
 
 
-def _time_scaling(width: int, min_period: float, max_period: float, device) -> torch.Tensor:
-    """The angular frequency of each sinusoid, computed exactly as 0.5.17 does in every call."""
-    fraction = torch.linspace(0.0, 1.0, width // 2, dtype=torch.float64, device=device)
-    period = min_period * (max_period / min_period) ** fraction
-    return 1.0 / period * 2 * math.pi
-
-
 def _sinusoids(time: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
     angles = time.to(torch.float64).outer(scaling)  # the products 0.5.17 forms, bit for bit
     return torch.cat([angles.sin(), angles.cos()], dim=1)
@@ -70,9 +63,10 @@ def embed_suffix(self, noisy_actions, timestep):
     width = self.action_in_proj.out_features
     scaling = self._buffers.get("_time_embedding_scaling")
     if scaling is None or scaling.numel() != width // 2 or scaling.device != timestep.device:
-        config = self.config
-        scaling = _time_scaling(width, config.time_embedding_min_period, config.time_embedding_max_period,
-                                timestep.device)
+        # Each sinusoid's angular frequency, computed exactly as 0.5.17 does in every call.
+        low, high = self.config.time_embedding_min_period, self.config.time_embedding_max_period
+        period = low * (high / low) ** torch.linspace(0.0, 1.0, width // 2, dtype=torch.float64, device=timestep.device)
+        scaling = 1.0 / period * 2 * math.pi
         self.register_buffer("_time_embedding_scaling", scaling, persistent=False)
     time_emb = _sinusoids(timestep, scaling)
     action_emb = self.action_in_proj(noisy_actions.to(dtype=self.action_in_proj.weight.dtype))

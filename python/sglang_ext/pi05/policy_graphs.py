@@ -83,10 +83,7 @@ class PolicyGraphs:
 
     def state(self, policy) -> PolicyState:
         """`policy`'s state (a policy built without __init__ gets the knobs at patch time)."""
-        state = self._policies.get(policy)
-        if state is None:
-            state = self._policies[policy] = PolicyState(self.options)
-        return state
+        return self._policies.setdefault(policy, PolicyState(self.options))
 
 
 def graphs_of(policy) -> PolicyGraphs:
@@ -155,18 +152,20 @@ def _prefix_tensor_parallel_enabled(self) -> bool:
     return language_model is not None and bool(language_model.tensor_parallel)
 
 
+def _single_rank_cuda_prefix(self) -> bool:
+    return (VLAPrefixGraphRunner.device_captures(self.device) and self.runtime_role in ("all", "prefix")
+            and not self._prefix_tensor_parallel_enabled())
+
+
 def _prefix_cuda_graph_enabled(self) -> bool:
-    return (graph_settings.prefix_graph_available(self.config) and VLAPrefixGraphRunner.device_captures(self.device)
-            and self.runtime_role in ("all", "prefix") and not self._prefix_tensor_parallel_enabled())
+    return graph_settings.prefix_graph_available(self.config) and _single_rank_cuda_prefix(self)
 
 
 def _prompt_token_bucketing_enabled(self) -> bool:
     """Buckets configured and a graph to share them, on a single-rank CUDA prefix."""
-    return bool(
-        _graph_plan(self).prompt_buckets
-        and (self._prefix_cuda_graph_enabled() or graph_settings.action_graph_available(self.config))
-        and VLAPrefixGraphRunner.device_captures(self.device) and self.runtime_role in ("all", "prefix")
-        and not self._prefix_tensor_parallel_enabled() and get_vla_split_group() is None)
+    return bool(_graph_plan(self).prompt_buckets and _single_rank_cuda_prefix(self) and get_vla_split_group() is None
+                and (graph_settings.prefix_graph_available(self.config)
+                     or graph_settings.action_graph_available(self.config)))
 
 
 def build_prefix_cache_key(self, observation, *, bucket_prompt=False):
@@ -200,14 +199,9 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     image_masks = [observation.image_masks[name].to(self.device) for name in camera_order]
     if use_bucket and _graph_plan(self).at_load:
         camera_order, images, image_masks = _as_all_checkpoint_cameras(self, camera_order, images, image_masks)
-    bucket = None
-    if use_bucket:
-        tokens, token_masks, _, bucket = bucket_prompt_tokens(observation.tokens, observation.token_masks,
-                                                              _graph_plan(self).prompt_buckets)
-    else:
-        token_len = effective_token_length(observation.token_masks)
-        prompt = slice(None, token_len if 0 < token_len < observation.tokens.shape[1] else None)
-        tokens, token_masks = observation.tokens[:, prompt], observation.token_masks[:, prompt]
+    # Without buckets: cut after the last visible token.
+    tokens, token_masks, _, bucket = bucket_prompt_tokens(observation.tokens, observation.token_masks,
+                                                          _graph_plan(self).prompt_buckets if use_bucket else ())
     bucket_miss = use_bucket and bucket is None
     # Decided on the host; a bucketed prompt always takes the masked path (one control flow per bucket).
     full_hint = bucket is None and bool(token_masks.all()) and all(
@@ -250,8 +244,7 @@ def _as_all_checkpoint_cameras(self, camera_order, images, image_masks):
     ones masked (the preprocessor's placeholder): the layout the graphs were captured for at load. Masked
     image tokens are neither attended nor counted in positions, so the answer is the same up to rounding."""
     keys = tuple(self.config.image_keys)
-    if camera_order == keys or not camera_order or set(camera_order) - set(keys) or \
-            [k for k in keys if k in camera_order] != list(camera_order):
+    if camera_order in (keys, ()) or [k for k in keys if k in camera_order] != list(camera_order):
         return camera_order, images, image_masks
     given = dict(zip(camera_order, zip(images, image_masks)))
     placeholder = torch.full_like(images[0], -1.0)
@@ -279,11 +272,8 @@ def _step_signature(self, prefix_context, x_t, action_position_offset, action_sp
 def denoise_step(self, prefix_context, x_t, timestep, *, use_cuda_graph=True, action_position_offset=0,
                  action_sp_enabled=False, denoise_layout=None):
     """Velocity of one step, on the action graph unless graphs are off for this context."""
-
-    def step(context, state, t):
-        return self.action_expert(context, state, t, action_position_offset=action_position_offset,
-                                  denoise_layout=denoise_layout)
-
+    step = functools.partial(self.action_expert, action_position_offset=action_position_offset,
+                             denoise_layout=denoise_layout)
     if not use_cuda_graph or not prefix_context.layout.get("cuda_graph_eligible", True):
         return step(prefix_context, x_t, timestep)
     signature = _step_signature(self, prefix_context, x_t, action_position_offset, action_sp_enabled)
@@ -334,7 +324,16 @@ def _denoise(self, batch_size, prefix_context, x_t, num_steps, offset, action_sp
             return denoised
     timesteps = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float32, device=self.device)
     if graph and not action_sp and options.fused_denoise:
-        return _loop_graph(self, prefix_context, x_t, timesteps, _exact_loop(self, full, dt, offset), offset)
+        def exact_loop(context, state, steps):  # the per-step path's kernels, the layout computed once
+            layout = self.core_model.prepare_denoise_layout(context.prefix_pad_masks, state, full,
+                                                            action_position_offset=offset)
+            for step in steps:
+                velocity = self.action_expert(context, state, step.expand(state.shape[0]),
+                                              action_position_offset=offset, denoise_layout=layout)
+                state.add_(velocity, alpha=dt)
+            return state
+
+        return _loop_graph(self, prefix_context, x_t, timesteps, exact_loop, offset)
     layout = None if graph else self.core_model.prepare_denoise_layout(
         prefix_context.prefix_pad_masks, x_t, full, action_position_offset=offset)
     for timestep in timesteps:
@@ -351,30 +350,13 @@ def _loop_graph(self, prefix_context, x_t, steps, loop_fn, offset, kernels="exac
     return self.graph_runner.capture_or_run_loop(signature, loop_fn, prefix_context, x_t, steps)
 
 
-def _exact_loop(self, full_attention, dt, offset):
-    """The per-step path's kernels, the layout computed once, so the loop equals the eager steps."""
-
-    def loop_fn(prefix_context, state, steps):
-        layout = self.core_model.prepare_denoise_layout(prefix_context.prefix_pad_masks, state, full_attention,
-                                                        action_position_offset=offset)
-        for index in range(int(steps.shape[0])):
-            velocity = self.action_expert(prefix_context, state, steps[index].expand(state.shape[0]),
-                                          action_position_offset=offset, denoise_layout=layout)
-            state.add_(velocity, alpha=dt)
-        return state
-
-    return loop_fn
-
-
 def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offset, graph):
     """The fused-kernel loop (one graph per request, or eager); None when its first use here failed."""
     fast = _fast_path(self)
     table = fast.time_conditioning(num_steps, x_t.shape[0], x_t.device)
     fast.prepare_fp8()  # with pi05_fp8_expert: once, before any capture (later calls find the copies)
 
-    def loop_fn(context, state, current_table):
-        return fast.denoise(context, state, current_table, dt=dt, full_attention=full_attention,
-                            action_position_offset=offset)
+    loop_fn = functools.partial(fast.denoise, dt=dt, full_attention=full_attention, action_position_offset=offset)
 
     def run(state):
         if not graph:

@@ -136,10 +136,6 @@ class _BoundedCaptureCache(BoundedGraphCache):
                          min_hits=min_hits, max_bytes=max_bytes)
 
     @property
-    def max_entries(self) -> int:
-        return self.capacity
-
-    @property
     def entries(self):
         """The live LRU dict (upstream's tests seed resident entries by assigning into it)."""
         return self._entries
@@ -178,10 +174,9 @@ class _VLAGraphRunnerBase:
         self._cache = _BoundedCaptureCache(self._cache_name, max_entries, evict_on_miss=evict_on_miss,
                                            min_hits=int(knobs.current("pi05_graph_min_hits")),
                                            max_bytes=max_bytes)
-        self.max_entries = self._cache.max_entries
+        self.max_entries = self._cache.capacity
         self.enabled = bool(enabled) and self.max_entries > 0
-        self._capture_stream: Any = None
-        self._graph_pool: Any = None
+        self._capture_stream = self._graph_pool = None
         self._capacity_warning_emitted = False
         self._clear_hooks: list[Callable[[], None]] = []
         graph_stats.register(f"vla.{self._cache_name}", self.cache_info)
@@ -208,10 +203,6 @@ class _VLAGraphRunnerBase:
     def device_captures(device: Any) -> bool:
         kind = getattr(device, "type", None)  # a torch.device, or anything shaped like one
         return (torch.device(device).type if kind is None else kind) == "cuda"
-
-    @classmethod
-    def _graph_device(cls, tensor: Any) -> bool:
-        return cls.device_captures(tensor.device)
 
     def _capture_graph(self, device: torch.device, run: Callable[[], Any]):
         """Warm `run` up on the capture stream, then capture it; returns (graph, output)."""
@@ -275,7 +266,7 @@ class VLAPrefixGraphRunner(_VLAGraphRunnerBase):
                        step_fn: Callable[[tuple[torch.Tensor, ...]], PrefixContext],
                        inputs: tuple[torch.Tensor, ...]) -> PrefixContext:
         """The prefix context; on the graph path the graph's own, rewritten by its next replay (own_prefix_context)."""
-        if not self.enabled or not inputs or not self._graph_device(inputs[0]):
+        if not self.enabled or not inputs or not self.device_captures(inputs[0].device):
             return step_fn(inputs)
 
         def capture() -> _CapturedPrefixGraph:
@@ -310,41 +301,39 @@ class VLADenoiseGraphRunner(_VLAGraphRunnerBase):
         captured.current_context_digest = digest
         captured.current_context_generation = generation
 
-    def _capture_denoise(self, run: Callable[..., torch.Tensor], prefix_context: PrefixContext,
-                         x_t: torch.Tensor, steps: torch.Tensor, *, loop: bool) -> _CapturedDenoiseGraph:
-        context, state, static_steps = _clone_prefix_context(prefix_context), x_t.detach().clone(), steps.clone()
-        graph, output = self._capture_graph(x_t.device, lambda: run(context, state, static_steps))
-        return _CapturedDenoiseGraph(
-            graph=graph, static_prefix_context=context, static_x_t=state, static_timestep=static_steps,
-            static_output=state if loop else output, current_context_digest=prefix_context.cache_key_digest,
-            current_context_generation=prefix_context_generation(prefix_context))
-
-    def _loader(self, prefix_context: PrefixContext, x_t: torch.Tensor, steps: torch.Tensor):
-        def load(captured: _CapturedDenoiseGraph) -> None:
-            self._sync_context_if_needed(captured, prefix_context)
-            captured.static_x_t.copy_(x_t)
-            captured.static_timestep.copy_(steps)
-
-        return load
-
     def capture_or_run(self, signature: VLADenoiseGraphSignature, step_fn: Callable[..., torch.Tensor],
                        prefix_context: PrefixContext, x_t: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
         """Velocity of one denoise step (the graph's own tensor on the graph path)."""
-        if not self.enabled or not self._graph_device(x_t):
-            return step_fn(prefix_context, x_t, timestep)
-        return self._run(signature, lambda: step_fn(prefix_context, x_t, timestep),
-                         lambda: self._capture_denoise(step_fn, prefix_context, x_t, timestep, loop=False),
-                         self._loader(prefix_context, x_t, timestep), lambda captured: captured.static_output)
+        return self._denoise(signature, step_fn, prefix_context, x_t, timestep, loop=False)
 
     def capture_or_run_loop(self, signature: VLADenoiseLoopGraphSignature,
                             loop_fn: Callable[[PrefixContext, torch.Tensor, torch.Tensor], torch.Tensor],
                             prefix_context: PrefixContext, x_t: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """Every denoise step of one request as one replay of `loop_fn` (updates x_t in place)."""
-        if not self.enabled or not self._graph_device(x_t):
-            return loop_fn(prefix_context, x_t, timesteps)
-        return self._run(signature, lambda: loop_fn(prefix_context, x_t, timesteps),
-                         lambda: self._capture_denoise(loop_fn, prefix_context, x_t, timesteps, loop=True),
-                         self._loader(prefix_context, x_t, timesteps), lambda captured: x_t.copy_(captured.static_x_t))
+        return self._denoise(signature, loop_fn, prefix_context, x_t, timesteps, loop=True)
+
+    def _denoise(self, signature: Any, run: Callable[..., torch.Tensor], prefix_context: PrefixContext,
+                 x_t: torch.Tensor, steps: torch.Tensor, *, loop: bool) -> torch.Tensor:
+        if not self.enabled or not self.device_captures(x_t.device):
+            return run(prefix_context, x_t, steps)
+
+        def capture() -> _CapturedDenoiseGraph:
+            context, state, static_steps = _clone_prefix_context(prefix_context), x_t.detach().clone(), steps.clone()
+            graph, output = self._capture_graph(x_t.device, lambda: run(context, state, static_steps))
+            return _CapturedDenoiseGraph(
+                graph=graph, static_prefix_context=context, static_x_t=state, static_timestep=static_steps,
+                static_output=state if loop else output, current_context_digest=prefix_context.cache_key_digest,
+                current_context_generation=prefix_context_generation(prefix_context))
+
+        def load(captured: _CapturedDenoiseGraph) -> None:
+            self._sync_context_if_needed(captured, prefix_context)
+            captured.static_x_t.copy_(x_t)
+            captured.static_timestep.copy_(steps)
+
+        def result(captured: _CapturedDenoiseGraph) -> torch.Tensor:  # a loop's output is its state
+            return x_t.copy_(captured.static_output) if loop else captured.static_output
+
+        return self._run(signature, lambda: run(prefix_context, x_t, steps), capture, load, result)
 
 
 def install(ctx, module) -> None:

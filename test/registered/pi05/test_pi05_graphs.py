@@ -106,7 +106,7 @@ def fake_graphs(monkeypatch):
             return graph, output
 
         monkeypatch.setattr(cg._VLAGraphRunnerBase, "_capture_graph", capture_graph)
-        monkeypatch.setattr(cg._VLAGraphRunnerBase, "_graph_device", staticmethod(lambda tensor: True))
+        monkeypatch.setattr(cg._VLAGraphRunnerBase, "device_captures", staticmethod(lambda device: True))
         return state
 
     return install
