@@ -194,7 +194,7 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     context ineligible for action graphs)."""
     use_bucket = bool(use_cuda_graph if bucket_prompt is None else bucket_prompt) and \
         self._prompt_token_bucketing_enabled()
-    camera_order = tuple(observation.metadata.get("camera_order", ()))
+    camera_order = requested = tuple(observation.metadata.get("camera_order", ()))
     images = [to_device(observation.images[name], self.device, torch.float32) for name in camera_order]
     image_masks = [observation.image_masks[name].to(self.device) for name in camera_order]
     if use_bucket and _graph_plan(self).at_load:
@@ -203,8 +203,8 @@ def encode_prefix(self, observation, *, use_cuda_graph=True, bucket_prompt=None)
     tokens, token_masks, _, bucket = bucket_prompt_tokens(observation.tokens, observation.token_masks,
                                                           _graph_plan(self).prompt_buckets if use_bucket else ())
     bucket_miss = use_bucket and bucket is None
-    # Decided on the host; a bucketed prompt always takes the masked path (one control flow per bucket).
-    full_hint = bucket is None and bool(token_masks.all()) and all(
+    # Decided on the host; a bucketed prompt, or a camera added masked, always takes the masked path.
+    full_hint = bucket is None and camera_order == requested and bool(token_masks.all()) and all(
         bool(observation.image_masks[name].all()) for name in camera_order)
     fast = _fast_prefix(self)
     fused_vision = fast is not None and fast.serves("vision")

@@ -171,6 +171,12 @@ def test_moving_robot_replays_load_time_graphs_and_captures_nothing_while_servin
     long_prompt = preprocess({**next(_robot_observations(1, seed=3)), "tokens": np.arange(4, 4 + 2 * MAX_TOKEN_LEN)})
     assert torch.isfinite(_act(policy, long_prompt, graph=True)).all()
     assert len(graphs.graphs) == loaded and prefix.cache_info().sealed_misses == 1
+    # The same with one camera named: laid out as both (the other masked), so no full-attention hint.
+    one_camera_long = preprocess({**list(_robot_observations(STEPS_PER_TASK + 1, seed=3))[STEPS_PER_TASK],
+                                  "tokens": np.arange(4, 4 + 2 * MAX_TOKEN_LEN)})
+    assert len(one_camera_long.metadata["camera_order"]) == 1
+    assert torch.isfinite(_act(policy, one_camera_long, graph=True)).all()
+    assert len(graphs.graphs) == loaded and prefix.cache_info().sealed_misses == 2
 
     # The first camera missing (masked): its tokens come before any visible one; served, not an
     # out-of-bounds rotary gather.
