@@ -20,8 +20,7 @@ Implementations (one per process; the sglang on PYTHONPATH decides):
   0517-ext  0.5.17 + sglang-ext: eager, graph (exact), graph-bucket, graph-fused,
             graph-fast (knob pi05_fast: fused kernels + the fused denoise loop; skipped, with
             the reason, where this tree has no fast path), graph-fast-nopdl (the same without
-            programmatic dependent launch: its kernel table gives each kernel's own time),
-            graph-fast-fp8 (with knob pi05_fp8_expert: FP8 expert weights, opt-in); experiments, each
+            programmatic dependent launch: its kernel table gives each kernel's own time); experiments, each
             the fast path with a setting of the policy's Pi05Options set (EXPERIMENTS): graph-fast-exact-vision
             (fused_vision off: SigLIP's layers as sglang runs them, for the same-run comparison)
   0519      sglang 0.5.19 as released: eager, graph (exact), graph-bucket
@@ -56,7 +55,7 @@ from sglang_ext_testkit import pi05_random  # noqa: E402
 
 MODES = {
     "0517": ("eager", "graph"),
-    "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl", "graph-fast-fp8",
+    "0517-ext": ("eager", "graph", "graph-bucket", "graph-fused", "graph-fast", "graph-fast-nopdl",
                  "graph-fast-exact-vision"),
     "0519": ("eager", "graph", "graph-bucket"),
 }
@@ -66,7 +65,7 @@ REFERENCE_MODES = ("eager", "graph")  # run first: the other modes are compared 
 # Experiments: the fast path with settings of the policy's Pi05Options set as named (every other mode: their
 # defaults). graph-fast-nopdl sets `pdl` the same way.
 EXPERIMENTS = {"graph-fast-exact-vision": {"fused_vision": False}}
-FAST_MODES = ("graph-fast", "graph-fast-nopdl", "graph-fast-fp8", *EXPERIMENTS)  # -fp8: knob pi05_fp8_expert
+FAST_MODES = ("graph-fast", "graph-fast-nopdl", *EXPERIMENTS)
 ACTIONS_FORMAT = "bench_pi05 actions v1"
 # Device kernels that are attention (SDPA's flash / memory-efficient / cuDNN kernels, FA3, Triton).
 ATTENTION_KERNEL = re.compile(r"attn|attention|fmha|flash|sdpa|cudnn", re.IGNORECASE)
@@ -177,7 +176,7 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         state.plan = None  # resolved again from the config just set
     if impl == "0517-ext" and state is not None:
         options = state.options
-        settings = {"fp8_expert": mode == "graph-fast-fp8", "pdl": mode != "graph-fast-nopdl"}
+        settings = {"pdl": mode != "graph-fast-nopdl"}
         for names in EXPERIMENTS.values():  # every experiment's settings at their defaults, but this mode's
             settings.update({name: _option_default(options, name) for name in names})
         settings.update(EXPERIMENTS.get(mode, {}))
@@ -205,7 +204,6 @@ def configure(policy, impl: str, mode: str, args) -> Dict[str, Any]:
         "action_entries": args.action_entries,
         "fused_denoise": mode in ("graph-fused", *FAST_MODES),
         "fast": mode in FAST_MODES,
-        "fp8_expert": mode == "graph-fast-fp8",
         "fused_vision": state.options.fused_vision if state is not None and mode in FAST_MODES else None,
     }
 
@@ -227,8 +225,6 @@ def unavailable(impl: str, mode: str) -> str:
         return "knob pi05_fast is not in this tree's sglang_ext.knobs"
     if importlib.util.find_spec("sglang_ext.kernels") is None:
         return "the fast path is not in this tree (no package sglang_ext.kernels)"
-    if mode == "graph-fast-fp8" and "pi05_fp8_expert" not in knob_names:
-        return "knob pi05_fp8_expert is not in this tree's sglang_ext.knobs"
     for setting in (("pdl",) if mode == "graph-fast-nopdl" else ()) + tuple(EXPERIMENTS.get(mode, ())):
         options = importlib.import_module("sglang_ext.pi05.policy_graphs").Pi05Options
         if setting not in {field.name for field in dataclasses.fields(options)}:

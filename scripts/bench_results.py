@@ -97,7 +97,7 @@ PI05_SCHEMA = {
         "phase_kernels_per_request": ANY,  # phase -> kernel class -> [kernels, us] per request
         "config": dict.fromkeys(("prefix_graph", "action_graph", "bucket_mode", "prompt_token_buckets",
                                  "prefix_entries", "action_entries", "fused_denoise", "fast", "fp8_expert",
-                                 "fused_vision", "fold_norms")),  # fold_norms: files from before its removal
+                                 "fused_vision", "fold_norms")),  # fold_norms, fp8_expert: files from before their removal
         "accuracy": {"vs_eager": _PI05_ACCURACY, "vs_graph": _PI05_ACCURACY, "vs_saved": _PI05_ACCURACY},
         "p50_ms_by_layout": ANY,  # layout (full, masked) -> p50 of its timed requests
         "attention_kernels_per_request": ANY,  # device kernel name -> count

@@ -63,7 +63,7 @@ prompt buckets + LRU, `graph-fused` = one graph for all denoise steps, `graph-fa
 `pi05_fast` (fused kernels inside the fused denoise graph; sglang-ext only), `graph-fast-nopdl` =
 the same without programmatic dependent launch (a diagnostic: with PDL a kernel's profiled time
 includes its wait for the kernel before, so only this mode's kernel table shows each kernel's own),
-`graph-fast-fp8` = the fast path with knob `pi05_fp8_expert` (FP8 expert weights; opt-in).
+`graph-fast-fp8` = the fast path with row-scaled FP8 expert weights (slower than bf16 here: not a setting).
 `0517-ext` includes `pi05_fused_norms` (fewer, fused norm kernels in every mode); its actions
 match 0.5.17's norm math within bf16 rounding (checked on the GPU by
 `test_pi05_graphs_cuda.py::test_fused_norms_change_actions_only_within_rounding`)."""

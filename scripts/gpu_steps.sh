@@ -48,7 +48,7 @@ bench_pi05_all() {
       --modes "${PI05_0519_MODES:-graph}" $common --compare-actions "$ref" --out "$OUT/pi05_0519.json" )
   echo "[bench-pi05] 0519 rc=$?"
   timeout -k 10 "${PI05_LIMIT_EXT:-380}" python3 scripts/bench_pi05.py --impl 0517-ext \
-    --modes "${PI05_EXT_MODES:-eager,graph,graph-fast,graph-fused,graph-bucket,graph-fast-nopdl,graph-fast-fp8,graph-fast-exact-vision}" $common \
+    --modes "${PI05_EXT_MODES:-eager,graph,graph-fast,graph-fused,graph-bucket,graph-fast-nopdl,graph-fast-exact-vision}" $common \
     --compare-actions "$ref" --out "$OUT/pi05_0517-ext.json"
   echo "[bench-pi05] 0517-ext rc=$?"
   python3 scripts/gen_performance_doc.py --bench-dir "$OUT" --doc "$OUT/performance.md"; rc=$?

@@ -91,9 +91,7 @@ VIT_ROTARY = "sglang_ext/vit/vision_rotary.py"
 VIT_ROTARY_TESTS = "test/registered/vit/test_vision_rotary.py"
 ROTATE_HALF = "sglang_ext/kernels/rotate_half.py"
 ROTATE_HALF_TESTS = "test/registered/kernels/test_rotate_half.py"
-SKINNY = "sglang_ext/kernels/skinny_gemm.py"
 FUSED_KERNEL_TESTS = "test/registered/kernels/test_fused_kernels.py"
-PI05_POLICY = "sglang_ext/pi05/policy_graphs.py"
 PI05_FAST_TESTS = "test/registered/pi05/test_pi05_fast.py"
 PI05_FAST_PATH = "sglang_ext/pi05/fast_path.py"
 CACHE = "sglang_ext/graphs/cache.py"
@@ -230,19 +228,10 @@ MUTANTS: List[Mutant] = [
            '    Knob("vit_triton_rotary", "bool", True,\n', '    Knob("vit_triton_rotary", "bool", False,\n',
            (f"{VIT_ROTARY_TESTS}::test_knob_vit_triton_rotary_sends_every_supported_call_to_the_one_kernel",),
            "ViT rotary: the one-kernel rotary (measured faster, bitwise equal) no longer the default"),
-    Mutant("skinny-fp8-columns-unscaled", SKINNY,
-           "            acc *= tl.load(W_SCALE + rn, mask=rn < n_cols, other=0.0)[None, :]\n",
-           "            acc *= 1.0\n",
-           (f"{FUSED_KERNEL_TESTS}::test_kernel_matches_reference[gemm]",),
-           "skinny_linear with FP8 weights: the row scales never applied"),
-    Mutant("pi05-fp8-knob-ignored", PI05_POLICY,
-           'fp8_expert=bool(value("pi05_fp8_expert")))', "fp8_expert=False)",
-           (f"{PI05_FAST_TESTS}::test_fast_and_exact_fused_loops_get_separate_graphs",),
-           "knob pi05_fp8_expert read but never reaching the fast loop"),
     Mutant("pi05-fast-modes-apart", PI05_FAST_PATH,
            "copy.copy(known) if known else Pi05FastPath(core, self, mode)", "Pi05FastPath(core, self, mode)",
            (f"{PI05_FAST_TESTS}::test_the_modes_of_one_model_share_its_state",),
-           "Pi0.5 fast path: another mode's path on fresh state (its FP8 copies and packed q/k/v made twice)"),
+           "Pi0.5 fast path: another mode's path on fresh state (its time tables and packed q/k/v made twice)"),
     Mutant("pi05-fast-reads-fp8-checkpoints", "sglang_ext/pi05/fast_support.py",
            "        if any(quantized(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):\n",
            "        if False:\n",

@@ -5,9 +5,7 @@ For each denoise GEMM (M = 50 rows: qkv, o_proj, gate_up, down) together with th
 consumes its output (rope_qkv, ada_rms_norm's gated residual; gate_up: gelu_tanh_and_mul after
 cuBLAS, skinny_linear's gated epilogue), and for the attention of 50 action tokens x 8 heads over
 one K/V head: cuBLAS / torch's FlashAttention (what the fast path ran before) against
-sglang_ext.kernels' skinny_linear and first_rows_attention in several configurations, skinny_linear
-with bf16 and with FP8 weights (knob pi05_fp8_expert: row-scaled float8_e4m3fn, widened to bf16 in
-the kernel). One graph holds 18 calls with 18 distinct weights (one per layer, so the weights
+sglang_ext.kernels' skinny_linear and first_rows_attention in several configurations. One graph holds 18 calls with 18 distinct weights (one per layer, so the weights
 stream from HBM as in a denoise step, not from L2) and is replayed 50 times.
 Prints one table; no results file (docs/gpu-notes.md quotes it).
 
@@ -28,7 +26,6 @@ from sglang_ext.kernels import (  # noqa: E402
     ada_rms_norm,
     first_rows_attention,
     gelu_tanh_and_mul,
-    quantize_rows_fp8,
     rope_qkv,
     skinny_linear,
 )
@@ -87,42 +84,35 @@ def gemm_rows(layers, replays):
         a = x[name] if name in ("gate_up",) else x[name].view(1, ROWS, k)
         ws = weights[name]
         mb = n * k * 2 / 1e6
-        fp8 = [quantize_rows_fp8(w) for w in ws] if name != "qkv" else None  # qkv: the rope kernel's, bf16 only
         configs = [("cuBLAS", None)]
         for parts in (1, 2, 4, 8, 16):
             if k % (parts * 128) or k // parts < 128 or (name == "gate_up" and parts > 1):
                 continue
             for block_n in (32, 64, 128):
-                configs.append((f"skinny p={parts} n={block_n}", (parts, block_n, False)))
-                if fp8 and block_n < 128 and parts < 16:  # where the bf16 rows show the best configs
-                    configs.append((f"skinny fp8 p={parts} n={block_n}", (parts, block_n, True)))
+                configs.append((f"skinny p={parts} n={block_n}", (parts, block_n)))
         for label, cfg in configs:
             if cfg is None:
                 def run(i, a=a, ws=ws):
                     consume(name, F.linear(a, ws[i]))
             else:
-                def run(i, a=a, ws=ws, cfg=cfg, fp8=fp8):
-                    parts, block_n, quantized = cfg
-                    weight, scale = fp8[i] if quantized else (ws[i], None)
-                    consume(name, skinny_linear(a, weight, parts=parts, block_n=block_n, gated=name == "gate_up",
-                                                weight_scale=scale))
+                def run(i, a=a, ws=ws, cfg=cfg):
+                    parts, block_n = cfg
+                    consume(name, skinny_linear(a, ws[i], parts=parts, block_n=block_n, gated=name == "gate_up"))
             try:
                 us = graph_time_us(run, layers, replays)
             except Exception as exc:  # noqa: BLE001 - a config the kernel refuses: shown, not fatal
                 yield (name, label, float("nan"), f"failed: {type(exc).__name__}: {str(exc)[:80]}")
                 continue
-            size = mb / 2 if cfg and cfg[2] else mb
-            yield (name, label, us, f"{size / us:.2f} TB/s of weight")
-        # agreement with cuBLAS on one layer (FP8: with the FP8 rounding of the weights)
+            yield (name, label, us, f"{mb / us:.2f} TB/s of weight")
+        # agreement with cuBLAS on one layer
         ref = F.linear(a, ws[0]).float()
         gated = name == "gate_up"
         if gated:
             gate, up = ref.chunk(2, dim=-1)
             ref = F.gelu(gate, approximate="tanh") * up
-        for label, weight, scale in [("", ws[0], None)] + ([(" fp8", *fp8[0])] if fp8 else []):
-            got = skinny_linear(a, weight, gated=gated, weight_scale=scale)
-            yield (name, f"max|skinny{label}-cuBLAS|/max", float("nan"),
-                   f"{float((got.float() - ref).abs().max() / ref.abs().max()):.2e}")
+        got = skinny_linear(a, ws[0], gated=gated)
+        yield (name, "max|skinny-cuBLAS|/max", float("nan"),
+               f"{float((got.float() - ref).abs().max() / ref.abs().max()):.2e}")
 
 
 def attention_rows(layers, replays):

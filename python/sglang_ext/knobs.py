@@ -178,10 +178,6 @@ KNOBS: tuple[Knob, ...] = (
          "Opt-in: Pi0.5's denoise steps (implies pi05_fused_denoise) and the prefix's SigLIP and language "
          "model layers on fused kernels, equal to the exact path within bf16 tolerance, not bitwise. Action "
          "sequence parallelism and a tensor-parallel prefix take the exact path."),
-    Knob("pi05_fp8_expert", "bool", False,
-         "Opt-in, needs pi05_fast: the fast denoise loop reads the action expert's o, gate-up and down weights "
-         "in FP8 e4m3 with a float32 scale per row, quantized once at first use (not equal to the exact path "
-         "beyond FP8 rounding). Weights changed in place need the action graphs reset."),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
@@ -223,7 +219,6 @@ def load_settings(environ: Optional[Mapping[str, str]] = None) -> Settings:
             raise knob("disable").error(f"unknown patch name(s) {', '.join(unknown)}; allowed: {', '.join(names)}")
     _check_vit_bucket_only(values)
     _check_vit_token_buckets(values)
-    _check_pi05_fp8_expert(values)
     return Settings(enabled=enabled, values=values)
 
 
@@ -254,14 +249,6 @@ def _check_vit_token_buckets(values: dict) -> None:
         raise knob("vit_graph_token_buckets").error(
             f"{', '.join(map(str, bad))} not a multiple of {VIT_MERGE_UNIT}; allowed: comma-separated positive "
             f"multiples of {VIT_MERGE_UNIT} (the ViT spatial merge unit), strictly increasing")
-
-
-def _check_pi05_fp8_expert(values: dict) -> None:
-    """The FP8 expert weights are read only by the fast denoise loop."""
-    if values["pi05_fp8_expert"] and not values["pi05_fast"]:
-        fast = knob("pi05_fast")
-        raise knob("pi05_fp8_expert").error(f"needs {fast.flag} / {fast.env}, which is off; allowed: "
-                                            "both on, or this one off")
 
 
 def knob_enabled(env: Mapping[str, str]) -> bool:

@@ -15,4 +15,4 @@ from sglang_ext.kernels.rms_norm import ada_rms_norm, ada_rms_norm_reference
 from sglang_ext.kernels.backend import runs_triton
 from sglang_ext.kernels.rope import linear_rope_qkv, linear_rope_qkv_reference, rope_qkv, rope_qkv_reference
 from sglang_ext.kernels.rotate_half import rotate_half_qk, rotate_half_qk_reference
-from sglang_ext.kernels.skinny_gemm import Partials, quantize_rows_fp8, skinny_linear, skinny_linear_reference
+from sglang_ext.kernels.skinny_gemm import Partials, skinny_linear, skinny_linear_reference

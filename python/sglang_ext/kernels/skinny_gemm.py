@@ -6,7 +6,6 @@ streams the weight exactly once (cuBLAS stays well below HBM bandwidth here). pa
 after the epilogue: gated (packed [gate; up]) takes gelu_tanh(gate) * up of the unrounded float32 products;
 bias and add_to (+= alpha * result) are float32. float32 x and weight multiply as three TF32 products
 (tf32x3: float32-level accuracy on tensor cores; sglang keeps Pi0.5's action projections in float32).
-FP8 weights (`quantize_rows_fp8`) are widened to x's dtype (exact) and scaled per row before any epilogue.
 """
 
 from __future__ import annotations
@@ -22,16 +21,6 @@ from sglang_ext.kernels.backend import (DOT_UPCAST, after_previous_kernel, block
 
 MAX_ROWS = 128
 STAGES = 4  # pipeline stages of the GEMM loops (skinny_linear, linear_rope_qkv)
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-
-
-def quantize_rows_fp8(weight):
-    """(float8_e4m3fn weight, float32 scale per row) with weight ~ q * scale[:, None]: each row's
-    largest magnitude maps to FP8_MAX (an all-zero row gets scale 1)."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
 class Partials(NamedTuple):
@@ -70,13 +59,11 @@ def _epilogue(gated, bias, add_to):
 
 
 def skinny_linear_reference(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None,
-                            out_dtype=None, add_to=None, alpha=1.0, weight_scale=None):
+                            out_dtype=None, add_to=None, alpha=1.0):
     rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     xs = x.reshape(rows, k).float().chunk(parts, dim=1)
     ws = weight.float().chunk(parts, dim=1)
     products = torch.stack([a @ w.t() for a, w in zip(xs, ws)]).reshape(parts, *x.shape[:-1], n)
-    if weight_scale is not None:
-        products = products * weight_scale.float()
     if parts > 1:
         return Partials(products)
     out = products[0]
@@ -109,7 +96,7 @@ if triton is not None:
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for _ in range(0, k_len, BLOCK_K):
             a = tl.load(x_ptrs, mask=row_mask, other=0.0)
-            b = tl.load(w_ptrs, mask=col_mask, other=0.0).to(X.dtype.element_ty)  # FP8 weights: widened
+            b = tl.load(w_ptrs, mask=col_mask, other=0.0).to(X.dtype.element_ty)
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             if F32:
@@ -127,10 +114,10 @@ if triton is not None:
 
     @triton.jit
     def _skinny_gemm_kernel(
-        X, W, OUT, BIAS, W_SCALE, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
+        X, W, OUT, BIAS, rows, n_cols, k_dim, k_per_part, gate_offset, alpha,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
         GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_TO: tl.constexpr, F32: tl.constexpr,
-        UPCAST: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr,
+        UPCAST: tl.constexpr, PDL: tl.constexpr,
     ):
         after_previous_kernel(PDL)
         part = tl.program_id(1)
@@ -140,10 +127,6 @@ if triton is not None:
             X, W, rm, rn, rows, n_cols, k_dim, part * k_per_part, k_per_part, gate_offset,
             BLOCK_M, BLOCK_N, BLOCK_K, GATED, F32, UPCAST,
         )
-        if SCALED:  # FP8 weights: each column times its weight row's scale
-            acc *= tl.load(W_SCALE + rn, mask=rn < n_cols, other=0.0)[None, :]
-            if GATED:
-                up *= tl.load(W_SCALE + gate_offset + rn, mask=rn < n_cols, other=0.0)[None, :]
         row_mask = rm[:, None] < rows
         col_mask = rn[None, :] < n_cols
         mask = row_mask & col_mask
@@ -161,29 +144,16 @@ if triton is not None:
 
 
 def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, bias=None, out_dtype=None,
-                  add_to=None, alpha=1.0, weight_scale=None, pdl=True):
+                  add_to=None, alpha=1.0, pdl=True):
     """x [..., K] @ weight [N, K].T for at most MAX_ROWS rows: [..., N] (gated: N / 2) in out_dtype
-    (default x's), or add_to updated; parts > 1: Partials. A float8_e4m3fn weight comes with
-    weight_scale (float32 [N]) and a bfloat16 or float16 x."""
+    (default x's), or add_to updated; parts > 1: Partials."""
     if not runs_triton(x):
         return skinny_linear_reference(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=gated,
-                                       bias=bias, out_dtype=out_dtype, add_to=add_to, alpha=alpha,
-                                       weight_scale=weight_scale)
+                                       bias=bias, out_dtype=out_dtype, add_to=add_to, alpha=alpha)
     rows, n, k = check_rows_and_blocks(x, weight, parts, block_n, block_k, _epilogue(gated, bias, add_to))
     if not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError("skinny_linear: x and weight must be contiguous")
-    scaled = weight.dtype == torch.float8_e4m3fn
-    if scaled:
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"skinny_linear: x {x.dtype} with float8_e4m3fn weights; allowed: bfloat16, float16")
-        if (weight_scale is None or weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,)
-                or not weight_scale.is_contiguous() or weight_scale.device != x.device):
-            got = None if weight_scale is None else tuple(weight_scale.shape)
-            raise ValueError(f"skinny_linear: weight_scale {got}; allowed: contiguous float32 [{n}] on x's device "
-                             "with float8_e4m3fn weights")
-    elif weight_scale is not None:
-        raise ValueError(f"skinny_linear: weight_scale with {weight.dtype} weights; allowed: float8_e4m3fn weights")
-    elif x.dtype != weight.dtype:
+    if x.dtype != weight.dtype:
         raise ValueError(f"skinny_linear: x {x.dtype}, weight {weight.dtype}; allowed: one dtype")
     width = n // 2 if gated else n
     if gated and n % 2:
@@ -199,9 +169,9 @@ def skinny_linear(x, weight, *, parts=1, block_n=64, block_k=128, gated=False, b
         out = torch.empty((parts, *x.shape[:-1], n), dtype=torch.float32, device=x.device)
     pdl = uses_pdl(x, pdl)
     _skinny_gemm_kernel[(triton.cdiv(width, block_n), parts)](
-        x, weight, out, bias if bias is not None else weight, weight_scale if scaled else weight, rows, width, k,
+        x, weight, out, bias if bias is not None else weight, rows, width, k,
         k // parts, width, float(alpha), BLOCK_M=max(16, block_size(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         PARTIAL=parts > 1, GATED=gated, HAS_BIAS=bias is not None, ADD_TO=add_to is not None,
-        F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, SCALED=scaled, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        F32=x.dtype == torch.float32, UPCAST=DOT_UPCAST, PDL=pdl, launch_pdl=pdl, num_warps=4,
         num_stages=STAGES)
     return out if parts == 1 else Partials(out)

@@ -55,18 +55,9 @@ def rope_plan(weight, head_dim, sms):
     return weight, (one_wave or fitting[::-1])[0], block_k
 
 
-def fp8_candidates(core):
-    """The expert's plain bias-free o, gate-up and down weights (what pi05_fp8_expert quantizes)."""
-    for layer in expert(core).layers:
-        for module in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            plain = plain_weight(module, layer.self_attn.projection_dtype)
-            if plain is not None:
-                yield plain[0]
-
-
-def expert_projections(expert_model, state, dtype, fp8_rows=None):
-    """Per layer ({GEMM: plan}, {GEMM: FP8 row scales}), or None (not plain bias-free GEMMs, too many rows, no Triton):
-    qkv's rope_plan; o, gate_up (gelu-and-mul epilogue) and down's skinny_plan, on FP8 copies with fp8_rows."""
+def expert_projections(expert_model, state, dtype):
+    """Per layer {GEMM: plan}, or None (not plain bias-free GEMMs, too many rows, no Triton): qkv's rope_plan;
+    o, gate_up (gelu-and-mul epilogue) and down's skinny_plan."""
     from sglang_ext.kernels import runs_triton
     from sglang_ext.kernels.skinny_gemm import MAX_ROWS
 
@@ -80,14 +71,11 @@ def expert_projections(expert_model, state, dtype, fp8_rows=None):
         if None in plain:
             return None
         qkv, o, gate_up, down = (weight for weight, _ in plain)  # bias-free: plain_weight declines a bias
-        scales = {}
-        if fp8_rows is not None:
-            (o, scales["o"]), (gate_up, scales["gate_up"]), (down, scales["down"]) = map(fp8_rows, (o, gate_up, down))
         plan = {"qkv": rope_plan(qkv, attn.head_dim, sms), "o": skinny_plan(o, sms),
                 "gate_up": skinny_plan(gate_up, sms, splittable=False, gated=True), "down": skinny_plan(down, sms)}
         if None in plan.values():
             return None
-        plans.append((plan, scales))
+        plans.append(plan)
     return plans
 
 
@@ -131,8 +119,7 @@ def _request_layout(expert_model, prefix_context, state, full_attention, action_
     return cos_sin, kv, kv_start, used
 
 
-def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, fp8_rows=None,
-            pdl=True):
+def denoise(core, prefix_context, state, table, *, dt, full_attention, action_position_offset=0, pdl=True):
     """Every denoise step of one request; `state` (x_t, float32) is updated in place."""
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.vlas.pi05_core import linear_forward
@@ -147,23 +134,22 @@ def denoise(core, prefix_context, state, table, *, dt, full_attention, action_po
     dtype = attn0.projection_dtype
     batch, seq = state.shape[:2]
     norms = adaptive_norms(model)
-    projections = expert_projections(model, state, dtype, fp8_rows)
+    projections = expert_projections(model, state, dtype)
     actions = action_projections(core) if projections is not None else None  # the same rows and Triton
 
     def gemm(index, name, module, x):
         if projections is None:
             out = linear_forward(module, x)
             return gelu_tanh_and_mul(out, pdl=pdl) if name == "gate_up" else out
-        plan, scales = projections[index]
-        weight, parts, block_n, block_k = plan[name]
+        weight, parts, block_n, block_k = projections[index][name]
         return skinny_linear(x, weight, parts=parts, block_n=block_n, block_k=block_k, gated=name == "gate_up",
-                             weight_scale=scales.get(name), pdl=pdl)
+                             pdl=pdl)
 
     def qkv_rope(index, module, x, keys, values):  # q -> q, k / v -> the K/V buffer's action rows
         shape = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, kv_start=kv_start, pdl=pdl)
         if projections is None:
             return rope_qkv(linear_forward(module, x), cos_sin, q, keys, values, **shape)
-        weight, block_n, block_k = projections[index][0]["qkv"]
+        weight, block_n, block_k = projections[index]["qkv"]
         return linear_rope_qkv(x, weight, cos_sin, q, keys, values, block_n=block_n, block_k=block_k, **shape)
 
     def action_in(x_t):

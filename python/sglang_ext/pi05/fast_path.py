@@ -9,7 +9,6 @@ import weakref
 from collections import OrderedDict
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from sglang_ext.pi05 import fast_loop, fast_prefix, fast_support
 
@@ -20,16 +19,15 @@ PATHS = {"denoise": "fast loop", "prefix": "fast prefix", "vision": "fused visio
 
 
 class Pi05FastPath:
-    """The fused-kernel paths of `core` in one mode (fp8: knob pi05_fp8_expert; fused_vision: SigLIP layers in 7
-    kernels, not 13; pdl: programmatic dependent launch). Modes share verdicts, tables and weight copies."""
+    """The fused-kernel paths of `core` in one mode (fused_vision: SigLIP layers in 7 kernels, not 13; pdl:
+    programmatic dependent launch). Modes share verdicts, tables and packed weights."""
 
     def __init__(self, core, registry, mode):
         self._core, self._registry = weakref.ref(core), registry
-        self.fp8, self.fused_vision, self.pdl = mode
+        self.fused_vision, self.pdl = mode
         self._reasons = {}  # path -> why it is not used ("": it is)
-        self._verified, self._prepared = set(), set()  # _prepared: "fp8", "vision", done until a reset
+        self._verified, self._prepared = set(), set()  # _prepared: "vision", done until a reset
         self._tables = OrderedDict()
-        self._fp8_copies = WeakIdKeyDictionary()  # weight -> (float8_e4m3fn weight, float32 row scales)
         self.packing = weakref.WeakKeyDictionary()  # SigLIP attention -> its packed q/k/v (fast_prefix)
 
     def unsupported_reason(self, path: str = "denoise"):
@@ -73,32 +71,12 @@ class Pi05FastPath:
             self._tables.popitem(last=False)
         return table
 
-    def fp8_rows(self, weight):
-        """`weight` as float8_e4m3fn with a float32 scale per row, quantized once."""
-        from sglang_ext.kernels import quantize_rows_fp8
-
-        if weight not in self._fp8_copies:
-            if weight.is_cuda and torch.cuda.is_current_stream_capturing():  # the copies would live in the graph
-                raise RuntimeError("pi05_fp8_expert: weights not quantized before the capture (prepare_fp8)")
-            self._fp8_copies[weight] = quantize_rows_fp8(weight)
-        return self._fp8_copies[weight]
-
-    def prepare_fp8(self) -> None:
-        """With fp8: quantize the expert's plain o, gate-up and down weights once, outside any capture."""
-        if self.fp8 and "fp8" not in self._prepared:
-            for weight in fast_loop.fp8_candidates(self._core()):
-                self.fp8_rows(weight)
-            self._prepared.add("fp8")
-
     def reset_action(self) -> None:
-        """Drop the time tables and FP8 copies (with the action graphs, or after new weights)."""
+        """Drop the time tables (with the action graphs, or after new weights)."""
         self._tables.clear()
-        self._fp8_copies.clear()
-        self._prepared.discard("fp8")
 
     def denoise(self, prefix_context, state, table, **layout):
-        return fast_loop.denoise(self._core(), prefix_context, state, table, **layout,
-                                 fp8_rows=self.fp8_rows if self.fp8 else None, pdl=self.pdl)
+        return fast_loop.denoise(self._core(), prefix_context, state, table, **layout, pdl=self.pdl)
 
     def encode_prefix_layers(self, inputs_embeds, attention_mask, position_ids, pad_masks):
         """The prefix K/V (fast_prefix.prefix_layers), or None (the exact path) after a first use that raised."""
@@ -132,16 +110,16 @@ class FastPaths:
 
     def __init__(self, ctx):
         self._ctx = ctx
-        self._paths = weakref.WeakKeyDictionary()  # core -> {(fp8, fused_vision, pdl): Pi05FastPath}
+        self._paths = weakref.WeakKeyDictionary()  # core -> {(fused_vision, pdl): Pi05FastPath}
         self._open = weakref.WeakKeyDictionary()  # wrapped encoder -> the path running it, or None
 
-    def path(self, core, *, fp8=False, fused_vision=True, pdl=True) -> Pi05FastPath:
-        """`core`'s path in this mode, on the state of its other modes (graphs of each read the same copies)."""
-        modes, mode = self._paths.setdefault(core, {}), (bool(fp8), bool(fused_vision), bool(pdl))
+    def path(self, core, *, fused_vision=True, pdl=True) -> Pi05FastPath:
+        """`core`'s path in this mode, on the state of its other modes (graphs of each read the same weights)."""
+        modes, mode = self._paths.setdefault(core, {}), (bool(fused_vision), bool(pdl))
         if mode not in modes:
             known = next(iter(modes.values()), None)
             modes[mode] = copy.copy(known) if known else Pi05FastPath(core, self, mode)
-            modes[mode].fp8, modes[mode].fused_vision, modes[mode].pdl = mode
+            modes[mode].fused_vision, modes[mode].pdl = mode
         return modes[mode]
 
     def reset(self, core, reset: str) -> None:

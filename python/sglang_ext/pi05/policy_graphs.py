@@ -52,14 +52,12 @@ class Pi05Options:
 
     fast: bool = False  # pi05_fast: the fused-kernel denoise loop and prefix layers
     fused_denoise: bool = False  # pi05_fused_denoise: every denoise step in one graph
-    fp8_expert: bool = False  # pi05_fp8_expert: the fast denoise loop reads FP8 expert weights
     fused_vision: bool = True  # no knob (tests, bench_pi05's experiments): Pi05FastPath.fused_vision
     pdl: bool = True  # no knob (tests, bench_pi05's graph-fast-nopdl): Pi05FastPath.pdl
 
     @classmethod
     def read(cls, value=knobs.current) -> "Pi05Options":
-        return cls(fast=bool(value("pi05_fast")), fused_denoise=bool(value("pi05_fused_denoise")),
-                   fp8_expert=bool(value("pi05_fp8_expert")))
+        return cls(fast=bool(value("pi05_fast")), fused_denoise=bool(value("pi05_fused_denoise")))
 
 
 @dataclass
@@ -119,7 +117,7 @@ def _build_graphs(self, graphs: PolicyGraphs) -> None:
     self.graph_runner = VLADenoiseGraphRunner(
         enabled=graph_settings.action_graph_available(self.config), evict_on_miss=lru,
         max_entries=plan.action_entries, max_bytes=plan.max_bytes)
-    # The fast path's time tables and FP8 copies go with the action graphs, its packed q/k/v checks with the prefix's.
+    # The fast path's time tables go with the action graphs, its packed q/k/v checks with the prefix's.
     policy = weakref.ref(self)
     self.graph_runner.add_clear_hook(functools.partial(_reset_fast_path, graphs, policy, "reset_action"))
     self.prefix_graph_runner.add_clear_hook(functools.partial(_reset_fast_path, graphs, policy, "reset_prefix"))
@@ -138,8 +136,7 @@ def _fast_path(self):
     """The fast path of this policy's core model in the mode its options name (Pi05FastPath)."""
     graphs = graphs_of(self)
     options = graphs.state(self).options
-    return graphs.fast_paths.path(self.core_model, fp8=options.fp8_expert, fused_vision=options.fused_vision,
-                                  pdl=options.pdl)
+    return graphs.fast_paths.path(self.core_model, fused_vision=options.fused_vision, pdl=options.pdl)
 
 
 def _reset_fast_path(graphs, policy_ref, reset: str) -> None:
@@ -354,16 +351,13 @@ def _fast_denoise(self, prefix_context, x_t, num_steps, dt, full_attention, offs
     """The fused-kernel loop (one graph per request, or eager); None when its first use here failed."""
     fast = _fast_path(self)
     table = fast.time_conditioning(num_steps, x_t.shape[0], x_t.device)
-    fast.prepare_fp8()  # with pi05_fp8_expert: once, before any capture (later calls find the copies)
-
     loop_fn = functools.partial(fast.denoise, dt=dt, full_attention=full_attention, action_position_offset=offset)
 
     def run(state):
         if not graph:
             return loop_fn(prefix_context, state, table)
         # The table is the loop's step input: the graph keeps its own copy.
-        kernels = "fast-fp8" if fast.fp8 else "fast"
-        return _loop_graph(self, prefix_context, state, table, loop_fn, offset, kernels)
+        return _loop_graph(self, prefix_context, state, table, loop_fn, offset, "fast")
 
     if fast.verified():
         return run(x_t)

@@ -77,7 +77,7 @@ class VLADenoiseLoopGraphSignature:
 
     step: VLADenoiseGraphSignature
     num_steps: int
-    kernels: str = "exact"  # "fast": the fused-kernel loop of knob pi05_fast; "fast-fp8": with pi05_fp8_expert
+    kernels: str = "exact"  # "fast": the fused-kernel loop of knob pi05_fast
 
 
 @dataclass

@@ -164,11 +164,6 @@ def test_graph_fast_is_skipped_with_a_reason_where_the_tree_lacks_it(monkeypatch
     assert "no package sglang_ext.kernels" in bench_pi05.unavailable("0517-ext", "graph-fast-nopdl")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     assert bench_pi05.unavailable("0517-ext", "graph-fast") == ""
-    assert bench_pi05.unavailable("0517-ext", "graph-fast-fp8") == ""
-    full = knobs.KNOBS
-    monkeypatch.setattr(knobs, "KNOBS", tuple(k for k in full if k.name != "pi05_fp8_expert"))
-    assert "knob pi05_fp8_expert" in bench_pi05.unavailable("0517-ext", "graph-fast-fp8")  # never bf16 called FP8
-    monkeypatch.setattr(knobs, "KNOBS", full)
     monkeypatch.setattr(knobs, "KNOBS", tuple(k for k in knobs.KNOBS if k.name != "pi05_fast"))
     assert "knob pi05_fast" in bench_pi05.unavailable("0517-ext", "graph-fast")
     row = bench_pi05.run_or_report(None, "0517-ext", "graph-fast", [], None, {}, None)

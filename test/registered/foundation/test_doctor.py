@@ -157,9 +157,6 @@ CONFIG_ERROR = "sglang-ext: PROBLEM \u2014 configuration error: "
 @pytest.mark.parametrize("env, line", [
     ({"SGLANG_EXT": "2"}, "SGLANG_EXT: '2' is not allowed; allowed: 1 or 0"),
     ({"SGLANG_EXT": "yes"}, "SGLANG_EXT: 'yes' is not allowed; allowed: 1 or 0"),
-    ({"SGLANG_EXT_PI05_FP8_EXPERT": "1"},
-     "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / SGLANG_EXT_PI05_FAST, which is "
-     "off; allowed: both on, or this one off"),
     ({"SGLANG_EXT_VIT_GRAPH_MODE": "class", "SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "split"},
      "--ext-vit-graph-above-ladder / SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER: only used with --ext-vit-graph-mode bucket "
      "(mode is 'class'); allowed: leave it at eager, or set the mode to bucket"),
@@ -192,10 +189,12 @@ def test_configuration_error_names_the_variable_and_verbose_details_stay_on_stdo
 
 def test_real_cli_configuration_error_is_one_line_on_stderr_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "sglang_ext", "doctor", "--no-import"],
-                          env=clean_env(SGLANG_EXT_PI05_FP8_EXPERT="1"), capture_output=True, text=True, timeout=120)
+                          env=clean_env(SGLANG_EXT_VIT_GRAPH_MODE="class", SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER="split"),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
-    assert proc.stderr == (CONFIG_ERROR + "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / "
-                           "SGLANG_EXT_PI05_FAST, which is off; allowed: both on, or this one off\n")
+    assert proc.stderr == (CONFIG_ERROR + "--ext-vit-graph-above-ladder / SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER: only used "
+                           "with --ext-vit-graph-mode bucket (mode is 'class'); allowed: leave it at eager, or set "
+                           "the mode to bucket\n")
 
 
 def test_report_inside_a_patched_process_shows_live_statuses_and_graph_caches(ext_patches):

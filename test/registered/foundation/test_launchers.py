@@ -96,7 +96,6 @@ def test_bare_boolean_flag_never_swallows_the_next_argument():
      ["--ext-vit-graph-replay-max-tokens", "only used with", "--ext-vit-graph-mode bucket", "'class'"]),
     (["--ext-vit-graph-mode=layout", "--ext-vit-graph-above-ladder=split"],
      ["--ext-vit-graph-above-ladder", "only used with", "--ext-vit-graph-mode bucket", "'layout'"]),
-    (["--ext-pi05-fp8-expert"], ["--ext-pi05-fp8-expert", "needs --ext-pi05-fast", "allowed: both on"]),
 ])
 def test_bad_flags_exit_2_naming_the_flag_and_what_is_allowed(clean_env, capsys, argv, names):
     handover = Handover()
@@ -135,12 +134,6 @@ LAUNCHER = "python -m sglang_ext.launch_server: error: "
     ([], {"SGLANG_EXT_VIT_GRAPH_MODE": "layout", "SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER": "split"},
      "--ext-vit-graph-above-ladder / SGLANG_EXT_VIT_GRAPH_ABOVE_LADDER: only used with --ext-vit-graph-mode "
      "bucket (mode is 'layout'); " + BUCKET_ONLY_ALLOWED.format(unset="leave it at eager")),
-    (["--ext-pi05-fp8-expert"], {},
-     "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / SGLANG_EXT_PI05_FAST, which is "
-     "off; allowed: both on, or this one off"),
-    (["--ext-pi05-fast=0"], {"SGLANG_EXT_PI05_FP8_EXPERT": "1"},
-     "--ext-pi05-fp8-expert / SGLANG_EXT_PI05_FP8_EXPERT: needs --ext-pi05-fast / SGLANG_EXT_PI05_FAST, which is "
-     "off; allowed: both on, or this one off"),
     ([], {MASTER_ENV: "yes"}, "SGLANG_EXT: 'yes' is not allowed; allowed: 1 or 0"),
     (["--ext-activation-dir", "/proc/sglang-ext-records"], {},
      "--ext-activation-dir / SGLANG_EXT_ACTIVATION_DIR: cannot create folder '/proc/sglang-ext-records' ("),
@@ -163,7 +156,7 @@ def test_bucket_only_knobs_at_their_defaults_are_accepted_in_every_mode(clean_en
     for mode in ("layout", "class", "bucket"):
         argv = [f"--ext-vit-graph-mode={mode}", "--ext-vit-graph-replay-max-tokens=-1",
                 "--ext-vit-graph-above-ladder=eager", "--ext-vit-graph-token-buckets=",
-                "--ext-pi05-fast", "--ext-pi05-fp8-expert", f"--ext-disable={ALL_PATCHES}"]
+                "--ext-pi05-fast", f"--ext-disable={ALL_PATCHES}"]
         assert main_without_gpu_check(["--model-path", "m", *argv], "prog", Handover()) == 0, mode
         activation.deactivate()
 

@@ -32,7 +32,6 @@ from sglang_ext.kernels import (  # noqa: E402
     gelu_tanh_and_mul_reference,
     linear_rope_qkv_reference,
     rope_qkv_reference,
-    quantize_rows_fp8,
     skinny_linear_reference,
 )
 
@@ -192,13 +191,6 @@ def _gemm_cases(generator):
     cases.append({"kind": "gemm", "name": "gemm f32 add_to",
                   "args": {"x": normed, "weight": w_out, "bias": torch.randn(32, generator=generator), "add_to": state.clone(),
                            "alpha": -0.1, "block_n": 16, "block_k": 32}})
-    # FP8 weights (knob pi05_fp8_expert): plain, split-K and gated, rows of very different magnitudes
-    for rows, n, k, parts, gated in ((50, 96, 256, 1, False), (50, 96, 256, 4, False), (25, 96, 64, 1, True)):
-        weight = torch.randn(n, k, generator=generator) * torch.logspace(-3, 1, n).unsqueeze(1)
-        q, scale = quantize_rows_fp8(weight)
-        cases.append({"kind": "gemm", "name": f"gemm fp8 {rows}x{k}->{n} parts={parts} gated={gated}",
-                      "args": {"x": torch.randn(rows, k, generator=generator).to(torch.bfloat16), "weight": q,
-                               "weight_scale": scale, "parts": parts, "gated": gated, "block_n": 16, "block_k": 32}})
     return cases
 
 
@@ -365,19 +357,14 @@ _SKINNY_TYPES = {"rows": "i32", "n_cols": "i32", "k_dim": "i32", "k_per_part": "
 HOPPER_SHARED_BYTES = 232448  # per block on sm90
 _HOPPER_BUILDS = [
     ("skinny_gemm", "_skinny_gemm_kernel",
-     {**_SKINNY_TYPES, "X": "*bf16", "W": "*bf16", "OUT": "*fp32", "BIAS": "*bf16", "W_SCALE": "*bf16"},
+     {**_SKINNY_TYPES, "X": "*bf16", "W": "*bf16", "OUT": "*fp32", "BIAS": "*bf16"},
      [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=partial, GATED=gated, HAS_BIAS=False, ADD_TO=False, F32=False,
-           UPCAST=False, SCALED=False, PDL=pdl)
+           UPCAST=False, PDL=pdl)
       for partial, gated in ((True, False), (False, False), (False, True)) for pdl in (False, True)]),
-    ("skinny_gemm", "_skinny_gemm_kernel",  # FP8 weights (knob pi05_fp8_expert)
-     {**_SKINNY_TYPES, "X": "*bf16", "W": "*fp8e4nv", "OUT": "*fp32", "BIAS": "*fp8e4nv", "W_SCALE": "*fp32"},
-     [dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, PARTIAL=partial, GATED=gated, HAS_BIAS=False, ADD_TO=False, F32=False,
-           UPCAST=False, SCALED=True, PDL=True)
-      for partial, gated in ((True, False), (False, False), (False, True))]),
     ("skinny_gemm", "_skinny_gemm_kernel",
-     {**_SKINNY_TYPES, "X": "*fp32", "W": "*fp32", "OUT": "*fp32", "BIAS": "*fp32", "W_SCALE": "*fp32"},
+     {**_SKINNY_TYPES, "X": "*fp32", "W": "*fp32", "OUT": "*fp32", "BIAS": "*fp32"},
      [dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32, PARTIAL=False, GATED=False, HAS_BIAS=True, ADD_TO=add_to, F32=True,
-           UPCAST=False, SCALED=False, PDL=True) for block_n, add_to in ((64, False), (16, True))]),
+           UPCAST=False, PDL=True) for block_n, add_to in ((64, False), (16, True))]),
     ("attention", "_split_attention_kernel",
      {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "USED": "*i32", "ROWS": "*i32", "OUT": "*bf16", "ACC": "*fp32",
       "STATS": "*fp32", "seq": "i32", "total": "i32", "keys_per_split": "i32", "scale": "fp32"},
@@ -469,23 +456,3 @@ def test_kernels_build_without_grid_dependency_control(monkeypatch):
     compiled = triton.compile(ASTSource(fn=_gelu_tanh_and_mul_kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32))
     assert compiled.asm.get("cubin") and "griddepcontrol" not in compiled.asm["ptx"]
-
-
-def test_fp8_rows_round_trip_within_e4m3_and_bad_fp8_arguments_are_named(monkeypatch):
-    from sglang_ext.kernels import skinny_gemm
-
-    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 2, 64).unsqueeze(1)
-    weight[5] = 0.0
-    q, scale = quantize_rows_fp8(weight)
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64,) and scale[5] == 1.0
-    assert float(q.float().abs().amax(dim=1)[torch.arange(64) != 5].min()) == 448.0  # each row's largest maps to the max
-    back = q.float() * scale[:, None]
-    assert torch.all((back - weight).abs() <= weight.abs().amax(dim=1, keepdim=True) * 2.0**-4)  # e4m3: 3 mantissa bits
-    monkeypatch.setattr(skinny_gemm, "runs_triton", lambda x: True)  # the checks before a launch
-    x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"weight_scale None; allowed: contiguous float32 \[64\]"):
-        skinny_gemm.skinny_linear(x, q, block_k=32)
-    with pytest.raises(ValueError, match="x torch.float32 with float8_e4m3fn weights; allowed: bfloat16, float16"):
-        skinny_gemm.skinny_linear(x.float(), q, weight_scale=scale, block_k=32)
-    with pytest.raises(ValueError, match="weight_scale with torch.bfloat16 weights; allowed: float8_e4m3fn"):
-        skinny_gemm.skinny_linear(x, weight.to(torch.bfloat16), weight_scale=scale, block_k=32)

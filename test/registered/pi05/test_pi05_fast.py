@@ -34,8 +34,6 @@ from test_pi05_graphs import (  # noqa: E402,F401
 
 RELATIVE_TOLERANCE = 1e-2
 COSINE_FLOOR = 0.9999
-FP8_RELATIVE_TOLERANCE = 5e-2  # knob pi05_fp8_expert (cosine >= 0.999 against the exact path)
-FP8_COSINE_FLOOR = 0.999
 
 
 def _fast(name):
@@ -139,13 +137,10 @@ def test_fast_and_exact_fused_loops_get_separate_graphs(pi05, fake_graphs, monke
     exact_graph = _sample(model, context, noise, use_cuda_graph=True)
     set_knob("pi05_fast", 1)
     fast_graph = _sample(reread_knobs(model), context, noise, use_cuda_graph=True)
-    set_knob("pi05_fp8_expert", 1)  # FP8 expert weights: a graph of its own (on the CPU the GEMMs stay torch's)
-    _sample(reread_knobs(model), context, noise, use_cuda_graph=True)
-    set_knob("pi05_fp8_expert", 0)  # first: FP8 expert weights need pi05_fast
     set_knob("pi05_fast", 0)
     assert torch.equal(_sample(reread_knobs(model), context, noise, use_cuda_graph=True), exact_graph)
     assert not torch.equal(fast_graph, exact_graph)
-    assert sorted(s.kernels for s in model.graph_runner._cache.entries) == ["exact", "fast", "fast-fp8"]
+    assert sorted(s.kernels for s in model.graph_runner._cache.entries) == ["exact", "fast"]
 
 
 def test_time_conditioning_is_computed_once_per_step_count_and_matches_the_model(pi05, monkeypatch):
@@ -216,37 +211,34 @@ def test_bench_modes_set_the_options_a_policy_built_with_them_would_read(pi05):
     policy._prefix_language_model = lambda: SimpleNamespace(tensor_parallel=False)
     state = pi05_state(policy)
     assert state is not None and "_ext_options" not in vars(policy)
-    # (fast, fused_denoise, fp8_expert, fused_vision, pdl) each mode sets
-    modes = {"graph": (False, False, False, True, True), "graph-fused": (False, True, False, True, True),
-             "graph-fast": (True, True, False, True, True), "graph-fast-fp8": (True, True, True, True, True),
-             "graph-fast-nopdl": (True, True, False, True, False),
-             "graph-fast-exact-vision": (True, True, False, False, True),
-             "graph-bucket": (False, False, False, True, True)}
+    # (fast, fused_denoise, fused_vision, pdl) each mode sets
+    modes = {"graph": (False, False, True, True), "graph-fused": (False, True, True, True),
+             "graph-fast": (True, True, True, True), "graph-fast-nopdl": (True, True, True, False),
+             "graph-fast-exact-vision": (True, True, False, True), "graph-bucket": (False, False, True, True)}
     for mode, want in modes.items():
         described = bench_pi05.configure(policy, "0517-ext", mode, args)
         options = state.options
-        got = (options.fast, options.fused_denoise, options.fp8_expert, options.fused_vision, options.pdl)
+        got = (options.fast, options.fused_denoise, options.fused_vision, options.pdl)
         assert got == want, mode
-        assert described["fused_vision"] == (want[3] if want[0] else None)
+        assert described["fused_vision"] == (want[2] if want[0] else None)
         assert state.plan.prompt_buckets == ((32, 64) if mode == "graph-bucket" else ()), mode
 
 
 def test_the_modes_of_one_model_share_its_state(pi05):
     """Another mode (bench_pi05's modes, pdl=False in a test) is another path on the same state: graphs captured in
-    either mode read the same FP8 copies and packed q/k/v, and a reset of one resets all."""
+    either mode read the same time tables and packed q/k/v, and a reset of one resets all."""
     m = pi05(pi05_fast=1)
     paths = _paths(m)
     core = _tiny_core(m)
-    fp8 = paths.path(core, fp8=True)
-    fp8.prepare_fp8()
-    other = paths.path(core, fp8=True, pdl=False)
-    assert other is not fp8 and (other.fp8, other.pdl, fp8.pdl) == (True, False, True)
-    assert paths.path(core, fp8=True) is fp8
-    weights = list(_fast("fast_loop").fp8_candidates(core))
-    assert weights and all(other.fp8_rows(w) is fp8.fp8_rows(w) for w in weights)
-    assert other.packing is fp8.packing
+    first = paths.path(core)
+    other = paths.path(core, pdl=False)
+    assert other is not first and (other.pdl, first.pdl) == (False, True)
+    assert paths.path(core) is first
+    table = first.time_conditioning(2, 1, "cpu")
+    assert other.time_conditioning(2, 1, "cpu") is table
+    assert other.packing is first.packing
     other.reset_action()
-    assert len(fp8._fp8_copies) == 0
+    assert len(first._tables) == 0 and first.time_conditioning(2, 1, "cpu") is not table
 
 
 def test_unsupported_layout_takes_the_exact_path(pi05, monkeypatch, set_knob):
@@ -479,20 +471,16 @@ m = SimpleNamespace(
 model = _tiny_policy(m, _tiny_core(m))
 from sglang_ext import kernels, knobs
 calls = {"skinny_linear": 0, "linear_rope_qkv": 0, "first_rows_attention": 0}
-fp8_calls = [0]
 for name in calls:
     def counting(*args, _name=name, _original=getattr(kernels, name), **kwargs):
         calls[_name] += 1
-        fp8_calls[0] += _name == "skinny_linear" and args[1].dtype == torch.float8_e4m3fn
         return _original(*args, **kwargs)
     setattr(kernels, name, counting)
-KNOB_ENV = ("SGLANG_EXT_PI05_FAST", "SGLANG_EXT_PI05_FP8_EXPERT")
 def against_exact(prefix, fast_env):  # the fast loop under fast_env vs the exact path (no knobs)
     for masked in (False, True):
         context = _random_prefix(m, seed=70, masked=masked)
         noise = torch.randn(1, 50, 32, generator=torch.Generator().manual_seed(70))
-        for name in KNOB_ENV:
-            os.environ.pop(name, None)
+        os.environ.pop("SGLANG_EXT_PI05_FAST", None)
         knobs.use(knobs.load_settings())
         exact = _sample(reread_knobs(model), context, noise, use_cuda_graph=False, num_steps=2)
         os.environ.update(fast_env)
@@ -504,11 +492,8 @@ def against_exact(prefix, fast_env):  # the fast loop under fast_env vs the exac
             float(torch.nn.functional.cosine_similarity(f, e, dim=0)),
         ]
 against_exact("", {"SGLANG_EXT_PI05_FAST": "1"})
-bf16_calls = dict(calls)
-against_exact("fp8 ", {"SGLANG_EXT_PI05_FAST": "1", "SGLANG_EXT_PI05_FP8_EXPERT": "1"})  # FP8 expert weights
 policy_graphs = importlib.import_module("sglang_ext.pi05.policy_graphs")
-results["calls"] = bf16_calls
-results["fp8_calls"] = fp8_calls[0]
+results["calls"] = dict(calls)
 results["fallback"] = policy_graphs._fast_path(model).unsupported_reason()
 print("RESULTS " + json.dumps(results))
 """
@@ -533,34 +518,9 @@ def test_fast_path_with_interpreted_triton_kernels_matches_exact_path():
     # one attention; per step the action in / out projections
     assert calls == {"skinny_linear": 2 * 2 * (2 * 3 + 2), "linear_rope_qkv": 2 * 2 * 2,
                      "first_rows_attention": 2 * 2 * 2}, calls
-    # knob pi05_fp8_expert: o, gate_up and down of every layer and step read FP8 weights
-    assert results.pop("fp8_calls") == 2 * 2 * 2 * 3
+    assert sorted(results) == ["full", "masked"]
     for layout, (relative, cosine) in results.items():
-        fp8 = layout.startswith("fp8")  # FP8 rounding of the weights: the FP8 bound, cosine >= 0.999
-        assert relative <= (FP8_RELATIVE_TOLERANCE if fp8 else RELATIVE_TOLERANCE), (layout, relative, cosine)
-        assert cosine >= (FP8_COSINE_FLOOR if fp8 else COSINE_FLOOR), (layout, relative, cosine)
-
-
-def test_fp8_copies_are_made_once_and_go_with_the_action_graphs(pi05, monkeypatch):
-    m = pi05(pi05_fast=1, pi05_fp8_expert=1)
-    model = _tiny_policy(m, _tiny_core(m))
-    fast = policy_adapter()._fast_path(model)
-    assert fast.fp8
-    weights = list(_fast("fast_loop").fp8_candidates(model.core_model))
-    assert len(weights) == 3 * len(_fast("fast_support").expert(model.core_model).layers)
-    quantized = _count_calls(monkeypatch, fast, "fp8_rows")
-    fast.prepare_fp8()
-    fast.prepare_fp8()  # the second call finds them made
-    assert len(quantized) == len(weights)
-    for weight in weights:
-        q, scale = fast._fp8_copies[weight]
-        assert q.dtype == torch.float8_e4m3fn and q.shape == weight.shape and scale.shape == (weight.shape[0],)
-        assert not any(k.startswith("_ext") for k in weight.__dict__)  # kept by the fast path, not the weight
-    _reset_with_the_action_graphs(model)
-    model.graph_runner.clear()  # new weights or a reset: the copies go, the next use quantizes again
-    assert len(fast._fp8_copies) == 0
-    fast.prepare_fp8()
-    assert len(quantized) == 2 * len(weights)
+        assert relative <= RELATIVE_TOLERANCE and cosine >= COSINE_FLOOR, (layout, relative, cosine)
 
 
 def test_srt_siglip_tower_keeps_the_exact_vision_layers(pi05):
