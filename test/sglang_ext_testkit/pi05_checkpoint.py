@@ -172,7 +172,8 @@ def _checkpoint_tensors(policy) -> dict:
 
 def write_random_pi05_checkpoint(path, *, seed: int = 0, device: str = "cuda",
                                  log=print) -> pathlib.Path:
-    """Write (or reuse, when COMPLETE records the same seed) the folder described above."""
+    """Write (or reuse, when COMPLETE records the same seed and sglang release) the folder described above."""
+    import sglang
     import torch
     from safetensors.torch import save_file
 
@@ -183,7 +184,9 @@ def write_random_pi05_checkpoint(path, *, seed: int = 0, device: str = "cuda",
         raise ValueError(f"path: {str(out)!r} is not allowed; allowed: a folder whose name contains 'pi05' "
                          "(sglang selects the Pi0.5 pipeline from the model path)")
     marker = out / "COMPLETE"
-    if marker.exists() and marker.read_text().strip() == f"seed={seed}":
+    # The layout (tensor names) is the writing release's: another sglang writes its own.
+    written_by = f"seed={seed} sglang={sglang.__version__}"
+    if marker.exists() and marker.read_text().strip() == written_by:
         log(f"[pi05_checkpoint] reusing {out}")
         return out
     if out.exists():
@@ -196,7 +199,7 @@ def write_random_pi05_checkpoint(path, *, seed: int = 0, device: str = "cuda",
         torch.cuda.empty_cache()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_pi05_assets(out)
-    marker.write_text(f"seed={seed}\n")
+    marker.write_text(written_by + "\n")
     size = (out / "model.safetensors").stat().st_size
     log(f"[pi05_checkpoint] wrote {out}: {len(tensors)} tensors, {size / 2**30:.2f} GiB")
     return out
