@@ -21,7 +21,7 @@ import importlib
 
 from sglang_ext.patching import install_module
 from sglang_ext.pi05 import graph_settings
-from sglang_ext.pi05.observation_checks import checkpoint_cameras
+from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
 
 _ACTION_PROTOCOL = "sglang.multimodal_gen.runtime.entrypoints.action.protocol"
 

@@ -20,47 +20,17 @@ goes on; the worker checks again for requests that reach it another way.
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib
-import logging
-import os
 import sys
-import weakref
 
 import numpy as np
 
-logger = logging.getLogger("sglang_ext")
+from sglang_ext.pi05.checkpoint_cameras import checkpoint_cameras
 
 # Marks a worker's refusal in the error text sglang carries back to the HTTP process.
 REFUSED = "invalid observation: "
 CHANNELS = (1, 3, 4)
-# (weak reference to the last pipeline config asked about, its cameras): a server asks about one config.
-_LAST: tuple = (None, ())
-
-
-def checkpoint_cameras(server_args) -> tuple:
-    """The checkpoint's cameras (the pipeline config's when the model path holds no config.json), known to the HTTP
-    process too (sglang applies a checkpoint's config.json in the worker only): sglang's reader runs on a copy."""
-    global _LAST
-    config = server_args.pipeline_config
-    ref, cameras = _LAST
-    if ref is None or ref() is not config:
-        cameras = tuple(config.image_keys)
-        path = getattr(server_args, "model_path", None)
-        if path and os.path.isfile(os.path.join(path, "config.json")):
-            from sglang.multimodal_gen.runtime.models.vlas.pi05_policy import Pi05PolicyModel
-
-            probe = copy.deepcopy(config)
-            try:
-                Pi05PolicyModel._apply_checkpoint_config(path, probe)
-                cameras = tuple(probe.image_keys)
-            except Exception:  # noqa: BLE001 - a config.json sglang cannot read fails in the worker, as before
-                logger.warning("sglang-ext: could not read the cameras of %s", path, exc_info=True)
-        _LAST = (weakref.ref(config), cameras)
-    return cameras
-
-
 def _finite(field: str, value) -> None:
     if value is None or isinstance(value, (str, bytes, dict)):
         return  # absent, or a form sglang's own parser answers for

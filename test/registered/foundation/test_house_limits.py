@@ -18,7 +18,7 @@ from sglang_ext.knobs import KNOBS
 register_cpu_ci(est_time=1, suite="base-a-test-cpu")
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-PACKAGE_LINE_BUDGET = 8_953
+PACKAGE_LINE_BUDGET = 8_966
 # a measurement: a speed ratio, a time, a rate, a statistic or a machine (help may name sizes, limits, growth)
 _MEASURED = re.compile(r"\d(\.\d+)?x\b|\d\s*(ms|req/s)(?![\w-])|\bmedian|\bp50\b|\bp99\b|\bH[12]00\b")
 
