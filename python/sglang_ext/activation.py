@@ -167,9 +167,11 @@ def resolve_version(settings: Optional[Settings], source_root: Optional[str] = N
         return settings.assume_sglang
     if source_root is not None:
         return source_tree_version(source_root)
-    path = installed_sglang_path()
-    # an sglang without dist metadata (an unpacked wheel): its _version.py says which release
-    return installed_sglang_version() or (source_tree_version(os.path.dirname(path)) if path else None)
+    installed = installed_sglang_version()
+    if installed is None and (path := installed_sglang_path()) is not None:
+        # an sglang without dist metadata (an unpacked wheel): its _version.py says which release
+        return source_tree_version(os.path.dirname(path))
+    return installed
 
 
 def plan(settings: Settings, *, version: Optional[str], source_root: Optional[str] = None

@@ -3,7 +3,7 @@ each overridable by an `--ext-pi05-*` knob, and the `GraphPlan` a policy resolve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from sglang_ext import knobs
 from sglang_ext.graphs.buckets import geometric_buckets
@@ -47,7 +47,8 @@ def setting(config, field_name: str):
 
 
 def _field(config, name: str):
-    return getattr(config, name, getattr(GraphConfigFields(), name))
+    value = getattr(config, name, MISSING)  # the default only for a config without the field (read per request)
+    return getattr(GraphConfigFields(), name) if value is MISSING else value
 
 
 def _segmented(config) -> bool:  # 0.5.23's segmented actions denoise eagerly: no graphs (upstream's rule)

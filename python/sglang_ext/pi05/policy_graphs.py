@@ -81,7 +81,10 @@ class PolicyGraphs:
 
     def state(self, policy) -> PolicyState:
         """`policy`'s state (a policy built without __init__ gets the knobs at patch time)."""
-        return self._policies.setdefault(policy, PolicyState(self.options))
+        state = self._policies.get(policy)  # read several times per request: a new state only when missing
+        if state is None:
+            state = self._policies[policy] = PolicyState(self.options)
+        return state
 
 
 def graphs_of(policy) -> PolicyGraphs:
